@@ -1,0 +1,28 @@
+"""Dependencies for the routes: the parts the service built at startup, kept on app.state."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from app.core.config import Settings
+from app.engine.ingest import Ingestor
+from app.engine.state.base import StateStore
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_store(request: Request) -> StateStore:
+    return request.app.state.store
+
+
+def get_ingestor(request: Request) -> Ingestor:
+    return request.app.state.ingestor
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+StoreDep = Annotated[StateStore, Depends(get_store)]
+IngestorDep = Annotated[Ingestor, Depends(get_ingestor)]

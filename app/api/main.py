@@ -1,0 +1,87 @@
+"""The FastAPI service: builds its parts at startup and keeps them on app.state."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request, Response
+from fastapi.openapi.utils import get_openapi
+
+from app import __version__
+from app.api.errors import error_response
+from app.api.routes import events, health, state
+from app.core.clock import Clock, SystemClock
+from app.core.config import Settings
+from app.core.errors import EventLogError, StoreError, StoreUnavailable
+from app.engine.eventlog import EventLog
+from app.engine.events import batch_adapter
+from app.engine.ingest import Ingestor
+from app.engine.state import StateStore, build_store
+
+log = logging.getLogger("kvprefetch")
+
+
+def create_app(settings: Settings | None = None, *, store: StateStore | None = None,
+               clock: Clock | None = None) -> FastAPI:
+    """Build the service. Tests inject a store and a clock; `kvprefetch serve` injects nothing."""
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.settings = settings
+        app.state.clock = clock or SystemClock()
+        app.state.store = store if store is not None else build_store(settings)
+        app.state.event_log = EventLog(settings.event_log_dir, segment_bytes=settings.log_segment_bytes,
+                                       fsync=settings.log_fsync)
+        app.state.ingestor = Ingestor(app.state.store, app.state.event_log, replica_id=settings.replica_id)
+        app.state.predictor_name = "heuristic (no model loaded)"
+        replayed = app.state.ingestor.recover()
+        log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed", __version__, settings.store,
+                 settings.event_log_dir, replayed)
+        try:
+            yield
+        finally:
+            app.state.event_log.close()
+            if store is None:
+                app.state.store.close()
+
+    app = FastAPI(
+        title="kvprefetch",
+        version=__version__,
+        summary="Predictive KV-cache prefetching for LLM serving fleets.",
+        lifespan=lifespan,
+    )
+    app.include_router(health.router)
+    app.include_router(events.router, prefix="/v1")
+    app.include_router(state.router, prefix="/v1")
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:
+        return error_response(503, "store", f"the state store is unavailable: {exc}", {"Retry-After": "1"})
+
+    @app.exception_handler(StoreError)
+    async def _store_error(_: Request, exc: StoreError) -> Response:
+        return error_response(503, "store", f"the state store failed: {exc}", {"Retry-After": "1"})
+
+    @app.exception_handler(EventLogError)
+    async def _log_error(_: Request, exc: EventLogError) -> Response:
+        return error_response(503, "event_log", str(exc), {"Retry-After": "5"})
+
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    return app
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's schema, plus the event batch body that POST /v1/events parses by hand."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+    batch = batch_adapter.json_schema(ref_template="#/components/schemas/{model}")
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    components.update(batch.pop("$defs", {}))
+    components["EventBatch"] = batch
+    app.openapi_schema = schema
+    return schema

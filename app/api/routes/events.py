@@ -1,0 +1,67 @@
+"""POST /v1/events: the one door for routers, engines and transfer agents."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import APIRouter, Request, Response
+
+from app.api.batch import BatchError, IngestResponse, parse_batch
+from app.api.deps import IngestorDep, SettingsDep
+from app.api.errors import error_response
+
+router = APIRouter(tags=["events"])
+
+_RESPONSES = {
+    200: {"model": IngestResponse, "description": "Every event was accepted or was a duplicate."},
+    400: {"description": "The body is not JSON."},
+    413: {"description": "The body or the batch is too large."},
+    415: {"description": "The body is not application/json."},
+    422: {"model": IngestResponse,
+          "description": "Some events were rejected; the valid ones of the batch were accepted."},
+    503: {"description": "The store or the event log is unavailable; retry later."},
+}
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BatchError(413, "body", f"the body is {declared} bytes; the limit is {limit}")
+    chunks = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BatchError(413, "body", f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@router.post(
+    "/events",
+    responses=_RESPONSES,
+    openapi_extra={"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/EventBatch"}}}}},
+    summary="Post a batch of events",
+)
+async def post_events(request: Request, ingestor: IngestorDep, settings: SettingsDep) -> Response:
+    """Accept a batch of events. Valid events are logged durably and applied before the answer.
+
+    A batch with some invalid events is answered 422, and its valid events are still accepted:
+    resending the whole batch is safe, since accepted ids come back as duplicates.
+    """
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json":
+        return error_response(415, "content-type", "send the batch as application/json")
+    try:
+        body = await read_body(request, settings.max_body_bytes)
+        parsed = parse_batch(body, settings.max_batch_events)
+    except BatchError as exc:
+        return error_response(exc.status_code, exc.field, exc.message)
+    result = ingestor.ingest(parsed.events)
+    payload = {
+        "accepted": result.accepted,
+        "duplicates": result.duplicates,
+        "rejected": [r.model_dump() for r in parsed.rejected],
+    }
+    return Response(orjson.dumps(payload), status_code=422 if parsed.rejected else 200,
+                    media_type="application/json")

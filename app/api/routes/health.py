@@ -1,0 +1,52 @@
+"""Liveness and readiness for load balancers and orchestrators."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel
+
+from app.api.deps import SettingsDep, StoreDep
+from app.core.errors import StoreError
+
+router = APIRouter(tags=["health"])
+
+
+class Health(BaseModel):
+    status: str
+
+
+class Readiness(BaseModel):
+    status: str
+    store: str
+    store_ok: bool
+    event_log: str
+    predictor: str
+    stats: dict[str, int]
+
+
+@router.get("/healthz", response_model=Health)
+def healthz() -> Health:
+    """The process is alive."""
+    return Health(status="ok")
+
+
+@router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
+def readyz(request: Request, response: Response, settings: SettingsDep, store: StoreDep) -> Readiness:
+    """The service can take events: its store answers and its event log is open."""
+    try:
+        store.ping()
+        stats = store.stats()
+        store_ok = True
+    except StoreError:
+        stats, store_ok = {}, False
+    if not store_ok:
+        response.status_code = 503
+    return Readiness(
+        status="ready" if store_ok else "unavailable",
+        store=settings.store,
+        store_ok=store_ok,
+        event_log=str(request.app.state.event_log.directory),
+        # Until a model is loaded (issue 4) the heuristic serves.
+        predictor=request.app.state.predictor_name,
+        stats=stats,
+    )

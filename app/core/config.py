@@ -1,0 +1,53 @@
+"""The one settings class. Every knob is an environment variable with the KVP_ prefix."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Llama-3.1-70B bf16: 2 x 80 layers x 8 kv heads x 128 x 2 bytes (REFERENCE.md, "KV bytes per token").
+LLAMA_70B_BF16_BYTES_PER_TOKEN = 327_680
+# The Mooncake traces' block unit (shared/traces/README.md).
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVP_", env_file=".env", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+
+    store: Literal["memory", "redis"] = "memory"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_prefix: str = Field("kvp", min_length=1, max_length=64)
+    # Redis calls block the event loop, so they must fail fast when Redis is away.
+    redis_timeout_seconds: float = Field(2.0, gt=0)
+
+    data_dir: Path = Path("var")
+    # Where the event log lives; defaults to <data_dir>/events.
+    log_dir: Path | None = None
+    log_segment_bytes: int = Field(64 * 1024 * 1024, ge=4096)
+    # fsync each acknowledged batch: survives power loss, not only a process crash.
+    log_fsync: bool = True
+
+    max_batch_events: int = Field(10_000, ge=1)
+    max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+
+    bytes_per_token: int = Field(LLAMA_70B_BF16_BYTES_PER_TOKEN, gt=0)
+    block_tokens: int = Field(MOONCAKE_BLOCK_TOKENS, gt=0)
+
+    # How many event ids are remembered for idempotency (memory store) and for how long
+    # (Redis store). A retry later than this is applied again.
+    dedupe_max_ids: int = Field(2_000_000, ge=1)
+    dedupe_ttl_seconds: int = Field(24 * 3600, ge=1)
+
+    # Name of this replica: keys its log checkpoint in a shared store.
+    replica_id: str = Field(default_factory=socket.gethostname)
+
+    @property
+    def event_log_dir(self) -> Path:
+        return self.log_dir if self.log_dir is not None else self.data_dir / "events"

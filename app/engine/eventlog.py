@@ -1,0 +1,183 @@
+"""The durable event log: JSON Lines segments, appended before an event is acknowledged.
+
+Layout: `<dir>/events-00000001.jsonl`, `events-00000002.jsonl`, ... one accepted event per line,
+in the canonical form of app.engine.events (every field present). A segment is closed when it
+passes `segment_bytes`; data scientists read the segments with any JSON Lines reader (pandas,
+pyarrow, DuckDB) or with `read_events`.
+
+Why JSON Lines and not Parquet: a line is appended and flushed per acknowledged batch, a torn
+write after a crash is one partial last line that recovery cuts off, and no footer must be
+rewritten. Training converts to a DataFrame once (training/).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import orjson
+from pydantic import ValidationError
+
+from app.core.errors import CorruptLogError, EventLogError
+from app.engine.events import Event, event_adapter
+from app.engine.state.base import LogPosition
+
+_SEGMENT = re.compile(r"^events-(\d{8})\.jsonl$")
+
+
+def segment_path(directory: Path, number: int) -> Path:
+    return directory / f"events-{number:08d}.jsonl"
+
+
+def list_segments(directory: Path) -> list[tuple[int, Path]]:
+    if not directory.is_dir():
+        return []
+    found = []
+    for p in directory.iterdir():
+        m = _SEGMENT.match(p.name)
+        if m:
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def encode_events(events: Sequence[Event]) -> bytes:
+    """The log's bytes for these events: one canonical JSON object per line."""
+    dump = event_adapter.dump_json
+    return b"".join([dump(e) + b"\n" for e in events])
+
+
+class EventLog:
+    """Appends batches of events; one writer per directory (one per service replica)."""
+
+    def __init__(self, directory: Path, *, segment_bytes: int = 64 * 1024 * 1024, fsync: bool = True) -> None:
+        self.directory = Path(directory)
+        self.segment_bytes = segment_bytes
+        self.fsync = fsync
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise EventLogError(f"cannot create the event log directory {self.directory}: {exc}") from exc
+        segments = list_segments(self.directory)
+        self._number = segments[-1][0] if segments else 1
+        path = segment_path(self.directory, self._number)
+        self._cut_torn_tail(path)
+        self._file = open(path, "ab")  # noqa: SIM115 - held open for the log's lifetime
+        self._size = self._file.tell()
+
+    @staticmethod
+    def _cut_torn_tail(path: Path) -> None:
+        """Drop a partial last line: a batch that was being written when the process died.
+
+        It was never acknowledged (the ack comes after the whole batch is written), so the
+        client still holds it and will resend it.
+        """
+        if not path.exists():
+            return
+        with open(path, "rb+") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            if size == 0:
+                return
+            window = 1 << 16
+            end = size
+            while end > 0:
+                start = max(0, end - window)
+                f.seek(start)
+                chunk = f.read(end - start)
+                nl = chunk.rfind(b"\n")
+                if nl >= 0:
+                    keep = start + nl + 1
+                    if keep != size:
+                        f.truncate(keep)
+                    return
+                end = start
+            f.truncate(0)
+
+    @property
+    def position(self) -> LogPosition:
+        return LogPosition(self._number, self._size)
+
+    def append(self, data: bytes) -> LogPosition:
+        """Write whole lines and make them durable; returns the position just past them."""
+        if not data:
+            return self.position
+        if self._size and self._size + len(data) > self.segment_bytes:
+            self._rotate()
+        try:
+            self._file.write(data)
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
+        except OSError as exc:
+            raise EventLogError(f"cannot append to the event log in {self.directory}: {exc}") from exc
+        self._size += len(data)
+        return LogPosition(self._number, self._size)
+
+    def _rotate(self) -> None:
+        self._file.close()
+        self._number += 1
+        self._file = open(segment_path(self.directory, self._number), "ab")  # noqa: SIM115
+        self._size = 0
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+def iter_log(directory: Path, after: LogPosition | None = None) -> Iterator[tuple[LogPosition, Event]]:
+    """Every event in the log after `after`, with the position just past its line.
+
+    A line that does not parse as an event raises CorruptLogError naming the file and line. A
+    partial last line of the newest segment (a write cut short by a crash) is skipped.
+    """
+    segments = list_segments(Path(directory))
+    for index, (number, path) in enumerate(segments):
+        if after is not None and number < after.segment:
+            continue
+        newest = index == len(segments) - 1
+        with open(path, "rb") as f:
+            offset = 0
+            if after is not None and number == after.segment:
+                f.seek(after.offset)
+                offset = after.offset
+            line_no = 0 if offset == 0 else None
+            for raw in f:
+                if line_no is not None:
+                    line_no += 1
+                offset += len(raw)
+                if not raw.endswith(b"\n"):
+                    if newest:
+                        return
+                    raise CorruptLogError(str(path), line_no or -1, "line is cut short")
+                yield LogPosition(number, offset), _parse(raw, path, line_no)
+
+
+def read_events(paths: Sequence[Path]) -> Iterator[Event]:
+    """Events from log segments or whole log directories, in file order (for training)."""
+    for p in paths:
+        p = Path(p)
+        if p.is_dir():
+            for _, event in iter_log(p):
+                yield event
+            continue
+        try:
+            f = open(p, "rb")  # noqa: SIM115
+        except OSError as exc:
+            raise EventLogError(f"cannot read {p}: {exc}") from exc
+        with f:
+            for line_no, raw in enumerate(f, start=1):
+                if raw.strip():
+                    yield _parse(raw, p, line_no)
+
+
+def _parse(raw: bytes, path: Path, line_no: int | None) -> Event:
+    try:
+        return event_adapter.validate_python(orjson.loads(raw))
+    except orjson.JSONDecodeError as exc:
+        raise CorruptLogError(str(path), line_no or -1, f"not JSON: {exc}") from exc
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first["loc"][1:]) or "event"
+        raise CorruptLogError(str(path), line_no or -1, f"{field}: {first['msg']}") from exc

@@ -1,0 +1,46 @@
+"""State stores: the live picture of sessions, instances and block residency."""
+
+from app.engine.state.base import (
+    InstanceView,
+    LocationView,
+    LogPosition,
+    OrderView,
+    RequestView,
+    SessionView,
+    StateStore,
+    location_name,
+)
+from app.engine.state.memory import MemoryStore
+
+__all__ = [
+    "InstanceView",
+    "LocationView",
+    "LogPosition",
+    "MemoryStore",
+    "OrderView",
+    "RequestView",
+    "SessionView",
+    "StateStore",
+    "build_store",
+    "location_name",
+]
+
+
+def build_store(settings) -> StateStore:  # type: ignore[no-untyped-def]
+    """The store the settings ask for."""
+    if settings.store == "redis":
+        from app.engine.state.redis import RedisStore
+
+        return RedisStore.from_url(
+            settings.redis_url,
+            prefix=settings.redis_prefix,
+            bytes_per_token=settings.bytes_per_token,
+            block_tokens=settings.block_tokens,
+            dedupe_ttl_seconds=settings.dedupe_ttl_seconds,
+            timeout_seconds=settings.redis_timeout_seconds,
+        )
+    return MemoryStore(
+        bytes_per_token=settings.bytes_per_token,
+        block_tokens=settings.block_tokens,
+        dedupe_max_ids=settings.dedupe_max_ids,
+    )

@@ -1,0 +1,161 @@
+"""What a state store is: the views it returns and the interface both backends implement.
+
+The rules every backend follows, so that state is a function of the *set* of events, whatever
+order they arrive in (tests/engine/state/test_store_contract.py checks them on every backend):
+
+- Request lifecycle: each request keeps the greatest `ts` seen for routed, started and finished.
+  A session's *latest request* is the one routed last (by `ts`); its state (queued, running,
+  idle) comes from that request alone, so a late `request_finished` of an older turn changes
+  nothing current. A session keeps its last RECENT_REQUESTS requests.
+- Context: the latest request's `context_tokens` when it has finished (or prompt + output when
+  the engine did not say), else its `prompt_tokens`. The context's block hashes are those of the
+  newest event (by `ts`) that carried block hashes.
+- Instance of a session: the instance named by its newest request event (last writer wins by ts).
+- Closed: a session is closed when its newest `session_closed` is not older than its latest
+  routed request; a new request after a close reopens it.
+- Residency: each (location, block) is a last-writer-wins register over stored/removed events
+  by `ts`, a removal winning a tie. `kv_blocks_cleared` at `ts` removes every block stored
+  before `ts` and makes older stores of that location no-ops.
+- Instance status and order progress: last writer wins by `ts`; an order's terminal status
+  (completed, failed) beats `accepted` whatever the timestamps.
+- Counters (turns) count events, so they rely on event-id idempotency: a resent event with the
+  same `event_id` is never applied twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol, Sequence
+
+from pydantic import BaseModel, ConfigDict
+
+from app.engine.events import BlockHash, Event, Tier
+
+RECENT_REQUESTS = 3
+RECENT_ARRIVALS = 16
+
+SessionStateName = Literal["queued", "running", "idle", "closed"]
+
+
+def location_name(tier: str, instance_id: str | None) -> str:
+    """`hbm@gpu-0`, `host@gpu-0`, or `pool`: how a location reads in views and keys."""
+    return tier if instance_id is None else f"{tier}@{instance_id}"
+
+
+class _View(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+
+class RequestView(_View):
+    request_id: str
+    instance_id: str | None
+    routed_ts: float | None
+    started_ts: float | None
+    finished_ts: float | None
+    prompt_tokens: int | None
+    output_tokens: int | None
+    context_tokens: int | None
+
+
+class SessionView(_View):
+    session_id: str
+    state: SessionStateName
+    turns: int
+    first_seen_ts: float
+    last_activity_ts: float
+    closed_ts: float | None
+    instance_id: str | None
+    context_tokens: int
+    context_bytes: int
+    block_hashes: list[BlockHash]
+    block_tokens: int
+    # Routed times of the last RECENT_ARRIVALS turns, oldest first, and the gaps between them.
+    recent_arrivals_ts: list[float]
+    inter_turn_gaps_seconds: list[float]
+    last_request: RequestView | None
+    # How many of the context's blocks each location holds right now.
+    resident_blocks: dict[str, int]
+
+
+class InstanceView(_View):
+    instance_id: str
+    last_seen_ts: float
+    status_ts: float | None
+    free_kv_bytes: int | None
+    total_kv_bytes: int | None
+    queue_depth: int | None
+    running_requests: int | None
+    # Blocks held per tier of this instance (hbm, host, disk).
+    resident_blocks: dict[str, int]
+    resident_bytes: dict[str, int]
+
+
+class OrderView(_View):
+    order_id: str
+    status: Literal["accepted", "completed", "failed"]
+    status_ts: float
+    bytes: int | None
+    seconds: float | None
+    reason: str | None
+
+
+class LocationView(_View):
+    location: str
+    tier: Tier
+    instance_id: str | None
+    blocks: int
+    bytes: int
+    block_tokens: int
+    cleared_ts: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class LogPosition:
+    """A place in the event log: segment number and byte offset just past the last record."""
+
+    segment: int
+    offset: int
+
+
+class StateStore(Protocol):
+    """The live picture of the cluster. Implementations: memory (embedded) and Redis (shared)."""
+
+    def seen(self, event_ids: Sequence[str]) -> list[bool]:
+        """Which of these events were already applied (within the idempotency window)."""
+        ...
+
+    def apply(self, events: Sequence[Event]) -> list[bool]:
+        """Apply events; for each, False when it had already been applied (a duplicate)."""
+        ...
+
+    def session(self, session_id: str) -> SessionView | None: ...
+
+    def instances(self) -> list[InstanceView]: ...
+
+    def locations(self) -> list[LocationView]: ...
+
+    def holds(self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        """For each block, whether the location holds it now."""
+        ...
+
+    def order(self, order_id: str) -> OrderView | None: ...
+
+    def stats(self) -> dict[str, int]:
+        """Counts for health and metrics: sessions, instances, locations, blocks, orders."""
+        ...
+
+    def checkpoint(self, replica_id: str) -> LogPosition | None:
+        """How far into this replica's event log the store has applied; None: nothing known."""
+        ...
+
+    def set_checkpoint(self, replica_id: str, position: LogPosition) -> None: ...
+
+    def ping(self) -> None:
+        """Raise StoreUnavailable when the store cannot serve."""
+        ...
+
+    def clear(self) -> None:
+        """Forget everything (tests, and `kvprefetch` admin tooling)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,462 @@
+"""The embedded in-memory store: one process, rebuilt from the event log on restart.
+
+Kept small on purpose (issue 2 asks for at most 2 KB per tracked session): slotted records,
+floats rather than optional objects, block hashes in a tuple.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Any
+
+from app.engine.events import (
+    BlockHash,
+    Event,
+    InstanceStatus,
+    KvBlocksCleared,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    OrderProgress,
+    RequestFinished,
+    RequestRouted,
+    RequestStarted,
+    SessionClosed,
+    Tier,
+    VllmKvEvents,
+)
+from app.engine.state.base import (
+    RECENT_ARRIVALS,
+    RECENT_REQUESTS,
+    InstanceView,
+    LocationView,
+    LogPosition,
+    OrderView,
+    RequestView,
+    SessionView,
+    location_name,
+)
+
+_NONE = -1.0  # "no timestamp": every real ts is >= 0
+_ORDER_RANK = {"accepted": 0, "completed": 1, "failed": 1}
+
+
+class _Request:
+    __slots__ = ("request_id", "instance_id", "instance_ts", "routed_ts", "started_ts",
+                 "finished_ts", "prompt_tokens", "output_tokens", "context_tokens")
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.instance_id: str | None = None
+        self.instance_ts = _NONE
+        self.routed_ts = _NONE
+        self.started_ts = _NONE
+        self.finished_ts = _NONE
+        self.prompt_tokens = -1
+        self.output_tokens = -1
+        self.context_tokens = -1
+
+    def rank(self) -> float:
+        """Which request is the latest: routed time, else the earliest other time seen."""
+        if self.routed_ts >= 0:
+            return self.routed_ts
+        known = [t for t in (self.started_ts, self.finished_ts) if t >= 0]
+        return min(known) if known else _NONE
+
+    def name_instance(self, instance_id: str, ts: float) -> None:
+        if ts >= self.instance_ts:
+            self.instance_id, self.instance_ts = instance_id, ts
+
+    def view(self) -> RequestView:
+        def opt(x: float) -> float | None:
+            return x if x >= 0 else None
+
+        def opt_int(x: int) -> int | None:
+            return x if x >= 0 else None
+
+        return RequestView(
+            request_id=self.request_id, instance_id=self.instance_id,
+            routed_ts=opt(self.routed_ts), started_ts=opt(self.started_ts),
+            finished_ts=opt(self.finished_ts), prompt_tokens=opt_int(self.prompt_tokens),
+            output_tokens=opt_int(self.output_tokens), context_tokens=opt_int(self.context_tokens))
+
+
+class _Session:
+    __slots__ = ("turns", "first_ts", "last_ts", "closed_ts", "instance_id", "instance_ts",
+                 "blocks", "blocks_ts", "block_tokens", "arrivals", "requests")
+
+    def __init__(self, ts: float) -> None:
+        self.turns = 0
+        self.first_ts = ts
+        self.last_ts = ts
+        self.closed_ts = _NONE
+        self.instance_id: str | None = None
+        self.instance_ts = _NONE
+        self.blocks: tuple[BlockHash, ...] = ()
+        self.blocks_ts = _NONE
+        self.block_tokens = 0
+        self.arrivals: list[float] = []
+        self.requests: list[_Request] = []
+
+    def touch(self, ts: float) -> None:
+        if ts < self.first_ts:
+            self.first_ts = ts
+        if ts > self.last_ts:
+            self.last_ts = ts
+
+    def request(self, request_id: str) -> _Request:
+        for r in self.requests:
+            if r.request_id == request_id:
+                return r
+        r = _Request(request_id)
+        self.requests.append(r)
+        return r
+
+    def trim_requests(self) -> None:
+        if len(self.requests) > RECENT_REQUESTS:
+            self.requests.sort(key=_Request.rank)
+            del self.requests[: len(self.requests) - RECENT_REQUESTS]
+
+    def name_instance(self, instance_id: str, ts: float) -> None:
+        if ts >= self.instance_ts:
+            self.instance_id, self.instance_ts = instance_id, ts
+
+    def set_blocks(self, block_hashes: list[BlockHash] | None, block_tokens: int, ts: float) -> None:
+        if block_hashes is not None and ts >= self.blocks_ts:
+            self.blocks, self.blocks_ts, self.block_tokens = tuple(block_hashes), ts, block_tokens
+
+    def latest(self) -> _Request | None:
+        return max(self.requests, key=_Request.rank) if self.requests else None
+
+
+class _Location:
+    __slots__ = ("present", "removed", "cleared_ts", "block_tokens")
+
+    def __init__(self, block_tokens: int) -> None:
+        self.present: dict[BlockHash, float] = {}
+        self.removed: dict[BlockHash, float] = {}
+        self.cleared_ts = _NONE
+        self.block_tokens = block_tokens
+
+    def store(self, block_hashes: Sequence[BlockHash], ts: float) -> None:
+        if ts <= self.cleared_ts:
+            return
+        present, removed = self.present, self.removed
+        for h in block_hashes:
+            if ts <= removed.get(h, _NONE):
+                continue
+            if ts > present.get(h, _NONE):
+                present[h] = ts
+            removed.pop(h, None)
+
+    def remove(self, block_hashes: Sequence[BlockHash], ts: float) -> None:
+        present, removed = self.present, self.removed
+        for h in block_hashes:
+            stored = present.get(h)
+            if stored is not None:
+                if stored > ts:
+                    continue
+                del present[h]
+            if ts > removed.get(h, _NONE):
+                removed[h] = ts
+
+    def clear(self, ts: float) -> None:
+        if ts <= self.cleared_ts:
+            return
+        self.cleared_ts = ts
+        self.present = {h: t for h, t in self.present.items() if t > ts}
+        # Tombstones older than the clear are implied by it.
+        self.removed = {h: t for h, t in self.removed.items() if t > ts}
+
+
+class _Instance:
+    __slots__ = ("last_seen_ts", "status_ts", "free_kv_bytes", "total_kv_bytes", "queue_depth",
+                 "running_requests")
+
+    def __init__(self, ts: float) -> None:
+        self.last_seen_ts = ts
+        self.status_ts = _NONE
+        self.free_kv_bytes: int | None = None
+        self.total_kv_bytes: int | None = None
+        self.queue_depth: int | None = None
+        self.running_requests: int | None = None
+
+
+class MemoryStore:
+    def __init__(self, *, bytes_per_token: int, block_tokens: int, dedupe_max_ids: int = 2_000_000) -> None:
+        self.bytes_per_token = bytes_per_token
+        self.block_tokens = block_tokens
+        self.dedupe_max_ids = dedupe_max_ids
+        self._seen: dict[str, None] = {}
+        self._sessions: dict[str, _Session] = {}
+        self._instances: dict[str, _Instance] = {}
+        self._locations: dict[tuple[str, str | None], _Location] = {}
+        self._orders: dict[str, tuple[int, float, str, int | None, float | None, str | None]] = {}
+        self._checkpoints: dict[str, LogPosition] = {}
+        self._apply_one = {
+            "request_routed": self._routed,
+            "request_started": self._started,
+            "request_finished": self._finished,
+            "session_closed": self._closed,
+            "kv_blocks_stored": self._stored,
+            "kv_blocks_removed": self._removed,
+            "kv_blocks_cleared": self._cleared,
+            "vllm_kv_events": self._vllm,
+            "instance_status": self._status,
+            "order_progress": self._order,
+        }
+
+    # -- ingestion -------------------------------------------------------------------------
+
+    def seen(self, event_ids: Sequence[str]) -> list[bool]:
+        seen = self._seen
+        return [e in seen for e in event_ids]
+
+    def apply(self, events: Sequence[Event]) -> list[bool]:
+        seen, apply_one = self._seen, self._apply_one
+        out: list[bool] = []
+        for e in events:
+            if e.event_id in seen:
+                out.append(False)
+                continue
+            apply_one[e.type](e)
+            seen[e.event_id] = None
+            out.append(True)
+        overflow = len(seen) - self.dedupe_max_ids
+        if overflow > 0:
+            # Dicts keep insertion order: the oldest ids go first.
+            for key in list(_take(seen, overflow)):
+                del seen[key]
+        return out
+
+    def _session(self, session_id: str, ts: float) -> _Session:
+        s = self._sessions.get(session_id)
+        if s is None:
+            s = self._sessions[session_id] = _Session(ts)
+        else:
+            s.touch(ts)
+        return s
+
+    def _instance(self, instance_id: str, ts: float) -> _Instance:
+        i = self._instances.get(instance_id)
+        if i is None:
+            i = self._instances[instance_id] = _Instance(ts)
+        elif ts > i.last_seen_ts:
+            i.last_seen_ts = ts
+        return i
+
+    def _routed(self, e: RequestRouted) -> None:
+        s = self._session(e.session_id, e.ts)
+        self._instance(e.instance_id, e.ts)
+        s.turns += 1
+        bisect.insort(s.arrivals, e.ts)
+        if len(s.arrivals) > RECENT_ARRIVALS:
+            del s.arrivals[0]
+        s.name_instance(e.instance_id, e.ts)
+        s.set_blocks(e.block_hashes, e.block_tokens or self.block_tokens, e.ts)
+        r = s.request(e.request_id)
+        if e.ts >= r.routed_ts:
+            r.routed_ts, r.prompt_tokens = e.ts, e.prompt_tokens
+        r.name_instance(e.instance_id, e.ts)
+        s.trim_requests()
+
+    def _started(self, e: RequestStarted) -> None:
+        s = self._session(e.session_id, e.ts)
+        self._instance(e.instance_id, e.ts)
+        s.name_instance(e.instance_id, e.ts)
+        r = s.request(e.request_id)
+        if e.ts > r.started_ts:
+            r.started_ts = e.ts
+        r.name_instance(e.instance_id, e.ts)
+        s.trim_requests()
+
+    def _finished(self, e: RequestFinished) -> None:
+        s = self._session(e.session_id, e.ts)
+        self._instance(e.instance_id, e.ts)
+        s.name_instance(e.instance_id, e.ts)
+        s.set_blocks(e.block_hashes, e.block_tokens or self.block_tokens, e.ts)
+        r = s.request(e.request_id)
+        if e.ts >= r.finished_ts:
+            r.finished_ts, r.output_tokens = e.ts, e.output_tokens
+            r.context_tokens = e.context_tokens if e.context_tokens is not None else -1
+        r.name_instance(e.instance_id, e.ts)
+        s.trim_requests()
+
+    def _closed(self, e: SessionClosed) -> None:
+        s = self._session(e.session_id, e.ts)
+        if e.ts > s.closed_ts:
+            s.closed_ts = e.ts
+
+    def _location(self, tier: str, instance_id: str | None, block_tokens: int | None) -> _Location:
+        key = (tier, instance_id)
+        loc = self._locations.get(key)
+        if loc is None:
+            loc = self._locations[key] = _Location(block_tokens or self.block_tokens)
+        elif block_tokens:
+            loc.block_tokens = block_tokens
+        return loc
+
+    def _stored(self, e: KvBlocksStored) -> None:
+        if e.instance_id is not None:
+            self._instance(e.instance_id, e.ts)
+        self._location(e.tier, e.instance_id, e.block_tokens).store(e.block_hashes, e.ts)
+
+    def _removed(self, e: KvBlocksRemoved) -> None:
+        if e.instance_id is not None:
+            self._instance(e.instance_id, e.ts)
+        self._location(e.tier, e.instance_id, None).remove(e.block_hashes, e.ts)
+
+    def _cleared(self, e: KvBlocksCleared) -> None:
+        if e.instance_id is not None:
+            self._instance(e.instance_id, e.ts)
+        self._location(e.tier, e.instance_id, None).clear(e.ts)
+
+    def _vllm(self, e: VllmKvEvents) -> None:
+        for sub in e.expand():
+            self._apply_one[sub.type](sub)
+
+    def _status(self, e: InstanceStatus) -> None:
+        i = self._instance(e.instance_id, e.ts)
+        if e.ts >= i.status_ts:
+            i.status_ts = e.ts
+            i.free_kv_bytes, i.total_kv_bytes = e.free_kv_bytes, e.total_kv_bytes
+            i.queue_depth, i.running_requests = e.queue_depth, e.running_requests
+
+    def _order(self, e: OrderProgress) -> None:
+        new = (_ORDER_RANK[e.status], e.ts, e.status, e.bytes, e.seconds, e.reason)
+        old = self._orders.get(e.order_id)
+        if old is None or new[:3] > old[:3]:
+            self._orders[e.order_id] = new
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def session(self, session_id: str) -> SessionView | None:
+        s = self._sessions.get(session_id)
+        if s is None:
+            return None
+        latest = s.latest()
+        if latest is None:
+            context_tokens = 0
+        elif latest.finished_ts >= 0 and latest.context_tokens >= 0:
+            context_tokens = latest.context_tokens
+        elif latest.finished_ts >= 0 and latest.prompt_tokens >= 0:
+            context_tokens = latest.prompt_tokens + latest.output_tokens
+        else:
+            context_tokens = max(latest.prompt_tokens, 0)
+        resident: dict[str, int] = {}
+        if s.blocks:
+            for (tier, instance_id), loc in self._locations.items():
+                n = sum(1 for h in s.blocks if h in loc.present)
+                if n:
+                    resident[location_name(tier, instance_id)] = n
+        arrivals = list(s.arrivals)
+        return SessionView(
+            session_id=session_id,
+            state=_state(s, latest),
+            turns=s.turns,
+            first_seen_ts=s.first_ts,
+            last_activity_ts=s.last_ts,
+            closed_ts=s.closed_ts if s.closed_ts >= 0 else None,
+            instance_id=s.instance_id,
+            context_tokens=context_tokens,
+            context_bytes=context_tokens * self.bytes_per_token,
+            block_hashes=list(s.blocks),
+            block_tokens=s.block_tokens or self.block_tokens,
+            recent_arrivals_ts=arrivals,
+            inter_turn_gaps_seconds=[b - a for a, b in zip(arrivals, arrivals[1:])],
+            last_request=latest.view() if latest is not None else None,
+            resident_blocks=resident,
+        )
+
+    def instances(self) -> list[InstanceView]:
+        per_instance: dict[str, dict[str, int]] = {}
+        per_instance_bytes: dict[str, dict[str, int]] = {}
+        for (tier, instance_id), loc in self._locations.items():
+            if instance_id is None:
+                continue
+            per_instance.setdefault(instance_id, {})[tier] = len(loc.present)
+            per_instance_bytes.setdefault(instance_id, {})[tier] = (
+                len(loc.present) * loc.block_tokens * self.bytes_per_token)
+        out = []
+        for instance_id in sorted(self._instances):
+            i = self._instances[instance_id]
+            out.append(InstanceView(
+                instance_id=instance_id, last_seen_ts=i.last_seen_ts,
+                status_ts=i.status_ts if i.status_ts >= 0 else None,
+                free_kv_bytes=i.free_kv_bytes, total_kv_bytes=i.total_kv_bytes,
+                queue_depth=i.queue_depth, running_requests=i.running_requests,
+                resident_blocks=per_instance.get(instance_id, {}),
+                resident_bytes=per_instance_bytes.get(instance_id, {})))
+        return out
+
+    def locations(self) -> list[LocationView]:
+        out = []
+        for (tier, instance_id), loc in sorted(self._locations.items(), key=lambda kv: location_name(*kv[0])):
+            out.append(LocationView(
+                location=location_name(tier, instance_id), tier=tier, instance_id=instance_id,  # type: ignore[arg-type]
+                blocks=len(loc.present),
+                bytes=len(loc.present) * loc.block_tokens * self.bytes_per_token,
+                block_tokens=loc.block_tokens,
+                cleared_ts=loc.cleared_ts if loc.cleared_ts >= 0 else None))
+        return out
+
+    def holds(self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        loc = self._locations.get((tier, instance_id))
+        if loc is None:
+            return [False] * len(block_hashes)
+        present = loc.present
+        return [h in present for h in block_hashes]
+
+    def order(self, order_id: str) -> OrderView | None:
+        o = self._orders.get(order_id)
+        if o is None:
+            return None
+        _, ts, status, nbytes, seconds, reason = o
+        return OrderView(order_id=order_id, status=status, status_ts=ts,  # type: ignore[arg-type]
+                         bytes=nbytes, seconds=seconds, reason=reason)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "sessions": len(self._sessions),
+            "instances": len(self._instances),
+            "locations": len(self._locations),
+            "resident_blocks": sum(len(loc.present) for loc in self._locations.values()),
+            "orders": len(self._orders),
+            "remembered_event_ids": len(self._seen),
+        }
+
+    def checkpoint(self, replica_id: str) -> LogPosition | None:
+        return self._checkpoints.get(replica_id)
+
+    def set_checkpoint(self, replica_id: str, position: LogPosition) -> None:
+        self._checkpoints[replica_id] = position
+
+    def ping(self) -> None:
+        return None
+
+    def clear(self) -> None:
+        self._seen.clear()
+        self._sessions.clear()
+        self._instances.clear()
+        self._locations.clear()
+        self._orders.clear()
+        self._checkpoints.clear()
+
+    def close(self) -> None:
+        return None
+
+
+def _state(s: _Session, latest: _Request | None) -> Any:
+    latest_routed = latest.routed_ts if latest is not None else _NONE
+    if s.closed_ts >= 0 and s.closed_ts >= latest_routed:
+        return "closed"
+    if latest is None or latest.finished_ts >= 0:
+        return "idle"
+    if latest.started_ts >= 0:
+        return "running"
+    return "queued"
+
+
+def _take(d: dict[str, None], n: int) -> list[str]:
+    it = iter(d)
+    return [next(it) for _ in range(n)]

@@ -1,0 +1,54 @@
+"""Shared fixtures. Redis tests use the real server; a missing server fails them with a clear message."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REDIS_URL = os.environ.get("KVP_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+REPO = Path(__file__).resolve().parent.parent
+TRACES = REPO.parent / "shared" / "traces"
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The real Redis the tests use; fails (never skips) when it does not answer."""
+    import redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        pytest.fail(
+            f"Redis is required at {REDIS_URL} (set KVP_TEST_REDIS_URL) and did not answer: {exc}. "
+            "Start it with: redis-server --daemonize yes --port 6379 --save ''",
+            pytrace=False,
+        )
+    finally:
+        client.close()
+    return REDIS_URL
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    """A key prefix of its own for each test, so tests never see each other's keys."""
+    return f"kvptest-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def clean_redis(redis_url: str, redis_prefix: str) -> Iterator[str]:
+    """Yields the prefix; deletes every key under it afterwards."""
+    import redis
+
+    yield redis_prefix
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = list(client.scan_iter(match=f"{redis_prefix}:*", count=1000))
+        for i in range(0, len(keys), 500):
+            client.delete(*keys[i : i + 500])
+    finally:
+        client.close()
