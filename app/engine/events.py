@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StringConstraints,
@@ -144,17 +145,17 @@ class _VllmEvent(BaseModel):
     # vLLM adds fields over time (group_idx, extra_keys, ...): tolerate the ones we don't use.
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _from_array(cls, data: Any) -> Any:
-        if isinstance(data, list) and data and isinstance(data[0], str):
-            names = _VLLM_FIELDS.get(data[0])
-            if names is None:
-                raise ValueError(f"unknown vLLM KV event {data[0]!r}")
-            if len(data) - 1 > len(names):
-                raise ValueError(f"{data[0]} has at most {len(names)} fields")
-            return {"type": data[0], **dict(zip(names, data[1:]))}
-        return data
+
+def _vllm_from_array(data: Any) -> Any:
+    """["BlockStored", hashes, parent, ...] (msgspec array_like) -> the tagged object form."""
+    if isinstance(data, list) and data and isinstance(data[0], str):
+        names = _VLLM_FIELDS.get(data[0])
+        if names is None:
+            raise ValueError(f"unknown vLLM KV event {data[0]!r}")
+        if len(data) - 1 > len(names):
+            raise ValueError(f"{data[0]} has at most {len(names)} fields")
+        return {"type": data[0], **dict(zip(names, data[1:]))}
+    return data
 
 
 def _tier_of_medium(medium: str | None) -> Tier:
@@ -184,7 +185,8 @@ class VllmAllBlocksCleared(_VllmEvent):
 
 
 VllmKvEvent = Annotated[
-    Union[VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared], Field(discriminator="type")
+    Annotated[Union[VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared], Field(discriminator="type")],
+    BeforeValidator(_vllm_from_array),
 ]
 
 

@@ -1,0 +1,12 @@
+FROM python:3.11-slim
+WORKDIR /srv/kvprefetch
+COPY pyproject.toml README.md ./
+COPY app ./app
+COPY bench ./bench
+COPY training ./training
+COPY models ./models
+RUN pip install --no-cache-dir .
+ENV KVP_HOST=0.0.0.0 KVP_DATA_DIR=/var/lib/kvprefetch
+VOLUME /var/lib/kvprefetch
+EXPOSE 8000
+CMD ["kvprefetch", "serve"]

@@ -1,0 +1,56 @@
+"""GET endpoints: sessions, instances, locations, health, readiness, OpenAPI."""
+
+from __future__ import annotations
+
+from fastapi.testclient import TestClient
+
+from tests.api.conftest import routed
+
+
+def test_session_view(client: TestClient) -> None:
+    client.post("/v1/events", json={"events": [routed("a", ts=10.0, block_hashes=[1, 2]), routed("b", ts=70.0)]})
+    r = client.get("/v1/sessions/s1")
+    assert r.status_code == 200
+    body = r.json()
+    assert body["session_id"] == "s1"
+    assert body["turns"] == 2
+    assert body["inter_turn_gaps_seconds"] == [60.0]
+    assert body["context_bytes"] == 1000 * 327_680
+    assert body["block_hashes"] == [1, 2]
+
+
+def test_unknown_session_is_404(client: TestClient) -> None:
+    r = client.get("/v1/sessions/nobody")
+    assert r.status_code == 404
+    assert r.json() == {"detail": "session 'nobody' is not known"}
+
+
+def test_instances_and_locations(client: TestClient) -> None:
+    client.post("/v1/events", json={"events": [
+        routed("a"),
+        {"type": "kv_blocks_stored", "event_id": "k", "ts": 2.0, "instance_id": "gpu-0", "block_hashes": [1, 2]},
+        {"type": "kv_blocks_stored", "event_id": "p", "ts": 2.0, "tier": "pool", "block_hashes": [1]},
+    ]})
+    instances = client.get("/v1/instances").json()["instances"]
+    assert [i["instance_id"] for i in instances] == ["gpu-0"]
+    assert instances[0]["resident_blocks"] == {"hbm": 2}
+    locations = client.get("/v1/locations").json()["locations"]
+    assert [(loc["location"], loc["blocks"]) for loc in locations] == [("hbm@gpu-0", 2), ("pool", 1)]
+
+
+def test_health_and_readiness(client: TestClient) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+    ready = client.get("/readyz")
+    assert ready.status_code == 200
+    body = ready.json()
+    assert (body["status"], body["store"], body["store_ok"]) == ("ready", "memory", True)
+    assert body["predictor"].startswith("heuristic")
+
+
+def test_openapi_documents_the_event_batch(client: TestClient) -> None:
+    schema = client.get("/openapi.json").json()
+    body = schema["paths"]["/v1/events"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/EventBatch"}
+    components = schema["components"]["schemas"]
+    assert "RequestRouted" in components and "VllmKvEvents" in components
+    assert client.get("/docs").status_code == 200

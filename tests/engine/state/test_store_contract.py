@@ -1,0 +1,311 @@
+"""One contract suite, run against every store backend (memory, and Redis on the real server)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from app.engine.events import Event, event_adapter
+from app.engine.state import LogPosition, MemoryStore, StateStore
+
+BPT = 327_680
+BLOCK = 512
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
+    if request.param == "memory":
+        s: StateStore = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK)
+    else:
+        from app.engine.state.redis import RedisStore
+
+        url = request.getfixturevalue("redis_url")
+        prefix = request.getfixturevalue("clean_redis")
+        s = RedisStore.from_url(url, prefix=prefix, bytes_per_token=BPT, block_tokens=BLOCK)
+    yield s
+    s.close()
+
+
+_ids = itertools.count()
+
+
+def ev(type_: str, ts: float, **fields: Any) -> Event:
+    fields.setdefault("event_id", f"e{next(_ids)}")
+    return event_adapter.validate_python({"type": type_, "ts": ts, **fields})
+
+
+def routed(session: str, request: str, ts: float, instance: str = "gpu-0", prompt: int = 1000, **kw: Any) -> Event:
+    return ev("request_routed", ts, session_id=session, request_id=request, instance_id=instance,
+              prompt_tokens=prompt, **kw)
+
+
+def started(session: str, request: str, ts: float, instance: str = "gpu-0") -> Event:
+    return ev("request_started", ts, session_id=session, request_id=request, instance_id=instance)
+
+
+def finished(session: str, request: str, ts: float, instance: str = "gpu-0", output: int = 100, **kw: Any) -> Event:
+    return ev("request_finished", ts, session_id=session, request_id=request, instance_id=instance,
+              output_tokens=output, **kw)
+
+
+def stored(blocks: list[Any], ts: float, instance: str | None = "gpu-0", tier: str = "hbm", **kw: Any) -> Event:
+    return ev("kv_blocks_stored", ts, instance_id=instance, tier=tier, block_hashes=blocks, **kw)
+
+
+def removed(blocks: list[Any], ts: float, instance: str | None = "gpu-0", tier: str = "hbm") -> Event:
+    return ev("kv_blocks_removed", ts, instance_id=instance, tier=tier, block_hashes=blocks)
+
+
+def cleared(ts: float, instance: str | None = "gpu-0", tier: str = "hbm") -> Event:
+    return ev("kv_blocks_cleared", ts, instance_id=instance, tier=tier)
+
+
+# -- idempotency ----------------------------------------------------------------------------
+
+
+def test_apply_reports_duplicates_and_seen(store: StateStore) -> None:
+    a = routed("s", "r1", 1.0)
+    assert store.seen([a.event_id, "never"]) == [False, False]
+    assert store.apply([a]) == [True]
+    assert store.seen([a.event_id, "never"]) == [True, False]
+    assert store.apply([a]) == [False]
+    assert store.session("s").turns == 1
+
+
+def test_a_repeat_inside_one_apply_counts_once(store: StateStore) -> None:
+    a = routed("s", "r1", 1.0)
+    assert store.apply([a, a]) == [True, False]
+    assert store.session("s").turns == 1
+
+
+# -- sessions -------------------------------------------------------------------------------
+
+
+def test_unknown_session_is_none(store: StateStore) -> None:
+    assert store.session("nobody") is None
+
+
+def test_session_lifecycle(store: StateStore) -> None:
+    store.apply([routed("s", "r1", 10.0, prompt=7000, block_hashes=[1, 2, 3])])
+    v = store.session("s")
+    assert (v.state, v.turns, v.instance_id, v.context_tokens) == ("queued", 1, "gpu-0", 7000)
+    assert v.context_bytes == 7000 * BPT
+    assert v.block_hashes == [1, 2, 3] and v.block_tokens == BLOCK
+    store.apply([started("s", "r1", 11.0)])
+    assert store.session("s").state == "running"
+    store.apply([finished("s", "r1", 15.0, output=500, context_tokens=7500)])
+    v = store.session("s")
+    assert (v.state, v.context_tokens, v.last_activity_ts, v.first_seen_ts) == ("idle", 7500, 15.0, 10.0)
+    assert v.last_request.request_id == "r1"
+    assert (v.last_request.routed_ts, v.last_request.started_ts, v.last_request.finished_ts) == (10.0, 11.0, 15.0)
+
+
+def test_context_without_reported_context_is_prompt_plus_output(store: StateStore) -> None:
+    store.apply([routed("s", "r1", 1.0, prompt=1000), finished("s", "r1", 2.0, output=24)])
+    assert store.session("s").context_tokens == 1024
+
+
+def test_gaps_come_from_routed_times(store: StateStore) -> None:
+    store.apply([routed("s", f"r{i}", t) for i, t in enumerate([100.0, 160.0, 400.0])])
+    v = store.session("s")
+    assert v.turns == 3
+    assert v.recent_arrivals_ts == [100.0, 160.0, 400.0]
+    assert v.inter_turn_gaps_seconds == [60.0, 240.0]
+
+
+def test_arrivals_keep_the_latest_sixteen(store: StateStore) -> None:
+    store.apply([routed("s", f"r{i}", float(i)) for i in range(20)])
+    v = store.session("s")
+    assert v.turns == 20
+    assert v.recent_arrivals_ts == [float(i) for i in range(4, 20)]
+
+
+def test_late_finish_of_an_older_turn_does_not_change_the_current_one(store: StateStore) -> None:
+    store.apply([routed("s", "r1", 10.0, prompt=100), routed("s", "r2", 20.0, prompt=300)])
+    store.apply([finished("s", "r1", 12.0, output=50)])
+    v = store.session("s")
+    assert v.last_request.request_id == "r2"
+    assert (v.state, v.context_tokens) == ("queued", 300)
+
+
+def test_finished_before_routed_ends_in_the_same_state(store: StateStore) -> None:
+    store.apply([finished("s", "r1", 15.0, output=10, context_tokens=1010), started("s", "r1", 11.0)])
+    store.apply([routed("s", "r1", 10.0, prompt=1000)])
+    v = store.session("s")
+    assert (v.state, v.context_tokens, v.turns) == ("idle", 1010, 1)
+
+
+def test_instance_follows_the_newest_event(store: StateStore) -> None:
+    store.apply([routed("s", "r2", 20.0, instance="gpu-1"), routed("s", "r1", 10.0, instance="gpu-0")])
+    assert store.session("s").instance_id == "gpu-1"
+
+
+def test_blocks_follow_the_newest_event_that_carries_them(store: StateStore) -> None:
+    store.apply([
+        finished("s", "r1", 30.0, block_hashes=[1, 2, 3, 4]),
+        routed("s", "r1", 10.0, block_hashes=[1, 2]),
+        routed("s", "r2", 40.0),  # carries no blocks: keeps the last known ones
+    ])
+    assert store.session("s").block_hashes == [1, 2, 3, 4]
+
+
+def test_close_and_reopen(store: StateStore) -> None:
+    store.apply([routed("s", "r1", 1.0), finished("s", "r1", 2.0)])
+    store.apply([ev("session_closed", 3.0, session_id="s")])
+    v = store.session("s")
+    assert (v.state, v.closed_ts) == ("closed", 3.0)
+    store.apply([routed("s", "r2", 4.0)])
+    assert store.session("s").state == "queued"
+    # A close that happened before the last turn does not close it.
+    store.apply([ev("session_closed", 3.5, session_id="s")])
+    assert store.session("s").state == "queued"
+
+
+def test_block_hash_types_are_kept(store: StateStore) -> None:
+    store.apply([routed("s", "r1", 1.0, block_hashes=[5, "5", "ab12", 2**63 + 7])])
+    assert store.session("s").block_hashes == [5, "5", "ab12", 2**63 + 7]
+
+
+# -- residency ------------------------------------------------------------------------------
+
+
+def test_residency_is_deduplicated_per_location(store: StateStore) -> None:
+    shared = [10, 11, 12]
+    store.apply([
+        routed("a", "ra", 1.0, block_hashes=shared + [20]),
+        routed("b", "rb", 1.0, block_hashes=shared + [30]),
+        stored(shared + [20], 2.0),
+        stored(shared + [30], 2.1),
+        stored(shared, 2.2, instance=None, tier="pool"),
+    ])
+    locs = {loc.location: loc for loc in store.locations()}
+    assert locs["hbm@gpu-0"].blocks == 5
+    assert locs["hbm@gpu-0"].bytes == 5 * BLOCK * BPT
+    assert locs["pool"].blocks == 3 and locs["pool"].instance_id is None
+    assert store.session("a").resident_blocks == {"hbm@gpu-0": 4, "pool": 3}
+    assert store.holds("hbm", "gpu-0", [10, 20, 99]) == [True, True, False]
+    assert store.holds("host", "gpu-0", [10]) == [False]
+
+
+def test_stored_after_removed_in_event_time_wins_and_vice_versa(store: StateStore) -> None:
+    store.apply([removed([1], 5.0), stored([1], 4.0)])  # remove is newer: absent
+    store.apply([stored([2], 6.0), removed([2], 3.0)])  # store is newer: present
+    assert store.holds("hbm", "gpu-0", [1, 2]) == [False, True]
+
+
+def test_removal_wins_a_tie(store: StateStore) -> None:
+    store.apply([stored([1], 5.0), removed([1], 5.0)])
+    assert store.holds("hbm", "gpu-0", [1]) == [False]
+    store.apply([removed([2], 5.0), stored([2], 5.0)])
+    assert store.holds("hbm", "gpu-0", [2]) == [False]
+
+
+def test_clear_removes_older_blocks_and_ignores_older_stores(store: StateStore) -> None:
+    store.apply([stored([1, 2], 1.0), stored([3], 9.0), cleared(5.0), stored([4], 4.0), stored([5], 6.0)])
+    assert store.holds("hbm", "gpu-0", [1, 2, 3, 4, 5]) == [False, False, True, False, True]
+    assert [loc.cleared_ts for loc in store.locations()] == [5.0]
+
+
+def test_vllm_batch_adapter(store: StateStore) -> None:
+    batch = ev("vllm_kv_events", 7.0, instance_id="gpu-3", events=[
+        {"type": "BlockStored", "block_hashes": [1, 2, 3], "parent_block_hash": None,
+         "token_ids": [], "block_size": 16, "lora_id": None, "medium": "GPU"},
+        ["BlockStored", [9], 3, [], 16, None, "CPU"],
+        {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"},
+    ])
+    assert store.apply([batch]) == [True]
+    assert store.holds("hbm", "gpu-3", [1, 2, 3]) == [True, False, True]
+    assert store.holds("host", "gpu-3", [9]) == [True]
+    hbm = {loc.location: loc for loc in store.locations()}["hbm@gpu-3"]
+    assert hbm.block_tokens == 16
+    store.apply([ev("vllm_kv_events", 8.0, instance_id="gpu-3", events=[{"type": "AllBlocksCleared"}])])
+    assert store.holds("hbm", "gpu-3", [1, 3]) == [False, False]
+    assert store.holds("host", "gpu-3", [9]) == [True]
+    assert store.apply([batch]) == [False]
+
+
+# -- instances and orders -------------------------------------------------------------------
+
+
+def test_instances_merge_status_routing_and_residency(store: StateStore) -> None:
+    store.apply([
+        ev("instance_status", 5.0, instance_id="gpu-1", free_kv_bytes=100, total_kv_bytes=400,
+           queue_depth=3, running_requests=8),
+        ev("instance_status", 4.0, instance_id="gpu-1", free_kv_bytes=999, queue_depth=0),
+        routed("s", "r", 6.0, instance="gpu-2"),
+        stored([1, 2], 7.0, instance="gpu-1"),
+        stored([3], 7.0, instance="gpu-1", tier="host"),
+    ])
+    by_id = {i.instance_id: i for i in store.instances()}
+    assert list(by_id) == ["gpu-1", "gpu-2"]
+    g1 = by_id["gpu-1"]
+    assert (g1.free_kv_bytes, g1.total_kv_bytes, g1.queue_depth, g1.running_requests) == (100, 400, 3, 8)
+    assert (g1.status_ts, g1.last_seen_ts) == (5.0, 7.0)
+    assert g1.resident_blocks == {"hbm": 2, "host": 1}
+    assert g1.resident_bytes == {"hbm": 2 * BLOCK * BPT, "host": BLOCK * BPT}
+    g2 = by_id["gpu-2"]
+    assert (g2.status_ts, g2.free_kv_bytes, g2.resident_blocks) == (None, None, {})
+
+
+def test_order_terminal_status_wins(store: StateStore) -> None:
+    store.apply([
+        ev("order_progress", 9.0, order_id="o1", status="completed", bytes=1024, seconds=0.5),
+        ev("order_progress", 10.0, order_id="o1", status="accepted"),
+    ])
+    o = store.order("o1")
+    assert (o.status, o.bytes, o.seconds, o.status_ts) == ("completed", 1024, 0.5, 9.0)
+    store.apply([ev("order_progress", 11.0, order_id="o1", status="failed", reason="link down")])
+    assert store.order("o1").status == "failed"
+    assert store.order("o1").reason == "link down"
+    assert store.order("nope") is None
+
+
+# -- bookkeeping ----------------------------------------------------------------------------
+
+
+def test_stats_count_what_is_held(store: StateStore) -> None:
+    store.apply([routed("a", "r", 1.0), routed("b", "r", 1.0, instance="gpu-1"), stored([1, 2], 1.0),
+                 ev("order_progress", 1.0, order_id="o", status="accepted")])
+    s = store.stats()
+    assert (s["sessions"], s["instances"], s["locations"], s["resident_blocks"], s["orders"]) == (2, 2, 1, 2, 1)
+    assert s["remembered_event_ids"] == 4
+
+
+def test_checkpoint_round_trip(store: StateStore) -> None:
+    assert store.checkpoint("replica-a") is None
+    store.set_checkpoint("replica-a", LogPosition(3, 4096))
+    assert store.checkpoint("replica-a") == LogPosition(3, 4096)
+    assert store.checkpoint("replica-b") is None
+
+
+def test_clear_forgets_everything(store: StateStore) -> None:
+    a = routed("s", "r", 1.0)
+    store.apply([a, stored([1], 1.0)])
+    store.clear()
+    assert store.session("s") is None and store.locations() == [] and store.instances() == []
+    assert store.seen([a.event_id]) == [False]
+
+
+def test_ping(store: StateStore) -> None:
+    store.ping()
+
+
+def test_any_order_gives_the_same_views(store: StateStore) -> None:
+    events = [
+        routed("s", "r1", 10.0, prompt=100, block_hashes=[1, 2]),
+        started("s", "r1", 11.0),
+        finished("s", "r1", 12.0, output=5, block_hashes=[1, 2, 3]),
+        routed("s", "r2", 50.0, prompt=300, instance="gpu-1"),
+        stored([1, 2, 3], 12.5),
+        removed([2], 30.0),
+        stored([2], 20.0),
+        ev("instance_status", 3.0, instance_id="gpu-1", free_kv_bytes=5),
+    ]
+    store.apply(events)
+    expected = (store.session("s"), store.instances(), store.locations())
+    store.clear()
+    store.apply(list(reversed(events)))
+    assert (store.session("s"), store.instances(), store.locations()) == expected
