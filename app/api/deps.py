@@ -1,4 +1,7 @@
-"""Dependencies for the routes: the parts the service built at startup, kept on app.state."""
+"""Dependencies for the routes: the parts the service built at startup, kept on app.state.
+
+Async on purpose: FastAPI runs a plain `def` dependency in a thread pool, a hop per request.
+"""
 
 from __future__ import annotations
 
@@ -11,15 +14,15 @@ from app.engine.ingest import Ingestor
 from app.engine.state.base import StateStore
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_store(request: Request) -> StateStore:
+async def get_store(request: Request) -> StateStore:
     return request.app.state.store
 
 
-def get_ingestor(request: Request) -> Ingestor:
+async def get_ingestor(request: Request) -> Ingestor:
     return request.app.state.ingestor
 
 

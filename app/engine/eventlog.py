@@ -111,9 +111,24 @@ class EventLog:
             if self.fsync:
                 os.fsync(self._file.fileno())
         except OSError as exc:
+            self._undo_partial_write()
             raise EventLogError(f"cannot append to the event log in {self.directory}: {exc}") from exc
         self._size += len(data)
         return LogPosition(self._number, self._size)
+
+    def _undo_partial_write(self) -> None:
+        """Cut what a failed append left behind, so the next append starts on a whole line."""
+        path = segment_path(self.directory, self._number)
+        try:
+            self._file.close()
+        except OSError:
+            pass  # the buffered bytes are what we are throwing away
+        try:
+            with open(path, "rb+") as f:
+                f.truncate(self._size)
+        except OSError:
+            pass  # reopening below cuts any torn tail on the next start anyway
+        self._file = open(path, "ab")  # noqa: SIM115
 
     def _rotate(self) -> None:
         self._file.close()

@@ -40,10 +40,15 @@ class Ingestor:
         self.event_log = event_log
         self.replica_id = replica_id
         self._lock = threading.Lock()
+        # Set when events reached the log but the store failed to apply them: the log tail
+        # is replayed before anything new is taken, so a retry is not logged twice.
+        self._behind_log = False
 
     def ingest(self, events: Sequence[Event]) -> IngestResult:
         result = IngestResult()
         with self._lock:
+            if self._behind_log:
+                self._replay_tail()
             unique: list[Event] = []
             in_batch: set[str] = set()
             for e in events:
@@ -57,8 +62,12 @@ class Ingestor:
             result.duplicates.extend(e.event_id for e, was_seen in zip(unique, seen) if was_seen)
             if fresh:
                 position = self.event_log.append(encode_events(fresh))
-                applied = self.store.apply(fresh)
-                self.store.set_checkpoint(self.replica_id, position)
+                try:
+                    applied = self.store.apply(fresh)
+                    self.store.set_checkpoint(self.replica_id, position)
+                except Exception:
+                    self._behind_log = True
+                    raise
                 for e, ok in zip(fresh, applied):
                     if ok:
                         result.accepted.append(e.event_id)
@@ -69,22 +78,27 @@ class Ingestor:
 
     def recover(self) -> int:
         """Apply the log past the store's checkpoint; returns how many events were replayed."""
-        directory = Path(self.event_log.directory)
         with self._lock:
-            start = self.store.checkpoint(self.replica_id)
-            replayed = 0
-            chunk: list[Event] = []
-            position = start
-            for position, event in iter_log(directory, start):
-                chunk.append(event)
-                if len(chunk) >= _RECOVERY_CHUNK:
-                    replayed += sum(self.store.apply(chunk))
-                    chunk.clear()
-                    self.store.set_checkpoint(self.replica_id, position)
-            if chunk:
-                replayed += sum(self.store.apply(chunk))
-            if position is not None:
-                self.store.set_checkpoint(self.replica_id, position)
+            replayed = self._replay_tail()
         if replayed:
-            log.info("replayed %d events from the event log in %s", replayed, directory)
+            log.info("replayed %d events from the event log in %s", replayed, self.event_log.directory)
+        return replayed
+
+    def _replay_tail(self) -> int:
+        self._behind_log = True
+        start = self.store.checkpoint(self.replica_id)
+        replayed = 0
+        chunk: list[Event] = []
+        position = start
+        for position, event in iter_log(Path(self.event_log.directory), start):
+            chunk.append(event)
+            if len(chunk) >= _RECOVERY_CHUNK:
+                replayed += sum(self.store.apply(chunk))
+                chunk.clear()
+                self.store.set_checkpoint(self.replica_id, position)
+        if chunk:
+            replayed += sum(self.store.apply(chunk))
+        if position is not None:
+            self.store.set_checkpoint(self.replica_id, position)
+        self._behind_log = False
         return replayed

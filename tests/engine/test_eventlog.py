@@ -86,3 +86,22 @@ def test_position_of_an_empty_log(tmp_path: Path) -> None:
     assert log.position == LogPosition(1, 0)
     assert log.append(b"") == LogPosition(1, 0)
     log.close()
+
+
+def test_a_failed_append_leaves_no_partial_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.core.errors import EventLogError
+    from app.engine import eventlog
+
+    log = EventLog(tmp_path, fsync=True)
+    log.append(encode_events([closed(1)]))
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(eventlog.os, "fsync", disk_full)
+    with pytest.raises(EventLogError, match="No space left on device"):
+        log.append(encode_events([closed(2)]))
+    monkeypatch.undo()
+    log.append(encode_events([closed(3)]))
+    log.close()
+    assert [e.event_id for _, e in iter_log(tmp_path)] == ["e1", "e3"]

@@ -54,3 +54,35 @@ def test_recover_replays_only_past_the_checkpoint(tmp_path: Path) -> None:
     assert again.recover() == 3
     assert store.session("s").turns == 8
     assert again.recover() == 0
+
+
+class FailingOnce(MemoryStore):
+    """A store whose next apply fails, as Redis does when it blips."""
+
+    fail_next = False
+
+    def apply(self, events):  # type: ignore[no-untyped-def]
+        if self.fail_next:
+            self.fail_next = False
+            from app.core.errors import StoreUnavailable
+
+            raise StoreUnavailable("blip")
+        return super().apply(events)
+
+
+def test_a_failed_apply_is_caught_up_from_the_log_and_not_logged_twice(tmp_path: Path) -> None:
+    import pytest
+
+    from app.core.errors import StoreUnavailable
+
+    store = FailingOnce(bytes_per_token=1, block_tokens=512)
+    ing = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1")
+    ing.ingest([routed(1)])
+    store.fail_next = True
+    with pytest.raises(StoreUnavailable):
+        ing.ingest([routed(2), routed(3)])
+    # The client was not acknowledged and retries the same batch.
+    retry = ing.ingest([routed(2), routed(3)])
+    assert retry.duplicates == ["e2", "e3"]
+    assert [e.event_id for _, e in iter_log(tmp_path)] == ["e1", "e2", "e3"]
+    assert store.session("s").turns == 3

@@ -25,13 +25,13 @@ class Readiness(BaseModel):
 
 
 @router.get("/healthz", response_model=Health)
-def healthz() -> Health:
+async def healthz() -> Health:
     """The process is alive."""
     return Health(status="ok")
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-def readyz(request: Request, response: Response, settings: SettingsDep, store: StoreDep) -> Readiness:
+async def readyz(request: Request, response: Response, settings: SettingsDep, store: StoreDep) -> Readiness:
     """The service can take events: its store answers and its event log is open."""
     try:
         store.ping()

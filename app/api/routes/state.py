@@ -1,4 +1,8 @@
-"""Read the live state: sessions, instances, block residency."""
+"""Read the live state: sessions, instances, block residency.
+
+The handlers are async so they run on the event loop, the thread that applies events: a read
+never sees a half-applied batch of the in-memory store.
+"""
 
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ class LocationsResponse(BaseModel):
 
 @router.get("/sessions/{session_id}", response_model=SessionView,
             responses={404: {"description": "No event has named this session."}})
-def get_session(session_id: Annotated[str, Path(min_length=1, max_length=256)], store: StoreDep) -> SessionView:
+async def get_session(session_id: Annotated[str, Path(min_length=1, max_length=256)], store: StoreDep) -> SessionView:
     view = store.session(session_id)
     if view is None:
         raise HTTPException(404, detail=f"session {session_id!r} is not known")
@@ -31,11 +35,11 @@ def get_session(session_id: Annotated[str, Path(min_length=1, max_length=256)], 
 
 
 @router.get("/instances", response_model=InstancesResponse)
-def get_instances(store: StoreDep) -> InstancesResponse:
+async def get_instances(store: StoreDep) -> InstancesResponse:
     return InstancesResponse(instances=store.instances())
 
 
 @router.get("/locations", response_model=LocationsResponse)
-def get_locations(store: StoreDep) -> LocationsResponse:
+async def get_locations(store: StoreDep) -> LocationsResponse:
     """Every location that holds KV blocks, each block counted once however many sessions use it."""
     return LocationsResponse(locations=store.locations())

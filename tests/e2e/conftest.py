@@ -1,0 +1,147 @@
+"""Run the service as a real, separate process: `python -m app.cli serve` on a free port.
+
+`service_factory(data_dir=None)` returns a `ServiceProcess` (not yet started) with a temp data
+dir of its own. It can be started, killed with SIGKILL, and started again on the same port and
+data dir, which is what a crash and a restart look like to the service. Every process started
+through the factory is killed in the fixture's teardown, whether the test passed or not.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_SECONDS = 30.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ServiceProcess:
+    """One service: a port and a data dir that outlive the processes started on them."""
+
+    def __init__(self, data_dir: Path, port: int, work_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.data_dir = data_dir
+        self.port = port
+        self.work_dir = work_dir
+        self.extra_env = dict(env or {})
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+        self._log_path: Path | None = None
+
+    @property
+    def events_dir(self) -> Path:
+        return self.data_dir / "events"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _env(self) -> dict[str, str]:
+        # Nothing from the developer's KVP_* settings leaks in (a KVP_STORE=redis, say).
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
+        env["PYTHONUNBUFFERED"] = "1"
+        env.update({
+            "KVP_DATA_DIR": str(self.data_dir),
+            "KVP_STORE": "memory",
+            "KVP_HOST": "127.0.0.1",
+            "KVP_PORT": str(self.port),
+            "KVP_REPLICA_ID": "e2e",
+        })
+        env.update(self.extra_env)
+        return env
+
+    def start(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        """Start the process and wait until GET /readyz answers 200."""
+        assert not self.running, "the service is already running"
+        self.starts += 1
+        self._log_path = self.work_dir / f"server-{self.starts}.log"
+        with open(self._log_path, "wb") as log:
+            # cwd is a scratch dir so that no .env of the checkout is read by Settings.
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port)],
+                cwd=self.work_dir, env=self._env(), stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        last_error = "no answer yet"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the service exited with {self.proc.returncode} before it was ready:\n"
+                                   f"{self.log_tail()}")
+            try:
+                r = httpx.get(f"{self.url}/readyz", timeout=2.0)
+                if r.status_code == 200:
+                    return
+                last_error = f"/readyz answered {r.status_code}: {r.text[:200]}"
+            except httpx.TransportError as exc:
+                last_error = repr(exc)
+            time.sleep(0.05)
+        self.kill()
+        raise RuntimeError(f"the service was not ready within {timeout} s ({last_error}):\n{self.log_tail()}")
+
+    def kill(self) -> None:
+        """SIGKILL: the process gets no chance to flush, close or clean up anything."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(timeout=10)
+
+    def restart(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        self.kill()
+        self.start(timeout)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        if self._log_path is None or not self._log_path.exists():
+            return "(no server log)"
+        return self._log_path.read_text(errors="replace")[-chars:]
+
+
+@pytest.fixture
+def service_factory(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
+    made: list[ServiceProcess] = []
+
+    def make(data_dir: Path | None = None, env: dict[str, str] | None = None) -> ServiceProcess:
+        n = len(made)
+        work_dir = tmp_path / f"service-{n}"
+        work_dir.mkdir()
+        svc = ServiceProcess(data_dir or work_dir / "data", free_port(), work_dir, env)
+        made.append(svc)
+        return svc
+
+    try:
+        yield make
+    finally:
+        for svc in made:
+            try:
+                svc.kill()
+            except Exception:  # noqa: BLE001 - teardown kills every process it can
+                if svc.proc is not None and svc.proc.poll() is None:
+                    svc.proc.kill()
+
+
+@pytest.fixture
+def service(service_factory: Callable[..., ServiceProcess]) -> ServiceProcess:
+    """A started service with a fresh data dir."""
+    svc = service_factory()
+    svc.start()
+    return svc
