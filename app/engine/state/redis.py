@@ -1,0 +1,889 @@
+"""The shared store: the same state as MemoryStore, kept in Redis so several replicas share it.
+
+Events are applied by a Lua script (EVALSHA, registered with register_script). One script call
+takes a chunk of up to 1000 events (and about 20k arguments, so no call holds Redis for long)
+and, for each event in order, skips it (result 0) when `<p>:eid:<event_id>` exists or the id
+already came earlier in the chunk, else applies it (result 1); at the end of the call it writes
+`SET <p>:eid:<id> 1 EX <dedupe_ttl_seconds>` for every applied id. A script runs atomically, so
+this is the same as a `SET NX` up front: no other replica can apply the same id in between. The
+chunks of a batch go in one pipeline (no MULTI): 1000 events are one round trip and one script
+call. (One script call per event, the first version, cost 2-3x more: about 21 us of Redis time
+per event, plus the client's per-command overhead.) A `vllm_kv_events` batch is applied under
+its own event id, its expanded sub-events all in the same call: a resend applies none again.
+
+Inside a call, the sessions and instances touched are read once (HMGET), changed in Lua tables
+and written back at the end, before the event ids are marked; residency, location and order
+writes go straight to Redis, and are last-writer-wins registers that a second application leaves
+as they are. So if a call ever failed half way (an out-of-memory Redis refuses it up front: the
+`#!lua` shebang makes it a script that declares writes), its ids stay unmarked, and applying
+the chunk again counts nothing twice.
+
+The semantic rules are those of app/engine/state/base.py and the code follows MemoryStore line
+for line (the Lua names the MemoryStore method each part mirrors), including the order-dependent
+corners MemoryStore has: exact timestamp ties of `>=` registers (the later applied wins), the
+request cap, and the "last non-null block_tokens wins" rule of locations. Apply the same events
+in the same order to both and every view is equal (tests/engine/state/test_redis_store.py).
+
+Values are kept exactly: timestamps travel as `repr(float)` strings and Lua stores those very
+strings (it never formats a number it computed, which would lose digits); it compares them with
+`tonumber`, which parses them to the same double Python had. Block hashes (int or str) are stored
+JSON-encoded (5 -> `5`, "5" -> `"5"`) and decoded back to the same Python type.
+
+Key layout, all under the prefix `<p>` (one Redis, not a cluster: the scripts build their keys
+from the prefix, so they must all live on one node):
+
+    <p>:eid:<event_id>      string "1", EX dedupe_ttl_seconds: the event was applied
+    <p>:eidn:<bucket>       how many eid keys were set in a time bucket (see stats() below)
+    <p>:sessions            zset  session_id -> last activity ts (stats: ZCARD)
+    <p>:s:<session_id>      hash  f first seen ts, l last activity ts, c closed ts,
+                                  i instance, it its ts, b block hashes (JSON list), bts their ts,
+                                  k their block tokens, t turns,
+                                  a recent arrivals (JSON list of ts strings, sorted, at most 16),
+                                  r request records (JSON list of [request_id, instance_id,
+                                    instance ts, routed ts, started ts, finished ts, prompt,
+                                    output, context], strings, "-1" for none; in MemoryStore's
+                                    list order, at most 3)
+    <p>:instances           set   instance ids
+    <p>:i:<instance_id>     hash  l last seen ts, st status ts, free, total, qd, rr
+    <p>:locs                hash  location name (`hbm@gpu-0`, `pool`) -> JSON [tier, instance|null]
+    <p>:locbt               hash  location name -> block tokens
+    <p>:loccl               hash  location name -> cleared ts
+    <p>:loc:<location>      zset  block (JSON) -> ts of the store that put it there (present)
+    <p>:tomb:<location>     zset  block (JSON) -> ts of its removal (tombstones)
+    <p>:orders              set   order ids
+    <p>:o:<order_id>        hash  rank, ts, status, bytes, seconds, reason (JSON string or null)
+    <p>:ckpt:<replica_id>   string "segment:offset"
+
+Per-id keys of different kinds differ in their second component (`loc` / `tomb`), never by a
+suffix after the id (`<p>:s:<id>:arr`), so no id, whatever characters it holds, makes two keys
+collide.
+
+`stats()["remembered_event_ids"]` is not a SCAN: each call adds the ids it marked to the counter
+of its time bucket (ttl/64 seconds of Redis server time), and a bucket's counter expires when the
+last id counted in it does. The sum over live buckets is exact until ids start to expire, then
+an upper bound that runs at most one bucket (1/64 of the window) late. `resident_blocks` sums
+ZCARD over the locations; the whole of stats() is one read-only script call.
+
+`clear()` deletes every key matching `<p>:*` by SCAN + UNLINK (never FLUSHDB). It therefore
+also deletes the keys of a prefix that starts with `<p>:`; don't nest prefixes that way.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError
+from redis.retry import Retry
+
+from app.core.errors import StoreError, StoreUnavailable
+from app.engine.events import (
+    BlockHash,
+    Event,
+    InstanceStatus,
+    KvBlocksCleared,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    OrderProgress,
+    RequestFinished,
+    RequestRouted,
+    RequestStarted,
+    SessionClosed,
+    Tier,
+    VllmKvEvents,
+)
+from app.engine.state.base import (
+    RECENT_ARRIVALS,
+    RECENT_REQUESTS,
+    InstanceView,
+    LocationView,
+    LogPosition,
+    OrderView,
+    RequestView,
+    SessionView,
+    location_name,
+)
+
+_ORDER_RANK = {"accepted": 0, "completed": 1, "failed": 1}
+_STATS_BUCKETS = 64
+# At most this many events, and about this many script arguments, per script call.
+_CHUNK_EVENTS = 1000
+_CHUNK_ARGS = 20_000
+
+# A request record, as the Lua keeps it: a JSON array of strings, "-1" for "none" (every real
+# ts and count is >= 0), "" for no instance.
+_REQ_ID, _REQ_INSTANCE, _REQ_INSTANCE_TS, _REQ_ROUTED, _REQ_STARTED, _REQ_FINISHED = range(6)
+_REQ_PROMPT, _REQ_OUTPUT, _REQ_CONTEXT = 6, 7, 8
+
+# One call applies a chunk of events (see RedisStore.apply for the chunking).
+# ARGV: prefix, ttl seconds, stats bucket seconds, then per event: its event_id, how many
+# operation fields follow, and the operations, each an opcode and its fields (strings; "" means
+# None where a field is optional):
+#   R sid rid iid ts prompt blocks_json|"" session_block_tokens          request_routed
+#   S sid rid iid ts                                                     request_started
+#   F sid rid iid ts output context|"-1" blocks_json|"" session_bt       request_finished
+#   C sid ts                                                             session_closed
+#   K iid|"" location meta ts bt_if_new bt_update|"" n block*n           kv_blocks_stored
+#   X iid|"" location meta ts bt_if_new n block*n                        kv_blocks_removed
+#   Z iid|"" location meta ts bt_if_new                                  kv_blocks_cleared
+#   I iid ts free total|"" queue_depth running                           instance_status
+#   O oid rank ts status bytes|"" seconds|"" reason_json                 order_progress
+# A vllm_kv_events event is several K/X/Z operations under its one event id.
+# Returns one 1 (applied) or 0 (duplicate) per event. See the module docstring for why the
+# sessions and instances are written back at the end and the ids marked last.
+_APPLY_LUA = r"""#!lua
+local argv = ARGV
+local nargv = #argv
+local P = argv[1]
+local TTL = argv[2]
+local RECENT_REQUESTS = __RECENT_REQUESTS__
+local RECENT_ARRIVALS = __RECENT_ARRIVALS__
+local SESSIONS = P .. ':sessions'
+local INSTANCES = P .. ':instances'
+local LOCS, LOCBT, LOCCL = P .. ':locs', P .. ':locbt', P .. ':loccl'
+
+-- a stored number, or -1 ("none") when absent
+local function num(x)
+  if not x then return -1 end
+  return tonumber(x)
+end
+
+-- sessions read in this call: sid -> fields (the stored strings, or false), plus
+--   reqs (decoded request records), arr (decoded arrivals), b (new block list),
+--   moved (last activity changed: update the sessions zset)
+local sessions, session_order = {}, {}
+local SESSION_FIELDS = {'f', 'l', 'c', 'i', 'it', 'bts', 'k', 't', 'r', 'a'}
+
+-- MemoryStore._session / _Session.touch
+local function touch_session(sid, ts_s, ts)
+  local s = sessions[sid]
+  if not s then
+    local v = redis.call('HMGET', P .. ':s:' .. sid, unpack(SESSION_FIELDS))
+    s = {}
+    for n, name in ipairs(SESSION_FIELDS) do s[name] = v[n] end
+    sessions[sid] = s
+    session_order[#session_order + 1] = sid
+  end
+  if not s.f then
+    s.f, s.l, s.moved = ts_s, ts_s, true
+  else
+    if ts < tonumber(s.f) then s.f = ts_s end
+    if ts > tonumber(s.l) then s.l, s.moved = ts_s, true end
+  end
+  return s
+end
+
+-- instances read in this call: iid -> {l, st, new, status (fields to write, or nil)}
+local instances, instance_order = {}, {}
+
+-- MemoryStore._instance
+local function touch_instance(iid, ts_s, ts)
+  local inst = instances[iid]
+  if not inst then
+    local v = redis.call('HMGET', P .. ':i:' .. iid, 'l', 'st')
+    inst = {l = v[1], st = v[2]}
+    instances[iid] = inst
+    instance_order[#instance_order + 1] = iid
+  end
+  if not inst.l then
+    inst.l, inst.new = ts_s, true
+  elseif ts > tonumber(inst.l) then
+    inst.l = ts_s
+  end
+  return inst
+end
+
+-- _Session.name_instance
+local function name_session(s, iid, ts_s, ts)
+  if ts >= num(s.it) then s.i, s.it = iid, ts_s end
+end
+
+-- _Session.set_blocks
+local function set_blocks(s, blocks, bt, ts_s, ts)
+  if blocks ~= '' and ts >= num(s.bts) then s.b, s.bts, s.k = blocks, ts_s, bt end
+end
+
+-- _Request.rank
+local function rank(r)
+  local routed = tonumber(r[4])
+  if routed >= 0 then return routed end
+  local st, fi = tonumber(r[5]), tonumber(r[6])
+  if st >= 0 and fi >= 0 then return math.min(st, fi) end
+  if st >= 0 then return st end
+  if fi >= 0 then return fi end
+  return -1
+end
+
+-- _Session.request
+local function find_request(s, rid)
+  if not s.reqs then s.reqs = s.r and cjson.decode(s.r) or {} end
+  local reqs = s.reqs
+  for _, r in ipairs(reqs) do
+    if r[1] == rid then return r end
+  end
+  local r = {rid, '', '-1', '-1', '-1', '-1', '-1', '-1', '-1'}
+  reqs[#reqs + 1] = r
+  return r
+end
+
+-- _Request.name_instance
+local function name_request(r, iid, ts_s, ts)
+  if ts >= tonumber(r[3]) then r[2], r[3] = iid, ts_s end
+end
+
+-- _Session.trim_requests: a stable sort by rank (like list.sort), then drop the oldest
+local function trim_requests(s)
+  local reqs = s.reqs
+  local n = #reqs
+  if n <= RECENT_REQUESTS then return end
+  for i = 2, n do
+    local r = reqs[i]
+    local rk = rank(r)
+    local j = i - 1
+    while j >= 1 and rank(reqs[j]) > rk do
+      reqs[j + 1] = reqs[j]
+      j = j - 1
+    end
+    reqs[j + 1] = r
+  end
+  local keep = {}
+  for i = n - RECENT_REQUESTS + 1, n do keep[#keep + 1] = reqs[i] end
+  s.reqs = keep
+end
+
+-- bisect.insort of a routed ts into the sorted arrivals, keeping the last RECENT_ARRIVALS
+local function add_arrival(s, ts_s, ts)
+  if not s.arr then s.arr = s.a and cjson.decode(s.a) or {} end
+  local arr = s.arr
+  local pos = #arr + 1
+  while pos > 1 and tonumber(arr[pos - 1]) > ts do pos = pos - 1 end
+  table.insert(arr, pos, ts_s)
+  if #arr > RECENT_ARRIVALS then table.remove(arr, 1) end
+end
+
+-- MemoryStore._location
+local function location(name, meta, bt_new, bt_update)
+  if redis.call('HSETNX', LOCS, name, meta) == 1 then
+    redis.call('HSET', LOCBT, name, bt_new)
+  elseif bt_update ~= '' then
+    redis.call('HSET', LOCBT, name, bt_update)
+  end
+end
+
+local function apply_ops(i, last)
+  while i <= last do
+    local op = argv[i]
+    if op == 'R' then
+      -- MemoryStore._routed
+      local sid, rid, iid, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local prompt, blocks, bt = argv[i + 5], argv[i + 6], argv[i + 7]
+      i = i + 8
+      local ts = tonumber(ts_s)
+      local s = touch_session(sid, ts_s, ts)
+      touch_instance(iid, ts_s, ts)
+      s.t = tostring((s.t and tonumber(s.t) or 0) + 1)
+      add_arrival(s, ts_s, ts)
+      name_session(s, iid, ts_s, ts)
+      set_blocks(s, blocks, bt, ts_s, ts)
+      local r = find_request(s, rid)
+      if ts >= tonumber(r[4]) then r[4], r[7] = ts_s, prompt end
+      name_request(r, iid, ts_s, ts)
+      trim_requests(s)
+    elseif op == 'S' then
+      -- MemoryStore._started
+      local sid, rid, iid, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      i = i + 5
+      local ts = tonumber(ts_s)
+      local s = touch_session(sid, ts_s, ts)
+      touch_instance(iid, ts_s, ts)
+      name_session(s, iid, ts_s, ts)
+      local r = find_request(s, rid)
+      if ts > tonumber(r[5]) then r[5] = ts_s end
+      name_request(r, iid, ts_s, ts)
+      trim_requests(s)
+    elseif op == 'F' then
+      -- MemoryStore._finished
+      local sid, rid, iid, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local output, context, blocks, bt = argv[i + 5], argv[i + 6], argv[i + 7], argv[i + 8]
+      i = i + 9
+      local ts = tonumber(ts_s)
+      local s = touch_session(sid, ts_s, ts)
+      touch_instance(iid, ts_s, ts)
+      name_session(s, iid, ts_s, ts)
+      set_blocks(s, blocks, bt, ts_s, ts)
+      local r = find_request(s, rid)
+      if ts >= tonumber(r[6]) then r[6], r[8], r[9] = ts_s, output, context end
+      name_request(r, iid, ts_s, ts)
+      trim_requests(s)
+    elseif op == 'C' then
+      -- MemoryStore._closed
+      local sid, ts_s = argv[i + 1], argv[i + 2]
+      i = i + 3
+      local ts = tonumber(ts_s)
+      local s = touch_session(sid, ts_s, ts)
+      if ts > num(s.c) then s.c = ts_s end
+    elseif op == 'K' then
+      -- MemoryStore._stored, _Location.store
+      local iid, name, meta, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local bt_new, bt_update, n = argv[i + 5], argv[i + 6], tonumber(argv[i + 7])
+      local first = i + 8
+      i = first + n
+      local ts = tonumber(ts_s)
+      if iid ~= '' then touch_instance(iid, ts_s, ts) end
+      location(name, meta, bt_new, bt_update)
+      if ts > num(redis.call('HGET', LOCCL, name)) then
+        local present, tomb = P .. ':loc:' .. name, P .. ':tomb:' .. name
+        for j = first, first + n - 1 do
+          local h = argv[j]
+          local removed = redis.call('ZSCORE', tomb, h)
+          if not removed or ts > tonumber(removed) then
+            local stored = redis.call('ZSCORE', present, h)
+            if not stored or ts > tonumber(stored) then
+              redis.call('ZADD', present, ts_s, h)
+            end
+            if removed then redis.call('ZREM', tomb, h) end
+          end
+        end
+      end
+    elseif op == 'X' then
+      -- MemoryStore._removed, _Location.remove
+      local iid, name, meta, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local bt_new, n = argv[i + 5], tonumber(argv[i + 6])
+      local first = i + 7
+      i = first + n
+      local ts = tonumber(ts_s)
+      if iid ~= '' then touch_instance(iid, ts_s, ts) end
+      location(name, meta, bt_new, '')
+      local present, tomb = P .. ':loc:' .. name, P .. ':tomb:' .. name
+      for j = first, first + n - 1 do
+        local h = argv[j]
+        local stored = redis.call('ZSCORE', present, h)
+        if not stored or tonumber(stored) <= ts then
+          if stored then redis.call('ZREM', present, h) end
+          local removed = redis.call('ZSCORE', tomb, h)
+          if not removed or ts > tonumber(removed) then
+            redis.call('ZADD', tomb, ts_s, h)
+          end
+        end
+      end
+    elseif op == 'Z' then
+      -- MemoryStore._cleared, _Location.clear
+      local iid, name, meta, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local bt_new = argv[i + 5]
+      i = i + 6
+      local ts = tonumber(ts_s)
+      if iid ~= '' then touch_instance(iid, ts_s, ts) end
+      location(name, meta, bt_new, '')
+      if ts > num(redis.call('HGET', LOCCL, name)) then
+        redis.call('HSET', LOCCL, name, ts_s)
+        redis.call('ZREMRANGEBYSCORE', P .. ':loc:' .. name, '-inf', ts_s)
+        redis.call('ZREMRANGEBYSCORE', P .. ':tomb:' .. name, '-inf', ts_s)
+      end
+    elseif op == 'I' then
+      -- MemoryStore._status
+      local iid, ts_s = argv[i + 1], argv[i + 2]
+      local status = {'st', ts_s, 'free', argv[i + 3], 'total', argv[i + 4], 'qd', argv[i + 5],
+                      'rr', argv[i + 6]}
+      i = i + 7
+      local ts = tonumber(ts_s)
+      local inst = touch_instance(iid, ts_s, ts)
+      if ts >= num(inst.st) then inst.st, inst.status = ts_s, status end
+    elseif op == 'O' then
+      -- MemoryStore._order: (rank, ts, status) replaces the old one when greater
+      local oid, rk_s, ts_s, status = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local nbytes, seconds, reason = argv[i + 5], argv[i + 6], argv[i + 7]
+      i = i + 8
+      local ts, rk = tonumber(ts_s), tonumber(rk_s)
+      local k = P .. ':o:' .. oid
+      local old = redis.call('HMGET', k, 'rank', 'ts', 'status')
+      local newer = not old[1]
+      if not newer then
+        local ork, ots = tonumber(old[1]), tonumber(old[2])
+        newer = rk > ork or (rk == ork and (ts > ots or (ts == ots and status > old[3])))
+      end
+      if newer then
+        redis.call('HSET', k, 'rank', rk_s, 'ts', ts_s, 'status', status,
+                   'bytes', nbytes, 'seconds', seconds, 'reason', reason)
+        redis.call('SADD', P .. ':orders', oid)
+      end
+    else
+      error('kvprefetch: unknown operation ' .. tostring(op))
+    end
+  end
+end
+
+local results, applied, in_call = {}, {}, {}
+local i = 4
+while i <= nargv do
+  local eid, n = argv[i], tonumber(argv[i + 1])
+  local first, last = i + 2, i + 1 + n
+  i = last + 1
+  local key = P .. ':eid:' .. eid
+  if in_call[key] or redis.call('EXISTS', key) == 1 then
+    results[#results + 1] = 0
+  else
+    in_call[key] = true
+    applied[#applied + 1] = key
+    apply_ops(first, last)
+    results[#results + 1] = 1
+  end
+end
+
+-- write back
+for _, sid in ipairs(session_order) do
+  local s = sessions[sid]
+  if s.reqs then s.r = cjson.encode(s.reqs) end
+  if s.arr then s.a = cjson.encode(s.arr) end
+  local fields = {}
+  for _, name in ipairs(SESSION_FIELDS) do
+    if s[name] then
+      fields[#fields + 1] = name
+      fields[#fields + 1] = s[name]
+    end
+  end
+  if s.b then
+    fields[#fields + 1] = 'b'
+    fields[#fields + 1] = s.b
+  end
+  redis.call('HSET', P .. ':s:' .. sid, unpack(fields))
+  if s.moved then redis.call('ZADD', SESSIONS, s.l, sid) end
+end
+for _, iid in ipairs(instance_order) do
+  local inst = instances[iid]
+  local k = P .. ':i:' .. iid
+  redis.call('HSET', k, 'l', inst.l)
+  if inst.status then redis.call('HSET', k, unpack(inst.status)) end
+  if inst.new then redis.call('SADD', INSTANCES, iid) end
+end
+
+-- mark the ids, and count them for stats()
+for _, key in ipairs(applied) do redis.call('SET', key, '1', 'EX', TTL) end
+if #applied > 0 then
+  local B = tonumber(argv[3])
+  local bucket = math.floor(tonumber(redis.call('TIME')[1]) / B)
+  local ck = P .. ':eidn:' .. string.format('%d', bucket)
+  redis.call('INCRBY', ck, #applied)
+  redis.call('EXPIREAT', ck, string.format('%d', (bucket + 1) * B + tonumber(TTL)))
+end
+return results
+""".replace("__RECENT_REQUESTS__", str(RECENT_REQUESTS)).replace(
+    "__RECENT_ARRIVALS__", str(RECENT_ARRIVALS))
+
+# ARGV: prefix, ttl seconds, bucket seconds. Returns sessions, instances, locations,
+# resident blocks, orders, remembered event ids.
+_STATS_LUA = r"""#!lua flags=no-writes
+local P = ARGV[1]
+local ttl, B = tonumber(ARGV[2]), tonumber(ARGV[3])
+local blocks = 0
+for _, name in ipairs(redis.call('HKEYS', P .. ':locs')) do
+  blocks = blocks + redis.call('ZCARD', P .. ':loc:' .. name)
+end
+local now = tonumber(redis.call('TIME')[1])
+local last = math.floor(now / B)
+local first = math.floor((now - ttl) / B) - 1
+local ids = 0
+for b = first, last do
+  local c = redis.call('GET', P .. ':eidn:' .. string.format('%d', b))
+  if c then ids = ids + tonumber(c) end
+end
+return {redis.call('ZCARD', P .. ':sessions'), redis.call('SCARD', P .. ':instances'),
+        redis.call('HLEN', P .. ':locs'), blocks, redis.call('SCARD', P .. ':orders'), ids}
+"""
+
+
+def _ts(x: float) -> str:
+    """A float as a string that parses back to the very same double (Python and Lua)."""
+    return repr(float(x))
+
+
+def _opt(x: Any) -> str:
+    return "" if x is None else str(x)
+
+
+def _enc_blocks(hs: Sequence[BlockHash]) -> list[str]:
+    """5 -> '5', '5' -> '"5"': unambiguous, and json.loads gives the same Python value back."""
+    return [str(int(h)) if isinstance(h, int) else json.dumps(h) for h in hs]
+
+
+def _glob_escape(s: str) -> str:
+    return "".join("\\" + ch if ch in "\\*?[]" else ch for ch in s)
+
+
+class RedisStore:
+    def __init__(self, client: redis.Redis, *, prefix: str, bytes_per_token: int, block_tokens: int,
+                 dedupe_ttl_seconds: int = 24 * 3600) -> None:
+        if not prefix:
+            raise ValueError("prefix must not be empty")
+        self._r = client
+        self.prefix = prefix
+        self.bytes_per_token = bytes_per_token
+        self.block_tokens = block_tokens
+        self.dedupe_ttl_seconds = int(dedupe_ttl_seconds)
+        self._bucket_seconds = max(1, math.ceil(self.dedupe_ttl_seconds / _STATS_BUCKETS))
+        self._apply_script = client.register_script(_APPLY_LUA)
+        self._stats_script = client.register_script(_STATS_LUA)
+        p = prefix
+        self._k_instances = f"{p}:instances"
+        self._k_locs, self._k_locbt, self._k_loccl = f"{p}:locs", f"{p}:locbt", f"{p}:loccl"
+        self._encode = {
+            "request_routed": self._enc_routed,
+            "request_started": self._enc_started,
+            "request_finished": self._enc_finished,
+            "session_closed": self._enc_closed,
+            "kv_blocks_stored": self._enc_stored,
+            "kv_blocks_removed": self._enc_removed,
+            "kv_blocks_cleared": self._enc_cleared,
+            "vllm_kv_events": self._enc_vllm,
+            "instance_status": self._enc_status,
+            "order_progress": self._enc_order,
+        }
+
+    @classmethod
+    def from_url(cls, url: str, *, prefix: str = "kvp", bytes_per_token: int, block_tokens: int,
+                 dedupe_ttl_seconds: int = 24 * 3600, timeout_seconds: float = 2.0) -> RedisStore:
+        # No automatic retries: a script call resent after a timeout may already have run, and
+        # would then report its event as a duplicate. Callers retry whole batches; the event-id
+        # dedupe makes that safe. (A pooled connection the server closed is replaced on checkout.)
+        client = redis.Redis.from_url(
+            url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds,
+            decode_responses=True, retry=Retry(NoBackoff(), 0))
+        return cls(client, prefix=prefix, bytes_per_token=bytes_per_token,
+                   block_tokens=block_tokens, dedupe_ttl_seconds=dedupe_ttl_seconds)
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(f"Redis is unavailable: {exc}") from exc
+        except redis.RedisError as exc:
+            raise StoreError(f"Redis failed: {exc}") from exc
+
+    # -- ingestion -------------------------------------------------------------------------
+
+    def seen(self, event_ids: Sequence[str]) -> list[bool]:
+        if not event_ids:
+            return []
+        p = self.prefix
+        with self._errors():
+            values = self._r.mget([f"{p}:eid:{eid}" for eid in event_ids])
+        return [v is not None for v in values]
+
+    def apply(self, events: Sequence[Event]) -> list[bool]:
+        if not events:
+            return []
+        # Chunks of events, one script call each, all in one pipeline: one round trip. A chunk
+        # is atomic; chunks stay small so no call holds Redis for long.
+        head = [self.prefix, str(self.dedupe_ttl_seconds), str(self._bucket_seconds)]
+        calls: list[list[str]] = []
+        sizes: list[int] = []
+        args, count = head[:], 0
+        for e in events:
+            ops: list[str] = []
+            self._encode[e.type](e, ops)
+            if count and (count >= _CHUNK_EVENTS or len(args) + len(ops) > _CHUNK_ARGS):
+                calls.append(args)
+                sizes.append(count)
+                args, count = head[:], 0
+            args.append(e.event_id)
+            args.append(str(len(ops)))
+            args += ops
+            count += 1
+        calls.append(args)
+        sizes.append(count)
+
+        results: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        with self._errors():
+            for attempt in range(2):
+                pipe = self._r.pipeline(transaction=False)
+                sha = self._apply_script.sha
+                for idx in todo:
+                    pipe.evalsha(sha, 0, *calls[idx])
+                missing = []
+                for idx, res in zip(todo, pipe.execute(raise_on_error=False)):
+                    if isinstance(res, NoScriptError):
+                        missing.append(idx)  # that call never ran: safe to send again
+                    else:
+                        results[idx] = res
+                if not missing:
+                    break
+                if attempt == 1:
+                    raise StoreError("Redis keeps forgetting the apply script (NOSCRIPT)")
+                self._apply_script.sha = self._r.script_load(_APPLY_LUA)
+                todo = missing
+        out: list[bool] = []
+        for res, size in zip(results, sizes):
+            if isinstance(res, (redis.ConnectionError, redis.TimeoutError)):
+                raise StoreUnavailable(f"Redis is unavailable: {res}")
+            if isinstance(res, Exception) or not isinstance(res, list) or len(res) != size:
+                raise StoreError(f"applying events failed in Redis: {res!r}")
+            out += (r == 1 for r in res)
+        return out
+
+    def _enc_routed(self, e: RequestRouted, ops: list[str]) -> None:
+        ops += ("R", e.session_id, e.request_id, e.instance_id, _ts(e.ts), str(e.prompt_tokens),
+                self._blocks_json(e.block_hashes), str(e.block_tokens or self.block_tokens))
+
+    def _enc_started(self, e: RequestStarted, ops: list[str]) -> None:
+        ops += ("S", e.session_id, e.request_id, e.instance_id, _ts(e.ts))
+
+    def _enc_finished(self, e: RequestFinished, ops: list[str]) -> None:
+        ops += ("F", e.session_id, e.request_id, e.instance_id, _ts(e.ts), str(e.output_tokens),
+                str(e.context_tokens) if e.context_tokens is not None else "-1",
+                self._blocks_json(e.block_hashes), str(e.block_tokens or self.block_tokens))
+
+    def _enc_closed(self, e: SessionClosed, ops: list[str]) -> None:
+        ops += ("C", e.session_id, _ts(e.ts))
+
+    @staticmethod
+    def _blocks_json(hs: Sequence[BlockHash] | None) -> str:
+        if hs is None:
+            return ""
+        return "[" + ",".join(_enc_blocks(hs)) + "]"
+
+    def _where(self, e: KvBlocksStored | KvBlocksRemoved | KvBlocksCleared) -> tuple[str, str, str]:
+        return (e.instance_id or "", location_name(e.tier, e.instance_id),
+                json.dumps([e.tier, e.instance_id]))
+
+    def _enc_stored(self, e: KvBlocksStored, ops: list[str]) -> None:
+        ops += ("K", *self._where(e), _ts(e.ts), str(e.block_tokens or self.block_tokens),
+                _opt(e.block_tokens or None), str(len(e.block_hashes)))
+        ops += _enc_blocks(e.block_hashes)
+
+    def _enc_removed(self, e: KvBlocksRemoved, ops: list[str]) -> None:
+        ops += ("X", *self._where(e), _ts(e.ts), str(self.block_tokens), str(len(e.block_hashes)))
+        ops += _enc_blocks(e.block_hashes)
+
+    def _enc_cleared(self, e: KvBlocksCleared, ops: list[str]) -> None:
+        ops += ("Z", *self._where(e), _ts(e.ts), str(self.block_tokens))
+
+    def _enc_vllm(self, e: VllmKvEvents, ops: list[str]) -> None:
+        # All sub-events in one script call, deduplicated under the parent's event id.
+        for sub in e.expand():
+            self._encode[sub.type](sub, ops)
+
+    def _enc_status(self, e: InstanceStatus, ops: list[str]) -> None:
+        ops += ("I", e.instance_id, _ts(e.ts), str(e.free_kv_bytes), _opt(e.total_kv_bytes),
+                str(e.queue_depth), str(e.running_requests))
+
+    def _enc_order(self, e: OrderProgress, ops: list[str]) -> None:
+        ops += ("O", e.order_id, str(_ORDER_RANK[e.status]), _ts(e.ts), e.status, _opt(e.bytes),
+                _ts(e.seconds) if e.seconds is not None else "", json.dumps(e.reason))
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def session(self, session_id: str) -> SessionView | None:
+        p = self.prefix
+        with self._errors():
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hgetall(f"{p}:s:{session_id}")
+            pipe.hkeys(self._k_locs)
+            h, loc_names = pipe.execute()
+            if not h:
+                return None
+            blocks: list[BlockHash] = json.loads(h["b"]) if "b" in h else []
+            resident: dict[str, int] = {}
+            if blocks and loc_names:
+                members = _enc_blocks(blocks)
+                pipe = self._r.pipeline(transaction=False)
+                for name in loc_names:
+                    pipe.zmscore(f"{p}:loc:{name}", members)
+                for name, scores in zip(loc_names, pipe.execute()):
+                    n = sum(1 for s in scores if s is not None)
+                    if n:
+                        resident[name] = n
+        reqs: list[list[str]] = json.loads(h["r"]) if "r" in h else []
+        latest = max(reqs, key=_rank) if reqs else None
+        if latest is None:
+            context_tokens = 0
+        else:
+            finished = float(latest[_REQ_FINISHED]) >= 0
+            ctx, prompt = int(latest[_REQ_CONTEXT]), int(latest[_REQ_PROMPT])
+            if finished and ctx >= 0:
+                context_tokens = ctx
+            elif finished and prompt >= 0:
+                context_tokens = prompt + int(latest[_REQ_OUTPUT])
+            else:
+                context_tokens = max(prompt, 0)
+        closed_ts = float(h["c"]) if "c" in h else -1.0
+        arrivals = [float(t) for t in json.loads(h["a"])] if "a" in h else []
+        return SessionView(
+            session_id=session_id,
+            state=_state(closed_ts, latest),
+            turns=int(h.get("t", 0)),
+            first_seen_ts=float(h["f"]),
+            last_activity_ts=float(h["l"]),
+            closed_ts=closed_ts if closed_ts >= 0 else None,
+            instance_id=h.get("i"),
+            context_tokens=context_tokens,
+            context_bytes=context_tokens * self.bytes_per_token,
+            block_hashes=blocks,
+            block_tokens=int(h.get("k", 0)) or self.block_tokens,
+            recent_arrivals_ts=arrivals,
+            inter_turn_gaps_seconds=[b - a for a, b in zip(arrivals, arrivals[1:])],
+            last_request=_request_view(latest) if latest is not None else None,
+            resident_blocks=resident,
+        )
+
+    def _location_table(self) -> list[tuple[str, str, str | None, int, float | None, int]]:
+        """(name, tier, instance_id, block_tokens, cleared_ts, blocks) for every location."""
+        p = self.prefix
+        pipe = self._r.pipeline(transaction=False)
+        pipe.hgetall(self._k_locs)
+        pipe.hgetall(self._k_locbt)
+        pipe.hgetall(self._k_loccl)
+        metas, bts, cleared = pipe.execute()
+        names = sorted(metas)
+        pipe = self._r.pipeline(transaction=False)
+        for name in names:
+            pipe.zcard(f"{p}:loc:{name}")
+        counts = pipe.execute() if names else []
+        out = []
+        for name, n in zip(names, counts):
+            tier, instance_id = json.loads(metas[name])
+            bt = int(bts[name]) if name in bts else self.block_tokens
+            cl = float(cleared[name]) if name in cleared else None
+            out.append((name, tier, instance_id, bt, cl, int(n)))
+        return out
+
+    def instances(self) -> list[InstanceView]:
+        p = self.prefix
+        with self._errors():
+            ids = sorted(self._r.smembers(self._k_instances))
+            locs = self._location_table()
+            pipe = self._r.pipeline(transaction=False)
+            for instance_id in ids:
+                pipe.hgetall(f"{p}:i:{instance_id}")
+            hashes = pipe.execute() if ids else []
+        per_instance: dict[str, dict[str, int]] = {}
+        per_instance_bytes: dict[str, dict[str, int]] = {}
+        for _, tier, instance_id, bt, _, n in locs:
+            if instance_id is None:
+                continue
+            per_instance.setdefault(instance_id, {})[tier] = n
+            per_instance_bytes.setdefault(instance_id, {})[tier] = n * bt * self.bytes_per_token
+        out = []
+        for instance_id, h in zip(ids, hashes):
+            if not h:  # cleared between the two reads
+                continue
+            has_status = "st" in h
+            out.append(InstanceView(
+                instance_id=instance_id, last_seen_ts=float(h["l"]),
+                status_ts=float(h["st"]) if has_status else None,
+                free_kv_bytes=int(h["free"]) if has_status else None,
+                total_kv_bytes=int(h["total"]) if has_status and h["total"] else None,
+                queue_depth=int(h["qd"]) if has_status else None,
+                running_requests=int(h["rr"]) if has_status else None,
+                resident_blocks=per_instance.get(instance_id, {}),
+                resident_bytes=per_instance_bytes.get(instance_id, {})))
+        return out
+
+    def locations(self) -> list[LocationView]:
+        with self._errors():
+            locs = self._location_table()
+        return [
+            LocationView(location=name, tier=tier, instance_id=instance_id,  # type: ignore[arg-type]
+                         blocks=n, bytes=n * bt * self.bytes_per_token, block_tokens=bt,
+                         cleared_ts=cl)
+            for name, tier, instance_id, bt, cl, n in locs
+        ]
+
+    def holds(self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]) -> list[bool]:
+        if not block_hashes:
+            return []
+        key = f"{self.prefix}:loc:{location_name(tier, instance_id)}"
+        with self._errors():
+            scores = self._r.zmscore(key, _enc_blocks(block_hashes))
+        return [s is not None for s in scores]
+
+    def order(self, order_id: str) -> OrderView | None:
+        with self._errors():
+            h = self._r.hgetall(f"{self.prefix}:o:{order_id}")
+        if not h:
+            return None
+        return OrderView(
+            order_id=order_id, status=h["status"], status_ts=float(h["ts"]),  # type: ignore[arg-type]
+            bytes=int(h["bytes"]) if h["bytes"] else None,
+            seconds=float(h["seconds"]) if h["seconds"] else None,
+            reason=json.loads(h["reason"]))
+
+    def stats(self) -> dict[str, int]:
+        with self._errors():
+            counts = self._stats_script(
+                args=[self.prefix, self.dedupe_ttl_seconds, self._bucket_seconds])
+        keys = ("sessions", "instances", "locations", "resident_blocks", "orders",
+                "remembered_event_ids")
+        return {k: int(v) for k, v in zip(keys, counts)}
+
+    def checkpoint(self, replica_id: str) -> LogPosition | None:
+        with self._errors():
+            raw = self._r.get(f"{self.prefix}:ckpt:{replica_id}")
+        if raw is None:
+            return None
+        segment, offset = raw.split(":")
+        return LogPosition(int(segment), int(offset))
+
+    def set_checkpoint(self, replica_id: str, position: LogPosition) -> None:
+        with self._errors():
+            self._r.set(f"{self.prefix}:ckpt:{replica_id}", f"{position.segment}:{position.offset}")
+
+    def ping(self) -> None:
+        with self._errors():
+            self._r.ping()
+
+    def clear(self) -> None:
+        with self._errors():
+            batch: list[str] = []
+            for key in self._r.scan_iter(match=_glob_escape(self.prefix) + ":*", count=1000):
+                batch.append(key)
+                if len(batch) >= 500:
+                    self._r.unlink(*batch)
+                    batch.clear()
+            if batch:
+                self._r.unlink(*batch)
+
+    def close(self) -> None:
+        self._r.close()
+
+
+def _rank(r: list[str]) -> float:
+    """_Request.rank on a stored record."""
+    routed = float(r[_REQ_ROUTED])
+    if routed >= 0:
+        return routed
+    known = [t for t in (float(r[_REQ_STARTED]), float(r[_REQ_FINISHED])) if t >= 0]
+    return min(known) if known else -1.0
+
+
+def _request_view(r: list[str]) -> RequestView:
+    def opt(x: str) -> float | None:
+        v = float(x)
+        return v if v >= 0 else None
+
+    def opt_int(x: str) -> int | None:
+        v = int(x)
+        return v if v >= 0 else None
+
+    return RequestView(
+        request_id=r[_REQ_ID], instance_id=r[_REQ_INSTANCE] or None,
+        routed_ts=opt(r[_REQ_ROUTED]), started_ts=opt(r[_REQ_STARTED]),
+        finished_ts=opt(r[_REQ_FINISHED]), prompt_tokens=opt_int(r[_REQ_PROMPT]),
+        output_tokens=opt_int(r[_REQ_OUTPUT]), context_tokens=opt_int(r[_REQ_CONTEXT]))
+
+
+def _state(closed_ts: float, latest: list[str] | None) -> Any:
+    """memory._state on a stored record."""
+    latest_routed = float(latest[_REQ_ROUTED]) if latest is not None else -1.0
+    if closed_ts >= 0 and closed_ts >= latest_routed:
+        return "closed"
+    if latest is None or float(latest[_REQ_FINISHED]) >= 0:
+        return "idle"
+    if float(latest[_REQ_STARTED]) >= 0:
+        return "running"
+    return "queued"
