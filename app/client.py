@@ -1,0 +1,701 @@
+"""Report events to kvprefetch from a router, an engine or a transfer agent, never waiting on it.
+
+A router's request path must not slow down because kvprefetch is slow or down, so `send()` only
+enqueues and a background sender posts batches to POST /v1/events. An event keeps its `event_id`
+across retries and the service acknowledges a resend as a duplicate, so a retry after a lost
+answer never counts a turn twice. While the service stays away the queue is bounded: the oldest
+events go first (recent state matters more than old) and are counted in `stats.dropped`.
+
+Usage::
+
+    from app.client import AsyncKvpClient, KvpClient
+
+    with KvpClient("http://kvprefetch:8000") as kvp:       # a thread sends in the background
+        kvp.request_routed(session_id="s1", request_id="r1", instance_id="gpu-0",
+                           prompt_tokens=1200)
+        kvp.send({"type": "instance_status", "event_id": "st-1", "ts": time.time(),
+                  "instance_id": "gpu-0", "free_kv_bytes": 8 << 30})   # or any event model
+    # leaving the block flushes what is queued (for at most close()'s timeout)
+
+    async with AsyncKvpClient("http://kvprefetch:8000") as kvp:   # an asyncio task sends
+        kvp.request_finished(session_id="s1", request_id="r1", instance_id="gpu-0",
+                             output_tokens=300)
+        await kvp.flush()
+        print(kvp.stats)
+
+Both clients share `_Pipeline` (the queue, the batching, the backoff and what each answer
+means) and `_judge_response`; they differ only in how they wait and how they post.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import email.utils
+import logging
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from types import TracebackType
+from typing import Any, Literal, NamedTuple, Self, TypeVar
+
+import httpx
+import orjson
+from pydantic import BaseModel
+
+from app import __version__
+from app.engine.events import (
+    BlockHash,
+    RequestFinished,
+    RequestRouted,
+    RequestStarted,
+    SessionClosed,
+)
+
+__all__ = ["AsyncKvpClient", "ClientStats", "KvpClient"]
+
+log = logging.getLogger("kvprefetch.client")
+
+# The first retry waits about this long; each further failure doubles it, up to the cap.
+_FIRST_BACKOFF_SECONDS = 0.1
+# Answers that say "not now" rather than "never": the same batch is sent again.
+_RETRY_STATUSES = frozenset({408, 429})
+# How many rejected events one log line names; the rest are only counted.
+_LOGGED_REJECTIONS = 5
+_DEFAULT_CLOSE_TIMEOUT = 10.0
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class ClientStats:
+    """A snapshot of a client's counters; every event sent ends up in exactly one of the first five.
+
+    queued: not yet acknowledged (waiting, or in the batch being sent).
+    sent: acknowledged as accepted. duplicates: acknowledged as already known (a resend).
+    rejected: refused by the service as invalid; sending them again would fail again.
+    dropped: given up unsent, the oldest first when the queue was full, or sent after close.
+    retries: failed attempts that were retried. last_error: why the latest attempt failed.
+    """
+
+    queued: int
+    sent: int
+    duplicates: int
+    rejected: int
+    dropped: int
+    retries: int
+    last_error: str | None
+
+
+@dataclass(slots=True)
+class _Item:
+    seq: int
+    event_id: str
+    data: bytes  # the event's JSON, encoded once when sent so every retry posts the same bytes
+    queued_at: float
+
+
+class _Batch:
+    __slots__ = ("_body", "items")
+
+    def __init__(self, items: list[_Item]) -> None:
+        self.items = items
+        self._body: bytes | None = None
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    @property
+    def event_ids(self) -> list[str]:
+        return [item.event_id for item in self.items]
+
+    def body(self) -> bytes:
+        if self._body is None:
+            self._body = b'{"events":[' + b",".join(item.data for item in self.items) + b"]}"
+        return self._body
+
+
+@dataclass(frozen=True, slots=True)
+class _Outcome:
+    """What an attempt's result means for its batch.
+
+    done: the service answered for every event (some may be duplicates or rejected).
+    retry: nothing is known to be applied; send the same batch again later.
+    split: the batch is too large; send each half. reject: the whole batch is refused for good.
+    """
+
+    action: Literal["done", "retry", "split", "reject"]
+    duplicates: int = 0
+    rejected: int = 0
+    retry_after: float | None = None
+    error: str | None = None
+
+
+class _Pushed(NamedTuple):
+    wake: bool  # the sender may be idle or lingering and should look again
+    dropped: bool  # the oldest event was dropped, which may complete a flush
+    note: str | None  # a warning to log, outside any lock
+
+
+def _encode(event: BaseModel | Mapping[str, Any]) -> tuple[str, bytes]:
+    """Encode in the caller's thread: a dict changed after send() cannot change what is sent."""
+    if isinstance(event, BaseModel):
+        event_id = getattr(event, "event_id", None)
+        data = event.model_dump_json(exclude_none=True).encode()
+    elif isinstance(event, Mapping):
+        event_id = event.get("event_id")
+        data = orjson.dumps(event if isinstance(event, dict) else dict(event))
+    else:
+        raise TypeError(f"send() takes an event model or a dict, not {type(event).__name__}")
+    if not isinstance(event_id, str) or not event_id:
+        raise ValueError("an event needs a non-empty string event_id: retries are recognised by it")
+    return event_id, data
+
+
+def _json(content: bytes) -> Any:
+    try:
+        return orjson.loads(content)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _describe_error(status: int, doc: Any, content: bytes) -> str:
+    if isinstance(doc, dict) and "detail" in doc:
+        field = f" (field {doc['field']})" if doc.get("field") else ""
+        return f"HTTP {status}: {doc['detail']}{field}"
+    text = content[:200].decode("utf-8", "replace").strip()
+    return f"HTTP {status}: {text}" if text else f"HTTP {status}"
+
+
+def _describe_rejections(rejections: list[dict[str, Any]], events: int) -> str:
+    named = "; ".join(
+        f"{r.get('field', '?')}: {r.get('message', '?')} (event_id {r.get('event_id')!r})"
+        for r in rejections[:_LOGGED_REJECTIONS])
+    more = len(rejections) - _LOGGED_REJECTIONS
+    tail = f"; and {more} more errors" if more > 0 else ""
+    return f"the service rejected {events} invalid events, dropped: {named}{tail}"
+
+
+def _retry_after_seconds(value: str | None) -> float | None:
+    """Retry-After is either seconds or an HTTP date; anything else is ignored."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    return seconds if seconds > 0 else 0.0  # also maps NaN to 0
+
+
+def _backoff_seconds(failures: int, *, cap: float, retry_after: float | None,
+                     rng: random.Random) -> float:
+    """Exponential backoff with jitter, so a fleet of routers does not retry in lockstep.
+
+    The cap bounds every wait, Retry-After included: a misconfigured proxy asking for an hour
+    must not silence reporting for an hour (the queue would overflow long before).
+    """
+    base = min(cap, _FIRST_BACKOFF_SECONDS * 2 ** min(failures - 1, 32))
+    delay = base / 2 + rng.random() * base / 2
+    if retry_after is not None:
+        delay = max(delay, min(retry_after, cap))
+    return delay
+
+
+def _judge_response(status: int, headers: Mapping[str, str], content: bytes,
+                    batch_len: int) -> _Outcome:
+    """Map an answer of POST /v1/events (app/api/routes/events.py) to what becomes of the batch."""
+    if 200 <= status < 300:
+        doc = _json(content)
+        duplicates = doc.get("duplicates") if isinstance(doc, dict) else None
+        return _Outcome("done", duplicates=len(duplicates) if isinstance(duplicates, list) else 0)
+    doc = _json(content)
+    if status == 422 and isinstance(doc, dict) and isinstance(doc.get("rejected"), list):
+        # Per-event errors: the valid events were accepted, the others would fail again.
+        rejections = [r for r in doc["rejected"] if isinstance(r, dict)]
+        # One event can fail on several fields; count events, not errors.
+        events = len({r.get("index", r.get("event_id")) for r in rejections})
+        duplicates = doc.get("duplicates")
+        return _Outcome("done", duplicates=len(duplicates) if isinstance(duplicates, list) else 0,
+                        rejected=events, error=_describe_rejections(rejections, events))
+    error = _describe_error(status, doc, content)
+    if status in _RETRY_STATUSES or status >= 500:
+        return _Outcome("retry", retry_after=_retry_after_seconds(headers.get("retry-after")),
+                        error=error)
+    if status == 413 and batch_len > 1:
+        return _Outcome("split", error=error)
+    return _Outcome("reject", error=error)
+
+
+def _judge_exception(exc: BaseException) -> _Outcome:
+    # Whether the service applied the batch is unknown; a resend is safe since ids dedupe it.
+    name = type(exc).__name__
+    return _Outcome("retry", error=f"{name}: {exc}" if str(exc) else name)
+
+
+class _Pipeline:
+    """The queue and every decision about it, shared by both clients. No I/O, never waits.
+
+    Not thread-safe: the thread client calls it under its lock, the asyncio client from its loop.
+    Events leave the queue in order, one batch at a time; a batch stays "in flight" (kept for
+    resending, not counted against max_queue_events) until the service has answered for it.
+    """
+
+    def __init__(self, *, batch_size: int, flush_interval_seconds: float, max_queue_events: int,
+                 max_backoff_seconds: float, rng: random.Random | None = None) -> None:
+        if batch_size < 1:
+            raise ValueError("batch_size must be at least 1")
+        if max_queue_events < 1:
+            raise ValueError("max_queue_events must be at least 1")
+        if flush_interval_seconds < 0 or max_backoff_seconds < 0:
+            raise ValueError("flush_interval_seconds and max_backoff_seconds cannot be negative")
+        self._batch_size = batch_size
+        self._flush_interval = flush_interval_seconds
+        self._max_queue = max_queue_events
+        self._max_backoff = max_backoff_seconds
+        self._rng = rng or random.Random()
+        self._queue: deque[_Item] = deque()
+        self._inflight: list[_Batch] = []  # the batch being sent; two halves after a 413
+        self._next_seq = 0
+        self._flush_target = -1  # events up to this seq are sent without lingering
+        self._retry_at = 0.0
+        self._failures = 0  # consecutive failed attempts
+        self._dropping = False  # warned about this overflow; again once the queue has drained
+        self._sent = self._duplicates = self._rejected = self._dropped = self._retries = 0
+        self._last_error: str | None = None
+
+    @property
+    def pending(self) -> int:
+        return len(self._queue) + sum(len(b) for b in self._inflight)
+
+    def push(self, event_id: str, data: bytes, now: float) -> _Pushed:
+        note = None
+        dropped = len(self._queue) >= self._max_queue
+        if dropped:
+            self._queue.popleft()
+            self._dropped += 1
+            if not self._dropping:
+                self._dropping = True
+                why = f" (last error: {self._last_error})" if self._failures else ""
+                note = (f"kvprefetch client queue is full ({self._max_queue} events): dropping "
+                        f"the oldest events until the service catches up{why}")
+        self._queue.append(_Item(self._next_seq, event_id, data, now))
+        self._next_seq += 1
+        n = len(self._queue)
+        return _Pushed(wake=n == 1 or n == self._batch_size, dropped=dropped, note=note)
+
+    def discard(self) -> None:
+        self._dropped += 1
+
+    def request_flush(self) -> int:
+        """Stop lingering over what is queued now; returns the seq to wait for."""
+        self._flush_target = max(self._flush_target, self._next_seq - 1)
+        return self._flush_target
+
+    def done_through(self, target: int) -> bool:
+        """Whether every event up to `target` has been answered for or dropped."""
+        if self._inflight:
+            return self._inflight[0].items[0].seq > target
+        return not self._queue or self._queue[0].seq > target
+
+    def ready(self, now: float) -> float | None:
+        """Seconds until the next attempt is due (0: now), None when there is nothing to send.
+
+        A partial batch lingers for flush_interval so that a busy router sends few large posts
+        instead of many small ones; a flush or a full batch ends the linger.
+        """
+        if self._inflight:
+            return max(0.0, self._retry_at - now)
+        if not self._queue:
+            return None
+        head = self._queue[0]
+        if len(self._queue) >= self._batch_size or head.seq <= self._flush_target:
+            return 0.0
+        return max(0.0, head.queued_at + self._flush_interval - now)
+
+    def take(self) -> _Batch:
+        if self._dropping and len(self._queue) <= self._max_queue // 2:
+            self._dropping = False
+        if not self._inflight:
+            n = min(self._batch_size, len(self._queue))
+            self._inflight.append(_Batch([self._queue.popleft() for _ in range(n)]))
+        return self._inflight[0]
+
+    def settle(self, batch: _Batch, outcome: _Outcome, now: float) -> tuple[int, str] | None:
+        """Apply an attempt's outcome; returns (level, message) to log, outside any lock."""
+        assert self._inflight and self._inflight[0] is batch, "settle() the batch take() gave"
+        if outcome.action == "retry":
+            self._failures += 1
+            self._retries += 1
+            self._last_error = outcome.error
+            delay = _backoff_seconds(self._failures, cap=self._max_backoff,
+                                     retry_after=outcome.retry_after, rng=self._rng)
+            self._retry_at = now + delay
+            # One warning per outage, not one per attempt.
+            level = logging.WARNING if self._failures == 1 else logging.DEBUG
+            return level, (f"cannot deliver {len(batch)} events to kvprefetch ({outcome.error}); "
+                           f"retry {self._failures} in {delay:.2f}s with the same event ids")
+        failures, self._failures = self._failures, 0
+        if outcome.action == "split":
+            half = len(batch) // 2
+            self._inflight[0:1] = [_Batch(batch.items[:half]), _Batch(batch.items[half:])]
+            self._retry_at = now
+            return logging.INFO, (f"kvprefetch refused a batch of {len(batch)} events as too "
+                                  f"large ({outcome.error}); sending it in halves")
+        self._inflight.pop(0)
+        note: tuple[int, str] | None = None
+        if outcome.action == "reject":
+            self._rejected += len(batch)
+            self._last_error = outcome.error
+            note = logging.ERROR, (f"kvprefetch refused a batch of {len(batch)} events; they are "
+                                   f"dropped, since sending them again would fail again: "
+                                   f"{outcome.error}")
+        else:
+            duplicates = min(outcome.duplicates, len(batch))
+            rejected = min(outcome.rejected, len(batch) - duplicates)
+            self._duplicates += duplicates
+            self._rejected += rejected
+            self._sent += len(batch) - duplicates - rejected
+            if rejected:
+                self._last_error = outcome.error
+                note = logging.WARNING, str(outcome.error)
+        if note is None and failures:
+            note = logging.INFO, f"kvprefetch answered again after {failures} failed attempts"
+        return note
+
+    def stats(self) -> ClientStats:
+        return ClientStats(queued=self.pending, sent=self._sent, duplicates=self._duplicates,
+                           rejected=self._rejected, dropped=self._dropped, retries=self._retries,
+                           last_error=self._last_error)
+
+
+class _EventHelpers:
+    """Thin builders for the events a router reports; anything else goes through send()."""
+
+    def send(self, event: BaseModel | Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _emit(self, model: type[_M], ts: float | None, event_id: str | None, **fields: Any) -> _M:
+        event = model(event_id=event_id or uuid.uuid4().hex,
+                      ts=time.time() if ts is None else ts, **fields)
+        self.send(event)
+        return event
+
+    def request_routed(self, *, session_id: str, request_id: str, instance_id: str,
+                       prompt_tokens: int, block_hashes: Sequence[BlockHash] | None = None,
+                       block_tokens: int | None = None, ts: float | None = None,
+                       event_id: str | None = None) -> RequestRouted:
+        return self._emit(RequestRouted, ts, event_id, session_id=session_id,
+                          request_id=request_id, instance_id=instance_id,
+                          prompt_tokens=prompt_tokens, block_hashes=block_hashes,
+                          block_tokens=block_tokens)
+
+    def request_started(self, *, session_id: str, request_id: str, instance_id: str,
+                        ts: float | None = None, event_id: str | None = None) -> RequestStarted:
+        return self._emit(RequestStarted, ts, event_id, session_id=session_id,
+                          request_id=request_id, instance_id=instance_id)
+
+    def request_finished(self, *, session_id: str, request_id: str, instance_id: str,
+                         output_tokens: int, context_tokens: int | None = None,
+                         block_hashes: Sequence[BlockHash] | None = None,
+                         block_tokens: int | None = None, ts: float | None = None,
+                         event_id: str | None = None) -> RequestFinished:
+        return self._emit(RequestFinished, ts, event_id, session_id=session_id,
+                          request_id=request_id, instance_id=instance_id,
+                          output_tokens=output_tokens, context_tokens=context_tokens,
+                          block_hashes=block_hashes, block_tokens=block_tokens)
+
+    def session_closed(self, *, session_id: str, ts: float | None = None,
+                       event_id: str | None = None) -> SessionClosed:
+        return self._emit(SessionClosed, ts, event_id, session_id=session_id)
+
+
+def _http_options(base_url: str, timeout_seconds: float,
+                  headers: Mapping[str, str] | None) -> tuple[str, dict[str, Any]]:
+    if timeout_seconds <= 0:
+        raise ValueError("timeout_seconds must be positive")
+    all_headers = {"user-agent": f"kvprefetch-client/{__version__}"}
+    all_headers.update(headers or {})
+    all_headers["content-type"] = "application/json"
+    return base_url.rstrip("/") + "/v1/events", {"timeout": timeout_seconds, "headers": all_headers}
+
+
+def _log_unsent(pending: int) -> None:
+    if pending:
+        log.warning("kvprefetch client closed with %d events undelivered", pending)
+
+
+class KvpClient(_EventHelpers):
+    """Reports events from any thread; one daemon thread posts them.
+
+    The lock is only ever held for queue bookkeeping, never across a request or a log call, so
+    send() costs an encode and an append whatever the service is doing.
+    """
+
+    def __init__(self, base_url: str, *, batch_size: int = 500,
+                 flush_interval_seconds: float = 0.05, max_queue_events: int = 100_000,
+                 timeout_seconds: float = 5.0, max_backoff_seconds: float = 5.0,
+                 headers: Mapping[str, str] | None = None,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self._pipeline = _Pipeline(batch_size=batch_size,
+                                   flush_interval_seconds=flush_interval_seconds,
+                                   max_queue_events=max_queue_events,
+                                   max_backoff_seconds=max_backoff_seconds)
+        self._url, options = _http_options(base_url, timeout_seconds, headers)
+        self._http = httpx.Client(transport=transport, **options)
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # the sender waits here
+        self._progress = threading.Condition(self._lock)  # flush() waits here
+        self._closed = False
+        self._stopping = False
+        self._warned_closed = False
+        # A daemon: a client nobody closed must not keep the process alive at exit.
+        self._thread = threading.Thread(target=self._run, name="kvprefetch-client", daemon=True)
+        self._thread.start()
+
+    @property
+    def stats(self) -> ClientStats:
+        with self._lock:
+            return self._pipeline.stats()
+
+    def send(self, event: BaseModel | Mapping[str, Any]) -> None:
+        """Queue an event. Never waits for the service; when the queue is full the oldest goes.
+
+        After close() the event is dropped and counted rather than raising, since a router's
+        request threads may still be reporting while it shuts down.
+        """
+        event_id, data = _encode(event)
+        with self._lock:
+            if self._closed:
+                self._pipeline.discard()
+                warn, self._warned_closed = not self._warned_closed, True
+                pushed = None
+            else:
+                warn = False
+                pushed = self._pipeline.push(event_id, data, time.monotonic())
+                if pushed.wake:
+                    self._work.notify()
+                if pushed.dropped:
+                    self._progress.notify_all()
+        if warn:
+            log.warning("kvprefetch client is closed: events sent now are dropped")
+        if pushed is not None and pushed.note:
+            log.warning(pushed.note)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every event queued before the call is answered for or dropped.
+
+        Returns False when the timeout ran out first (the events stay queued) or the client is
+        closed with events left.
+        """
+        with self._lock:
+            target = self._pipeline.request_flush()
+            self._work.notify()
+            self._progress.wait_for(
+                lambda: self._pipeline.done_through(target) or not self._thread.is_alive(), timeout)
+            return self._pipeline.done_through(target)
+
+    def close(self, timeout: float | None = _DEFAULT_CLOSE_TIMEOUT) -> bool:
+        """Flush for at most `timeout` seconds, then stop the sender; True when all was delivered.
+
+        Events still queued when the timeout runs out are abandoned (they stay in stats.queued).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._closed = True
+        flushed = self.flush(timeout)
+        with self._lock:
+            self._stopping = True
+            self._work.notify_all()
+        if self._thread is not threading.current_thread():
+            # An attempt in progress ends within timeout_seconds; the thread exits after it.
+            self._thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        with self._lock:
+            pending = self._pipeline.pending
+        _log_unsent(pending)
+        return flushed
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def _next_batch(self) -> _Batch | None:
+        with self._lock:
+            while not self._stopping:
+                wait = self._pipeline.ready(time.monotonic())
+                if wait is not None and wait <= 0:
+                    return self._pipeline.take()
+                self._work.wait(wait)
+            return None
+
+    def _attempt(self, batch: _Batch) -> _Outcome:
+        try:
+            response = self._http.post(self._url, content=batch.body())
+        except Exception as exc:  # noqa: BLE001 - the sender outlives any transport error
+            return _judge_exception(exc)
+        return _judge_response(response.status_code, response.headers, response.content, len(batch))
+
+    def _run(self) -> None:
+        try:
+            while (batch := self._next_batch()) is not None:
+                outcome = self._attempt(batch)
+                with self._lock:
+                    note = self._pipeline.settle(batch, outcome, time.monotonic())
+                    self._progress.notify_all()
+                if note:
+                    log.log(*note)
+        except Exception:
+            log.exception("kvprefetch client sender crashed; events are no longer delivered")
+        finally:
+            self._http.close()
+            with self._lock:
+                self._progress.notify_all()  # flush() waiters see the thread is gone
+
+
+class AsyncKvpClient(_EventHelpers):
+    """The asyncio flavour: one task posts, on the loop of the first send().
+
+    send() is a plain method, so it can be called from sync code running on the loop; it must
+    be called from the loop's thread (use KvpClient from other threads).
+    """
+
+    def __init__(self, base_url: str, *, batch_size: int = 500,
+                 flush_interval_seconds: float = 0.05, max_queue_events: int = 100_000,
+                 timeout_seconds: float = 5.0, max_backoff_seconds: float = 5.0,
+                 headers: Mapping[str, str] | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self._pipeline = _Pipeline(batch_size=batch_size,
+                                   flush_interval_seconds=flush_interval_seconds,
+                                   max_queue_events=max_queue_events,
+                                   max_backoff_seconds=max_backoff_seconds)
+        self._url, options = _http_options(base_url, timeout_seconds, headers)
+        self._http = httpx.AsyncClient(transport=transport, **options)
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()  # the sender waits on this
+        self._changed = asyncio.Event()  # replaced after each set: flush() waiters see each change
+        self._closed = False
+        self._stopping = False
+        self._warned_closed = False
+
+    @property
+    def stats(self) -> ClientStats:
+        return self._pipeline.stats()
+
+    def send(self, event: BaseModel | Mapping[str, Any]) -> None:
+        """Queue an event; never awaits. When the queue is full the oldest event goes."""
+        event_id, data = _encode(event)
+        if self._closed:
+            self._pipeline.discard()
+            if not self._warned_closed:
+                self._warned_closed = True
+                log.warning("kvprefetch client is closed: events sent now are dropped")
+            return
+        self._ensure_started()  # raises outside a loop, before the event is queued
+        pushed = self._pipeline.push(event_id, data, time.monotonic())
+        if pushed.wake:
+            self._wake.set()
+        if pushed.dropped:
+            self._notify_progress()
+        if pushed.note:
+            log.warning(pushed.note)
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every event queued before the call is answered for or dropped."""
+        target = self._pipeline.request_flush()
+        if self._pipeline.done_through(target):
+            return True
+        if not self._stopping:
+            self._ensure_started()
+        self._wake.set()
+        try:
+            async with asyncio.timeout(timeout):
+                while not self._pipeline.done_through(target):
+                    if self._task is None or self._task.done():
+                        return False
+                    await self._changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def aclose(self, timeout: float | None = _DEFAULT_CLOSE_TIMEOUT) -> bool:
+        """Flush for at most `timeout` seconds, then stop the sender; True if all was delivered."""
+        if self._stopping:
+            return self._pipeline.pending == 0
+        self._closed = True
+        flushed = await self.flush(timeout)
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            if not flushed:
+                self._task.cancel()  # it may be backing off or waiting on a hung service
+            await asyncio.wait({self._task})  # never raises, even when the task was cancelled
+        await self._http.aclose()
+        _log_unsent(self._pipeline.pending)
+        return flushed
+
+    async def __aenter__(self) -> Self:
+        self._ensure_started()
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    def _ensure_started(self) -> None:
+        if self._task is not None and not self._task.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise RuntimeError("AsyncKvpClient needs a running event loop; "
+                               "use KvpClient from threads") from None
+        self._task = loop.create_task(self._run(), name="kvprefetch-client")
+        # Called once the task is done, so woken flush() waiters see it done and stop waiting.
+        self._task.add_done_callback(lambda _: self._notify_progress())
+
+    def _notify_progress(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _next_batch(self) -> _Batch | None:
+        while not self._stopping:
+            wait = self._pipeline.ready(time.monotonic())
+            if wait is not None and wait <= 0:
+                return self._pipeline.take()
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+        return None
+
+    async def _attempt(self, batch: _Batch) -> _Outcome:
+        try:
+            response = await self._http.post(self._url, content=batch.body())
+        except Exception as exc:  # noqa: BLE001 - the sender outlives any transport error
+            return _judge_exception(exc)
+        return _judge_response(response.status_code, response.headers, response.content, len(batch))
+
+    async def _run(self) -> None:
+        try:
+            while (batch := await self._next_batch()) is not None:
+                outcome = await self._attempt(batch)
+                note = self._pipeline.settle(batch, outcome, time.monotonic())
+                self._notify_progress()
+                if note:
+                    log.log(*note)
+        except Exception:
+            log.exception("kvprefetch client sender crashed; events are no longer delivered")
