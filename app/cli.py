@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -12,6 +13,46 @@ from app.core.config import Settings
 cli = typer.Typer(no_args_is_help=True, help="Predictive KV-cache prefetching for LLM serving fleets.")
 bench_cli = typer.Typer(no_args_is_help=True, help="Benchmarks, each printing one JSON object with --json.")
 cli.add_typer(bench_cli, name="bench")
+
+
+def _print_result(result: dict, as_json: bool) -> None:  # type: ignore[type-arg]
+    """One JSON object on stdout with --json; otherwise the same, indented for people."""
+    import json
+
+    print(json.dumps(result) if as_json else json.dumps(result, indent=2), flush=True)
+
+
+@bench_cli.command("ingest")
+def bench_ingest(
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds; each posts to the service and the ceiling.")] = 5,
+    batches: Annotated[int | None, typer.Option(
+        min=1, help="Batches per round and batch size (default: 100,000 events' worth).")] = None,
+    concurrency: Annotated[int, typer.Option(min=1, help="Client connections, one thread each.")] = 3,
+    fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync the event log per batch "
+                                        "(the service's default, KVP_LOG_FSYNC).")] = True,
+    data_dir: Annotated[Path | None, typer.Option(
+        help="Where the temporary event log goes (default: the system's temp dir).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the generated traffic.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+) -> None:
+    """Events/s through POST /v1/events over HTTP (one uvicorn worker) against a bare FastAPI ceiling."""
+    from bench.ingest import run
+
+    _print_result(run(rounds=rounds, batches=batches, concurrency=concurrency, fsync=fsync,
+                      data_dir=data_dir, seed=seed), as_json)
+
+
+@bench_cli.command("memory")
+def bench_memory(
+    sessions: Annotated[int, typer.Option(min=1, help="Sessions loaded into the MemoryStore.")] = 100_000,
+    jobs: Annotated[int, typer.Option(min=1, help="Measurements run at once (each a fresh process).")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed of the generated sessions.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+) -> None:
+    """Bytes per tracked session in the MemoryStore, excluding and including remembered event ids."""
+    from bench.memory import run
+
+    _print_result(run(sessions=sessions, jobs=jobs, seed=seed), as_json)
 
 
 @cli.command()

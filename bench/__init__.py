@@ -1,0 +1,1 @@
+"""Benchmarks for kvprefetch: `kvprefetch bench ingest` and `kvprefetch bench memory` (see README.md)."""

@@ -1,0 +1,318 @@
+"""Where the time of POST /v1/events goes, batch of 1000 by batch of 1000.
+
+    python -m bench.profile_ingest stages   [--batches 60] [--no-fsync]
+    python -m bench.profile_ingest cprofile [--batches 200] [--no-fsync] [--top 25] [--out FILE.pstats]
+
+`stages` times each step of the ingest path in-process with perf_counter, no profiler (so pure
+Python code is not inflated): parse (app.api.batch.parse_batch), dedupe (the in-batch set and
+MemoryStore.seen, as Ingestor.ingest does them), log encode (encode_events), log write+flush,
+fsync, apply (MemoryStore.apply), response encode (the route's orjson.dumps), and a real
+Ingestor.ingest on the same kind of batches as a cross-check of the sum. Medians per batch.
+
+`cprofile` runs the real service (create_app, memory store, event log in a temp dir) in this
+process under cProfile, uvicorn on the asyncio loop (so the loop's idle wait is visible as
+epoll.poll; `serve` would pick uvloop), while a client subprocess posts batches of 1000 over
+HTTP with keep-alive. It prints the breakdown of the server's busy time by step and the top
+functions. Profiling inflates Python-heavy steps (apply, the framework) relative to C ones
+(pydantic, orjson, fsync): read it next to `stages`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import os
+import pstats
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench._util import REPO, Traffic, child_env, free_port, info, median
+
+
+class GcTimer:
+    """Wall time the cyclic garbage collector runs, per generation (gc.callbacks)."""
+
+    def __init__(self) -> None:
+        self.seconds = [0.0, 0.0, 0.0]
+        self.collections = [0, 0, 0]
+        self._t0 = 0.0
+
+    def _cb(self, phase: str, info_: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            g = info_["generation"]
+            self.seconds[g] += time.perf_counter() - self._t0
+            self.collections[g] += 1
+
+    def __enter__(self) -> GcTimer:
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._cb)
+
+    def summary(self, batches: int) -> dict[str, Any]:
+        return {"ms_per_batch": round(sum(self.seconds) / batches * 1e3, 3),
+                "full_collections": self.collections[2],
+                "ms_in_full_collections": round(self.seconds[2] * 1e3, 1),
+                "collections_by_generation": list(self.collections)}
+
+
+# -- stages ----------------------------------------------------------------------------------
+
+def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
+    import orjson
+
+    from app.api.batch import parse_batch
+    from app.engine.eventlog import EventLog, encode_events, segment_path
+    from app.engine.ingest import Ingestor
+    from app.engine.state.memory import MemoryStore
+
+    traffic = Traffic(seed=seed)
+    bodies = traffic.batches(batches, 1000)
+    check_bodies = traffic.batches(batches, 1000)
+    workdir = Path(tempfile.mkdtemp(prefix="kvp-bench-stages-"))
+    times: dict[str, list[float]] = {k: [] for k in (
+        "parse", "dedupe", "log_encode", "log_write", "fsync", "apply", "response_encode")}
+    ingest_times: list[float] = []
+    try:
+        store = MemoryStore(bytes_per_token=327_680, block_tokens=512)
+        log = EventLog(workdir / "stages", fsync=False)  # fsync timed on its own below
+        fd = os.open(segment_path(log.directory, log.position.segment), os.O_RDONLY)
+        clock = time.perf_counter
+        gc_timer = GcTimer().__enter__()
+        for body in bodies:
+            t0 = clock()
+            parsed = parse_batch(body, 10_000)
+            t1 = clock()
+            # Ingestor.ingest's dedupe, step for step.
+            unique, in_batch, duplicates = [], set(), []
+            for e in parsed.events:
+                if e.event_id in in_batch:
+                    duplicates.append(e.event_id)
+                else:
+                    in_batch.add(e.event_id)
+                    unique.append(e)
+            seen = store.seen([e.event_id for e in unique])
+            fresh = [e for e, was_seen in zip(unique, seen) if not was_seen]
+            t2 = clock()
+            data = encode_events(fresh)
+            t3 = clock()
+            log.append(data)
+            t4 = clock()
+            if fsync:
+                os.fsync(fd)
+            t5 = clock()
+            applied = store.apply(fresh)
+            t6 = clock()
+            accepted = [e.event_id for e, ok in zip(fresh, applied) if ok]
+            orjson.dumps({"accepted": accepted, "duplicates": duplicates,
+                          "rejected": [r.model_dump() for r in parsed.rejected]})
+            t7 = clock()
+            for k, a, b in (("parse", t0, t1), ("dedupe", t1, t2), ("log_encode", t2, t3),
+                            ("log_write", t3, t4), ("fsync", t4, t5), ("apply", t5, t6),
+                            ("response_encode", t6, t7)):
+                times[k].append(b - a)
+            if len(accepted) != 1000:
+                raise RuntimeError(f"expected 1000 accepted events, got {len(accepted)}")
+        gc_timer.__exit__()
+        os.close(fd)
+        log.close()
+
+        # Cross-check: the real Ingestor (fsync as asked) on fresh batches, parse not included.
+        store2 = MemoryStore(bytes_per_token=327_680, block_tokens=512)
+        log2 = EventLog(workdir / "ingestor", fsync=fsync)
+        ingestor = Ingestor(store2, log2, replica_id="bench")
+        for body in check_bodies:
+            events = parse_batch(body, 10_000).events
+            t0 = clock()
+            ingestor.ingest(events)
+            ingest_times.append(clock() - t0)
+        log2.close()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    ms = {k: round(median(v) * 1e3, 3) for k, v in times.items()}
+    total = sum(ms.values())
+    return {
+        "batch_size": 1000,
+        "batches": batches,
+        "fsync": fsync,
+        "ms_per_batch": ms,
+        "sum_ms_per_batch": round(total, 3),
+        "share": {k: round(v / total, 3) for k, v in ms.items()},
+        # The collector's pauses land in whichever step allocates when they come (mostly parse).
+        "gc": gc_timer.summary(len(bodies)),
+        "ingestor_ingest_ms_per_batch": round(median(ingest_times) * 1e3, 3),
+        "implied_events_per_second_without_http": round(1000 / (total / 1e3), 1),
+    }
+
+
+# -- cProfile ----------------------------------------------------------------------------------
+
+# Steps of the request, each the cumulative time of one function (name, file suffix).
+_STEPS: list[tuple[str, str, str]] = [
+    ("read body", "read_body", "app/api/routes/events.py"),
+    ("parse (validate_json)", "parse_batch", "app/api/batch.py"),
+    ("dedupe: MemoryStore.seen", "seen", "app/engine/state/memory.py"),
+    ("log encode (encode_events)", "encode_events", "app/engine/eventlog.py"),
+    ("log append (write+flush+fsync)", "append", "app/engine/eventlog.py"),
+    ("  of which fsync", "<built-in method posix.fsync>", "~"),
+    ("apply (MemoryStore.apply)", "apply", "app/engine/state/memory.py"),
+    ("Ingestor.ingest (all of it)", "ingest", "app/engine/ingest.py"),
+    ("route post_events (all of it)", "post_events", "app/api/routes/events.py"),
+]
+
+
+def _find(stats: pstats.Stats, name: str, suffix: str) -> tuple[int, float, float]:
+    """(calls, tottime, cumtime) summed over the functions of that name in that file."""
+    calls, tt, ct = 0, 0.0, 0.0
+    for (file, _line, func), (_cc, nc, t, c, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        if func == name and file.replace(os.sep, "/").endswith(suffix):
+            calls, tt, ct = calls + nc, tt + t, ct + c
+    return calls, tt, ct
+
+
+def _idle(stats: pstats.Stats) -> float:
+    return sum(t for (file, _l, func), (_cc, _nc, t, _c, _callers) in stats.stats.items()  # type: ignore[attr-defined]
+               if file == "~" and "poll" in func and ("epoll" in func or "select" in func))
+
+
+def client_main(url: str, batches: int, concurrency: int, seed: int) -> None:
+    from bench.ingest import new_clients, post_all
+
+    bodies = Traffic(seed=seed).batches(batches + 10, 1000)
+    clients = new_clients(concurrency)
+    post_all(clients, url, bodies[:10], b'"duplicates":[],"rejected":[]')  # warm-up
+    elapsed = post_all(clients, url, bodies[10:], b'"duplicates":[],"rejected":[]')
+    print(f"client: {batches} batches of 1000 in {elapsed:.2f} s: {batches * 1000 / elapsed:,.0f} events/s "
+          "(under the profiler)", file=sys.stderr)
+
+
+def profile(batches: int, fsync: bool, top: int, out: Path | None, concurrency: int = 2) -> str:
+    import httpx
+    import uvicorn
+
+    from app.api.main import create_app
+    from app.core.config import Settings
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvp-bench-profile-"))
+    port = free_port()
+    settings = Settings(_env_file=None, data_dir=workdir, log_fsync=fsync, replica_id="bench",  # type: ignore[call-arg]
+                        store="memory")
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
+                                           loop="asyncio", log_level="warning", access_log=False))
+    url = f"http://127.0.0.1:{port}"
+    done: dict[str, Any] = {}
+
+    def drive() -> None:
+        try:
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                try:
+                    if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    time.sleep(0.05)
+            cmd = [sys.executable, "-m", "bench.profile_ingest", "client", "--url", url + "/v1/events",
+                   "--batches", str(batches), "--concurrency", str(concurrency)]
+            done["rc"] = subprocess.run(cmd, cwd=REPO, env=child_env({}), check=False).returncode
+        finally:
+            server.should_exit = True
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    prof = cProfile.Profile()
+    gc_timer = GcTimer()
+    try:
+        with gc_timer:
+            prof.runcall(server.run)
+    finally:
+        driver.join(timeout=5)
+        shutil.rmtree(workdir, ignore_errors=True)
+    if done.get("rc") != 0:
+        raise RuntimeError(f"the client failed ({done.get('rc')})")
+    if out is not None:
+        prof.dump_stats(out)
+    return _report(pstats.Stats(prof), batches, top, gc_timer)
+
+
+def _report(stats: pstats.Stats, batches: int, top: int, gc_timer: GcTimer) -> str:
+    total = stats.total_tt  # type: ignore[attr-defined]
+    idle = _idle(stats)
+    busy = total - idle
+    route = _find(stats, "post_events", "app/api/routes/events.py")[2]
+    lines = [f"server under cProfile: {total:.2f} s, idle in epoll {idle:.2f} s, busy {busy:.2f} s "
+             f"({batches} measured batches + 10 warm-up of 1000 events)", "",
+             f"{'step':34s} {'ms/batch':>9s} {'% busy':>7s}"]
+    n = batches + 10
+    for label, name, suffix in _STEPS:
+        _calls, _tt, ct = _find(stats, name, suffix)
+        lines.append(f"{label:34s} {ct / n * 1e3:9.2f} {ct / busy * 100:6.1f}%")
+    # What the route does besides read/parse/ingest: build the payload, orjson.dumps, Response.
+    rest_route = route - sum(_find(stats, nm, sf)[2] for nm, sf in (
+        ("read_body", "app/api/routes/events.py"), ("parse_batch", "app/api/batch.py"),
+        ("ingest", "app/engine/ingest.py")))
+    lines.append(f"{'response encode + rest of route':34s} {rest_route / n * 1e3:9.2f} {rest_route / busy * 100:6.1f}%")
+    lines.append(f"{'HTTP + framework (busy - route)':34s} {(busy - route) / n * 1e3:9.2f} "
+                 f"{(busy - route) / busy * 100:6.1f}%")
+    gc_s = sum(gc_timer.seconds)
+    lines.append("")
+    lines.append(f"{'cyclic GC (inside the steps above)':34s} {gc_s / n * 1e3:9.2f} {gc_s / busy * 100:6.1f}%"
+                 f"  ({gc_timer.collections[2]} full collections, {gc_timer.seconds[2] * 1e3:.0f} ms)")
+    buf = io.StringIO()
+    stats.stream = buf  # type: ignore[attr-defined]
+    stats.sort_stats("tottime").print_stats(top)
+    return "\n".join(lines) + "\n\ntop functions by own time:\n" + _trim(buf.getvalue())
+
+
+def _trim(text: str) -> str:
+    keep = []
+    started = False
+    for line in text.splitlines():
+        if line.strip().startswith("ncalls"):
+            started = True
+        if started and line.strip():
+            keep.append(line.replace(str(REPO) + os.sep, "").replace(sys.prefix + os.sep, ""))
+    return "\n".join(keep)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import json
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p_st = sub.add_parser("stages")
+    p_st.add_argument("--batches", type=int, default=60)
+    p_st.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True)
+    p_pr = sub.add_parser("cprofile")
+    p_pr.add_argument("--batches", type=int, default=200)
+    p_pr.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True)
+    p_pr.add_argument("--top", type=int, default=25)
+    p_pr.add_argument("--out", type=Path, default=None)
+    p_cl = sub.add_parser("client")
+    p_cl.add_argument("--url", required=True)
+    p_cl.add_argument("--batches", type=int, required=True)
+    p_cl.add_argument("--concurrency", type=int, default=2)
+    p_cl.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+    if args.cmd == "stages":
+        info(f"stages: {args.batches} batches of 1000, fsync={'on' if args.fsync else 'off'}")
+        print(json.dumps(stages(args.batches, args.fsync), indent=2))
+    elif args.cmd == "cprofile":
+        print(profile(args.batches, args.fsync, args.top, args.out))
+    else:
+        client_main(args.url, args.batches, args.concurrency, args.seed)
+
+
+if __name__ == "__main__":
+    main()
