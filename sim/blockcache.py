@@ -1,0 +1,124 @@
+"""One tier of one instance (its HBM, or its host DRAM): a fixed number of block slots.
+
+Eviction follows LRU unless told otherwise, with the advice a policy can give in production
+vocabulary: *pin with a time-to-live* (evicted only after every unadvised block) and *demote*
+(evicted first). A policy that knows better can instead rank victims by a key (Belady's
+next use, a model's predicted return); blocks of running requests and blocks still landing are
+pinned and are never evicted.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable
+
+INF = float("inf")
+
+
+class Entry:
+    __slots__ = ("pins", "keep_until", "demoted", "prefetched", "version")
+
+    def __init__(self) -> None:
+        self.pins = 0
+        self.keep_until = -INF
+        self.demoted = False
+        # Landed by a prefetch and not yet used by a request.
+        self.prefetched = False
+        self.version = 0
+
+
+class BlockCache:
+    def __init__(self, capacity_blocks: int, *, evict_key: Callable[[int], float] | None = None) -> None:
+        self.capacity = capacity_blocks
+        self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
+        self.evict_key = evict_key
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._seq = itertools.count()
+
+    def __contains__(self, block: int) -> bool:
+        return block in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - len(self.entries)
+
+    def insert(self, block: int) -> Entry:
+        """Take a slot (the caller made room); the block is most recently used."""
+        entry = self.entries.get(block)
+        if entry is None:
+            entry = self.entries[block] = Entry()
+        self.touch(block)
+        return entry
+
+    def touch(self, block: int) -> None:
+        self.entries.move_to_end(block)
+        if self.evict_key is not None:
+            entry = self.entries[block]
+            entry.version += 1
+            heapq.heappush(self._heap, (-self.evict_key(block), next(self._seq), block, entry.version))
+
+    def remove(self, block: int) -> Entry | None:
+        return self.entries.pop(block, None)
+
+    def evictable(self, block: int) -> bool:
+        e = self.entries.get(block)
+        return e is not None and e.pins == 0
+
+    def choose_victims(self, n: int, now: float, exclude: set[int] | frozenset[int] = frozenset()) -> list[int] | None:
+        """n blocks to evict, in order, or None when pinned blocks leave too little room.
+
+        Blocks in `exclude` (those the caller is about to use) are never chosen.
+        """
+        if n <= 0:
+            return []
+        if self.evict_key is not None:
+            return self._victims_by_key(n, exclude)
+        victims: list[int] = []
+        chosen: set[int] = set(exclude)
+        for block, e in self.entries.items():  # demoted first
+            if e.demoted and e.pins == 0 and block not in chosen:
+                victims.append(block)
+                chosen.add(block)
+                if len(victims) == n:
+                    return victims
+        for advised in (False, True):  # then LRU, blocks kept by advice last
+            for block, e in self.entries.items():
+                if e.pins or block in chosen or (e.keep_until > now) != advised:
+                    continue
+                victims.append(block)
+                chosen.add(block)
+                if len(victims) == n:
+                    return victims
+        return None
+
+    def _victims_by_key(self, n: int, exclude: set[int] | frozenset[int]) -> list[int] | None:
+        victims: list[int] = []
+        skipped: list[tuple[float, int, int, int]] = []
+        chosen: set[int] = set()
+        while self._heap and len(victims) < n:
+            item = heapq.heappop(self._heap)
+            _, _, block, version = item
+            e = self.entries.get(block)
+            if e is None or e.version != version or block in chosen:
+                continue  # stale
+            if e.pins or block in exclude:
+                skipped.append(item)
+                continue
+            victims.append(block)
+            chosen.add(block)
+        for item in skipped:
+            heapq.heappush(self._heap, item)
+        if len(victims) < n:
+            for block in victims:  # not enough room: put the candidates back
+                e = self.entries[block]
+                heapq.heappush(self._heap, (-self.evict_key(block), next(self._seq), block, e.version))  # type: ignore[misc]
+            return None
+        return victims
+
+    def pinned_blocks(self) -> int:
+        return sum(1 for e in self.entries.values() if e.pins)

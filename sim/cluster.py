@@ -1,0 +1,381 @@
+"""The discrete-event cluster model: instances, their HBM, links from the shared pool, queues.
+
+What happens to a request (all times simulated):
+1. it arrives; the router picks an instance; it joins that instance's queue;
+2. when a slot is free (`max_running_requests`) and HBM can make room for all its blocks, it is
+   admitted. Its *reused* blocks are the longest prefix of its block ids already computed by an
+   earlier request (the pool holds every block ever written). Reused blocks not in HBM are loaded
+   (from the host tier or the pool, over that instance's link, shared with every other transfer)
+   or recomputed, whichever is sooner; the request stalls until the last byte has landed;
+3. it computes: prefill of its new tokens, then decode of its output tokens;
+4. it finishes; its blocks stay in HBM, unpinned, and are now in the pool too.
+
+Blocks of admitted requests and blocks still landing are pinned: never evicted. Eviction is LRU
+unless the policy advises otherwise (see sim/blockcache.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sim.blockcache import BlockCache
+from sim.links import Link, Transfer
+from sim.scenario import Scenario
+
+if TYPE_CHECKING:
+    from sim.policies import Policy
+    from sim.routers import Router
+
+ARRIVAL, LINK, DONE, TICK, CALL = range(5)
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    index: int
+    session_id: str
+    arrival: float
+    input_tokens: int
+    output_tokens: int
+    hash_ids: tuple[int, ...]
+    instance: int = -1
+    admitted_at: float | None = None
+    ready_at: float | None = None
+    finished_at: float | None = None
+    reused_blocks: int = 0
+    hit_blocks: int = 0
+    loaded_bytes: int = 0
+    recompute_tokens: int = 0
+    compute_seconds: float = 0.0
+    waiting_on: set[int] = field(default_factory=set)
+
+    def wait_for(self, t: Transfer) -> bool:
+        """Start waiting for a transfer; False when already waiting for it."""
+        if t.transfer_id in self.waiting_on:
+            return False
+        self.waiting_on.add(t.transfer_id)
+        return True
+
+    @property
+    def stall_seconds(self) -> float:
+        if self.admitted_at is None or self.ready_at is None:
+            return 0.0
+        return self.ready_at - self.admitted_at
+
+
+class Instance:
+    def __init__(self, idx: int, scenario: Scenario, evict_key: Callable[[int], float] | None) -> None:
+        self.idx = idx
+        self.instance_id = f"gpu-{idx}"
+        self.hbm = BlockCache(scenario.hbm_blocks, evict_key=evict_key)
+        self.host = BlockCache(scenario.host_blocks) if scenario.host_blocks else None
+        self.pool_link = Link(scenario.pool_link_bytes_per_second)
+        self.host_link = Link(scenario.host_link_bytes_per_second)
+        self.queue: deque[SimRequest] = deque()
+        self.running = 0
+        self.inflight: dict[int, Transfer] = {}  # block -> the transfer bringing it into HBM
+        self.busy_seconds = 0.0
+
+    @property
+    def load(self) -> int:
+        return self.running + len(self.queue)
+
+
+@dataclass(slots=True)
+class Totals:
+    bytes_prefetched: int = 0
+    bytes_prefetched_unused: int = 0
+    bytes_evicted: int = 0
+    prefetch_orders: int = 0
+
+
+class Cluster:
+    """Runs a trace's requests through instances, a router and a policy, under simulated time."""
+
+    def __init__(self, scenario: Scenario, requests: Sequence[SimRequest], router: Router, policy: Policy,
+                 emit: Callable[[str, float, dict[str, Any]], None] | None = None) -> None:
+        self.scenario = scenario
+        self.requests = list(requests)
+        self.router = router
+        self.policy = policy
+        self.emit = emit or (lambda kind, ts, fields: None)
+        self.now = 0.0
+        self.block_bytes = scenario.block_bytes
+        self.written: set[int] = set()  # blocks in the pool: every block ever computed
+        self.session_instance: dict[str, int] = {}
+        self.totals = Totals()
+        self._events: list[tuple[float, int, int, Any]] = []
+        self._seq = itertools.count()
+        self._transfer_ids = itertools.count()
+        policy.attach(self)
+        self.instances = [Instance(i, scenario, policy.evict_key) for i in range(scenario.instances)]
+
+    # -- the event loop --------------------------------------------------------------------
+
+    def schedule(self, at: float, kind: int, payload: Any) -> None:
+        heapq.heappush(self._events, (at, next(self._seq), kind, payload))
+
+    def call_at(self, at: float, fn: Callable[[], None]) -> None:
+        """Run `fn` at simulated time `at` (policies use it to act later)."""
+        self.schedule(max(at, self.now), CALL, fn)
+
+    def run(self, progress: Callable[[int], None] | None = None) -> None:
+        for r in self.requests:
+            self.schedule(r.arrival, ARRIVAL, r)
+        if self.policy.tick_seconds:
+            self.schedule(0.0, TICK, None)
+        remaining = len(self.requests)
+        while self._events:
+            at, _, kind, payload = heapq.heappop(self._events)
+            self.now = at
+            if kind == ARRIVAL:
+                self._arrive(payload)
+            elif kind == LINK:
+                self._link_due(*payload)
+            elif kind == DONE:
+                self._finish(payload)
+                remaining -= 1
+                if progress is not None:
+                    progress(1)
+                if remaining == 0:
+                    break
+            elif kind == TICK:
+                self.policy.on_tick(at)
+                self.schedule(at + self.policy.tick_seconds, TICK, None)  # type: ignore[operator]
+            else:
+                payload()
+        for inst in self.instances:  # prefetched blocks never used by the end are wasted too
+            for e in inst.hbm.entries.values():
+                if e.prefetched:
+                    self.totals.bytes_prefetched_unused += self.block_bytes
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _arrive(self, r: SimRequest) -> None:
+        inst = self.instances[self.router.route(r, self)]
+        r.instance = inst.idx
+        self.session_instance[r.session_id] = inst.idx
+        self.emit("request_routed", self.now, {
+            "session_id": r.session_id, "request_id": f"q{r.index}", "instance_id": inst.instance_id,
+            "prompt_tokens": r.input_tokens, "block_hashes": list(r.hash_ids),
+            "block_tokens": self.scenario.block_tokens})
+        inst.queue.append(r)
+        self._try_start(inst)
+        self.policy.on_arrival(r, self.now)
+
+    def reused_prefix(self, hash_ids: Sequence[int]) -> int:
+        n = 0
+        for h in hash_ids:
+            if h not in self.written:
+                break
+            n += 1
+        return n
+
+    def _try_start(self, inst: Instance) -> None:
+        while inst.queue and inst.running < self.scenario.max_running_requests:
+            if not self._admit(inst, inst.queue[0]):
+                return
+            inst.queue.popleft()
+
+    def _admit(self, inst: Instance, r: SimRequest) -> bool:
+        blocks = list(dict.fromkeys(r.hash_ids))
+        hbm = inst.hbm
+        absent = [b for b in blocks if b not in hbm]
+        if len(absent) > hbm.free and not self._make_room(inst, len(absent) - hbm.free, set(blocks)):
+            return False
+        reused = self.reused_prefix(r.hash_ids)
+        reused_set = set(r.hash_ids[:reused])
+        r.admitted_at = self.now
+        r.reused_blocks = len(reused_set)
+        r.hit_blocks = sum(1 for b in reused_set if b in hbm and b not in inst.inflight)
+        inst.running += 1
+        self.policy.before_admit(r, self.now)
+        # Pin what is there; wait for what is already on its way.
+        for b in blocks:
+            if b in hbm:
+                e = hbm.entries[b]
+                e.pins += 1
+                if e.prefetched and b in reused_set:
+                    e.prefetched = False
+                hbm.touch(b)
+                t = inst.inflight.get(b)
+                if t is not None:
+                    if r.wait_for(t):
+                        t.waiters.append(r)
+                    if b in reused_set:
+                        t.claimed.add(b)
+        missing = [b for b in absent if b in reused_set]
+        new = [b for b in absent if b not in reused_set]
+        for b in absent:
+            hbm.insert(b).pins += 1
+        if missing:
+            self._load_or_recompute(inst, r, missing)
+        self.emit("request_started", self.now, {
+            "session_id": r.session_id, "request_id": f"q{r.index}", "instance_id": inst.instance_id})
+        if new:
+            self.emit("kv_blocks_stored", self.now, {
+                "tier": "hbm", "instance_id": inst.instance_id, "block_hashes": new,
+                "block_tokens": self.scenario.block_tokens})
+        if not r.waiting_on:
+            self._ready(r)
+        return True
+
+    def _load_or_recompute(self, inst: Instance, r: SimRequest, missing: list[int]) -> None:
+        from_host = [b for b in missing if inst.host is not None and b in inst.host]
+        from_pool = [b for b in missing if not (inst.host is not None and b in inst.host)]
+        load_seconds = max(
+            inst.host_link.estimate_seconds(len(from_host) * self.block_bytes, self.now) if from_host else 0.0,
+            inst.pool_link.estimate_seconds(len(from_pool) * self.block_bytes, self.now) if from_pool else 0.0,
+        )
+        recompute_tokens = len(missing) * self.scenario.block_tokens
+        recompute_seconds = recompute_tokens / self.scenario.prefill_tokens_per_second
+        if recompute_seconds < load_seconds:
+            r.recompute_tokens += recompute_tokens
+            r.compute_seconds += recompute_seconds
+            return
+        for link, chunk in ((inst.host_link, from_host), (inst.pool_link, from_pool)):
+            if chunk:
+                t = self._transfer(inst, link, chunk, prefetch=False)
+                r.wait_for(t)
+                t.waiters.append(r)
+                r.loaded_bytes += len(chunk) * self.block_bytes
+
+    def _ready(self, r: SimRequest) -> None:
+        r.ready_at = self.now
+        new_tokens = max(r.input_tokens - r.reused_blocks * self.scenario.block_tokens, 0)
+        r.compute_seconds += (new_tokens / self.scenario.prefill_tokens_per_second
+                              + r.output_tokens * self.scenario.decode_seconds_per_token)
+        self.schedule(self.now + r.compute_seconds, DONE, r)
+
+    def _finish(self, r: SimRequest) -> None:
+        inst = self.instances[r.instance]
+        r.finished_at = self.now
+        inst.running -= 1
+        inst.busy_seconds += r.finished_at - r.admitted_at  # type: ignore[operator]
+        for b in dict.fromkeys(r.hash_ids):
+            e = inst.hbm.entries.get(b)
+            if e is not None:
+                e.pins -= 1
+                inst.hbm.touch(b)
+        self.written.update(r.hash_ids)
+        self.emit("request_finished", self.now, {
+            "session_id": r.session_id, "request_id": f"q{r.index}", "instance_id": inst.instance_id,
+            "output_tokens": r.output_tokens, "context_tokens": r.input_tokens + r.output_tokens,
+            "block_hashes": list(r.hash_ids), "block_tokens": self.scenario.block_tokens})
+        self.emit("kv_blocks_stored", self.now, {
+            "tier": "pool", "instance_id": None, "block_hashes": list(r.hash_ids),
+            "block_tokens": self.scenario.block_tokens})
+        self.policy.on_finished(r, self.now)
+        self._try_start(inst)
+
+    # -- transfers and room ----------------------------------------------------------------
+
+    def _transfer(self, inst: Instance, link: Link, blocks: list[int], *, prefetch: bool) -> Transfer:
+        t = Transfer(next(self._transfer_ids), inst.idx, blocks, len(blocks) * self.block_bytes, prefetch, self.now)
+        for b in blocks:
+            inst.inflight[b] = t
+            inst.hbm.entries[b].pins += 1  # pinned while landing
+        link.add(t, self.now)
+        self._schedule_link(inst, link)
+        return t
+
+    def _schedule_link(self, inst: Instance, link: Link) -> None:
+        at = link.next_completion()
+        if at is not None:
+            self.schedule(max(at, self.now), LINK, (inst.idx, link is inst.host_link, link.version))
+
+    def _link_due(self, idx: int, host: bool, version: int) -> None:
+        inst = self.instances[idx]
+        link = inst.host_link if host else inst.pool_link
+        if version != link.version:
+            return  # the link changed since this completion was predicted
+        for t in link.complete_due(self.now):
+            for b in t.blocks:
+                if inst.inflight.get(b) is t:
+                    del inst.inflight[b]
+                e = inst.hbm.entries.get(b)
+                if e is not None:
+                    e.pins -= 1
+                    if t.prefetch and b not in t.claimed:
+                        e.prefetched = True
+            if t.prefetch:
+                self.totals.bytes_prefetched += t.nbytes
+            self.emit("kv_blocks_stored", self.now, {
+                "tier": "hbm", "instance_id": inst.instance_id, "block_hashes": t.blocks,
+                "block_tokens": self.scenario.block_tokens})
+            for r in t.waiters:
+                r.waiting_on.discard(t.transfer_id)  # type: ignore[attr-defined]
+                if not r.waiting_on:  # type: ignore[attr-defined]
+                    self._ready(r)  # type: ignore[arg-type]
+        self._schedule_link(inst, link)
+        self._try_start(inst)
+
+    def _make_room(self, inst: Instance, n: int, keep: set[int] | frozenset[int] = frozenset()) -> bool:
+        victims = inst.hbm.choose_victims(n, self.now, exclude=keep)
+        if victims is None:
+            return False
+        for b in victims:
+            e = inst.hbm.remove(b)
+            if e is not None and e.prefetched:
+                self.totals.bytes_prefetched_unused += self.block_bytes
+            if inst.host is not None:  # demote to host DRAM rather than drop
+                if b not in inst.host:
+                    if inst.host.free < 1:
+                        lru = inst.host.choose_victims(1, self.now)
+                        if lru:
+                            inst.host.remove(lru[0])
+                    if inst.host.free >= 1:
+                        inst.host.insert(b)
+                else:
+                    inst.host.touch(b)
+        self.totals.bytes_evicted += len(victims) * self.block_bytes
+        self.emit("kv_blocks_removed", self.now, {"tier": "hbm", "instance_id": inst.instance_id,
+                                                  "block_hashes": victims})
+        return True
+
+    # -- what policies may do --------------------------------------------------------------
+
+    def prefetch(self, idx: int, blocks: Sequence[int]) -> int:
+        """Start moving blocks into an instance's HBM; returns how many were ordered.
+
+        Blocks already there or on their way, and blocks never computed, are skipped; room is
+        made by the cache's eviction order, and nothing is ordered when there is no room.
+        """
+        inst = self.instances[idx]
+        wanted = [b for b in dict.fromkeys(blocks) if b in self.written and b not in inst.hbm]
+        if not wanted:
+            return 0
+        if len(wanted) > inst.hbm.free and not self._make_room(inst, len(wanted) - inst.hbm.free, set(wanted)):
+            return 0
+        for b in wanted:
+            inst.hbm.insert(b)
+        from_host = [b for b in wanted if inst.host is not None and b in inst.host]
+        from_pool = [b for b in wanted if not (inst.host is not None and b in inst.host)]
+        if from_host:
+            self._transfer(inst, inst.host_link, from_host, prefetch=True)
+        if from_pool:
+            self._transfer(inst, inst.pool_link, from_pool, prefetch=True)
+        self.totals.prefetch_orders += 1
+        return len(wanted)
+
+    def keep(self, idx: int, blocks: Sequence[int], until: float) -> None:
+        """Advice: evict these blocks only after every unadvised block, until `until`."""
+        hbm = self.instances[idx].hbm
+        for b in blocks:
+            e = hbm.entries.get(b)
+            if e is not None:
+                e.keep_until = max(e.keep_until, until)
+                e.demoted = False
+
+    def demote(self, idx: int, blocks: Sequence[int]) -> None:
+        """Advice: evict these blocks first."""
+        hbm = self.instances[idx].hbm
+        for b in blocks:
+            e = hbm.entries.get(b)
+            if e is not None:
+                e.demoted = True
+                e.keep_until = -1.0

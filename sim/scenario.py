@@ -1,0 +1,77 @@
+"""Cluster scenarios: the numbers the cluster model runs on, read from TOML files and validated.
+
+Every number in the shipped files under data/scenarios/ is cited to ../shared/REFERENCE.md.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from app.core.errors import ConfigError
+
+SCENARIO_DIR = Path(__file__).resolve().parent.parent / "data" / "scenarios"
+
+
+class Scenario(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    model_name: str = "Llama-3.1-70B bf16"
+    bytes_per_token: int = Field(gt=0)
+    block_tokens: int = Field(512, gt=0)
+    instances: int = Field(ge=1, le=4096)
+    hbm_kv_bytes: int = Field(gt=0, description="HBM set aside for KV cache, per instance")
+    host_kv_bytes: int = Field(0, ge=0, description="host-DRAM KV tier per instance; 0: no such tier")
+    pool_link_bytes_per_second: float = Field(gt=0, description="inbound link from the shared pool, per instance")
+    host_link_bytes_per_second: float = Field(50e9, gt=0, description="host DRAM to GPU (PCIe), per instance")
+    prefill_tokens_per_second: float = Field(gt=0)
+    decode_seconds_per_token: float = Field(gt=0)
+    max_running_requests: int = Field(ge=1, description="concurrency limit per instance")
+    sticky_overflow_queue: int = Field(8, ge=0, description="sticky router overflows past this queue length")
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_tokens * self.bytes_per_token
+
+    @property
+    def hbm_blocks(self) -> int:
+        return self.hbm_kv_bytes // self.block_bytes
+
+    @property
+    def host_blocks(self) -> int:
+        return self.host_kv_bytes // self.block_bytes
+
+    @model_validator(mode="after")
+    def _fits_a_request(self) -> Scenario:
+        if self.hbm_blocks < 1:
+            raise ValueError(f"hbm_kv_bytes ({self.hbm_kv_bytes}) holds not even one {self.block_bytes}-byte block")
+        return self
+
+
+def load_scenario(name_or_path: str | Path) -> Scenario:
+    """A shipped scenario by name (`default`, `fast-link`, `tight-hbm`) or a TOML file."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = SCENARIO_DIR / f"{name_or_path}.toml"
+    try:
+        doc = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        known = ", ".join(sorted(p.stem for p in SCENARIO_DIR.glob("*.toml")))
+        raise ConfigError(f"no scenario {str(name_or_path)!r} (shipped: {known})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+    doc.setdefault("name", path.stem)
+    try:
+        return Scenario.model_validate(doc)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in first["loc"]) or "scenario"
+        raise ConfigError(f"{path}: {field}: {first['msg'].removeprefix('Value error, ')}") from None
+
+
+def shipped_scenarios() -> list[str]:
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))
