@@ -17,6 +17,9 @@ def main() -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args()
+    from app.core.runtime import tune_gc
+
+    tune_gc()  # as `kvprefetch serve` does, for both servers, so the ratio stays fair
     if args.which == "service":
         import logging
 

@@ -1,9 +1,12 @@
 """The durable event log: JSON Lines segments, appended before an event is acknowledged.
 
-Layout: `<dir>/events-00000001.jsonl`, `events-00000002.jsonl`, ... one accepted event per line,
-in the canonical form of app.engine.events (every field present). A segment is closed when it
-passes `segment_bytes`; data scientists read the segments with any JSON Lines reader (pandas,
-pyarrow, DuckDB) or with `read_events`.
+Layout: `<dir>/events-00000001.jsonl`, `events-00000002.jsonl`, ... A line is either one event
+in the canonical form of app.engine.events (every field present), or a whole accepted batch
+`{"events": [...]}` exactly as it was posted (newlines folded into spaces). The batch form is
+written when every event of a posted batch was new: it costs nothing to encode, which is a fifth
+of the ingest path's time at 1000-event batches. A segment is closed when it passes
+`segment_bytes`. Read segments with `read_events` / `iter_log`, which give canonical events
+whatever the line's form.
 
 Why JSON Lines and not Parquet: a line is appended and flushed per acknowledged batch, a torn
 write after a crash is one partial last line that recovery cuts off, and no footer must be
@@ -21,7 +24,7 @@ import orjson
 from pydantic import ValidationError
 
 from app.core.errors import CorruptLogError, EventLogError
-from app.engine.events import Event, event_adapter
+from app.engine.events import Event, batch_adapter, event_adapter
 from app.engine.state.base import LogPosition
 
 _SEGMENT = re.compile(r"^events-(\d{8})\.jsonl$")
@@ -42,10 +45,19 @@ def list_segments(directory: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def encode_batch(body: bytes) -> bytes:
+    """A posted batch body as one log line.
+
+    JSON forbids raw control characters inside strings, so every CR or LF in a valid body is
+    whitespace between tokens, and folding it into a space changes nothing.
+    """
+    return body.replace(b"\r", b" ").replace(b"\n", b" ") + b"\n"
+
+
 def encode_events(events: Sequence[Event]) -> bytes:
     """The log's bytes for these events: one canonical JSON object per line."""
-    dump = event_adapter.dump_json
-    return b"".join([dump(e) + b"\n" for e in events])
+    # Each model's own serializer: the same bytes as the union adapter's, at half the cost.
+    return b"".join([e.__pydantic_serializer__.to_json(e) + b"\n" for e in events])
 
 
 class EventLog:
@@ -166,7 +178,9 @@ def iter_log(directory: Path, after: LogPosition | None = None) -> Iterator[tupl
                     if newest:
                         return
                     raise CorruptLogError(str(path), line_no or -1, "line is cut short")
-                yield LogPosition(number, offset), _parse(raw, path, line_no)
+                position = LogPosition(number, offset)
+                for event in _parse(raw, path, line_no):
+                    yield position, event
 
 
 def read_events(paths: Sequence[Path]) -> Iterator[Event]:
@@ -184,12 +198,15 @@ def read_events(paths: Sequence[Path]) -> Iterator[Event]:
         with f:
             for line_no, raw in enumerate(f, start=1):
                 if raw.strip():
-                    yield _parse(raw, p, line_no)
+                    yield from _parse(raw, p, line_no)
 
 
-def _parse(raw: bytes, path: Path, line_no: int | None) -> Event:
+def _parse(raw: bytes, path: Path, line_no: int | None) -> list[Event]:
     try:
-        return event_adapter.validate_python(orjson.loads(raw))
+        doc = orjson.loads(raw)
+        if isinstance(doc, dict) and "type" not in doc and "events" in doc:
+            return batch_adapter.validate_python(doc).events
+        return [event_adapter.validate_python(doc)]
     except orjson.JSONDecodeError as exc:
         raise CorruptLogError(str(path), line_no or -1, f"not JSON: {exc}") from exc
     except ValidationError as exc:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.engine.eventlog import EventLog, encode_events, iter_log
+from app.engine.eventlog import EventLog, encode_batch, encode_events, iter_log
 from app.engine.events import Event
 from app.engine.state.base import StateStore
 
@@ -44,24 +44,33 @@ class Ingestor:
         # is replayed before anything new is taken, so a retry is not logged twice.
         self._behind_log = False
 
-    def ingest(self, events: Sequence[Event]) -> IngestResult:
+    def ingest(self, events: Sequence[Event], body: bytes | None = None) -> IngestResult:
+        """`body`, when given, is the posted batch these events were parsed from, whole."""
         result = IngestResult()
         with self._lock:
             if self._behind_log:
                 self._replay_tail()
-            unique: list[Event] = []
-            in_batch: set[str] = set()
-            for e in events:
-                if e.event_id in in_batch:
-                    result.duplicates.append(e.event_id)
-                else:
-                    in_batch.add(e.event_id)
-                    unique.append(e)
-            seen = self.store.seen([e.event_id for e in unique])
-            fresh = [e for e, was_seen in zip(unique, seen) if not was_seen]
-            result.duplicates.extend(e.event_id for e, was_seen in zip(unique, seen) if was_seen)
+            ids = [e.event_id for e in events]
+            if len(set(ids)) == len(ids):
+                unique = list(events)
+            else:
+                unique, in_batch = [], set()
+                for e in events:
+                    if e.event_id in in_batch:
+                        result.duplicates.append(e.event_id)
+                    else:
+                        in_batch.add(e.event_id)
+                        unique.append(e)
+                ids = [e.event_id for e in unique]
+            seen = self.store.seen(ids)
+            if any(seen):
+                fresh = [e for e, was_seen in zip(unique, seen) if not was_seen]
+                result.duplicates.extend(e.event_id for e, was_seen in zip(unique, seen) if was_seen)
+            else:
+                fresh = unique
             if fresh:
-                position = self.event_log.append(encode_events(fresh))
+                whole = body is not None and len(fresh) == len(events)
+                position = self.event_log.append(encode_batch(body) if whole else encode_events(fresh))  # type: ignore[arg-type]
                 try:
                     applied = self.store.apply(fresh)
                     self.store.set_checkpoint(self.replica_id, position)

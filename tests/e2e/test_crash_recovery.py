@@ -136,7 +136,11 @@ def log_ids_from_files(events_dir: Path) -> list[str]:
         data = path.read_bytes()
         assert not data or data.endswith(b"\n"), f"{path.name} ends in a partial line"
         for line in data.splitlines():
-            ids.append(orjson.loads(line)["event_id"])
+            doc = orjson.loads(line)  # one event, or a whole batch as it was posted
+            if "events" in doc:
+                ids.extend(e["event_id"] for e in doc["events"])
+            else:
+                ids.append(doc["event_id"])
     return ids
 
 

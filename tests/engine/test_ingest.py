@@ -86,3 +86,19 @@ def test_a_failed_apply_is_caught_up_from_the_log_and_not_logged_twice(tmp_path:
     assert retry.duplicates == ["e2", "e3"]
     assert [e.event_id for _, e in iter_log(tmp_path)] == ["e1", "e2", "e3"]
     assert store.session("s").turns == 3
+
+
+def test_a_batch_of_new_events_is_logged_as_posted_and_read_back_canonical(tmp_path: Path) -> None:
+    import orjson
+
+    ing = make(tmp_path)
+    body = b'{"events": [\n  {"type": "session_closed", "event_id": "a", "ts": 1, "session_id": "s"}\n]}'
+    events = [event_adapter.validate_python(e) for e in orjson.loads(body)["events"]]
+    ing.ingest(events, body)
+    lines = (tmp_path / "events-00000001.jsonl").read_bytes().splitlines()
+    assert lines == [body.replace(b"\n", b" ")]
+    assert [e for _, e in iter_log(tmp_path)] == events
+    # A batch holding a duplicate is logged event by event, so no event is in the log twice.
+    again = [events[0], routed(7)]
+    ing.ingest(again, b'{"events": "whatever"}')
+    assert [e.event_id for _, e in iter_log(tmp_path)] == ["a", "e7"]

@@ -57,7 +57,7 @@ async def post_events(request: Request, ingestor: IngestorDep, settings: Setting
         parsed = parse_batch(body, settings.max_batch_events)
     except BatchError as exc:
         return error_response(exc.status_code, exc.field, exc.message)
-    result = ingestor.ingest(parsed.events)
+    result = ingestor.ingest(parsed.events, body if not parsed.rejected else None)
     payload = {
         "accepted": result.accepted,
         "duplicates": result.duplicates,

@@ -1,12 +1,13 @@
 """The embedded in-memory store: one process, rebuilt from the event log on restart.
 
-Kept small on purpose (issue 2 asks for at most 2 KB per tracked session): slotted records,
-floats rather than optional objects, block hashes in a tuple.
+Kept small on purpose (at most 2 KB per tracked session): slotted records, floats rather than
+optional objects, block hashes packed in an array.
 """
 
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,10 +64,6 @@ class _Request:
         known = [t for t in (self.started_ts, self.finished_ts) if t >= 0]
         return min(known) if known else _NONE
 
-    def name_instance(self, instance_id: str, ts: float) -> None:
-        if ts >= self.instance_ts:
-            self.instance_id, self.instance_ts = instance_id, ts
-
     def view(self) -> RequestView:
         def opt(x: float) -> float | None:
             return x if x >= 0 else None
@@ -92,7 +89,7 @@ class _Session:
         self.closed_ts = _NONE
         self.instance_id: str | None = None
         self.instance_ts = _NONE
-        self.blocks: tuple[BlockHash, ...] = ()
+        self.blocks: array[int] | tuple[BlockHash, ...] = ()
         self.blocks_ts = _NONE
         self.block_tokens = 0
         self.arrivals: list[float] = []
@@ -104,26 +101,14 @@ class _Session:
         if ts > self.last_ts:
             self.last_ts = ts
 
-    def request(self, request_id: str) -> _Request:
-        for r in self.requests:
-            if r.request_id == request_id:
-                return r
-        r = _Request(request_id)
-        self.requests.append(r)
-        return r
-
     def trim_requests(self) -> None:
         if len(self.requests) > RECENT_REQUESTS:
             self.requests.sort(key=_Request.rank)
             del self.requests[: len(self.requests) - RECENT_REQUESTS]
 
-    def name_instance(self, instance_id: str, ts: float) -> None:
-        if ts >= self.instance_ts:
-            self.instance_id, self.instance_ts = instance_id, ts
-
     def set_blocks(self, block_hashes: list[BlockHash] | None, block_tokens: int, ts: float) -> None:
         if block_hashes is not None and ts >= self.blocks_ts:
-            self.blocks, self.blocks_ts, self.block_tokens = tuple(block_hashes), ts, block_tokens
+            self.blocks, self.blocks_ts, self.block_tokens = _pack(block_hashes), ts, block_tokens
 
     def latest(self) -> _Request | None:
         return max(self.requests, key=_Request.rank) if self.requests else None
@@ -245,42 +230,71 @@ class MemoryStore:
             i.last_seen_ts = ts
         return i
 
+    def _request_event(self, e: RequestRouted | RequestStarted | RequestFinished) -> tuple[_Session, _Request]:
+        """What every request event does: touch its session and instance, find its request.
+
+        Inlined rather than split into helpers: this runs for most events on the ingest path.
+        """
+        ts = e.ts
+        s = self._sessions.get(e.session_id)
+        if s is None:
+            s = self._sessions[e.session_id] = _Session(ts)
+        elif ts > s.last_ts:
+            s.last_ts = ts
+        elif ts < s.first_ts:
+            s.first_ts = ts
+        instance = self._instances.get(e.instance_id)
+        if instance is None:
+            self._instances[e.instance_id] = _Instance(ts)
+        elif ts > instance.last_seen_ts:
+            instance.last_seen_ts = ts
+        if ts >= s.instance_ts:
+            s.instance_id, s.instance_ts = e.instance_id, ts
+        for r in s.requests:
+            if r.request_id == e.request_id:
+                break
+        else:
+            r = _Request(e.request_id)
+            s.requests.append(r)
+        if ts >= r.instance_ts:
+            r.instance_id, r.instance_ts = e.instance_id, ts
+        return s, r
+
     def _routed(self, e: RequestRouted) -> None:
-        s = self._session(e.session_id, e.ts)
-        self._instance(e.instance_id, e.ts)
+        s, r = self._request_event(e)
+        ts = e.ts
         s.turns += 1
-        bisect.insort(s.arrivals, e.ts)
-        if len(s.arrivals) > RECENT_ARRIVALS:
-            del s.arrivals[0]
-        s.name_instance(e.instance_id, e.ts)
-        s.set_blocks(e.block_hashes, e.block_tokens or self.block_tokens, e.ts)
-        r = s.request(e.request_id)
-        if e.ts >= r.routed_ts:
-            r.routed_ts, r.prompt_tokens = e.ts, e.prompt_tokens
-        r.name_instance(e.instance_id, e.ts)
-        s.trim_requests()
+        arrivals = s.arrivals
+        if not arrivals or ts >= arrivals[-1]:
+            arrivals.append(ts)
+        else:
+            bisect.insort(arrivals, ts)
+        if len(arrivals) > RECENT_ARRIVALS:
+            del arrivals[0]
+        if e.block_hashes is not None:
+            s.set_blocks(e.block_hashes, e.block_tokens or self.block_tokens, ts)
+        if ts >= r.routed_ts:
+            r.routed_ts, r.prompt_tokens = ts, e.prompt_tokens
+        if len(s.requests) > RECENT_REQUESTS:
+            s.trim_requests()
 
     def _started(self, e: RequestStarted) -> None:
-        s = self._session(e.session_id, e.ts)
-        self._instance(e.instance_id, e.ts)
-        s.name_instance(e.instance_id, e.ts)
-        r = s.request(e.request_id)
+        s, r = self._request_event(e)
         if e.ts > r.started_ts:
             r.started_ts = e.ts
-        r.name_instance(e.instance_id, e.ts)
-        s.trim_requests()
+        if len(s.requests) > RECENT_REQUESTS:
+            s.trim_requests()
 
     def _finished(self, e: RequestFinished) -> None:
-        s = self._session(e.session_id, e.ts)
-        self._instance(e.instance_id, e.ts)
-        s.name_instance(e.instance_id, e.ts)
-        s.set_blocks(e.block_hashes, e.block_tokens or self.block_tokens, e.ts)
-        r = s.request(e.request_id)
-        if e.ts >= r.finished_ts:
-            r.finished_ts, r.output_tokens = e.ts, e.output_tokens
+        s, r = self._request_event(e)
+        ts = e.ts
+        if e.block_hashes is not None:
+            s.set_blocks(e.block_hashes, e.block_tokens or self.block_tokens, ts)
+        if ts >= r.finished_ts:
+            r.finished_ts, r.output_tokens = ts, e.output_tokens
             r.context_tokens = e.context_tokens if e.context_tokens is not None else -1
-        r.name_instance(e.instance_id, e.ts)
-        s.trim_requests()
+        if len(s.requests) > RECENT_REQUESTS:
+            s.trim_requests()
 
     def _closed(self, e: SessionClosed) -> None:
         s = self._session(e.session_id, e.ts)
@@ -455,6 +469,16 @@ def _state(s: _Session, latest: _Request | None) -> Any:
     if latest.started_ts >= 0:
         return "running"
     return "queued"
+
+
+def _pack(block_hashes: list[BlockHash]) -> array[int] | tuple[BlockHash, ...]:
+    """Block hashes in 8 bytes each when they are 64-bit ints (a tuple of ints costs ~36)."""
+    for code in ("q", "Q"):
+        try:
+            return array(code, block_hashes)  # type: ignore[arg-type]
+        except (OverflowError, TypeError):
+            continue
+    return tuple(block_hashes)
 
 
 def _take(d: dict[str, None], n: int) -> list[str]:
