@@ -9,9 +9,10 @@ from typing import Annotated
 import typer
 
 from app.core.config import Settings
+from app.core.errors import KvpError
 
-cli = typer.Typer(no_args_is_help=True, help="Predictive KV-cache prefetching for LLM serving fleets.")
-bench_cli = typer.Typer(no_args_is_help=True, help="Benchmarks, each printing one JSON object with --json.")
+cli = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False, help="Predictive KV-cache prefetching for LLM serving fleets.")
+bench_cli = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False, help="Benchmarks, each printing one JSON object with --json.")
 cli.add_typer(bench_cli, name="bench")
 
 
@@ -72,8 +73,55 @@ def serve(
     if workers != 1 and settings.store == "memory":
         raise typer.BadParameter("the memory store lives in one process: use --store redis for several workers")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from app.core.runtime import tune_gc
+
+    tune_gc()
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
                 access_log=False)
+
+
+@cli.command()
+def replay(
+    trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],
+    policy: Annotated[str, typer.Option(help="none, lookahead, belady, oracle, heuristic or learned.")] = "none",
+    scenario: Annotated[str, typer.Option(help="A shipped scenario name or a TOML file.")] = "default",
+    router: Annotated[str, typer.Option(help="sticky, least-loaded or kv-aware.")] = "sticky",
+    block_tokens: Annotated[int | None, typer.Option(help="Tokens per trace block (default: the scenario's).")] = None,
+    model: Annotated[str | None, typer.Option(help="Model directory for the learned policy.")] = None,
+    compare: Annotated[str | None, typer.Option(help="Several policies, comma-separated, side by side.")] = None,
+    measure_from: Annotated[float, typer.Option(help="Count only requests arriving after this many seconds.")] = 0.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
+    from sim.commands import prepare, print_results, run_replays
+
+    try:
+        trace_requests, scen = prepare(trace, scenario, block_tokens)
+        policies = [p.strip() for p in compare.split(",")] if compare else [policy]
+        results = run_replays(trace_requests, scen, policies, router, trace_name=trace.name, model_dir=model,
+                              measure_from_seconds=measure_from)
+    except (KvpError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    print_results(results, as_json, compare=bool(compare))
+
+
+@cli.command("events-from-trace")
+def events_from_trace(
+    trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],
+    out: Annotated[Path, typer.Option(help="Where to write the event log (JSON Lines).")],
+    scenario: Annotated[str, typer.Option(help="A shipped scenario name or a TOML file.")] = "default",
+    router: Annotated[str, typer.Option(help="sticky, least-loaded or kv-aware.")] = "sticky",
+    policy: Annotated[str, typer.Option(help="The policy the cluster ran under while the events happened.")] = "none",
+    block_tokens: Annotated[int | None, typer.Option(help="Tokens per trace block.")] = None,
+) -> None:
+    """Write the event log routers and engines would have posted while the trace ran."""
+    from sim.commands import events_from_trace as run
+
+    try:
+        n = run(trace, out, scenario, router, policy, block_tokens)
+    except (KvpError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(f"wrote {n} events to {out}", err=True)
 
 
 def main() -> None:

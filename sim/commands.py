@@ -1,0 +1,106 @@
+"""What `kvprefetch replay`, `kvprefetch events-from-trace` and `bench replay` do (app/cli.py parses)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from sim.replay import ReplayResult, replay, write_events
+from sim.scenario import Scenario, load_scenario
+from sim.traces import TraceRequest, load_trace
+
+# The columns of the readable table, in order, with how to show them.
+COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
+    ("policy", "policy", str),
+    ("router", "router", str),
+    ("hit_rate", "hit rate", lambda v: f"{v:.1%}"),
+    ("byte_hit_rate", "byte hit rate", lambda v: f"{v:.1%}"),
+    ("stall_seconds_total", "stall s", lambda v: f"{v:,.1f}"),
+    ("stall_seconds_p50", "stall p50 s", lambda v: f"{v:.3f}"),
+    ("stall_seconds_p99", "stall p99 s", lambda v: f"{v:.3f}"),
+    ("bytes_loaded_on_demand", "on-demand GB", lambda v: f"{v / 1e9:,.0f}"),
+    ("bytes_prefetched", "prefetched GB", lambda v: f"{v / 1e9:,.0f}"),
+    ("bytes_prefetched_unused", "unused GB", lambda v: f"{v / 1e9:,.0f}"),
+    ("recompute_tokens", "recompute tok", lambda v: f"{v:,}"),
+    ("gpu_wait_fraction", "GPU wait", lambda v: f"{v:.2%}"),
+]
+
+stderr = Console(stderr=True)
+
+
+@contextmanager
+def progress_bar(label: str, total: int, enabled: bool = True) -> Iterator[Callable[[int], None]]:
+    if not enabled:
+        yield lambda n: None
+        return
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=stderr, transient=True) as progress:
+        task = progress.add_task(label, total=total)
+        yield lambda n: progress.advance(task, n)
+
+
+def prepare(trace_path: Path, scenario_name: str, block_tokens: int | None) -> tuple[list[TraceRequest], Scenario]:
+    trace = load_trace(trace_path)
+    scenario = load_scenario(scenario_name)
+    if block_tokens is not None and block_tokens != scenario.block_tokens:
+        scenario = scenario.model_copy(update={"block_tokens": block_tokens})
+    return trace, scenario
+
+
+def run_replays(trace: Sequence[TraceRequest], scenario: Scenario, policies: Sequence[str], router: str, *,
+                trace_name: str, model_dir: str | None = None, measure_from_seconds: float = 0.0,
+                show_progress: bool = True) -> list[ReplayResult]:
+    results = []
+    for policy in policies:
+        with progress_bar(f"{policy:>10} / {router}", len(trace), show_progress) as advance:
+            result = replay(trace, scenario, policy=policy, router=router, model_dir=model_dir,
+                            measure_from_seconds=measure_from_seconds, progress=advance)
+        result.summary["trace"] = trace_name
+        results.append(result)
+    return results
+
+
+def render_table(summaries: Sequence[dict[str, Any]], title: str) -> Table:
+    table = Table(title=title)
+    for _, header, _ in COLUMNS:
+        table.add_column(header, justify="left" if header in ("policy", "router") else "right")
+    for s in summaries:
+        table.add_row(*(fmt(s[key]) for key, _, fmt in COLUMNS))
+    return table
+
+
+def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
+    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+             "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    for s in summaries:
+        lines.append("| " + " | ".join(fmt(s[key]) for key, _, fmt in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def print_results(results: Sequence[ReplayResult], as_json: bool, compare: bool) -> None:
+    summaries = [r.summary for r in results]
+    if as_json:
+        doc: dict[str, Any] = summaries[0] if not compare else {"compare": summaries}
+        sys.stdout.write(json.dumps(doc) + "\n")
+        return
+    first = summaries[0]
+    title = (f"{first['trace']}: {first['requests']:,} requests, {first['sessions']:,} sessions, "
+             f"{first['reuse_requests']:,} reuse; scenario {first['scenario']}")
+    Console().print(render_table(summaries, title))
+
+
+def events_from_trace(trace_path: Path, out: Path, scenario_name: str, router: str, policy: str,
+                      block_tokens: int | None) -> int:
+    """Write the event log that routers and engines would have posted while the trace ran."""
+    trace, scenario = prepare(trace_path, scenario_name, block_tokens)
+    with progress_bar("events", len(trace)) as advance:
+        result = replay(trace, scenario, policy=policy, router=router, keep_events=True, progress=advance)
+    return write_events(result, out)
