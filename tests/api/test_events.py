@@ -183,3 +183,19 @@ def test_every_event_type_is_accepted(client: TestClient) -> None:
     assert r.status_code == 200, r.json()
     assert len(r.json()["accepted"]) == 10
     assert client.get("/v1/sessions/s1").json()["state"] == "closed"
+
+
+def test_an_unavailable_store_is_503_and_nothing_is_acknowledged(settings: Settings) -> None:
+    from app.api.main import create_app
+    from app.core.errors import StoreUnavailable
+    from app.engine.state import MemoryStore
+
+    class Down(MemoryStore):
+        def apply(self, events):  # type: ignore[no-untyped-def]
+            raise StoreUnavailable("connection refused")
+
+    with TestClient(create_app(settings, store=Down(bytes_per_token=1, block_tokens=512))) as c:
+        r = post(c, [routed("a")])
+        assert r.status_code == 503
+        assert r.headers["retry-after"] == "1"
+        assert r.json() == {"detail": "the state store is unavailable: connection refused", "field": "store"}
