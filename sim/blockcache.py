@@ -58,9 +58,29 @@ class BlockCache:
     def touch(self, block: int) -> None:
         self.entries.move_to_end(block)
         if self.evict_key is not None:
-            entry = self.entries[block]
-            entry.version += 1
-            heapq.heappush(self._heap, (-self.evict_key(block), next(self._seq), block, entry.version))
+            self._rank(block, self.entries[block])
+
+    def rekey(self, block: int) -> None:
+        """The eviction key of a resident block changed: rank it by the new one (LRU order kept)."""
+        entry = self.entries.get(block)
+        if entry is not None and self.evict_key is not None:
+            self._rank(block, entry)
+
+    def _rank(self, block: int, entry: Entry) -> None:
+        # Versions come from one counter, never per entry: a block evicted and inserted again
+        # must not match a ranking left over from its earlier stay.
+        seq = next(self._seq)
+        entry.version = seq
+        heapq.heappush(self._heap, (-self.evict_key(block), seq, block, seq))  # type: ignore[misc]
+
+    def unpin(self, block: int) -> None:
+        """Drop one pin; a block that becomes evictable is ranked again (victim searches drop
+        pinned blocks from the ranking rather than cycling past them on every search)."""
+        e = self.entries.get(block)
+        if e is not None:
+            e.pins -= 1
+            if e.pins == 0 and self.evict_key is not None:
+                self._rank(block, e)
 
     def remove(self, block: int) -> Entry | None:
         return self.entries.pop(block, None)
@@ -106,18 +126,19 @@ class BlockCache:
             e = self.entries.get(block)
             if e is None or e.version != version or block in chosen:
                 continue  # stale
-            if e.pins or block in exclude:
+            if e.pins:
+                continue  # ranked again by unpin()
+            if block in exclude:
                 skipped.append(item)
                 continue
             victims.append(block)
             chosen.add(block)
         for item in skipped:
             heapq.heappush(self._heap, item)
+        for block in victims:  # a query only: the caller removes the victims, or not
+            self._rank(block, self.entries[block])
         if len(victims) < n:
-            for block in victims:  # not enough room: put the candidates back
-                e = self.entries[block]
-                heapq.heappush(self._heap, (-self.evict_key(block), next(self._seq), block, e.version))  # type: ignore[misc]
-            return None
+            return None  # not enough room
         return victims
 
     def pinned_blocks(self) -> int:

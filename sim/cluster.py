@@ -6,7 +6,8 @@ What happens to a request (all times simulated):
    admitted. Its *reused* blocks are the longest prefix of its block ids already computed by an
    earlier request (the pool holds every block ever written). Reused blocks not in HBM are loaded
    (from the host tier or the pool, over that instance's link, shared with every other transfer)
-   or recomputed, whichever is sooner; the request stalls until the last byte has landed;
+   or recomputed, whichever is sooner; the request stalls until the last byte has landed, or
+   for the recompute (its tokens / the prefill rate);
 3. it computes: prefill of its new tokens, then decode of its output tokens;
 4. it finishes; its blocks stay in HBM, unpinned, and are now in the pool too.
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from sim.policies import Policy
     from sim.routers import Router
 
-ARRIVAL, LINK, DONE, TICK, CALL = range(5)
+ARRIVAL, LINK, DONE, TICK, CALL, RECOMPUTED = range(6)
 
 
 @dataclass(slots=True, eq=False)
@@ -96,6 +97,9 @@ class Totals:
 class Cluster:
     """Runs a trace's requests through instances, a router and a policy, under simulated time."""
 
+    # Tests set this to check the model's invariants after every event (see _check).
+    check_invariants = False
+
     def __init__(self, scenario: Scenario, requests: Sequence[SimRequest], router: Router, policy: Policy,
                  emit: Callable[[str, float, dict[str, Any]], None] | None = None) -> None:
         self.scenario = scenario
@@ -111,6 +115,10 @@ class Cluster:
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._transfer_ids = itertools.count()
+        too_big = next((r for r in self.requests if len(set(r.hash_ids)) > scenario.hbm_blocks), None)
+        if too_big is not None:  # it could never be admitted, and would block its queue for good
+            raise ValueError(f"request {too_big.index} needs {len(set(too_big.hash_ids))} blocks; an instance's HBM "
+                             f"holds {scenario.hbm_blocks} in scenario {scenario.name!r}")
         policy.attach(self)
         self.instances = [Instance(i, scenario, policy.evict_key) for i in range(scenario.instances)]
 
@@ -129,7 +137,7 @@ class Cluster:
         if self.policy.tick_seconds:
             self.schedule(0.0, TICK, None)
         remaining = len(self.requests)
-        while self._events:
+        while self._events and remaining:
             at, _, kind, payload = heapq.heappop(self._events)
             self.now = at
             if kind == ARRIVAL:
@@ -143,15 +151,33 @@ class Cluster:
                     progress(1)
                 if remaining == 0:
                     break
+            elif kind == RECOMPUTED:
+                idx, t = payload
+                t.done_at = at
+                self._landed(self.instances[idx], t)
+                self._try_start(self.instances[idx])
             elif kind == TICK:
                 self.policy.on_tick(at)
                 self.schedule(at + self.policy.tick_seconds, TICK, None)  # type: ignore[operator]
             else:
                 payload()
+            if self.check_invariants:
+                self._check()
         for inst in self.instances:  # prefetched blocks never used by the end are wasted too
             for e in inst.hbm.entries.values():
                 if e.prefetched:
                     self.totals.bytes_prefetched_unused += self.block_bytes
+
+    def _check(self) -> None:
+        """The model's invariants (cheap ones; run after every event when check_invariants is set)."""
+        for inst in self.instances:
+            assert len(inst.hbm) <= inst.hbm.capacity, f"{inst.instance_id}: HBM over capacity"
+            if inst.host is not None:
+                assert len(inst.host) <= inst.host.capacity, f"{inst.instance_id}: host over capacity"
+            assert 0 <= inst.running <= self.scenario.max_running_requests, f"{inst.instance_id}: running"
+            for b, t in inst.inflight.items():
+                e = inst.hbm.entries.get(b)
+                assert e is not None and e.pins > 0, f"{inst.instance_id}: block {b} landing but not pinned"
 
     # -- requests --------------------------------------------------------------------------
 
@@ -234,8 +260,18 @@ class Cluster:
         recompute_tokens = len(missing) * self.scenario.block_tokens
         recompute_seconds = recompute_tokens / self.scenario.prefill_tokens_per_second
         if recompute_seconds < load_seconds:
+            # The request stalls while its context is recomputed, as it would while loading it;
+            # the blocks stay pinned and count as landing (a request that wants them meanwhile
+            # waits too) until the recompute is done.
             r.recompute_tokens += recompute_tokens
-            r.compute_seconds += recompute_seconds
+            t = Transfer(next(self._transfer_ids), inst.idx, missing, len(missing) * self.block_bytes, False,
+                         self.now)
+            for b in missing:
+                inst.inflight[b] = t
+                inst.hbm.entries[b].pins += 1
+            r.wait_for(t)
+            t.waiters.append(r)
+            self.schedule(self.now + recompute_seconds, RECOMPUTED, (inst.idx, t))
             return
         for link, chunk in ((inst.host_link, from_host), (inst.pool_link, from_pool)):
             if chunk:
@@ -257,9 +293,8 @@ class Cluster:
         inst.running -= 1
         inst.busy_seconds += r.finished_at - r.admitted_at  # type: ignore[operator]
         for b in dict.fromkeys(r.hash_ids):
-            e = inst.hbm.entries.get(b)
-            if e is not None:
-                e.pins -= 1
+            if b in inst.hbm:
+                inst.hbm.unpin(b)
                 inst.hbm.touch(b)
         self.written.update(r.hash_ids)
         self.emit("request_finished", self.now, {
@@ -294,25 +329,29 @@ class Cluster:
         if version != link.version:
             return  # the link changed since this completion was predicted
         for t in link.complete_due(self.now):
-            for b in t.blocks:
-                if inst.inflight.get(b) is t:
-                    del inst.inflight[b]
-                e = inst.hbm.entries.get(b)
-                if e is not None:
-                    e.pins -= 1
-                    if t.prefetch and b not in t.claimed:
-                        e.prefetched = True
-            if t.prefetch:
-                self.totals.bytes_prefetched += t.nbytes
-            self.emit("kv_blocks_stored", self.now, {
-                "tier": "hbm", "instance_id": inst.instance_id, "block_hashes": t.blocks,
-                "block_tokens": self.scenario.block_tokens})
-            for r in t.waiters:
-                r.waiting_on.discard(t.transfer_id)  # type: ignore[attr-defined]
-                if not r.waiting_on:  # type: ignore[attr-defined]
-                    self._ready(r)  # type: ignore[arg-type]
+            self._landed(inst, t)
         self._schedule_link(inst, link)
         self._try_start(inst)
+
+    def _landed(self, inst: Instance, t: Transfer) -> None:
+        """A transfer's (or a recompute's) blocks are in HBM: unpin them, wake who waited."""
+        for b in t.blocks:
+            if inst.inflight.get(b) is t:
+                del inst.inflight[b]
+            e = inst.hbm.entries.get(b)
+            if e is not None:
+                inst.hbm.unpin(b)
+                if t.prefetch and b not in t.claimed:
+                    e.prefetched = True
+        if t.prefetch:
+            self.totals.bytes_prefetched += t.nbytes
+        self.emit("kv_blocks_stored", self.now, {
+            "tier": "hbm", "instance_id": inst.instance_id, "block_hashes": t.blocks,
+            "block_tokens": self.scenario.block_tokens})
+        for r in t.waiters:
+            r.waiting_on.discard(t.transfer_id)  # type: ignore[attr-defined]
+            if not r.waiting_on:  # type: ignore[attr-defined]
+                self._ready(r)  # type: ignore[arg-type]
 
     def _make_room(self, inst: Instance, n: int, keep: set[int] | frozenset[int] = frozenset()) -> bool:
         victims = inst.hbm.choose_victims(n, self.now, exclude=keep)

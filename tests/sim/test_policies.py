@@ -1,0 +1,204 @@
+"""Policies: each one's mechanism on hand-made clusters, and the bounds on real traces
+(oracle never worse than none; belady's hit rate never below none's)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sim.cluster import Cluster, SimRequest
+from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy, make_policy
+from tests.sim.test_cluster import (
+    BLOCK_BYTES,
+    EXACT,
+    POOL,
+    TRACE_FILES,
+    CheckedCluster,
+    Placed,
+    checked_replay,
+    context,
+    request,
+    run,
+    scenario,
+)
+
+PREFIX = 2500  # as test_cluster's invariant runs, whose replays are cached and reused here
+
+
+# -- mechanisms ---------------------------------------------------------------------------------
+
+def retention_case(policy: Policy) -> SimRequest:
+    """HBM of 8 blocks; A, B, C of 4 each; C must evict A's or B's; only A's come back (D)."""
+    a, b, c = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4)), request(2, 20.0, context(20, 4))
+    d = request(3, 30.0, [*context(0, 4), 99])
+    run(scenario(prefill=100.0, instances=1, hbm_blocks=8), [a, b, c, d], [0] * 4, policy)
+    assert d.reused_blocks == 4
+    return d
+
+
+def test_lru_evicts_the_least_recently_used() -> None:
+    d = retention_case(NoPrefetch())
+    assert d.hit_blocks == 0 and d.stall_seconds == pytest.approx(4 * BLOCK_BYTES / POOL, abs=EXACT)
+
+
+def test_belady_evicts_what_is_needed_furthest_in_the_future() -> None:
+    d = retention_case(Belady())
+    assert d.hit_blocks == 4 and d.stall_seconds == 0.0
+
+
+class KeepFirst(Policy):
+    def on_finished(self, r: SimRequest, now: float) -> None:
+        if r.index == 0:
+            self.cluster.keep(r.instance, r.hash_ids, now + 100.0)
+
+
+class DemoteSecond(Policy):
+    def on_finished(self, r: SimRequest, now: float) -> None:
+        if r.index == 1:
+            self.cluster.demote(r.instance, r.hash_ids)
+
+
+@pytest.mark.parametrize("policy", [KeepFirst, DemoteSecond])
+def test_keep_and_demote_advice_steer_eviction(policy: type[Policy]) -> None:
+    assert retention_case(policy()).hit_blocks == 4
+
+
+def pool_only_case(policy: Policy, arrival: float = 50.0) -> tuple[Cluster, SimRequest]:
+    """A's context is written on instance 0; D reuses it on instance 1, where it is not resident."""
+    a, d = request(0, 0.0, context(0, 4)), request(1, arrival, [*context(0, 4), 99])
+    return run(scenario(prefill=100.0), [a, d], [0, 1], policy), d
+
+
+def test_oracle_prefetches_just_in_time_to_the_right_instance() -> None:
+    _, on_demand = pool_only_case(NoPrefetch())
+    assert on_demand.hit_blocks == 0 and on_demand.stall_seconds == pytest.approx(0.4, abs=EXACT)
+    landed: list[tuple[float, str]] = []
+    a, d = request(0, 0.0, context(0, 4)), request(1, 50.0, [*context(0, 4), 99])
+    cluster = CheckedCluster(scenario(prefill=100.0), [a, d], Placed([0, 1]), Oracle(),
+                             emit=lambda kind, ts, f: landed.append((ts, f["instance_id"]))
+                             if kind == "kv_blocks_stored" and f["tier"] == "hbm" and f["block_hashes"] == context(0, 4)
+                             else None)
+    cluster.run()
+    assert d.hit_blocks == 4 and d.stall_seconds == 0.0 and d.loaded_bytes == 0
+    assert cluster.totals.bytes_prefetched == 4 * BLOCK_BYTES
+    assert cluster.totals.bytes_prefetched_unused == 0
+    assert cluster.instances[1].pool_link.bytes_moved == 4 * BLOCK_BYTES
+    # Ordered its lead (5 blocks: 0.5 s) plus a 0.25 s margin before the arrival; 4 blocks move.
+    assert [ts for ts, where in landed if where == "gpu-1"] == [pytest.approx(50.0 - 0.5 - 0.25 + 0.4, abs=EXACT)]
+
+
+def test_oracle_cannot_prefetch_what_is_not_written_yet() -> None:
+    # D arrives before A has finished: nothing of A's is in the pool, so no prefetch, no reuse.
+    cluster, d = pool_only_case(Oracle(), arrival=0.01)
+    assert d.reused_blocks == 0 and cluster.totals.bytes_prefetched == 0
+
+
+def test_lookahead_prefetches_while_a_request_is_queued() -> None:
+    def case(policy: Policy) -> SimRequest:
+        writer = request(0, 0.0, context(0, 4))
+        busy = request(1, 0.0, [50], output=1000)  # holds instance 1's only slot for 10 s
+        d = request(2, 5.0, [*context(0, 4), 99])
+        run(scenario(prefill=100.0, max_running=1), [writer, busy, d], [0, 1, 1], policy)
+        assert d.admitted_at == pytest.approx(busy.finished_at, abs=EXACT)
+        return d
+
+    assert case(NoPrefetch()).hit_blocks == 0
+    d = case(Lookahead())
+    assert d.hit_blocks == 4 and d.stall_seconds == 0.0
+
+
+def test_prefetch_skips_what_is_there_or_never_computed_and_counts_waste() -> None:
+    class Prefetcher(Policy):
+        def on_finished(self, r: SimRequest, now: float) -> None:
+            if r.index == 0:
+                c = self.cluster
+                assert c.prefetch(1, [*r.hash_ids, 12345]) == 4  # 12345 never computed
+                assert c.prefetch(1, r.hash_ids) == 0  # already on its way
+                assert c.prefetch(0, r.hash_ids) == 0  # already there
+
+    a, other = request(0, 0.0, context(0, 4)), request(1, 100.0, context(10, 2))
+    cluster = run(scenario(prefill=100.0), [a, other], [0, 1], Prefetcher())
+    assert cluster.totals.prefetch_orders == 1
+    assert cluster.totals.bytes_prefetched == 4 * BLOCK_BYTES
+    assert cluster.totals.bytes_prefetched_unused == 4 * BLOCK_BYTES  # never used by the end
+
+
+def test_prefetch_orders_nothing_without_room() -> None:
+    class Prefetcher(Policy):
+        ordered = -1
+
+        def on_arrival(self, r: SimRequest, now: float) -> None:
+            if r.index == 1:  # instance 1 is full of r's pinned blocks
+                Prefetcher.ordered = self.cluster.prefetch(1, context(0, 4))
+
+    a, big = request(0, 0.0, context(0, 4)), request(1, 50.0, context(10, 8), output=100)
+    run(scenario(prefill=1e4, hbm_blocks=8), [a, big], [0, 1], Prefetcher())
+    assert Prefetcher.ordered == 0
+
+
+def test_make_policy() -> None:
+    assert [type(make_policy(p)).__name__ for p in ("none", "lookahead", "belady", "oracle")] == [
+        "NoPrefetch", "Lookahead", "Belady", "Oracle"]
+    assert make_policy("heuristic", session_view=lambda sid: None).name == "heuristic"
+    with pytest.raises(ValueError, match="unknown policy 'nope'; choose from none, lookahead"):
+        make_policy("nope")
+    with pytest.raises(ValueError, match="session_view"):
+        make_policy("heuristic")
+    assert {"none", "lookahead", "belady", "oracle", "heuristic", "learned"} <= set(POLICIES)
+
+
+# -- bounds on real traces ------------------------------------------------------------------------
+
+def assert_bounds(trace: str, n: int | None, scenario_name: str, router: str) -> dict[str, dict]:
+    s = {p: checked_replay(trace, n, scenario_name, router, p) for p in ("none", "belady", "oracle")}
+    none, belady, oracle = s["none"], s["belady"], s["oracle"]
+    where = f"{trace}[:{n}] {scenario_name} {router}: none {none['byte_hit_rate']}/{none['stall_seconds_total']} " \
+            f"belady {belady['byte_hit_rate']} oracle {oracle['byte_hit_rate']}/{oracle['stall_seconds_total']}"
+    assert oracle["byte_hit_rate"] >= none["byte_hit_rate"], where
+    assert oracle["stall_seconds_total"] <= none["stall_seconds_total"], where
+    assert belady["byte_hit_rate"] >= none["byte_hit_rate"], where
+    for summary in s.values():
+        assert summary["bytes_prefetched_unused"] <= summary["bytes_prefetched"], where
+    assert none["bytes_prefetched"] == belady["bytes_prefetched"] == 0
+    return s
+
+
+@pytest.mark.parametrize("router", ["sticky", "least-loaded"])
+@pytest.mark.parametrize("scenario_name", ["default", "tight-hbm"])
+@pytest.mark.parametrize("trace", TRACE_FILES)
+def test_oracle_and_belady_bound_none_on_trace_prefixes(trace: str, scenario_name: str, router: str) -> None:
+    assert_bounds(trace, PREFIX, scenario_name, router)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router", ["sticky", "least-loaded"])
+@pytest.mark.parametrize("trace", TRACE_FILES)
+def test_oracle_and_belady_bound_none_on_full_traces(trace: str, router: str) -> None:
+    # The full synthetic trace under least-loaded is where Belady ranked by stale next uses fell
+    # below LRU (0.162 against 0.179 byte hit rate); the prefixes do not show it.
+    s = assert_bounds(trace, None, "default", router)
+    if (trace, router) == (TRACE_FILES[0], "sticky"):
+        # The headline: retention alone wins most of it; the oracle leaves nothing to stall on.
+        assert s["belady"]["byte_hit_rate"] > s["none"]["byte_hit_rate"] + 0.3
+        assert s["oracle"]["stall_seconds_total"] < 0.1 * s["none"]["stall_seconds_total"]
+
+
+def test_a_request_admitted_while_its_prefetch_lands_waits_for_the_rest_only() -> None:
+    writer = request(0, 0.0, context(0, 4))
+    busy = request(1, 0.0, [50], output=411)  # instance 1's only slot until 1.0 + 4.11 s
+    d = request(2, 5.0, [*context(0, 4), 99])  # queued at 5.0: lookahead orders 0.4 s of load
+    cluster = run(scenario(prefill=100.0, max_running=1), [writer, busy, d], [0, 1, 1], Lookahead())
+    assert d.admitted_at == pytest.approx(5.11, abs=EXACT)
+    assert d.hit_blocks == 0 and d.loaded_bytes == 0  # not landed yet, but not loaded again
+    assert d.stall_seconds == pytest.approx(5.4 - 5.11, abs=EXACT)
+    assert cluster.totals.bytes_prefetched == 4 * BLOCK_BYTES
+    assert cluster.totals.bytes_prefetched_unused == 0  # it was used
+
+
+def test_belady_ranks_copies_by_their_next_use_anywhere() -> None:
+    """A's blocks on instance 0 are used next on instance 1 (D), then never: C must evict them, not B's,
+    which E needs on instance 0. Ranked by their stale next use (D's arrival) A's would stay."""
+    a, b = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4))
+    d, c = request(2, 30.0, [*context(0, 4), 97]), request(3, 40.0, context(20, 4))
+    e = request(4, 50.0, [*context(10, 4), 98])
+    run(scenario(prefill=100.0, hbm_blocks=8), [a, b, d, c, e], [0, 0, 1, 0, 0], Belady())
+    assert e.reused_blocks == 4 and e.hit_blocks == 4
