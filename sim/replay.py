@@ -13,12 +13,13 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from app.core.clock import ManualClock
 from app.engine.eventlog import encode_events
 from app.engine.events import Event, event_adapter
 from app.engine.state import MemoryStore
+from app.engine.state.base import SessionView
 from sim.cluster import Cluster, SimRequest
 from sim.policies import make_policy
 from sim.routers import make_router
@@ -41,6 +42,20 @@ def build_requests(trace: Sequence[TraceRequest]) -> list[SimRequest]:
             for r, sid in zip(trace, sessions.session_ids)]
 
 
+class Engine(Protocol):
+    """Where a replay's events go and where its policies read sessions.
+
+    EngineFeed is the in-process engine (the default); sim.remote.RemoteEngine is a running
+    service reached over HTTP.
+    """
+
+    events: list[Event]  # what was emitted, when the engine was asked to keep it
+
+    def emit(self, kind: str, ts: float, fields: dict[str, Any]) -> None: ...
+
+    def session(self, session_id: str) -> SessionView | None: ...
+
+
 class EngineFeed:
     """Turns the cluster's happenings into events and applies them to the engine's store."""
 
@@ -60,21 +75,31 @@ class EngineFeed:
         if self.keep_events:
             self.events.append(event)
 
+    emit = __call__
+
+    def session(self, session_id: str) -> SessionView | None:
+        return self.store.session(session_id)
+
 
 def replay(trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "none", router: str = "sticky",
            model_dir: str | None = None, measure_from_seconds: float = 0.0, keep_events: bool = False,
-           progress: Callable[[int], None] | None = None) -> ReplayResult:
+           progress: Callable[[int], None] | None = None, engine: Engine | None = None) -> ReplayResult:
+    """`engine`: where events go and sessions come from; default a fresh in-process EngineFeed.
+
+    An injected engine keeps events if it was built to (`keep_events` only builds the default).
+    """
     started = time.perf_counter()
     requests = build_requests(trace)
-    store = MemoryStore(bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens)
-    feed = EngineFeed(store, ManualClock(0.0), keep_events=keep_events)
-    pol = make_policy(policy, session_view=store.session, model_dir=model_dir)
-    cluster = Cluster(scenario, requests, make_router(router), pol, emit=feed)
+    if engine is None:
+        store = MemoryStore(bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens)
+        engine = EngineFeed(store, ManualClock(0.0), keep_events=keep_events)
+    pol = make_policy(policy, session_view=engine.session, model_dir=model_dir)
+    cluster = Cluster(scenario, requests, make_router(router), pol, emit=engine.emit)
     cluster.run(progress=progress)
     summary = summarize(cluster, requests, measure_from_seconds)
     summary.update({"policy": policy, "router": router, "scenario": scenario.name,
                     "wall_seconds": round(time.perf_counter() - started, 3)})
-    return ReplayResult(summary=summary, requests=requests, events=feed.events)
+    return ReplayResult(summary=summary, requests=requests, events=engine.events)
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:

@@ -1,0 +1,210 @@
+"""Replay over HTTP (sim/remote.py) against a real service gives what an in-process replay gives.
+
+The slice is small (the synthetic trace's first 250 requests) on a cluster with little HBM, so
+the heuristic policy's decisions change the outcome: an over-HTTP replay whose session views
+differed from the in-process ones would show in its summary.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from app.api.main import create_app
+from app.core.clock import ManualClock
+from app.core.config import Settings
+from app.engine.state import MemoryStore
+from app.engine.state.base import SessionView
+from sim.remote import EventsRejected, RemoteEngine, RemoteEngineError, ServiceUnreachable, replay_via
+from sim.replay import EngineFeed, ReplayResult, replay
+from sim.scenario import Scenario, load_scenario
+from sim.traces import TraceRequest, load_trace
+from tests.conftest import TRACES
+
+pytestmark = pytest.mark.slow
+
+HANG_GUARD = 30.0
+REQUESTS = 250
+# Keys a remote summary adds, and the one that differs run to run.
+NOT_COMPARED = {"wall_seconds", "via", "run_id", "events_posted"}
+
+
+@pytest.fixture(scope="module")
+def trace() -> list[TraceRequest]:
+    return load_trace(TRACES / "mooncake_synthetic.jsonl")[:REQUESTS]
+
+
+@pytest.fixture(scope="module")
+def scenario() -> Scenario:
+    # Two instances with 45 GB of HBM each: evictions and the heuristic's prefetches both happen.
+    return load_scenario("default").model_copy(
+        update={"name": "small-hbm", "instances": 2, "hbm_kv_bytes": 45_000_000_000})
+
+
+@pytest.fixture(scope="module")
+def service_url(tmp_path_factory: pytest.TempPathFactory, scenario: Scenario) -> Iterator[str]:
+    """One real service for the module (runs namespace their state), on a port bound before it starts."""
+    settings = Settings(data_dir=tmp_path_factory.mktemp("svc"), store="memory", log_fsync=False,
+                        bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens,
+                        replica_id="test-remote")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + HANG_GUARD
+    while not server.started:
+        assert thread.is_alive(), "uvicorn exited during startup"
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(HANG_GUARD)
+        sock.close()
+
+
+class CountingFeed(EngineFeed):
+    """The in-process engine, counting the policy's session reads."""
+
+    reads = 0
+
+    def session(self, session_id: str) -> SessionView | None:
+        self.reads += 1
+        return super().session(session_id)
+
+
+def in_process(trace: list[TraceRequest], scenario: Scenario,
+               policy: str) -> tuple[ReplayResult, CountingFeed]:
+    store = MemoryStore(bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens)
+    feed = CountingFeed(store, ManualClock(0.0), keep_events=True)
+    return replay(trace, scenario, policy=policy, engine=feed), feed
+
+
+def compared(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if k not in NOT_COMPARED}
+
+
+def sessions_of(trace_result: ReplayResult) -> list[str]:
+    return sorted({r.session_id for r in trace_result.requests})
+
+
+@pytest.mark.parametrize("policy", ["heuristic", "none"])
+def test_over_http_matches_in_process(policy: str, trace: list[TraceRequest], scenario: Scenario,
+                                      service_url: str) -> None:
+    local, feed = in_process(trace, scenario, policy)
+    # Injecting the in-process engine is the default path.
+    assert compared(replay(trace, scenario, policy=policy).summary) == compared(local.summary)
+
+    run_id = f"t-{policy}"
+    remote = replay_via(service_url, trace, scenario, policy=policy, run_id=run_id)
+
+    assert compared(remote.summary) == compared(local.summary)
+    assert set(remote.summary) == set(local.summary) | {"via", "run_id", "events_posted"}
+    assert remote.summary["via"] == service_url
+    assert remote.summary["run_id"] == run_id
+    assert remote.summary["events_posted"] == len(feed.events) > REQUESTS
+
+    # The service's state is the in-process store's, session by session (ids translated back) ...
+    sessions = sessions_of(local)
+    with RemoteEngine(service_url, run_id=run_id, bytes_per_token=scenario.bytes_per_token) as reader:
+        for sid in sessions[::7] + sessions[-3:]:
+            assert reader.session(sid) == feed.store.session(sid), sid
+        assert reader.session("never-seen") is None
+        assert reader.stats.events_emitted == 0
+    # ... and holds it under the run's namespace.
+    sid = sessions[0]
+    raw = httpx.get(f"{service_url}/v1/sessions/{run_id}:{sid}").json()
+    assert raw["session_id"] == f"{run_id}:{sid}"
+    assert raw["instance_id"].startswith(f"{run_id}:gpu-")
+    assert raw["last_request"]["request_id"].startswith(f"{run_id}:q")
+    blocks = feed.store.session(sid).block_hashes  # type: ignore[union-attr]
+    assert raw["block_hashes"] != blocks == [h & 0xFFFF_FFFF for h in raw["block_hashes"]]
+    assert httpx.get(f"{service_url}/v1/sessions/{sid}").status_code == 404
+
+
+def test_the_heuristic_decides_on_sessions_read_over_http(trace: list[TraceRequest], scenario: Scenario,
+                                                          service_url: str) -> None:
+    """The slice is one where session views matter, and over HTTP the policy reads every one."""
+    heuristic, feed = in_process(trace, scenario, "heuristic")
+    none, _ = in_process(trace, scenario, "none")
+    assert compared(heuristic.summary) | {"policy": "-"} != compared(none.summary) | {"policy": "-"}, (
+        "on this slice the heuristic decides as `none` does: pick one where session views matter")
+
+    with RemoteEngine(service_url, bytes_per_token=scenario.bytes_per_token) as engine:
+        result = replay(trace, scenario, policy="heuristic", engine=engine)
+    stats = engine.stats
+    assert stats.session_reads == feed.reads > 0  # the same reads, each after a flush
+    assert stats.events_posted == stats.events_emitted
+    assert compared(result.summary) == compared(heuristic.summary)
+
+
+def test_a_second_run_against_the_same_service_sees_only_its_own_state(
+        trace: list[TraceRequest], scenario: Scenario, service_url: str) -> None:
+    local, _ = in_process(trace, scenario, "heuristic")
+    first = replay_via(service_url, trace, scenario, policy="heuristic")
+    second = replay_via(service_url, trace, scenario, policy="heuristic")
+    assert first.summary["run_id"] != second.summary["run_id"]
+    assert compared(first.summary) == compared(second.summary) == compared(local.summary)
+    assert first.summary["events_posted"] == second.summary["events_posted"]
+
+
+def test_keep_events_keeps_what_an_in_process_replay_keeps(trace: list[TraceRequest], scenario: Scenario,
+                                                           service_url: str) -> None:
+    _, feed = in_process(trace[:40], scenario, "none")
+    remote = replay_via(service_url, trace[:40], scenario, policy="none", keep_events=True)
+    assert remote.events == feed.events
+
+
+def test_an_unreachable_service_is_named(trace: list[TraceRequest], scenario: Scenario) -> None:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    sock.close()  # nothing listens there now
+    with pytest.raises(ServiceUnreachable, match=f"no kvprefetch service answers at {url} "):
+        replay_via(url, trace[:10], scenario)
+
+
+@pytest.mark.parametrize(("status", "body", "message"), [
+    (404, b"Not Found", "answered HTTP 404: Not Found: is this a kvprefetch service?"),
+    (503, b'{"status": "unavailable", "store": "redis", "store_ok": false}',
+     "the kvprefetch service at http://kvp.test is not ready .*'redis'"),
+])
+def test_a_service_not_ready_or_not_kvprefetch_is_refused(status: int, body: bytes,
+                                                           message: str) -> None:
+    transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
+    with pytest.raises(ServiceUnreachable, match=message):
+        RemoteEngine("http://kvp.test", transport=transport)
+
+
+def test_rejected_events_raise_with_the_field(service_url: str) -> None:
+    engine = RemoteEngine(service_url)
+    engine.emit("request_routed", 1.0, {"session_id": "s", "request_id": "q0", "instance_id": "gpu-0",
+                                        "prompt_tokens": -5})
+    with pytest.raises(EventsRejected, match=r"refused 1 events .*prompt_tokens"):
+        engine.close()
+
+
+def test_a_service_counting_other_bytes_per_token_is_refused(service_url: str) -> None:
+    with RemoteEngine(service_url, bytes_per_token=1) as engine:
+        engine.emit("request_routed", 1.0, {"session_id": "s", "request_id": "q0", "instance_id": "gpu-0",
+                                            "prompt_tokens": 100})
+        with pytest.raises(RemoteEngineError, match="KVP_BYTES_PER_TOKEN=1"):
+            engine.session("s")
+
+
+def test_run_ids_that_would_break_the_namespace_are_refused() -> None:
+    for bad in ("a:b", "a/b", "x" * 65):
+        with pytest.raises(ValueError, match="run_id"):
+            RemoteEngine("http://127.0.0.1:9", run_id=bad)
