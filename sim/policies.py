@@ -8,10 +8,9 @@
   the instance its router will pick, within link bandwidth. The upper bound. It is approximate:
   it predicts the destination by asking the router at prefetch time, and Belady's next use is
   global, not per instance.
-- `heuristic`: the service's HeuristicPredictor (app/engine/predictor.py), reading the engine's
-  live state: keep a finished turn's context for a few of the session's own gaps, and prefetch it
-  shortly before the session's median gap has passed.
-- `learned`: the LightGBM predictor (issue 4) in the same role.
+- `heuristic`: the service's planner (app/engine/planner.py) over the HeuristicPredictor: each
+  session's median gap between its turns, no learning (sim/planned.py).
+- `learned`: the same planner over the LightGBM predictor trained from event logs (training/).
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from app.core.errors import ConfigError
-from app.engine.predictor import HeuristicPredictor, Predictor
+from app.engine.predictor import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
 
 if TYPE_CHECKING:
     from sim.cluster import Cluster, SimRequest
@@ -84,8 +82,14 @@ class Belady(Policy):
         self.evict_key = self.next_use.get  # type: ignore[assignment]
 
     def before_admit(self, r: SimRequest, now: float) -> None:
+        others = [inst.hbm for inst in self.cluster.instances if inst.idx != r.instance]
         for b, t in zip(r.hash_ids, self._next_after[r.index]):
             self.next_use[b] = t
+            # Copies on other instances must be ranked by the new next use too: left at the old
+            # one (now in the past) they would look needed soonest and never be evicted.
+            for hbm in others:
+                if b in hbm:
+                    hbm.rekey(b)
 
 
 class Oracle(Belady):
@@ -110,51 +114,6 @@ class Oracle(Belady):
         return fetch
 
 
-class PredictorPolicy(Policy):
-    """Drives retention and prefetch from a Predictor reading the engine's live state."""
-
-    lead_margin_seconds = 0.5
-    # Below this chance of a return, moving gigabytes is more likely waste than help: leave the
-    # context to LRU.
-    min_p_return = 0.5
-
-    def __init__(self, predictor: Predictor, session_view: Callable[[str], object]) -> None:
-        self.predictor = predictor
-        self.name = predictor.name
-        self._session_view = session_view
-        self._latest: dict[str, int] = {}  # session -> index of its latest request
-
-    def on_arrival(self, r: SimRequest, now: float) -> None:
-        self._latest[r.session_id] = r.index
-
-    def on_finished(self, r: SimRequest, now: float) -> None:
-        view = self._session_view(r.session_id)
-        if view is None:
-            return
-        p = self.predictor.predict_one(view, now)  # type: ignore[arg-type]
-        blocks = list(r.hash_ids)
-        cluster = self.cluster
-        if p.p_return <= 0:
-            cluster.demote(r.instance, blocks)
-            return
-        if p.p_return < self.min_p_return:
-            return
-        cluster.keep(r.instance, blocks, now + p.keep_seconds)
-        lead = len(blocks) * cluster.block_bytes / cluster.scenario.pool_link_bytes_per_second
-        at = p.expected_arrival_ts - lead - self.lead_margin_seconds
-        if at > now:
-            cluster.call_at(at, self._refetch(r))
-
-    def _refetch(self, r: SimRequest) -> Callable[[], None]:
-        def refetch() -> None:
-            if self._latest.get(r.session_id) != r.index:
-                return  # the session already came back
-            instance = self.cluster.session_instance.get(r.session_id, r.instance)
-            self.cluster.prefetch(instance, r.hash_ids)
-            self.cluster.keep(instance, r.hash_ids, self.cluster.now + 60.0)
-        return refetch
-
-
 def make_policy(name: str, *, session_view: Callable[[str], object] | None = None,
                 model_dir: str | None = None) -> Policy:
     if name == "none":
@@ -165,11 +124,12 @@ def make_policy(name: str, *, session_view: Callable[[str], object] | None = Non
         return Belady()
     if name == "oracle":
         return Oracle()
-    if name == "heuristic":
+    if name in ("heuristic", "learned"):
+        from app.engine.planner import Planner
+        from sim.planned import PlannedPolicy
+
         if session_view is None:
-            raise ValueError("the heuristic policy reads the engine's state: pass session_view")
-        return PredictorPolicy(HeuristicPredictor(), session_view)
-    if name == "learned":
-        raise ConfigError("the learned policy needs a trained model, which issue 4 adds "
-                          f"(asked for {model_dir or 'the bundled model'})")
+            raise ValueError(f"the {name} policy reads the engine's state: pass session_view")
+        predictor = HeuristicPredictor() if name == "heuristic" else LearnedPredictor(model_dir or DEFAULT_MODEL_DIR)
+        return PlannedPolicy(Planner(predictor), session_view, name)  # type: ignore[arg-type]
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -1,0 +1,126 @@
+"""Training rows from event logs, computed by the service's own state and feature code.
+
+Each log is replayed, in event-time order, through a fresh MemoryStore (the service's embedded
+store). At every *decision point* the features are read with app.engine.features from the
+store's SessionView, as the service reads them from live state. Decision points: when a request
+finishes, and again while the session stays idle (CHECKPOINTS after the finish), because the
+chance of a return changes as the silence grows.
+
+The label of a row is whether the session's next request arrives within the row's horizon. A row
+whose horizon reaches past the end of its log is dropped (its answer is unknown: censored).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from app.core.errors import EventLogError
+from app.engine.eventlog import read_events
+from app.engine.events import Event, RequestFinished, RequestRouted
+from app.engine.features import FEATURES, HORIZON_FEATURE, session_features
+from app.engine.state import MemoryStore
+
+# Seconds after a finish at which the question is asked again while the session is idle. They
+# span the whole range over which the service scores idle sessions (up to MAX_IDLE_SECONDS), or a
+# model would be asked about silences it never saw.
+CHECKPOINTS: tuple[float, ...] = (0.0, 20.0, 60.0, 150.0, 300.0, 600.0, 1200.0)
+# The horizons a row asks about. The model takes the horizon as a feature, so the service can
+# ask about any horizon in between.
+HORIZONS: tuple[float, ...] = (15.0, 60.0, 180.0, 600.0)
+
+META_COLUMNS = ("log", "session_id", "decision_ts", "time_fraction", "checkpoint_seconds",
+                "time_to_next_seconds", "instance_id", "next_instance_id", "label")
+
+
+def load_events(path: Path) -> list[Event]:
+    """A log's events, each event id once, in event-time order (file order breaks ties)."""
+    seen: set[str] = set()
+    events = []
+    for e in read_events([path]):
+        if e.event_id not in seen:
+            seen.add(e.event_id)
+            events.append(e)
+    if not events:
+        raise EventLogError(f"{path}: the log holds no events")
+    events.sort(key=lambda e: e.ts)
+    return events
+
+
+def rows_from_events(events: Sequence[Event], *, log_name: str, bytes_per_token: int = 327_680,
+                     block_tokens: int = 512, checkpoints: Sequence[float] = CHECKPOINTS,
+                     horizons: Sequence[float] = HORIZONS) -> pd.DataFrame:
+    arrivals: dict[str, list[tuple[float, str]]] = defaultdict(list)
+    for e in events:
+        if isinstance(e, RequestRouted):
+            arrivals[e.session_id].append((e.ts, e.instance_id))
+    for a in arrivals.values():
+        a.sort()
+    start, end = events[0].ts, events[-1].ts
+    span = max(end - start, 1e-9)
+
+    decisions: list[tuple[float, float, str, float]] = []  # (decision ts, finish ts, session, checkpoint)
+    for e in events:
+        if isinstance(e, RequestFinished):
+            for c in checkpoints:
+                decisions.append((e.ts + c, e.ts, e.session_id, c))
+    decisions.sort()
+
+    store = MemoryStore(bytes_per_token=bytes_per_token, block_tokens=block_tokens, dedupe_max_ids=len(events) + 1)
+    feats: list[list[float]] = []
+    meta: list[tuple] = []  # type: ignore[type-arg]
+    i = 0
+    for decision_ts, finish_ts, session_id, checkpoint in decisions:
+        if decision_ts > end:
+            break
+        while i < len(events) and events[i].ts <= decision_ts:
+            store.apply([events[i]])
+            i += 1
+        view = store.session(session_id)
+        if view is None or view.state == "closed":
+            continue
+        times = [t for t, _ in arrivals[session_id]]
+        # Asked only while idle since that finish: a request after it starts a new story.
+        if times and times[-1] > finish_ts and bisect.bisect_right(times, finish_ts) < bisect.bisect_right(times, decision_ts):
+            continue
+        k = bisect.bisect_right(times, decision_ts)
+        time_to_next = times[k] - decision_ts if k < len(times) else float("inf")
+        next_instance = arrivals[session_id][k][1] if k < len(times) else None
+        base = session_features(view, decision_ts)
+        for h in horizons:
+            if decision_ts + h > end:
+                continue  # censored: the log ends before the answer is known
+            feats.append([*base, float(h)])
+            meta.append((log_name, session_id, decision_ts, (decision_ts - start) / span, checkpoint,
+                         time_to_next, view.instance_id, next_instance, int(time_to_next <= h)))
+    frame = pd.DataFrame(np.asarray(feats, dtype=np.float64).reshape(len(feats), len(FEATURES)), columns=list(FEATURES))
+    for name, column in zip(META_COLUMNS, zip(*meta) if meta else [[]] * len(META_COLUMNS)):
+        frame[name] = list(column)
+    return frame
+
+
+def build_dataset(logs: Iterable[Path | str], **kwargs: object) -> pd.DataFrame:
+    """Training rows from one or more event logs (files or log directories), each replayed alone.
+
+    Columns: app.engine.features.FEATURES, then META_COLUMNS (`label` is the target,
+    `time_fraction` the row's position in its log's time span, for splitting by time).
+    """
+    frames = []
+    for log in logs:
+        path = Path(log)
+        frames.append(rows_from_events(load_events(path), log_name=path.name, **kwargs))  # type: ignore[arg-type]
+    if not frames:
+        raise ValueError("no event logs given")
+    data = pd.concat(frames, ignore_index=True)
+    if data.empty:
+        raise EventLogError("the logs hold no finished request to learn from")
+    return data
+
+
+__all__ = ["CHECKPOINTS", "HORIZONS", "HORIZON_FEATURE", "META_COLUMNS", "build_dataset", "load_events",
+           "rows_from_events"]
