@@ -360,7 +360,7 @@ class MemoryStore:
         resident: dict[str, int] = {}
         if s.blocks:
             for (tier, instance_id), loc in self._locations.items():
-                n = sum(1 for h in s.blocks if h in loc.present)
+                n = sum(map(loc.present.__contains__, s.blocks))
                 if n:
                     resident[location_name(tier, instance_id)] = n
         arrivals = list(s.arrivals)
