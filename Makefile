@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test bench install clean
+.PHONY: run test bench model install clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,11 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvprefetch bench ingest --json
+	$(VENV)/bin/kvprefetch bench replay --json
+
+# Rebuild the bundled model from the shared traces (first 70% of each by time).
+model: $(STAMP)
+	$(PY) -m training.bundle --out models/default
 
 clean:
 	rm -rf $(VENV) var .pytest_cache
