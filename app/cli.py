@@ -56,6 +56,27 @@ def bench_memory(
     _print_result(run(sessions=sessions, jobs=jobs, seed=seed), as_json)
 
 
+@bench_cli.command("replay")
+def bench_replay(
+    trace: Annotated[Path | None, typer.Option(
+        help="A Mooncake-format trace (default: ../shared/traces/mooncake_conversation_first60.jsonl).")] = None,
+    policy: Annotated[str, typer.Option(
+        help="A policy, or all (every policy but learned), each in a fresh process.")] = "none",
+    router: Annotated[str, typer.Option(help="sticky, least-loaded or kv-aware.")] = "sticky",
+    scenario: Annotated[str, typer.Option(help="A shipped scenario name or a TOML file.")] = "default",
+    rounds: Annotated[int, typer.Option(min=1, help="Timed replays per policy (the median is reported).")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+) -> None:
+    """Simulated requests per wall second, wall seconds and peak memory of a full trace replay."""
+    from bench.replay import run
+
+    try:
+        result = run(trace=trace, policy=policy, router=router, scenario=scenario, rounds=rounds)
+    except (KvpError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    _print_result(result, as_json)
+
+
 @cli.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (KVP_HOST).")] = None,
@@ -82,6 +103,7 @@ def serve(
 
 @cli.command()
 def replay(
+    ctx: typer.Context,
     trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],
     policy: Annotated[str, typer.Option(help="none, lookahead, belady, oracle, heuristic or learned.")] = "none",
     scenario: Annotated[str, typer.Option(help="A shipped scenario name or a TOML file.")] = "default",
@@ -91,6 +113,8 @@ def replay(
     compare: Annotated[str | None, typer.Option(help="Several policies, comma-separated, side by side.")] = None,
     measure_from: Annotated[float, typer.Option(help="Count only requests arriving after this many seconds.")] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    report: Annotated[Path | None, typer.Option(
+        metavar="DIR", help="Also write DIR/report.md and plots of hit rate over time and stalls.")] = None,
 ) -> None:
     """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
     from sim.commands import prepare, print_results, run_replays
@@ -103,6 +127,29 @@ def replay(
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     print_results(results, as_json, compare=bool(compare))
+    if report is not None:
+        from sim.report import write_report
+
+        write_report(results, report, trace_path=trace, command=_command_line(ctx),
+                     measure_from_seconds=measure_from)
+        typer.echo(f"wrote {report / 'report.md'} and its plots", err=True)
+
+
+def _command_line(ctx: typer.Context) -> str:
+    """The running command as typed (options in declaration order; those left at their defaults omitted)."""
+    import shlex
+
+    words = ["kvprefetch", *ctx.command_path.split()[1:]]
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name)  # type: ignore[arg-type]
+        if source is None or source.name == "DEFAULT" or param.param_type_name != "option":
+            continue
+        value = ctx.params[param.name]  # type: ignore[index]
+        if getattr(param, "is_flag", False):
+            words.append(param.opts[0] if value else param.secondary_opts[0])
+        else:
+            words += [param.opts[0], str(value)]
+    return shlex.join(words)
 
 
 @cli.command("events-from-trace")
