@@ -115,6 +115,8 @@ def replay(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     report: Annotated[Path | None, typer.Option(
         metavar="DIR", help="Also write DIR/report.md and plots of hit rate over time and stalls.")] = None,
+    via: Annotated[str | None, typer.Option(
+        metavar="URL", help="Use a running kvprefetch service as the engine, over HTTP.")] = None,
 ) -> None:
     """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
     from sim.commands import prepare, print_results, run_replays
@@ -123,7 +125,7 @@ def replay(
         trace_requests, scen = prepare(trace, scenario, block_tokens)
         policies = [p.strip() for p in compare.split(",")] if compare else [policy]
         results = run_replays(trace_requests, scen, policies, router, trace_name=trace.name, model_dir=model,
-                              measure_from_seconds=measure_from)
+                              measure_from_seconds=measure_from, via=via)
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     print_results(results, as_json, compare=bool(compare))

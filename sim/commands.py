@@ -57,12 +57,19 @@ def prepare(trace_path: Path, scenario_name: str, block_tokens: int | None) -> t
 
 def run_replays(trace: Sequence[TraceRequest], scenario: Scenario, policies: Sequence[str], router: str, *,
                 trace_name: str, model_dir: str | None = None, measure_from_seconds: float = 0.0,
-                show_progress: bool = True) -> list[ReplayResult]:
+                show_progress: bool = True, via: str | None = None) -> list[ReplayResult]:
+    """Each policy in turn; with `via`, the engine is the kvprefetch service at that URL."""
+    from sim.remote import replay_via
+
     results = []
     for policy in policies:
         with progress_bar(f"{policy:>10} / {router}", len(trace), show_progress) as advance:
-            result = replay(trace, scenario, policy=policy, router=router, model_dir=model_dir,
-                            measure_from_seconds=measure_from_seconds, progress=advance)
+            if via is not None:
+                result = replay_via(via, trace, scenario, policy=policy, router=router, model_dir=model_dir,
+                                    measure_from_seconds=measure_from_seconds, progress=advance)
+            else:
+                result = replay(trace, scenario, policy=policy, router=router, model_dir=model_dir,
+                                measure_from_seconds=measure_from_seconds, progress=advance)
         result.summary["trace"] = trace_name
         results.append(result)
     return results

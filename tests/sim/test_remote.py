@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -208,3 +209,24 @@ def test_run_ids_that_would_break_the_namespace_are_refused() -> None:
     for bad in ("a:b", "a/b", "x" * 65):
         with pytest.raises(ValueError, match="run_id"):
             RemoteEngine("http://127.0.0.1:9", run_id=bad)
+
+
+def test_the_replay_command_takes_via(service_url: str, tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+
+    lines = (TRACES / "mooncake_synthetic.jsonl").read_text().splitlines()[:120]
+    small = tmp_path / "small.jsonl"
+    small.write_text("\n".join(lines) + "\n")
+    args = ["replay", "--trace", str(small), "--policy", "none", "--json"]
+    local = json.loads(CliRunner().invoke(cli, args).stdout)
+    remote = CliRunner().invoke(cli, [*args, "--via", service_url])
+    assert remote.exit_code == 0, remote.output
+    summary = json.loads(remote.stdout)
+    assert summary["via"] == service_url
+    assert {k: summary[k] for k in local if k != "wall_seconds"} == {k: v for k, v in local.items() if k != "wall_seconds"}
+    bad = CliRunner().invoke(cli, [*args, "--via", "http://127.0.0.1:1"])
+    assert bad.exit_code != 0 and "127.0.0.1:1" in bad.output
