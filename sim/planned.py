@@ -32,6 +32,9 @@ class PlannedPolicy(Policy):
         self._session_view = session_view
         self._idle: set[str] = set()
         self._keys: dict[int, float] = {}
+        # Sessions already fetched for in their current idle spell: one order per spell, not
+        # one per tick (a context evicted again after its fetch is not chased).
+        self._fetched: set[str] = set()
         self.evict_key = lambda b: self._keys.get(b, UNSCORED_KEY)  # type: ignore[assignment]
 
     def attach(self, cluster: Cluster) -> None:
@@ -39,6 +42,7 @@ class PlannedPolicy(Policy):
 
     def on_arrival(self, r: SimRequest, now: float) -> None:
         self._idle.discard(r.session_id)
+        self._fetched.discard(r.session_id)
 
     def on_finished(self, r: SimRequest, now: float) -> None:
         self._idle.add(r.session_id)
@@ -76,7 +80,8 @@ class PlannedPolicy(Policy):
                     inst.hbm.rekey(b)
         if not prefetch:
             return
-        for a in sorted((a for a in advice if a.prefetch), key=lambda a: a.expected_wait_seconds):
+        for a in sorted((a for a in advice if a.prefetch and a.session_id not in self._fetched),
+                        key=lambda a: a.expected_wait_seconds):
             idx = index.get(a.instance_id) if a.instance_id is not None else None  # type: ignore[arg-type]
             if idx is None:
                 continue
@@ -90,4 +95,5 @@ class PlannedPolicy(Policy):
                 # Displace only contexts expected to wait longer than this one.
                 if victims is None or any(self.evict_key(v) <= a.expected_wait_seconds for v in victims):  # type: ignore[misc]
                     continue
-            cluster.prefetch(idx, a.block_hashes)  # type: ignore[arg-type]
+            if cluster.prefetch(idx, a.block_hashes):  # type: ignore[arg-type]
+                self._fetched.add(a.session_id)

@@ -88,12 +88,14 @@ class _PredictMixin:
 
 
 class HeuristicPredictor(_PredictMixin):
-    """The session's median recent gap between turns, else a prior; a fixed chance of return."""
+    """The session's median recent gap between turns, else a prior; a fixed chance of return,
+    until the session is `give_up_gaps` gaps late, when it counts as gone."""
 
     name = "heuristic"
 
-    def __init__(self, prior_gap_seconds: float = PRIOR_GAP_SECONDS) -> None:
+    def __init__(self, prior_gap_seconds: float = PRIOR_GAP_SECONDS, give_up_gaps: float = 3.0) -> None:
         self.prior_gap_seconds = prior_gap_seconds
+        self.give_up_gaps = give_up_gaps
 
     def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
         out = np.zeros((len(sessions), len(horizons)))
@@ -103,6 +105,8 @@ class HeuristicPredictor(_PredictMixin):
             gaps = s.inter_turn_gaps_seconds
             gap = statistics.median(gaps) if gaps else self.prior_gap_seconds
             last = s.recent_arrivals_ts[-1] if s.recent_arrivals_ts else s.last_activity_ts
+            if now - last > self.give_up_gaps * gap:
+                continue
             due_in = max(last + gap - now, 0.0)
             p = 0.6 if gaps else 0.4
             out[i] = [p if h >= due_in else 0.0 for h in horizons]
