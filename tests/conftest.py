@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import os
+import socket
+import threading
+import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -52,3 +57,28 @@ def clean_redis(redis_url: str, redis_prefix: str) -> Iterator[str]:
             client.delete(*keys[i : i + 500])
     finally:
         client.close()
+
+
+@contextmanager
+def live_server(app: Any, hang_guard_seconds: float = 30.0) -> Iterator[str]:
+    """Serve `app` with uvicorn in a thread, on a port bound before it starts (no race); yields its URL."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + hang_guard_seconds
+    while not server.started:
+        assert thread.is_alive(), "uvicorn exited during startup"
+        assert time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(hang_guard_seconds)
+        sock.close()

@@ -11,7 +11,6 @@ import json
 import logging
 import random
 import re
-import socket
 import threading
 import time
 from collections import Counter, deque
@@ -24,7 +23,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from app.api.main import create_app
 from app.client import (
@@ -39,6 +37,7 @@ from app.client import (
 )
 from app.core.config import Settings
 from app.engine.events import RequestRouted
+from tests.conftest import live_server
 
 HANG_GUARD = 30.0  # seconds; only reached when something hangs
 FLAVOURS = ["sync", "async"]
@@ -130,24 +129,8 @@ def deliver(flavour: str, handler: Callable[[httpx.Request], httpx.Response],
 def service_url(tmp_path: Path) -> Iterator[str]:
     """The real app under uvicorn, in a thread, on a port bound before it starts (no race)."""
     app = create_app(Settings(data_dir=tmp_path, store="memory"))
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + HANG_GUARD
-    while not server.started:
-        assert thread.is_alive(), "uvicorn exited during startup"
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(HANG_GUARD)
-        sock.close()
+    with live_server(app, HANG_GUARD) as url:
+        yield url
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)

@@ -8,15 +8,12 @@ differed from the in-process ones would show in its summary.
 from __future__ import annotations
 
 import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from app.api.main import create_app
 from app.core.clock import ManualClock
@@ -27,7 +24,7 @@ from sim.remote import EventsRejected, RemoteEngine, RemoteEngineError, ServiceU
 from sim.replay import EngineFeed, ReplayResult, replay
 from sim.scenario import Scenario, load_scenario
 from sim.traces import TraceRequest, load_trace
-from tests.conftest import TRACES
+from tests.conftest import TRACES, live_server
 
 pytestmark = pytest.mark.slow
 
@@ -55,25 +52,8 @@ def service_url(tmp_path_factory: pytest.TempPathFactory, scenario: Scenario) ->
     settings = Settings(data_dir=tmp_path_factory.mktemp("svc"), store="memory", log_fsync=False,
                         bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens,
                         replica_id="test-remote")
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + HANG_GUARD
-    while not server.started:
-        assert thread.is_alive(), "uvicorn exited during startup"
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(HANG_GUARD)
-        sock.close()
+    with live_server(create_app(settings), HANG_GUARD) as url:
+        yield url
 
 
 class CountingFeed(EngineFeed):
