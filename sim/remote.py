@@ -13,8 +13,9 @@ traces' ints, below 2**32) are `salt << 32 | hash`, the salt a 31-bit digest of 
 the shared pool and every location hold each run's blocks apart and stay 64-bit ints. The views
 the policies see are translated back: they are the ones an in-process replay would give.
 
-The service has no orders endpoint yet: RemoteEngine.carry_out_orders() is where pulling the
-service's orders will go.
+The service has no orders endpoint yet (issue 5 adds GET /v1/orders?instance_id=): until then an
+over-HTTP replay takes its policy's inputs, the session views, from the service, and its
+decisions are carried out by the simulator as in-process.
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from sim.replay import ReplayResult, replay
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from sim.cluster import Cluster
     from sim.scenario import Scenario
     from sim.traces import TraceRequest
 
@@ -162,21 +162,6 @@ class RemoteEngine:
         view = self._local_view(response.json())
         self._check_bytes_per_token(view)
         return view
-
-    # -- orders (not yet) ------------------------------------------------------------------
-
-    def carry_out_orders(self, cluster: Cluster, now: float) -> int:
-        """Pull the service's orders and carry them out in the cluster; returns how many.
-
-        The one place order pulling goes. The service has no orders endpoint yet (a later issue
-        adds GET /v1/orders?instance_id=), so for now an over-HTTP replay takes only its
-        policy's inputs (the session views) from the service. Once it exists: for each of the
-        cluster's instances, GET the orders for self._remote(instance.instance_id), map their
-        ids back with self._local(), act through cluster.prefetch/keep/demote as
-        sim.planned.PlannedPolicy does, and report each order's progress with
-        self.emit("order_progress", ...). A policy hook (on_tick) would call this.
-        """
-        raise NotImplementedError("the service has no orders endpoint yet")
 
     # -- lifecycle -------------------------------------------------------------------------
 
