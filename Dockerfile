@@ -2,10 +2,13 @@ FROM python:3.11-slim
 WORKDIR /srv/kvprefetch
 COPY pyproject.toml README.md ./
 COPY app ./app
+COPY sim ./sim
 COPY bench ./bench
 COPY training ./training
 COPY models ./models
-RUN pip install --no-cache-dir .
+COPY data ./data
+# Editable: the scenarios (data/) and the bundled model (models/) are read from the source tree.
+RUN pip install --no-cache-dir -e .
 ENV KVP_HOST=0.0.0.0 KVP_DATA_DIR=/var/lib/kvprefetch
 VOLUME /var/lib/kvprefetch
 EXPOSE 8000

@@ -1,0 +1,335 @@
+#!lua
+local argv = ARGV
+local nargv = #argv
+local P = argv[1]
+local TTL = argv[2]
+local RECENT_REQUESTS = __RECENT_REQUESTS__
+local RECENT_ARRIVALS = __RECENT_ARRIVALS__
+local SESSIONS = P .. ':sessions'
+local INSTANCES = P .. ':instances'
+local LOCS, LOCBT, LOCCL = P .. ':locs', P .. ':locbt', P .. ':loccl'
+
+-- a stored number, or -1 ("none") when absent
+local function num(x)
+  if not x then return -1 end
+  return tonumber(x)
+end
+
+-- sessions read in this call: sid -> fields (the stored strings, or false), plus
+--   reqs (decoded request records), arr (decoded arrivals), b (new block list),
+--   moved (last activity changed: update the sessions zset)
+local sessions, session_order = {}, {}
+local SESSION_FIELDS = {'f', 'l', 'c', 'i', 'it', 'bts', 'k', 't', 'r', 'a'}
+
+-- MemoryStore._session / _Session.touch
+local function touch_session(sid, ts_s, ts)
+  local s = sessions[sid]
+  if not s then
+    local v = redis.call('HMGET', P .. ':s:' .. sid, unpack(SESSION_FIELDS))
+    s = {}
+    for n, name in ipairs(SESSION_FIELDS) do s[name] = v[n] end
+    sessions[sid] = s
+    session_order[#session_order + 1] = sid
+  end
+  if not s.f then
+    s.f, s.l, s.moved = ts_s, ts_s, true
+  else
+    if ts < tonumber(s.f) then s.f = ts_s end
+    if ts > tonumber(s.l) then s.l, s.moved = ts_s, true end
+  end
+  return s
+end
+
+-- instances read in this call: iid -> {l, st, new, status (fields to write, or nil)}
+local instances, instance_order = {}, {}
+
+-- MemoryStore._instance
+local function touch_instance(iid, ts_s, ts)
+  local inst = instances[iid]
+  if not inst then
+    local v = redis.call('HMGET', P .. ':i:' .. iid, 'l', 'st')
+    inst = {l = v[1], st = v[2]}
+    instances[iid] = inst
+    instance_order[#instance_order + 1] = iid
+  end
+  if not inst.l then
+    inst.l, inst.new = ts_s, true
+  elseif ts > tonumber(inst.l) then
+    inst.l = ts_s
+  end
+  return inst
+end
+
+-- _Session.name_instance
+local function name_session(s, iid, ts_s, ts)
+  if ts >= num(s.it) then s.i, s.it = iid, ts_s end
+end
+
+-- _Session.set_blocks
+local function set_blocks(s, blocks, bt, ts_s, ts)
+  if blocks ~= '' and ts >= num(s.bts) then s.b, s.bts, s.k = blocks, ts_s, bt end
+end
+
+-- _Request.rank
+local function rank(r)
+  local routed = tonumber(r[4])
+  if routed >= 0 then return routed end
+  local st, fi = tonumber(r[5]), tonumber(r[6])
+  if st >= 0 and fi >= 0 then return math.min(st, fi) end
+  if st >= 0 then return st end
+  if fi >= 0 then return fi end
+  return -1
+end
+
+-- _Session.request
+local function find_request(s, rid)
+  if not s.reqs then s.reqs = s.r and cjson.decode(s.r) or {} end
+  local reqs = s.reqs
+  for _, r in ipairs(reqs) do
+    if r[1] == rid then return r end
+  end
+  local r = {rid, '', '-1', '-1', '-1', '-1', '-1', '-1', '-1'}
+  reqs[#reqs + 1] = r
+  return r
+end
+
+-- _Request.name_instance
+local function name_request(r, iid, ts_s, ts)
+  if ts >= tonumber(r[3]) then r[2], r[3] = iid, ts_s end
+end
+
+-- _Session.trim_requests: a stable sort by rank (like list.sort), then drop the oldest
+local function trim_requests(s)
+  local reqs = s.reqs
+  local n = #reqs
+  if n <= RECENT_REQUESTS then return end
+  for i = 2, n do
+    local r = reqs[i]
+    local rk = rank(r)
+    local j = i - 1
+    while j >= 1 and rank(reqs[j]) > rk do
+      reqs[j + 1] = reqs[j]
+      j = j - 1
+    end
+    reqs[j + 1] = r
+  end
+  local keep = {}
+  for i = n - RECENT_REQUESTS + 1, n do keep[#keep + 1] = reqs[i] end
+  s.reqs = keep
+end
+
+-- bisect.insort of a routed ts into the sorted arrivals, keeping the last RECENT_ARRIVALS
+local function add_arrival(s, ts_s, ts)
+  if not s.arr then s.arr = s.a and cjson.decode(s.a) or {} end
+  local arr = s.arr
+  local pos = #arr + 1
+  while pos > 1 and tonumber(arr[pos - 1]) > ts do pos = pos - 1 end
+  table.insert(arr, pos, ts_s)
+  if #arr > RECENT_ARRIVALS then table.remove(arr, 1) end
+end
+
+-- MemoryStore._location
+local function location(name, meta, bt_new, bt_update)
+  if redis.call('HSETNX', LOCS, name, meta) == 1 then
+    redis.call('HSET', LOCBT, name, bt_new)
+  elseif bt_update ~= '' then
+    redis.call('HSET', LOCBT, name, bt_update)
+  end
+end
+
+local function apply_ops(i, last)
+  while i <= last do
+    local op = argv[i]
+    if op == 'R' then
+      -- MemoryStore._routed
+      local sid, rid, iid, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local prompt, blocks, bt = argv[i + 5], argv[i + 6], argv[i + 7]
+      i = i + 8
+      local ts = tonumber(ts_s)
+      local s = touch_session(sid, ts_s, ts)
+      touch_instance(iid, ts_s, ts)
+      s.t = tostring((s.t and tonumber(s.t) or 0) + 1)
+      add_arrival(s, ts_s, ts)
+      name_session(s, iid, ts_s, ts)
+      set_blocks(s, blocks, bt, ts_s, ts)
+      local r = find_request(s, rid)
+      if ts >= tonumber(r[4]) then r[4], r[7] = ts_s, prompt end
+      name_request(r, iid, ts_s, ts)
+      trim_requests(s)
+    elseif op == 'S' then
+      -- MemoryStore._started
+      local sid, rid, iid, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      i = i + 5
+      local ts = tonumber(ts_s)
+      local s = touch_session(sid, ts_s, ts)
+      touch_instance(iid, ts_s, ts)
+      name_session(s, iid, ts_s, ts)
+      local r = find_request(s, rid)
+      if ts > tonumber(r[5]) then r[5] = ts_s end
+      name_request(r, iid, ts_s, ts)
+      trim_requests(s)
+    elseif op == 'F' then
+      -- MemoryStore._finished
+      local sid, rid, iid, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local output, context, blocks, bt = argv[i + 5], argv[i + 6], argv[i + 7], argv[i + 8]
+      i = i + 9
+      local ts = tonumber(ts_s)
+      local s = touch_session(sid, ts_s, ts)
+      touch_instance(iid, ts_s, ts)
+      name_session(s, iid, ts_s, ts)
+      set_blocks(s, blocks, bt, ts_s, ts)
+      local r = find_request(s, rid)
+      if ts >= tonumber(r[6]) then r[6], r[8], r[9] = ts_s, output, context end
+      name_request(r, iid, ts_s, ts)
+      trim_requests(s)
+    elseif op == 'C' then
+      -- MemoryStore._closed
+      local sid, ts_s = argv[i + 1], argv[i + 2]
+      i = i + 3
+      local ts = tonumber(ts_s)
+      local s = touch_session(sid, ts_s, ts)
+      if ts > num(s.c) then s.c = ts_s end
+    elseif op == 'K' then
+      -- MemoryStore._stored, _Location.store
+      local iid, name, meta, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local bt_new, bt_update, n = argv[i + 5], argv[i + 6], tonumber(argv[i + 7])
+      local first = i + 8
+      i = first + n
+      local ts = tonumber(ts_s)
+      if iid ~= '' then touch_instance(iid, ts_s, ts) end
+      location(name, meta, bt_new, bt_update)
+      if ts > num(redis.call('HGET', LOCCL, name)) then
+        local present, tomb = P .. ':loc:' .. name, P .. ':tomb:' .. name
+        for j = first, first + n - 1 do
+          local h = argv[j]
+          local removed = redis.call('ZSCORE', tomb, h)
+          if not removed or ts > tonumber(removed) then
+            local stored = redis.call('ZSCORE', present, h)
+            if not stored or ts > tonumber(stored) then
+              redis.call('ZADD', present, ts_s, h)
+            end
+            if removed then redis.call('ZREM', tomb, h) end
+          end
+        end
+      end
+    elseif op == 'X' then
+      -- MemoryStore._removed, _Location.remove
+      local iid, name, meta, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local bt_new, n = argv[i + 5], tonumber(argv[i + 6])
+      local first = i + 7
+      i = first + n
+      local ts = tonumber(ts_s)
+      if iid ~= '' then touch_instance(iid, ts_s, ts) end
+      location(name, meta, bt_new, '')
+      local present, tomb = P .. ':loc:' .. name, P .. ':tomb:' .. name
+      for j = first, first + n - 1 do
+        local h = argv[j]
+        local stored = redis.call('ZSCORE', present, h)
+        if not stored or tonumber(stored) <= ts then
+          if stored then redis.call('ZREM', present, h) end
+          local removed = redis.call('ZSCORE', tomb, h)
+          if not removed or ts > tonumber(removed) then
+            redis.call('ZADD', tomb, ts_s, h)
+          end
+        end
+      end
+    elseif op == 'Z' then
+      -- MemoryStore._cleared, _Location.clear
+      local iid, name, meta, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local bt_new = argv[i + 5]
+      i = i + 6
+      local ts = tonumber(ts_s)
+      if iid ~= '' then touch_instance(iid, ts_s, ts) end
+      location(name, meta, bt_new, '')
+      if ts > num(redis.call('HGET', LOCCL, name)) then
+        redis.call('HSET', LOCCL, name, ts_s)
+        redis.call('ZREMRANGEBYSCORE', P .. ':loc:' .. name, '-inf', ts_s)
+        redis.call('ZREMRANGEBYSCORE', P .. ':tomb:' .. name, '-inf', ts_s)
+      end
+    elseif op == 'I' then
+      -- MemoryStore._status
+      local iid, ts_s = argv[i + 1], argv[i + 2]
+      local status = {'st', ts_s, 'free', argv[i + 3], 'total', argv[i + 4], 'qd', argv[i + 5],
+                      'rr', argv[i + 6]}
+      i = i + 7
+      local ts = tonumber(ts_s)
+      local inst = touch_instance(iid, ts_s, ts)
+      if ts >= num(inst.st) then inst.st, inst.status = ts_s, status end
+    elseif op == 'O' then
+      -- MemoryStore._order: (rank, ts, status) replaces the old one when greater
+      local oid, rk_s, ts_s, status = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
+      local nbytes, seconds, reason = argv[i + 5], argv[i + 6], argv[i + 7]
+      i = i + 8
+      local ts, rk = tonumber(ts_s), tonumber(rk_s)
+      local k = P .. ':o:' .. oid
+      local old = redis.call('HMGET', k, 'rank', 'ts', 'status')
+      local newer = not old[1]
+      if not newer then
+        local ork, ots = tonumber(old[1]), tonumber(old[2])
+        newer = rk > ork or (rk == ork and (ts > ots or (ts == ots and status > old[3])))
+      end
+      if newer then
+        redis.call('HSET', k, 'rank', rk_s, 'ts', ts_s, 'status', status,
+                   'bytes', nbytes, 'seconds', seconds, 'reason', reason)
+        redis.call('SADD', P .. ':orders', oid)
+      end
+    else
+      error('kvprefetch: unknown operation ' .. tostring(op))
+    end
+  end
+end
+
+local results, applied, in_call = {}, {}, {}
+local i = 4
+while i <= nargv do
+  local eid, n = argv[i], tonumber(argv[i + 1])
+  local first, last = i + 2, i + 1 + n
+  i = last + 1
+  local key = P .. ':eid:' .. eid
+  if in_call[key] or redis.call('EXISTS', key) == 1 then
+    results[#results + 1] = 0
+  else
+    in_call[key] = true
+    applied[#applied + 1] = key
+    apply_ops(first, last)
+    results[#results + 1] = 1
+  end
+end
+
+-- write back
+for _, sid in ipairs(session_order) do
+  local s = sessions[sid]
+  if s.reqs then s.r = cjson.encode(s.reqs) end
+  if s.arr then s.a = cjson.encode(s.arr) end
+  local fields = {}
+  for _, name in ipairs(SESSION_FIELDS) do
+    if s[name] then
+      fields[#fields + 1] = name
+      fields[#fields + 1] = s[name]
+    end
+  end
+  if s.b then
+    fields[#fields + 1] = 'b'
+    fields[#fields + 1] = s.b
+  end
+  redis.call('HSET', P .. ':s:' .. sid, unpack(fields))
+  if s.moved then redis.call('ZADD', SESSIONS, s.l, sid) end
+end
+for _, iid in ipairs(instance_order) do
+  local inst = instances[iid]
+  local k = P .. ':i:' .. iid
+  redis.call('HSET', k, 'l', inst.l)
+  if inst.status then redis.call('HSET', k, unpack(inst.status)) end
+  if inst.new then redis.call('SADD', INSTANCES, iid) end
+end
+
+-- mark the ids, and count them for stats()
+for _, key in ipairs(applied) do redis.call('SET', key, '1', 'EX', TTL) end
+if #applied > 0 then
+  local B = tonumber(argv[3])
+  local bucket = math.floor(tonumber(redis.call('TIME')[1]) / B)
+  local ck = P .. ':eidn:' .. string.format('%d', bucket)
+  redis.call('INCRBY', ck, #applied)
+  redis.call('EXPIREAT', ck, string.format('%d', (bucket + 1) * B + tonumber(TTL)))
+end
+return results
