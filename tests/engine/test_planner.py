@@ -71,7 +71,7 @@ def test_heuristic_expects_the_median_gap_and_gives_up_three_gaps_late() -> None
     p = h.p_within(sessions, 130.0, [15.0, 60.0, 600.0])
     assert p[0].tolist() == [0.0, 0.6, 0.6]   # due at 160: within 60 s of 130, not within 15
     assert p[1].tolist() == [0.0, 0.0, 0.0]   # 30 s since its last turn on a 9 s habit: gone
-    assert p[2].tolist() == [0.0, 0.4, 0.4]   # no gap yet: the 100 s prior, a lower chance
+    assert p[2].tolist() == [0.0, 0.0, 0.4]   # no gap yet: due at 200 by the 100 s prior, a lower chance
     closed = view("closed", state="closed")
     assert h.p_within([closed], 100.0, [600.0]).tolist() == [[0.0]]
 
