@@ -173,6 +173,39 @@ def events_from_trace(
     typer.echo(f"wrote {n} events to {out}", err=True)
 
 
+@cli.command()
+def train(
+    events: Annotated[list[Path], typer.Option(help="Event logs: JSON Lines files or log directories (repeat).")],
+    out: Annotated[Path, typer.Option(help="The model directory to write (model.txt, card.json).")],
+    valid_fraction: Annotated[float, typer.Option(help="The last share of each log's time span that validates.")] = 0.2,
+    seed: Annotated[int, typer.Option(help="LightGBM's seed (training is deterministic for a seed).")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the validation metrics as one JSON object.")] = False,
+) -> None:
+    """Train the arrival model from event logs, split by time; write model.txt and card.json."""
+    import json
+
+    from training import build_dataset, save_model
+    from training import train as fit
+
+    try:
+        with_progress = not as_json
+        if with_progress:
+            typer.echo(f"building rows from {len(events)} log(s)", err=True)
+        rows = build_dataset(events)
+        if with_progress:
+            typer.echo(f"{len(rows):,} rows; training", err=True)
+        model = fit(rows, valid_fraction=valid_fraction, seed=seed)
+    except (KvpError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    save_model(model, out)
+    if as_json:
+        typer.echo(json.dumps(model.metrics))
+    else:
+        m = model.metrics
+        typer.echo(f"wrote {out}: validation AUC {m['auc']}, Brier {m['brier']} "
+                   f"(base rate {m['brier_of_base_rate']}), {model.data['rows_train']:,} training rows")
+
+
 def main() -> None:
     cli()
 
