@@ -1,5 +1,6 @@
 """State stores: the live picture of sessions, instances and block residency."""
 
+from app.core.config import Settings
 from app.engine.state.base import (
     InstanceView,
     LocationView,
@@ -26,7 +27,7 @@ __all__ = [
 ]
 
 
-def build_store(settings) -> StateStore:  # type: ignore[no-untyped-def]
+def build_store(settings: Settings) -> StateStore:
     """The store the settings ask for."""
     if settings.store == "redis":
         from app.engine.state.redis import RedisStore
