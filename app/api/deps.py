@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 
 from app.core.config import Settings
 from app.engine.ingest import Ingestor
+from app.engine.models import ModelRegistry
 from app.engine.state.base import StateStore
 
 
@@ -26,6 +27,11 @@ async def get_ingestor(request: Request) -> Ingestor:
     return request.app.state.ingestor
 
 
+async def get_models(request: Request) -> ModelRegistry:
+    return request.app.state.models
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[StateStore, Depends(get_store)]
 IngestorDep = Annotated[Ingestor, Depends(get_ingestor)]
+ModelsDep = Annotated[ModelRegistry, Depends(get_models)]

@@ -12,13 +12,14 @@ from fastapi.openapi.utils import get_openapi
 
 from app import __version__
 from app.api.errors import error_response
-from app.api.routes import events, health, state
+from app.api.routes import events, health, model, state
 from app.core.clock import Clock, SystemClock
 from app.core.config import Settings
 from app.core.errors import EventLogError, StoreError, StoreUnavailable
 from app.engine.eventlog import EventLog
 from app.engine.events import batch_adapter
 from app.engine.ingest import Ingestor
+from app.engine.models import ModelRegistry
 from app.engine.state import StateStore, build_store
 
 log = logging.getLogger("kvprefetch")
@@ -37,7 +38,7 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         app.state.event_log = EventLog(settings.event_log_dir, segment_bytes=settings.log_segment_bytes,
                                        fsync=settings.log_fsync)
         app.state.ingestor = Ingestor(app.state.store, app.state.event_log, replica_id=settings.replica_id)
-        app.state.predictor_name = "heuristic (no model loaded)"
+        app.state.models = ModelRegistry(settings.model_dir)
         replayed = app.state.ingestor.recover()
         log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed", __version__, settings.store,
                  settings.event_log_dir, replayed)
@@ -57,6 +58,7 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
     app.include_router(health.router)
     app.include_router(events.router, prefix="/v1")
     app.include_router(state.router, prefix="/v1")
+    app.include_router(model.router, prefix="/v1")
 
     @app.exception_handler(StoreUnavailable)
     async def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:

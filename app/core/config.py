@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     dedupe_max_ids: int = Field(2_000_000, ge=1)
     dedupe_ttl_seconds: int = Field(24 * 3600, ge=1)
 
+    # The arrival model served at startup; when it is missing or does not load, the heuristic serves.
+    model_dir: Path = Path(__file__).resolve().parent.parent.parent / "models" / "default"
+
     # Name of this replica: keys its log checkpoint in a shared store.
     replica_id: str = Field(default_factory=socket.gethostname)
 

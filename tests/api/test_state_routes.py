@@ -44,7 +44,7 @@ def test_health_and_readiness(client: TestClient) -> None:
     assert ready.status_code == 200
     body = ready.json()
     assert (body["status"], body["store"], body["store_ok"]) == ("ready", "memory", True)
-    assert body["predictor"].startswith("heuristic")
+    assert body["predictor"] == "learned (default)"  # the bundled model
 
 
 def test_openapi_documents_the_event_batch(client: TestClient) -> None:

@@ -46,7 +46,6 @@ async def readyz(request: Request, response: Response, settings: SettingsDep, st
         store=settings.store,
         store_ok=store_ok,
         event_log=str(request.app.state.event_log.directory),
-        # Until a model is loaded (issue 4) the heuristic serves.
-        predictor=request.app.state.predictor_name,
+        predictor=request.app.state.models.serving.description,
         stats=stats,
     )
