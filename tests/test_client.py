@@ -25,16 +25,8 @@ import httpx
 import pytest
 
 from app.api.main import create_app
-from app.client import (
-    AsyncKvpClient,
-    ClientStats,
-    KvpClient,
-    _backoff_seconds,
-    _judge_response,
-    _Outcome,
-    _Pipeline,
-    _retry_after_seconds,
-)
+from app.client import AsyncKvpClient, ClientStats, KvpClient
+from app.client._pipeline import _backoff_seconds, _judge_response, _Outcome, _Pipeline, _retry_after_seconds
 from app.core.config import Settings
 from app.engine.events import RequestRouted
 from tests.conftest import live_server

@@ -1,0 +1,34 @@
+"""Report events to kvprefetch from a router, an engine or a transfer agent, never waiting on it.
+
+A router's request path must not slow down because kvprefetch is slow or down, so `send()` only
+enqueues and a background sender posts batches to POST /v1/events. An event keeps its `event_id`
+across retries and the service acknowledges a resend as a duplicate, so a retry after a lost
+answer never counts a turn twice. While the service stays away the queue is bounded: the oldest
+events go first (recent state matters more than old) and are counted in `stats.dropped`.
+
+Usage::
+
+    from app.client import AsyncKvpClient, KvpClient
+
+    with KvpClient("http://kvprefetch:8000") as kvp:       # a thread sends in the background
+        kvp.request_routed(session_id="s1", request_id="r1", instance_id="gpu-0",
+                           prompt_tokens=1200)
+        kvp.send({"type": "instance_status", "event_id": "st-1", "ts": time.time(),
+                  "instance_id": "gpu-0", "free_kv_bytes": 8 << 30})   # or any event model
+    # leaving the block flushes what is queued (for at most close()'s timeout)
+
+    async with AsyncKvpClient("http://kvprefetch:8000") as kvp:   # an asyncio task sends
+        kvp.request_finished(session_id="s1", request_id="r1", instance_id="gpu-0",
+                             output_tokens=300)
+        await kvp.flush()
+        print(kvp.stats)
+
+Both clients share `_Pipeline` (the queue, the batching, the backoff and what each answer
+means) and `_judge_response`; they differ only in how they wait and how they post.
+"""
+
+from app.client._async import AsyncKvpClient
+from app.client._pipeline import ClientStats
+from app.client._sync import KvpClient
+
+__all__ = ["AsyncKvpClient", "ClientStats", "KvpClient"]
