@@ -77,6 +77,19 @@ def bench_replay(
     _print_result(result, as_json)
 
 
+@bench_cli.command("predict")
+def bench_predict(
+    sessions: Annotated[int, typer.Option(min=1, help="How many live sessions to score.")] = 10_000,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds per figure (medians).")] = 7,
+    model: Annotated[Path | None, typer.Option(help="Model directory (default: the bundled one).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Scoring latency of the learned predictor beside the raw LightGBM Booster."""
+    from bench.predict import run
+
+    _print_result(run(sessions=sessions, rounds=rounds, model_dir=model), as_json)
+
+
 @cli.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (KVP_HOST).")] = None,
