@@ -82,3 +82,11 @@ def live_server(app: Any, hang_guard_seconds: float = 30.0) -> Iterator[str]:
         server.should_exit = True
         thread.join(hang_guard_seconds)
         sock.close()
+
+
+def trace_slice(tmp_path: Path, trace_name: str, requests: int) -> Path:
+    """The first `requests` lines of a shared trace, as a file of its own (named e.g. synthetic300.jsonl)."""
+    lines = (TRACES / f"mooncake_{trace_name}.jsonl").read_text().splitlines(keepends=True)[:requests]
+    path = tmp_path / f"{trace_name.split('_')[0]}{requests}.jsonl"
+    path.write_text("".join(lines))
+    return path

@@ -296,4 +296,3 @@ class EventBatch(BaseModel):
 
 event_adapter: TypeAdapter[Event] = TypeAdapter(Event)
 batch_adapter: TypeAdapter[EventBatch] = TypeAdapter(EventBatch)
-events_adapter: TypeAdapter[list[Event]] = TypeAdapter(list[Event])

@@ -31,7 +31,6 @@ _RECOVERY_CHUNK = 5_000
 class IngestResult:
     accepted: list[str] = field(default_factory=list)
     duplicates: list[str] = field(default_factory=list)
-    accepted_events: list[Event] = field(default_factory=list)
 
 
 class Ingestor:
@@ -80,7 +79,6 @@ class Ingestor:
                 for e, ok in zip(fresh, applied):
                     if ok:
                         result.accepted.append(e.event_id)
-                        result.accepted_events.append(e)
                     else:
                         result.duplicates.append(e.event_id)
         return result

@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,35 +10,21 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
-from tests.conftest import TRACES
+from tests.bench.conftest import positive, run_bench
+from tests.conftest import trace_slice
 
-REPO = Path(__file__).resolve().parents[2]
 POLICY_KEYS = {"requests", "simulated_seconds", "byte_hit_rate", "trace_load_seconds", "wall_seconds",
                "wall_seconds_rounds", "requests_per_second", "peak_rss_bytes", "baseline_rss_bytes",
                "tracemalloc_peak_bytes"}
 
 
-def _positive(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-
-
 @pytest.fixture
 def small_trace(tmp_path: Path) -> Path:
-    lines = (TRACES / "mooncake_conversation_first60.jsonl").read_text().splitlines(keepends=True)[:300]
-    path = tmp_path / "conversation300.jsonl"
-    path.write_text("".join(lines))
-    return path
+    return trace_slice(tmp_path, "conversation_first60", 300)
 
 
 def _bench_replay(*args: str) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-m", "app.cli", "bench", "replay", *args, "--json"], cwd=REPO,
-                          capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line for line in done.stdout.splitlines() if line.strip()]
-    assert len(lines) == 1, f"stdout must be exactly one JSON object, got:\n{done.stdout}"
-    result = json.loads(lines[0])
-    assert isinstance(result, dict)
-    return result
+    return run_bench("replay", *args, timeout=240)
 
 
 @pytest.mark.slow
@@ -53,21 +36,21 @@ def test_bench_replay_prints_the_documented_json(small_trace: Path) -> None:
     p = r["policies"]["belady"]
     assert set(p) == POLICY_KEYS
     assert p["requests"] == 300
-    assert len(p["wall_seconds_rounds"]) == 2 and all(_positive(w) for w in p["wall_seconds_rounds"])
+    assert len(p["wall_seconds_rounds"]) == 2 and all(positive(w) for w in p["wall_seconds_rounds"])
     for key in POLICY_KEYS - {"wall_seconds_rounds", "byte_hit_rate"}:
-        assert _positive(p[key]), (key, p[key])
+        assert positive(p[key]), (key, p[key])
     assert 0.0 <= p["byte_hit_rate"] <= 1.0
     assert p["peak_rss_bytes"] >= p["baseline_rss_bytes"]
-    assert _positive(r["slowest_seconds_with_load"]) and r["target_seconds"] == 60.0
+    assert positive(r["slowest_seconds_with_load"]) and r["target_seconds"] == 60.0
     assert isinstance(r["within_target"], bool)
-    assert isinstance(r["python"], str) and _positive(r["cpu_count"])
+    assert isinstance(r["python"], str) and positive(r["cpu_count"])
 
 
 @pytest.mark.slow
 def test_bench_replay_all_runs_every_policy_but_learned(small_trace: Path) -> None:
     r = _bench_replay("--trace", str(small_trace), "--policy", "all", "--rounds", "1")
     assert list(r["policies"]) == ["none", "lookahead", "belady", "oracle", "heuristic"]
-    assert all(_positive(p["wall_seconds"]) and _positive(p["requests_per_second"])
+    assert all(positive(p["wall_seconds"]) and positive(p["requests_per_second"])
                for p in r["policies"].values())
 
 

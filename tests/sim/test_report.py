@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from app.cli import cli
 from sim.cluster import SimRequest
 from sim.report import byte_hit_rate_series, ecdf, stall_ecdf
-from tests.conftest import TRACES
+from tests.conftest import trace_slice
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -59,10 +59,7 @@ def test_stall_ecdf_counts_reuse_requests_only() -> None:
 
 @pytest.fixture
 def small_trace(tmp_path: Path) -> Path:
-    lines = (TRACES / "mooncake_synthetic.jsonl").read_text().splitlines(keepends=True)[:300]
-    path = tmp_path / "synthetic300.jsonl"
-    path.write_text("".join(lines))
-    return path
+    return trace_slice(tmp_path, "synthetic", 300)
 
 
 @pytest.mark.parametrize("how", [["--compare", "none,lookahead,oracle"], ["--policy", "belady"]])
