@@ -56,6 +56,10 @@ class BlockCache:
         return entry
 
     def touch(self, block: int) -> None:
+        """The block was used: most recently used, and no longer demoted (a demotion is advice
+        about one session's context; a use, by any session, outranks it)."""
+        entry = self.entries[block]
+        entry.demoted = False
         self.entries.move_to_end(block)
         if self.evict_key is not None:
             self._rank(block, self.entries[block])

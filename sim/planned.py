@@ -29,10 +29,16 @@ class PlannedPolicy(Policy):
         self._session_view = session_view
         self._idle: set[str] = set()
         self._fetched: set[str] = set()
+        self._last_instance: dict[str, str] = {}  # for the planner's estimate of where returns land
 
     def on_arrival(self, r: SimRequest, now: float) -> None:
         self._idle.discard(r.session_id)
         self._fetched.discard(r.session_id)
+        routes = self.planner.routes
+        if routes is not None:
+            instance_id = self.cluster.instances[r.instance].instance_id
+            routes.observe(self._last_instance.get(r.session_id), instance_id)
+            self._last_instance[r.session_id] = instance_id
 
     def on_finished(self, r: SimRequest, now: float) -> None:
         self._idle.add(r.session_id)

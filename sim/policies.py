@@ -115,7 +115,8 @@ class Oracle(Belady):
 
 
 def make_policy(name: str, *, session_view: Callable[[str], object] | None = None,
-                model_dir: str | None = None) -> Policy:
+                model_dir: str | None = None, planner_options: dict[str, float] | None = None) -> Policy:
+    """`planner_options`: keyword arguments for app.engine.planner.Planner (heuristic, learned)."""
     if name == "none":
         return NoPrefetch()
     if name == "lookahead":
@@ -126,10 +127,12 @@ def make_policy(name: str, *, session_view: Callable[[str], object] | None = Non
         return Oracle()
     if name in ("heuristic", "learned"):
         from app.engine.planner import Planner
+        from app.engine.routing import SameInstanceEstimate
         from sim.planned import PlannedPolicy
 
         if session_view is None:
             raise ValueError(f"the {name} policy reads the engine's state: pass session_view")
         predictor = HeuristicPredictor() if name == "heuristic" else LearnedPredictor(model_dir or DEFAULT_MODEL_DIR)
-        return PlannedPolicy(Planner(predictor), session_view, name)  # type: ignore[arg-type]
+        planner = Planner(predictor, routes=SameInstanceEstimate(), **(planner_options or {}))
+        return PlannedPolicy(planner, session_view, name)  # type: ignore[arg-type]
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -83,8 +83,10 @@ class EngineFeed:
 
 def replay(trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "none", router: str = "sticky",
            model_dir: str | None = None, measure_from_seconds: float = 0.0, keep_events: bool = False,
-           progress: Callable[[int], None] | None = None, engine: Engine | None = None) -> ReplayResult:
+           progress: Callable[[int], None] | None = None, engine: Engine | None = None,
+           planner_options: dict[str, float] | None = None) -> ReplayResult:
     """`engine`: where events go and sessions come from; default a fresh in-process EngineFeed.
+    `planner_options`: the planner's thresholds, for the heuristic and learned policies.
 
     An injected engine keeps events if it was built to (`keep_events` only builds the default).
     """
@@ -93,7 +95,7 @@ def replay(trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "
     if engine is None:
         store = MemoryStore(bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens)
         engine = EngineFeed(store, ManualClock(0.0), keep_events=keep_events)
-    pol = make_policy(policy, session_view=engine.session, model_dir=model_dir)
+    pol = make_policy(policy, session_view=engine.session, model_dir=model_dir, planner_options=planner_options)
     cluster = Cluster(scenario, requests, make_router(router), pol, emit=engine.emit)
     cluster.run(progress=progress)
     summary = summarize(cluster, requests, measure_from_seconds)

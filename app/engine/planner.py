@@ -17,11 +17,14 @@ from typing import Literal
 import numpy as np
 
 from app.engine.events import BlockHash
-from app.engine.predictor import HORIZON_GRID, Predictor
+from app.engine.predictor import Predictor
+from app.engine.routing import SameInstanceEstimate
 from app.engine.state.base import SessionView
 
 # Sessions idle longer than this are not scored: their contexts go by plain LRU.
 MAX_IDLE_SECONDS = 1800.0
+# "Does it come back at all?" is asked at this horizon; a later return counts as none.
+RETURN_HORIZON_SECONDS = 900.0
 
 Retention = Literal["keep", "demote", "lru"]
 
@@ -34,7 +37,8 @@ class SessionAdvice:
     retention: Retention
     # How long to keep the context resident, when retention is "keep".
     keep_seconds: float
-    # P(next request within the keep horizon), P(within the lead time), P(at all, within the grid).
+    # P(the next request comes within the keep horizon / the lead time / the return horizon,
+    # and lands on instance_id, where the context is): what a keep or prefetch there is worth.
     p_keep: float
     p_soon: float
     p_return: float
@@ -44,8 +48,11 @@ class SessionAdvice:
 class Planner:
     def __init__(self, predictor: Predictor, *, keep_horizon_seconds: float = 300.0, keep_min_p: float = 0.2,
                  demote_max_p: float = 0.1, lead_seconds: float = 30.0, prefetch_min_p: float = 0.5,
-                 max_idle_seconds: float = MAX_IDLE_SECONDS) -> None:
+                 return_horizon_seconds: float = RETURN_HORIZON_SECONDS,
+                 max_idle_seconds: float = MAX_IDLE_SECONDS, routes: SameInstanceEstimate | None = None) -> None:
         self.predictor = predictor
+        # None: every return lands where the context is (a sticky router).
+        self.routes = routes
         self.keep_horizon_seconds = keep_horizon_seconds
         self.keep_min_p = keep_min_p
         self.demote_max_p = demote_max_p
@@ -54,19 +61,22 @@ class Planner:
         # and the stall avoided grows with the bytes, so the test is on the probability alone.
         self.prefetch_min_p = prefetch_min_p
         self.max_idle_seconds = max_idle_seconds
-        self._horizons = tuple(sorted({*HORIZON_GRID, lead_seconds, keep_horizon_seconds}))
+        if not lead_seconds <= keep_horizon_seconds <= return_horizon_seconds:
+            raise ValueError("horizons must satisfy lead_seconds <= keep_horizon_seconds <= return_horizon_seconds")
+        # Only the horizons the advice reads: each one is a model row per session per tick.
+        self.horizons = (lead_seconds, keep_horizon_seconds, return_horizon_seconds)
 
     def advise(self, sessions: Sequence[SessionView], now: float) -> list[SessionAdvice]:
         live = [s for s in sessions if s.state == "idle" and now - s.last_activity_ts <= self.max_idle_seconds
                 and s.block_hashes]
         if not live:
             return []
-        h = self._horizons
-        p = np.maximum.accumulate(np.clip(self.predictor.p_within(live, now, h), 0.0, 1.0), axis=1)
-        keep_i, soon_i = h.index(self.keep_horizon_seconds), h.index(self.lead_seconds)
+        p = np.maximum.accumulate(np.clip(self.predictor.p_within(live, now, self.horizons), 0.0, 1.0), axis=1)
+        if self.routes is not None:
+            p *= self.routes.p_same
         out = []
         for view, row in zip(live, p):
-            p_keep, p_soon, p_return = float(row[keep_i]), float(row[soon_i]), float(row[-1])
+            p_soon, p_keep, p_return = float(row[0]), float(row[1]), float(row[2])
             retention: Retention = ("keep" if p_keep >= self.keep_min_p
                                     else "demote" if p_return <= self.demote_max_p else "lru")
             out.append(SessionAdvice(view.session_id, view.instance_id, tuple(view.block_hashes), retention,

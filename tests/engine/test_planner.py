@@ -18,6 +18,7 @@ from app.engine.predictor import (
     ModelError,
     predictions_from_matrix,
 )
+from app.engine.routing import SameInstanceEstimate
 from app.engine.state.base import SessionView
 
 
@@ -62,6 +63,36 @@ def test_planner_scores_only_idle_recent_sessions_with_a_context() -> None:
     sessions = [view("a"), view("b", state="running"), view("c", last=-5000.0), view("d", blocks=[])]
     assert [a.session_id for a in planner.advise(sessions, 100.0)] == ["a"]
     assert planner.advise([], 0.0) == []
+
+
+class Recording(Fixed):
+    def __init__(self, chances: dict[str, tuple[float, float]]) -> None:
+        super().__init__(chances)
+        self.asked: list[tuple[float, ...]] = []
+
+    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+        self.asked.append(tuple(horizons))
+        return super().p_within(sessions, now, horizons)
+
+
+def test_planner_asks_only_the_three_horizons_it_reads() -> None:
+    predictor = Recording({"a": (0.9, 0.0)})
+    Planner(predictor, lead_seconds=20.0, keep_horizon_seconds=200.0, return_horizon_seconds=1000.0).advise(
+        [view("a")], 100.0)
+    assert predictor.asked == [(20.0, 200.0, 1000.0)]
+    with pytest.raises(ValueError, match="lead_seconds <= keep_horizon_seconds <= return_horizon_seconds"):
+        Planner(predictor, lead_seconds=400.0)
+
+
+def test_a_router_that_moves_sessions_makes_keeping_worth_less() -> None:
+    routes = SameInstanceEstimate(prior=1.0, prior_weight=1.0, half_life_returns=1e9)
+    planner = Planner(Fixed({"a": (0.9, 10.0)}), routes=routes)
+    assert planner.advise([view("a")], 100.0)[0].retention == "keep"
+    for i in range(99):
+        routes.observe("gpu-0", f"gpu-{1 + i % 3}")  # never back on the same instance
+    advice = planner.advise([view("a")], 100.0)[0]
+    assert advice.p_keep == pytest.approx(0.9 * routes.p_same)
+    assert (advice.retention, advice.prefetch) == ("demote", False)
 
 
 def test_heuristic_expects_the_median_gap_and_gives_up_three_gaps_late() -> None:

@@ -108,3 +108,14 @@ def test_keyed_a_block_back_after_eviction_is_ranked_by_its_new_key_only() -> No
     key[1] = 1.0  # next use much sooner now
     cache.insert(1)
     assert cache.choose_victims(1, now=0.0) == [2]
+
+
+def test_a_use_clears_a_demotion() -> None:
+    # A demotion is advice about one session; a block another session uses is no longer a
+    # first victim (block 0 of every Mooncake conversation is such a shared system prompt).
+    cache = filled([1, 2, 3])
+    cache.entries[1].demoted = True
+    assert cache.choose_victims(1, now=0.0) == [1]
+    cache.touch(1)
+    assert not cache.entries[1].demoted
+    assert cache.choose_victims(1, now=0.0) == [2]
