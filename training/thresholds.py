@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(rows, indent=2))
         return
     names = list(rows[0]["traces"])
-    print("policy   setting" + "".join(f"  {n[:28]:>28}" for n in names) + "  mean")
+    print(f"{'policy':<8} {'setting':<36}" + "".join(f"  {n[:28]:>28}" for n in names) + "  mean")
     for row in rows:
         setting = "-" if row["setting"] is None else json.dumps(row["setting"])
         cells = "".join(f"  {row['traces'][n]['byte_hit_rate']:>28.4f}" for n in names)
