@@ -9,7 +9,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from app.core.clock import Clock
 from app.core.config import Settings
+from app.engine.advice import AdviceLedger
 from app.engine.ingest import Ingestor
 from app.engine.models import ModelRegistry
 from app.engine.state.base import StateStore
@@ -31,7 +33,17 @@ async def get_models(request: Request) -> ModelRegistry:
     return request.app.state.models
 
 
+async def get_ledger(request: Request) -> AdviceLedger:
+    return request.app.state.ledger
+
+
+async def get_clock(request: Request) -> Clock:
+    return request.app.state.clock
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[StateStore, Depends(get_store)]
 IngestorDep = Annotated[Ingestor, Depends(get_ingestor)]
 ModelsDep = Annotated[ModelRegistry, Depends(get_models)]
+LedgerDep = Annotated[AdviceLedger, Depends(get_ledger)]
+ClockDep = Annotated[Clock, Depends(get_clock)]

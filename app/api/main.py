@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,10 +18,12 @@ from app.api.routes import events, health, model, state
 from app.core.clock import Clock, SystemClock
 from app.core.config import Settings
 from app.core.errors import EventLogError, StoreError, StoreUnavailable
+from app.engine.advice import AdviceLedger
 from app.engine.eventlog import EventLog
 from app.engine.events import batch_adapter
 from app.engine.ingest import Ingestor
 from app.engine.models import ModelRegistry
+from app.engine.scoring import Scorer
 from app.engine.state import StateStore, build_store
 
 log = logging.getLogger("kvprefetch")
@@ -37,14 +41,25 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         app.state.store = store if store is not None else build_store(settings)
         app.state.event_log = EventLog(settings.event_log_dir, segment_bytes=settings.log_segment_bytes,
                                        fsync=settings.log_fsync)
-        app.state.ingestor = Ingestor(app.state.store, app.state.event_log, replica_id=settings.replica_id)
-        app.state.models = ModelRegistry(settings.model_dir)
+        app.state.ledger = AdviceLedger()
+        app.state.ingestor = Ingestor(app.state.store, app.state.event_log, replica_id=settings.replica_id,
+                                      observer=app.state.ledger.observe)
+        app.state.models = ModelRegistry(settings.model_dir, settings.shadow_model_dir, ledger=app.state.ledger)
+        app.state.scorer = Scorer(app.state.store, app.state.models, app.state.ledger, app.state.clock,
+                                  sessions_per_tick=settings.score_sessions_per_tick)
         replayed = app.state.ingestor.recover()
         log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed", __version__, settings.store,
                  settings.event_log_dir, replayed)
+        scoring = app.state.scoring_task = (
+            asyncio.create_task(app.state.scorer.run(settings.score_interval_seconds))
+            if settings.score_interval_seconds > 0 else None)
         try:
             yield
         finally:
+            if scoring is not None:
+                scoring.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await scoring
             app.state.event_log.close()
             if store is None:
                 app.state.store.close()

@@ -47,6 +47,14 @@ class Settings(BaseSettings):
 
     # The arrival model served at startup; when it is missing or does not load, the heuristic serves.
     model_dir: Path = Path(__file__).resolve().parent.parent.parent / "models" / "default"
+    # A second model scored beside the serving one and never advising: its would-be hit rate is
+    # reported next to the serving model's. None: no shadow.
+    shadow_model_dir: Path | None = None
+    # How often the scoring loop advises on a page of live sessions, for the hit rates; 0 turns
+    # the loop off (tests drive it one tick at a time).
+    score_interval_seconds: float = Field(1.0, ge=0)
+    # Sessions per tick: what bounds the time one tick holds the event loop.
+    score_sessions_per_tick: int = Field(256, ge=1)
 
     # Name of this replica: keys its log checkpoint in a shared store.
     replica_id: str = Field(default_factory=socket.gethostname)

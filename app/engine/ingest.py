@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,11 +33,19 @@ class IngestResult:
     duplicates: list[str] = field(default_factory=list)
 
 
+# Told of the events a call to ingest() accepted, in the order they were applied.
+Observer = Callable[[Sequence[Event]], None]
+
+
 class Ingestor:
-    def __init__(self, store: StateStore, event_log: EventLog, *, replica_id: str) -> None:
+    def __init__(self, store: StateStore, event_log: EventLog, *, replica_id: str,
+                 observer: Observer | None = None) -> None:
         self.store = store
         self.event_log = event_log
         self.replica_id = replica_id
+        # Sees newly accepted events only: never a duplicate, and not the log replayed at startup,
+        # whose events happened before anything now observing them existed.
+        self.observer = observer
         self._lock = threading.Lock()
         # Set when events reached the log but the store failed to apply them: the log tail
         # is replayed before anything new is taken, so a retry is not logged twice.
@@ -81,7 +89,19 @@ class Ingestor:
                         result.accepted.append(e.event_id)
                     else:
                         result.duplicates.append(e.event_id)
+                if self.observer is not None:
+                    accepted = fresh if all(applied) else [e for e, ok in zip(fresh, applied) if ok]
+                    if accepted:
+                        self._notify(accepted)
         return result
+
+    def _notify(self, accepted: Sequence[Event]) -> None:
+        # The events are durable and applied by now: an observer's failure must not turn their
+        # acknowledgement into an error (the client's retry would only find duplicates).
+        try:
+            self.observer(accepted)  # type: ignore[misc]
+        except Exception:
+            log.exception("the ingest observer failed on %d events", len(accepted))
 
     def recover(self) -> int:
         """Apply the log past the store's checkpoint; returns how many events were replayed."""

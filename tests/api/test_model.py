@@ -1,19 +1,74 @@
-"""The serving model: the bundled one at startup, the heuristic without it, reloads that check first."""
+"""The serving model and its shadow: the bundled one at startup, the heuristic without it, swaps
+checked on live sessions first, and each model's hit rate from the scoring loop."""
 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import pytest
 from fastapi.testclient import TestClient
 
 from app.api.main import create_app
+from app.core.clock import ManualClock
 from app.core.config import Settings
-from app.engine.predictor import DEFAULT_MODEL_DIR
+from app.engine.features import FEATURES
+from app.engine.planner import Planner
+from app.engine.predictor import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
+from tests.api.conftest import routed
+
+NO_SCORES = {"predictions": 0, "keep_predictions": 0, "hits": 0, "misses": 0, "unscored": 0, "hit_rate": None}
+
+
+def turns_model(model_dir: Path) -> Path:
+    """A model that answers 0.5 for sessions of at most 2 turns and 5.0 (not a probability) past
+    that: it passes the probe session (2 turns) and fails on a live session with more turns."""
+    import lightgbm as lgb
+
+    x = np.zeros((40, len(FEATURES)))
+    x[:, FEATURES.index("turns")] = np.arange(40) % 5 + 1
+    y = np.where(x[:, FEATURES.index("turns")] <= 2, 0.5, 5.0)
+    params = {"objective": "regression", "num_leaves": 2, "min_data_in_leaf": 1, "learning_rate": 1.0,
+              "seed": 0, "deterministic": True, "num_threads": 1, "verbose": -1}
+    booster = lgb.train(params, lgb.Dataset(x, y, feature_name=list(FEATURES)), num_boost_round=1)
+    model_dir.mkdir()
+    booster.save_model(str(model_dir / "model.txt"))
+    return model_dir
+
+
+def session_with_turns(client: TestClient, session_id: str, turns: int, start_ts: float = 100.0) -> None:
+    events = []
+    for i in range(turns):
+        ts = start_ts + 60.0 * i
+        events.append(routed(f"{session_id}-{i}", session_id, ts, block_hashes=[1, 2]))
+        events.append({"type": "request_finished", "event_id": f"{session_id}-{i}-f", "ts": ts + 5.0,
+                       "session_id": session_id, "request_id": f"r-{session_id}-{i}", "instance_id": "gpu-0",
+                       "output_tokens": 50})
+    assert client.post("/v1/events", json={"events": events}).status_code == 200
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(0.0)
+
+
+@pytest.fixture
+def scored(tmp_path: Path, clock: ManualClock) -> Iterator[TestClient]:
+    """A service whose scoring loop does not run by itself: tests tick it on the manual clock."""
+    settings = Settings(data_dir=tmp_path / "data", log_fsync=False, score_interval_seconds=0)
+    with TestClient(create_app(settings, clock=clock)) as c:
+        yield c
 
 
 def test_the_bundled_model_serves_by_default(client: TestClient) -> None:
-    assert client.get("/v1/model").json() == {"predictor": "learned (default)", "version": "default"}
+    assert client.get("/v1/model").json() == {
+        "predictor": "learned (default)", "version": "default",
+        "live": {"predictor": "learned (default)", "version": "default", **NO_SCORES},
+        "shadow": None,
+    }
+    assert client.get("/readyz").json()["shadow"] is None
 
 
 def test_without_a_model_the_heuristic_serves_and_readyz_says_why(tmp_path: Path) -> None:
@@ -22,7 +77,8 @@ def test_without_a_model_the_heuristic_serves_and_readyz_says_why(tmp_path: Path
         ready = c.get("/readyz").json()
         assert ready["status"] == "ready"
         assert ready["predictor"] == f"heuristic (no model at {tmp_path / 'nothing' / 'model.txt'})"
-        assert c.get("/v1/model").json()["version"] is None
+        model = c.get("/v1/model").json()
+        assert model["version"] is None and model["live"]["version"] is None
 
 
 def test_reload_swaps_in_a_good_model(client: TestClient, tmp_path: Path) -> None:
@@ -31,6 +87,7 @@ def test_reload_swaps_in_a_good_model(client: TestClient, tmp_path: Path) -> Non
     assert r.status_code == 200
     assert r.json() == {"predictor": "learned (v2)", "version": "v2"}
     assert client.get("/readyz").json()["predictor"] == "learned (v2)"
+    assert client.get("/v1/model").json()["live"]["version"] == "v2"
 
 
 def test_a_bad_model_is_refused_and_the_old_one_serves_on(client: TestClient, tmp_path: Path) -> None:
@@ -39,10 +96,149 @@ def test_a_bad_model_is_refused_and_the_old_one_serves_on(client: TestClient, tm
     (broken / "model.txt").write_text("tree\nnot really\n")
     r = client.post("/v1/model/reload", json={"model_dir": str(broken)})
     assert r.status_code == 422
-    detail = r.json()["detail"][0]
-    assert detail["loc"] == ["body", "model_dir"] and "does not load" in detail["msg"]
+    assert r.json()["field"] == "model_dir"
+    assert r.json()["detail"].startswith(f"{broken / 'model.txt'} does not load: ")
     missing = client.post("/v1/model/reload", json={"model_dir": str(tmp_path / "absent")})
-    assert missing.status_code == 422 and "no model at" in missing.json()["detail"][0]["msg"]
-    assert client.post("/v1/model/reload", json={"model_dir": ""}).status_code == 422
-    assert client.post("/v1/model/reload", json={"model_dir": "x", "extra": 1}).status_code == 422
+    assert (missing.status_code, missing.json()) == (
+        422, {"detail": f"no model at {tmp_path / 'absent' / 'model.txt'}", "field": "model_dir"})
+    empty = client.post("/v1/model/reload", json={"model_dir": ""})
+    assert empty.status_code == 422 and empty.json()["detail"][0]["loc"] == ["body", "model_dir"]
+    extra = client.post("/v1/model/reload", json={"model_dir": "x", "extra": 1})
+    assert extra.status_code == 422 and extra.json()["detail"][0]["loc"] == ["body", "extra"]
     assert client.get("/v1/model").json()["version"] == "default"
+
+
+def test_reload_is_checked_on_live_sessions(client: TestClient, tmp_path: Path) -> None:
+    bad_on_traffic = turns_model(tmp_path / "turns")
+    session_with_turns(client, "chat", 3)
+    r = client.post("/v1/model/reload", json={"model_dir": str(bad_on_traffic)})
+    assert (r.status_code, r.json()) == (422, {
+        "detail": f"{bad_on_traffic}: the model's answers on 1 live session are not probabilities",
+        "field": "model_dir"})
+    assert client.get("/v1/model").json()["version"] == "default"
+
+
+def test_with_no_live_sessions_reload_is_checked_on_the_probe(client: TestClient, tmp_path: Path) -> None:
+    # The same model passes the probe session (2 turns): what the live sample adds is real traffic.
+    passes_probe = turns_model(tmp_path / "turns")
+    r = client.post("/v1/model/reload", json={"model_dir": str(passes_probe)})
+    assert (r.status_code, r.json()) == (200, {"predictor": "learned (turns)", "version": "turns"})
+
+
+def test_a_closed_session_is_not_in_the_sample(client: TestClient, tmp_path: Path) -> None:
+    session_with_turns(client, "chat", 3)
+    closed = {"type": "session_closed", "event_id": "close", "ts": 999.0, "session_id": "chat"}
+    assert client.post("/v1/events", json={"events": [closed]}).status_code == 200
+    r = client.post("/v1/model/reload", json={"model_dir": str(turns_model(tmp_path / "turns"))})
+    assert r.status_code == 200
+
+
+def test_shadow_set_scored_and_cleared(client: TestClient, tmp_path: Path) -> None:
+    shutil.copytree(DEFAULT_MODEL_DIR, tmp_path / "v2")
+    r = client.put("/v1/model/shadow", json={"model_dir": str(tmp_path / "v2")})
+    assert (r.status_code, r.json()) == (200, {"predictor": "learned (v2)", "version": "v2"})
+    model = client.get("/v1/model").json()
+    assert model["shadow"] == {"predictor": "learned (v2)", "version": "v2", **NO_SCORES}
+    assert model["live"]["version"] == "default"
+    assert client.get("/readyz").json()["shadow"] == "learned (v2)"
+    r = client.delete("/v1/model/shadow")
+    assert (r.status_code, r.content) == (204, b"")
+    assert client.get("/v1/model").json()["shadow"] is None
+    assert client.delete("/v1/model/shadow").status_code == 204  # none is not an error
+    assert client.get("/readyz").json()["shadow"] is None
+
+
+def test_a_bad_shadow_is_refused_with_the_field_named(client: TestClient, tmp_path: Path) -> None:
+    shutil.copytree(DEFAULT_MODEL_DIR, tmp_path / "v2")
+    assert client.put("/v1/model/shadow", json={"model_dir": str(tmp_path / "v2")}).status_code == 200
+    r = client.put("/v1/model/shadow", json={"model_dir": str(tmp_path / "absent")})
+    assert (r.status_code, r.json()) == (
+        422, {"detail": f"no model at {tmp_path / 'absent' / 'model.txt'}", "field": "model_dir"})
+    session_with_turns(client, "chat", 3)
+    bad_on_traffic = turns_model(tmp_path / "turns")
+    r = client.put("/v1/model/shadow", json={"model_dir": str(bad_on_traffic)})
+    assert (r.status_code, r.json()) == (422, {
+        "detail": f"{bad_on_traffic}: the model's answers on 1 live session are not probabilities",
+        "field": "model_dir"})
+    assert client.put("/v1/model/shadow", json={}).json()["detail"][0]["loc"] == ["body", "model_dir"]
+    # The shadow in place before the refusals is still there.
+    assert client.get("/v1/model").json()["shadow"]["version"] == "v2"
+
+
+def test_the_configured_shadow_loads_at_startup(tmp_path: Path) -> None:
+    shutil.copytree(DEFAULT_MODEL_DIR, tmp_path / "v2")
+    settings = Settings(data_dir=tmp_path / "data", log_fsync=False, shadow_model_dir=tmp_path / "v2")
+    with TestClient(create_app(settings)) as c:
+        assert c.get("/v1/model").json()["shadow"]["predictor"] == "learned (v2)"
+
+
+def test_a_configured_shadow_that_does_not_load_is_no_outage(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path / "data", log_fsync=False, shadow_model_dir=tmp_path / "absent")
+    with TestClient(create_app(settings)) as c:
+        ready = c.get("/readyz").json()
+        assert ready["status"] == "ready"
+        assert ready["shadow"] == f"none (no model at {tmp_path / 'absent' / 'model.txt'})"
+        assert c.get("/v1/model").json()["shadow"] is None
+
+
+def test_hit_rates_of_live_and_shadow(tmp_path: Path, clock: ManualClock) -> None:
+    # The heuristic serves (no model), the bundled model shadows: two models that disagree.
+    settings = Settings(data_dir=tmp_path / "data", log_fsync=False, score_interval_seconds=0,
+                        model_dir=tmp_path / "none", shadow_model_dir=DEFAULT_MODEL_DIR)
+    with TestClient(create_app(settings, clock=clock)) as c:
+        session_with_turns(c, "a", 3, start_ts=740.0)  # a turn a minute, the last at 860
+        session_with_turns(c, "b", 1, start_ts=300.0)  # one turn, silent since 305
+        app = c.app
+        clock.set(900.0)
+        assert app.state.scorer.tick() == 2  # type: ignore[attr-defined]
+        views = [app.state.store.session("a"), app.state.store.session("b")]  # type: ignore[attr-defined]
+        # What the production planner advises at 900 is what each model is judged on.
+        predictors = {"live": HeuristicPredictor(), "shadow": LearnedPredictor(DEFAULT_MODEL_DIR)}
+        kept = {name: [a.retention == "keep" or a.prefetch for a in Planner(p).advise(views, 900.0)]
+                for name, p in predictors.items()}
+        assert kept["live"] == [True, False]  # the setup: the heuristic keeps a, lets b go
+
+        # Both come back; c was never scored; a resend of an arrival counts once.
+        arrivals = [routed("a-back", "a", 950.0), routed("b-back", "b", 960.0), routed("c-1", "c", 955.0)]
+        assert c.post("/v1/events", json={"events": arrivals}).status_code == 200
+        assert c.post("/v1/events", json={"events": arrivals[:1]}).json()["duplicates"] == ["a-back"]
+        model = c.get("/v1/model").json()
+        for name, predictor in (("live", f"heuristic (no model at {tmp_path / 'none' / 'model.txt'})"),
+                                ("shadow", "learned (default)")):
+            hits = sum(kept[name])
+            # Unscored: c, and the four turns that built a and b before any advice.
+            assert model[name] == {"predictor": predictor, "version": None if name == "live" else "default",
+                                   "predictions": 2, "keep_predictions": hits, "hits": hits, "misses": 2 - hits,
+                                   "unscored": 5, "hit_rate": hits / 2}, name
+        assert model["live"]["hit_rate"] == 0.5
+
+        # A reload starts the live model's counts afresh; the shadow keeps its own.
+        assert c.post("/v1/model/reload", json={"model_dir": str(DEFAULT_MODEL_DIR)}).status_code == 200
+        model = c.get("/v1/model").json()
+        assert model["live"] == {"predictor": "learned (default)", "version": "default", **NO_SCORES}
+        assert model["shadow"]["predictions"] == 2
+
+
+def test_advice_made_after_a_late_arrival_does_not_score_it(scored: TestClient, clock: ManualClock) -> None:
+    c = scored
+    session_with_turns(c, "a", 2, start_ts=800.0)
+    clock.set(900.0)
+    assert c.app.state.scorer.tick() == 1  # type: ignore[attr-defined]
+    before = c.get("/v1/model").json()["live"]
+    assert (before["predictions"], before["unscored"]) == (1, 2)  # the two turns that built a
+    # The request came at 890, before that advice, but was posted only now.
+    assert c.post("/v1/events", json={"events": [routed("a-late", "a", 890.0)]}).status_code == 200
+    live = c.get("/v1/model").json()["live"]
+    assert (live["predictions"], live["hits"], live["misses"], live["unscored"]) == (1, 0, 0, 3)
+
+
+def test_the_scoring_loop_runs_with_the_service(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path / "data", log_fsync=False, score_interval_seconds=60.0)
+    app = create_app(settings)
+    with TestClient(app):
+        task = app.state.scoring_task
+        assert task is not None and not task.done()
+    assert task.cancelled()
+    off = create_app(Settings(data_dir=tmp_path / "off", log_fsync=False, score_interval_seconds=0))
+    with TestClient(off):
+        assert off.state.scoring_task is None

@@ -102,3 +102,30 @@ def test_a_batch_of_new_events_is_logged_as_posted_and_read_back_canonical(tmp_p
     again = [events[0], routed(7)]
     ing.ingest(again, b'{"events": "whatever"}')
     assert [e.event_id for _, e in iter_log(tmp_path)] == ["a", "e7"]
+
+
+def test_the_observer_sees_accepted_events_only_and_never_the_replayed_log(tmp_path: Path) -> None:
+    seen: list[list[str]] = []
+    ing = Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
+                   replica_id="r1", observer=lambda events: seen.append([e.event_id for e in events]))
+    ing.ingest([routed(1), routed(2), routed(1)])
+    ing.ingest([routed(2), routed(3)])
+    ing.ingest([routed(3)])  # all duplicates: not called at all
+    assert seen == [["e1", "e2"], ["e3"]]
+    ing.event_log.close()
+    seen.clear()
+    again = Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
+                     replica_id="r1", observer=lambda events: seen.append([e.event_id for e in events]))
+    assert again.recover() == 3
+    assert seen == []
+
+
+def test_a_failing_observer_does_not_fail_the_ingest(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+    def broken(events):  # type: ignore[no-untyped-def]
+        raise RuntimeError("observer bug")
+
+    ing = Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
+                   replica_id="r1", observer=broken)
+    assert ing.ingest([routed(1)]).accepted == ["e1"]
+    assert ing.store.session("s").turns == 1
+    assert "the ingest observer failed on 1 events" in caplog.text

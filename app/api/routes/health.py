@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel
 
-from app.api.deps import SettingsDep, StoreDep
+from app.api.deps import ModelsDep, SettingsDep, StoreDep
 from app.core.errors import StoreError
 
 router = APIRouter(tags=["health"])
@@ -21,6 +21,8 @@ class Readiness(BaseModel):
     store_ok: bool
     event_log: str
     predictor: str
+    # The shadow model, "none (<why>)" when the configured one did not load, null when none is set.
+    shadow: str | None
     stats: dict[str, int]
 
 
@@ -31,7 +33,8 @@ async def healthz() -> Health:
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz(request: Request, response: Response, settings: SettingsDep, store: StoreDep) -> Readiness:
+async def readyz(request: Request, response: Response, settings: SettingsDep, store: StoreDep,
+                 models: ModelsDep) -> Readiness:
     """The service can take events: its store answers and its event log is open."""
     try:
         store.ping()
@@ -41,11 +44,14 @@ async def readyz(request: Request, response: Response, settings: SettingsDep, st
         stats, store_ok = {}, False
     if not store_ok:
         response.status_code = 503
+    shadow = (models.shadow.description if models.shadow is not None
+              else f"none ({models.shadow_problem})" if models.shadow_problem else None)
     return Readiness(
         status="ready" if store_ok else "unavailable",
         store=settings.store,
         store_ok=store_ok,
         event_log=str(request.app.state.event_log.directory),
-        predictor=request.app.state.models.serving.description,
+        predictor=models.serving.description,
+        shadow=shadow,
         stats=stats,
     )

@@ -1,16 +1,25 @@
-"""The serving model: which one, and swapping it for another."""
+"""The serving model and its shadow: which ones, how often each would have been right, swapping."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from fastapi import APIRouter, HTTPException
+from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from app.api.deps import ModelsDep
+from app.api.deps import ClockDep, LedgerDep, ModelsDep, StoreDep
+from app.api.errors import error_response
+from app.engine.advice import AdviceLedger
+from app.engine.models import Serving
 from app.engine.predictor import ModelError
 
 router = APIRouter(tags=["model"])
+
+# Live sessions a new model must answer for before it serves (or shadows): the most recently
+# active ones, the traffic it would see first.
+CHECK_SAMPLE = 256
+
+_REFUSED = {422: {"description": "The model does not load or does not fit; nothing changed."}}
 
 
 class ModelInfo(BaseModel):
@@ -18,24 +27,70 @@ class ModelInfo(BaseModel):
     version: str | None
 
 
-class ReloadRequest(BaseModel):
+class ModelScore(ModelInfo):
+    predictions: int = Field(description="Advice records made (each live idle session, at every pass "
+                                          "of the scoring loop)")
+    keep_predictions: int = Field(description="Of those, how many said keep or prefetch")
+    hits: int = Field(description="Requests whose latest advice before them said keep or prefetch")
+    misses: int = Field(description="Requests whose latest advice before them said demote or lru")
+    unscored: int = Field(description="Requests of sessions with no advice before them")
+    hit_rate: float | None = Field(description="hits / (hits + misses); null before the first scored "
+                                               "request")
+
+
+class ModelStatus(ModelInfo):
+    """`predictor` and `version` name the serving model, as they did before the shadow existed."""
+
+    live: ModelScore
+    shadow: ModelScore | None
+
+
+class ModelDirRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_dir: str = Field(min_length=1, max_length=4096, description="A directory with model.txt and card.json")
 
 
-@router.get("/model", response_model=ModelInfo)
-async def get_model(models: ModelsDep) -> ModelInfo:
-    serving = models.serving
-    return ModelInfo(predictor=serving.description, version=serving.version)
+def _score(serving: Serving, ledger: AdviceLedger, slot: str) -> ModelScore:
+    s = ledger.stats(slot)
+    return ModelScore(predictor=serving.description, version=serving.version, predictions=s.predictions,
+                      keep_predictions=s.keep_predictions, hits=s.hits, misses=s.misses, unscored=s.unscored,
+                      hit_rate=s.hit_rate)
 
 
-@router.post("/model/reload", response_model=ModelInfo,
-             responses={422: {"description": "The model does not load or does not fit; the old one serves on."}})
-async def reload_model(body: ReloadRequest, models: ModelsDep) -> ModelInfo:
-    """Load a model, check it on a sample, and swap it in atomically; on failure nothing changes."""
+@router.get("/model", response_model=ModelStatus)
+async def get_model(models: ModelsDep, ledger: LedgerDep) -> ModelStatus:
+    """The serving model and the shadow, each with its hit rate since it was put in place."""
+    serving, shadow = models.serving, models.shadow
+    return ModelStatus(predictor=serving.description, version=serving.version,
+                       live=_score(serving, ledger, "live"),
+                       shadow=_score(shadow, ledger, "shadow") if shadow is not None else None)
+
+
+@router.post("/model/reload", response_model=ModelInfo, responses=_REFUSED)
+async def reload_model(body: ModelDirRequest, models: ModelsDep, store: StoreDep,
+                       clock: ClockDep) -> ModelInfo | Response:
+    """Load a model, check it on live sessions, and swap it in atomically; on failure nothing changes."""
     try:
-        serving = models.reload(Path(body.model_dir))
+        serving = models.reload(Path(body.model_dir), store.live_sessions(CHECK_SAMPLE), clock.now())
     except ModelError as exc:
-        raise HTTPException(422, detail=[{"loc": ["body", "model_dir"], "msg": str(exc), "type": "model_error"}]) from None
+        return error_response(422, "model_dir", str(exc))
     return ModelInfo(predictor=serving.description, version=serving.version)
+
+
+@router.put("/model/shadow", response_model=ModelInfo, responses=_REFUSED)
+async def set_shadow(body: ModelDirRequest, models: ModelsDep, store: StoreDep,
+                     clock: ClockDep) -> ModelInfo | Response:
+    """Put a model beside the serving one, checked as a reload is; it is scored and never advises."""
+    try:
+        shadow = models.set_shadow(Path(body.model_dir), store.live_sessions(CHECK_SAMPLE), clock.now())
+    except ModelError as exc:
+        return error_response(422, "model_dir", str(exc))
+    return ModelInfo(predictor=shadow.description, version=shadow.version)
+
+
+@router.delete("/model/shadow", status_code=204, response_class=Response)
+async def clear_shadow(models: ModelsDep) -> Response:
+    """Remove the shadow model (and its counts); no shadow is not an error."""
+    models.clear_shadow()
+    return Response(status_code=204)

@@ -7,8 +7,10 @@ from app.engine.state.base import (
     LogPosition,
     OrderView,
     RequestView,
+    SessionCursor,
     SessionView,
     StateStore,
+    cursor_of,
     location_name,
 )
 from app.engine.state.memory import MemoryStore
@@ -20,9 +22,11 @@ __all__ = [
     "MemoryStore",
     "OrderView",
     "RequestView",
+    "SessionCursor",
     "SessionView",
     "StateStore",
     "build_store",
+    "cursor_of",
     "location_name",
 ]
 

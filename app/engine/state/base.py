@@ -20,6 +20,9 @@ order they arrive in (tests/engine/state/test_store_contract.py checks them on e
   (completed, failed) beats `accepted` whatever the timestamps.
 - Counters (turns) count events, so they rely on event-id idempotency: a resent event with the
   same `event_id` is never applied twice.
+- Listing: `live_sessions` orders by (last activity ts, session id), both descending, and
+  filters by the state above, so a listing and its pages are also functions of the set of events
+  (the id breaks timestamp ties, which traces are full of).
 """
 
 from __future__ import annotations
@@ -109,6 +112,14 @@ class LocationView(_View):
     cleared_ts: float | None
 
 
+# Where a listing of live sessions stopped: the (last_activity_ts, session_id) of its last session.
+SessionCursor = tuple[float, str]
+
+
+def cursor_of(view: SessionView) -> SessionCursor:
+    return (view.last_activity_ts, view.session_id)
+
+
 @dataclass(frozen=True, slots=True)
 class LogPosition:
     """A place in the event log: segment number and byte offset just past the last record."""
@@ -129,6 +140,17 @@ class StateStore(Protocol):
         ...
 
     def session(self, session_id: str) -> SessionView | None: ...
+
+    def live_sessions(self, limit: int, *, before: SessionCursor | None = None,
+                      active_since_ts: float | None = None) -> list[SessionView]:
+        """Up to `limit` sessions that are not closed, most recently active first.
+
+        Ordered by (last_activity_ts, session_id) descending; only sessions after `before` in that
+        order (pass the cursor of the last session of the previous page) and, when given, active
+        at or after `active_since_ts`. Each view equals what `session()` returns. Costs one pass
+        over the sessions in memory and a few round trips in Redis, whatever `limit` is.
+        """
+        ...
 
     def instances(self) -> list[InstanceView]: ...
 

@@ -7,6 +7,7 @@ optional objects, block hashes packed in an array.
 from __future__ import annotations
 
 import bisect
+import math
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,7 @@ from app.engine.state.base import (
     LogPosition,
     OrderView,
     RequestView,
+    SessionCursor,
     SessionView,
     location_name,
 )
@@ -174,6 +176,11 @@ class MemoryStore:
         self.dedupe_max_ids = dedupe_max_ids
         self._seen: dict[str, None] = {}
         self._sessions: dict[str, _Session] = {}
+        # Sessions by the whole second of their last activity, and those seconds in order: what
+        # live_sessions() reads newest first. A session moves only when its activity crosses into
+        # another second, so most events cost the index one int() and a comparison.
+        self._by_second: dict[int, set[str]] = {}
+        self._seconds: list[int] = []
         self._instances: dict[str, _Instance] = {}
         self._locations: dict[tuple[str, str | None], _Location] = {}
         self._orders: dict[str, tuple[int, float, str, int | None, float | None, str | None]] = {}
@@ -218,9 +225,30 @@ class MemoryStore:
         s = self._sessions.get(session_id)
         if s is None:
             s = self._sessions[session_id] = _Session(ts)
+            self._index(session_id, None, ts)
         else:
+            if ts > s.last_ts and int(ts) != int(s.last_ts):
+                self._index(session_id, s.last_ts, ts)
             s.touch(ts)
         return s
+
+    def _index(self, session_id: str, old_ts: float | None, ts: float) -> None:
+        """Move a session to the second of its new last activity (every ts is >= 0: int floors)."""
+        by_second = self._by_second
+        if old_ts is not None:
+            old = int(old_ts)
+            members = by_second[old]
+            members.discard(session_id)
+            if not members:
+                del by_second[old]
+                seconds = self._seconds
+                del seconds[bisect.bisect_left(seconds, old)]
+        second = int(ts)
+        members = by_second.get(second)
+        if members is None:
+            members = by_second[second] = set()
+            bisect.insort(self._seconds, second)
+        members.add(session_id)
 
     def _instance(self, instance_id: str, ts: float) -> _Instance:
         i = self._instances.get(instance_id)
@@ -239,7 +267,10 @@ class MemoryStore:
         s = self._sessions.get(e.session_id)
         if s is None:
             s = self._sessions[e.session_id] = _Session(ts)
+            self._index(e.session_id, None, ts)
         elif ts > s.last_ts:
+            if int(ts) != int(s.last_ts):
+                self._index(e.session_id, s.last_ts, ts)
             s.last_ts = ts
         elif ts < s.first_ts:
             s.first_ts = ts
@@ -382,6 +413,35 @@ class MemoryStore:
             resident_blocks=resident,
         )
 
+    def live_sessions(self, limit: int, *, before: SessionCursor | None = None,
+                      active_since_ts: float | None = None) -> list[SessionView]:
+        if limit <= 0:
+            return []
+        sessions, seconds = self._sessions, self._seconds
+        since = active_since_ts if active_since_ts is not None else _NONE
+        # Whole seconds, newest first, from the cursor's down to the first one that may hold
+        # activity at `since`; within a second, sessions in (last activity, id) order.
+        i = bisect.bisect_right(seconds, int(before[0])) if before is not None else len(seconds)
+        floor_since = math.floor(since)
+        found: list[str] = []
+        while i > 0 and len(found) < limit:
+            i -= 1
+            if seconds[i] < floor_since:
+                break
+            members = self._by_second[seconds[i]]
+            for key in sorted(((sessions[sid].last_ts, sid) for sid in members), reverse=True):
+                if key[0] < since:
+                    break
+                if before is not None and key >= before:
+                    continue
+                s = sessions[key[1]]
+                if s.closed_ts >= 0 and _state(s, s.latest()) == "closed":
+                    continue
+                found.append(key[1])
+                if len(found) == limit:
+                    break
+        return [self.session(session_id) for session_id in found]  # type: ignore[misc]
+
     def instances(self) -> list[InstanceView]:
         per_instance: dict[str, dict[str, int]] = {}
         per_instance_bytes: dict[str, dict[str, int]] = {}
@@ -451,6 +511,8 @@ class MemoryStore:
     def clear(self) -> None:
         self._seen.clear()
         self._sessions.clear()
+        self._by_second.clear()
+        self._seconds.clear()
         self._instances.clear()
         self._locations.clear()
         self._orders.clear()

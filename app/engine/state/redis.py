@@ -34,7 +34,8 @@ from the prefix, so they must all live on one node):
 
     <p>:eid:<event_id>      string "1", EX dedupe_ttl_seconds: the event was applied
     <p>:eidn:<bucket>       how many eid keys were set in a time bucket (see stats() below)
-    <p>:sessions            zset  session_id -> last activity ts (stats: ZCARD)
+    <p>:sessions            zset  session_id -> last activity ts (stats: ZCARD; live_sessions
+                                  pages down it, newest first)
     <p>:s:<session_id>      hash  f first seen ts, l last activity ts, c closed ts,
                                   i instance, it its ts, b block hashes (JSON list), bts their ts,
                                   k their block tokens, t turns,
@@ -106,6 +107,7 @@ from app.engine.state.base import (
     LogPosition,
     OrderView,
     RequestView,
+    SessionCursor,
     SessionView,
     location_name,
 )
@@ -352,6 +354,81 @@ class RedisStore:
                     n = sum(1 for s in scores if s is not None)
                     if n:
                         resident[name] = n
+        return self._session_view(session_id, h, blocks, resident)
+
+    def live_sessions(self, limit: int, *, before: SessionCursor | None = None,
+                      active_since_ts: float | None = None) -> list[SessionView]:
+        if limit <= 0:
+            return []
+        p = self.prefix
+        key = f"{p}:sessions"
+        low = _ts(active_since_ts) if active_since_ts is not None else "-inf"
+        cursor = before
+        found: list[tuple[str, dict[str, str], list[BlockHash]]] = []
+        with self._errors():
+            # Pages down the activity index (its score is the session's last activity ts), each
+            # page read with one pipeline, until `limit` open sessions are found. What comes after
+            # a cursor (ts, id): the ids below `id` among those tied at `ts`, then every score below
+            # `ts`. Redis orders ties by member in reverse byte order, which for UTF-8 is Python's
+            # string order, so pages here and in MemoryStore cut at the same places.
+            while len(found) < limit:
+                want = limit - len(found)
+                pipe = self._r.pipeline(transaction=False)
+                if cursor is not None:
+                    pipe.zrange(key, _ts(cursor[0]), _ts(cursor[0]), byscore=True)
+                high = "(" + _ts(cursor[0]) if cursor is not None else "+inf"
+                pipe.zrange(key, high, low, desc=True, byscore=True, offset=0, num=want, withscores=True)
+                replies = pipe.execute()
+                rows: list[tuple[float, str]] = []
+                if cursor is not None:
+                    if active_since_ts is None or cursor[0] >= active_since_ts:
+                        rows = [(cursor[0], m) for m in sorted(replies[0], reverse=True) if m < cursor[1]]
+                rows += [(float(score), m) for m, score in replies[-1]]
+                rows = rows[:want]
+                if not rows:
+                    break
+                pipe = self._r.pipeline(transaction=False)
+                for _, session_id in rows:
+                    pipe.hgetall(f"{p}:s:{session_id}")
+                for (_, session_id), h in zip(rows, pipe.execute()):
+                    if not h:  # cleared between the two reads
+                        continue
+                    reqs: list[list[str]] = json.loads(h["r"]) if "r" in h else []
+                    latest = max(reqs, key=_rank) if reqs else None
+                    if _state(float(h["c"]) if "c" in h else -1.0, latest) == "closed":
+                        continue
+                    found.append((session_id, h, json.loads(h["b"]) if "b" in h else []))
+                cursor = rows[-1]
+            resident = self._resident_many([blocks for _, _, blocks in found])
+        return [self._session_view(session_id, h, blocks, res)
+                for (session_id, h, blocks), res in zip(found, resident)]
+
+    def _resident_many(self, block_lists: list[list[BlockHash]]) -> list[dict[str, int]]:
+        """session()'s resident_blocks for many sessions: one ZMSCORE per location, of every
+        block any of them uses, rather than one per session and location."""
+        out: list[dict[str, int]] = [{} for _ in block_lists]
+        encoded = [_enc_blocks(blocks) for blocks in block_lists]
+        union = sorted({m for members in encoded for m in members})
+        if not union:
+            return out
+        loc_names = self._r.hkeys(self._k_locs)
+        if not loc_names:
+            return out
+        pipe = self._r.pipeline(transaction=False)
+        for name in loc_names:
+            pipe.zmscore(f"{self.prefix}:loc:{name}", union)
+        for name, scores in zip(loc_names, pipe.execute()):
+            present = {m for m, score in zip(union, scores) if score is not None}
+            if not present:
+                continue
+            for members, res in zip(encoded, out):
+                n = sum(1 for m in members if m in present)
+                if n:
+                    res[name] = n
+        return out
+
+    def _session_view(self, session_id: str, h: dict[str, str], blocks: list[BlockHash],
+                      resident: dict[str, int]) -> SessionView:
         reqs: list[list[str]] = json.loads(h["r"]) if "r" in h else []
         latest = max(reqs, key=_rank) if reqs else None
         if latest is None:

@@ -17,7 +17,7 @@ import redis as redis_lib
 
 from app.core.errors import StoreUnavailable
 from app.engine.events import Event, event_adapter
-from app.engine.state import LogPosition, MemoryStore
+from app.engine.state import LogPosition, MemoryStore, cursor_of
 from app.engine.state.redis import RedisStore
 
 pytestmark = pytest.mark.redis
@@ -227,7 +227,18 @@ def _views(store: Any) -> dict[str, Any]:
         "holds_unknown": store.holds("disk", "nowhere", BLOCKS),
         "orders": {o: store.order(o) for o in [*ORDERS, "never-seen"]},
         "stats": store.stats(),
+        "live": store.live_sessions(len(SESSIONS) + 1),
+        "live_pages": _live_pages(store, 2),
     }
+
+
+def _live_pages(store: Any, size: int) -> list[list[str]]:
+    """The live listing walked page by page: ids in the same order, cut at the same places."""
+    pages, cursor = [], None
+    while page := store.live_sessions(size, before=cursor):
+        pages.append([v.session_id for v in page])
+        cursor = cursor_of(page[-1])
+    return pages
 
 
 def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:

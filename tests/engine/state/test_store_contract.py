@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from app.engine.events import Event, event_adapter
-from app.engine.state import LogPosition, MemoryStore, StateStore
+from app.engine.state import LogPosition, MemoryStore, StateStore, cursor_of
 
 BPT = 327_680
 BLOCK = 512
@@ -167,6 +167,81 @@ def test_close_and_reopen(store: StateStore) -> None:
 def test_block_hash_types_are_kept(store: StateStore) -> None:
     store.apply([routed("s", "r1", 1.0, block_hashes=[5, "5", "ab12", 2**63 + 7])])
     assert store.session("s").block_hashes == [5, "5", "ab12", 2**63 + 7]
+
+
+# -- listing live sessions ------------------------------------------------------------------
+
+
+def _closed(session: str, ts: float) -> Event:
+    return ev("session_closed", ts, session_id=session)
+
+
+def test_live_sessions_are_the_open_ones_newest_first(store: StateStore) -> None:
+    store.apply([
+        routed("a", "r1", 1.0), finished("a", "r1", 2.0),
+        routed("b", "r1", 5.0), started("b", "r1", 5.5),
+        routed("c", "r1", 3.0), _closed("c", 4.0),                    # closed
+        _closed("d", 2.0), routed("d", "r1", 6.0, block_hashes=[1]),  # closed, then reopened
+    ])
+    live = store.live_sessions(10)
+    assert [(v.session_id, v.state, v.last_activity_ts) for v in live] == [
+        ("d", "queued", 6.0), ("b", "running", 5.5), ("a", "idle", 2.0)]
+    assert live == [store.session(v.session_id) for v in live]
+    assert [v.session_id for v in store.live_sessions(2)] == ["d", "b"]
+    assert store.live_sessions(0) == []
+
+
+def test_live_sessions_carry_the_same_residency_as_session(store: StateStore) -> None:
+    store.apply([
+        routed("a", "r", 1.0, block_hashes=[1, 2, 3]), routed("b", "r", 2.0, block_hashes=[3, 4]),
+        routed("c", "r", 3.0), stored([1, 2, 3], 1.5), stored([4], 2.5, instance=None, tier="pool"),
+    ])
+    live = store.live_sessions(10)
+    assert {v.session_id: v.resident_blocks for v in live} == {
+        "a": {"hbm@gpu-0": 3}, "b": {"hbm@gpu-0": 1, "pool": 1}, "c": {}}
+    assert live == [store.session(v.session_id) for v in live]
+
+
+def test_live_sessions_page_by_cursor_and_ties_go_by_id(store: StateStore) -> None:
+    # Ten sessions on four timestamps, two of them closed: pages of three walk every open one once.
+    times = [4.0, 2.0, 4.0, 1.0, 2.0, 4.0, 3.0, 2.0, 4.0, 1.0]
+    store.apply([routed(f"s{i}", "r", t) for i, t in enumerate(times)])
+    store.apply([_closed("s2", 4.0), _closed("s7", 2.0)])
+    want = [("s8", 4.0), ("s5", 4.0), ("s0", 4.0), ("s6", 3.0), ("s4", 2.0), ("s1", 2.0),
+            ("s9", 1.0), ("s3", 1.0)]
+    assert [(v.session_id, v.last_activity_ts) for v in store.live_sessions(100)] == want
+    pages, cursor = [], None
+    while True:
+        page = store.live_sessions(3, before=cursor)
+        if not page:
+            break
+        pages.append([v.session_id for v in page])
+        cursor = cursor_of(page[-1])
+    assert pages == [["s8", "s5", "s0"], ["s6", "s4", "s1"], ["s9", "s3"]]
+    # A cursor in the middle of a tie, and one that names no session.
+    assert [v.session_id for v in store.live_sessions(2, before=(4.0, "s5"))] == ["s0", "s6"]
+    assert [v.session_id for v in store.live_sessions(2, before=(2.0, "s3"))] == ["s1", "s9"]
+
+
+def test_live_sessions_active_since(store: StateStore) -> None:
+    store.apply([routed(f"s{i}", "r", float(i)) for i in range(6)])
+    assert [v.session_id for v in store.live_sessions(10, active_since_ts=3.0)] == ["s5", "s4", "s3"]
+    assert [v.session_id for v in store.live_sessions(10, before=(4.0, "s4"), active_since_ts=3.0)] == ["s3"]
+    assert store.live_sessions(10, active_since_ts=9.0) == []
+
+
+def test_live_sessions_do_not_depend_on_arrival_order(store: StateStore) -> None:
+    events = [
+        routed("a", "r1", 10.0), finished("a", "r1", 12.0), routed("b", "r1", 12.0),
+        _closed("b", 13.0), routed("c", "r1", 8.0), routed("c", "r2", 12.0), _closed("d", 1.0),
+        routed("d", "r1", 2.0), routed("e", "r1", 12.0),
+    ]
+    store.apply(events)
+    expected = store.live_sessions(10)
+    assert [v.session_id for v in expected] == ["e", "c", "a", "d"]
+    store.clear()
+    store.apply(list(reversed(events)))
+    assert store.live_sessions(10) == expected
 
 
 # -- residency ------------------------------------------------------------------------------
