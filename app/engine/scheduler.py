@@ -1,0 +1,352 @@
+"""From advice to orders: what to move, from where, to which instance, when; within the links and
+the destinations' room, never twice, and withdrawn when the prediction falls.
+
+One `plan(advice, now)` per tick turns the planner's per-session advice (app/engine/planner.py)
+into a `Plan` of orders (app/engine/orders.py) and cancels:
+
+- **Prefetch** for sessions likely back on their instance within the lead time. Value = P(back
+  there in time) x the stall it avoids (the missing bytes' time to last byte over the link, or
+  their recompute time if that is shorter); cost = the bytes not already at the destination or
+  on their way. Best value per byte first. needed_by = now + half the lead (the median of a
+  return within the lead, taking the chance as flat across it); start_by = needed_by - the
+  transfer's time at the link's prefetch share - a margin, or now when that has passed.
+- **Dedup.** A block at the destination, or in an open order to it, is never ordered again; a
+  block several candidates share goes in the first (most valuable) order, which then serves
+  every one of them: its value is their sum.
+- **Links.** Each destination's link from each source tier gives prefetch `link_share` of its
+  bandwidth; a link's orders are booked into disjoint intervals at that rate (each as late as
+  its needed_by allows), so their sum never exceeds it. An order that cannot land by its
+  needed_by is not issued.
+- **Room.** A destination takes a prefetch only into its free KV bytes (its last
+  instance_status) less what is already on its way; when that is short, the contexts of sessions
+  predicted less likely back (lower p_keep than the candidate's chance) are demoted to make room,
+  and the demote orders say so. A destination that never reported its room gets no prefetch.
+- **Pins and demotes** follow the planner's keep and demote advice, once per idle spell, and a
+  pin again only when the last one is about to lapse.
+- **Cancellation.** Each tick, an open prefetch not yet started whose sessions are no longer
+  candidates (closed, back already, routed elsewhere, or their chance fell below
+  `cancel_below_p`) is cancelled; one already accepted by an agent runs on, and if it has no
+  session left its bytes count as wasted.
+
+Progress comes back as order_progress events (`on_progress`); an open order whose blocks all
+show at the destination is done too (the agent also reports the blocks as stored).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from app.engine.events import BlockHash, Tier
+from app.engine.orders import Cancel, Order, OrderKind, order_id_for
+from app.engine.planner import SessionAdvice
+from app.engine.state.base import StateStore
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    bytes_per_block: int
+    lead_seconds: float = 30.0
+    prefetch_min_p: float = 0.5
+    # Hysteresis: an open order survives a small dip in its chance.
+    cancel_below_p: float = 0.25
+    # The share of each link prefetch may use, so demand loads are never starved.
+    link_share: float = 0.5
+    pool_link_bytes_per_second: float = 12.5e9
+    host_link_bytes_per_second: float = 50e9
+    prefill_tokens_per_second: float = 20_000.0
+    block_tokens: int = 512
+    margin_seconds: float = 0.25
+    # Re-pin when the current pin lapses within this long.
+    repin_before_seconds: float = 5.0
+
+    def link_bytes_per_second(self, source: Tier) -> float:
+        return self.host_link_bytes_per_second if source == "host" else self.pool_link_bytes_per_second
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    orders: list[Order]
+    cancels: list[Cancel]
+
+
+@dataclass(slots=True)
+class _Open:
+    order: Order
+    started: bool = False
+    sessions: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class SchedulerTotals:
+    orders: dict[str, int] = field(default_factory=lambda: {"prefetch": 0, "pin": 0, "demote": 0})
+    bytes_ordered: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    bytes_wasted: int = 0
+
+
+class Scheduler:
+    def __init__(self, store: StateStore, config: SchedulerConfig) -> None:
+        self.store = store
+        self.config = config
+        self.totals = SchedulerTotals()
+        self._open: dict[str, _Open] = {}
+        # (instance, source tier) -> the intervals its prefetch share is booked for.
+        self._link_booked: dict[tuple[str, Tier], list[tuple[float, float]]] = {}
+        self._booking: dict[str, tuple[tuple[str, Tier], tuple[float, float]]] = {}  # order -> its slot
+        self._pinned_until: dict[tuple[str, str], float] = {}  # (instance, session) -> ts
+        self._demoted: set[tuple[str, str]] = set()
+        self._generation = 0
+
+    # -- feedback ---------------------------------------------------------------------------
+
+    def on_progress(self, order_id: str, status: str) -> None:
+        """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""
+        entry = self._open.get(order_id)
+        if entry is None:
+            return
+        if status == "accepted":
+            entry.started = True
+        elif status in ("completed", "failed"):
+            del self._open[order_id]
+            self._booking.pop(order_id, None)
+            if status == "completed":
+                self.totals.completed += 1
+            else:
+                self.totals.failed += 1
+
+    def open_orders(self) -> list[Order]:
+        return [e.order for e in self._open.values()]
+
+    def inflight_bytes(self, instance_id: str) -> int:
+        return sum(e.order.size_bytes for e in self._open.values()
+                   if e.order.kind == "prefetch" and e.order.instance_id == instance_id)
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def plan(self, advice: Sequence[SessionAdvice], now: float) -> Plan:
+        cfg = self.config
+        self._generation += 1
+        self._retire_landed()
+        by_session = {a.session_id: a for a in advice}
+        cancels = self._cancel_fallen(by_session)
+        orders: list[Order] = []
+        orders += self._pins_and_demotes(advice, now)
+
+        free = {i.instance_id: i.free_kv_bytes for i in self.store.instances()}
+        for inst, nbytes in self._inflight_by_instance().items():
+            if free.get(inst) is not None:
+                free[inst] = max(free[inst] - nbytes, 0)  # type: ignore[operator]
+        inflight_blocks = self._inflight_blocks()
+        moving: dict[str, Order] = {}  # this tick's prefetches by id, grown as sessions share them
+        ordered_now: dict[tuple[str, BlockHash], str] = {}
+        candidates = sorted((a for a in advice if a.prefetch and a.instance_id is not None
+                             and a.p_soon >= cfg.prefetch_min_p), key=lambda a: (-a.p_soon, a.session_id))
+        displaceable = sorted((a for a in advice if a.retention != "keep" and a.instance_id is not None),
+                              key=lambda a: (a.p_keep, a.session_id))
+        for cand in candidates:
+            dest: str = cand.instance_id  # type: ignore[assignment]
+            blocks = list(dict.fromkeys(cand.block_hashes))
+            here = self.store.holds("hbm", dest, blocks)
+            missing = [b for b, h in zip(blocks, here) if not h and b not in inflight_blocks.get(dest, ())]
+            for order_id in dict.fromkeys(ordered_now[(dest, b)] for b in missing if (dest, b) in ordered_now):
+                moving[order_id] = self._serve_too(moving[order_id], cand)
+            missing = [b for b in missing if (dest, b) not in ordered_now]
+            for source, part in self._sources(dest, missing):
+                nbytes = len(part) * cfg.bytes_per_block
+                room = free.get(dest)
+                if room is None:
+                    continue  # no instance_status from it: its room is unknown
+                if room < nbytes:
+                    room += self._make_room(dest, nbytes - room, cand, displaceable, orders, now)
+                    if room < nbytes:
+                        continue
+                order = self._book(cand, dest, source, part, nbytes, now)
+                if order is None:
+                    continue
+                free[dest] = room - nbytes
+                moving[order.order_id] = order
+                for b in part:
+                    ordered_now[(dest, b)] = order.order_id
+        orders += moving.values()
+        for o in orders:
+            self.totals.orders[o.kind] += 1
+            if o.kind == "prefetch":
+                self.totals.bytes_ordered += o.size_bytes
+        return Plan(orders=orders, cancels=cancels)
+
+    # -- parts of a tick ---------------------------------------------------------------------
+
+    def _retire_landed(self) -> None:
+        for order_id, e in list(self._open.items()):
+            o = e.order
+            if o.kind == "prefetch" and all(self.store.holds(o.tier, o.instance_id, o.block_hashes)):
+                del self._open[order_id]
+                self._booking.pop(order_id, None)
+                self.totals.completed += 1
+
+    def _cancel_fallen(self, by_session: dict[str, SessionAdvice]) -> list[Cancel]:
+        cancels = []
+        for order_id, e in list(self._open.items()):
+            if e.order.kind != "prefetch":
+                continue
+            still = {s for s in e.sessions
+                     if (a := by_session.get(s)) is not None and a.instance_id == e.order.instance_id
+                     and a.p_soon >= self.config.cancel_below_p}
+            e.sessions = still
+            if still:
+                continue
+            if e.started:
+                self.totals.bytes_wasted += e.order.size_bytes  # moving already: it lands unused
+                continue
+            del self._open[order_id]
+            self._release(order_id)
+            self.totals.cancelled += 1
+            cancels.append(Cancel(order_id=order_id, reason="no session is likely back there in time"))
+        return cancels
+
+    def _pins_and_demotes(self, advice: Sequence[SessionAdvice], now: float) -> list[Order]:
+        out = []
+        live = set()
+        for a in advice:
+            if a.instance_id is None or not a.block_hashes:
+                continue
+            key = (a.instance_id, a.session_id)
+            live.add(key)
+            if a.retention == "keep" and self._pinned_until.get(key, -1.0) - self.config.repin_before_seconds <= now:
+                resident = self._resident(a)
+                if resident:
+                    out.append(self._order("pin", a, resident, now, ttl_seconds=a.keep_seconds))
+                    self._pinned_until[key] = now + a.keep_seconds
+                    self._demoted.discard(key)
+            elif a.retention == "demote" and key not in self._demoted:
+                resident = self._resident(a)
+                if resident:
+                    out.append(self._order("demote", a, resident, now))
+                    self._demoted.add(key)
+                    self._pinned_until.pop(key, None)
+        # A session not advised on any more (active again, closed, gone) starts a new spell.
+        for key in [k for k in self._demoted if k not in live]:
+            self._demoted.discard(key)
+        for key in [k for k, until in self._pinned_until.items() if until <= now and k not in live]:
+            del self._pinned_until[key]
+        return out
+
+    def _make_room(self, dest: str, need_bytes: int, cand: SessionAdvice, displaceable: list[SessionAdvice],
+                   orders: list[Order], now: float) -> int:
+        """Demote contexts at `dest` less likely back than `cand`; returns the bytes freed."""
+        freed = 0
+        for a in displaceable:
+            if freed >= need_bytes or a.p_keep >= cand.p_soon:
+                break
+            key = (dest, a.session_id)
+            if a.instance_id != dest or a.session_id == cand.session_id or key in self._demoted:
+                continue
+            resident = self._resident(a)
+            if not resident:
+                continue
+            orders.append(self._order("demote", a, resident, now))
+            self._demoted.add(key)
+            freed += len(resident) * self.config.bytes_per_block
+        return freed
+
+    def _book(self, cand: SessionAdvice, dest: str, source: Tier, blocks: list[BlockHash], nbytes: int,
+              now: float) -> Order | None:
+        cfg = self.config
+        rate = cfg.link_bytes_per_second(source) * cfg.link_share
+        transfer_seconds = nbytes / rate
+        needed_by = now + cfg.lead_seconds / 2.0
+        link = (dest, source)
+        start_by = self._book_link(link, transfer_seconds, needed_by - cfg.margin_seconds, now)
+        if start_by is None:
+            return None  # the link's share is booked: it would land too late to matter
+        order = self._order("prefetch", cand, blocks, now, source=source, nbytes=nbytes, start_by=start_by,
+                            needed_by=needed_by,
+                            priority=cand.p_soon * self._stall_avoided(source, len(blocks), nbytes))
+        self._open[order.order_id] = _Open(order, sessions={cand.session_id})
+        self._booking[order.order_id] = (link, (start_by, start_by + transfer_seconds))
+        return order
+
+    def _book_link(self, link: tuple[str, Tier], seconds: float, land_by: float, now: float) -> float | None:
+        """The latest start in [now, land_by - seconds] when the link's share is free for `seconds`,
+        booked; None when there is none. Latest, so what is booked later with an earlier deadline
+        still finds room before it."""
+        booked = [(s, e) for s, e in self._link_booked.get(link, ()) if e > now]
+        for start in sorted({land_by - seconds, *(s - seconds for s, _ in booked)}, reverse=True):
+            if start < now - 1e-9:
+                break
+            if start + seconds <= land_by + 1e-9 and all(start >= e - 1e-9 or start + seconds <= s + 1e-9
+                                                         for s, e in booked):
+                booked.append((start, start + seconds))
+                self._link_booked[link] = booked
+                return start
+        return None
+
+    def _release(self, order_id: str) -> None:
+        """A cancelled order gives its link time back."""
+        booking = self._booking.pop(order_id, None)
+        if booking is not None:
+            link, slot = booking
+            slots = self._link_booked.get(link, [])
+            if slot in slots:
+                slots.remove(slot)
+
+    def _serve_too(self, order: Order, cand: SessionAdvice) -> Order:
+        """`cand` needs blocks `order` already moves this tick: the order serves it too, and is
+        worth its chance of the same stall more."""
+        stall = self._stall_avoided(order.source_tier or "pool", len(order.block_hashes), order.size_bytes)
+        grown = order.model_copy(update={"session_ids": [*order.session_ids, cand.session_id],
+                                         "priority": order.priority + cand.p_soon * stall})
+        e = self._open[order.order_id]
+        e.order = grown
+        e.sessions.add(cand.session_id)
+        return grown
+
+    def _stall_avoided(self, source: Tier, blocks: int, nbytes: int) -> float:
+        """What a miss of these blocks would cost: their load at full link speed, or their
+        recompute if that is sooner (what the engine would do)."""
+        cfg = self.config
+        return min(nbytes / cfg.link_bytes_per_second(source), blocks * cfg.block_tokens / cfg.prefill_tokens_per_second)
+
+    def _sources(self, dest: str, blocks: list[BlockHash]) -> Iterable[tuple[Tier, list[BlockHash]]]:
+        on_host = self.store.holds("host", dest, blocks)
+        host = [b for b, h in zip(blocks, on_host) if h]
+        rest = [b for b, h in zip(blocks, on_host) if not h]
+        in_pool = self.store.holds("pool", None, rest) if rest else []
+        pool = [b for b, h in zip(rest, in_pool) if h]
+        # Blocks in neither are recomputed by the engine when asked for: nothing to move.
+        if host:
+            yield "host", host
+        if pool:
+            yield "pool", pool
+
+    def _resident(self, a: SessionAdvice) -> list[BlockHash]:
+        blocks = list(dict.fromkeys(a.block_hashes))
+        return [b for b, h in zip(blocks, self.store.holds("hbm", a.instance_id, blocks)) if h]
+
+    def _order(self, kind: OrderKind, a: SessionAdvice, blocks: list[BlockHash], now: float, *,
+               source: Tier | None = None, nbytes: int | None = None, start_by: float | None = None,
+               needed_by: float | None = None, priority: float = 0.0, ttl_seconds: float | None = None) -> Order:
+        dest: str = a.instance_id  # type: ignore[assignment]
+        return Order(order_id=order_id_for(kind, dest, "hbm", blocks, self._generation), kind=kind,
+                     instance_id=dest, tier="hbm", source_tier=source, block_hashes=blocks,
+                     size_bytes=nbytes if nbytes is not None else len(blocks) * self.config.bytes_per_block,
+                     created_ts=now, start_by_ts=now if start_by is None else start_by,
+                     needed_by_ts=now if needed_by is None else needed_by, ttl_seconds=ttl_seconds,
+                     priority=priority, session_ids=[a.session_id])
+
+    def _inflight_by_instance(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self._open.values():
+            if e.order.kind == "prefetch":
+                out[e.order.instance_id] = out.get(e.order.instance_id, 0) + e.order.size_bytes
+        return out
+
+    def _inflight_blocks(self) -> dict[str, set[BlockHash]]:
+        out: dict[str, set[BlockHash]] = {}
+        for e in self._open.values():
+            if e.order.kind == "prefetch":
+                out.setdefault(e.order.instance_id, set()).update(e.order.block_hashes)
+        return out

@@ -1,0 +1,193 @@
+"""The scheduler: advice in, orders out, within links and room, never twice, withdrawn when wrong."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import pytest
+
+from app.engine.events import InstanceStatus, KvBlocksStored, OrderProgress
+from app.engine.orders import Order
+from app.engine.planner import SessionAdvice
+from app.engine.scheduler import Scheduler, SchedulerConfig
+from app.engine.state import MemoryStore
+
+BLOCK_BYTES = 1_000_000
+_ids = itertools.count()
+
+
+def store_with(*, free_bytes: dict[str, int], pool: Sequence[int] = (), hbm: dict[str, Sequence[int]] | None = None,
+               ts: float = 0.0) -> MemoryStore:
+    store = MemoryStore(bytes_per_token=BLOCK_BYTES // 512, block_tokens=512)
+    events: list = [InstanceStatus(event_id=f"e{next(_ids)}", ts=ts, instance_id=i, free_kv_bytes=b)
+                    for i, b in free_bytes.items()]
+    if pool:
+        events.append(KvBlocksStored(event_id=f"e{next(_ids)}", ts=ts, tier="pool", instance_id=None,
+                                     block_hashes=list(pool)))
+    for inst, blocks in (hbm or {}).items():
+        events.append(KvBlocksStored(event_id=f"e{next(_ids)}", ts=ts, tier="hbm", instance_id=inst,
+                                     block_hashes=list(blocks)))
+    store.apply(events)
+    return store
+
+
+def advice(session_id: str, blocks: Sequence[int], *, p_soon: float = 0.9, p_keep: float | None = None,
+           instance_id: str = "gpu-0", retention: str = "lru") -> SessionAdvice:
+    return SessionAdvice(session_id, instance_id, tuple(blocks), retention,  # type: ignore[arg-type]
+                         300.0 if retention == "keep" else 0.0, p_keep if p_keep is not None else p_soon, p_soon,
+                         max(p_soon, p_keep or 0.0), p_soon >= 0.5)
+
+
+def config(**kw: float) -> SchedulerConfig:
+    return SchedulerConfig(bytes_per_block=BLOCK_BYTES, **kw)  # type: ignore[arg-type]
+
+
+def prefetches(orders: Sequence[Order]) -> list[Order]:
+    return [o for o in orders if o.kind == "prefetch"]
+
+
+def test_a_shared_prefix_moves_once_and_serves_every_session() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
+    sched = Scheduler(store, config())
+    plan = sched.plan([advice("a", [0, 1, 2, 3], p_soon=0.9), advice("b", [0, 1, 2, 7], p_soon=0.8),
+                       advice("c", [0, 1, 2, 8], p_soon=0.7)], now=100.0)
+    moved = [b for o in prefetches(plan.orders) for b in o.block_hashes]
+    assert sorted(moved) == [0, 1, 2, 3, 7, 8]  # every block once
+    first = next(o for o in plan.orders if 0 in o.block_hashes)
+    assert first.session_ids == ["a", "b", "c"]
+    solo = next(o for o in plan.orders if o.block_hashes == [7])
+    assert first.priority > solo.priority  # the shared order is worth the sum of its sessions
+    # Next tick: in flight, so not ordered again.
+    again = sched.plan([advice("a", [0, 1, 2, 3]), advice("b", [0, 1, 2, 7])], now=100.1)
+    assert prefetches(again.orders) == []
+
+
+def test_blocks_already_there_or_nowhere_are_not_ordered() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=[1, 2], hbm={"gpu-0": [0]})
+    plan = Scheduler(store, config()).plan([advice("a", [0, 1, 2, 3])], now=0.0)
+    (order,) = prefetches(plan.orders)
+    assert (order.block_hashes, order.source_tier, order.size_bytes) == ([1, 2], "pool", 2 * BLOCK_BYTES)
+
+
+def test_host_blocks_come_over_the_host_link() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=[1, 2, 3])
+    store.apply([KvBlocksStored(event_id="h", ts=0.0, tier="host", instance_id="gpu-0", block_hashes=[2])])
+    plan = Scheduler(store, config()).plan([advice("a", [1, 2, 3])], now=0.0)
+    assert {(o.source_tier, tuple(o.block_hashes)) for o in plan.orders} == {("host", (2,)), ("pool", (1, 3))}
+
+
+def test_a_links_prefetch_share_is_never_exceeded() -> None:
+    # 10 sessions x 20 blocks of 1 MB over a 100 MB/s link at half share: 50 MB/s, 0.4 s each.
+    cfg = config(pool_link_bytes_per_second=100e6, link_share=0.5, lead_seconds=4.0, margin_seconds=0.0)
+    store = store_with(free_bytes={"gpu-0": 10_000 * BLOCK_BYTES}, pool=range(200))
+    sched = Scheduler(store, cfg)
+    plan = sched.plan([advice(f"s{i}", range(i * 20, i * 20 + 20), p_soon=0.9 - i * 0.01) for i in range(10)],
+                      now=0.0)
+    orders = prefetches(plan.orders)
+    # Half the lead (needed_by = now + 2 s) at 50 MB/s is room for 5 orders of 20 MB.
+    assert len(orders) == 5
+    windows = sorted((o.start_by_ts, o.start_by_ts + o.size_bytes / 50e6) for o in orders)
+    for (s1, e1), (s2, _) in zip(windows, windows[1:]):
+        assert s2 >= e1 - 1e-9  # back to back: never two at once at the share's rate
+    assert all(end <= o.needed_by_ts + 1e-9 for o, (_, end) in zip(sorted(orders, key=lambda o: o.start_by_ts),
+                                                                     windows))
+    assert [o.session_ids[0] for o in sorted(orders, key=lambda o: -o.priority)] == ["s0", "s1", "s2", "s3", "s4"]
+
+
+def test_destination_room_is_never_exceeded_and_unknown_room_gets_nothing() -> None:
+    store = store_with(free_bytes={"gpu-0": 5 * BLOCK_BYTES}, pool=range(100))
+    sched = Scheduler(store, config())
+    plan = sched.plan([advice("a", range(0, 4)), advice("b", range(10, 14), p_soon=0.8),
+                       advice("c", range(20, 24), instance_id="gpu-9")], now=0.0)
+    orders = prefetches(plan.orders)
+    assert [o.session_ids for o in orders] == [["a"]]  # b does not fit; gpu-9 never said its room
+    assert sched.inflight_bytes("gpu-0") == 4 * BLOCK_BYTES
+    assert prefetches(sched.plan([advice("a", range(0, 4)), advice("b", range(10, 14), p_soon=0.8)],
+                                 now=0.1).orders) == []  # what is on its way counts against the room
+
+
+def test_short_room_demotes_only_what_is_less_likely_back() -> None:
+    store = store_with(free_bytes={"gpu-0": 0}, pool=range(100), hbm={"gpu-0": [50, 51, 60, 61]})
+    plan = Scheduler(store, config()).plan([
+        advice("hot", [0, 1], p_soon=0.9),
+        advice("cold", [50, 51], p_soon=0.0, p_keep=0.05),
+        advice("warm", [60, 61], p_soon=0.0, p_keep=0.95),
+    ], now=0.0)
+    kinds = {(o.kind, tuple(o.session_ids)) for o in plan.orders}
+    assert kinds == {("demote", ("cold",)), ("prefetch", ("hot",))}
+
+
+def test_unstarted_orders_are_cancelled_and_started_ones_count_as_waste() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
+    sched = Scheduler(store, config())
+    plan = sched.plan([advice("a", [0, 1]), advice("b", [5, 6])], now=0.0)
+    by_session = {o.session_ids[0]: o for o in prefetches(plan.orders)}
+    sched.on_progress(by_session["b"].order_id, "accepted")
+    # Both fall: a's session came back elsewhere (no advice), b's chance dropped.
+    later = sched.plan([advice("b", [5, 6], p_soon=0.1)], now=1.0)
+    assert [c.order_id for c in later.cancels] == [by_session["a"].order_id]
+    assert sched.totals.cancelled == 1
+    assert sched.totals.bytes_wasted == 2 * BLOCK_BYTES
+    sched.on_progress(by_session["b"].order_id, "completed")
+    sched.on_progress(by_session["b"].order_id, "completed")  # a duplicate completion: counted once
+    sched.on_progress("never-issued", "completed")  # unknown: a no-op
+    assert sched.totals.completed == 1 and sched.open_orders() == []
+
+
+def test_a_small_dip_does_not_cancel() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
+    sched = Scheduler(store, config(cancel_below_p=0.25))
+    sched.plan([advice("a", [0, 1], p_soon=0.6)], now=0.0)
+    assert sched.plan([advice("a", [0, 1], p_soon=0.3)], now=1.0).cancels == []
+
+
+def test_landed_blocks_retire_the_order() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
+    sched = Scheduler(store, config())
+    sched.plan([advice("a", [0, 1])], now=0.0)
+    store.apply([KvBlocksStored(event_id="landed", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[0, 1])])
+    sched.plan([], now=1.0)
+    assert sched.open_orders() == [] and sched.totals.completed == 1
+
+
+def test_pins_follow_keep_advice_once_per_ttl_and_demotes_once_per_spell() -> None:
+    store = store_with(free_bytes={"gpu-0": 0}, hbm={"gpu-0": [1, 2, 3]})
+    sched = Scheduler(store, config())
+    keep = advice("k", [1, 2, 9], p_soon=0.1, p_keep=0.6, retention="keep")
+    drop = advice("d", [3], p_soon=0.0, p_keep=0.01, retention="demote")
+    first = sched.plan([keep, drop], now=0.0)
+    assert sorted((o.kind, tuple(o.block_hashes), o.ttl_seconds) for o in first.orders) == [
+        ("demote", (3,), None), ("pin", (1, 2), 300.0)]
+    assert sched.plan([keep, drop], now=10.0).orders == []
+    assert [o.kind for o in sched.plan([keep, drop], now=296.0).orders] == ["pin"]  # about to lapse
+    sched.plan([keep], now=300.0)  # d was active again: a new spell
+    assert [o.kind for o in sched.plan([keep, drop], now=301.0).orders] == ["demote"]
+
+
+def test_orders_have_consistent_times_and_ids() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
+    plan = Scheduler(store, config(lead_seconds=30.0)).plan([advice("a", [0, 1])], now=50.0)
+    (o,) = plan.orders
+    assert o.created_ts == 50.0 and o.needed_by_ts == 65.0 and 50.0 <= o.start_by_ts <= o.needed_by_ts
+    assert o.priority == pytest.approx(0.9 * min(2 * BLOCK_BYTES / 12.5e9, 2 * 512 / 20_000))
+
+
+def test_progress_events_reach_the_scheduler_through_their_fields() -> None:
+    # The service passes accepted OrderProgress events straight through.
+    event = OrderProgress(event_id="p", ts=1.0, order_id="x", status="failed", reason="disk gone")
+    sched = Scheduler(store_with(free_bytes={}), config())
+    sched.on_progress(event.order_id, event.status)
+    assert sched.totals.failed == 0  # not one of its orders
+
+
+def test_a_cancelled_order_gives_its_link_time_back() -> None:
+    cfg = config(pool_link_bytes_per_second=100e6, link_share=0.5, lead_seconds=4.0, margin_seconds=0.0)
+    store = store_with(free_bytes={"gpu-0": 10_000 * BLOCK_BYTES}, pool=range(200))
+    sched = Scheduler(store, cfg)
+    # One order of 100 MB fills the link's share up to needed_by (2 s at 50 MB/s).
+    first = sched.plan([advice("big", range(100))], now=0.0)
+    assert len(prefetches(first.orders)) == 1
+    assert prefetches(sched.plan([advice("big", range(100)), advice("x", range(100, 110))], now=0.0).orders) == []
+    cancelled = sched.plan([advice("x", range(100, 110))], now=0.0)  # big's chance is gone
+    assert len(cancelled.cancels) == 1 and len(prefetches(cancelled.orders)) == 1
