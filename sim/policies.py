@@ -11,6 +11,9 @@
 - `heuristic`: the service's planner (app/engine/planner.py) over the HeuristicPredictor: each
   session's median gap between its turns, no learning (sim/planned.py).
 - `learned`: the same planner over the LightGBM predictor trained from event logs (training/).
+- `scheduled`: the learned planner's advice through the service's scheduler
+  (app/engine/scheduler.py): orders within link shares and destination room, deduplicated,
+  cancelled when the chance falls (sim/scheduled.py).
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from typing import TYPE_CHECKING
 from app.engine.predictor import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
 
 if TYPE_CHECKING:
+    from app.engine.state.base import StateStore
     from sim.cluster import Cluster, SimRequest
+    from sim.scenario import Scenario
 
-POLICIES = ("none", "lookahead", "belady", "oracle", "heuristic", "learned")
+POLICIES = ("none", "lookahead", "belady", "oracle", "heuristic", "learned", "scheduled")
 INF = float("inf")
 
 
@@ -115,8 +120,10 @@ class Oracle(Belady):
 
 
 def make_policy(name: str, *, session_view: Callable[[str], object] | None = None,
-                model_dir: str | None = None, planner_options: dict[str, float] | None = None) -> Policy:
-    """`planner_options`: keyword arguments for app.engine.planner.Planner (heuristic, learned)."""
+                model_dir: str | None = None, planner_options: dict[str, float] | None = None,
+                store: StateStore | None = None, scenario: Scenario | None = None) -> Policy:
+    """`planner_options`: keyword arguments for app.engine.planner.Planner (heuristic, learned,
+    scheduled). `store` and `scenario`: the engine's state and the cluster, for `scheduled`."""
     if name == "none":
         return NoPrefetch()
     if name == "lookahead":
@@ -125,6 +132,21 @@ def make_policy(name: str, *, session_view: Callable[[str], object] | None = Non
         return Belady()
     if name == "oracle":
         return Oracle()
+    if name == "scheduled":
+        from app.engine.planner import Planner
+        from app.engine.routing import SameInstanceEstimate
+        from app.engine.scheduler import Scheduler, SchedulerConfig
+        from sim.scheduled import ScheduledPolicy
+
+        if session_view is None or store is None or scenario is None:
+            raise ValueError("the scheduled policy reads the engine's own state: it needs the in-process engine")
+        config = SchedulerConfig(bytes_per_block=scenario.block_bytes, block_tokens=scenario.block_tokens,
+                                 pool_link_bytes_per_second=scenario.pool_link_bytes_per_second,
+                                 host_link_bytes_per_second=scenario.host_link_bytes_per_second,
+                                 prefill_tokens_per_second=scenario.prefill_tokens_per_second)
+        planner = Planner(LearnedPredictor(model_dir or DEFAULT_MODEL_DIR), routes=SameInstanceEstimate(),
+                          **(planner_options or {}))
+        return ScheduledPolicy(planner, Scheduler(store, config), session_view)  # type: ignore[arg-type]
     if name in ("heuristic", "learned"):
         from app.engine.planner import Planner
         from app.engine.routing import SameInstanceEstimate

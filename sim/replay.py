@@ -95,7 +95,8 @@ def replay(trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "
     if engine is None:
         store = MemoryStore(bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens)
         engine = EngineFeed(store, ManualClock(0.0), keep_events=keep_events)
-    pol = make_policy(policy, session_view=engine.session, model_dir=model_dir, planner_options=planner_options)
+    pol = make_policy(policy, session_view=engine.session, model_dir=model_dir, planner_options=planner_options,
+                      store=getattr(engine, "store", None), scenario=scenario)
     cluster = Cluster(scenario, requests, make_router(router), pol, emit=engine.emit)
     cluster.run(progress=progress)
     summary = summarize(cluster, requests, measure_from_seconds)

@@ -7,9 +7,10 @@ into a `Plan` of orders (app/engine/orders.py) and cancels:
 - **Prefetch** for sessions likely back on their instance within the lead time. Value = P(back
   there in time) x the stall it avoids (the missing bytes' time to last byte over the link, or
   their recompute time if that is shorter); cost = the bytes not already at the destination or
-  on their way. Best value per byte first. needed_by = now + half the lead (the median of a
-  return within the lead, taking the chance as flat across it); start_by = needed_by - the
-  transfer's time at the link's prefetch share - a margin, or now when that has passed.
+  on their way. Best value per byte first. needed_by = now + `needed_within_fraction` of the
+  lead: taking the chance of a return as flat across the lead, by then 10% of the returns it
+  expects have come, so landing later would miss them; start_by = needed_by - the transfer's
+  time at the link's prefetch share - a margin, or now when that has passed.
 - **Dedup.** A block at the destination, or in an open order to it, is never ordered again; a
   block several candidates share goes in the first (most valuable) order, which then serves
   every one of them: its value is their sum.
@@ -47,6 +48,7 @@ from app.engine.state.base import StateStore
 class SchedulerConfig:
     bytes_per_block: int
     lead_seconds: float = 30.0
+    needed_within_fraction: float = 0.1
     prefetch_min_p: float = 0.5
     # Hysteresis: an open order survives a small dip in its chance.
     cancel_below_p: float = 0.25
@@ -62,6 +64,15 @@ class SchedulerConfig:
 
     def link_bytes_per_second(self, source: Tier) -> float:
         return self.host_link_bytes_per_second if source == "host" else self.pool_link_bytes_per_second
+
+
+# One idle spell of one session's context on one instance: (instance, session, blocks, last block).
+# A new turn grows the context, so its retention is a new question.
+_Spell = tuple[str, str, int, BlockHash]
+
+
+def _spell(a: SessionAdvice) -> _Spell:
+    return (a.instance_id or "", a.session_id, len(a.block_hashes), a.block_hashes[-1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,8 +107,8 @@ class Scheduler:
         # (instance, source tier) -> the intervals its prefetch share is booked for.
         self._link_booked: dict[tuple[str, Tier], list[tuple[float, float]]] = {}
         self._booking: dict[str, tuple[tuple[str, Tier], tuple[float, float]]] = {}  # order -> its slot
-        self._pinned_until: dict[tuple[str, str], float] = {}  # (instance, session) -> ts
-        self._demoted: set[tuple[str, str]] = set()
+        self._pinned_until: dict[_Spell, float] = {}
+        self._demoted: set[_Spell] = set()
         self._generation = 0
 
     # -- feedback ---------------------------------------------------------------------------
@@ -126,14 +137,17 @@ class Scheduler:
 
     # -- planning ---------------------------------------------------------------------------
 
-    def plan(self, advice: Sequence[SessionAdvice], now: float) -> Plan:
+    def plan(self, advice: Sequence[SessionAdvice], now: float, *, complete: bool = True) -> Plan:
+        """`complete`: the advice covers every live session, so an open order whose sessions are
+        missing from it has lost them. A partial plan (one session that just finished) cancels
+        nothing."""
         cfg = self.config
         self._generation += 1
         self._retire_landed()
         by_session = {a.session_id: a for a in advice}
-        cancels = self._cancel_fallen(by_session)
+        cancels = self._cancel_fallen(by_session) if complete else []
         orders: list[Order] = []
-        orders += self._pins_and_demotes(advice, now)
+        orders += self._pins_and_demotes(advice, now, complete)
 
         free = {i.instance_id: i.free_kv_bytes for i in self.store.instances()}
         for inst, nbytes in self._inflight_by_instance().items():
@@ -142,6 +156,7 @@ class Scheduler:
         inflight_blocks = self._inflight_blocks()
         moving: dict[str, Order] = {}  # this tick's prefetches by id, grown as sessions share them
         ordered_now: dict[tuple[str, BlockHash], str] = {}
+        claimed: set[_Spell] = set()
         candidates = sorted((a for a in advice if a.prefetch and a.instance_id is not None
                              and a.p_soon >= cfg.prefetch_min_p), key=lambda a: (-a.p_soon, a.session_id))
         displaceable = sorted((a for a in advice if a.retention != "keep" and a.instance_id is not None),
@@ -160,7 +175,7 @@ class Scheduler:
                 if room is None:
                     continue  # no instance_status from it: its room is unknown
                 if room < nbytes:
-                    room += self._make_room(dest, nbytes - room, cand, displaceable, orders, now)
+                    room += self._make_room(dest, nbytes - room, cand, displaceable, orders, now, claimed)
                     if room < nbytes:
                         continue
                 order = self._book(cand, dest, source, part, nbytes, now)
@@ -207,13 +222,13 @@ class Scheduler:
             cancels.append(Cancel(order_id=order_id, reason="no session is likely back there in time"))
         return cancels
 
-    def _pins_and_demotes(self, advice: Sequence[SessionAdvice], now: float) -> list[Order]:
+    def _pins_and_demotes(self, advice: Sequence[SessionAdvice], now: float, complete: bool) -> list[Order]:
         out = []
         live = set()
         for a in advice:
             if a.instance_id is None or not a.block_hashes:
                 continue
-            key = (a.instance_id, a.session_id)
+            key = _spell(a)
             live.add(key)
             if a.retention == "keep" and self._pinned_until.get(key, -1.0) - self.config.repin_before_seconds <= now:
                 resident = self._resident(a)
@@ -227,28 +242,32 @@ class Scheduler:
                     out.append(self._order("demote", a, resident, now))
                     self._demoted.add(key)
                     self._pinned_until.pop(key, None)
-        # A session not advised on any more (active again, closed, gone) starts a new spell.
-        for key in [k for k in self._demoted if k not in live]:
-            self._demoted.discard(key)
-        for key in [k for k, until in self._pinned_until.items() if until <= now and k not in live]:
-            del self._pinned_until[key]
+        if complete:  # forget spells no longer advised on (active again, closed, gone)
+            self._demoted &= live
+            for key in [k for k, until in self._pinned_until.items() if until <= now and k not in live]:
+                del self._pinned_until[key]
         return out
 
     def _make_room(self, dest: str, need_bytes: int, cand: SessionAdvice, displaceable: list[SessionAdvice],
-                   orders: list[Order], now: float) -> int:
-        """Demote contexts at `dest` less likely back than `cand`; returns the bytes freed."""
+                   orders: list[Order], now: float, claimed: set[_Spell]) -> int:
+        """Demote contexts at `dest` less likely back than `cand`; returns the bytes freed. A
+        context counted as room once this tick (`claimed`) is not counted again."""
         freed = 0
         for a in displaceable:
             if freed >= need_bytes or a.p_keep >= cand.p_soon:
                 break
-            key = (dest, a.session_id)
-            if a.instance_id != dest or a.session_id == cand.session_id or key in self._demoted:
+            if a.instance_id != dest or a.session_id == cand.session_id:
                 continue
             resident = self._resident(a)
             if not resident:
                 continue
-            orders.append(self._order("demote", a, resident, now))
-            self._demoted.add(key)
+            key = _spell(a)
+            if key in claimed:
+                continue
+            claimed.add(key)
+            if key not in self._demoted:  # one demoted already goes first anyway: no new order
+                orders.append(self._order("demote", a, resident, now))
+                self._demoted.add(key)
             freed += len(resident) * self.config.bytes_per_block
         return freed
 
@@ -257,7 +276,7 @@ class Scheduler:
         cfg = self.config
         rate = cfg.link_bytes_per_second(source) * cfg.link_share
         transfer_seconds = nbytes / rate
-        needed_by = now + cfg.lead_seconds / 2.0
+        needed_by = now + cfg.lead_seconds * cfg.needed_within_fraction
         link = (dest, source)
         start_by = self._book_link(link, transfer_seconds, needed_by - cfg.margin_seconds, now)
         if start_by is None:

@@ -79,7 +79,8 @@ def test_host_blocks_come_over_the_host_link() -> None:
 
 def test_a_links_prefetch_share_is_never_exceeded() -> None:
     # 10 sessions x 20 blocks of 1 MB over a 100 MB/s link at half share: 50 MB/s, 0.4 s each.
-    cfg = config(pool_link_bytes_per_second=100e6, link_share=0.5, lead_seconds=4.0, margin_seconds=0.0)
+    cfg = config(pool_link_bytes_per_second=100e6, link_share=0.5, lead_seconds=4.0, needed_within_fraction=0.5,
+                 margin_seconds=0.0)
     store = store_with(free_bytes={"gpu-0": 10_000 * BLOCK_BYTES}, pool=range(200))
     sched = Scheduler(store, cfg)
     plan = sched.plan([advice(f"s{i}", range(i * 20, i * 20 + 20), p_soon=0.9 - i * 0.01) for i in range(10)],
@@ -169,7 +170,7 @@ def test_orders_have_consistent_times_and_ids() -> None:
     store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
     plan = Scheduler(store, config(lead_seconds=30.0)).plan([advice("a", [0, 1])], now=50.0)
     (o,) = plan.orders
-    assert o.created_ts == 50.0 and o.needed_by_ts == 65.0 and 50.0 <= o.start_by_ts <= o.needed_by_ts
+    assert o.created_ts == 50.0 and o.needed_by_ts == 53.0 and 50.0 <= o.start_by_ts <= o.needed_by_ts
     assert o.priority == pytest.approx(0.9 * min(2 * BLOCK_BYTES / 12.5e9, 2 * 512 / 20_000))
 
 
@@ -182,7 +183,8 @@ def test_progress_events_reach_the_scheduler_through_their_fields() -> None:
 
 
 def test_a_cancelled_order_gives_its_link_time_back() -> None:
-    cfg = config(pool_link_bytes_per_second=100e6, link_share=0.5, lead_seconds=4.0, margin_seconds=0.0)
+    cfg = config(pool_link_bytes_per_second=100e6, link_share=0.5, lead_seconds=4.0, needed_within_fraction=0.5,
+                 margin_seconds=0.0)
     store = store_with(free_bytes={"gpu-0": 10_000 * BLOCK_BYTES}, pool=range(200))
     sched = Scheduler(store, cfg)
     # One order of 100 MB fills the link's share up to needed_by (2 s at 50 MB/s).
@@ -191,3 +193,29 @@ def test_a_cancelled_order_gives_its_link_time_back() -> None:
     assert prefetches(sched.plan([advice("big", range(100)), advice("x", range(100, 110))], now=0.0).orders) == []
     cancelled = sched.plan([advice("x", range(100, 110))], now=0.0)  # big's chance is gone
     assert len(cancelled.cancels) == 1 and len(prefetches(cancelled.orders)) == 1
+
+
+def test_a_partial_plan_cancels_nothing() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
+    sched = Scheduler(store, config())
+    sched.plan([advice("a", [0, 1])], now=0.0)
+    assert sched.plan([advice("b", [5])], now=1.0, complete=False).cancels == []
+    assert len(sched.plan([advice("b", [5])], now=2.0).cancels) == 1
+
+
+def test_a_new_turn_is_pinned_again() -> None:
+    store = store_with(free_bytes={"gpu-0": 0}, hbm={"gpu-0": [1, 2, 3]})
+    sched = Scheduler(store, config())
+    assert [o.kind for o in sched.plan([advice("k", [1, 2], p_keep=0.6, retention="keep")], now=0.0).orders] == ["pin"]
+    grown = advice("k", [1, 2, 3], p_keep=0.6, retention="keep")  # the next turn, 40 s later
+    (pin,) = sched.plan([grown], now=40.0, complete=False).orders
+    assert pin.block_hashes == [1, 2, 3]
+
+
+def test_room_made_once_is_not_counted_twice() -> None:
+    store = store_with(free_bytes={"gpu-0": 0}, pool=range(100), hbm={"gpu-0": [50, 51]})
+    plan = Scheduler(store, config()).plan([
+        advice("x", [0, 1], p_soon=0.9), advice("y", [2, 3], p_soon=0.8),
+        advice("cold", [50, 51], p_soon=0.0, p_keep=0.05),
+    ], now=0.0)
+    assert [o.session_ids for o in prefetches(plan.orders)] == [["x"]]  # cold's two blocks fit one

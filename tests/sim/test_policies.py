@@ -3,10 +3,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import pytest
 
+from app.core.clock import ManualClock
+from app.engine.planner import Planner
+from app.engine.scheduler import Scheduler, SchedulerConfig
+from app.engine.state import MemoryStore
+from app.engine.state.base import SessionView
 from sim.cluster import Cluster, SimRequest
 from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy, make_policy
+from sim.replay import EngineFeed
+from sim.scheduled import ScheduledPolicy
 from tests.sim.test_cluster import (
     BLOCK_BYTES,
     EXACT,
@@ -143,7 +153,7 @@ def test_make_policy() -> None:
         make_policy("nope")
     with pytest.raises(ValueError, match="session_view"):
         make_policy("heuristic")
-    assert {"none", "lookahead", "belady", "oracle", "heuristic", "learned"} <= set(POLICIES)
+    assert {"none", "lookahead", "belady", "oracle", "heuristic", "learned", "scheduled"} <= set(POLICIES)
 
 
 # -- bounds on real traces ------------------------------------------------------------------------
@@ -202,3 +212,45 @@ def test_belady_ranks_copies_by_their_next_use_anywhere() -> None:
     e = request(4, 50.0, [*context(10, 4), 98])
     run(scenario(prefill=100.0, hbm_blocks=8), [a, b, d, c, e], [0, 0, 1, 0, 0], Belady())
     assert e.reused_blocks == 4 and e.hit_blocks == 4
+
+
+# -- the service's scheduler driving the cluster ------------------------------------------------
+
+class Chances:
+    """P(within any horizon) per session from a given time on, 0 before: the answer built in."""
+
+    name = "chances"
+
+    def __init__(self, p: dict[str, tuple[float, float]]) -> None:
+        self.p = p  # session -> (chance, from ts)
+
+    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+        rows = []
+        for s in sessions:
+            p, since = self.p.get(s.session_id, (0.0, 0.0))
+            rows.append([p if now >= since else 0.0] * len(horizons))
+        return np.array(rows)
+
+
+def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
+    """HBM of 8 blocks: C evicts A's context (demoted at its finish: nothing said it was coming
+    back); from 30 s the predictor says A is back soon and B, C are not, so at the tick (40 s)
+    B's or C's context is demoted and A's fetched back before D (45 s)."""
+    scen = scenario(prefill=100.0, instances=1, hbm_blocks=8)
+    a, b, c = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4)), request(2, 20.0, context(20, 4))
+    d = request(3, 45.0, [*context(0, 4), 99], session="s0")
+    store = MemoryStore(bytes_per_token=scen.bytes_per_token, block_tokens=scen.block_tokens)
+    engine = EngineFeed(store, ManualClock(0.0))
+    config = SchedulerConfig(bytes_per_block=scen.block_bytes, block_tokens=scen.block_tokens,
+                             pool_link_bytes_per_second=POOL, prefill_tokens_per_second=100.0)
+    policy = ScheduledPolicy(Planner(Chances({"s0": (0.9, 30.0)})), Scheduler(store, config), engine.session)
+    cluster = CheckedCluster(scen, [a, b, c, d], Placed([0] * 4), policy, emit=engine.emit)
+    cluster.run()
+    assert d.hit_blocks == 4 and d.stall_seconds == 0.0
+    assert cluster.totals.bytes_prefetched == 4 * BLOCK_BYTES and cluster.totals.bytes_prefetched_unused == 0
+    assert policy.scheduler.totals.orders["prefetch"] == 1 and policy.scheduler.totals.orders["demote"] >= 1
+
+
+def test_scheduled_policy_without_the_in_process_engine_is_refused() -> None:
+    with pytest.raises(ValueError, match="needs the in-process engine"):
+        make_policy("scheduled", session_view=lambda sid: None)

@@ -138,6 +138,7 @@ def outcome(result: Any) -> tuple[dict[str, Any], list[tuple]]:
     (TRACE_FILES[0], "oracle", "least-loaded"),
     (TRACE_FILES[1], "belady", "kv-aware"),
     (TRACE_FILES[0], "heuristic", "sticky"),
+    (TRACE_FILES[1], "scheduled", "least-loaded"),
 ])
 def test_two_replays_of_the_same_input_are_identical(trace: str, policy: str, router: str) -> None:
     requests = trace_prefix(trace, 500)

@@ -1,0 +1,93 @@
+"""The service's planner and scheduler driving the cluster model: the `scheduled` policy.
+
+Every tick the engines report their free KV bytes (instance_status events, as real engines do on
+a timer), the planner advises on every idle live session, and the scheduler
+(app/engine/scheduler.py) turns the advice into orders. The cluster model is the transfer layer:
+it starts a prefetch at its start_by unless cancelled first, pins with the order's TTL, demotes,
+and its landed blocks come back as kv_blocks_stored events, which retire the order. A finish
+gets retention orders at once (a partial plan that cancels nothing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from app.engine.orders import Order
+from app.engine.planner import MAX_IDLE_SECONDS, Planner
+from app.engine.scheduler import Scheduler
+from app.engine.state.base import SessionView
+from sim.policies import Policy
+
+if TYPE_CHECKING:
+    from sim.cluster import SimRequest
+
+
+class ScheduledPolicy(Policy):
+    tick_seconds = 20.0
+
+    def __init__(self, planner: Planner, scheduler: Scheduler, session_view: Callable[[str], SessionView | None],
+                 name: str = "scheduled") -> None:
+        self.planner = planner
+        self.scheduler = scheduler
+        self.name = name
+        self._session_view = session_view
+        self._idle: set[str] = set()
+        self._cancelled: set[str] = set()
+        self._last_instance: dict[str, str] = {}
+
+    def on_arrival(self, r: SimRequest, now: float) -> None:
+        self._idle.discard(r.session_id)
+        routes = self.planner.routes
+        if routes is not None:
+            instance_id = self.cluster.instances[r.instance].instance_id
+            routes.observe(self._last_instance.get(r.session_id), instance_id)
+            self._last_instance[r.session_id] = instance_id
+
+    def on_finished(self, r: SimRequest, now: float) -> None:
+        self._idle.add(r.session_id)
+        self._plan([r.session_id], now, complete=False)
+
+    def on_tick(self, now: float) -> None:
+        cluster = self.cluster
+        for inst in cluster.instances:
+            cluster.emit("instance_status", now, {
+                "instance_id": inst.instance_id, "free_kv_bytes": inst.hbm.free * cluster.block_bytes,
+                "total_kv_bytes": inst.hbm.capacity * cluster.block_bytes,
+                "queue_depth": len(inst.queue), "running_requests": inst.running})
+        self._plan(sorted(self._idle), now, complete=True)
+
+    def _plan(self, session_ids: list[str], now: float, *, complete: bool) -> None:
+        views = [v for v in (self._session_view(s) for s in session_ids) if v is not None]
+        cutoff = now - MAX_IDLE_SECONDS
+        for v in views:
+            if v.state != "idle" or v.last_activity_ts < cutoff:
+                self._idle.discard(v.session_id)
+        plan = self.scheduler.plan(self.planner.advise(views, now), now, complete=complete)
+        self._cancelled.update(c.order_id for c in plan.cancels)
+        for order in plan.orders:
+            self._carry_out(order, now)
+
+    def _carry_out(self, order: Order, now: float) -> None:
+        cluster = self.cluster
+        idx = int(order.instance_id.rsplit("-", 1)[1])
+        blocks = list(order.block_hashes)
+        if order.kind == "pin":
+            cluster.keep(idx, blocks, now + (order.ttl_seconds or 0.0))  # type: ignore[arg-type]
+        elif order.kind == "demote":
+            cluster.demote(idx, blocks)  # type: ignore[arg-type]
+        elif order.start_by_ts > now:
+            cluster.call_at(order.start_by_ts, lambda: self._start(order, idx, blocks))
+        else:
+            self._start(order, idx, blocks)
+
+    def _start(self, order: Order, idx: int, blocks: list[int]) -> None:
+        if order.order_id in self._cancelled:
+            self._cancelled.discard(order.order_id)
+            return
+        if self.cluster.prefetch(idx, blocks):
+            self.scheduler.on_progress(order.order_id, "accepted")
+        elif all(b in self.cluster.instances[idx].hbm for b in blocks):
+            self.scheduler.on_progress(order.order_id, "completed")  # it arrived some other way
+        else:
+            self.scheduler.on_progress(order.order_id, "failed")  # no room after all
