@@ -5,7 +5,7 @@ a timer), the planner advises on every idle live session, and the scheduler
 (app/engine/scheduler.py) turns the advice into orders. The cluster model is the transfer layer:
 it starts a prefetch at its start_by unless cancelled first, pins with the order's TTL, demotes,
 and its landed blocks come back as kv_blocks_stored events, which retire the order. A finish
-gets retention orders at once (a partial plan that cancels nothing).
+is advised on at once; an arrival makes the scheduler forget the session's advice.
 """
 
 from __future__ import annotations
@@ -38,15 +38,16 @@ class ScheduledPolicy(Policy):
 
     def on_arrival(self, r: SimRequest, now: float) -> None:
         self._idle.discard(r.session_id)
+        instance_id = self.cluster.instances[r.instance].instance_id
+        self.scheduler.forget(r.session_id, routed_to=instance_id)
         routes = self.planner.routes
         if routes is not None:
-            instance_id = self.cluster.instances[r.instance].instance_id
             routes.observe(self._last_instance.get(r.session_id), instance_id)
             self._last_instance[r.session_id] = instance_id
 
     def on_finished(self, r: SimRequest, now: float) -> None:
         self._idle.add(r.session_id)
-        self._plan([r.session_id], now, complete=False)
+        self._plan([r.session_id], now)
 
     def on_tick(self, now: float) -> None:
         cluster = self.cluster
@@ -55,15 +56,17 @@ class ScheduledPolicy(Policy):
                 "instance_id": inst.instance_id, "free_kv_bytes": inst.hbm.free * cluster.block_bytes,
                 "total_kv_bytes": inst.hbm.capacity * cluster.block_bytes,
                 "queue_depth": len(inst.queue), "running_requests": inst.running})
-        self._plan(sorted(self._idle), now, complete=True)
+        self._plan(sorted(self._idle), now)
 
-    def _plan(self, session_ids: list[str], now: float, *, complete: bool) -> None:
+    def _plan(self, session_ids: list[str], now: float) -> None:
         views = [v for v in (self._session_view(s) for s in session_ids) if v is not None]
         cutoff = now - MAX_IDLE_SECONDS
         for v in views:
             if v.state != "idle" or v.last_activity_ts < cutoff:
                 self._idle.discard(v.session_id)
-        plan = self.scheduler.plan(self.planner.advise(views, now), now, complete=complete)
+                self.scheduler.forget(v.session_id)
+        self.scheduler.advise(self.planner.advise(views, now), now)
+        plan = self.scheduler.plan(now)
         self._cancelled.update(c.order_id for c in plan.cancels)
         for order in plan.orders:
             self._carry_out(order, now)

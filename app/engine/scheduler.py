@@ -86,6 +86,8 @@ class _Open:
     order: Order
     started: bool = False
     sessions: set[str] = field(default_factory=set)
+    used: bool = False  # a session it served was routed to its destination
+    wasted: bool = False
 
 
 @dataclass(slots=True)
@@ -99,19 +101,51 @@ class SchedulerTotals:
 
 
 class Scheduler:
-    def __init__(self, store: StateStore, config: SchedulerConfig) -> None:
+    """Advice in (`advise`, as sessions are scored: one at a finish, or a page per tick), sessions
+    out (`forget`, when one is active again or closed), orders out (`plan`, each tick). The latest
+    advice per session is kept, so a tick costs the candidates and the open orders, not every
+    session tracked; advice not refreshed within `advice_ttl_seconds` is dropped."""
+
+    def __init__(self, store: StateStore, config: SchedulerConfig, *, advice_ttl_seconds: float = 120.0) -> None:
         self.store = store
         self.config = config
+        self.advice_ttl_seconds = advice_ttl_seconds
         self.totals = SchedulerTotals()
         self._open: dict[str, _Open] = {}
         # (instance, source tier) -> the intervals its prefetch share is booked for.
         self._link_booked: dict[tuple[str, Tier], list[tuple[float, float]]] = {}
         self._booking: dict[str, tuple[tuple[str, Tier], tuple[float, float]]] = {}  # order -> its slot
-        self._pinned_until: dict[_Spell, float] = {}
-        self._demoted: set[_Spell] = set()
+        self._latest: dict[str, tuple[SessionAdvice, float]] = {}  # oldest update first
+        self._candidates: dict[str, SessionAdvice] = {}
+        self._fresh: dict[str, SessionAdvice] = {}  # advised since the last plan: retention to decide
+        self._pinned: dict[str, tuple[_Spell, float]] = {}  # session -> its pinned spell, until
+        self._demoted: dict[str, _Spell] = {}
         self._generation = 0
 
-    # -- feedback ---------------------------------------------------------------------------
+    # -- input ------------------------------------------------------------------------------
+
+    def advise(self, advice: Sequence[SessionAdvice], now: float) -> None:
+        for a in advice:
+            self._latest.pop(a.session_id, None)
+            self._latest[a.session_id] = (a, now)
+            self._fresh[a.session_id] = a
+            if a.prefetch and a.instance_id is not None and a.p_soon >= self.config.prefetch_min_p:
+                self._candidates[a.session_id] = a
+            else:
+                self._candidates.pop(a.session_id, None)
+
+    def forget(self, session_id: str, *, routed_to: str | None = None) -> None:
+        """The session is active again (routed to `routed_to`) or closed: its advice is void. An
+        order moving its context to where it was routed is used by that request, not wasted."""
+        self._latest.pop(session_id, None)
+        self._candidates.pop(session_id, None)
+        self._fresh.pop(session_id, None)
+        self._pinned.pop(session_id, None)
+        self._demoted.pop(session_id, None)
+        if routed_to is not None:
+            for e in self._open.values():
+                if session_id in e.sessions and e.order.instance_id == routed_to:
+                    e.used = True
 
     def on_progress(self, order_id: str, status: str) -> None:
         """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""
@@ -128,6 +162,8 @@ class Scheduler:
             else:
                 self.totals.failed += 1
 
+    # -- views ------------------------------------------------------------------------------
+
     def open_orders(self) -> list[Order]:
         return [e.order for e in self._open.values()]
 
@@ -135,19 +171,20 @@ class Scheduler:
         return sum(e.order.size_bytes for e in self._open.values()
                    if e.order.kind == "prefetch" and e.order.instance_id == instance_id)
 
+    @property
+    def tracked_sessions(self) -> int:
+        return len(self._latest)
+
     # -- planning ---------------------------------------------------------------------------
 
-    def plan(self, advice: Sequence[SessionAdvice], now: float, *, complete: bool = True) -> Plan:
-        """`complete`: the advice covers every live session, so an open order whose sessions are
-        missing from it has lost them. A partial plan (one session that just finished) cancels
-        nothing."""
+    def plan(self, now: float) -> Plan:
         cfg = self.config
         self._generation += 1
         self._retire_landed()
-        by_session = {a.session_id: a for a in advice}
-        cancels = self._cancel_fallen(by_session) if complete else []
-        orders: list[Order] = []
-        orders += self._pins_and_demotes(advice, now, complete)
+        self._expire(now)
+        cancels = self._cancel_fallen()
+        orders: list[Order] = self._pins_and_demotes(list(self._fresh.values()), now)
+        self._fresh.clear()
 
         free = {i.instance_id: i.free_kv_bytes for i in self.store.instances()}
         for inst, nbytes in self._inflight_by_instance().items():
@@ -157,11 +194,8 @@ class Scheduler:
         moving: dict[str, Order] = {}  # this tick's prefetches by id, grown as sessions share them
         ordered_now: dict[tuple[str, BlockHash], str] = {}
         claimed: set[_Spell] = set()
-        candidates = sorted((a for a in advice if a.prefetch and a.instance_id is not None
-                             and a.p_soon >= cfg.prefetch_min_p), key=lambda a: (-a.p_soon, a.session_id))
-        displaceable = sorted((a for a in advice if a.retention != "keep" and a.instance_id is not None),
-                              key=lambda a: (a.p_keep, a.session_id))
-        for cand in candidates:
+        displaceable: dict[str, list[SessionAdvice]] = {}  # per destination, built when first needed
+        for cand in sorted(self._candidates.values(), key=lambda a: (-a.p_soon, a.session_id)):
             dest: str = cand.instance_id  # type: ignore[assignment]
             blocks = list(dict.fromkeys(cand.block_hashes))
             here = self.store.holds("hbm", dest, blocks)
@@ -175,7 +209,11 @@ class Scheduler:
                 if room is None:
                     continue  # no instance_status from it: its room is unknown
                 if room < nbytes:
-                    room += self._make_room(dest, nbytes - room, cand, displaceable, orders, now, claimed)
+                    if dest not in displaceable:
+                        displaceable[dest] = sorted(
+                            (a for a, _ in self._latest.values() if a.instance_id == dest and a.retention != "keep"),
+                            key=lambda a: (a.p_keep, a.session_id))
+                    room += self._make_room(dest, nbytes - room, cand, displaceable[dest], orders, now, claimed)
                     if room < nbytes:
                         continue
                 order = self._book(cand, dest, source, part, nbytes, now)
@@ -194,6 +232,16 @@ class Scheduler:
 
     # -- parts of a tick ---------------------------------------------------------------------
 
+    def _expire(self, now: float) -> None:
+        cutoff = now - self.advice_ttl_seconds
+        stale = []
+        for session_id, (_, ts) in self._latest.items():
+            if ts >= cutoff:
+                break  # oldest first: the rest are fresher
+            stale.append(session_id)
+        for session_id in stale:
+            self.forget(session_id)
+
     def _retire_landed(self) -> None:
         for order_id, e in list(self._open.items()):
             o = e.order
@@ -202,19 +250,24 @@ class Scheduler:
                 self._booking.pop(order_id, None)
                 self.totals.completed += 1
 
-    def _cancel_fallen(self, by_session: dict[str, SessionAdvice]) -> list[Cancel]:
+    def _cancel_fallen(self) -> list[Cancel]:
         cancels = []
         for order_id, e in list(self._open.items()):
             if e.order.kind != "prefetch":
                 continue
-            still = {s for s in e.sessions
-                     if (a := by_session.get(s)) is not None and a.instance_id == e.order.instance_id
-                     and a.p_soon >= self.config.cancel_below_p}
+            still = set()
+            for s in e.sessions:
+                latest = self._latest.get(s)
+                if latest is not None and latest[0].instance_id == e.order.instance_id \
+                        and latest[0].p_soon >= self.config.cancel_below_p:
+                    still.add(s)
             e.sessions = still
             if still:
                 continue
             if e.started:
-                self.totals.bytes_wasted += e.order.size_bytes  # moving already: it lands unused
+                if not e.used and not e.wasted:
+                    e.wasted = True
+                    self.totals.bytes_wasted += e.order.size_bytes  # moving already: it lands unused
                 continue
             del self._open[order_id]
             self._release(order_id)
@@ -222,30 +275,26 @@ class Scheduler:
             cancels.append(Cancel(order_id=order_id, reason="no session is likely back there in time"))
         return cancels
 
-    def _pins_and_demotes(self, advice: Sequence[SessionAdvice], now: float, complete: bool) -> list[Order]:
+    def _pins_and_demotes(self, advice: Sequence[SessionAdvice], now: float) -> list[Order]:
         out = []
-        live = set()
         for a in advice:
             if a.instance_id is None or not a.block_hashes:
                 continue
-            key = _spell(a)
-            live.add(key)
-            if a.retention == "keep" and self._pinned_until.get(key, -1.0) - self.config.repin_before_seconds <= now:
-                resident = self._resident(a)
-                if resident:
-                    out.append(self._order("pin", a, resident, now, ttl_seconds=a.keep_seconds))
-                    self._pinned_until[key] = now + a.keep_seconds
-                    self._demoted.discard(key)
-            elif a.retention == "demote" and key not in self._demoted:
+            spell = _spell(a)
+            pinned = self._pinned.get(a.session_id)
+            if a.retention == "keep":
+                if pinned is None or pinned[0] != spell or pinned[1] - self.config.repin_before_seconds <= now:
+                    resident = self._resident(a)
+                    if resident:
+                        out.append(self._order("pin", a, resident, now, ttl_seconds=a.keep_seconds))
+                        self._pinned[a.session_id] = (spell, now + a.keep_seconds)
+                        self._demoted.pop(a.session_id, None)
+            elif a.retention == "demote" and self._demoted.get(a.session_id) != spell:
                 resident = self._resident(a)
                 if resident:
                     out.append(self._order("demote", a, resident, now))
-                    self._demoted.add(key)
-                    self._pinned_until.pop(key, None)
-        if complete:  # forget spells no longer advised on (active again, closed, gone)
-            self._demoted &= live
-            for key in [k for k, until in self._pinned_until.items() if until <= now and k not in live]:
-                del self._pinned_until[key]
+                    self._demoted[a.session_id] = spell
+                    self._pinned.pop(a.session_id, None)
         return out
 
     def _make_room(self, dest: str, need_bytes: int, cand: SessionAdvice, displaceable: list[SessionAdvice],
@@ -265,9 +314,10 @@ class Scheduler:
             if key in claimed:
                 continue
             claimed.add(key)
-            if key not in self._demoted:  # one demoted already goes first anyway: no new order
+            if self._demoted.get(a.session_id) != key:  # one demoted already goes first: no new order
                 orders.append(self._order("demote", a, resident, now))
-                self._demoted.add(key)
+                self._demoted[a.session_id] = key
+                self._pinned.pop(a.session_id, None)
             freed += len(resident) * self.config.bytes_per_block
         return freed
 
