@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -14,36 +14,43 @@ from fastapi.openapi.utils import get_openapi
 
 from app import __version__
 from app.api.errors import error_response
-from app.api.routes import events, health, model, state
+from app.api.routes import events, health, model, orders, state
 from app.core.clock import Clock, SystemClock
 from app.core.config import Settings
 from app.core.errors import EventLogError, StoreError, StoreUnavailable
 from app.engine.advice import AdviceLedger
 from app.engine.eventlog import EventLog
-from app.engine.events import batch_adapter
-from app.engine.ingest import Ingestor
+from app.engine.events import Event, batch_adapter
+from app.engine.ingest import Ingestor, Observer
 from app.engine.models import ModelRegistry
 from app.engine.scoring import Scorer
+from app.engine.sinks import OrderSink, PullQueue, build_sink
 from app.engine.state import StateStore, build_store
 
 log = logging.getLogger("kvprefetch")
 
 
 def create_app(settings: Settings | None = None, *, store: StateStore | None = None,
-               clock: Clock | None = None) -> FastAPI:
-    """Build the service. Tests inject a store and a clock; `kvprefetch serve` injects nothing."""
+               clock: Clock | None = None, order_sink: OrderSink | None = None) -> FastAPI:
+    """Build the service. Tests inject a store, a clock and an order sink (an injected one is
+    theirs to close); `kvprefetch serve` injects nothing."""
     settings = settings or Settings()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.settings = settings
         app.state.clock = clock or SystemClock()
+        # First: a sink misconfigured (webhook without a URL) stops startup before anything opens.
+        app.state.order_sink = order_sink if order_sink is not None else build_sink(settings)
         app.state.store = store if store is not None else build_store(settings)
         app.state.event_log = EventLog(settings.event_log_dir, segment_bytes=settings.log_segment_bytes,
                                        fsync=settings.log_fsync)
         app.state.ledger = AdviceLedger()
+        observers: list[Observer] = [app.state.ledger.observe]
+        if isinstance(app.state.order_sink, PullQueue):
+            observers.append(app.state.order_sink.observe)  # order_progress: started, done
         app.state.ingestor = Ingestor(app.state.store, app.state.event_log, replica_id=settings.replica_id,
-                                      observer=app.state.ledger.observe)
+                                      observer=compose_observers(observers))
         app.state.models = ModelRegistry(settings.model_dir, settings.shadow_model_dir, ledger=app.state.ledger)
         app.state.scorer = Scorer(app.state.store, app.state.models, app.state.ledger, app.state.clock,
                                   sessions_per_tick=settings.score_sessions_per_tick)
@@ -63,6 +70,8 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
             app.state.event_log.close()
             if store is None:
                 app.state.store.close()
+            if order_sink is None:
+                await app.state.order_sink.close()
 
     app = FastAPI(
         title="kvprefetch",
@@ -74,6 +83,7 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
     app.include_router(events.router, prefix="/v1")
     app.include_router(state.router, prefix="/v1")
     app.include_router(model.router, prefix="/v1")
+    app.include_router(orders.router, prefix="/v1")
 
     @app.exception_handler(StoreUnavailable)
     async def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:
@@ -89,6 +99,22 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def compose_observers(observers: Sequence[Observer]) -> Observer:
+    """One ingest observer telling each of `observers` in turn; one failing does not keep the
+    events from the others."""
+    if len(observers) == 1:
+        return observers[0]
+
+    def observe(events: Sequence[Event]) -> None:
+        for observer in observers:
+            try:
+                observer(events)
+            except Exception:
+                log.exception("ingest observer %r failed on %d events", observer, len(events))
+
+    return observe
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

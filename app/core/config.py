@@ -39,6 +39,11 @@ class Settings(BaseSettings):
 
     bytes_per_token: int = Field(LLAMA_70B_BF16_BYTES_PER_TOKEN, gt=0)
     block_tokens: int = Field(MOONCAKE_BLOCK_TOKENS, gt=0)
+    # What moving or recomputing a context costs (REFERENCE.md, "Links and tiers"): a 100 Gb/s
+    # NIC from the shared pool, PCIe 5 from host DRAM, 70B prefill on one GPU.
+    pool_link_bytes_per_second: float = Field(12.5e9, gt=0)
+    host_link_bytes_per_second: float = Field(50e9, gt=0)
+    prefill_tokens_per_second: float = Field(20_000.0, gt=0)
 
     # How many event ids are remembered for idempotency (memory store) and for how long
     # (Redis store). A retry later than this is applied again.
@@ -59,6 +64,33 @@ class Settings(BaseSettings):
     # Name of this replica: keys its log checkpoint in a shared store.
     replica_id: str = Field(default_factory=socket.gethostname)
 
+    # Where prefetch orders go (app/engine/sinks): `pull` keeps them for agents to fetch with
+    # GET /v1/orders and needs nothing else, so it is the default.
+    order_sink: Literal["memory", "webhook", "redis", "pull"] = "pull"
+    # A resubmitted order id (or cancel) within this long is dropped by the sink.
+    order_dedupe_seconds: int = Field(3600, ge=1)
+    # The webhook sink's receiver; required when order_sink is webhook.
+    order_webhook_url: str | None = None
+    order_webhook_timeout_seconds: float = Field(5.0, gt=0)
+    # Tries per batch (the first included) on connection errors, 5xx and 429.
+    order_webhook_max_attempts: int = Field(5, ge=1)
+    # The wait before the first retry, doubling (with jitter) up to the maximum; a Retry-After
+    # longer than the maximum gives up at once instead of holding the scheduler.
+    order_webhook_backoff_seconds: float = Field(0.2, ge=0)
+    order_webhook_max_backoff_seconds: float = Field(5.0, ge=0)
+    # The Redis stream sink: stream <prefix>:orders, trimmed to about this many entries.
+    order_stream_maxlen: int = Field(100_000, ge=1)
+    # Defaults to <redis_prefix>:sink, since the state store owns <redis_prefix>:orders.
+    order_stream_prefix: str | None = Field(None, min_length=1, max_length=64)
+    # How long a stream entry may sit unacked with a consumer before another agent claims it.
+    order_claim_idle_seconds: float = Field(30.0, gt=0)
+    # The pull queue: how long a pulled order is leased before it is handed out again.
+    order_lease_seconds: float = Field(30.0, gt=0)
+
     @property
     def event_log_dir(self) -> Path:
         return self.log_dir if self.log_dir is not None else self.data_dir / "events"
+
+    @property
+    def stream_prefix(self) -> str:
+        return self.order_stream_prefix if self.order_stream_prefix is not None else f"{self.redis_prefix}:sink"

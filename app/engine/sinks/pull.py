@@ -1,0 +1,171 @@
+"""PullQueue: orders wait in this process until their instance's agent pulls them
+(`GET /v1/orders?instance_id=...`).
+
+The queues live in memory, one per instance, in *this replica*: an agent must pull from the
+replica that made its orders (with several replicas behind a balancer, use the Redis stream
+sink). A restart loses what was queued; the scheduler plans again from the live state.
+
+An order's life here:
+
+- **pending**: submitted, handed out by `lease()` at most `limit` at a time, highest `priority`
+  first, then earliest `start_by_ts`, then oldest. A lease lasts `lease_seconds`; an order whose
+  lease ran out without word from the agent is handed out again (at least once: run an id once).
+- **started**: an `order_progress` event with status `accepted` arrived. It is never handed out
+  again, lease or not; if the agent dies mid-transfer, no completion comes and the scheduler's
+  next plan (a new generation, so a new id) replaces it.
+- **done**: `completed` or `failed` arrived; the order is forgotten (its id stays in the dedupe
+  window, so a resubmission is still dropped).
+- **expired**: held `lease_seconds` past its `needed_by_ts` without finishing: too late to be of
+  use, dropped at the next lease of its instance (counted in `stats["expired"]`). This is also
+  what bounds the memory an agent that vanished leaves behind.
+
+A cancel of a held order removes it unless it has started (one moving finishes), and its id is
+reported once, in `cancelled`, to the next lease of its instance. A cancel or a progress event
+for an order this queue does not hold (another replica's, done, or expired) is a no-op.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import orjson
+
+from app.engine.events import Event, OrderProgress
+from app.engine.orders import Cancel, Order
+from app.engine.sinks._dedupe import RecentIds
+from app.engine.sinks.base import SinkClosed
+
+DEFAULT_LEASE_SECONDS = 30.0
+
+
+@dataclass(slots=True)
+class _Held:
+    order: Order
+    seq: int
+    leased_until: float | None = None
+    started: bool = False
+    cancelled: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """What one pull hands an agent: orders to run, and ids of orders withdrawn since its last pull."""
+
+    orders: list[Order] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+    def to_json(self) -> bytes:
+        """`{"orders": [...], "cancelled": [...]}`, each order exactly its `Order.to_json()`."""
+        return (b'{"orders":[' + b",".join(o.to_json() for o in self.orders) + b'],"cancelled":'
+                + orjson.dumps(self.cancelled) + b"}")
+
+
+class PullQueue:
+    """All methods are synchronous and meant for one thread (the service's event loop); `submit`
+    and `cancel` are the OrderSink coroutines over `submit_nowait` and `cancel_nowait`."""
+
+    def __init__(self, *, lease_seconds: float = DEFAULT_LEASE_SECONDS, dedupe_seconds: float = 3600.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.lease_seconds = lease_seconds
+        self._by_instance: dict[str, dict[str, _Held]] = {}
+        self._instance_of: dict[str, str] = {}
+        self._to_report: dict[str, list[str]] = {}
+        self._orders = RecentIds(dedupe_seconds, clock=clock)
+        self._seq = 0
+        self._closed = False
+        self.stats = {"submitted": 0, "leased": 0, "cancelled": 0, "started": 0, "done": 0, "expired": 0}
+
+    async def submit(self, orders: Sequence[Order]) -> list[str]:
+        return self.submit_nowait(orders)
+
+    async def cancel(self, cancels: Sequence[Cancel]) -> list[str]:
+        return self.cancel_nowait(cancels)
+
+    async def close(self) -> None:
+        self._closed = True
+
+    def submit_nowait(self, orders: Sequence[Order]) -> list[str]:
+        self._check_open()
+        added = []
+        for order in orders:
+            if not self._orders.add(order.order_id):
+                continue
+            self._seq += 1
+            self._by_instance.setdefault(order.instance_id, {})[order.order_id] = _Held(order, self._seq)
+            self._instance_of[order.order_id] = order.instance_id
+            added.append(order.order_id)
+        self.stats["submitted"] += len(added)
+        return added
+
+    def cancel_nowait(self, cancels: Sequence[Cancel]) -> list[str]:
+        self._check_open()
+        done = []
+        for c in cancels:
+            held = self._held(c.order_id)
+            if held is None or held.cancelled:
+                continue
+            held.cancelled = True
+            instance = held.order.instance_id
+            if not held.started:
+                self._forget(c.order_id)
+            self._to_report.setdefault(instance, []).append(c.order_id)
+            done.append(c.order_id)
+        self.stats["cancelled"] += len(done)
+        return done
+
+    def lease(self, instance_id: str, limit: int, now: float) -> Lease:
+        """Up to `limit` orders for `instance_id` not leased or whose lease ran out, leased until
+        `now + lease_seconds`; and every cancel for it not reported yet."""
+        self._check_open()
+        queue = self._by_instance.get(instance_id, {})
+        stale = [oid for oid, h in queue.items() if h.order.needed_by_ts + self.lease_seconds < now]
+        for oid in stale:
+            self._forget(oid)
+        self.stats["expired"] += len(stale)
+        free = [h for h in queue.values()
+                if not h.started and not h.cancelled and (h.leased_until is None or h.leased_until <= now)]
+        free.sort(key=lambda h: (-h.order.priority, h.order.start_by_ts, h.seq))
+        chosen = free[:limit]
+        for h in chosen:
+            h.leased_until = now + self.lease_seconds
+        self.stats["leased"] += len(chosen)
+        return Lease([h.order for h in chosen], self._to_report.pop(instance_id, []))
+
+    def observe(self, events: Sequence[Event]) -> None:
+        """The ingest observer: order_progress moves an order to started or done."""
+        for e in events:
+            if type(e) is not OrderProgress:
+                continue
+            held = self._held(e.order_id)
+            if held is None:
+                continue
+            if e.status == "accepted":
+                if not held.started:
+                    held.started = True
+                    self.stats["started"] += 1
+            else:
+                self._forget(e.order_id)
+                self.stats["done"] += 1
+
+    def held(self, instance_id: str | None = None) -> int:
+        """Orders held (pending or started), for one instance or all."""
+        if instance_id is None:
+            return len(self._instance_of)
+        return len(self._by_instance.get(instance_id, {}))
+
+    def _held(self, order_id: str) -> _Held | None:
+        instance = self._instance_of.get(order_id)
+        return None if instance is None else self._by_instance[instance].get(order_id)
+
+    def _forget(self, order_id: str) -> None:
+        instance = self._instance_of.pop(order_id)
+        queue = self._by_instance[instance]
+        del queue[order_id]
+        if not queue:
+            del self._by_instance[instance]
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SinkClosed("the pull order queue is closed")
