@@ -90,6 +90,20 @@ def bench_predict(
     _print_result(run(sessions=sessions, rounds=rounds, model_dir=model), as_json)
 
 
+@bench_cli.command("plan")
+def bench_plan(
+    sessions: Annotated[int, typer.Option(min=1, help="Sessions whose advice the scheduler holds.")] = 100_000,
+    instances: Annotated[int, typer.Option(min=1, help="Serving instances.")] = 16,
+    ticks: Annotated[int, typer.Option(min=1, help="Ticks measured (p50, p99).")] = 200,
+    page: Annotated[int, typer.Option(min=1, help="Sessions re-advised per tick.")] = 256,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Planning time per tick of the scheduler, beside re-reading every session each tick."""
+    from bench.plan import run
+
+    _print_result(run(sessions=sessions, instances=instances, ticks=ticks, page=page), as_json)
+
+
 @cli.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (KVP_HOST).")] = None,
@@ -191,32 +205,109 @@ def train(
     events: Annotated[list[Path], typer.Option(help="Event logs: JSON Lines files or log directories (repeat).")],
     out: Annotated[Path, typer.Option(help="The model directory to write (model.txt, card.json).")],
     valid_fraction: Annotated[float, typer.Option(help="The last share of each log's time span that validates.")] = 0.2,
-    seed: Annotated[int, typer.Option(help="LightGBM's seed (training is deterministic for a seed).")] = 0,
+    seed: Annotated[int, typer.Option(help="LightGBM's and the tuner's seed (deterministic for a seed).")] = 0,
+    tune: Annotated[int, typer.Option(
+        min=0, metavar="N", help="First run N Optuna trials on an inner time split of the training part "
+        "(needs the 'tune' extra); train with the best parameters.")] = 0,
+    max_rounds: Annotated[int, typer.Option(
+        min=1, metavar="N", help="Most boosting rounds per model (early stopping usually ends sooner).")] = 1000,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or messages on stderr.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the validation metrics as one JSON object.")] = False,
 ) -> None:
-    """Train the arrival model from event logs, split by time; write model.txt and card.json."""
+    """Train the arrival model from event logs, split by time; write model.txt and card.json.
+
+    Progress bars (logs replayed, tuning trials, boosting rounds) go to stderr, only when it is a
+    terminal; stdout carries the result alone.
+    """
     import json
+    from contextlib import nullcontext
 
-    from training import build_dataset, save_model
+    from training import save_model
     from training import train as fit
+    from training.progress import build_dataset_reporting, rich_bars, stderr_is_terminal
 
+    if tune:
+        from training.tune import MissingExtraError, require_optuna
+        from training.tune import tune as search
+
+        try:
+            require_optuna()  # before minutes of replaying logs, not after
+        except MissingExtraError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--tune'") from None
+    bars = not quiet and stderr_is_terminal()
+    # Without bars (stderr piped or captured), one line per stage unless the output is for machines.
+    say = (lambda _: None) if quiet or as_json or bars else (lambda msg: typer.echo(msg, err=True))
+    extra: dict[str, object] = {}
     try:
-        with_progress = not as_json
-        if with_progress:
-            typer.echo(f"building rows from {len(events)} log(s)", err=True)
-        rows = build_dataset(events)
-        if with_progress:
-            typer.echo(f"{len(rows):,} rows; training", err=True)
-        model = fit(rows, valid_fraction=valid_fraction, seed=seed)
+        with (rich_bars() if bars else nullcontext(None)) as progress:
+            say(f"building rows from {len(events)} log(s)")
+            rows = build_dataset_reporting(events, progress)
+            params = None
+            if tune:
+                say(f"{len(rows):,} rows; {tune} tuning trial(s)")
+                tuning = search(rows, tune, valid_fraction=valid_fraction, seed=seed, num_boost_round=max_rounds,
+                                progress=progress)
+                params, extra = tuning.best_params, {"tuning": tuning.card()}
+            say(f"{len(rows):,} rows; training")
+            model = fit(rows, params, valid_fraction=valid_fraction, seed=seed, num_boost_round=max_rounds,
+                        progress=progress)
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    save_model(model, out)
+    save_model(model, out, extra=extra)
     if as_json:
         typer.echo(json.dumps(model.metrics))
     else:
         m = model.metrics
         typer.echo(f"wrote {out}: validation AUC {m['auc']}, Brier {m['brier']} "
                    f"(base rate {m['brier_of_base_rate']}), {model.data['rows_train']:,} training rows")
+
+
+@cli.command()
+def agent(
+    instance_id: Annotated[str, typer.Option(help="The instance whose tier this agent fills (orders name it).")],
+    pool_dir: Annotated[Path, typer.Option(help="The pool: one file per block hash (see README).")],
+    capacity_bytes: Annotated[int, typer.Option(min=1, help="Bytes the in-memory instance tier holds.")],
+    service_url: Annotated[str, typer.Option(help="Where progress and residency events go.")] = "http://127.0.0.1:8000",
+    source: Annotated[str, typer.Option(help="stream (the Redis Stream) or pull (GET /v1/orders).")] = "stream",
+    redis_url: Annotated[str | None, typer.Option(help="The orders stream's Redis (KVP_REDIS_URL).")] = None,
+    stream_prefix: Annotated[str | None, typer.Option(
+        help="The service's KVP_ORDER_STREAM_PREFIX (default <KVP_REDIS_PREFIX>:sink); "
+        "the streams are <prefix>:orders:<instance_id>.")] = None,
+    claim_idle_seconds: Annotated[float | None, typer.Option(
+        min=0.01, help="Take over stream entries another agent has held this long without a heartbeat "
+        "(KVP_ORDER_CLAIM_IDLE_SECONDS).")] = None,
+    consumer_name: Annotated[str | None, typer.Option(
+        help="This agent's name in the consumer group (default: instance@host:pid).")] = None,
+    start_margin_seconds: Annotated[float, typer.Option(
+        min=0.0, help="Start an early order this long before its start_by.")] = 0.05,
+    poll_seconds: Annotated[float, typer.Option(min=0.01, help="Longest wait for new orders.")] = 0.5,
+    status_file: Annotated[Path | None, typer.Option(help="Keep the agent's status here as JSON.")] = None,
+) -> None:
+    """Run the reference transfer agent: carry out orders, pool directory -> in-memory buffer."""
+    import signal
+    import threading
+
+    from app.agent import PullSource, StreamSource, default_consumer_name, run_agent
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per report is noise
+    if source == "stream":
+        settings = Settings()
+        orders = StreamSource.from_url(redis_url or settings.redis_url,
+                                       prefix=stream_prefix or settings.stream_prefix,
+                                       consumer=consumer_name or default_consumer_name(instance_id),
+                                       claim_idle_seconds=claim_idle_seconds or settings.order_claim_idle_seconds,
+                                       instance_id=instance_id)
+    elif source == "pull":
+        orders = PullSource(service_url, instance_id)
+    else:
+        raise typer.BadParameter("stream or pull", param_hint="'--source'")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    run_agent(instance_id=instance_id, source=orders, service_url=service_url, pool_dir=pool_dir,
+              capacity_bytes=capacity_bytes, stop=stop, status_file=status_file,
+              start_margin_seconds=start_margin_seconds, poll_seconds=poll_seconds)
 
 
 def main() -> None:

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
 from app.engine.eventlog import encode_events
 from app.engine.predictor import LearnedPredictor
+from sim.commands import events_from_trace
 from sim.replay import replay
 from sim.scenario import load_scenario
 from sim.traces import load_trace
-from tests.conftest import TRACES
+from tests.conftest import TRACES, trace_slice
 
 
 def test_train_writes_a_model_the_service_can_load(tmp_path: Path) -> None:
@@ -47,3 +50,50 @@ def test_bad_logs_are_named_with_their_line(tmp_path: Path) -> None:
     bad.write_text('{"type": "session_closed", "event_id": "a", "ts": 1, "session_id": "s"}\n{"type": "session_closed"}\n')
     result = CliRunner().invoke(cli, ["train", "--events", str(bad), "--out", str(tmp_path / "m")])
     assert result.exit_code != 0 and "bad.jsonl:2:" in flat(result.output)
+
+
+@pytest.fixture(scope="module")
+def tiny_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The event log of the synthetic trace's first 300 requests."""
+    folder = tmp_path_factory.mktemp("tiny-log")
+    log = folder / "synthetic300.events.jsonl"
+    events_from_trace(trace_slice(folder, "synthetic", 300), log, "default", "sticky", "none", None)
+    return log
+
+
+# rich draws bars when it believes stderr is an interactive terminal; these say it is.
+TERMINAL = {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
+ROUNDS = ["--max-rounds", "30"]  # a short run: these tests are about the command, not the model
+
+
+def test_bars_go_to_stderr_and_leave_json_alone(tiny_log: Path, tmp_path: Path) -> None:
+    args = ["train", "--events", str(tiny_log), "--out", str(tmp_path / "m"), "--json", *ROUNDS]
+    drawn = CliRunner(env=TERMINAL).invoke(cli, args)
+    assert drawn.exit_code == 0, drawn.output
+    assert "replaying synthetic300.events.jsonl" in drawn.stderr and "boosting rounds" in drawn.stderr
+    quiet = CliRunner(env=TERMINAL).invoke(cli, [*args, "--quiet"])
+    assert quiet.exit_code == 0 and quiet.stderr == ""
+    piped = CliRunner().invoke(cli, args)  # not a terminal: no bars, and --json says nothing else
+    assert piped.exit_code == 0 and piped.stderr == ""
+    assert json.loads(drawn.stdout) == json.loads(quiet.stdout) == json.loads(piped.stdout)
+
+
+def test_tune_is_deterministic_and_recorded_in_the_card(tiny_log: Path, tmp_path: Path) -> None:
+    cards = []
+    for name in ("a", "b"):
+        result = CliRunner().invoke(cli, ["train", "--events", str(tiny_log), "--out", str(tmp_path / name),
+                                          "--tune", "2", "--seed", "7", "--json", *ROUNDS])
+        assert result.exit_code == 0, result.output
+        json.loads(result.stdout)
+        cards.append(json.loads((tmp_path / name / "card.json").read_text()))
+    tuning = cards[0]["tuning"]
+    assert tuning["n_trials"] == 2 and len(tuning["trials"]) == 2 and tuning["seed"] == 7
+    assert {k: cards[0]["params"][k] for k in tuning["best_params"]} == tuning["best_params"]
+    assert cards[1]["tuning"] == tuning
+
+
+def test_tune_without_optuna_names_the_extra(tiny_log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "optuna", None)
+    result = CliRunner().invoke(cli, ["train", "--events", str(tiny_log), "--out", str(tmp_path / "m"), "--tune", "2"])
+    assert result.exit_code != 0 and "kvprefetch[tune]" in flat(result.output)
+    assert not (tmp_path / "m").exists()

@@ -1,11 +1,46 @@
-"""Training the arrival model from the service's event logs. For notebooks:
+"""Training the arrival model from the service's event logs. For notebooks (run from the repo root;
+make an event log first: `kvprefetch events-from-trace --trace ../shared/traces/mooncake_synthetic.jsonl
+--out var/synthetic.events.jsonl`):
 
-    from training import build_dataset, train, save_model, evaluate
+    from pathlib import Path
+    from training import build_dataset, evaluate, save_model, train
 
-    df = build_dataset(["var/events"])                # rows: features, horizon, label
-    model = train(df, {"num_leaves": 63})             # time-based split inside
-    save_model(model, Path("models/mine"))            # model.txt + card.json
-    evaluate("models/mine", "trace.jsonl", "default") # replay: learned vs none, heuristic, oracle
+    df = build_dataset(["var/synthetic.events.jsonl"])  # one row per (decision point, horizon)
+    model = train(df, {"num_leaves": 63}, seed=0)       # time split inside: the last 20% validates
+    print(model.metrics["brier"], model.metrics["auc"], model.importance)
+    save_model(model, Path("models/mine"))              # models/mine/{model.txt, card.json}
+    evaluate("models/mine", "../shared/traces/mooncake_synthetic.jsonl")  # replay: learned vs baselines
+
+- build_dataset(logs) -> DataFrame: app.engine.features.FEATURES (the last is horizon_seconds), then
+  training.dataset.META_COLUMNS: `label` (the next request came within the horizon) and
+  `time_fraction` (where the row lies in its log's time span: the split is by time, never at random).
+- train(df, params=None, *, valid_fraction=0.2, seed=0, num_boost_round=1000, progress=None)
+  -> TrainedModel: booster, metrics (validation Brier, log loss, AUC, per horizon), calibration,
+  gain importance, params, data. `params` override training.train.DEFAULT_PARAMS.
+- save_model(model, out_dir, extra=None): model.txt and card.json (with `extra` merged in).
+- evaluate(model_dir, trace, scenario="default", train_fraction=0.7): replays the trace under the
+  learned policy and the baselines, counting only requests after `train_fraction` of its span; for
+  an honest judgement train on the first `train_fraction` only, as training/bundle.py does.
+
+Every function is silent. For progress bars (what `kvprefetch train` draws on stderr):
+
+    from training.progress import build_dataset_reporting, rich_bars
+
+    with rich_bars() as progress:                      # any callable(task, done, total) will do
+        df = build_dataset_reporting(["var/synthetic.events.jsonl"], progress)
+        model = train(df, progress=progress)
+
+Hyper-parameter search (`pip install 'kvprefetch[tune]'`), scored on an inner time split of the
+training part so the validation metrics stay honest:
+
+    from training.tune import tune
+
+    result = tune(df, 20, seed=0)                      # 20 Optuna TPE trials, deterministic
+    model = train(df, result.best_params, seed=0)
+    save_model(model, Path("models/tuned"), extra={"tuning": result.card()})
+
+Why this formulation (and not a regression of the wait, or a hazard model): training/DESIGN.md,
+whose numbers `python -m training.formulations` prints.
 """
 
 from training.dataset import build_dataset

@@ -20,6 +20,7 @@ import pandas as pd
 from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
 
 from app.engine.features import FEATURES
+from training.progress import Progress
 
 DEFAULT_PARAMS: dict[str, Any] = {
     "objective": "binary",
@@ -53,6 +54,41 @@ class TrainedModel:
 def split_by_time(df: pd.DataFrame, valid_fraction: float) -> tuple[pd.DataFrame, pd.DataFrame]:
     cut = 1.0 - valid_fraction
     return df[df.time_fraction < cut], df[df.time_fraction >= cut]
+
+
+def split_inner(train_df: pd.DataFrame, valid_fraction: float, inner_valid_fraction: float
+                ) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The training part of split_by_time(df, valid_fraction), split again by time: its last
+    `inner_valid_fraction` scores tuning trials, so the validation part stays unseen."""
+    cut = (1.0 - valid_fraction) * (1.0 - inner_valid_fraction)
+    return train_df[train_df.time_fraction < cut], train_df[train_df.time_fraction >= cut]
+
+
+def fit_booster(params: dict[str, Any], train_df: pd.DataFrame, valid_df: pd.DataFrame, *,
+                num_boost_round: int = 1000, early_stopping_rounds: int = 50,
+                progress: Progress | None = None, task: str = "boosting rounds") -> lgb.Booster:
+    """LightGBM on `train_df`, stopped early on `valid_df` (binary log loss)."""
+    features = list(FEATURES)
+    dtrain = lgb.Dataset(train_df[features].to_numpy(), label=train_df.label.to_numpy(), feature_name=features,
+                         free_raw_data=False)
+    dvalid = lgb.Dataset(valid_df[features].to_numpy(), label=valid_df.label.to_numpy(), reference=dtrain)
+    callbacks = [lgb.early_stopping(early_stopping_rounds, verbose=False)]
+    if progress is not None:
+        callbacks.append(_rounds_reporter(progress, task, num_boost_round))
+    booster = lgb.train(params, dtrain, num_boost_round=num_boost_round, valid_sets=[dvalid], valid_names=["valid"],
+                        callbacks=callbacks)
+    if progress is not None:
+        # Early stopping ends the bar short of num_boost_round: close it where training stopped.
+        progress(task, booster.current_iteration(), booster.current_iteration())
+    return booster
+
+
+def _rounds_reporter(progress: Progress, task: str, total: int) -> Any:
+    def report(env: Any) -> None:
+        progress(task, env.iteration + 1, total)
+
+    report.order = 40  # type: ignore[attr-defined]  # after early stopping (30), which may end the run
+    return report
 
 
 def calibration_table(y: np.ndarray, p: np.ndarray, bins: int = 10) -> list[dict[str, float]]:
@@ -91,8 +127,10 @@ def evaluate_rows(booster: lgb.Booster, df: pd.DataFrame) -> tuple[dict[str, Any
 
 
 def train(df: pd.DataFrame, params: dict[str, Any] | None = None, *, valid_fraction: float = 0.2, seed: int = 0,
-          num_boost_round: int = 1000, early_stopping_rounds: int = 50) -> TrainedModel:
-    """Fit on the earlier part of each log, stop early on the later part."""
+          num_boost_round: int = 1000, early_stopping_rounds: int = 50,
+          progress: Progress | None = None) -> TrainedModel:
+    """Fit on the earlier part of each log, stop early on the later part. `progress`, when given,
+    hears of each boosting round (training/progress.py); without it nothing is printed."""
     if df.empty:
         raise ValueError("no training rows")
     merged = {**DEFAULT_PARAMS, **(params or {}), "seed": seed}
@@ -100,11 +138,8 @@ def train(df: pd.DataFrame, params: dict[str, Any] | None = None, *, valid_fract
     if train_df.empty or valid_df.empty:
         raise ValueError(f"splitting {len(df)} rows at {1 - valid_fraction:.0%} of the time span leaves a side empty")
     features = list(FEATURES)
-    dtrain = lgb.Dataset(train_df[features].to_numpy(), label=train_df.label.to_numpy(), feature_name=features,
-                         free_raw_data=False)
-    dvalid = lgb.Dataset(valid_df[features].to_numpy(), label=valid_df.label.to_numpy(), reference=dtrain)
-    booster = lgb.train(merged, dtrain, num_boost_round=num_boost_round, valid_sets=[dvalid], valid_names=["valid"],
-                        callbacks=[lgb.early_stopping(early_stopping_rounds, verbose=False)])
+    booster = fit_booster(merged, train_df, valid_df, num_boost_round=num_boost_round,
+                          early_stopping_rounds=early_stopping_rounds, progress=progress)
     metrics, calibration = evaluate_rows(booster, valid_df)
     metrics["best_iteration"] = int(booster.best_iteration)
     gain = booster.feature_importance(importance_type="gain")
