@@ -4,7 +4,7 @@ LMCache, Mooncake Store and Dynamo's block manager all understand three things: 
 place before they are needed (*prefetch*), keep blocks where they are for a while (*pin* with a
 time-to-live), and let blocks go first (*demote*). An order is one of those, for a set of blocks
 at one destination, with the times that make it useful: start moving by `start_by_ts` so the last
-byte lands by `needed_by_ts`.
+byte lands by `needed_by_ts`, and (a prefetch) hold the landed blocks for `ttl_seconds`.
 
 An order's id is its identity everywhere (sinks, agents, progress events): delivering or
 executing the same id twice is the same as once. A `Cancel` withdraws an order an agent has not
@@ -46,7 +46,8 @@ class Order(BaseModel):
     created_ts: float
     start_by_ts: float
     needed_by_ts: float
-    # How long a pin holds; None for prefetch and demote.
+    # How long a pin holds; for a prefetch, how long the landed blocks are held (pinned) for the
+    # return they were fetched for, so another prefetch does not evict them first. None for demote.
     ttl_seconds: Annotated[float, Field(gt=0)] | None = None
     # Expected stall seconds the order saves (its value); higher goes first.
     priority: float = 0.0
@@ -59,6 +60,8 @@ class Order(BaseModel):
             raise ValueError("a prefetch names its source_tier")
         if self.kind == "pin" and self.ttl_seconds is None:
             raise ValueError("a pin has a ttl_seconds")
+        if self.kind == "demote" and self.ttl_seconds is not None:
+            raise ValueError("a demote has no ttl_seconds")
         if self.start_by_ts > self.needed_by_ts:
             raise ValueError("start_by_ts is after needed_by_ts")
         return self

@@ -26,6 +26,7 @@ def test_round_trip_through_json() -> None:
 @pytest.mark.parametrize(("fields", "message"), [
     ({"source_tier": None}, "a prefetch names its source_tier"),
     ({"kind": "pin", "ttl_seconds": None}, "a pin has a ttl_seconds"),
+    ({"kind": "demote", "source_tier": None, "ttl_seconds": 5.0}, "a demote has no ttl_seconds"),
     ({"start_by_ts": 13.0}, "start_by_ts is after needed_by_ts"),
     ({"block_hashes": []}, "at least 1 item"),
     ({"size_bytes": -1}, "greater than or equal to 0"),

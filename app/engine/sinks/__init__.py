@@ -21,7 +21,14 @@ from app.core.errors import ConfigError
 from app.engine.sinks.base import OrderSink, SinkClosed, SinkError, SinkRejected, SinkUnavailable
 from app.engine.sinks.memory import InProcessSink
 from app.engine.sinks.pull import Lease, PullQueue
-from app.engine.sinks.redis_stream import GROUP, RedisStreamConsumer, RedisStreamSink, StreamEntry, stream_key
+from app.engine.sinks.redis_stream import (
+    GROUP,
+    RedisStreamConsumer,
+    RedisStreamSink,
+    StreamEntry,
+    cancel_key,
+    stream_key,
+)
 from app.engine.sinks.webhook import WebhookSink
 
 if TYPE_CHECKING:
@@ -44,6 +51,7 @@ __all__ = [
     "StreamEntry",
     "WebhookSink",
     "build_sink",
+    "cancel_key",
     "stream_key",
 ]
 

@@ -1,5 +1,6 @@
 """One contract, every sink: memory, webhook (a real local HTTP server), redis (the real server,
-a prefix per test) and pull. What each sink delivered is read the way its consumers read it."""
+a prefix per test) and pull. What each sink delivered is read the way its consumers read it: for
+the sinks that deliver per instance (redis, pull), by one consumer per instance."""
 
 from __future__ import annotations
 
@@ -29,11 +30,13 @@ INSTANCES = ("gpu-0", "gpu-1")
 @dataclass
 class Case:
     """Opens the sink inside the test's event loop; `delivered()` is what reached the consumer
-    side since the last call: (orders, cancelled order ids)."""
+    side since the last call: (orders, cancelled order ids). `read_instance`, for a sink that
+    delivers per instance, is what reached one instance's consumer since its last read."""
 
     open: Callable[[], OrderSink]
     read: Callable[[OrderSink], list[Order | Cancel]]
     close_consumer: Callable[[], None] = lambda: None
+    read_instance: Callable[[OrderSink, str], list[Order | Cancel]] | None = None
     sink: Any = None
 
     def delivered(self) -> tuple[list[Order], list[str]]:
@@ -53,14 +56,15 @@ class Case:
         asyncio.run(main())
 
 
-def _read_pull(sink: PullQueue) -> list[Order | Cancel]:
+def _lease(sink: PullQueue, instance: str) -> list[Order | Cancel]:
     # Through the JSON the endpoint answers with; `now` inside every test order's useful life.
-    messages: list[Order | Cancel] = []
-    for instance in INSTANCES:
-        body = orjson.loads(sink.lease(instance, 1000, now=11.0).to_json())
-        messages += [message_adapter.validate_python(o) for o in body["orders"]]
-        messages += [Cancel(order_id=i) for i in body["cancelled"]]
-    return messages
+    body = orjson.loads(sink.lease(instance, 1000, now=11.0).to_json())
+    return ([message_adapter.validate_python(o) for o in body["orders"]]
+            + [Cancel(order_id=i) for i in body["cancelled"]])
+
+
+def _read_pull(sink: PullQueue) -> list[Order | Cancel]:
+    return [m for instance in INSTANCES for m in _lease(sink, instance)]
 
 
 @pytest.fixture(params=["memory", "webhook", "redis", "pull"])
@@ -68,22 +72,29 @@ def case(request: pytest.FixtureRequest) -> Case:
     if request.param == "memory":
         return Case(open=InProcessSink, read=lambda s: s.drain())
     if request.param == "pull":
-        return Case(open=PullQueue, read=_read_pull)
+        return Case(open=PullQueue, read=_read_pull, read_instance=_lease)
     if request.param == "webhook":
         receiver, url = request.getfixturevalue("receiver")
         return Case(open=lambda: WebhookSink(url, max_attempts=1), read=lambda _: receiver.take())
     url = request.getfixturevalue("redis_url")
     prefix = request.getfixturevalue("clean_redis")
-    consumer = RedisStreamConsumer.from_url(url, prefix, "contract")
+    consumers = {i: RedisStreamConsumer.from_url(url, prefix, f"contract-{i}", instance_id=i)
+                 for i in INSTANCES}
 
-    def read(_: OrderSink) -> list[Order | Cancel]:
+    def read_instance(_: OrderSink, instance: str) -> list[Order | Cancel]:
+        consumer = consumers[instance]
         entries = consumer.poll(1000)
         for e in entries:
             consumer.ack(e.entry_id)
         return [e.message for e in entries]
 
-    return Case(open=lambda: RedisStreamSink.from_url(url, prefix, maxlen=1000), read=read,
-                close_consumer=consumer.close)
+    def close() -> None:
+        for c in consumers.values():
+            c.close()
+
+    return Case(open=lambda: RedisStreamSink.from_url(url, prefix, maxlen=1000),
+                read=lambda s: [m for i in INSTANCES for m in read_instance(s, i)],
+                close_consumer=close, read_instance=read_instance)
 
 
 def ids(orders: list[Order]) -> list[str]:
@@ -154,5 +165,22 @@ def test_an_empty_submit_delivers_nothing(case: Case) -> None:
         assert await sink.submit([]) == []
         assert await sink.cancel([]) == []
         assert case.delivered() == ([], [])
+
+    case.run(body)
+
+
+def test_each_instance_reads_its_own_orders_and_their_cancels(case: Case) -> None:
+    if case.read_instance is None:
+        pytest.skip("this sink has one feed for every instance")
+    read = case.read_instance
+
+    async def body(sink: OrderSink) -> None:
+        await sink.submit([order("a", "gpu-0", start_by_ts=11.0), order("b", "gpu-1"),
+                           order("c", "gpu-0", start_by_ts=11.5)])
+        assert [m.order_id for m in read(sink, "gpu-1")] == ["b"]
+        assert [m.order_id for m in read(sink, "gpu-0")] == ["a", "c"]
+        assert await sink.cancel([Cancel(order_id="b")]) == ["b"]
+        assert read(sink, "gpu-0") == []
+        assert read(sink, "gpu-1") == [Cancel(order_id="b")]
 
     case.run(body)

@@ -1,0 +1,222 @@
+"""The reference transfer agent as real processes: the service, Redis and two `kvprefetch agent`s.
+
+The test writes orders into gpu-0's stream `<KVP_REDIS_PREFIX>:sink:orders:gpu-0` exactly as the
+producer (app/engine/sinks/redis_stream.py) does: one field `msg`, an Order's or a Cancel's JSON,
+and a cancel key for a cancelled order. Both agents serve gpu-0; an order in gpu-1's stream is
+never read by either. One of them takes an order whose
+start_by is a few seconds away and holds it; it is not robbed while alive (its heartbeat), then
+it is killed with SIGKILL while holding it unacked. The other agent claims it, waits for its
+start time, moves the bytes, and the service shows one completion, the blocks at hbm@gpu-0, and
+nothing left pending in the stream. The same run carries a bulk prefetch (its measured time to
+last byte is printed), an order whose block is missing from the pool, an order cancelled before
+its start by a Cancel entry, one cancelled by its cancel key alone, and a malformed entry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import pytest
+import redis
+
+from app.agent import GROUP, PoolDir, cancel_key, default_stream_prefix, stream_key
+from app.engine.eventlog import iter_log
+from app.engine.orders import Cancel, Order
+from app.engine.state.redis import RedisStore
+
+if TYPE_CHECKING:
+    from tests.e2e.conftest import ServiceProcess
+
+pytestmark = [pytest.mark.slow, pytest.mark.redis]
+
+REPO = Path(__file__).resolve().parents[2]
+INSTANCE = "gpu-0"
+CLAIM_IDLE_SECONDS = 1.5
+HOLD_START_IN_SECONDS = 7.0
+MIB = 1 << 20
+HOLD_BLOCKS = list(range(1000, 1004))  # 1 MiB each
+BULK_BLOCKS = list(range(2000, 2008))  # 4 MiB each
+WAIT_LIMIT_SECONDS = 20.0
+
+
+class AgentProcess:
+    def __init__(self, name: str, work: Path, service_url: str, redis_url: str, redis_prefix: str,
+                 pool: Path) -> None:
+        self.name = name
+        self.status_path = work / f"{name}.json"
+        self.log_path = work / f"{name}.log"
+        self.args = [sys.executable, "-m", "app.cli", "agent", "--instance-id", INSTANCE,
+                     "--pool-dir", str(pool), "--capacity-bytes", str(256 * MIB),
+                     "--service-url", service_url, "--consumer-name", name,
+                     "--claim-idle-seconds", str(CLAIM_IDLE_SECONDS), "--poll-seconds", "0.1",
+                     "--status-file", str(self.status_path)]
+        self.work = work
+        # The stream's Redis and prefix come as the service's own settings do.
+        self.env = {"KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": redis_prefix}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
+        env["PYTHONPATH"] = str(REPO)
+        env.update(self.env)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.args, cwd=self.work, env=env, stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self) -> None:
+        # The status file appears once the agent has joined the group and told the service its
+        # buffer is empty.
+        wait_for(lambda: self.status_path.exists(), f"{self.name} to start", self)
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(self.status_path.read_text())
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+
+
+def wait_for(condition: Callable[[], Any], what: str, *agents: AgentProcess) -> Any:
+    deadline = time.monotonic() + WAIT_LIMIT_SECONDS
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        for a in agents:
+            assert a.proc is None or a.proc.poll() is None, f"{a.name} exited:\n{a.log_tail()}"
+        time.sleep(0.05)
+    logs = "\n".join(f"--- {a.name}\n{a.log_tail()}" for a in agents)
+    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+def prefetch(order_id: str, blocks: list[int], start_in: float, size_bytes: int,
+             instance_id: str = INSTANCE) -> Order:
+    now = time.time()
+    return Order(order_id=order_id, kind="prefetch", instance_id=instance_id, source_tier="pool",
+                 block_hashes=blocks, size_bytes=size_bytes, created_ts=now,
+                 start_by_ts=now + start_in, needed_by_ts=now + start_in + 2.0)
+
+
+@pytest.fixture
+def agents(tmp_path: Path) -> Iterator[list[AgentProcess]]:
+    made: list[AgentProcess] = []
+    yield made
+    for a in made:
+        a.kill()
+
+
+def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
+        service_factory: Callable[..., ServiceProcess], redis_url: str, clean_redis: str,
+        tmp_path: Path, agents: list[AgentProcess]) -> None:
+    prefix = clean_redis
+    svc = service_factory(env={"KVP_STORE": "redis", "KVP_REDIS_URL": redis_url,
+                               "KVP_REDIS_PREFIX": prefix, "KVP_SCORE_INTERVAL_SECONDS": "0"})
+    svc.start()
+    pool = PoolDir(tmp_path / "pool")
+    for h in HOLD_BLOCKS:
+        pool.write(h, os.urandom(MIB))
+    for h in BULK_BLOCKS:
+        pool.write(h, os.urandom(4 * MIB))
+    for name in ("agent-a", "agent-b"):
+        agents.append(AgentProcess(name, tmp_path, svc.url, redis_url, prefix, pool.directory))
+        agents[-1].start()
+    for a in agents:
+        a.wait_ready()
+    r = redis.Redis.from_url(redis_url)
+    stream_prefix = default_stream_prefix(prefix)  # what the service's sink writes to by default
+    key = stream_key(stream_prefix, INSTANCE)
+    # Another instance's order, in its own stream: no gpu-0 agent reads it (checked at the end).
+    other_key = stream_key(stream_prefix, "gpu-1")
+    r.xgroup_create(other_key, GROUP, id="0", mkstream=True)
+    r.xadd(other_key, {"msg": prefetch("for-gpu-1", HOLD_BLOCKS, 0.0, 4 * MIB, "gpu-1").to_json()})
+    store = RedisStore.from_url(redis_url, prefix=prefix, bytes_per_token=327680, block_tokens=512)
+
+    # 1. An order due in a few seconds: one agent takes it and holds it, unacked.
+    hold = prefetch("hold", HOLD_BLOCKS, HOLD_START_IN_SECONDS, 4 * MIB)
+    r.xadd(key, {"msg": hold.to_json()})
+
+    def holder() -> str | None:
+        pending = r.xpending_range(key, GROUP, "-", "+", 10)
+        return pending[0]["consumer"].decode() if pending else None
+
+    first = wait_for(holder, "an agent to take the order", *agents)
+    victim = next(a for a in agents if a.name == first)
+    survivor = next(a for a in agents if a.name != first)
+    wait_for(lambda: victim.status()["pending_orders"] == ["hold"], "the holder to schedule it", victim)
+    # Twice the claim idle time: the live holder's heartbeat keeps the other agent off it.
+    time.sleep(2 * CLAIM_IDLE_SECONDS + 0.3)
+    assert holder() == victim.name
+    assert store.order("hold") is None  # not started: start_by is still ahead
+
+    # 2. kill -9 while it holds the order unacked.
+    victim.kill()
+    killed_at = time.time()
+
+    # 3. More work, which only the survivor can take now.
+    bulk = prefetch("bulk", BULK_BLOCKS, 0.0, 32 * MIB)
+    missing = prefetch("missing", [3000, 3001], 0.0, 2 * MIB)
+    pool.write(3000, b"x" * 100)  # 3001 is not in the pool
+    withdrawn = prefetch("withdrawn", [3000], 3.0, 100)
+    # Cancelled as another agent would have seen it: only the sink's cancel key says so.
+    elsewhere = prefetch("cancelled-elsewhere", [3000], 3.0, 100)
+    for msg in (bulk.to_json(), missing.to_json(), b"{not an order", withdrawn.to_json(),
+                Cancel(order_id="withdrawn", reason="session closed").to_json(), elsewhere.to_json()):
+        r.xadd(key, {"msg": msg})
+    r.set(cancel_key(stream_prefix, "cancelled-elsewhere"), "1", ex=60)
+
+    def finished() -> bool:
+        views = [store.order(o) for o in ("hold", "bulk", "missing")]
+        return (all(v is not None and v.status != "accepted" for v in views)
+                and r.xpending(key, GROUP)["pending"] == 0)
+
+    wait_for(finished, "every order to end and be acked", survivor)
+
+    # The held order was redelivered to the survivor and completed once, after its start_by.
+    view = store.order("hold")
+    assert view is not None and view.status == "completed", view
+    assert view.bytes == 4 * MIB and view.seconds is not None and view.seconds > 0
+    assert view.status_ts >= hold.start_by_ts - 0.1
+    assert view.status_ts >= killed_at + CLAIM_IDLE_SECONDS - 0.1
+    progress = Counter((e.order_id, e.status) for _, e in iter_log(svc.events_dir)
+                       if e.type == "order_progress")
+    assert progress[("hold", "completed")] == 1 and progress[("hold", "accepted")] == 1
+    assert progress[("bulk", "completed")] == 1
+    assert not any(o in ("withdrawn", "cancelled-elsewhere") for o, _ in progress)
+
+    failed = store.order("missing")
+    assert failed is not None and failed.status == "failed" and "3001" in (failed.reason or "")
+    bulk_view = store.order("bulk")
+    assert bulk_view is not None and bulk_view.status == "completed" and bulk_view.bytes == 32 * MIB
+
+    # The blocks are at the destination: in the service's picture and in the agent's buffer.
+    locations = httpx.get(f"{svc.url}/v1/locations", timeout=5).json()["locations"]
+    hbm = {loc["location"]: loc for loc in locations}[f"hbm@{INSTANCE}"]
+    # The missing order moved nothing: its blocks are checked against the pool before any byte.
+    assert hbm["blocks"] == len(HOLD_BLOCKS) + len(BULK_BLOCKS)
+    status = survivor.status()
+    assert sorted(status["buffer_blocks"]) == sorted(HOLD_BLOCKS + BULK_BLOCKS)
+    assert (status["completed"], status["failed"], status["withdrawn"], status["malformed"]) == (2, 1, 2, 1)
+    assert status["foreign"] == 0
+    (other_group,) = r.xinfo_groups(other_key)
+    assert (other_group["pending"], other_group["last-delivered-id"], other_group["consumers"]) == (0, b"0-0", 0)
+    assert store.order("for-gpu-1") is None
+
+    ttlb = bulk_view.seconds
+    print(f"\nmeasured TTLB: bulk {bulk_view.bytes} bytes in {ttlb:.4f} s "
+          f"({bulk_view.bytes / ttlb / 1e9:.2f} GB/s); hold {view.bytes} bytes in {view.seconds:.4f} s")
+    r.close()
+    store.close()
