@@ -224,7 +224,8 @@ def train(
 
     from training import save_model
     from training import train as fit
-    from training.progress import build_dataset_reporting, rich_bars, stderr_is_terminal
+    from training.dataset import build_dataset
+    from training.progress import rich_bars, stderr_is_terminal
 
     if tune:
         from training.tune import MissingExtraError, require_optuna
@@ -241,7 +242,7 @@ def train(
     try:
         with (rich_bars() if bars else nullcontext(None)) as progress:
             say(f"building rows from {len(events)} log(s)")
-            rows = build_dataset_reporting(events, progress)
+            rows = build_dataset(events, progress)
             params = None
             if tune:
                 say(f"{len(rows):,} rows; {tune} tuning trial(s)")

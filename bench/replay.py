@@ -38,10 +38,10 @@ TARGET_SECONDS = 60.0
 
 
 def all_policies() -> list[str]:
-    """Every policy but `learned` (it depends on a trained model; `--policy learned` times it alone)."""
+    """Every policy but those of the trained model (`learned`, `scheduled`: `--policy` times each alone)."""
     from sim.policies import POLICIES
 
-    return [p for p in POLICIES if p != "learned"]
+    return [p for p in POLICIES if p not in ("learned", "scheduled")]
 
 
 def measure(trace: Path, policy: str, router: str, scenario: str, rounds: int) -> dict[str, Any]:

@@ -24,10 +24,10 @@ make an event log first: `kvprefetch events-from-trace --trace ../shared/traces/
 
 Every function is silent. For progress bars (what `kvprefetch train` draws on stderr):
 
-    from training.progress import build_dataset_reporting, rich_bars
+    from training.progress import rich_bars
 
     with rich_bars() as progress:                      # any callable(task, done, total) will do
-        df = build_dataset_reporting(["var/synthetic.events.jsonl"], progress)
+        df = build_dataset(["var/synthetic.events.jsonl"], progress)
         model = train(df, progress=progress)
 
 Hyper-parameter search (`pip install 'kvprefetch[tune]'`), scored on an inner time split of the

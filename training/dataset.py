@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -32,7 +32,14 @@ from app.engine.state import MemoryStore
 CHECKPOINTS: tuple[float, ...] = (0.0, 20.0, 60.0, 150.0, 300.0, 600.0, 1200.0)
 # The horizons a row asks about. The model takes the horizon as a feature, so the service can
 # ask about any horizon in between.
-HORIZONS: tuple[float, ...] = (15.0, 60.0, 180.0, 600.0)
+# Among them the planner's own (30, 300, 900 s: lead, keep, return): asked between two trained
+# horizons a tree answers with the nearer one's split, and at 900 s with 600 s's (training/DESIGN.md).
+HORIZONS: tuple[float, ...] = (15.0, 30.0, 60.0, 180.0, 300.0, 600.0, 900.0)
+
+# A replay reports its progress at most this many times per log: a bar needs no finer steps.
+REPORTS_PER_LOG = 200
+# progress(task, done, total): total is None while unknown (training/progress.py draws it).
+Progress = Callable[[str, int, "int | None"], None]
 
 META_COLUMNS = ("log", "session_id", "decision_ts", "time_fraction", "checkpoint_seconds",
                 "time_to_next_seconds", "instance_id", "next_instance_id", "label")
@@ -54,7 +61,9 @@ def load_events(path: Path) -> list[Event]:
 
 def rows_from_events(events: Sequence[Event], *, log_name: str, bytes_per_token: int = 327_680,
                      block_tokens: int = 512, checkpoints: Sequence[float] = CHECKPOINTS,
-                     horizons: Sequence[float] = HORIZONS) -> pd.DataFrame:
+                     horizons: Sequence[float] = HORIZONS,
+                     applied: Callable[[int], None] | None = None) -> pd.DataFrame:
+    """`applied(n)`, when given, hears now and then how many events the replay has applied."""
     arrivals: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for e in events:
         if isinstance(e, RequestRouted):
@@ -72,6 +81,7 @@ def rows_from_events(events: Sequence[Event], *, log_name: str, bytes_per_token:
     decisions.sort()
 
     store = MemoryStore(bytes_per_token=bytes_per_token, block_tokens=block_tokens, dedupe_max_ids=len(events) + 1)
+    report_every = max(len(events) // REPORTS_PER_LOG, 1)
     feats: list[list[float]] = []
     meta: list[tuple] = []  # type: ignore[type-arg]
     i = 0
@@ -81,6 +91,8 @@ def rows_from_events(events: Sequence[Event], *, log_name: str, bytes_per_token:
         while i < len(events) and events[i].ts <= decision_ts:
             store.apply([events[i]])
             i += 1
+            if applied is not None and i % report_every == 0:
+                applied(i)
         view = store.session(session_id)
         if view is None or view.state == "closed":
             continue
@@ -104,16 +116,24 @@ def rows_from_events(events: Sequence[Event], *, log_name: str, bytes_per_token:
     return frame
 
 
-def build_dataset(logs: Iterable[Path | str], **kwargs: object) -> pd.DataFrame:
+def build_dataset(logs: Iterable[Path | str], progress: Progress | None = None, **kwargs: object) -> pd.DataFrame:
     """Training rows from one or more event logs (files or log directories), each replayed alone.
 
     Columns: app.engine.features.FEATURES, then META_COLUMNS (`label` is the target,
     `time_fraction` the row's position in its log's time span, for splitting by time).
+    `progress(task, done, total)`, when given, hears how far each log's replay has got.
     """
     frames = []
     for log in logs:
         path = Path(log)
-        frames.append(rows_from_events(load_events(path), log_name=path.name, **kwargs))  # type: ignore[arg-type]
+        task = f"replaying {path.name}"
+        if progress is not None:
+            progress(task, 0, None)  # reading: the event count is not known yet
+        events = load_events(path)
+        report = (lambda done, task=task, total=len(events): progress(task, done, total)) if progress else None
+        frames.append(rows_from_events(events, log_name=path.name, applied=report, **kwargs))  # type: ignore[arg-type]
+        if progress is not None:
+            progress(task, len(events), len(events))
     if not frames:
         raise ValueError("no event logs given")
     data = pd.concat(frames, ignore_index=True)

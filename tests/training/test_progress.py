@@ -9,7 +9,7 @@ import pandas as pd
 from rich.console import Console
 
 from training import build_dataset, train
-from training.progress import build_dataset_reporting, rich_bars
+from training.progress import rich_bars
 
 ROUNDS = 30  # a short run is enough to see the reports
 
@@ -27,7 +27,7 @@ class Recorder:
 
 def test_replay_reports_events_done_and_gives_the_same_rows(tiny_log: Path, tiny_rows: pd.DataFrame) -> None:
     heard = Recorder()
-    rows = build_dataset_reporting([tiny_log], heard)
+    rows = build_dataset([tiny_log], heard)
     pd.testing.assert_frame_equal(rows, tiny_rows)
     reports = heard.of(f"replaying {tiny_log.name}")
     total = reports[-1][1]
