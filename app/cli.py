@@ -62,7 +62,7 @@ def bench_replay(
         help="A Mooncake-format trace (default: ../shared/traces/mooncake_conversation_first60.jsonl).")] = None,
     policy: Annotated[str, typer.Option(
         help="A policy, or all (every policy but learned), each in a fresh process.")] = "none",
-    router: Annotated[str, typer.Option(help="sticky, least-loaded or kv-aware.")] = "sticky",
+    router: Annotated[str, typer.Option(help="sticky, least-loaded, kv-aware or hinted.")] = "sticky",
     scenario: Annotated[str, typer.Option(help="A shipped scenario name or a TOML file.")] = "default",
     rounds: Annotated[int, typer.Option(min=1, help="Timed replays per policy (the median is reported).")] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
@@ -134,7 +134,7 @@ def replay(
     trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],
     policy: Annotated[str, typer.Option(help="none, lookahead, belady, oracle, heuristic or learned.")] = "none",
     scenario: Annotated[str, typer.Option(help="A shipped scenario name or a TOML file.")] = "default",
-    router: Annotated[str, typer.Option(help="sticky, least-loaded or kv-aware.")] = "sticky",
+    router: Annotated[str, typer.Option(help="sticky, least-loaded, kv-aware or hinted.")] = "sticky",
     block_tokens: Annotated[int | None, typer.Option(help="Tokens per trace block (default: the scenario's).")] = None,
     model: Annotated[str | None, typer.Option(help="Model directory for the learned policy.")] = None,
     compare: Annotated[str | None, typer.Option(help="Several policies, comma-separated, side by side.")] = None,
@@ -186,7 +186,7 @@ def events_from_trace(
     trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],
     out: Annotated[Path, typer.Option(help="Where to write the event log (JSON Lines).")],
     scenario: Annotated[str, typer.Option(help="A shipped scenario name or a TOML file.")] = "default",
-    router: Annotated[str, typer.Option(help="sticky, least-loaded or kv-aware.")] = "sticky",
+    router: Annotated[str, typer.Option(help="sticky, least-loaded, kv-aware or hinted.")] = "sticky",
     policy: Annotated[str, typer.Option(help="The policy the cluster ran under while the events happened.")] = "none",
     block_tokens: Annotated[int | None, typer.Option(help="Tokens per trace block.")] = None,
 ) -> None:

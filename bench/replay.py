@@ -103,7 +103,7 @@ def run(*, trace: Path | None = None, policy: str = "none", router: str = "stick
         rounds: int = 3) -> dict[str, Any]:
     from app.core.errors import ConfigError
     from sim.policies import make_policy
-    from sim.routers import make_router
+    from sim.routers import ROUTERS, make_router
     from sim.scenario import load_scenario
 
     path = (trace or DEFAULT_TRACE).resolve()
@@ -113,9 +113,11 @@ def run(*, trace: Path | None = None, policy: str = "none", router: str = "stick
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
     policies = all_policies() if policy == "all" else [policy]
-    for p in policies:  # fail here, not in a child: unknown names, a learned policy with no model
-        make_policy(p, session_view=lambda session_id: None)
-    make_router(router)
+    for p in policies:  # fail here, not in a child: unknown names, a model policy with no model
+        # `scheduled` needs the engine a child builds; its model loads as `learned`'s does.
+        make_policy("learned" if p == "scheduled" else p, session_view=lambda session_id: None)
+    if router not in ROUTERS:
+        make_router(router)  # raises, naming the routers there are
     load_scenario(scenario)
     if Path(scenario).suffix:  # a TOML file: the children run in the repository
         scenario = str(Path(scenario).resolve())

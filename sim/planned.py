@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from app.engine.planner import MAX_IDLE_SECONDS, Planner
+from app.engine.routing import RouteTracker
 from app.engine.state.base import SessionView
 from sim.policies import Policy
 
@@ -29,16 +30,14 @@ class PlannedPolicy(Policy):
         self._session_view = session_view
         self._idle: set[str] = set()
         self._fetched: set[str] = set()
-        self._last_instance: dict[str, str] = {}  # for the planner's estimate of where returns land
+        # Feeds the planner's estimate of where returns land.
+        self.routes = RouteTracker(planner.routes) if planner.routes is not None else None
 
     def on_arrival(self, r: SimRequest, now: float) -> None:
         self._idle.discard(r.session_id)
         self._fetched.discard(r.session_id)
-        routes = self.planner.routes
-        if routes is not None:
-            instance_id = self.cluster.instances[r.instance].instance_id
-            routes.observe(self._last_instance.get(r.session_id), instance_id)
-            self._last_instance[r.session_id] = instance_id
+        if self.routes is not None:
+            self.routes.routed(r.session_id, self.cluster.instances[r.instance].instance_id)
 
     def on_finished(self, r: SimRequest, now: float) -> None:
         self._idle.add(r.session_id)

@@ -97,7 +97,8 @@ def replay(trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "
         engine = EngineFeed(store, ManualClock(0.0), keep_events=keep_events)
     pol = make_policy(policy, session_view=engine.session, model_dir=model_dir, planner_options=planner_options,
                       store=getattr(engine, "store", None), scenario=scenario)
-    cluster = Cluster(scenario, requests, make_router(router), pol, emit=engine.emit)
+    rtr = make_router(router, store=getattr(engine, "store", None), scenario=scenario)
+    cluster = Cluster(scenario, requests, rtr, pol, emit=engine.emit)
     cluster.run(progress=progress)
     summary = summarize(cluster, requests, measure_from_seconds)
     summary.update({"policy": policy, "router": router, "scenario": scenario.name,

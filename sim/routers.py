@@ -5,16 +5,26 @@
 - `least-loaded`: fewest running + queued requests (round-robin-like when all are equal).
 - `kv-aware`: most of the request's reused blocks resident in HBM, then least loaded (what
   Dynamo's KV router and llm-d's scorer do with engine KV events).
+- `hinted`: asks the service's route hint (app/engine/hints.py, what `POST /v1/route-hint`
+  answers) over every instance and takes its recommendation: where the session's context is or
+  soonest will be, weighed against each instance's queue. Where the context is comes from the
+  engine's store (the events the cluster emitted), never from the cluster itself; the queues
+  are read live from the cluster, as a router knows its own. A session with no context known
+  goes to the least loaded.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:
-    from sim.cluster import Cluster, SimRequest
+from app.engine.hints import HintConfig, InstanceLoad, route_hint
 
-ROUTERS = ("sticky", "least-loaded", "kv-aware")
+if TYPE_CHECKING:
+    from app.engine.state.base import StateStore
+    from sim.cluster import Cluster, SimRequest
+    from sim.scenario import Scenario
+
+ROUTERS = ("sticky", "least-loaded", "kv-aware", "hinted")
 
 
 class Router(Protocol):
@@ -63,7 +73,42 @@ class KvAware:
         return min(((r.index + k) % n for k in range(n)), key=score)
 
 
-def make_router(name: str) -> Router:
+class Hinted:
+    name = "hinted"
+
+    def __init__(self, store: StateStore, config: HintConfig) -> None:
+        self.store = store
+        self.config = config
+
+    def route(self, r: SimRequest, cluster: Cluster) -> int:
+        n = len(cluster.instances)
+        # Candidates from a rotating start, so that equal hints spread as least-loaded's ties do.
+        order = [cluster.instances[(r.index + k) % n] for k in range(n)]
+        loads = {inst.instance_id: InstanceLoad(queue_depth=len(inst.queue), running_requests=inst.running)
+                 for inst in order}
+        # With the `scheduled` policy, its open prefetches are on their way, as in the service.
+        scheduler = getattr(cluster.policy, "scheduler", None)
+        inflight = scheduler.open_orders() if scheduler is not None else ()
+        hint = route_hint(self.store, r.session_id, [inst.instance_id for inst in order], cluster.now,
+                          config=self.config, inflight=inflight, loads=loads)
+        if not hint.context_known:
+            return _least_loaded(cluster, r.index)
+        return next(inst.idx for inst in order if inst.instance_id == hint.recommended)
+
+
+def hint_config(scenario: Scenario) -> HintConfig:
+    return HintConfig(bytes_per_token=scenario.bytes_per_token,
+                      pool_link_bytes_per_second=scenario.pool_link_bytes_per_second,
+                      host_link_bytes_per_second=scenario.host_link_bytes_per_second,
+                      prefill_tokens_per_second=scenario.prefill_tokens_per_second)
+
+
+def make_router(name: str, *, store: StateStore | None = None, scenario: Scenario | None = None) -> Router:
+    """`store` and `scenario`: the engine's state and the cluster's numbers, for `hinted`."""
+    if name == "hinted":
+        if store is None or scenario is None:
+            raise ValueError("the hinted router reads the engine's own state: it needs the in-process engine")
+        return Hinted(store, hint_config(scenario))
     routers: dict[str, type] = {"sticky": Sticky, "least-loaded": LeastLoaded, "kv-aware": KvAware}
     try:
         return routers[name]()

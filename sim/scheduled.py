@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from app.engine.orders import Order
 from app.engine.planner import MAX_IDLE_SECONDS, Planner
+from app.engine.routing import RouteTracker
 from app.engine.scheduler import Scheduler
 from app.engine.state.base import SessionView
 from sim.policies import Policy
@@ -34,16 +35,15 @@ class ScheduledPolicy(Policy):
         self._session_view = session_view
         self._idle: set[str] = set()
         self._cancelled: set[str] = set()
-        self._last_instance: dict[str, str] = {}
+        # Feeds the planner's estimate of where returns land.
+        self.routes = RouteTracker(planner.routes) if planner.routes is not None else None
 
     def on_arrival(self, r: SimRequest, now: float) -> None:
         self._idle.discard(r.session_id)
         instance_id = self.cluster.instances[r.instance].instance_id
         self.scheduler.forget(r.session_id, routed_to=instance_id)
-        routes = self.planner.routes
-        if routes is not None:
-            routes.observe(self._last_instance.get(r.session_id), instance_id)
-            self._last_instance[r.session_id] = instance_id
+        if self.routes is not None:
+            self.routes.routed(r.session_id, instance_id)
 
     def on_finished(self, r: SimRequest, now: float) -> None:
         self._idle.add(r.session_id)
@@ -89,6 +89,8 @@ class ScheduledPolicy(Policy):
             self._cancelled.discard(order.order_id)
             return
         if self.cluster.prefetch(idx, blocks):
+            if order.ttl_seconds:
+                self.cluster.keep(idx, blocks, self.cluster.now + order.ttl_seconds)
             self.scheduler.on_progress(order.order_id, "accepted")
         elif all(b in self.cluster.instances[idx].hbm for b in blocks):
             self.scheduler.on_progress(order.order_id, "completed")  # it arrived some other way

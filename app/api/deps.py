@@ -14,6 +14,7 @@ from app.core.config import Settings
 from app.engine.advice import AdviceLedger
 from app.engine.ingest import Ingestor
 from app.engine.models import ModelRegistry
+from app.engine.scheduler import Scheduler
 from app.engine.sinks import OrderSink
 from app.engine.state.base import StateStore
 
@@ -46,6 +47,10 @@ async def get_order_sink(request: Request) -> OrderSink:
     return request.app.state.order_sink
 
 
+async def get_scheduler(request: Request) -> Scheduler:
+    return request.app.state.scheduler
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[StateStore, Depends(get_store)]
 IngestorDep = Annotated[Ingestor, Depends(get_ingestor)]
@@ -53,3 +58,4 @@ ModelsDep = Annotated[ModelRegistry, Depends(get_models)]
 LedgerDep = Annotated[AdviceLedger, Depends(get_ledger)]
 ClockDep = Annotated[Clock, Depends(get_clock)]
 OrderSinkDep = Annotated[OrderSink, Depends(get_order_sink)]
+SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]

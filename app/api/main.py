@@ -14,7 +14,7 @@ from fastapi.openapi.utils import get_openapi
 
 from app import __version__
 from app.api.errors import error_response
-from app.api.routes import events, health, model, orders, state
+from app.api.routes import events, health, hints, model, orders, scheduler, state
 from app.core.clock import Clock, SystemClock
 from app.core.config import Settings
 from app.core.errors import EventLogError, StoreError, StoreUnavailable
@@ -23,6 +23,9 @@ from app.engine.eventlog import EventLog
 from app.engine.events import Event, batch_adapter
 from app.engine.ingest import Ingestor, Observer
 from app.engine.models import ModelRegistry
+from app.engine.dispatch import Dispatcher, feedback_observer
+from app.engine.routing import RouteTracker
+from app.engine.scheduler import Scheduler, SchedulerConfig
 from app.engine.scoring import Scorer
 from app.engine.sinks import OrderSink, PullQueue, build_sink
 from app.engine.state import StateStore, build_store
@@ -46,27 +49,40 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         app.state.event_log = EventLog(settings.event_log_dir, segment_bytes=settings.log_segment_bytes,
                                        fsync=settings.log_fsync)
         app.state.ledger = AdviceLedger()
-        observers: list[Observer] = [app.state.ledger.observe]
+        app.state.scheduler = Scheduler(app.state.store, SchedulerConfig(
+            bytes_per_block=settings.bytes_per_token * settings.block_tokens, block_tokens=settings.block_tokens,
+            link_share=settings.prefetch_link_share, pool_link_bytes_per_second=settings.pool_link_bytes_per_second,
+            host_link_bytes_per_second=settings.host_link_bytes_per_second,
+            prefill_tokens_per_second=settings.prefill_tokens_per_second))
+        app.state.routes = RouteTracker()
+        app.state.models = ModelRegistry(settings.model_dir, settings.shadow_model_dir, ledger=app.state.ledger)
+        app.state.scorer = Scorer(app.state.store, app.state.models, app.state.ledger, app.state.clock,
+                                  sessions_per_tick=settings.score_sessions_per_tick,
+                                  scheduler=app.state.scheduler, routes=app.state.routes.estimate)
+        app.state.dispatcher = Dispatcher(app.state.scheduler, app.state.order_sink, app.state.clock)
+        observers: list[Observer] = [app.state.ledger.observe, app.state.scorer.observe,
+                                     feedback_observer(app.state.scheduler, app.state.routes)]
         if isinstance(app.state.order_sink, PullQueue):
             observers.append(app.state.order_sink.observe)  # order_progress: started, done
         app.state.ingestor = Ingestor(app.state.store, app.state.event_log, replica_id=settings.replica_id,
                                       observer=compose_observers(observers))
-        app.state.models = ModelRegistry(settings.model_dir, settings.shadow_model_dir, ledger=app.state.ledger)
-        app.state.scorer = Scorer(app.state.store, app.state.models, app.state.ledger, app.state.clock,
-                                  sessions_per_tick=settings.score_sessions_per_tick)
         replayed = app.state.ingestor.recover()
         log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed", __version__, settings.store,
                  settings.event_log_dir, replayed)
         scoring = app.state.scoring_task = (
             asyncio.create_task(app.state.scorer.run(settings.score_interval_seconds))
             if settings.score_interval_seconds > 0 else None)
+        planning = app.state.planning_task = (
+            asyncio.create_task(app.state.dispatcher.run(settings.plan_interval_seconds))
+            if settings.plan_interval_seconds > 0 else None)
         try:
             yield
         finally:
-            if scoring is not None:
-                scoring.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await scoring
+            for task in (scoring, planning):
+                if task is not None:
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
             app.state.event_log.close()
             if store is None:
                 app.state.store.close()
@@ -84,6 +100,8 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
     app.include_router(state.router, prefix="/v1")
     app.include_router(model.router, prefix="/v1")
     app.include_router(orders.router, prefix="/v1")
+    app.include_router(scheduler.router, prefix="/v1")
+    app.include_router(hints.router, prefix="/v1")
 
     @app.exception_handler(StoreUnavailable)
     async def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:

@@ -60,6 +60,11 @@ class Settings(BaseSettings):
     score_interval_seconds: float = Field(1.0, ge=0)
     # Sessions per tick: what bounds the time one tick holds the event loop.
     score_sessions_per_tick: int = Field(256, ge=1)
+    # How often the scheduler plans orders from the latest advice (app/engine/dispatch.py); 0
+    # turns planning off (tests drive it one tick at a time).
+    plan_interval_seconds: float = Field(0.1, ge=0)
+    # The share of each link prefetch may book, so demand loads are never starved.
+    prefetch_link_share: float = Field(0.5, gt=0, le=1)
 
     # Name of this replica: keys its log checkpoint in a shared store.
     replica_id: str = Field(default_factory=socket.gethostname)

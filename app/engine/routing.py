@@ -33,3 +33,22 @@ class SameInstanceEstimate:
     @property
     def p_same(self) -> float:
         return self._same / self._total
+
+
+class RouteTracker:
+    """Feeds a SameInstanceEstimate from routing events: remembers each session's last instance
+    (the most recent `max_sessions`; a session forgotten counts as a first turn)."""
+
+    def __init__(self, estimate: SameInstanceEstimate | None = None, *, max_sessions: int = 200_000) -> None:
+        self.estimate = estimate or SameInstanceEstimate()
+        self.max_sessions = max_sessions
+        self._last: dict[str, str] = {}  # oldest first
+
+    def routed(self, session_id: str, instance_id: str) -> None:
+        self.estimate.observe(self._last.pop(session_id, None), instance_id)
+        self._last[session_id] = instance_id
+        if len(self._last) > self.max_sessions:
+            del self._last[next(iter(self._last))]
+
+    def closed(self, session_id: str) -> None:
+        self._last.pop(session_id, None)

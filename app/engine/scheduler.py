@@ -4,7 +4,8 @@ the destinations' room, never twice, and withdrawn when the prediction falls.
 One `plan(advice, now)` per tick turns the planner's per-session advice (app/engine/planner.py)
 into a `Plan` of orders (app/engine/orders.py) and cancels:
 
-- **Prefetch** for sessions likely back on their instance within the lead time. Value = P(back
+- **Prefetch** for sessions likely back on their instance within the lead time, held on landing
+  (the order's ttl) for as long as the context would be kept, at least the lead. Value = P(back
   there in time) x the stall it avoids (the missing bytes' time to last byte over the link, or
   their recompute time if that is shorter); cost = the bytes not already at the destination or
   on their way. Best value per byte first. needed_by = now + `needed_within_fraction` of the
@@ -175,6 +176,11 @@ class Scheduler:
     def tracked_sessions(self) -> int:
         return len(self._latest)
 
+    @property
+    def candidates(self) -> int:
+        """Sessions whose latest advice asks for a prefetch."""
+        return len(self._candidates)
+
     # -- planning ---------------------------------------------------------------------------
 
     def plan(self, now: float) -> Plan:
@@ -195,8 +201,14 @@ class Scheduler:
         ordered_now: dict[tuple[str, BlockHash], str] = {}
         claimed: set[_Spell] = set()
         displaceable: dict[str, list[SessionAdvice]] = {}  # per destination, built when first needed
+        # A destination whose room or link ran out for one candidate has none for the less likely
+        # ones after it (they may displace less): skipping them keeps a tick's cost to the
+        # candidates that can still be served.
+        exhausted: set[str] = {d for d, room in free.items() if room is None}
         for cand in sorted(self._candidates.values(), key=lambda a: (-a.p_soon, a.session_id)):
             dest: str = cand.instance_id  # type: ignore[assignment]
+            if dest in exhausted or dest not in free:
+                continue  # out of room, or it never reported its room
             blocks = list(dict.fromkeys(cand.block_hashes))
             here = self.store.holds("hbm", dest, blocks)
             missing = [b for b, h in zip(blocks, here) if not h and b not in inflight_blocks.get(dest, ())]
@@ -205,9 +217,7 @@ class Scheduler:
             missing = [b for b in missing if (dest, b) not in ordered_now]
             for source, part in self._sources(dest, missing):
                 nbytes = len(part) * cfg.bytes_per_block
-                room = free.get(dest)
-                if room is None:
-                    continue  # no instance_status from it: its room is unknown
+                room: int = free[dest]  # type: ignore[assignment]
                 if room < nbytes:
                     if dest not in displaceable:
                         displaceable[dest] = sorted(
@@ -215,10 +225,12 @@ class Scheduler:
                             key=lambda a: (a.p_keep, a.session_id))
                     room += self._make_room(dest, nbytes - room, cand, displaceable[dest], orders, now, claimed)
                     if room < nbytes:
-                        continue
+                        exhausted.add(dest)
+                        break
                 order = self._book(cand, dest, source, part, nbytes, now)
                 if order is None:
-                    continue
+                    exhausted.add(dest)
+                    break
                 free[dest] = room - nbytes
                 moving[order.order_id] = order
                 for b in part:
@@ -331,8 +343,10 @@ class Scheduler:
         start_by = self._book_link(link, transfer_seconds, needed_by - cfg.margin_seconds, now)
         if start_by is None:
             return None  # the link's share is booked: it would land too late to matter
+        # Held as long as it would be kept, and at least through the lead it was fetched for.
+        hold_seconds = max(cand.keep_seconds, cfg.lead_seconds)
         order = self._order("prefetch", cand, blocks, now, source=source, nbytes=nbytes, start_by=start_by,
-                            needed_by=needed_by,
+                            needed_by=needed_by, ttl_seconds=hold_seconds,
                             priority=cand.p_soon * self._stall_avoided(source, len(blocks), nbytes))
         self._open[order.order_id] = _Open(order, sessions={cand.session_id})
         self._booking[order.order_id] = (link, (start_by, start_by + transfer_seconds))

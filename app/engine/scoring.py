@@ -14,26 +14,47 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
 from app.engine.advice import AdviceLedger
+from app.engine.events import Event, RequestFinished
 from app.engine.models import ModelRegistry
 from app.engine.planner import MAX_IDLE_SECONDS, Planner
+from app.engine.routing import SameInstanceEstimate
+from app.engine.scheduler import Scheduler
 from app.engine.state.base import SessionCursor, StateStore, cursor_of
 
 log = logging.getLogger(__name__)
 
+MAX_FINISHED_QUEUE = 100_000
+
 
 class Scorer:
+    """`scheduler`, when given, takes the serving model's advice too (the shadow's never);
+    `routes` weighs the advice by where returns land (app/engine/routing.py)."""
+
     def __init__(self, store: StateStore, models: ModelRegistry, ledger: AdviceLedger, clock: Clock, *,
-                 sessions_per_tick: int = 256) -> None:
+                 sessions_per_tick: int = 256, scheduler: Scheduler | None = None,
+                 routes: SameInstanceEstimate | None = None) -> None:
         self.store = store
         self.models = models
         self.ledger = ledger
         self.clock = clock
         self.sessions_per_tick = sessions_per_tick
+        self.scheduler = scheduler
+        self.routes = routes
         self._cursor: SessionCursor | None = None
+        # Sessions whose request just finished: advised at the next tick, ahead of the page, so
+        # a fresh context's keep or demote does not wait for the page to come round.
+        self._finished: dict[str, None] = {}
+
+    def observe(self, events: Sequence[Event]) -> None:
+        """The ingest observer: notes finishes (bounded; past the bound the page covers them)."""
+        for e in events:
+            if isinstance(e, RequestFinished) and len(self._finished) < MAX_FINISHED_QUEUE:
+                self._finished[e.session_id] = None
 
     def tick(self) -> int:
         """Score one page of live sessions now (by the injected clock); returns how many were read."""
@@ -42,14 +63,23 @@ class Scorer:
         page = self.store.live_sessions(self.sessions_per_tick, before=self._cursor,
                                         active_since_ts=now - MAX_IDLE_SECONDS)
         self._cursor = cursor_of(page[-1]) if len(page) == self.sessions_per_tick else None
+        finished = list(self._finished)[: self.sessions_per_tick]
+        for session_id in finished:
+            del self._finished[session_id]
+        in_page = {v.session_id for v in page}
+        fresh = [v for v in (self.store.session(s) for s in finished if s not in in_page) if v is not None]
+        page = fresh + page
         if not page:
             return 0
         live = self.models.serving
-        self.ledger.record("live", Planner(live.predictor).advise(page, now), now)
+        advice = Planner(live.predictor, routes=self.routes).advise(page, now)
+        self.ledger.record("live", advice, now)
+        if self.scheduler is not None:
+            self.scheduler.advise(advice, now)
         shadow = self.models.shadow
         if shadow is not None:
             try:
-                advice = Planner(shadow.predictor).advise(page, now)
+                advice = Planner(shadow.predictor, routes=self.routes).advise(page, now)
             except Exception:  # a broken shadow must never cost the serving model its scoring
                 log.exception("the shadow model %s failed to score %d sessions", shadow.version, len(page))
             else:

@@ -177,6 +177,10 @@ def test_orders_have_consistent_times_and_ids() -> None:
     plan = tick(Scheduler(store, config(lead_seconds=30.0)), [advice("a", [0, 1])], 50.0)
     (o,) = plan.orders
     assert o.created_ts == 50.0 and o.needed_by_ts == 53.0 and 50.0 <= o.start_by_ts <= o.needed_by_ts
+    assert o.ttl_seconds == 30.0  # held through the lead it was fetched for (no keep advice)
+    (kept,) = tick(Scheduler(store, config(lead_seconds=30.0)),
+                   [advice("k", [3, 4], p_keep=0.9, retention="keep")], 50.0).orders
+    assert (kept.kind, kept.ttl_seconds) == ("prefetch", 300.0)  # as long as it would be kept
     assert o.priority == pytest.approx(0.9 * min(2 * BLOCK_BYTES / 12.5e9, 2 * 512 / 20_000))
 
 

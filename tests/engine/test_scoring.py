@@ -160,3 +160,13 @@ def test_a_store_blip_skips_a_tick_and_scoring_goes_on(tmp_path: Path, caplog) -
     asyncio.run(drive())
     assert ledger.stats("live").predictions >= 1
     assert "scoring tick skipped: blip" in caplog.text
+
+
+def test_a_finished_session_is_advised_at_the_next_tick_ahead_of_the_page(tmp_path: Path) -> None:
+    store, ledger, scorer = setup(tmp_path, Fixed(0.9), per_tick=1)
+    early, late = turn("early", 100.0, 200.0), turn("late", 300.0, 400.0)
+    store.apply([*early, *late])
+    scorer.observe(early)  # its finish: advised next tick, though the page starts at the newest
+    assert scorer.tick() == 2
+    assert ledger.latest("live", "early") is not None and ledger.latest("live", "late") is not None
+    assert scorer.tick() == 1  # no finish waiting: the page alone

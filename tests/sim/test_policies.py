@@ -249,6 +249,8 @@ def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
     assert d.hit_blocks == 4 and d.stall_seconds == 0.0
     assert cluster.totals.bytes_prefetched == 4 * BLOCK_BYTES and cluster.totals.bytes_prefetched_unused == 0
     assert policy.scheduler.totals.orders["prefetch"] == 1 and policy.scheduler.totals.orders["demote"] >= 1
+    landed = cluster.instances[0].hbm.entries
+    assert all(b not in landed or landed[b].keep_until >= 40.0 for b in context(0, 4))  # held on landing
 
 
 def test_scheduled_policy_without_the_in_process_engine_is_refused() -> None:

@@ -1,0 +1,34 @@
+"""GET /v1/scheduler: what the scheduler holds and has done (for operators and dashboards)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from pydantic import BaseModel
+
+from app.api.deps import SchedulerDep
+
+router = APIRouter(tags=["orders"])
+
+
+class SchedulerStatus(BaseModel):
+    tracked_sessions: int
+    candidates: int
+    open_orders: int
+    inflight_bytes: int
+    orders: dict[str, int]
+    bytes_ordered: int
+    completed: int
+    failed: int
+    cancelled: int
+    bytes_wasted: int
+
+
+@router.get("/scheduler", response_model=SchedulerStatus, summary="The scheduler's state and totals")
+async def scheduler_status(scheduler: SchedulerDep) -> SchedulerStatus:
+    t = scheduler.totals
+    open_orders = scheduler.open_orders()
+    return SchedulerStatus(
+        tracked_sessions=scheduler.tracked_sessions, candidates=scheduler.candidates, open_orders=len(open_orders),
+        inflight_bytes=sum(o.size_bytes for o in open_orders if o.kind == "prefetch"), orders=dict(t.orders),
+        bytes_ordered=t.bytes_ordered, completed=t.completed, failed=t.failed, cancelled=t.cancelled,
+        bytes_wasted=t.bytes_wasted)

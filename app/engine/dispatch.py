@@ -1,0 +1,75 @@
+"""The service's planning loop: the scheduler's orders to the sink, and what comes back to it.
+
+Every `plan_interval_seconds` the Dispatcher asks the scheduler for a plan (app/engine/
+scheduler.py) and hands its orders and cancels to the configured sink (app/engine/sinks/).
+An order the sink could not take is reported to the scheduler as failed, so the next tick may
+plan it again rather than count it as on its way.
+
+`feedback_observer` is the ingest observer that tells the scheduler what happened: a request
+routed (its session's advice is void; its order, if it went where the order goes, is used), a
+session closed, an order's progress; and tells the route tracker where returns land.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from app.core.clock import Clock
+from app.engine.events import Event, OrderProgress, RequestRouted, SessionClosed
+from app.engine.ingest import Observer
+from app.engine.routing import RouteTracker
+from app.engine.scheduler import Plan, Scheduler
+from app.engine.sinks import OrderSink, SinkError
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    def __init__(self, scheduler: Scheduler, sink: OrderSink, clock: Clock) -> None:
+        self.scheduler = scheduler
+        self.sink = sink
+        self.clock = clock
+        self.undelivered = 0
+
+    async def tick(self) -> Plan:
+        """Plan now (by the injected clock) and deliver; returns the plan."""
+        plan = self.scheduler.plan(self.clock.now())
+        if plan.cancels:
+            try:
+                await self.sink.cancel(plan.cancels)
+            except SinkError as exc:  # the agent may still start it; the scheduler counts it as cancelled
+                log.warning("%d cancels not delivered: %s", len(plan.cancels), exc)
+        if plan.orders:
+            try:
+                await self.sink.submit(plan.orders)
+            except SinkError as exc:
+                self.undelivered += len(plan.orders)
+                log.warning("%d orders not delivered (planned again next tick): %s", len(plan.orders), exc)
+                for order in plan.orders:
+                    self.scheduler.on_progress(order.order_id, "failed")
+        return plan
+
+    async def run(self, interval_seconds: float) -> None:
+        while True:
+            await asyncio.sleep(interval_seconds)
+            try:
+                await self.tick()
+            except Exception:  # one bad tick must not end planning for the life of the process
+                log.exception("planning tick failed")
+
+
+def feedback_observer(scheduler: Scheduler, routes: RouteTracker) -> Observer:
+    def observe(events: Sequence[Event]) -> None:
+        for e in events:
+            if isinstance(e, RequestRouted):
+                routes.routed(e.session_id, e.instance_id)
+                scheduler.forget(e.session_id, routed_to=e.instance_id)
+            elif isinstance(e, SessionClosed):
+                routes.closed(e.session_id)
+                scheduler.forget(e.session_id)
+            elif isinstance(e, OrderProgress):
+                scheduler.on_progress(e.order_id, e.status)
+
+    return observe
