@@ -3,23 +3,31 @@
 `predict_one` / `predict_many` in the style of river, plus `p_within`, the matrix the planner
 uses: for each session and each horizon h, P(the next request arrives within h seconds).
 The heuristic needs no model: it reads the session's own history. The learned predictor is a
-LightGBM model over app.engine.features, trained from event logs (training/).
+LightGBM model over app.engine.features, trained from event logs (training/), evaluated by the
+Booster or, when lleaves is installed, by the same model compiled to machine code
+(app/engine/compiled.py). A caller that keeps a FeatureTable current scores straight from it
+(`p_within_table`), skipping the conversion of views to features.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 
 from app.core.errors import KvpError
-from app.engine.features import FEATURES, feature_matrix
+from app.engine import compiled
+from app.engine.feature_table import FeatureTable
+from app.engine.features import FEATURES, HORIZON_FEATURE, feature_matrix
 from app.engine.state.base import SessionView
+
+log = logging.getLogger(__name__)
 
 # REFERENCE.md ("What real traffic looks like"): the gap to a conversation's next turn has a
 # median of ~78-126 s; this is the prior for a session with no gap of its own yet.
@@ -28,6 +36,9 @@ PRIOR_GAP_SECONDS = 100.0
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "models" / "default"
 # The horizons a prediction is read at; beyond the last, a session counts as not returning.
 HORIZON_GRID: tuple[float, ...] = (5.0, 15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 900.0)
+# What evaluates the trees: "auto" is the compiled model when lleaves is installed and compiles
+# this model, else the Booster.
+Backend = Literal["auto", "compiled", "booster"]
 
 
 # What a session that does not come back within the grid costs in expected wait: about an hour,
@@ -118,7 +129,7 @@ class LearnedPredictor(_PredictMixin):
 
     name = "learned"
 
-    def __init__(self, model_dir: Path | str) -> None:
+    def __init__(self, model_dir: Path | str, *, backend: Backend = "auto", cache_dir: Path | None = None) -> None:
         import lightgbm as lgb
 
         self.model_dir = Path(model_dir)
@@ -136,13 +147,56 @@ class LearnedPredictor(_PredictMixin):
         card_file = self.model_dir / "card.json"
         self.card = json.loads(card_file.read_text()) if card_file.is_file() else {}
         self.version = self.model_dir.name
+        self.compiled: compiled.CompiledModel | None = None
+        if backend == "compiled" or (backend == "auto" and compiled.available()):
+            probe = probe_rows()
+            try:
+                self.compiled = compiled.compile_model(model_file, probe, self._booster_predict(probe), cache_dir)
+            except Exception as exc:  # lleaves is optional: any failure leaves the Booster serving
+                if backend == "compiled":
+                    raise ModelError(f"{model_file} does not compile: {exc}") from None
+                log.warning("scoring with the LightGBM Booster: %s does not compile: %s", model_file, exc)
+
+    @property
+    def backend(self) -> str:
+        """What evaluates the trees: "lleaves" or "booster"."""
+        return "lleaves" if self.compiled is not None else "booster"
+
+    def p_from_matrix(self, x: np.ndarray) -> np.ndarray:
+        """P(within the row's horizon) for each row of a FEATURES matrix (feature_matrix's layout)."""
+        if len(x) == 0:
+            return np.zeros(0)
+        if self.compiled is not None:
+            return self.compiled.predict(x)
+        return self._booster_predict(x)
 
     def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
         if not sessions:
             return np.zeros((0, len(horizons)))
-        x = feature_matrix(sessions, now, horizons)
-        p = self.booster.predict(x, num_threads=1)
-        out = p.reshape(len(sessions), len(horizons))
+        out = self.p_from_matrix(feature_matrix(sessions, now, horizons)).reshape(len(sessions), len(horizons))
         closed = np.array([s.state == "closed" for s in sessions])
         out[closed] = 0.0
         return out
+
+    def p_within_table(self, table: FeatureTable, now: float, horizons: Sequence[float],
+                       rows: np.ndarray | None = None) -> np.ndarray:
+        """`p_within` for the table's sessions (all rows, or `rows`), shape (sessions, horizons)."""
+        n = len(table) if rows is None else len(rows)
+        out = self.p_from_matrix(table.matrix(now, horizons, rows)).reshape(n, len(horizons))
+        out[table.closed(rows)] = 0.0
+        return out
+
+    def _booster_predict(self, x: np.ndarray) -> np.ndarray:
+        # One thread: the service shares its two cores with ingestion (bench predict has both).
+        return np.asarray(self.booster.predict(x, num_threads=1))
+
+
+def probe_rows(n: int = 512, seed: int = 0) -> np.ndarray:
+    """Rows spread over many orders of magnitude, some NaN, every grid horizon: a compiled model
+    (or a cached one) that answers all of them as the Booster does is taken for the same model."""
+    rng = np.random.default_rng(seed)
+    x = rng.lognormal(mean=2.0, sigma=3.0, size=(n, len(FEATURES)))
+    x[rng.random(x.shape) < 0.15] = np.nan
+    x[:, FEATURES.index("running")] = rng.integers(0, 2, n)
+    x[:, FEATURES.index(HORIZON_FEATURE)] = rng.choice(HORIZON_GRID, n)
+    return x

@@ -7,12 +7,32 @@ import json
 from typer.testing import CliRunner
 
 from app.cli import cli
+from app.engine import compiled
+from app.engine.predictor import HORIZON_GRID
+from bench.predict import PLANNER_HORIZONS
+
+BATCH = {"service_p_within", "table_p_within", "table_matrix", "compiled", "booster_1_thread", "booster_2_threads",
+         "features_from_views", "features_reference", "table_from_views"}
 
 
-def test_bench_predict_reports_the_service_beside_the_booster() -> None:
+def test_bench_predict_reports_the_service_beside_the_booster_at_both_horizon_sets() -> None:
     result = CliRunner().invoke(cli, ["bench", "predict", "--sessions", "50", "--rounds", "1", "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout.strip().splitlines()[-1])
-    assert (doc["sessions"], doc["horizons"], doc["rows"]) == (50, 9, 450)
-    assert set(doc["batch_ms"]) == {"service_p_within", "features_only", "booster_only"}
-    assert all(v > 0 for v in [*doc["batch_ms"].values(), *doc["single_session_ms"].values()])
+    assert doc["sessions"] == 50
+    has_compiled = compiled.available()
+    assert doc["backend"] == ("lleaves" if has_compiled else "booster")
+    for name, horizons in (("planner", PLANNER_HORIZONS), ("grid", HORIZON_GRID)):
+        part = doc[name]
+        assert (part["horizons"], part["rows"]) == (list(horizons), 50 * len(horizons))
+        assert set(part["batch_ms"]) == BATCH
+        timed = {k: v for k, v in part["batch_ms"].items() if k != "compiled" or has_compiled}
+        assert all(v > 0 for v in timed.values())
+        assert all(v is None or v > 0 for v in part["ratios"].values())
+    single = doc["single_session_ms"]
+    assert set(single) == {"horizons", "service_p_within", "compiled", "booster_1_thread", "table_upsert"}
+    assert all(v > 0 for k, v in single.items() if k != "compiled" or has_compiled)
+    assert doc["target"]["horizons"] == list(PLANNER_HORIZONS) and doc["target"]["met"] is None  # not 10,000
+    assert len(doc["load_average_1m"]) == 2
+    if has_compiled:
+        assert doc["compiled_load_seconds"]["compile"] > 0 and doc["compiled_load_seconds"]["from_cache"] > 0
