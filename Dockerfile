@@ -8,7 +8,7 @@ COPY training ./training
 COPY models ./models
 COPY data ./data
 # Editable: the scenarios (data/) and the bundled model (models/) are read from the source tree.
-RUN pip install --no-cache-dir -e .
+RUN pip install --no-cache-dir -e '.[fast]'
 ENV KVP_HOST=0.0.0.0 KVP_DATA_DIR=/var/lib/kvprefetch
 VOLUME /var/lib/kvprefetch
 EXPOSE 8000

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from fastapi import APIRouter, Response
@@ -71,8 +72,10 @@ async def get_model(models: ModelsDep, ledger: LedgerDep) -> ModelStatus:
 async def reload_model(body: ModelDirRequest, models: ModelsDep, store: StoreDep,
                        clock: ClockDep) -> ModelInfo | Response:
     """Load a model, check it on live sessions, and swap it in atomically; on failure nothing changes."""
+    sample = store.live_sessions(CHECK_SAMPLE)  # on the loop: the store is not shared with threads
     try:
-        serving = models.reload(Path(body.model_dir), store.live_sessions(CHECK_SAMPLE), clock.now())
+        # Off the loop: a model new to this machine compiles for seconds (app/engine/compiled.py).
+        serving = await asyncio.to_thread(models.reload, Path(body.model_dir), sample, clock.now())
     except ModelError as exc:
         return error_response(422, "model_dir", str(exc))
     return ModelInfo(predictor=serving.description, version=serving.version)
@@ -82,8 +85,9 @@ async def reload_model(body: ModelDirRequest, models: ModelsDep, store: StoreDep
 async def set_shadow(body: ModelDirRequest, models: ModelsDep, store: StoreDep,
                      clock: ClockDep) -> ModelInfo | Response:
     """Put a model beside the serving one, checked as a reload is; it is scored and never advises."""
+    sample = store.live_sessions(CHECK_SAMPLE)
     try:
-        shadow = models.set_shadow(Path(body.model_dir), store.live_sessions(CHECK_SAMPLE), clock.now())
+        shadow = await asyncio.to_thread(models.set_shadow, Path(body.model_dir), sample, clock.now())
     except ModelError as exc:
         return error_response(422, "model_dir", str(exc))
     return ModelInfo(predictor=shadow.description, version=shadow.version)
