@@ -9,8 +9,11 @@ The cluster model carries the advice out as a tier would carry out pin-with-TTL 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import bisect
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from app.engine.planner import MAX_IDLE_SECONDS, Planner
 from app.engine.routing import RouteTracker
@@ -18,7 +21,7 @@ from app.engine.state.base import SessionView
 from sim.policies import Policy
 
 if TYPE_CHECKING:
-    from sim.cluster import SimRequest
+    from sim.cluster import Cluster, SimRequest
 
 
 class PlannedPolicy(Policy):
@@ -66,3 +69,36 @@ class PlannedPolicy(Policy):
             if a.prefetch and a.session_id not in self._fetched:
                 if any(b not in cluster.instances[idx].hbm for b in blocks) and cluster.prefetch(idx, blocks):  # type: ignore[arg-type]
                     self._fetched.add(a.session_id)
+
+
+class Clairvoyant:
+    """A predictor that knows each session's next arrival from the trace: P(within h) is 1 or 0.
+    Through the same planner it measures what a perfect model would win, so the gap from
+    `learned` to `clairvoyant` is the model's, and from `clairvoyant` to `oracle` the mechanism's."""
+
+    name = "clairvoyant"
+
+    def __init__(self) -> None:
+        self._arrivals: dict[str, list[float]] = {}
+
+    def learn(self, requests: Sequence[SimRequest]) -> None:
+        arrivals: dict[str, list[float]] = {}
+        for r in requests:
+            arrivals.setdefault(r.session_id, []).append(r.arrival)
+        self._arrivals = {s: sorted(a) for s, a in arrivals.items()}
+
+    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+        out = np.zeros((len(sessions), len(horizons)))
+        for i, s in enumerate(sessions):
+            times = self._arrivals.get(s.session_id, [])
+            k = bisect.bisect_right(times, now)
+            if k < len(times):
+                wait = times[k] - now
+                out[i] = [1.0 if wait <= h else 0.0 for h in horizons]
+        return out
+
+
+class ClairvoyantPolicy(PlannedPolicy):
+    def attach(self, cluster: Cluster) -> None:
+        super().attach(cluster)
+        self.planner.predictor.learn(cluster.requests)  # type: ignore[attr-defined]

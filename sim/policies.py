@@ -11,6 +11,8 @@
 - `heuristic`: the service's planner (app/engine/planner.py) over the HeuristicPredictor: each
   session's median gap between its turns, no learning (sim/planned.py).
 - `learned`: the same planner over the LightGBM predictor trained from event logs (training/).
+- `clairvoyant`: the same planner over a predictor that knows each session's next arrival: what
+  a perfect model would win through the same mechanism (a diagnostic, like `oracle`).
 - `scheduled`: the learned planner's advice through the service's scheduler
   (app/engine/scheduler.py): orders within link shares and destination room, deduplicated,
   cancelled when the chance falls (sim/scheduled.py).
@@ -28,7 +30,7 @@ if TYPE_CHECKING:
     from sim.cluster import Cluster, SimRequest
     from sim.scenario import Scenario
 
-POLICIES = ("none", "lookahead", "belady", "oracle", "heuristic", "learned", "scheduled")
+POLICIES = ("none", "lookahead", "belady", "oracle", "heuristic", "learned", "scheduled", "clairvoyant")
 INF = float("inf")
 
 
@@ -147,6 +149,14 @@ def make_policy(name: str, *, session_view: Callable[[str], object] | None = Non
         planner = Planner(LearnedPredictor(model_dir or DEFAULT_MODEL_DIR), routes=SameInstanceEstimate(),
                           **(planner_options or {}))
         return ScheduledPolicy(planner, Scheduler(store, config), session_view)  # type: ignore[arg-type]
+    if name == "clairvoyant":
+        from app.engine.planner import Planner
+        from sim.planned import Clairvoyant, ClairvoyantPolicy
+
+        if session_view is None:
+            raise ValueError("the clairvoyant policy reads the engine's state: pass session_view")
+        return ClairvoyantPolicy(Planner(Clairvoyant(), **(planner_options or {})), session_view,  # type: ignore[arg-type]
+                                 "clairvoyant")
     if name in ("heuristic", "learned"):
         from app.engine.planner import Planner
         from app.engine.routing import SameInstanceEstimate

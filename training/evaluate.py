@@ -14,7 +14,7 @@ from sim.replay import replay
 from sim.scenario import Scenario, load_scenario
 from sim.traces import TraceRequest, load_trace
 
-BASELINES = ("none", "lookahead", "heuristic", "oracle")
+BASELINES = ("none", "lookahead", "heuristic", "clairvoyant", "oracle")
 
 
 def judged_from_seconds(trace: list[TraceRequest], train_fraction: float) -> float:
@@ -26,7 +26,8 @@ def evaluate(model_dir: Path | str, trace: Path | str, scenario: str | Scenario 
              router: str = "sticky", train_fraction: float = 0.7,
              policies: tuple[str, ...] = (*BASELINES, "learned")) -> dict[str, Any]:
     """Replay `trace` under each policy; returns their summaries and the share of the none-to-oracle
-    byte-hit-rate gap that `learned` closes."""
+    byte-hit-rate gap that `learned` closes (`gap_closed`), and that `clairvoyant`, a perfect
+    model through the same planner, closes (`gap_closed_by_a_perfect_model`)."""
     requests = load_trace(trace)
     scen = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
     measure_from = judged_from_seconds(requests, train_fraction)
@@ -38,4 +39,7 @@ def evaluate(model_dir: Path | str, trace: Path | str, scenario: str | Scenario 
         gap = summaries["oracle"]["byte_hit_rate"] - summaries["none"]["byte_hit_rate"]
         won = summaries["learned"]["byte_hit_rate"] - summaries["none"]["byte_hit_rate"]
         out["gap_closed"] = round(won / gap, 4) if gap > 0 else None
+        if "clairvoyant" in summaries:
+            perfect = summaries["clairvoyant"]["byte_hit_rate"] - summaries["none"]["byte_hit_rate"]
+            out["gap_closed_by_a_perfect_model"] = round(perfect / gap, 4) if gap > 0 else None
     return out

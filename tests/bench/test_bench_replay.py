@@ -49,7 +49,7 @@ def test_bench_replay_prints_the_documented_json(small_trace: Path) -> None:
 @pytest.mark.slow
 def test_bench_replay_all_runs_every_policy_but_the_models(small_trace: Path) -> None:
     r = _bench_replay("--trace", str(small_trace), "--policy", "all", "--rounds", "1")
-    assert list(r["policies"]) == ["none", "lookahead", "belady", "oracle", "heuristic"]
+    assert list(r["policies"]) == ["none", "lookahead", "belady", "oracle", "heuristic", "clairvoyant"]
     assert all(positive(p["wall_seconds"]) and positive(p["requests_per_second"])
                for p in r["policies"].values())
 

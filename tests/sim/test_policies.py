@@ -153,7 +153,7 @@ def test_make_policy() -> None:
         make_policy("nope")
     with pytest.raises(ValueError, match="session_view"):
         make_policy("heuristic")
-    assert {"none", "lookahead", "belady", "oracle", "heuristic", "learned", "scheduled"} <= set(POLICIES)
+    assert {"none", "lookahead", "belady", "oracle", "heuristic", "learned", "scheduled", "clairvoyant"} <= set(POLICIES)
 
 
 # -- bounds on real traces ------------------------------------------------------------------------
@@ -256,3 +256,15 @@ def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
 def test_scheduled_policy_without_the_in_process_engine_is_refused() -> None:
     with pytest.raises(ValueError, match="needs the in-process engine"):
         make_policy("scheduled", session_view=lambda sid: None)
+
+
+def test_clairvoyant_keeps_what_comes_back_through_the_same_planner() -> None:
+    """The retention case: knowing D brings A's context back, the planner pins it; C evicts B's."""
+    a, b, c = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4)), request(2, 20.0, context(20, 4))
+    d = request(3, 30.0, [*context(0, 4), 99], session="s0")
+    scen = scenario(prefill=100.0, instances=1, hbm_blocks=8)
+    store = MemoryStore(bytes_per_token=scen.bytes_per_token, block_tokens=scen.block_tokens)
+    engine = EngineFeed(store, ManualClock(0.0))
+    policy = make_policy("clairvoyant", session_view=engine.session)
+    CheckedCluster(scen, [a, b, c, d], Placed([0] * 4), policy, emit=engine.emit).run()
+    assert d.hit_blocks == 4 and d.stall_seconds == 0.0
