@@ -304,8 +304,17 @@ class Cluster:
         self.emit("kv_blocks_stored", self.now, {
             "tier": "pool", "instance_id": None, "block_hashes": list(r.hash_ids),
             "block_tokens": self.scenario.block_tokens})
+        self.report_status(inst)
         self.policy.on_finished(r, self.now)
         self._try_start(inst)
+
+    def report_status(self, inst: Instance) -> None:
+        """The instance's room and load, as an engine reports them (here: at every finish, and when
+        a policy asks), so a scheduler knows where a prefetch fits."""
+        self.emit("instance_status", self.now, {
+            "instance_id": inst.instance_id, "free_kv_bytes": inst.hbm.free * self.block_bytes,
+            "total_kv_bytes": inst.hbm.capacity * self.block_bytes, "queue_depth": len(inst.queue),
+            "running_requests": inst.running})
 
     # -- transfers and room ----------------------------------------------------------------
 

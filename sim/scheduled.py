@@ -1,7 +1,7 @@
 """The service's planner and scheduler driving the cluster model: the `scheduled` policy.
 
 Every tick the engines report their free KV bytes (instance_status events, as real engines do on
-a timer), the planner advises on every idle live session, and the scheduler
+a timer; the cluster also reports at every finish), the planner advises on every idle live session, and the scheduler
 (app/engine/scheduler.py) turns the advice into orders. The cluster model is the transfer layer:
 it starts a prefetch at its start_by unless cancelled first, pins with the order's TTL, demotes,
 and its landed blocks come back as kv_blocks_stored events, which retire the order. A finish
@@ -50,12 +50,8 @@ class ScheduledPolicy(Policy):
         self._plan([r.session_id], now)
 
     def on_tick(self, now: float) -> None:
-        cluster = self.cluster
-        for inst in cluster.instances:
-            cluster.emit("instance_status", now, {
-                "instance_id": inst.instance_id, "free_kv_bytes": inst.hbm.free * cluster.block_bytes,
-                "total_kv_bytes": inst.hbm.capacity * cluster.block_bytes,
-                "queue_depth": len(inst.queue), "running_requests": inst.running})
+        for inst in self.cluster.instances:
+            self.cluster.report_status(inst)
         self._plan(sorted(self._idle), now)
 
     def _plan(self, session_ids: list[str], now: float) -> None:
