@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test bench model install clean
+.PHONY: run test bench model install clean demo compose-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,8 +17,21 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/kvprefetch serve
 
+# The dashboard's browser test needs Debian's chromium, the /metrics test promtool (Debian's
+# prometheus package): each installed first when missing (needs root), a failure where it can't be.
 test: $(STAMP)
+	bash .ci/ensure-chromium
+	bash .ci/ensure-promtool
 	$(PY) -m pytest
+
+# The service plus a shared trace replayed against it over HTTP at 20x: open the printed
+# dashboard URL and watch it fill. Ctrl-C stops both. DEMO_SPEED, DEMO_TRACE: see deploy/demo.sh.
+demo: $(STAMP)
+	VENV=$(VENV) bash deploy/demo.sh
+
+# `docker compose config` on docker-compose.yml, no engine needed (fetches Compose v2 if missing).
+compose-check:
+	bash .ci/compose-config --quiet
 
 bench: $(STAMP)
 	$(VENV)/bin/kvprefetch bench ingest --json

@@ -112,15 +112,33 @@ def serve(
     workers: Annotated[int, typer.Option(help="uvicorn worker processes (memory store: 1).")] = 1,
 ) -> None:
     """Run the service."""
-    import uvicorn
+    import os
 
-    from app.api.main import create_app
+    import uvicorn
 
     overrides = {k: v for k, v in {"host": host, "port": port, "store": store}.items() if v is not None}
     settings = Settings(**overrides)
+    if workers < 1:
+        raise typer.BadParameter("at least 1", param_hint="'--workers'")
     if workers != 1 and settings.store == "memory":
         raise typer.BadParameter("the memory store lives in one process: use --store redis for several workers")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if workers > 1:
+        # Worker processes read their settings from the environment (app/api/worker.py), and
+        # /metrics must sum them all: prometheus-client's multiprocess mode, set before any
+        # process imports it.
+        os.environ.update({f"KVP_{k.upper()}": str(v) for k, v in overrides.items()})
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str((settings.data_dir / "prometheus").resolve()))
+    from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
+
+    metrics_dir = multiprocess_dir()
+    if metrics_dir is not None:
+        prepare_multiprocess_dir(metrics_dir)
+    if workers > 1:
+        uvicorn.run("app.api.worker:create_worker_app", factory=True, workers=workers, host=settings.host,
+                    port=settings.port, log_level="info", access_log=False)
+        return
+    from app.api.main import create_app
     from app.core.runtime import tune_gc
 
     tune_gc()
@@ -144,15 +162,23 @@ def replay(
         metavar="DIR", help="Also write DIR/report.md and plots of hit rate over time and stalls.")] = None,
     via: Annotated[str | None, typer.Option(
         metavar="URL", help="Use a running kvprefetch service as the engine, over HTTP.")] = None,
+    speed: Annotated[float | None, typer.Option(
+        metavar="X", help="With --via: post events at X times the trace's pace, stamped with wall-clock "
+        "times, so the service sees live traffic (default: as fast as possible, trace times).")] = None,
 ) -> None:
     """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
     from sim.commands import prepare, print_results, run_replays
 
+    if speed is not None and via is None:
+        raise typer.BadParameter("paces a replay over HTTP: use it with --via URL", param_hint="'--speed'")
+    if speed is not None and not 0 < speed < float("inf"):
+        raise typer.BadParameter(f"{speed:g}: a positive number of times the trace's pace",
+                                 param_hint="'--speed'")
     try:
         trace_requests, scen = prepare(trace, scenario, block_tokens)
         policies = [p.strip() for p in compare.split(",")] if compare else [policy]
         results = run_replays(trace_requests, scen, policies, router, trace_name=trace.name, model_dir=model,
-                              measure_from_seconds=measure_from, via=via)
+                              measure_from_seconds=measure_from, via=via, speed=speed)
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     print_results(results, as_json, compare=bool(compare))

@@ -13,6 +13,7 @@ from app.core.clock import Clock
 from app.core.config import Settings
 from app.engine.advice import AdviceLedger
 from app.engine.ingest import Ingestor
+from app.engine.metrics import Metrics
 from app.engine.models import ModelRegistry
 from app.engine.scheduler import Scheduler
 from app.engine.sinks import OrderSink
@@ -51,6 +52,10 @@ async def get_scheduler(request: Request) -> Scheduler:
     return request.app.state.scheduler
 
 
+async def get_metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[StateStore, Depends(get_store)]
 IngestorDep = Annotated[Ingestor, Depends(get_ingestor)]
@@ -59,3 +64,4 @@ LedgerDep = Annotated[AdviceLedger, Depends(get_ledger)]
 ClockDep = Annotated[Clock, Depends(get_clock)]
 OrderSinkDep = Annotated[OrderSink, Depends(get_order_sink)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
+MetricsDep = Annotated[Metrics, Depends(get_metrics)]

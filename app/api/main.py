@@ -11,10 +11,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
+from fastapi.staticfiles import StaticFiles
 
 from app import __version__
 from app.api.errors import error_response
-from app.api.routes import events, health, hints, model, orders, scheduler, state
+from app.api.routes import dashboard, events, health, hints, metrics, model, orders, scheduler, state
 from app.core.clock import Clock, SystemClock
 from app.core.config import Settings
 from app.core.errors import EventLogError, StoreError, StoreUnavailable
@@ -22,12 +23,15 @@ from app.engine.advice import AdviceLedger
 from app.engine.eventlog import EventLog
 from app.engine.events import Event, batch_adapter
 from app.engine.ingest import Ingestor, Observer
+from app.engine.metrics import Metrics, multiprocess_dir
 from app.engine.models import ModelRegistry
+from app.engine.outcomes import OutcomeConfig, RequestOutcome, outcome_observer
 from app.engine.dispatch import Dispatcher, feedback_observer
 from app.engine.routing import RouteTracker
 from app.engine.scheduler import Scheduler, SchedulerConfig
 from app.engine.scoring import Scorer
 from app.engine.sinks import OrderSink, PullQueue, build_sink
+from app.engine.timeline import LandedPrefetches, MeasuredStall, Timeline, capacity_for
 from app.engine.state import StateStore, build_store
 
 log = logging.getLogger("kvprefetch")
@@ -56,14 +60,35 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
             prefill_tokens_per_second=settings.prefill_tokens_per_second))
         app.state.routes = RouteTracker()
         app.state.models = ModelRegistry(settings.model_dir, settings.shadow_model_dir, ledger=app.state.ledger)
+        app.state.metrics = Metrics(gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir())
+        app.state.metrics.bind(scheduler=app.state.scheduler, ledger=app.state.ledger, models=app.state.models)
         app.state.scorer = Scorer(app.state.store, app.state.models, app.state.ledger, app.state.clock,
                                   sessions_per_tick=settings.score_sessions_per_tick,
-                                  scheduler=app.state.scheduler, routes=app.state.routes.estimate)
-        app.state.dispatcher = Dispatcher(app.state.scheduler, app.state.order_sink, app.state.clock)
-        observers: list[Observer] = [app.state.ledger.observe, app.state.scorer.observe,
+                                  scheduler=app.state.scheduler, routes=app.state.routes.estimate,
+                                  observe_seconds=app.state.metrics.scored)
+        app.state.dispatcher = Dispatcher(app.state.scheduler, app.state.order_sink, app.state.clock,
+                                          observe_seconds=app.state.metrics.planned)
+        landed, measured = LandedPrefetches(app.state.scheduler), MeasuredStall()
+        app.state.timeline = Timeline(app.state.ledger, app.state.scheduler, app.state.models, app.state.clock,
+                                      landed=landed, stall=measured.stall,
+                                      capacity=capacity_for(settings.dashboard_sample_seconds))
+        # landed before the scheduler's feedback, which forgets a completed order.
+        observers: list[Observer] = [app.state.ledger.observe, app.state.scorer.observe, landed.observe,
                                      feedback_observer(app.state.scheduler, app.state.routes)]
         if isinstance(app.state.order_sink, PullQueue):
             observers.append(app.state.order_sink.observe)  # order_progress: started, done
+
+        def record_outcomes(outcomes: Sequence[RequestOutcome]) -> None:  # for /metrics and the dashboard
+            app.state.metrics.record_outcomes(outcomes)
+            measured.record_outcomes(outcomes)
+
+        observers.append(outcome_observer(app.state.store, OutcomeConfig(
+            bytes_per_token=settings.bytes_per_token, block_tokens=settings.block_tokens,
+            pool_link_bytes_per_second=settings.pool_link_bytes_per_second,
+            host_link_bytes_per_second=settings.host_link_bytes_per_second,
+            prefill_tokens_per_second=settings.prefill_tokens_per_second), record_outcomes))
+        # Last: it syncs the counters with what the ledger and the scheduler counted just now.
+        observers.append(app.state.metrics.observe)
         app.state.ingestor = Ingestor(app.state.store, app.state.event_log, replica_id=settings.replica_id,
                                       observer=compose_observers(observers))
         replayed = app.state.ingestor.recover()
@@ -75,15 +100,19 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         planning = app.state.planning_task = (
             asyncio.create_task(app.state.dispatcher.run(settings.plan_interval_seconds))
             if settings.plan_interval_seconds > 0 else None)
+        sampling = app.state.sampling_task = (
+            asyncio.create_task(app.state.timeline.run(settings.dashboard_sample_seconds))
+            if settings.dashboard_sample_seconds > 0 else None)
         try:
             yield
         finally:
-            for task in (scoring, planning):
+            for task in (scoring, planning, sampling):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
             app.state.event_log.close()
+            app.state.metrics.close()
             if store is None:
                 app.state.store.close()
             if order_sink is None:
@@ -96,12 +125,16 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         lifespan=lifespan,
     )
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(events.router, prefix="/v1")
     app.include_router(state.router, prefix="/v1")
     app.include_router(model.router, prefix="/v1")
     app.include_router(orders.router, prefix="/v1")
     app.include_router(scheduler.router, prefix="/v1")
     app.include_router(hints.router, prefix="/v1")
+    app.include_router(dashboard.router, prefix="/v1")
+    app.include_router(dashboard.page)
+    app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
 
     @app.exception_handler(StoreUnavailable)
     async def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:

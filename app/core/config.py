@@ -44,6 +44,10 @@ class Settings(BaseSettings):
     pool_link_bytes_per_second: float = Field(12.5e9, gt=0)
     host_link_bytes_per_second: float = Field(50e9, gt=0)
     prefill_tokens_per_second: float = Field(20_000.0, gt=0)
+    # Dollars per GPU-hour, for the metrics' cost of the GPU-seconds saved (kvprefetch_gpu_saved_
+    # dollars_total): roughly an on-demand H100-class GPU in a public cloud; set your own. For an
+    # instance spanning several GPUs, their price together.
+    gpu_hour_price: float = Field(2.5, ge=0)
 
     # How many event ids are remembered for idempotency (memory store) and for how long
     # (Redis store). A retry later than this is applied again.
@@ -65,6 +69,9 @@ class Settings(BaseSettings):
     plan_interval_seconds: float = Field(0.1, ge=0)
     # The share of each link prefetch may book, so demand loads are never starved.
     prefetch_link_share: float = Field(0.5, gt=0, le=1)
+    # How often the dashboard's timeline samples the counters (app/engine/timeline.py; an hour
+    # of samples is kept at 2 s); 0 turns sampling off (tests drive it one sample at a time).
+    dashboard_sample_seconds: float = Field(2.0, ge=0)
 
     # Name of this replica: keys its log checkpoint in a shared store.
     replica_id: str = Field(default_factory=socket.gethostname)

@@ -168,6 +168,11 @@ class Scheduler:
     def open_orders(self) -> list[Order]:
         return [e.order for e in self._open.values()]
 
+    def latest_advice(self) -> list[tuple[SessionAdvice, float]]:
+        """Each tracked session's latest advice and when it was made (the dashboard's "back
+        next"), oldest update first."""
+        return list(self._latest.values())
+
     def inflight_bytes(self, instance_id: str) -> int:
         return sum(e.order.size_bytes for e in self._open.values()
                    if e.order.kind == "prefetch" and e.order.instance_id == instance_id)

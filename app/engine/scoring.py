@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
@@ -33,11 +34,14 @@ MAX_FINISHED_QUEUE = 100_000
 
 class Scorer:
     """`scheduler`, when given, takes the serving model's advice too (the shadow's never);
-    `routes` weighs the advice by where returns land (app/engine/routing.py)."""
+    `routes` weighs the advice by where returns land (app/engine/routing.py); `observe_seconds`,
+    when given, is told each model's time to score the page (slot, seconds), after its advice is
+    recorded (the metrics' latency histogram)."""
 
     def __init__(self, store: StateStore, models: ModelRegistry, ledger: AdviceLedger, clock: Clock, *,
                  sessions_per_tick: int = 256, scheduler: Scheduler | None = None,
-                 routes: SameInstanceEstimate | None = None) -> None:
+                 routes: SameInstanceEstimate | None = None,
+                 observe_seconds: Callable[[str, float], None] | None = None) -> None:
         self.store = store
         self.models = models
         self.ledger = ledger
@@ -45,6 +49,7 @@ class Scorer:
         self.sessions_per_tick = sessions_per_tick
         self.scheduler = scheduler
         self.routes = routes
+        self.observe_seconds = observe_seconds
         self._cursor: SessionCursor | None = None
         # Sessions whose request just finished: advised at the next tick, ahead of the page, so
         # a fresh context's keep or demote does not wait for the page to come round.
@@ -72,18 +77,26 @@ class Scorer:
         if not page:
             return 0
         live = self.models.serving
+        started = time.perf_counter()
         advice = Planner(live.predictor, routes=self.routes).advise(page, now)
+        seconds = time.perf_counter() - started
         self.ledger.record("live", advice, now)
         if self.scheduler is not None:
             self.scheduler.advise(advice, now)
+        if self.observe_seconds is not None:
+            self.observe_seconds("live", seconds)
         shadow = self.models.shadow
         if shadow is not None:
+            started = time.perf_counter()
             try:
                 advice = Planner(shadow.predictor, routes=self.routes).advise(page, now)
             except Exception:  # a broken shadow must never cost the serving model its scoring
                 log.exception("the shadow model %s failed to score %d sessions", shadow.version, len(page))
             else:
+                seconds = time.perf_counter() - started
                 self.ledger.record("shadow", advice, now)
+                if self.observe_seconds is not None:
+                    self.observe_seconds("shadow", seconds)
         return len(page)
 
     async def run(self, interval_seconds: float) -> None:

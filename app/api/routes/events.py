@@ -6,7 +6,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from app.api.batch import BatchError, IngestResponse, parse_batch
-from app.api.deps import IngestorDep, SettingsDep
+from app.api.deps import IngestorDep, MetricsDep, SettingsDep
 from app.api.errors import error_response
 
 router = APIRouter(tags=["events"])
@@ -43,7 +43,8 @@ async def read_body(request: Request, limit: int) -> bytes:
         "application/json": {"schema": {"$ref": "#/components/schemas/EventBatch"}}}}},
     summary="Post a batch of events",
 )
-async def post_events(request: Request, ingestor: IngestorDep, settings: SettingsDep) -> Response:
+async def post_events(request: Request, ingestor: IngestorDep, settings: SettingsDep,
+                      metrics: MetricsDep) -> Response:
     """Accept a batch of events. Valid events are logged durably and applied before the answer.
 
     A batch with some invalid events is answered 422, and its valid events are still accepted:
@@ -51,13 +52,17 @@ async def post_events(request: Request, ingestor: IngestorDep, settings: Setting
     """
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json":
+        metrics.batch_refused(415)
         return error_response(415, "content-type", "send the batch as application/json")
     try:
         body = await read_body(request, settings.max_body_bytes)
         parsed = parse_batch(body, settings.max_batch_events)
     except BatchError as exc:
+        metrics.batch_refused(exc.status_code)
         return error_response(exc.status_code, exc.field, exc.message)
     result = ingestor.ingest(parsed.events, body if not parsed.rejected else None)
+    metrics.batch_answered(duplicates=len(result.duplicates),
+                           rejected_fields=[(r.index, r.field) for r in parsed.rejected])
     payload = {
         "accepted": result.accepted,
         "duplicates": result.duplicates,

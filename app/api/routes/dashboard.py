@@ -1,0 +1,160 @@
+"""The built-in dashboard: the page at /dashboard (app/static/) and the JSON it polls.
+
+GET /v1/dashboard/series: the timeline's snapshots (app/engine/timeline.py) as columns;
+GET /v1/dashboard/now: the current totals, per-instance queues and the sessions likely back next.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+
+from app.api.deps import ClockDep, LedgerDep, ModelsDep, SchedulerDep, SettingsDep, StoreDep
+from app.api.errors import error_response
+from app.engine.advice import AdviceLedger
+from app.engine.timeline import HISTORY_SECONDS, Timeline, instance_queues, series, top_sessions
+
+STATIC_DIR = Path(__file__).resolve().parent.parent.parent / "static"
+MAX_LIMIT = 1000
+
+# What each query parameter takes, for the error that names it.
+_RULES = {
+    "since_seconds": f"a number of seconds, more than 0 and at most {HISTORY_SECONDS:g}",
+    "limit": f"a whole number from 1 to {MAX_LIMIT}",
+    "instances": f"a whole number from 1 to {MAX_LIMIT}",
+}
+
+
+class _FieldErrors(APIRoute):
+    """A bad query parameter is answered 422 {"detail", "field"}, naming it and what it takes."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as exc:
+                error = exc.errors()[0]
+                name = str(error["loc"][-1])
+                got = request.query_params.get(name)
+                rule = _RULES.get(name)
+                message = (f"the query parameter {name} must be {rule}, not {got!r}" if rule is not None
+                           else f"{name}: {error['msg']}")
+                return error_response(422, name, message)
+
+        return route
+
+
+router = APIRouter(prefix="/dashboard", tags=["dashboard"], route_class=_FieldErrors)
+page = APIRouter(include_in_schema=False)
+
+
+class Error(BaseModel):
+    detail: str
+    field: str
+
+
+_BAD_PARAM = {422: {"model": Error, "description": "A query parameter is out of range or not a number."}}
+
+
+async def get_timeline(request: Request) -> Timeline:
+    return request.app.state.timeline
+
+
+TimelineDep = Annotated[Timeline, Depends(get_timeline)]
+
+
+def _json(body: dict[str, Any]) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json", headers={"Cache-Control": "no-store"})
+
+
+@page.get("/dashboard")
+async def dashboard_page() -> FileResponse:
+    """The dashboard (app/static/dashboard.html, which polls the JSON below)."""
+    return FileResponse(STATIC_DIR / "dashboard.html", media_type="text/html",
+                        headers={"Cache-Control": "no-cache"})
+
+
+@router.get("/series", responses=_BAD_PARAM, summary="The dashboard's time series")
+async def dashboard_series(
+    timeline: TimelineDep,
+    settings: SettingsDep,
+    since_seconds: Annotated[float, Query(gt=0, le=HISTORY_SECONDS,
+                                          description="How far back, in seconds")] = 600.0,
+) -> Response:
+    """The snapshots sampled in the last `since_seconds` (every KVP_DASHBOARD_SAMPLE_SECONDS), as
+    columns: `ts` and, under `series`, one list per figure, each as long as `ts`. Running totals
+    (hits, bytes, orders) since the process started (the hit counts since the model came in),
+    the hit rates (`*_hit_rate` since the model came in, `*_recent_hit_rate` over the last
+    `recent_window_seconds`), and the stall saved with its `stall_basis`. No samples yet: empty
+    lists."""
+    body = series(timeline, since_seconds, gpu_hour_price=settings.gpu_hour_price)
+    body["interval_seconds"] = settings.dashboard_sample_seconds
+    return _json(body)
+
+
+def _slot(ledger: AdviceLedger, slot: str, predictor: str, version: str | None) -> dict[str, Any]:
+    s = ledger.stats(slot)
+    return {"predictor": predictor, "version": version, "predictions": s.predictions,
+            "keep_predictions": s.keep_predictions, "hits": s.hits, "misses": s.misses, "unscored": s.unscored,
+            "hit_rate": s.hit_rate}
+
+
+@router.get("/now", responses=_BAD_PARAM, summary="The dashboard's current figures")
+async def dashboard_now(
+    timeline: TimelineDep,
+    settings: SettingsDep,
+    clock: ClockDep,
+    ledger: LedgerDep,
+    models: ModelsDep,
+    scheduler: SchedulerDep,
+    store: StoreDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="The most sessions in top_sessions")] = 20,
+    instances: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="The most instances listed")] = 50,
+) -> Response:
+    """Now: each model's counts and hit rate, the scheduler's totals, the prefetches landed, the
+    stall saved (and its cost at KVP_GPU_HOUR_PRICE dollars per GPU-hour), per instance its open orders, the
+    bytes on their way and its link backlog (most bytes first, up to `instances`), and the
+    `limit` sessions most likely back soonest by the serving model's latest advice."""
+    now = clock.now()
+    serving, shadow = models.serving, models.shadow
+    t = scheduler.totals
+    open_orders = scheduler.open_orders()
+    stall = timeline.stall()
+    price = settings.gpu_hour_price
+    rows, total = instance_queues(scheduler, store, instances)
+    landed = timeline.landed
+    return _json({
+        "now": now,
+        "sample_interval_seconds": settings.dashboard_sample_seconds,
+        "samples": len(timeline),
+        "models": {
+            "live": _slot(ledger, "live", serving.description, serving.version),
+            "shadow": _slot(ledger, "shadow", shadow.description, shadow.version) if shadow is not None else None,
+        },
+        "scheduler": {
+            "tracked_sessions": scheduler.tracked_sessions, "candidates": scheduler.candidates,
+            "open_orders": len(open_orders),
+            "inflight_bytes": sum(o.size_bytes for o in open_orders if o.kind == "prefetch"),
+            "orders": dict(t.orders), "bytes_ordered": t.bytes_ordered, "completed": t.completed,
+            "failed": t.failed, "cancelled": t.cancelled, "bytes_wasted": t.bytes_wasted,
+        },
+        "prefetch": {"landed": landed.orders, "landed_bytes": landed.bytes,
+                     "transfer_seconds": landed.transfer_seconds},
+        "stall": {"seconds_saved": stall.seconds_saved, "basis": stall.basis,
+                  "seconds_incurred": stall.seconds_incurred,
+                  "expected_seconds_saved": landed.expected_stall_seconds, "gpu_hour_price": price,
+                  "cost_saved": stall.seconds_saved * price / 3600.0},
+        "instances": rows,
+        "instances_total": total,
+        "top_sessions": top_sessions(scheduler, limit, now, scheduler.config.bytes_per_block),
+    })

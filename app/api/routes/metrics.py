@@ -1,0 +1,18 @@
+"""GET /metrics: the Prometheus exposition (app/engine/metrics.py has what is in it and why)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+
+from app.api.deps import MetricsDep
+from app.engine.metrics import CONTENT_TYPE
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/metrics", response_class=Response, summary="Prometheus metrics",
+            responses={200: {"content": {CONTENT_TYPE: {}}, "description": "The text exposition format."}})
+async def metrics(metrics: MetricsDep) -> Response:
+    """Every `kvprefetch_*` metric in Prometheus's text format; open, like /healthz. With several
+    workers (PROMETHEUS_MULTIPROC_DIR) it sums them all, whichever worker answers."""
+    return Response(metrics.exposition(), media_type=CONTENT_TYPE)

@@ -1,0 +1,163 @@
+"""The dashboard in a real browser: Debian's Chromium driven by Playwright, against a real server.
+
+The page loads without console errors on an empty service; after sessions, instance reports and
+blocks are posted (the scoring, planning and sampling loops run on real time, at short
+intervals), an agent's progress and a returning request, the charts, tiles and tables show
+them. A screenshot is kept at var/artifacts/dashboard.png.
+
+The browser is /usr/bin/chromium (Debian's `chromium` package; `make test` and .ci/run install it
+when missing). A missing browser fails this test, never skips it. `playwright install` is never
+run: Playwright drives the system browser through `executable_path`.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.api.main import create_app
+from app.core.config import Settings
+from tests.conftest import REPO, live_server
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = Path("/usr/bin/chromium")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update"]
+SCREENSHOT = REPO / "var" / "artifacts" / "dashboard.png"
+GAP = 10.0  # seconds between a session's turns: the heuristic expects each back within 30 s
+BLOCK_BYTES = 512 * 327_680
+
+
+def _browser(playwright: Any) -> Any:
+    if not CHROMIUM.exists():
+        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium package (apt-get install -y chromium; "
+                    "`make test` and .ci/run do this when they can)", pytrace=False)
+    return playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+
+
+def _turns(session: str, instance: str, blocks: list[str], last_ts: float, n: int = 4) -> list[dict[str, Any]]:
+    events: list[dict[str, Any]] = []
+    for k in range(n):
+        ts = last_ts - (n - 1 - k) * GAP
+        common = {"session_id": session, "request_id": f"{session}-r{k}", "instance_id": instance}
+        events.append({"type": "request_routed", "event_id": f"{session}-q{k}", "ts": ts, **common,
+                       "prompt_tokens": len(blocks) * 512, "block_hashes": blocks})
+        events.append({"type": "request_finished", "event_id": f"{session}-f{k}", "ts": ts + 1.0, **common,
+                       "output_tokens": 100, "context_tokens": len(blocks) * 512, "block_hashes": blocks})
+    return events
+
+
+def _post(http: httpx.Client, events: list[dict[str, Any]]) -> None:
+    r = http.post("/v1/events", json={"events": events})
+    assert r.status_code == 200, r.text
+
+
+def _wait_for(what: str, check: Any, timeout: float = 10.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.fail("the browser test needs the playwright package: pip install -e '.[test]'", pytrace=False)
+    # The heuristic serves (it prefetches for sessions with a steady rhythm), the bundled learned
+    # model shadows it: both hit rates are drawn.
+    settings = Settings(data_dir=tmp_path / "data", log_fsync=False, model_dir=tmp_path / "no-model",
+                        shadow_model_dir=REPO / "models" / "default", score_interval_seconds=0.2,
+                        plan_interval_seconds=0.1, dashboard_sample_seconds=0.25)
+    console: list[str] = []
+    with live_server(create_app(settings)) as url, httpx.Client(base_url=url, timeout=10.0) as http, \
+            sync_playwright() as pw:
+        browser = _browser(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1500})
+            page.on("console", lambda m: console.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+            page.on("pageerror", lambda e: console.append(f"page error: {e}"))
+            page.on("requestfailed", lambda r: console.append(f"request failed: {r.url} {r.failure}"))
+
+            # An empty service: an empty dashboard, no error.
+            page.goto(f"{url}/dashboard")
+            page.wait_for_selector("body[data-polls]", timeout=10_000)
+            assert page.locator("#instances").get_attribute("data-rows") == "0"
+            assert page.locator("#sessions").get_attribute("data-rows") == "0"
+            assert "cannot update" not in page.locator("#status").inner_text()
+            assert page.locator("#live-model").inner_text() == "heuristic"
+            assert page.locator("#shadow-model").inner_text() == "learned (default)"
+            assert console == [], console
+
+            # Two instances with room, six sessions with a steady rhythm, their contexts in the pool.
+            now = time.time()
+            events: list[dict[str, Any]] = []
+            for g in range(2):
+                events.append({"type": "instance_status", "event_id": f"st-{g}", "ts": now - 1.0,
+                               "instance_id": f"gpu-{g}", "free_kv_bytes": 10**12, "total_kv_bytes": 2 * 10**12,
+                               "queue_depth": g})
+            for i in range(6):
+                blocks = [f"chat{i}-b{j}" for j in range(8)]
+                events += _turns(f"chat-{i}", f"gpu-{i % 2}", blocks, now - 2.0)
+                events.append({"type": "kv_blocks_stored", "event_id": f"pool-{i}", "ts": now - 1.0, "tier": "pool",
+                               "block_hashes": blocks})
+            _post(http, events)
+
+            # The loops advise and order prefetches; an agent leases gpu-0's and lands them.
+            def leased() -> list[dict[str, Any]]:
+                r = http.get("/v1/orders", params={"instance_id": "gpu-0"})
+                return [o for o in r.json()["orders"] if o["kind"] == "prefetch"]
+
+            orders = _wait_for("prefetch orders for gpu-0", leased)
+            t = time.time()
+            progress = []
+            for o in orders:
+                progress += [
+                    {"type": "order_progress", "event_id": f"{o['order_id']}-a", "ts": t, "order_id": o["order_id"],
+                     "status": "accepted"},
+                    {"type": "order_progress", "event_id": f"{o['order_id']}-c", "ts": t + 0.01,
+                     "order_id": o["order_id"], "status": "completed", "bytes": o["size_bytes"], "seconds": 0.2},
+                    {"type": "kv_blocks_stored", "event_id": f"{o['order_id']}-hbm", "ts": t + 0.01, "tier": "hbm",
+                     "instance_id": "gpu-0", "block_hashes": o["block_hashes"]}]
+            _post(http, progress)
+            # chat-0 comes back where its context landed: a hit for the serving model.
+            _post(http, [{"type": "request_routed", "event_id": "chat-0-back", "ts": time.time(),
+                          "session_id": "chat-0", "request_id": "chat-0-r9", "instance_id": "gpu-0",
+                          "prompt_tokens": 8 * 512, "block_hashes": [f"chat0-b{j}" for j in range(8)]}])
+            now_body = _wait_for("the return to be scored",
+                                 lambda: (b := http.get("/v1/dashboard/now").json())["models"]["live"]["hits"] and b)
+            assert now_body["prefetch"]["landed"] == len(orders)
+
+            # The page catches up within a poll or two: tiles, tables and charts show it.
+            page.wait_for_function(
+                """() => document.querySelector('#tile-live-hit-rate .value').textContent.endsWith('%')
+                    && Number(document.querySelector('#chart-hit-rate').dataset.values) > 0
+                    && Number(document.querySelector('#chart-bytes').dataset.values) > 0
+                    && Number(document.querySelector('#instances').dataset.rows) >= 2
+                    && Number(document.querySelector('#sessions').dataset.rows) >= 1
+                    && !document.querySelector('#tile-prefetched .value').textContent.startsWith('0 B')""",
+                timeout=10_000)
+            assert int(page.locator("#chart-queue").get_attribute("data-points") or 0) > 0
+            assert int(page.locator("#chart-stall").get_attribute("data-values") or 0) > 0
+            assert page.locator('#instances tr[data-instance="gpu-0"]').count() == 1
+            assert page.locator("#tile-live-hit-rate .value").inner_text() == "100.0%"
+            landed = sum(o["size_bytes"] for o in orders)
+            assert page.locator("#tile-prefetched .sub").inner_text().startswith(f"{len(orders)} orders landed")
+            assert landed % BLOCK_BYTES == 0
+            assert "chat-" in page.locator("#sessions tbody").inner_text()
+            assert "cannot update" not in page.locator("#status").inner_text()
+
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(SCREENSHOT), full_page=True)
+            print(f"dashboard screenshot: {SCREENSHOT}")
+        finally:
+            browser.close()
+    assert console == [], console
