@@ -57,8 +57,10 @@ def prepare(trace_path: Path, scenario_name: str, block_tokens: int | None) -> t
 
 def run_replays(trace: Sequence[TraceRequest], scenario: Scenario, policies: Sequence[str], router: str, *,
                 trace_name: str, model_dir: str | None = None, measure_from_seconds: float = 0.0,
-                show_progress: bool = True, via: str | None = None) -> list[ReplayResult]:
-    """Each policy in turn; with `via`, the engine is the kvprefetch service at that URL."""
+                show_progress: bool = True, via: str | None = None,
+                speed: float | None = None) -> list[ReplayResult]:
+    """Each policy in turn; with `via`, the engine is the kvprefetch service at that URL (`speed`:
+    its events paced at that many times the trace's pace, stamped with wall-clock times)."""
     from sim.remote import replay_via
 
     results = []
@@ -66,7 +68,7 @@ def run_replays(trace: Sequence[TraceRequest], scenario: Scenario, policies: Seq
         with progress_bar(f"{policy:>10} / {router}", len(trace), show_progress) as advance:
             if via is not None:
                 result = replay_via(via, trace, scenario, policy=policy, router=router, model_dir=model_dir,
-                                    measure_from_seconds=measure_from_seconds, progress=advance)
+                                    measure_from_seconds=measure_from_seconds, progress=advance, speed=speed)
             else:
                 result = replay(trace, scenario, policy=policy, router=router, model_dir=model_dir,
                                 measure_from_seconds=measure_from_seconds, progress=advance)

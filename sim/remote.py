@@ -13,6 +13,14 @@ traces' ints, below 2**32) are `salt << 32 | hash`, the salt a 31-bit digest of 
 the shared pool and every location hold each run's blocks apart and stay 64-bit ints. The views
 the policies see are translated back: they are the ones an in-process replay would give.
 
+Pacing (`--speed X`): by default events are posted as fast as the simulator emits them, stamped
+with the trace's own times (seconds from its start). With a speed, the run plays as live traffic
+X times faster than the trace: the event at trace time ts is posted at, and stamped with, the
+wall-clock time start + (ts - ts0) / X, where ts0 is the first event's time and start the
+moment it was emitted. The service's clock (its scoring loop, scheduler and dashboards) then
+sees a cluster running now; the session views read back are translated to trace time again
+(up to float rounding), so the simulator's policies decide as in an unpaced run.
+
 The service has no orders endpoint yet (issue 5 adds GET /v1/orders?instance_id=): until then an
 over-HTTP replay takes its policy's inputs, the session views, from the service, and its
 decisions are carried out by the simulator as in-process.
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from types import TracebackType
@@ -92,6 +101,8 @@ class RemoteEngine:
     close(). The constructor checks GET /readyz and raises ServiceUnreachable when the service
     is not there or not ready.
 
+    speed: post the events at this many times the trace's pace, stamped with the wall-clock time
+    they are due (see the module's docstring); None: as fast as possible, with the trace's times.
     bytes_per_token: the scenario's; when given, the first session view is checked against it,
     since a service configured otherwise reports other context_bytes than an in-process replay.
     flush_every: emitted events between flushes when no policy reads sessions, so the client's
@@ -101,8 +112,10 @@ class RemoteEngine:
 
     def __init__(self, url: str, *, run_id: str | None = None, bytes_per_token: int | None = None,
                  keep_events: bool = False, timeout_seconds: float = 60.0,
-                 http_timeout_seconds: float = 10.0, flush_every: int = 5_000,
+                 http_timeout_seconds: float = 10.0, flush_every: int = 5_000, speed: float | None = None,
                  transport: httpx.BaseTransport | None = None) -> None:
+        if speed is not None and not 0 < speed < float("inf"):
+            raise ValueError(f"speed {speed!r}: a positive number of times the trace's pace")
         self.url = url.rstrip("/")
         self.run_id = run_id or new_run_id()
         if _SEPARATOR in self.run_id or "/" in self.run_id or not 1 <= len(self.run_id) <= 64:
@@ -118,6 +131,8 @@ class RemoteEngine:
         self._unchecked = 0  # emitted since the last flush
         self._reads = 0
         self._closed = False
+        self._speed = speed
+        self._clock_start: tuple[float, float, float] | None = None  # first ts, its wall time, its monotonic
         self._http = httpx.Client(base_url=self.url, timeout=http_timeout_seconds, transport=transport)
         try:
             self._check_ready()
@@ -130,7 +145,8 @@ class RemoteEngine:
     # -- sim.replay.Engine -----------------------------------------------------------------
 
     def emit(self, kind: str, ts: float, fields: dict[str, Any]) -> None:
-        doc = {"type": kind, "event_id": self._remote(str(self._emitted)), "ts": ts, **fields}
+        remote_ts = ts if self._speed is None else self._pace(ts)
+        doc = {"type": kind, "event_id": self._remote(str(self._emitted)), "ts": remote_ts, **fields}
         for key in _ID_FIELDS:
             value = doc.get(key)
             if value is not None:
@@ -240,6 +256,25 @@ class RemoteEngine:
             raise RemoteEngineError(f"{s.dropped} events of replay run {self.run_id} were dropped "
                                     f"before reaching {self.url}{why}")
 
+    def _pace(self, ts: float) -> float:
+        """Wait until the event at trace time `ts` is due; its wall-clock time."""
+        assert self._speed is not None
+        if self._clock_start is None:
+            self._clock_start = (ts, time.time(), time.monotonic())
+        ts0, wall0, mono0 = self._clock_start
+        offset = (ts - ts0) / self._speed
+        delay = mono0 + offset - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)
+        return wall0 + offset
+
+    def _local_ts(self, t: float | None) -> float | None:
+        """A time the service reports, in the trace's time again (paced runs only)."""
+        if t is None or self._speed is None or self._clock_start is None:
+            return t
+        ts0, wall0, _ = self._clock_start
+        return ts0 + (t - wall0) * self._speed
+
     def _remote(self, ident: str) -> str:
         return self._prefix + ident
 
@@ -276,6 +311,14 @@ class RemoteEngine:
             if last.get("instance_id") is not None:
                 last["instance_id"] = self._local(last["instance_id"])
         doc["block_hashes"] = [self._local_block(h) for h in doc["block_hashes"]]
+        if self._speed is not None:
+            for key in ("first_seen_ts", "last_activity_ts", "closed_ts"):
+                doc[key] = self._local_ts(doc.get(key))
+            doc["recent_arrivals_ts"] = [self._local_ts(t) for t in doc.get("recent_arrivals_ts", [])]
+            doc["inter_turn_gaps_seconds"] = [g * self._speed for g in doc.get("inter_turn_gaps_seconds", [])]
+            if last is not None:
+                for key in ("routed_ts", "started_ts", "finished_ts"):
+                    last[key] = self._local_ts(last.get(key))
         resident = doc.get("resident_blocks", {})
         doc["resident_blocks"] = {self._local_location(k): v for k, v in resident.items()}
         prefix = self._prefix.encode()
@@ -301,15 +344,18 @@ class RemoteEngine:
 def replay_via(url: str, trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "none",
                router: str = "sticky", model_dir: str | None = None, measure_from_seconds: float = 0.0,
                keep_events: bool = False, progress: Callable[[int], None] | None = None,
-               run_id: str | None = None) -> ReplayResult:
+               run_id: str | None = None, speed: float | None = None) -> ReplayResult:
     """sim.replay.replay() with a running service at `url` as the engine.
+
+    speed: post events at this many times the trace's pace, stamped with wall-clock times (see
+    the module's docstring); None: as fast as possible.
 
     The summary has the in-process keys, plus `via` (the URL), `run_id` and `events_posted`.
     Raises ServiceUnreachable (the service is not there or not ready, or stopped taking events),
     EventsRejected, or another RemoteEngineError; all are KvpErrors.
     """
     with RemoteEngine(url, run_id=run_id, bytes_per_token=scenario.bytes_per_token,
-                      keep_events=keep_events) as engine:
+                      keep_events=keep_events, speed=speed) as engine:
         result = replay(trace, scenario, policy=policy, router=router, model_dir=model_dir,
                         measure_from_seconds=measure_from_seconds, progress=progress, engine=engine)
     stats = engine.stats

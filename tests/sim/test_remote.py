@@ -8,11 +8,13 @@ differed from the in-process ones would show in its summary.
 from __future__ import annotations
 
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from app.api.main import create_app
@@ -210,3 +212,137 @@ def test_the_replay_command_takes_via(service_url: str, tmp_path: Path) -> None:
     assert {k: summary[k] for k in local if k != "wall_seconds"} == {k: v for k, v in local.items() if k != "wall_seconds"}
     bad = CliRunner().invoke(cli, [*args, "--via", "http://127.0.0.1:1"])
     assert bad.exit_code != 0 and "127.0.0.1:1" in bad.output
+
+
+# -- --speed: a paced replay plays as live traffic ------------------------------------------------
+
+
+class FakeService:
+    """A MockTransport handler: ready, takes every event, answers one session view."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.view: dict[str, Any] | None = None
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/readyz":
+            return httpx.Response(200, json={"status": "ok", "store_ok": True})
+        if request.url.path == "/v1/events":
+            events = orjson.loads(request.content)["events"]
+            self.events += events
+            return httpx.Response(200, json={"accepted": [e["event_id"] for e in events],
+                                             "duplicates": [], "rejected": []})
+        if request.url.path.startswith("/v1/sessions/") and self.view is not None:
+            return httpx.Response(200, json=self.view)
+        return httpx.Response(404, json={"detail": "not found"})
+
+
+def test_speed_posts_events_when_due_stamped_with_wall_clock_times() -> None:
+    service = FakeService()
+    engine = RemoteEngine("http://kvp.test", run_id="paced", speed=20.0,
+                          transport=httpx.MockTransport(service))
+    before, start = time.time(), time.monotonic()
+    for i, ts in enumerate([100.0, 101.0, 104.0]):
+        engine.emit("session_closed", ts, {"session_id": f"s{i}"})
+    elapsed = time.monotonic() - start
+    engine.close()
+    after = time.time()
+
+    assert elapsed >= (104.0 - 100.0) / 20.0  # the last event waited until it was due
+    stamps = [e["ts"] for e in service.events]
+    assert before <= stamps[0] <= after
+    assert stamps[1] - stamps[0] == pytest.approx(1.0 / 20.0)
+    assert stamps[2] - stamps[0] == pytest.approx(4.0 / 20.0)
+    assert [e["session_id"] for e in service.events] == ["paced:s0", "paced:s1", "paced:s2"]
+
+
+def test_speed_translates_the_session_views_back_to_trace_time() -> None:
+    service = FakeService()
+    engine = RemoteEngine("http://kvp.test", run_id="paced", speed=10.0,
+                          transport=httpx.MockTransport(service))
+    engine.emit("session_closed", 50.0, {"session_id": "s0"})  # trace time 50 -> the first stamp
+    engine._sync()
+    wall0 = service.events[0]["ts"]
+    service.view = {
+        "session_id": "paced:s", "state": "idle", "turns": 2,
+        "first_seen_ts": wall0 + 1.0, "last_activity_ts": wall0 + 3.0, "closed_ts": None,
+        "instance_id": "paced:gpu-0", "context_tokens": 0, "context_bytes": 0, "block_hashes": [],
+        "block_tokens": 512, "recent_arrivals_ts": [wall0 + 1.0, wall0 + 2.5],
+        "inter_turn_gaps_seconds": [1.5],
+        "last_request": {"request_id": "paced:q1", "instance_id": "paced:gpu-0", "routed_ts": wall0 + 2.5,
+                         "started_ts": wall0 + 2.6, "finished_ts": wall0 + 3.0, "prompt_tokens": 10,
+                         "output_tokens": 5, "context_tokens": 15},
+        "resident_blocks": {"hbm@paced:gpu-0": 0},
+    }
+    view = engine.session("s")
+    engine.close()
+    assert view is not None
+    assert view.first_seen_ts == pytest.approx(60.0)
+    assert view.last_activity_ts == pytest.approx(80.0)
+    assert view.closed_ts is None
+    assert view.recent_arrivals_ts == pytest.approx([60.0, 75.0])
+    assert view.inter_turn_gaps_seconds == pytest.approx([15.0])
+    assert view.last_request is not None
+    assert (view.last_request.routed_ts, view.last_request.started_ts, view.last_request.finished_ts) == (
+        pytest.approx(75.0), pytest.approx(76.0), pytest.approx(80.0))
+    assert view.instance_id == "gpu-0" and view.resident_blocks == {"hbm@gpu-0": 0}
+
+
+@pytest.mark.parametrize("speed", [0.0, -1.0, float("inf"), float("nan")])
+def test_speed_must_be_a_positive_number(speed: float) -> None:
+    with pytest.raises(ValueError, match="speed"):
+        RemoteEngine("http://127.0.0.1:9", speed=speed)
+
+
+def test_a_paced_heuristic_replay_reads_views_in_trace_time(trace: list[TraceRequest], scenario: Scenario,
+                                                            service_url: str) -> None:
+    """Paced, the service holds wall-clock times; the policy still sees the in-process views."""
+    small = trace[:40]
+    local, feed = in_process(small, scenario, "heuristic")
+    span = max(r.finished_at or 0.0 for r in local.requests) - min(r.arrival for r in local.requests)
+    speed = span / 0.5  # the run takes about half a second
+    started = time.time()
+    with RemoteEngine(service_url, run_id="t-paced", bytes_per_token=scenario.bytes_per_token,
+                      speed=speed) as engine:
+        result = replay(small, scenario, policy="heuristic", engine=engine)
+        sid = sessions_of(local)[0]
+        view, expected = engine.session(sid), feed.store.session(sid)
+    assert time.time() - started >= span / speed * 0.9
+    assert view is not None and expected is not None
+    assert view.model_dump(exclude={"first_seen_ts", "last_activity_ts", "recent_arrivals_ts",
+                                    "inter_turn_gaps_seconds", "last_request", "closed_ts"}) == expected.model_dump(
+        exclude={"first_seen_ts", "last_activity_ts", "recent_arrivals_ts", "inter_turn_gaps_seconds",
+                 "last_request", "closed_ts"})
+    assert view.last_activity_ts == pytest.approx(expected.last_activity_ts, abs=1e-3)
+    assert view.inter_turn_gaps_seconds == pytest.approx(expected.inter_turn_gaps_seconds, abs=1e-3)
+    # The service itself holds the session at wall-clock times.
+    raw = httpx.get(f"{service_url}/v1/sessions/t-paced:{sid}").json()
+    assert started - 1.0 <= raw["last_activity_ts"] <= time.time() + 1.0
+    assert result.summary["requests"] == local.summary["requests"]
+
+
+def test_the_replay_command_takes_speed(service_url: str, tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from app.cli import cli
+
+    lines = (TRACES / "mooncake_synthetic.jsonl").read_text().splitlines()[:30]
+    small = tmp_path / "small.jsonl"
+    small.write_text("\n".join(lines) + "\n")
+    args = ["replay", "--trace", str(small), "--policy", "none", "--json"]
+    local = json.loads(CliRunner().invoke(cli, args).stdout)
+    speed = local["simulated_seconds"] / 0.5
+    started = time.monotonic()
+    remote = CliRunner().invoke(cli, [*args, "--via", service_url, "--speed", str(speed)])
+    assert remote.exit_code == 0, remote.output
+    assert time.monotonic() - started >= 0.4
+    summary = json.loads(remote.stdout)
+    skip = {"wall_seconds"}
+    assert {k: summary[k] for k in local if k not in skip} == {k: v for k, v in local.items() if k not in skip}
+
+    no_via = CliRunner().invoke(cli, [*args, "--speed", "10"])
+    assert no_via.exit_code != 0 and "--via" in no_via.output
+    zero = CliRunner().invoke(cli, [*args, "--via", service_url, "--speed", "0"])
+    assert zero.exit_code != 0 and "positive" in zero.output

@@ -1,0 +1,107 @@
+"""`make demo` (deploy/demo.sh): the service starts, a shared trace is replayed against it over
+HTTP in accelerated time, /metrics and the dashboard fill while it runs, and Ctrl-C stops both.
+
+A slice of the trace at a high speed keeps it to seconds; the real demo is the same script.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import REPO, TRACES
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = REPO / "deploy" / "demo.sh"
+TRACE = TRACES / "mooncake_conversation_first60.jsonl"
+REQUESTS = 300  # 102 s of the trace
+SPEED = 25.0  # about 4 s
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what: str, check, timeout: float = 90.0):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def totals(url: str) -> dict[str, float]:
+    """Each kvprefetch counter family summed over its labels."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.startswith("kvprefetch_") and sample.name.endswith("_total"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
+
+
+@pytest.fixture
+def demo(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path, Path]]:
+    port = free_port()
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    env = {**os.environ, "VENV": str(Path(sys.executable).parent.parent), "KVP_PORT": str(port),
+           "DEMO_TRACE": str(TRACE), "DEMO_REQUESTS": str(REQUESTS), "DEMO_SPEED": str(SPEED),
+           "DEMO_DATA_DIR": str(tmp_path / "demo")}
+    with out.open("wb") as o, err.open("wb") as e:
+        # Its own process group, as a terminal's foreground job: Ctrl-C signals the whole group.
+        proc = subprocess.Popen(["bash", str(SCRIPT)], stdout=o, stderr=e, env=env, cwd=REPO,
+                                start_new_session=True)
+    try:
+        yield proc, f"http://127.0.0.1:{port}", out, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def test_the_demo_fills_the_metrics_and_ctrl_c_stops_it(
+        demo: tuple[subprocess.Popen[bytes], str, Path, Path]) -> None:
+    proc, url, out, err = demo
+    wait_for("the dashboard URL", lambda: f"{url}/dashboard" in out.read_text() or proc.poll() is not None)
+    assert proc.poll() is None, err.read_text()
+
+    # While the replay runs, the counters grow: events arrive, requests find (or miss) their context.
+    first = wait_for("events ingested", lambda: totals(url).get("kvprefetch_events_ingested_total", 0) > 0 and totals(url))
+    later = wait_for("the replay to go on", lambda: (
+        (t := totals(url)).get("kvprefetch_events_ingested_total", 0) > first["kvprefetch_events_ingested_total"]
+        and t))
+    assert later["kvprefetch_events_ingested_total"] > first["kvprefetch_events_ingested_total"]
+    assert httpx.get(f"{url}/dashboard", timeout=5).status_code == 200
+
+    wait_for("the replay to end", lambda: "replay done" in err.read_text() or proc.poll() is not None)
+    assert proc.poll() is None, err.read_text()  # it lingers, serving the dashboard
+    done = totals(url)
+    assert done["kvprefetch_reuse_requests_total"] > 0  # arriving requests were judged
+    assert done["kvprefetch_predictions_total"] > 0  # the bundled model scored the live sessions
+    assert "requests" in out.read_text()  # the replay's table
+
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+    assert proc.wait(30) == 130  # the shell's status for an interrupted script
+    # Both stopped: the script, and the service (nothing answers on its port any more).
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/healthz", timeout=2)
+    assert "stopping the service" in err.read_text()
