@@ -163,6 +163,12 @@ class Metrics:
         self.prefetch_wasted_bytes = Counter(
             "kvprefetch_prefetch_wasted_bytes",
             "Bytes of prefetches already moving when no session was likely back there: landed unused.", registry=r)
+        self.prefetch_used_bytes = Counter(
+            "kvprefetch_prefetch_used_bytes",
+            "Bytes of landed prefetches a session they served came back to use on their instance.", registry=r)
+        self.prefetch_unused_bytes = Counter(
+            "kvprefetch_prefetch_unused_bytes",
+            "Bytes of landed prefetches no session they served came back to use there.", registry=r)
         self.reuse_requests = Counter(
             "kvprefetch_reuse_requests",
             "Arriving requests with a reused context, by what they found in their instance's HBM: hit (all of "
@@ -296,6 +302,8 @@ class Metrics:
         self._advance("cancelled", self.orders_cancelled.labels("prefetch"), t.cancelled)
         self._advance("ordered_bytes", self.prefetch_ordered_bytes, t.bytes_ordered)
         self._advance("wasted_bytes", self.prefetch_wasted_bytes, t.bytes_wasted)
+        self._advance("used_bytes", self.prefetch_used_bytes, t.bytes_used)
+        self._advance("unused_bytes", self.prefetch_unused_bytes, t.bytes_unused)
 
     def _sync_models(self) -> None:
         if self._models is None or self._ledger is None:

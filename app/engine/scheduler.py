@@ -89,6 +89,7 @@ class _Open:
     sessions: set[str] = field(default_factory=set)
     used: bool = False  # a session it served was routed to its destination
     wasted: bool = False
+    served: set[str] = field(default_factory=set)  # every session it was ordered for
 
 
 @dataclass(slots=True)
@@ -99,6 +100,17 @@ class SchedulerTotals:
     failed: int = 0
     cancelled: int = 0
     bytes_wasted: int = 0
+    # Landed prefetches: used when a session they served came back to their instance; unused when
+    # every session they served came back elsewhere, closed, or stopped being advised on.
+    bytes_used: int = 0
+    bytes_unused: int = 0
+
+
+@dataclass(slots=True)
+class _Landed:
+    instance_id: str
+    size_bytes: int
+    sessions: set[str]
 
 
 class Scheduler:
@@ -121,6 +133,8 @@ class Scheduler:
         self._fresh: dict[str, SessionAdvice] = {}  # advised since the last plan: retention to decide
         self._pinned: dict[str, tuple[_Spell, float]] = {}  # session -> its pinned spell, until
         self._demoted: dict[str, _Spell] = {}
+        self._landed: dict[str, _Landed] = {}  # landed prefetches waiting for a session's return
+        self._landed_by_session: dict[str, set[str]] = {}
         self._generation = 0
 
     # -- input ------------------------------------------------------------------------------
@@ -145,8 +159,19 @@ class Scheduler:
         self._demoted.pop(session_id, None)
         if routed_to is not None:
             for e in self._open.values():
-                if session_id in e.sessions and e.order.instance_id == routed_to:
+                if session_id in e.served and e.order.instance_id == routed_to:
                     e.used = True
+        for order_id in self._landed_by_session.pop(session_id, ()):
+            landed = self._landed.get(order_id)
+            if landed is None:
+                continue
+            landed.sessions.discard(session_id)
+            if routed_to == landed.instance_id:
+                self.totals.bytes_used += landed.size_bytes
+                del self._landed[order_id]
+            elif not landed.sessions:
+                self.totals.bytes_unused += landed.size_bytes
+                del self._landed[order_id]
 
     def on_progress(self, order_id: str, status: str) -> None:
         """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""
@@ -159,7 +184,7 @@ class Scheduler:
             del self._open[order_id]
             self._booking.pop(order_id, None)
             if status == "completed":
-                self.totals.completed += 1
+                self._has_landed(order_id, entry)
             else:
                 self.totals.failed += 1
 
@@ -265,7 +290,24 @@ class Scheduler:
             if o.kind == "prefetch" and all(self.store.holds(o.tier, o.instance_id, o.block_hashes)):
                 del self._open[order_id]
                 self._booking.pop(order_id, None)
-                self.totals.completed += 1
+                self._has_landed(order_id, e)
+
+    def _has_landed(self, order_id: str, e: _Open) -> None:
+        """A prefetch completed: used already if a session it served came back there while it
+        moved; otherwise it waits for one of the sessions still advised on."""
+        self.totals.completed += 1
+        if e.order.kind != "prefetch":
+            return
+        if e.used:
+            self.totals.bytes_used += e.order.size_bytes
+            return
+        waiting = {s for s in e.served if s in self._latest}
+        if not waiting:
+            self.totals.bytes_unused += e.order.size_bytes
+            return
+        self._landed[order_id] = _Landed(e.order.instance_id, e.order.size_bytes, waiting)
+        for s in waiting:
+            self._landed_by_session.setdefault(s, set()).add(order_id)
 
     def _cancel_fallen(self) -> list[Cancel]:
         cancels = []
@@ -353,7 +395,7 @@ class Scheduler:
         order = self._order("prefetch", cand, blocks, now, source=source, nbytes=nbytes, start_by=start_by,
                             needed_by=needed_by, ttl_seconds=hold_seconds,
                             priority=cand.p_soon * self._stall_avoided(source, len(blocks), nbytes))
-        self._open[order.order_id] = _Open(order, sessions={cand.session_id})
+        self._open[order.order_id] = _Open(order, sessions={cand.session_id}, served={cand.session_id})
         self._booking[order.order_id] = (link, (start_by, start_by + transfer_seconds))
         return order
 
@@ -390,6 +432,7 @@ class Scheduler:
         e = self._open[order.order_id]
         e.order = grown
         e.sessions.add(cand.session_id)
+        e.served.add(cand.session_id)
         return grown
 
     def _stall_avoided(self, source: Tier, blocks: int, nbytes: int) -> float:

@@ -225,6 +225,8 @@ def test_orders_follow_the_schedulers_totals(make_client: Callable[..., TestClie
             assert value(m, f"kvprefetch_orders_{outcome}_total", kind="prefetch") == 1
         assert value(m, "kvprefetch_prefetch_ordered_bytes_total") == 4 * 20 * BLOCK_BYTES == t.bytes_ordered
         assert value(m, "kvprefetch_prefetch_wasted_bytes_total") == 20 * BLOCK_BYTES == t.bytes_wasted
+        assert value(m, "kvprefetch_prefetch_used_bytes_total") == t.bytes_used
+        assert value(m, "kvprefetch_prefetch_unused_bytes_total") == t.bytes_unused
         assert value(m, "kvprefetch_plan_duration_seconds_count") == 2
 
 

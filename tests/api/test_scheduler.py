@@ -94,4 +94,5 @@ def test_an_empty_service_reports_an_idle_scheduler(client: TestClient) -> None:
     assert client.get("/v1/scheduler").json() == {
         "tracked_sessions": 0, "candidates": 0, "open_orders": 0, "inflight_bytes": 0,
         "orders": {"prefetch": 0, "pin": 0, "demote": 0}, "bytes_ordered": 0, "completed": 0, "failed": 0,
-        "cancelled": 0, "bytes_wasted": 0}
+        "cancelled": 0, "bytes_wasted": 0, "bytes_used": 0,
+        "bytes_unused": 0}

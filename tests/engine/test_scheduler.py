@@ -241,3 +241,28 @@ def test_a_started_order_its_session_comes_back_to_is_used_not_wasted() -> None:
     sched.on_progress(order.order_id, "accepted")
     sched.forget("a", routed_to="gpu-0")
     assert sched.plan(1.0).cancels == [] and sched.totals.bytes_wasted == 0
+
+
+def test_landed_prefetches_count_as_used_when_their_session_comes_back_there_and_unused_otherwise() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
+    sched = Scheduler(store, config())
+    orders = {o.session_ids[0]: o for o in tick(sched, [advice("a", [0, 1]), advice("b", [5]), advice("c", [7])],
+                                                   0.0).orders}
+    for o in orders.values():
+        sched.on_progress(o.order_id, "completed")
+    sched.forget("a", routed_to="gpu-0")  # back where its context waits
+    sched.forget("b", routed_to="gpu-1")  # back elsewhere
+    sched.forget("c")  # closed
+    assert sched.totals.bytes_used == 2 * BLOCK_BYTES and sched.totals.bytes_unused == 2 * BLOCK_BYTES
+    sched.forget("a", routed_to="gpu-0")  # a later turn: nothing counted twice
+    assert sched.totals.bytes_used == 2 * BLOCK_BYTES
+
+
+def test_a_prefetch_its_session_met_while_moving_is_used_when_it_lands() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
+    sched = Scheduler(store, config())
+    (o,) = tick(sched, [advice("a", [0, 1])], 0.0).orders
+    sched.on_progress(o.order_id, "accepted")
+    sched.forget("a", routed_to="gpu-0")
+    sched.on_progress(o.order_id, "completed")
+    assert (sched.totals.bytes_used, sched.totals.bytes_unused) == (2 * BLOCK_BYTES, 0)

@@ -21,6 +21,8 @@ class SchedulerStatus(BaseModel):
     failed: int
     cancelled: int
     bytes_wasted: int
+    bytes_used: int
+    bytes_unused: int
 
 
 @router.get("/scheduler", response_model=SchedulerStatus, summary="The scheduler's state and totals")
@@ -31,4 +33,4 @@ async def scheduler_status(scheduler: SchedulerDep) -> SchedulerStatus:
         tracked_sessions=scheduler.tracked_sessions, candidates=scheduler.candidates, open_orders=len(open_orders),
         inflight_bytes=sum(o.size_bytes for o in open_orders if o.kind == "prefetch"), orders=dict(t.orders),
         bytes_ordered=t.bytes_ordered, completed=t.completed, failed=t.failed, cancelled=t.cancelled,
-        bytes_wasted=t.bytes_wasted)
+        bytes_wasted=t.bytes_wasted, bytes_used=t.bytes_used, bytes_unused=t.bytes_unused)
