@@ -134,6 +134,9 @@ class Scheduler:
         self._pinned: dict[str, tuple[_Spell, float]] = {}  # session -> its pinned spell, until
         self._demoted: dict[str, _Spell] = {}
         self._landed: dict[str, _Landed] = {}  # landed prefetches waiting for a session's return
+        # session -> ids of the open orders that served it (may name orders since closed): an
+        # arrival, on the ingest path, finds its orders without scanning every open one.
+        self._served_by: dict[str, set[str]] = {}
         self._landed_by_session: dict[str, set[str]] = {}
         self._generation = 0
 
@@ -157,10 +160,10 @@ class Scheduler:
         self._fresh.pop(session_id, None)
         self._pinned.pop(session_id, None)
         self._demoted.pop(session_id, None)
-        if routed_to is not None:
-            for e in self._open.values():
-                if session_id in e.served and e.order.instance_id == routed_to:
-                    e.used = True
+        for order_id in self._served_by.pop(session_id, ()):
+            e = self._open.get(order_id)
+            if e is not None and routed_to == e.order.instance_id:
+                e.used = True
         for order_id in self._landed_by_session.pop(session_id, ()):
             landed = self._landed.get(order_id)
             if landed is None:
@@ -396,6 +399,7 @@ class Scheduler:
                             needed_by=needed_by, ttl_seconds=hold_seconds,
                             priority=cand.p_soon * self._stall_avoided(source, len(blocks), nbytes))
         self._open[order.order_id] = _Open(order, sessions={cand.session_id}, served={cand.session_id})
+        self._served_by.setdefault(cand.session_id, set()).add(order.order_id)
         self._booking[order.order_id] = (link, (start_by, start_by + transfer_seconds))
         return order
 
@@ -433,6 +437,7 @@ class Scheduler:
         e.order = grown
         e.sessions.add(cand.session_id)
         e.served.add(cand.session_id)
+        self._served_by.setdefault(cand.session_id, set()).add(order.order_id)
         return grown
 
     def _stall_avoided(self, source: Tier, blocks: int, nbytes: int) -> float:
