@@ -33,7 +33,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from itertools import compress
 from typing import Literal
 
 from app.engine.events import BlockHash, Event, KvBlocksStored, RequestRouted
@@ -88,17 +87,14 @@ def judge(store: StateStore, events: Sequence[Event], config: OutcomeConfig) -> 
     on_host: dict[str, set[BlockHash]] = {}
     pool_ask: set[BlockHash] = set()
     for inst, blocks in wanted.items():
-        keys = list(blocks)
-        in_hbm[inst] = here = set(compress(keys, store.holds("hbm", inst, keys)))
+        in_hbm[inst] = here = store.present("hbm", inst, blocks)
         rest = blocks - here
         for _, stored in landed.get(inst, ()):
             # Where blocks that landed in HBM during the batch came from, for requests before them.
             rest.update(here.intersection(stored))
-        keys = list(rest)
-        on_host[inst] = host = set(compress(keys, store.holds("host", inst, keys))) if keys else set()
+        on_host[inst] = host = store.present("host", inst, rest) if rest else set()
         pool_ask |= rest - host
-    keys = list(pool_ask)
-    in_pool = set(compress(keys, store.holds("pool", None, keys))) if keys else set()
+    in_pool = store.present("pool", None, pool_ask) if pool_ask else set()
     held = {inst: in_hbm[inst] | on_host[inst] | (blocks & in_pool) for inst, blocks in wanted.items()}
     landed_any = {inst: set().union(*(stored for _, stored in stores)) for inst, stores in landed.items()}
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import pytest
@@ -105,9 +105,10 @@ class CountingStore:
         self.store = store
         self.calls: list[tuple[str, str | None, int]] = []
 
-    def holds(self, tier: Any, instance_id: str | None, blocks: Sequence[Any]) -> list[bool]:
+    def present(self, tier: Any, instance_id: str | None, blocks: Iterable[Any]) -> set[Any]:
+        blocks = list(blocks)
         self.calls.append((tier, instance_id, len(blocks)))
-        return self.store.holds(tier, instance_id, blocks)
+        return self.store.present(tier, instance_id, blocks)
 
 
 def test_a_batch_costs_a_few_lookups_per_instance_not_per_request(store: MemoryStore) -> None:

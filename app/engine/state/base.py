@@ -28,7 +28,7 @@ order they arrive in (tests/engine/state/test_store_contract.py checks them on e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol, Sequence
+from typing import Iterable, Literal, Protocol, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
@@ -158,6 +158,11 @@ class StateStore(Protocol):
 
     def holds(self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]) -> list[bool]:
         """For each block, whether the location holds it now."""
+        ...
+
+    def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
+        """The blocks of `block_hashes` the location holds now (`holds` as a set, for callers that
+        ask about many blocks at once: the arrival judging on the ingest path)."""
         ...
 
     def order(self, order_id: str) -> OrderView | None: ...

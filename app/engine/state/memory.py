@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 import math
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from app.engine.events import (
@@ -480,6 +480,10 @@ class MemoryStore:
             return [False] * len(block_hashes)
         present = loc.present
         return [h in present for h in block_hashes]
+
+    def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
+        loc = self._locations.get((tier, instance_id))
+        return loc.present.keys() & block_hashes if loc is not None else set()
 
     def order(self, order_id: str) -> OrderView | None:
         o = self._orders.get(order_id)

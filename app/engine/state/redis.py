@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -532,6 +532,10 @@ class RedisStore:
         with self._errors():
             scores = self._r.zmscore(key, _enc_blocks(block_hashes))
         return [s is not None for s in scores]
+
+    def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
+        blocks = list(dict.fromkeys(block_hashes))
+        return {h for h, held in zip(blocks, self.holds(tier, instance_id, blocks)) if held}
 
     def order(self, order_id: str) -> OrderView | None:
         with self._errors():

@@ -263,6 +263,9 @@ def test_residency_is_deduplicated_per_location(store: StateStore) -> None:
     assert store.session("a").resident_blocks == {"hbm@gpu-0": 4, "pool": 3}
     assert store.holds("hbm", "gpu-0", [10, 20, 99]) == [True, True, False]
     assert store.holds("host", "gpu-0", [10]) == [False]
+    assert store.present("hbm", "gpu-0", [10, 20, 99, 10]) == {10, 20}
+    assert store.present("hbm", "gpu-0", iter({30, 99})) == {30}
+    assert store.present("host", "gpu-0", [10]) == set() and store.present("pool", None, []) == set()
 
 
 def test_stored_after_removed_in_event_time_wins_and_vice_versa(store: StateStore) -> None:
