@@ -99,7 +99,8 @@ def _reference_matrix(views: list[Any], now: float, horizons: tuple[float, ...])
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    return round(a / b, 2) if a is not None and b else None
+    # Three significant digits: a fixed number of decimals rounds a small ratio (a tiny --sessions) to 0.
+    return float(f"{a / b:.3g}") if a is not None and b else None
 
 
 def _batch(model: Any, views: list[Any], now: float, horizons: tuple[float, ...], rounds: int) -> dict[str, Any]:
