@@ -6,19 +6,16 @@ GET /v1/dashboard/now: the current totals, per-instance queues and the sessions 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from app.api.deps import ClockDep, LedgerDep, ModelsDep, SchedulerDep, SettingsDep, StoreDep
-from app.api.errors import error_response
+from app.api.errors import Error, error_response, field_error_route
 from app.engine.advice import AdviceLedger
 from app.engine.timeline import HISTORY_SECONDS, Timeline, instance_queues, series, top_sessions
 
@@ -33,34 +30,18 @@ _RULES = {
 }
 
 
-class _FieldErrors(APIRoute):
-    """A bad query parameter is answered 422 {"detail", "field"}, naming it and what it takes."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except RequestValidationError as exc:
-                error = exc.errors()[0]
-                name = str(error["loc"][-1])
-                got = request.query_params.get(name)
-                rule = _RULES.get(name)
-                message = (f"the query parameter {name} must be {rule}, not {got!r}" if rule is not None
-                           else f"{name}: {error['msg']}")
-                return error_response(422, name, message)
-
-        return route
+def _query_error(request: Request, error: dict[str, Any]) -> Response:
+    """A bad query parameter, named, with what it takes."""
+    name = str(error["loc"][-1])
+    got = request.query_params.get(name)
+    rule = _RULES.get(name)
+    message = (f"the query parameter {name} must be {rule}, not {got!r}" if rule is not None
+               else f"{name}: {error['msg']}")
+    return error_response(422, name, message)
 
 
-router = APIRouter(prefix="/dashboard", tags=["dashboard"], route_class=_FieldErrors)
+router = APIRouter(prefix="/dashboard", tags=["dashboard"], route_class=field_error_route(_query_error))
 page = APIRouter(include_in_schema=False)
-
-
-class Error(BaseModel):
-    detail: str
-    field: str
 
 
 _BAD_PARAM = {422: {"model": Error, "description": "A query parameter is out of range or not a number."}}

@@ -3,16 +3,13 @@ which one to send its next request to (app/engine/hints.py does the work)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.api.deps import ClockDep, SettingsDep, StoreDep
-from app.api.errors import error_response
+from app.api.errors import Error, error_response, field_error_route
 from app.core.config import Settings
 from app.engine.events import Ident
 from app.engine.hints import HintConfig, route_hint
@@ -21,38 +18,21 @@ from app.engine.hints import HintConfig, route_hint
 MAX_CANDIDATES = 256
 
 
-class _FieldErrors(APIRoute):
-    """Answers a bad body in the service's one error shape, {"detail", "field"}, naming the
-    top-level field, and not FastAPI's list of errors."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except RequestValidationError as exc:
-                error = exc.errors()[0]
-                if error["type"] == "json_invalid":  # as POST /v1/events answers it
-                    return error_response(400, "body", f"the body is not JSON: {error['ctx']['error']}")
-                loc = [str(p) for p in error["loc"]]
-                field = loc[1] if len(loc) > 1 else "body"
-                if error["type"] == "missing":
-                    message = f"{field} is required"
-                else:
-                    where = ".".join(loc[1:]) or "body"
-                    message = f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
-                return error_response(422, field, message)
-
-        return route
+def _body_error(request: Request, error: dict[str, Any]) -> Response:
+    """A bad body, naming its top-level field; one that is not JSON as POST /v1/events answers it."""
+    if error["type"] == "json_invalid":
+        return error_response(400, "body", f"the body is not JSON: {error['ctx']['error']}")
+    loc = [str(p) for p in error["loc"]]
+    field = loc[1] if len(loc) > 1 else "body"
+    if error["type"] == "missing":
+        message = f"{field} is required"
+    else:
+        where = ".".join(loc[1:]) or "body"
+        message = f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
+    return error_response(422, field, message)
 
 
-router = APIRouter(tags=["routing"], route_class=_FieldErrors)
-
-
-class Error(BaseModel):
-    detail: str
-    field: str
+router = APIRouter(tags=["routing"], route_class=field_error_route(_body_error))
 
 
 class RouteHintRequest(BaseModel):

@@ -2,48 +2,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
 from app.api.deps import ClockDep, OrderSinkDep, SettingsDep
-from app.api.errors import error_response
+from app.api.errors import Error, error_response, field_error_route
 from app.engine.orders import Order
 from app.engine.sinks import PullQueue
 
 MAX_LIMIT = 1000
 
 
-class _FieldErrors(APIRoute):
-    """Answers a bad query parameter in the service's one error shape, {"detail", "field"}, and
-    not FastAPI's list of errors."""
-
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        handler = super().get_route_handler()
-
-        async def route(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except RequestValidationError as exc:
-                error = exc.errors()[0]
-                name = str(error["loc"][-1])
-                message = (f"the query parameter {name} is required" if error["type"] == "missing"
-                           else f"{name}: {error['msg']}")
-                return error_response(422, name, message)
-
-        return route
+def _query_error(request: Request, error: dict[str, Any]) -> Response:
+    """A bad query parameter, named."""
+    name = str(error["loc"][-1])
+    message = (f"the query parameter {name} is required" if error["type"] == "missing"
+               else f"{name}: {error['msg']}")
+    return error_response(422, name, message)
 
 
-router = APIRouter(tags=["orders"], route_class=_FieldErrors)
-
-
-class Error(BaseModel):
-    detail: str
-    field: str
+router = APIRouter(tags=["orders"], route_class=field_error_route(_query_error))
 
 
 class OrdersResponse(BaseModel):
