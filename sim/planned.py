@@ -49,16 +49,30 @@ class PlannedPolicy(Policy):
     def on_tick(self, now: float) -> None:
         self._act(sorted(self._idle), now)
 
-    def _act(self, session_ids: list[str], now: float) -> None:
+    def _views(self, session_ids: list[str], now: float) -> list[SessionView]:
+        """The sessions' views; those no longer idle, or idle past what the planner scores, leave
+        the idle set (and `_dropped` hears of them)."""
         views = [v for v in (self._session_view(s) for s in session_ids) if v is not None]
         cutoff = now - MAX_IDLE_SECONDS
         for v in views:
             if v.state != "idle" or v.last_activity_ts < cutoff:
                 self._idle.discard(v.session_id)
+                self._dropped(v.session_id)
+        return views
+
+    def _dropped(self, session_id: str) -> None:
+        """A session left the idle set."""
+
+    def _instance_index(self, instance_id: str | None) -> int | None:
+        if instance_id is None:
+            return None
+        return next((inst.idx for inst in self.cluster.instances if inst.instance_id == instance_id), None)
+
+    def _act(self, session_ids: list[str], now: float) -> None:
+        views = self._views(session_ids, now)
         cluster = self.cluster
-        index = {inst.instance_id: inst.idx for inst in cluster.instances}
         for a in self.planner.advise(views, now):
-            idx = index.get(a.instance_id) if a.instance_id is not None else None
+            idx = self._instance_index(a.instance_id)
             if idx is None:
                 continue
             blocks = list(a.block_hashes)
