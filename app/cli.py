@@ -122,7 +122,17 @@ def serve(
         raise typer.BadParameter("at least 1", param_hint="'--workers'")
     if workers != 1 and settings.store == "memory":
         raise typer.BadParameter("the memory store lives in one process: use --store redis for several workers")
+    from app.core.security import check_bind, load_tokens
+
+    try:
+        access = check_bind(settings.host, load_tokens(settings))
+    except KvpError as exc:
+        typer.echo(f"kvprefetch serve: {exc}", err=True)
+        raise typer.Exit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kvprefetch").info("%s", access)
+    # Slow clients and floods are bounded by uvicorn too: connections past the limit get 503.
+    limits = {"limit_concurrency": settings.max_connections, "timeout_keep_alive": 5}
     if workers > 1:
         # Worker processes read their settings from the environment (app/api/worker.py), and
         # /metrics must sum them all: prometheus-client's multiprocess mode, set before any
@@ -136,14 +146,41 @@ def serve(
         prepare_multiprocess_dir(metrics_dir)
     if workers > 1:
         uvicorn.run("app.api.worker:create_worker_app", factory=True, workers=workers, host=settings.host,
-                    port=settings.port, log_level="info", access_log=False)
+                    port=settings.port, log_level="info", access_log=False, **limits)
         return
     from app.api.main import create_app
     from app.core.runtime import tune_gc
 
     tune_gc()
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                access_log=False)
+                access_log=False, **limits)
+
+
+@cli.command()
+def token(
+    name: Annotated[str, typer.Option(help="Who holds it: shown in 403s, rate limits and GET /v1/config.")],
+    scope: Annotated[list[str], typer.Option(help="ingest, agent or admin; repeat for several.")],
+) -> None:
+    """Make a bearer token: the token for its holder on stdout, its KVP_TOKENS_FILE entry (a digest,
+    not the token) on stderr."""
+    import secrets
+
+    from app.core.security import Scope, token_digest
+
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9._@:-]{1,64}", name):
+        raise typer.BadParameter("1-64 of letters, digits and . _ @ : -", param_hint="'--name'")
+    try:
+        scopes = sorted({Scope(s) for s in scope} - {Scope.READ})
+    except ValueError:
+        raise typer.BadParameter("ingest, agent or admin", param_hint="'--scope'") from None
+    if not scopes:
+        raise typer.BadParameter("at least one of ingest, agent, admin", param_hint="'--scope'")
+    value = secrets.token_urlsafe(32)
+    scope_list = ", ".join(f'"{s}"' for s in scopes)
+    typer.echo(f'[[tokens]]\nname = "{name}"\nscopes = [{scope_list}]\nsha256 = "{token_digest(value)}"', err=True)
+    typer.echo(value)
 
 
 @cli.command()

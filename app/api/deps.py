@@ -12,6 +12,7 @@ from fastapi import Depends, Request
 from app.core.clock import Clock
 from app.core.config import Settings
 from app.engine.advice import AdviceLedger
+from app.engine.backlog import Backlog
 from app.engine.ingest import Ingestor
 from app.engine.metrics import Metrics
 from app.engine.models import ModelRegistry
@@ -56,6 +57,15 @@ async def get_metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
+async def get_backlog(request: Request) -> Backlog:
+    return request.app.state.backlog
+
+
+async def drain_backlog(request: Request) -> None:
+    """For routes reading what the planning side derives from events (app/engine/backlog.py)."""
+    request.app.state.backlog.drain()
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[StateStore, Depends(get_store)]
 IngestorDep = Annotated[Ingestor, Depends(get_ingestor)]
@@ -65,3 +75,4 @@ ClockDep = Annotated[Clock, Depends(get_clock)]
 OrderSinkDep = Annotated[OrderSink, Depends(get_order_sink)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
+BacklogDep = Annotated[Backlog, Depends(get_backlog)]

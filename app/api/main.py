@@ -9,17 +9,24 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
 
 from app import __version__
+from app.api.auth import (AUTH_RESPONSES, AdminScope, AgentScope, IngestScope, ObservabilityScope, ReadScope,
+                          Refused, refused_response)
+from app.api.deps import drain_backlog
 from app.api.errors import error_response
-from app.api.routes import dashboard, events, health, hints, metrics, model, orders, scheduler, state
+from app.api.routes import config, dashboard, events, health, hints, metrics, model, orders, scheduler, state
+from app.api.timeouts import TimeoutMiddleware
 from app.core.clock import Clock, SystemClock
 from app.core.config import Settings
 from app.core.errors import EventLogError, StoreError, StoreUnavailable
+from app.core.ratelimit import RateLimiter
+from app.core.security import check_bind, load_tokens
 from app.engine.advice import AdviceLedger
+from app.engine.backlog import Backlog
 from app.engine.eventlog import EventLog
 from app.engine.events import Event, batch_adapter
 from app.engine.ingest import Ingestor, Observer
@@ -46,6 +53,13 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         app.state.settings = settings
+        # First of all: an unauthenticated service on a public address must not start.
+        app.state.tokens = load_tokens(settings)
+        access = check_bind(settings.host, app.state.tokens)
+        app.state.request_limiter = RateLimiter(settings.rate_limit_requests_per_second,
+                                                settings.rate_limit_burst_seconds)
+        app.state.event_limiter = RateLimiter(settings.rate_limit_events_per_second,
+                                              settings.rate_limit_burst_seconds)
         app.state.clock = clock or SystemClock()
         # First: a sink misconfigured (webhook without a URL) stops startup before anything opens.
         app.state.order_sink = order_sink if order_sink is not None else build_sink(settings)
@@ -89,11 +103,13 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
             prefill_tokens_per_second=settings.prefill_tokens_per_second), record_outcomes))
         # Last: it syncs the counters with what the ledger and the scheduler counted just now.
         observers.append(app.state.metrics.observe)
+        app.state.backlog = Backlog(compose_observers(observers), settings.backlog_max_events)
         app.state.ingestor = Ingestor(app.state.store, app.state.event_log, replica_id=settings.replica_id,
-                                      observer=compose_observers(observers))
+                                      observer=app.state.backlog.put)
         replayed = app.state.ingestor.recover()
-        log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed", __version__, settings.store,
-                 settings.event_log_dir, replayed)
+        log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed; %s", __version__, settings.store,
+                 settings.event_log_dir, replayed, access)
+        observing = app.state.backlog_task = asyncio.create_task(app.state.backlog.run())
         scoring = app.state.scoring_task = (
             asyncio.create_task(app.state.scorer.run(settings.score_interval_seconds))
             if settings.score_interval_seconds > 0 else None)
@@ -106,11 +122,12 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         try:
             yield
         finally:
-            for task in (scoring, planning, sampling):
+            for task in (scoring, planning, sampling, observing):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
+            app.state.backlog.drain()
             app.state.event_log.close()
             app.state.metrics.close()
             if store is None:
@@ -124,17 +141,29 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         summary="Predictive KV-cache prefetching for LLM serving fleets.",
         lifespan=lifespan,
     )
+    # Each router's scope (app/api/auth.py); the events and model routes declare theirs per route.
+    # Readers of what the planning side derives drain its backlog first: read-your-writes.
+    fresh = Depends(drain_backlog)
     app.include_router(health.router)
-    app.include_router(metrics.router)
-    app.include_router(events.router, prefix="/v1")
-    app.include_router(state.router, prefix="/v1")
-    app.include_router(model.router, prefix="/v1")
-    app.include_router(orders.router, prefix="/v1")
-    app.include_router(scheduler.router, prefix="/v1")
-    app.include_router(hints.router, prefix="/v1")
-    app.include_router(dashboard.router, prefix="/v1")
-    app.include_router(dashboard.page)
+    app.include_router(metrics.router, dependencies=[ObservabilityScope, fresh], responses=AUTH_RESPONSES)
+    app.include_router(events.router, prefix="/v1", responses=AUTH_RESPONSES)
+    app.include_router(state.router, prefix="/v1", dependencies=[ReadScope], responses=AUTH_RESPONSES)
+    app.include_router(model.router, prefix="/v1", dependencies=[fresh], responses=AUTH_RESPONSES)
+    app.include_router(orders.router, prefix="/v1", dependencies=[AgentScope, fresh], responses=AUTH_RESPONSES)
+    app.include_router(scheduler.router, prefix="/v1", dependencies=[ReadScope, fresh], responses=AUTH_RESPONSES)
+    app.include_router(hints.router, prefix="/v1", dependencies=[IngestScope], responses=AUTH_RESPONSES)
+    app.include_router(config.router, prefix="/v1", dependencies=[AdminScope], responses=AUTH_RESPONSES)
+    app.include_router(dashboard.router, prefix="/v1", dependencies=[ObservabilityScope, fresh],
+                       responses=AUTH_RESPONSES)
+    app.include_router(dashboard.page, dependencies=[ObservabilityScope], responses=AUTH_RESPONSES)
+    # The page's script and styles: nothing in them is private.
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
+    app.add_middleware(TimeoutMiddleware, body_seconds=settings.body_timeout_seconds,
+                       request_seconds=settings.request_timeout_seconds)
+
+    @app.exception_handler(Refused)
+    async def _refused(_: Request, exc: Refused) -> Response:
+        return refused_response(exc)
 
     @app.exception_handler(StoreUnavailable)
     async def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:

@@ -6,7 +6,7 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Llama-3.1-70B bf16: 2 x 80 layers x 8 kv heads x 128 x 2 bytes (REFERENCE.md, "KV bytes per token").
@@ -36,6 +36,32 @@ class Settings(BaseSettings):
 
     max_batch_events: int = Field(10_000, ge=1)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+
+    # Bearer tokens (app/core/security.py). Each variable grants one scope; the file names any
+    # number of tokens with their scopes. None at all: authentication is off and the service
+    # listens on loopback only.
+    ingest_token: SecretStr | None = None
+    agent_token: SecretStr | None = None
+    admin_token: SecretStr | None = None
+    tokens_file: Path | None = None
+    # /metrics, /dashboard and its data are open like /healthz unless this is set; then they
+    # need a token (the read scope, which every token has).
+    protect_observability: bool = False
+
+    # Per client (token, or address when authentication is off), per worker process: a token
+    # bucket holding `burst_seconds` of the rate. 0 turns a limit off.
+    rate_limit_requests_per_second: float = Field(10_000.0, ge=0)
+    rate_limit_events_per_second: float = Field(500_000.0, ge=0)
+    rate_limit_burst_seconds: float = Field(2.0, gt=0)
+    # Accepted events waiting for the planning side (app/engine/backlog.py); a batch that would
+    # overflow it is refused with 503 and Retry-After before anything of it is logged.
+    backlog_max_events: int = Field(200_000, ge=1)
+    # A request whose body has not fully arrived this long after its last chunk is answered 408;
+    # one still unanswered after request_timeout_seconds, 503.
+    body_timeout_seconds: float = Field(10.0, gt=0)
+    request_timeout_seconds: float = Field(60.0, gt=0)
+    # Connections uvicorn serves at once per worker; more are answered 503 at once.
+    max_connections: int = Field(1024, ge=1)
 
     bytes_per_token: int = Field(LLAMA_70B_BF16_BYTES_PER_TOKEN, gt=0)
     block_tokens: int = Field(MOONCAKE_BLOCK_TOKENS, gt=0)
@@ -98,6 +124,13 @@ class Settings(BaseSettings):
     order_claim_idle_seconds: float = Field(30.0, gt=0)
     # The pull queue: how long a pulled order is leased before it is handed out again.
     order_lease_seconds: float = Field(30.0, gt=0)
+
+    @model_validator(mode="after")
+    def _batch_fits_the_backlog(self) -> Settings:
+        if self.max_batch_events > self.backlog_max_events:
+            raise ValueError(f"max_batch_events ({self.max_batch_events}) must not exceed "
+                             f"backlog_max_events ({self.backlog_max_events})")
+        return self
 
     @property
     def event_log_dir(self) -> Path:

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -19,6 +20,16 @@ def settings(tmp_path: Path) -> Settings:
 def client(settings: Settings) -> Iterator[TestClient]:
     with TestClient(create_app(settings)) as c:
         yield c
+
+
+def settle(client: TestClient) -> None:
+    """Let the planning side take every acknowledged event (app/engine/backlog.py), on the
+    service's loop, before a test drives or reads its parts directly."""
+    client.portal.call(_drain, client.app)  # type: ignore[union-attr]
+
+
+async def _drain(app: Any) -> None:
+    app.state.backlog.drain()
 
 
 def routed(event_id: str, session_id: str = "s1", ts: float = 1.0, **kw: object) -> dict[str, object]:

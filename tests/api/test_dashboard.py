@@ -20,6 +20,7 @@ from app.api.main import create_app
 from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.engine.timeline import HISTORY_SECONDS
+from tests.api.conftest import settle
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCK_BYTES = 512 * 327_680
@@ -48,6 +49,7 @@ def client(settings: Settings, clock: ManualClock, tmp_path: Path) -> Iterator[T
 def post(client: TestClient, events: list[dict[str, Any]]) -> None:
     r = client.post("/v1/events", json={"events": events})
     assert r.status_code == 200, r.text
+    settle(client)
 
 
 def turns(session: str, instance: str, blocks: list[str], last_ts: float, n: int = 4) -> list[dict[str, Any]]:

@@ -13,7 +13,7 @@ from app.api.main import create_app
 from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.engine.orders import Order
-from tests.api.conftest import routed
+from tests.api.conftest import routed, settle
 
 # Settings' defaults: 512-token blocks of 327,680 bytes per token, a 12.5 GB/s pool link.
 BLOCK = 512 * 327_680
@@ -28,6 +28,7 @@ def client(settings: Settings) -> Iterator[TestClient]:
 def post_events(client: TestClient, *events: dict[str, Any]) -> None:
     r = client.post("/v1/events", json={"events": list(events)})
     assert r.status_code == 200, r.text
+    settle(client)
 
 
 def stored(event_id: str, blocks: list[int], instance_id: str | None = "gpu-0", tier: str = "hbm") -> dict[str, Any]:
@@ -127,7 +128,7 @@ def test_a_body_that_is_not_json(client: TestClient) -> None:
 def test_openapi_documents_the_hint_with_examples(client: TestClient) -> None:
     schema = client.get("/openapi.json").json()
     post = schema["paths"]["/v1/route-hint"]["post"]
-    assert set(post["responses"]) == {"200", "400", "422"}
+    assert set(post["responses"]) == {"200", "400", "401", "403", "422", "429"}
     components = schema["components"]["schemas"]
     assert components["RouteHintRequest"]["examples"][0]["candidates"] == ["gpu-0", "gpu-1", "gpu-2"]
     assert components["RouteHintResponse"]["examples"][0]["recommended"] == "gpu-0"

@@ -20,7 +20,7 @@ from app.core.config import Settings
 from app.engine.metrics import prepare_multiprocess_dir, rejection_field
 from app.engine.planner import SessionAdvice
 from app.engine.predictor import DEFAULT_MODEL_DIR
-from tests.api.conftest import routed
+from tests.api.conftest import routed, settle
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -63,6 +63,7 @@ def value(samples: Samples, name: str, **labels: str) -> float | None:
 def post(client: TestClient, events: list[dict[str, Any]], status: int = 200) -> dict[str, Any]:
     r = client.post("/v1/events", json={"events": events})
     assert r.status_code == status, r.text
+    settle(client)
     return r.json()
 
 

@@ -17,7 +17,7 @@ from app.core.config import Settings
 from app.engine.features import FEATURES
 from app.engine.planner import Planner
 from app.engine.predictor import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
-from tests.api.conftest import routed
+from tests.api.conftest import routed, settle
 
 NO_SCORES = {"predictions": 0, "keep_predictions": 0, "hits": 0, "misses": 0, "unscored": 0, "hit_rate": None}
 
@@ -190,6 +190,7 @@ def test_hit_rates_of_live_and_shadow(tmp_path: Path, clock: ManualClock) -> Non
         session_with_turns(c, "b", 1, start_ts=300.0)  # one turn, silent since 305
         app = c.app
         clock.set(900.0)
+        settle(c)
         assert app.state.scorer.tick() == 2  # type: ignore[attr-defined]
         views = [app.state.store.session("a"), app.state.store.session("b")]  # type: ignore[attr-defined]
         # What the production planner advises at 900 is what each model is judged on.
@@ -223,6 +224,7 @@ def test_advice_made_after_a_late_arrival_does_not_score_it(scored: TestClient, 
     c = scored
     session_with_turns(c, "a", 2, start_ts=800.0)
     clock.set(900.0)
+    settle(c)
     assert c.app.state.scorer.tick() == 1  # type: ignore[attr-defined]
     before = c.get("/v1/model").json()["live"]
     assert (before["predictions"], before["unscored"]) == (1, 2)  # the two turns that built a

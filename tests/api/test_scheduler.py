@@ -13,6 +13,7 @@ from app.api.main import create_app
 from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.engine.orders import Order
+from tests.api.conftest import settle
 
 BLOCKS = list(range(100, 120))
 
@@ -42,6 +43,7 @@ def turn(n: int, ts: float) -> list[dict[str, object]]:
 def post(client: TestClient, events: list[dict[str, object]]) -> None:
     r = client.post("/v1/events", json={"events": events})
     assert r.status_code == 200, r.text
+    settle(client)
 
 
 def tick(client: TestClient) -> None:

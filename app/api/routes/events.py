@@ -5,15 +5,22 @@ from __future__ import annotations
 import orjson
 from fastapi import APIRouter, Request, Response
 
+from app.api.auth import EventsCaller, charge
 from app.api.batch import BatchError, IngestResponse, parse_batch
-from app.api.deps import IngestorDep, MetricsDep, SettingsDep
+from app.api.deps import BacklogDep, IngestorDep, MetricsDep, SettingsDep
 from app.api.errors import error_response
+from app.core.security import Principal, Scope
+from app.engine.events import Event
 
 router = APIRouter(tags=["events"])
+
+# What a token with the agent scope alone may post: its orders' progress and what it moved.
+AGENT_EVENT_TYPES = frozenset({"order_progress", "kv_blocks_stored", "kv_blocks_removed", "kv_blocks_cleared"})
 
 _RESPONSES = {
     200: {"model": IngestResponse, "description": "Every event was accepted or was a duplicate."},
     400: {"description": "The body is not JSON."},
+    403: {"description": "An agent-scope token posted an event type only the ingest scope may post."},
     413: {"description": "The body or the batch is too large."},
     415: {"description": "The body is not application/json."},
     422: {"model": IngestResponse,
@@ -43,8 +50,8 @@ async def read_body(request: Request, limit: int) -> bytes:
         "application/json": {"schema": {"$ref": "#/components/schemas/EventBatch"}}}}},
     summary="Post a batch of events",
 )
-async def post_events(request: Request, ingestor: IngestorDep, settings: SettingsDep,
-                      metrics: MetricsDep) -> Response:
+async def post_events(request: Request, caller: EventsCaller, ingestor: IngestorDep, settings: SettingsDep,
+                      metrics: MetricsDep, backlog: BacklogDep) -> Response:
     """Accept a batch of events. Valid events are logged durably and applied before the answer.
 
     A batch with some invalid events is answered 422, and its valid events are still accepted:
@@ -57,9 +64,16 @@ async def post_events(request: Request, ingestor: IngestorDep, settings: Setting
     try:
         body = await read_body(request, settings.max_body_bytes)
         parsed = parse_batch(body, settings.max_batch_events)
+        check_agent_events(caller, parsed.events)
     except BatchError as exc:
         metrics.batch_refused(exc.status_code)
         return error_response(exc.status_code, exc.field, exc.message)
+    charge(request, caller, "event_limiter", len(parsed.events))
+    if not backlog.has_room(len(parsed.events)):
+        metrics.batch_refused(503)
+        return error_response(503, "backlog", f"the planning side is behind: {backlog.events} events wait "
+                              f"(KVP_BACKLOG_MAX_EVENTS {backlog.max_events}); retry later",
+                              {"Retry-After": "1"})
     result = ingestor.ingest(parsed.events, body if not parsed.rejected else None)
     metrics.batch_answered(duplicates=len(result.duplicates),
                            rejected_fields=[(r.index, r.field) for r in parsed.rejected])
@@ -70,3 +84,13 @@ async def post_events(request: Request, ingestor: IngestorDep, settings: Setting
     }
     return Response(orjson.dumps(payload), status_code=422 if parsed.rejected else 200,
                     media_type="application/json")
+
+
+def check_agent_events(caller: Principal, events: list[Event]) -> None:
+    if Scope.INGEST in caller.scopes:
+        return
+    for i, event in enumerate(events):
+        if event.type not in AGENT_EVENT_TYPES:
+            raise BatchError(403, f"events[{i}].type",
+                             f"a token with the agent scope alone may post only {', '.join(sorted(AGENT_EVENT_TYPES))} "
+                             f"events, not {event.type}; nothing of the batch was accepted")

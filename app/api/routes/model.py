@@ -8,6 +8,7 @@ from pathlib import Path
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from app.api.auth import AdminScope, ReadScope
 from app.api.deps import ClockDep, LedgerDep, ModelsDep, StoreDep
 from app.api.errors import error_response
 from app.engine.advice import AdviceLedger
@@ -59,7 +60,7 @@ def _score(serving: Serving, ledger: AdviceLedger, slot: str) -> ModelScore:
                       hit_rate=s.hit_rate)
 
 
-@router.get("/model", response_model=ModelStatus)
+@router.get("/model", dependencies=[ReadScope], response_model=ModelStatus)
 async def get_model(models: ModelsDep, ledger: LedgerDep) -> ModelStatus:
     """The serving model and the shadow, each with its hit rate since it was put in place."""
     serving, shadow = models.serving, models.shadow
@@ -68,7 +69,7 @@ async def get_model(models: ModelsDep, ledger: LedgerDep) -> ModelStatus:
                        shadow=_score(shadow, ledger, "shadow") if shadow is not None else None)
 
 
-@router.post("/model/reload", response_model=ModelInfo, responses=_REFUSED)
+@router.post("/model/reload", dependencies=[AdminScope], response_model=ModelInfo, responses=_REFUSED)
 async def reload_model(body: ModelDirRequest, models: ModelsDep, store: StoreDep,
                        clock: ClockDep) -> ModelInfo | Response:
     """Load a model, check it on live sessions, and swap it in atomically; on failure nothing changes."""
@@ -81,7 +82,7 @@ async def reload_model(body: ModelDirRequest, models: ModelsDep, store: StoreDep
     return ModelInfo(predictor=serving.description, version=serving.version)
 
 
-@router.put("/model/shadow", response_model=ModelInfo, responses=_REFUSED)
+@router.put("/model/shadow", dependencies=[AdminScope], response_model=ModelInfo, responses=_REFUSED)
 async def set_shadow(body: ModelDirRequest, models: ModelsDep, store: StoreDep,
                      clock: ClockDep) -> ModelInfo | Response:
     """Put a model beside the serving one, checked as a reload is; it is scored and never advises."""
@@ -93,7 +94,7 @@ async def set_shadow(body: ModelDirRequest, models: ModelsDep, store: StoreDep,
     return ModelInfo(predictor=shadow.description, version=shadow.version)
 
 
-@router.delete("/model/shadow", status_code=204, response_class=Response)
+@router.delete("/model/shadow", dependencies=[AdminScope], status_code=204, response_class=Response)
 async def clear_shadow(models: ModelsDep) -> Response:
     """Remove the shadow model (and its counts); no shadow is not an error."""
     models.clear_shadow()

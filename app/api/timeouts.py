@@ -1,0 +1,80 @@
+"""Request timeouts, as plain ASGI middleware (no per-request task, unlike BaseHTTPMiddleware).
+
+A body that stops arriving (a slow or stuck client) is answered 408 once it has been silent for
+`body_seconds`, and the route sees the client as gone, so nothing of it is accepted. A request
+still unanswered after `request_seconds` is answered 503. Neither can pre-empt work running on
+the event loop; the batch and body limits bound that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import orjson
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+def _error(status: int, field: str, message: str) -> tuple[Message, Message]:
+    body = orjson.dumps({"detail": message, "field": field})
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if status == 503:
+        headers.append((b"retry-after", b"1"))
+    if status == 408:
+        headers.append((b"connection", b"close"))
+    return ({"type": "http.response.start", "status": status, "headers": headers},
+            {"type": "http.response.body", "body": body})
+
+
+class TimeoutMiddleware:
+    def __init__(self, app: ASGIApp, *, body_seconds: float, request_seconds: float) -> None:
+        self.app = app
+        self.body_seconds = body_seconds
+        self.request_seconds = request_seconds
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        state: dict[str, Any] = {"started": False, "answered": False, "body_done": False}
+
+        async def guarded_send(message: Message) -> None:
+            if state["answered"]:
+                return  # we already answered for the route (408 or 503)
+            if message["type"] == "http.response.start":
+                state["started"] = True
+            await send(message)
+
+        async def timed_receive() -> Message:
+            if state["body_done"]:
+                return await receive()  # past the body: a streaming response waits for disconnect
+            silence = asyncio.timeout(self.body_seconds)
+            try:
+                async with silence:
+                    message = await receive()
+            except TimeoutError:
+                if not silence.expired():
+                    raise
+                await answer(408, "body", f"the body stopped arriving for {self.body_seconds:g} s "
+                                          "(KVP_BODY_TIMEOUT_SECONDS)")
+                return {"type": "http.disconnect"}
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                state["body_done"] = True
+            return message
+
+        async def answer(status: int, field: str, message: str) -> None:
+            if state["started"] or state["answered"]:
+                return
+            state["answered"] = True
+            for part in _error(status, field, message):
+                await send(part)
+
+        deadline = asyncio.timeout(self.request_seconds)
+        try:
+            async with deadline:
+                await self.app(scope, timed_receive, guarded_send)
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # the route's own timeout, not ours
+            await answer(503, "request", f"the request took over {self.request_seconds:g} s "
+                                         "(KVP_REQUEST_TIMEOUT_SECONDS)")
