@@ -96,6 +96,16 @@ def test_the_service_keeps_its_state_in_the_compose_redis(config: dict[str, Any]
     assert published == {int(env["KVP_PORT"]): 8000}
 
 
+def test_the_public_service_reads_its_tokens_from_a_secret(config: dict[str, Any]) -> None:
+    # It listens on 0.0.0.0, which the service refuses without tokens (app/core/security.py).
+    service = config["services"]["kvprefetch"]
+    assert service["environment"]["KVP_HOST"] == "0.0.0.0"
+    (secret,) = service["secrets"]
+    assert service["environment"]["KVP_TOKENS_FILE"] == f"/run/secrets/{secret['source']}"
+    assert Path(config["secrets"][secret["source"]]["file"]) == REPO / "deploy" / "tokens.toml"
+    assert "deploy/tokens.toml" in (REPO / ".gitignore").read_text().splitlines()
+
+
 def test_prometheus_scrapes_the_service(config: dict[str, Any]) -> None:
     prometheus = config["services"]["prometheus"]
     source, read_only = mounts(prometheus)["/etc/prometheus/prometheus.yml"]
