@@ -212,6 +212,7 @@ def test_a_client_over_its_event_rate_gets_429_and_nothing_of_the_batch_is_taken
         r = post_events(c, [routed("e3", "s2")], None)
         assert r.status_code == 429 and "KVP_RATE_LIMIT_EVENTS_PER_SECOND" in r.json()["detail"]
         assert c.get("/v1/sessions/s2").status_code == 404
+        assert 'kvprefetch_event_batches_refused_total{code="429"} 1.0' in c.get("/metrics").text
 
 
 def test_a_full_backlog_refuses_with_503_before_logging_and_a_read_drains_it(tmp_path: Path) -> None:
@@ -231,6 +232,7 @@ def test_a_full_backlog_refuses_with_503_before_logging_and_a_read_drains_it(tmp
         assert c.get("/v1/scheduler").status_code == 200  # a derived read drains first
         assert app.state.backlog.events == 0  # type: ignore[attr-defined]
         assert post_events(c, [routed("e3", "s2"), routed("e4", "s2")], None).status_code == 200
+        assert 'kvprefetch_event_batches_refused_total{code="503"} 1.0' in c.get("/metrics").text
 
 
 async def _stop_draining(app: Any) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import orjson
 from fastapi import APIRouter, Request, Response
 
-from app.api.auth import EventsCaller, charge
+from app.api.auth import EventsCaller, Refused, charge
 from app.api.batch import BatchError, IngestResponse, parse_batch
 from app.api.deps import BacklogDep, IngestorDep, MetricsDep, SettingsDep
 from app.api.errors import error_response
@@ -68,7 +68,11 @@ async def post_events(request: Request, caller: EventsCaller, ingestor: Ingestor
     except BatchError as exc:
         metrics.batch_refused(exc.status_code)
         return error_response(exc.status_code, exc.field, exc.message)
-    charge(request, caller, "event_limiter", len(parsed.events))
+    try:
+        charge(request, caller, "event_limiter", len(parsed.events))
+    except Refused:
+        metrics.batch_refused(429)
+        raise
     if not backlog.has_room(len(parsed.events)):
         metrics.batch_refused(503)
         return error_response(503, "backlog", f"the planning side is behind: {backlog.events} events wait "
