@@ -3,7 +3,9 @@
 Every `plan_interval_seconds` the Dispatcher asks the scheduler for a plan (app/engine/
 scheduler.py) and hands its orders and cancels to the configured sink (app/engine/sinks/).
 An order the sink could not take is reported to the scheduler as failed, so the next tick may
-plan it again rather than count it as on its way.
+plan it again rather than count it as on its way. While the store is unavailable every tick
+fails; that is logged once per outage, and what a failed tick decided goes out with the next
+tick that completes (Scheduler.plan).
 
 `feedback_observer` is the ingest observer that tells the scheduler what happened: a request
 routed (its session's advice is void; its order, if it went where the order goes, is used), a
@@ -18,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from app.core.clock import Clock
+from app.core.errors import StoreError
 from app.engine.events import Event, OrderProgress, RequestRouted, SessionClosed
 from app.engine.ingest import Observer
 from app.engine.routing import RouteTracker
@@ -61,12 +64,24 @@ class Dispatcher:
         return plan
 
     async def run(self, interval_seconds: float) -> None:
+        store_down = False
         while True:
             await asyncio.sleep(interval_seconds)
             try:
                 await self.tick()
+            except StoreError as exc:
+                # An outage fails every tick until it ends: one warning for it, not ten a second
+                # with a traceback each. What a failed tick decided goes out with the next one.
+                if not store_down:
+                    log.warning("planning paused: %s", exc)
+                    store_down = True
+                continue
             except Exception:  # one bad tick must not end planning for the life of the process
                 log.exception("planning tick failed")
+                continue
+            if store_down:
+                log.info("planning again: the store answers")
+                store_down = False
 
 
 def feedback_observer(scheduler: Scheduler, routes: RouteTracker) -> Observer:

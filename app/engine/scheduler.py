@@ -31,7 +31,10 @@ into a `Plan` of orders (app/engine/orders.py) and cancels:
   session left its bytes count as wasted.
 
 Progress comes back as order_progress events (`on_progress`); an open order whose blocks all
-show at the destination is done too (the agent also reports the blocks as stored).
+show at the destination is done too (the agent also reports the blocks as stored). One with no
+word of its end `overdue_seconds` past its needed_by (its agent died while moving it, or nobody
+took it) is given up: counted failed, or cancelled if it never started, so its blocks can be
+ordered again and its bytes stop holding the destination's room.
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ class SchedulerConfig:
     margin_seconds: float = 0.25
     # Re-pin when the current pin lapses within this long.
     repin_before_seconds: float = 5.0
+    # An open prefetch not done this long past its needed_by is given up (see the module doc):
+    # long enough for a dead agent's order to be taken over and finished (a stream entry is
+    # claimed after 30 s by default), short enough that its room is not held for good.
+    overdue_seconds: float = 60.0
 
     def link_bytes_per_second(self, source: Tier) -> float:
         return self.host_link_bytes_per_second if source == "host" else self.pool_link_bytes_per_second
@@ -139,6 +146,8 @@ class Scheduler:
         self._served_by: dict[str, set[str]] = {}
         self._landed_by_session: dict[str, set[str]] = {}
         self._generation = 0
+        # What a tick cut short by a store failure decided: handed out by the next plan().
+        self._carried: tuple[list[Cancel], list[Order]] = ([], [])
 
     # -- input ------------------------------------------------------------------------------
 
@@ -217,12 +226,27 @@ class Scheduler:
     # -- planning ---------------------------------------------------------------------------
 
     def plan(self, now: float) -> Plan:
+        cancels, orders = self._carried
+        self._carried = ([], [])
+        moving: dict[str, Order] = {}  # this tick's prefetches by id, grown as sessions share them
+        try:
+            return self._plan(now, cancels, orders, moving)
+        except Exception:
+            # A store failure cut the tick short. What it decided stands (the scheduler counts
+            # those orders open, those sessions pinned, those orders cancelled), so it goes out
+            # with the next tick that completes; dropped here, it would never go out at all.
+            self._carried = (cancels, orders + list(moving.values()))
+            raise
+
+    def _plan(self, now: float, cancels: list[Cancel], orders: list[Order], moving: dict[str, Order]) -> Plan:
+        """plan(), adding to `cancels`, `orders` (pins, demotes) and `moving` as it goes."""
         cfg = self.config
         self._generation += 1
         self._retire_landed()
         self._expire(now)
-        cancels = self._cancel_fallen()
-        orders: list[Order] = self._pins_and_demotes(list(self._fresh.values()), now)
+        cancels += self._give_up_overdue(now)
+        cancels += self._cancel_fallen()
+        self._pins_and_demotes(list(self._fresh.values()), now, orders)
         self._fresh.clear()
 
         free = {i.instance_id: i.free_kv_bytes for i in self.store.instances()}
@@ -230,7 +254,6 @@ class Scheduler:
             if free.get(inst) is not None:
                 free[inst] = max(free[inst] - nbytes, 0)  # type: ignore[operator]
         inflight_blocks = self._inflight_blocks()
-        moving: dict[str, Order] = {}  # this tick's prefetches by id, grown as sessions share them
         ordered_now: dict[tuple[str, BlockHash], str] = {}
         claimed: set[_Spell] = set()
         displaceable: dict[str, list[SessionAdvice]] = {}  # per destination, built when first needed
@@ -268,6 +291,12 @@ class Scheduler:
                 moving[order.order_id] = order
                 for b in part:
                     ordered_now[(dest, b)] = order.order_id
+        # A prefetch carried over from a tick cut short may be gone since (cancelled, or landed by
+        # other means): it was never handed out, so neither it nor its cancel goes out now.
+        gone = {o.order_id for o in orders if o.kind == "prefetch" and o.order_id not in self._open}
+        if gone:
+            orders[:] = [o for o in orders if o.order_id not in gone]
+            cancels[:] = [c for c in cancels if c.order_id not in gone]
         orders += moving.values()
         for o in orders:
             self.totals.orders[o.kind] += 1
@@ -312,6 +341,21 @@ class Scheduler:
         for s in waiting:
             self._landed_by_session.setdefault(s, set()).add(order_id)
 
+    def _give_up_overdue(self, now: float) -> list[Cancel]:
+        cutoff = now - self.config.overdue_seconds
+        cancels = []
+        for order_id, e in list(self._open.items()):
+            if e.order.needed_by_ts > cutoff:
+                continue
+            del self._open[order_id]
+            self._release(order_id)
+            if e.started:
+                self.totals.failed += 1
+            else:
+                self.totals.cancelled += 1
+                cancels.append(Cancel(order_id=order_id, reason="not done in time"))
+        return cancels
+
     def _cancel_fallen(self) -> list[Cancel]:
         cancels = []
         for order_id, e in list(self._open.items()):
@@ -337,8 +381,8 @@ class Scheduler:
             cancels.append(Cancel(order_id=order_id, reason="no session is likely back there in time"))
         return cancels
 
-    def _pins_and_demotes(self, advice: Sequence[SessionAdvice], now: float) -> list[Order]:
-        out = []
+    def _pins_and_demotes(self, advice: Sequence[SessionAdvice], now: float, out: list[Order]) -> None:
+        """Adds to `out` as it goes, so a store failure half way keeps what was decided."""
         for a in advice:
             if a.instance_id is None or not a.block_hashes:
                 continue
@@ -357,7 +401,6 @@ class Scheduler:
                     out.append(self._order("demote", a, resident, now))
                     self._demoted[a.session_id] = spell
                     self._pinned.pop(a.session_id, None)
-        return out
 
     def _make_room(self, dest: str, need_bytes: int, cand: SessionAdvice, displaceable: list[SessionAdvice],
                    orders: list[Order], now: float, claimed: set[_Spell]) -> int:

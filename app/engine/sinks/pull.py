@@ -11,8 +11,9 @@ An order's life here:
   first, then earliest `start_by_ts`, then oldest. A lease lasts `lease_seconds`; an order whose
   lease ran out without word from the agent is handed out again (at least once: run an id once).
 - **started**: an `order_progress` event with status `accepted` arrived. It is never handed out
-  again, lease or not; if the agent dies mid-transfer, no completion comes and the scheduler's
-  next plan (a new generation, so a new id) replaces it.
+  again, lease or not; if the agent dies mid-transfer, no completion comes: the scheduler gives
+  the order up `overdue_seconds` past its needed_by and may plan its blocks again (a new
+  generation, so a new id).
 - **done**: `completed` or `failed` arrived; the order is forgotten (its id stays in the dedupe
   window, so a resubmission is still dropped).
 - **expired**: held `lease_seconds` past its `needed_by_ts` without finishing: too late to be of
