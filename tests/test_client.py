@@ -25,8 +25,17 @@ import httpx
 import pytest
 
 from app.api.main import create_app
-from app.client import AsyncKvpClient, ClientStats, KvpClient
-from app.client._pipeline import _backoff_seconds, _judge_response, _Outcome, _Pipeline, _retry_after_seconds
+from app.client import Answer, AsyncKvpClient, ClientStats, KvpClient
+from app.client._pipeline import (
+    _backoff_seconds,
+    _Batch,
+    _Item,
+    _judge_response,
+    _Outcome,
+    _partition,
+    _Pipeline,
+    _retry_after_seconds,
+)
 from app.core.config import Settings
 from app.engine.events import RequestRouted
 from tests.conftest import live_server
@@ -136,7 +145,8 @@ def test_real_service_gets_every_turn(flavour: str, service_url: str,
     events[1000:1000] = bad
     caplog.set_level(logging.WARNING, logger="kvprefetch.client")
 
-    transport_free = {"max_backoff_seconds": 0.05}
+    answers: list[Answer] = []
+    transport_free: dict[str, Any] = {"max_backoff_seconds": 0.05, "on_answer": answers.append}
     if flavour == "sync":
         with KvpClient(service_url, **transport_free) as client:
             for event in events:
@@ -163,6 +173,11 @@ def test_real_service_gets_every_turn(flavour: str, service_url: str,
 
     assert (stats.sent, stats.rejected, stats.queued, stats.dropped) == (sessions * turns, 2, 0, 0)
     assert (again.sent, again.duplicates, again.rejected) == (sessions * turns, 500, 2)
+    ids = [e["event_id"] if isinstance(e, dict) else e.event_id for e in events]
+    told = {kind: [i for a in answers for i in getattr(a, kind)]
+            for kind in ("accepted", "duplicates", "rejected")}
+    assert told == {"accepted": [i for i in ids if not i.startswith("bad")],
+                    "duplicates": ids[:500], "rejected": ["bad-0", "bad-1"]}
     assert "prompt_tokens" in caplog.text and "bad-0" in caplog.text
     with httpx.Client(base_url=service_url) as http:
         for s in range(sessions):
@@ -489,7 +504,7 @@ def test_each_answer_maps_to_an_action(status: int, action: str) -> None:
     outcome = _judge_response(status, {"retry-after": "2"}, body, batch_len=3)
     assert outcome.action == action
     if status == 422:
-        assert (outcome.duplicates, outcome.rejected) == (1, 1)
+        assert (outcome.duplicate_ids, outcome.rejections) == (("b",), (2,))
     if action == "retry":
         assert outcome.retry_after == 2.0
 
@@ -542,3 +557,90 @@ def test_pipeline_waits_the_backoff_before_resending_the_same_batch() -> None:
     assert pipeline.done_through(target)
     assert pipeline.stats() == ClientStats(queued=0, sent=3, duplicates=0, rejected=0,
                                            dropped=0, retries=1, last_error="HTTP 503")
+
+
+# --- on_answer: which events the service acknowledged ----------------------------------------
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_on_answer_names_every_event_once_across_retries_lost_answers_and_rejections(
+        flavour: str) -> None:
+    def respond(events: list[dict[str, Any]]) -> httpx.Response | None:
+        bad = [i for i, e in enumerate(events) if e["event_id"].startswith("bad")]
+        if not bad:
+            return None
+        good = [e["event_id"] for i, e in enumerate(events) if i not in bad]
+        accepted, duplicates = fake._apply(good)
+        return httpx.Response(422, json={"accepted": accepted, "duplicates": duplicates, "rejected": [
+            {"index": i, "event_id": events[i]["event_id"], "field": "ts", "message": "bad"} for i in bad]})
+
+    # The first batch is applied but its answer lost (then resent: duplicates); the second fails.
+    fake = FakeService([503, httpx.ConnectError("refused")], respond=respond, apply_failed=True)
+    fake.applied.append("ev-000012")  # known from an earlier life of the client
+    events: list[Any] = [routed(i) for i in range(30)]
+    events[14:14] = [{**routed(100).model_dump(), "event_id": "bad-0"}]
+    answers: list[Answer] = []
+
+    stats = deliver(flavour, fake, events, batch_size=10, flush_interval_seconds=60,
+                    on_answer=answers.append)
+
+    ids = [e["event_id"] if isinstance(e, dict) else e.event_id for e in events]
+    assert [len(a.accepted) + len(a.duplicates) + len(a.rejected) for a in answers] == [10, 10, 10, 1]
+    told = [i for a in answers for i in (*a.accepted, *a.duplicates, *a.rejected)]
+    assert sorted(told) == sorted(ids)  # each event answered for once, retries or not
+    assert answers[0] == Answer((), tuple(ids[:10]), ())
+    assert answers[1] == Answer(tuple(i for i in ids[10:20] if i not in ("ev-000012", "bad-0")),
+                                ("ev-000012",), ("bad-0",))
+    assert answers[2:] == [Answer(tuple(ids[20:30]), (), ()), Answer((ids[30],), (), ())]
+    assert (stats.sent, stats.duplicates, stats.rejected, stats.retries) == (
+        sum(len(a.accepted) for a in answers), 11, 1, 2)
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_on_answer_names_a_refused_batch_rejected(flavour: str) -> None:
+    fake = FakeService(respond=lambda events: httpx.Response(400, json={"detail": "no", "field": "body"}))
+    answers: list[Answer] = []
+
+    deliver(flavour, fake, [routed(i) for i in range(3)], batch_size=10, on_answer=answers.append)
+
+    assert answers == [Answer((), (), ("ev-000000", "ev-000001", "ev-000002"))]
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_failing_on_answer_is_logged_and_delivery_goes_on(
+        flavour: str, caplog: pytest.LogCaptureFixture) -> None:
+    calls: list[Answer] = []
+
+    def broken(answer: Answer) -> None:
+        calls.append(answer)
+        raise RuntimeError("caller bug")
+
+    fake = FakeService()
+    stats = deliver(flavour, fake, [routed(i) for i in range(30)], batch_size=10, on_answer=broken)
+
+    assert len(calls) == 3 and fake.applied == [routed(i).event_id for i in range(30)]
+    assert stats.sent == 30
+    assert "on_answer callback failed" in caplog.text and "caller bug" in caplog.text
+
+
+def test_flush_returns_only_once_a_slow_on_answer_was_told() -> None:
+    told: list[str] = []
+
+    def slow(answer: Answer) -> None:
+        time.sleep(0.2)  # the batch is settled long before this returns
+        told.extend(answer.accepted)
+
+    with KvpClient("http://kvp.test", transport=httpx.MockTransport(FakeService()), batch_size=5,
+                   on_answer=slow) as client:
+        for i in range(5):
+            client.send(routed(i))
+        assert client.flush(timeout=HANG_GUARD)
+        assert told == [routed(i).event_id for i in range(5)]
+
+
+def test_partition_places_repeats_and_rejections_as_the_service_counts_them() -> None:
+    batch = _Batch([_Item(n, event_id, b"{}", 0.0) for n, event_id in enumerate(["a", "b", "a", "c", "d", "c"])])
+    # "a" is new (its repeat is the duplicate), "c" was known (both are), "b" by index, "d" by id.
+    outcome = _Outcome("done", duplicate_ids=("a", "c", "c"), rejections=(1, "d", 99))
+    assert _partition(batch, outcome) == Answer(("a",), ("a", "c", "c"), ("b", "d"))
+    assert _partition(batch, _Outcome("done")) == Answer(("a", "b", "a", "c", "d", "c"), (), ())

@@ -23,12 +23,18 @@ Usage::
         await kvp.flush()
         print(kvp.stats)
 
+`on_answer=callback` tells the caller which events the service acknowledged: it is called with
+an `Answer` (the event ids accepted, duplicates and rejected) once per batch the service answered
+for, in order, whatever the retries; once flush() returns True it has been called for every event
+flush() waited for. Events dropped, or left queued at close(), get no answer. It runs on the
+sender (thread or task), so it must be quick and must not call flush() or close().
+
 Both clients share `_Pipeline` (the queue, the batching, the backoff and what each answer
 means) and `_judge_response`; they differ only in how they wait and how they post.
 """
 
 from app.client._async import AsyncKvpClient
-from app.client._pipeline import ClientStats
+from app.client._pipeline import Answer, AnswerCallback, ClientStats
 from app.client._sync import KvpClient
 
-__all__ = ["AsyncKvpClient", "ClientStats", "KvpClient"]
+__all__ = ["Answer", "AnswerCallback", "AsyncKvpClient", "ClientStats", "KvpClient"]

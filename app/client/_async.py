@@ -14,7 +14,9 @@ from pydantic import BaseModel
 
 from app.client._pipeline import (
     _DEFAULT_CLOSE_TIMEOUT,
+    AnswerCallback,
     ClientStats,
+    _announce,
     _Batch,
     _encode,
     _EventHelpers,
@@ -40,11 +42,14 @@ class AsyncKvpClient(_EventHelpers):
                  flush_interval_seconds: float = 0.05, max_queue_events: int = 100_000,
                  timeout_seconds: float = 5.0, max_backoff_seconds: float = 5.0,
                  headers: Mapping[str, str] | None = None,
+                 on_answer: AnswerCallback | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self._pipeline = _Pipeline(batch_size=batch_size,
                                    flush_interval_seconds=flush_interval_seconds,
                                    max_queue_events=max_queue_events,
-                                   max_backoff_seconds=max_backoff_seconds)
+                                   max_backoff_seconds=max_backoff_seconds,
+                                   keep_answers=on_answer is not None)
+        self._on_answer = on_answer
         self._url, options = _http_options(base_url, timeout_seconds, headers)
         self._http = httpx.AsyncClient(transport=transport, **options)
         self._task: asyncio.Task[None] | None = None
@@ -159,6 +164,9 @@ class AsyncKvpClient(_EventHelpers):
             while (batch := await self._next_batch()) is not None:
                 outcome = await self._attempt(batch)
                 note = self._pipeline.settle(batch, outcome, time.monotonic())
+                if self._on_answer is not None:
+                    # Before flush() waiters are woken: once flushed, every answer was told.
+                    _announce(self._on_answer, self._pipeline.take_answers())
                 self._notify_progress()
                 if note:
                     log.log(*note)

@@ -7,8 +7,8 @@ import logging
 import random
 import time
 import uuid
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal, NamedTuple, TypeVar
@@ -59,6 +59,25 @@ class ClientStats:
     last_error: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """The service's last word on one batch: each of its events is in exactly one of the three.
+
+    accepted: applied now. duplicates: the service had them already (a resend, or the retry of a
+    batch whose answer was lost). rejected: refused for good (invalid, or the batch refused).
+    An event is acknowledged, durably held by the service, when accepted or a duplicate.
+    """
+
+    accepted: tuple[str, ...]
+    duplicates: tuple[str, ...]
+    rejected: tuple[str, ...]
+
+
+# Told of each answer, in the order the batches were sent: on the sender thread (KvpClient) or
+# the loop (AsyncKvpClient). Events dropped or left queued at close() get none.
+AnswerCallback = Callable[[Answer], None]
+
+
 @dataclass(slots=True)
 class _Item:
     seq: int
@@ -94,11 +113,13 @@ class _Outcome:
     done: the service answered for every event (some may be duplicates or rejected).
     retry: nothing is known to be applied; send the same batch again later.
     split: the batch is too large; send each half. reject: the whole batch is refused for good.
+    duplicate_ids: as the service listed them. rejections: the rejected events, each by its index
+    in the batch (or its event_id where the service gave no index).
     """
 
     action: Literal["done", "retry", "split", "reject"]
-    duplicates: int = 0
-    rejected: int = 0
+    duplicate_ids: tuple[str, ...] = ()
+    rejections: tuple[int | str, ...] = ()
     retry_after: float | None = None
     error: str | None = None
 
@@ -179,22 +200,27 @@ def _backoff_seconds(failures: int, *, cap: float, retry_after: float | None,
     return delay
 
 
+def _duplicate_ids(doc: Any) -> tuple[str, ...]:
+    duplicates = doc.get("duplicates") if isinstance(doc, dict) else None
+    if not isinstance(duplicates, list):
+        return ()
+    return tuple(d for d in duplicates if isinstance(d, str))
+
+
 def _judge_response(status: int, headers: Mapping[str, str], content: bytes,
                     batch_len: int) -> _Outcome:
     """Map an answer of POST /v1/events (app/api/routes/events.py) to what becomes of the batch."""
     if 200 <= status < 300:
-        doc = _json(content)
-        duplicates = doc.get("duplicates") if isinstance(doc, dict) else None
-        return _Outcome("done", duplicates=len(duplicates) if isinstance(duplicates, list) else 0)
+        return _Outcome("done", duplicate_ids=_duplicate_ids(_json(content)))
     doc = _json(content)
     if status == 422 and isinstance(doc, dict) and isinstance(doc.get("rejected"), list):
         # Per-event errors: the valid events were accepted, the others would fail again.
         rejections = [r for r in doc["rejected"] if isinstance(r, dict)]
         # One event can fail on several fields; count events, not errors.
-        events = len({r.get("index", r.get("event_id")) for r in rejections})
-        duplicates = doc.get("duplicates")
-        return _Outcome("done", duplicates=len(duplicates) if isinstance(duplicates, list) else 0,
-                        rejected=events, error=_describe_rejections(rejections, events))
+        keys = dict.fromkeys(k for r in rejections
+                             if isinstance(k := r.get("index", r.get("event_id")), (int, str)))
+        return _Outcome("done", duplicate_ids=_duplicate_ids(doc), rejections=tuple(keys),
+                        error=_describe_rejections(rejections, len(keys)))
     error = _describe_error(status, doc, content)
     if status in _RETRY_STATUSES or status >= 500:
         return _Outcome("retry", retry_after=_retry_after_seconds(headers.get("retry-after")),
@@ -202,6 +228,38 @@ def _judge_response(status: int, headers: Mapping[str, str], content: bytes,
     if status == 413 and batch_len > 1:
         return _Outcome("split", error=error)
     return _Outcome("reject", error=error)
+
+
+def _partition(batch: _Batch, outcome: _Outcome) -> Answer:
+    """Which of the batch's events the service accepted, had already, or rejected."""
+    if not outcome.duplicate_ids and not outcome.rejections:
+        return Answer(tuple(batch.event_ids), (), ())
+    items = batch.items
+    refused = [False] * len(items)
+    for key in outcome.rejections:
+        if isinstance(key, int):
+            if 0 <= key < len(items):
+                refused[key] = True
+        else:
+            at = next((i for i, it in enumerate(items) if it.event_id == key and not refused[i]), None)
+            if at is not None:
+                refused[at] = True
+    # The service keeps the first of a repeated id and lists the later ones as duplicates, so
+    # they are counted from the end.
+    owed = Counter(outcome.duplicate_ids)
+    accepted: list[str] = []
+    duplicates: list[str] = []
+    rejected: list[str] = []
+    for i in range(len(items) - 1, -1, -1):
+        event_id = items[i].event_id
+        if refused[i]:
+            rejected.append(event_id)
+        elif owed[event_id] > 0:
+            owed[event_id] -= 1
+            duplicates.append(event_id)
+        else:
+            accepted.append(event_id)
+    return Answer(tuple(reversed(accepted)), tuple(reversed(duplicates)), tuple(reversed(rejected)))
 
 
 def _judge_exception(exc: BaseException) -> _Outcome:
@@ -219,7 +277,8 @@ class _Pipeline:
     """
 
     def __init__(self, *, batch_size: int, flush_interval_seconds: float, max_queue_events: int,
-                 max_backoff_seconds: float, rng: random.Random | None = None) -> None:
+                 max_backoff_seconds: float, rng: random.Random | None = None,
+                 keep_answers: bool = False) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if max_queue_events < 1:
@@ -240,6 +299,8 @@ class _Pipeline:
         self._dropping = False  # warned about this overflow; again once the queue has drained
         self._sent = self._duplicates = self._rejected = self._dropped = self._retries = 0
         self._last_error: str | None = None
+        self._keep_answers = keep_answers
+        self._answers: list[Answer] = []  # settled, not yet handed to the client's callback
 
     @property
     def pending(self) -> int:
@@ -322,23 +383,28 @@ class _Pipeline:
         self._inflight.pop(0)
         note: tuple[int, str] | None = None
         if outcome.action == "reject":
-            self._rejected += len(batch)
+            answer = Answer((), (), tuple(batch.event_ids))
             self._last_error = outcome.error
             note = logging.ERROR, (f"kvprefetch refused a batch of {len(batch)} events; they are "
                                    f"dropped, since sending them again would fail again: "
                                    f"{outcome.error}")
         else:
-            duplicates = min(outcome.duplicates, len(batch))
-            rejected = min(outcome.rejected, len(batch) - duplicates)
-            self._duplicates += duplicates
-            self._rejected += rejected
-            self._sent += len(batch) - duplicates - rejected
-            if rejected:
+            answer = _partition(batch, outcome)
+            if answer.rejected:
                 self._last_error = outcome.error
                 note = logging.WARNING, str(outcome.error)
+        self._sent += len(answer.accepted)
+        self._duplicates += len(answer.duplicates)
+        self._rejected += len(answer.rejected)
+        if self._keep_answers:
+            self._answers.append(answer)
         if note is None and failures:
             note = logging.INFO, f"kvprefetch answered again after {failures} failed attempts"
         return note
+
+    def take_answers(self) -> list[Answer]:
+        answers, self._answers = self._answers, []
+        return answers
 
     def stats(self) -> ClientStats:
         return ClientStats(queued=self.pending, sent=self._sent, duplicates=self._duplicates,
@@ -395,6 +461,14 @@ def _http_options(base_url: str, timeout_seconds: float,
     all_headers.update(headers or {})
     all_headers["content-type"] = "application/json"
     return base_url.rstrip("/") + "/v1/events", {"timeout": timeout_seconds, "headers": all_headers}
+
+
+def _announce(callback: AnswerCallback, answers: list[Answer]) -> None:
+    for answer in answers:
+        try:
+            callback(answer)
+        except Exception:  # noqa: BLE001 - the caller's bug must not stop delivery
+            log.exception("the kvprefetch client's on_answer callback failed")
 
 
 def _log_unsent(pending: int) -> None:

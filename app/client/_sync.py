@@ -14,7 +14,9 @@ from pydantic import BaseModel
 
 from app.client._pipeline import (
     _DEFAULT_CLOSE_TIMEOUT,
+    AnswerCallback,
     ClientStats,
+    _announce,
     _Batch,
     _encode,
     _EventHelpers,
@@ -40,11 +42,14 @@ class KvpClient(_EventHelpers):
                  flush_interval_seconds: float = 0.05, max_queue_events: int = 100_000,
                  timeout_seconds: float = 5.0, max_backoff_seconds: float = 5.0,
                  headers: Mapping[str, str] | None = None,
+                 on_answer: AnswerCallback | None = None,
                  transport: httpx.BaseTransport | None = None) -> None:
         self._pipeline = _Pipeline(batch_size=batch_size,
                                    flush_interval_seconds=flush_interval_seconds,
                                    max_queue_events=max_queue_events,
-                                   max_backoff_seconds=max_backoff_seconds)
+                                   max_backoff_seconds=max_backoff_seconds,
+                                   keep_answers=on_answer is not None)
+        self._on_answer = on_answer
         self._url, options = _http_options(base_url, timeout_seconds, headers)
         self._http = httpx.Client(transport=transport, **options)
         self._lock = threading.Lock()
@@ -53,6 +58,8 @@ class KvpClient(_EventHelpers):
         self._closed = False
         self._stopping = False
         self._warned_closed = False
+        # Answers settled but still being told to on_answer: flush() waits for them too.
+        self._announcing = False
         # A daemon: a client nobody closed must not keep the process alive at exit.
         self._thread = threading.Thread(target=self._run, name="kvprefetch-client", daemon=True)
         self._thread.start()
@@ -90,14 +97,17 @@ class KvpClient(_EventHelpers):
         """Wait until every event queued before the call is answered for or dropped.
 
         Returns False when the timeout ran out first (the events stay queued) or the client is
-        closed with events left.
+        closed with events left. When it returns True, on_answer has been told of all of them.
         """
         with self._lock:
             target = self._pipeline.request_flush()
             self._work.notify()
-            self._progress.wait_for(
-                lambda: self._pipeline.done_through(target) or not self._thread.is_alive(), timeout)
-            return self._pipeline.done_through(target)
+
+            def done() -> bool:
+                return self._pipeline.done_through(target) and not self._announcing
+
+            self._progress.wait_for(lambda: done() or not self._thread.is_alive(), timeout)
+            return done()
 
     def close(self, timeout: float | None = _DEFAULT_CLOSE_TIMEOUT) -> bool:
         """Flush for at most `timeout` seconds, then stop the sender; True when all was delivered.
@@ -148,14 +158,24 @@ class KvpClient(_EventHelpers):
                 outcome = self._attempt(batch)
                 with self._lock:
                     note = self._pipeline.settle(batch, outcome, time.monotonic())
-                    self._progress.notify_all()
+                    answers = self._pipeline.take_answers()
+                    self._announcing = bool(answers)
+                    if not answers:
+                        self._progress.notify_all()
                 if note:
                     log.log(*note)
+                if answers:
+                    assert self._on_answer is not None
+                    _announce(self._on_answer, answers)
+                    with self._lock:
+                        self._announcing = False
+                        self._progress.notify_all()
         except Exception:
             log.exception("kvprefetch client sender crashed; events are no longer delivered")
         finally:
             self._http.close()
             with self._lock:
+                self._announcing = False
                 self._progress.notify_all()  # flush() waiters see the thread is gone
 
 
