@@ -4,11 +4,19 @@
 dir of its own. It can be started, killed with SIGKILL, and started again on the same port and
 data dir, which is what a crash and a restart look like to the service. Every process started
 through the factory is killed in the fixture's teardown, whether the test passed or not.
+
+`routers` is a list the test fills with `tests.e2e.streams.Router`s; whatever happened, their
+threads are stopped and their clients closed at teardown (without waiting on their queues).
+
+`private_redis` is a `RedisServer`: a redis-server of the test's own on a free port, that the test
+may stop and start again on the same port and data dir (its append-only file keeps the data).
+A missing redis-server binary fails the test, never skips it.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +27,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
+
+from tests.e2e.streams import Router
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_SECONDS = 30.0
@@ -115,6 +126,10 @@ class ServiceProcess:
             return "(no server log)"
         return self._log_path.read_text(errors="replace")[-chars:]
 
+    def log_text(self) -> str:
+        """The whole log of the process started last."""
+        return self._log_path.read_text(errors="replace") if self._log_path is not None else ""
+
 
 @pytest.fixture
 def service_factory(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
@@ -145,3 +160,102 @@ def service(service_factory: Callable[..., ServiceProcess]) -> ServiceProcess:
     svc = service_factory()
     svc.start()
     return svc
+
+
+class RedisServer:
+    """A redis-server process on `port` with its data in `data_dir`.
+
+    Every write is in the append-only file, fsynced, before Redis answers it (`appendfsync
+    always`): a stop, graceful or kill -9, and a start on the same dir lose nothing Redis
+    acknowledged, as a production Redis configured for durability would.
+    """
+
+    def __init__(self, binary: str, data_dir: Path, port: int) -> None:
+        self.binary = binary
+        self.data_dir = data_dir
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log_path = data_dir / "redis.log"
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, timeout: float = 10.0) -> None:
+        assert not self.running, "redis-server is already running"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no",
+             "--logfile", str(self.log_path)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1, socket_connect_timeout=1)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    if client.ping():
+                        return
+                except redis.RedisError:  # refused, or still loading its data
+                    pass
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"redis-server did not answer within {timeout} s:\n{self.log_tail()}")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM: Redis flushes its append-only file and exits, as on a planned restart."""
+        if self.running:
+            assert self.proc is not None
+            self.proc.terminate()
+            self.proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else "(no log)"
+
+
+def redis_server_binary() -> str:
+    """redis-server's path; fails (never skips) the test when there is none."""
+    binary = os.environ.get("KVP_TEST_REDIS_SERVER") or shutil.which("redis-server")
+    if binary is None and os.access("/usr/bin/redis-server", os.X_OK):
+        binary = "/usr/bin/redis-server"
+    if binary is None:
+        pytest.fail("redis-server is required to start a Redis of the test's own and was not found on "
+                    "PATH (set KVP_TEST_REDIS_SERVER to its path, or install it: apt-get install "
+                    "redis-server)", pytrace=False)
+    return binary
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A started redis-server of this test's own; killed at teardown whatever happened."""
+    server = RedisServer(redis_server_binary(), tmp_path / "redis", free_port())
+    try:
+        server.start()
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture
+def routers() -> Iterator[list[Router]]:
+    made: list[Router] = []
+    try:
+        yield made
+    finally:
+        for r in made:
+            r.stop.set()
+        for r in made:
+            r.thread.join(10)
+            r.client.close(timeout=0)

@@ -10,6 +10,11 @@ start time, moves the bytes, and the service shows one completion, the blocks at
 nothing left pending in the stream. The same run carries a bulk prefetch (its measured time to
 last byte is printed), an order whose block is missing from the pool, an order cancelled before
 its start by a Cancel entry, one cancelled by its cancel key alone, and a malformed entry.
+
+The service's default sink is the pull queue (GET /v1/orders, leases): there the service plans
+the orders itself, from the events of a few sessions it expects back soon, and two `kvprefetch
+agent --source pull` pull them. The one that leased them is killed with SIGKILL before their
+start; the other gets them once the lease has run out, and each completes once.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from app.engine.state.redis import RedisStore
 if TYPE_CHECKING:
     from tests.e2e.conftest import ServiceProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.redis]
+pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 INSTANCE = "gpu-0"
@@ -50,20 +55,32 @@ WAIT_LIMIT_SECONDS = 20.0
 
 
 class AgentProcess:
-    def __init__(self, name: str, work: Path, service_url: str, redis_url: str, redis_prefix: str,
-                 pool: Path) -> None:
+    """`kvprefetch agent` for INSTANCE on the stream source (`stream()`) or the pull source (`pull()`)."""
+
+    def __init__(self, name: str, work: Path, service_url: str, pool: Path, source_args: list[str],
+                 env: dict[str, str]) -> None:
         self.name = name
         self.status_path = work / f"{name}.json"
         self.log_path = work / f"{name}.log"
         self.args = [sys.executable, "-m", "app.cli", "agent", "--instance-id", INSTANCE,
                      "--pool-dir", str(pool), "--capacity-bytes", str(256 * MIB),
-                     "--service-url", service_url, "--consumer-name", name,
-                     "--claim-idle-seconds", str(CLAIM_IDLE_SECONDS), "--poll-seconds", "0.1",
-                     "--status-file", str(self.status_path)]
+                     "--service-url", service_url, "--poll-seconds", "0.1",
+                     "--status-file", str(self.status_path), *source_args]
         self.work = work
-        # The stream's Redis and prefix come as the service's own settings do.
-        self.env = {"KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": redis_prefix}
+        self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @classmethod
+    def stream(cls, name: str, work: Path, service_url: str, redis_url: str, redis_prefix: str,
+               pool: Path) -> AgentProcess:
+        # The stream's Redis and prefix come as the service's own settings do.
+        return cls(name, work, service_url, pool,
+                   ["--consumer-name", name, "--claim-idle-seconds", str(CLAIM_IDLE_SECONDS)],
+                   {"KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": redis_prefix})
+
+    @classmethod
+    def pull(cls, name: str, work: Path, service_url: str, pool: Path) -> AgentProcess:
+        return cls(name, work, service_url, pool, ["--source", "pull"], {})
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
@@ -119,6 +136,7 @@ def agents(tmp_path: Path) -> Iterator[list[AgentProcess]]:
         a.kill()
 
 
+@pytest.mark.redis
 def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
         service_factory: Callable[..., ServiceProcess], redis_url: str, clean_redis: str,
         tmp_path: Path, agents: list[AgentProcess]) -> None:
@@ -132,7 +150,7 @@ def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
     for h in BULK_BLOCKS:
         pool.write(h, os.urandom(4 * MIB))
     for name in ("agent-a", "agent-b"):
-        agents.append(AgentProcess(name, tmp_path, svc.url, redis_url, prefix, pool.directory))
+        agents.append(AgentProcess.stream(name, tmp_path, svc.url, redis_url, prefix, pool.directory))
         agents[-1].start()
     for a in agents:
         a.wait_ready()
@@ -220,3 +238,89 @@ def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
           f"({bulk_view.bytes / ttlb / 1e9:.2f} GB/s); hold {view.bytes} bytes in {view.seconds:.4f} s")
     r.close()
     store.close()
+
+
+# -- the pull queue ---------------------------------------------------------------------------
+
+LEASE_SECONDS = 4.0
+PULL_SESSIONS = {f"pull-s{k}": list(range(100 * k, 100 * k + 8)) for k in range(1, 4)}
+TURN_GAP_SECONDS = 10.0
+
+
+def regular_sessions(now: float) -> list[dict[str, Any]]:
+    """Sessions with a turn every TURN_GAP_SECONDS on INSTANCE, the last just finished, their
+    contexts in the pool; and INSTANCE's room. The heuristic predictor then expects each back
+    within the lead time and the scheduler orders each context prefetched from the pool."""
+    events: list[dict[str, Any]] = []
+    for sid, blocks in PULL_SESSIONS.items():
+        for n in range(6):
+            ts = now - 2.0 - TURN_GAP_SECONDS * (6 - n)
+            common = {"session_id": sid, "request_id": f"{sid}-r{n}", "instance_id": INSTANCE}
+            events += [
+                {"type": "request_routed", "event_id": f"{sid}-q{n}", "ts": ts, **common,
+                 "prompt_tokens": 3900, "block_hashes": blocks},
+                {"type": "request_finished", "event_id": f"{sid}-f{n}", "ts": ts + 1.0, **common,
+                 "output_tokens": 100, "context_tokens": 4096, "block_hashes": blocks}]
+        events.append({"type": "kv_blocks_stored", "event_id": f"{sid}-pool", "ts": now - 1.0, "tier": "pool",
+                       "instance_id": None, "block_hashes": blocks})
+    events.append({"type": "instance_status", "event_id": "room", "ts": now - 1.0, "instance_id": INSTANCE,
+                   "free_kv_bytes": 1 << 40})
+    return events
+
+
+def test_pulled_orders_of_an_agent_killed_9_go_to_another_after_the_lease_and_complete_once(
+        service_factory: Callable[..., ServiceProcess], tmp_path: Path, agents: list[AgentProcess]) -> None:
+    # The heuristic predictor (no model in KVP_MODEL_DIR) gives a regular session its fixed chance.
+    svc = service_factory(env={"KVP_MODEL_DIR": str(tmp_path / "no-model"),
+                               "KVP_ORDER_LEASE_SECONDS": str(LEASE_SECONDS),
+                               "KVP_SCORE_INTERVAL_SECONDS": "0.5"})
+    svc.start()
+    pool = PoolDir(tmp_path / "pool")
+    for blocks in PULL_SESSIONS.values():
+        for h in blocks:
+            pool.write(h, os.urandom(64 * 1024))
+    for name in ("agent-a", "agent-b"):
+        agents.append(AgentProcess.pull(name, tmp_path, svc.url, pool.directory))
+        agents[-1].start()
+    for a in agents:
+        a.wait_ready()
+
+    posted_at = time.time()
+    r = httpx.post(f"{svc.url}/v1/events", json={"events": regular_sessions(posted_at)}, timeout=10)
+    assert r.status_code == 200, r.text
+
+    # The first agent to pull leases every order (they are planned in one tick).
+    def holder() -> AgentProcess | None:
+        holding = [a for a in agents if a.status()["pending_orders"]]
+        return holding[0] if len(holding) == 1 and len(holding[0].status()["pending_orders"]) == 3 else None
+
+    victim = wait_for(holder, "an agent to lease the three orders", *agents)
+    held = victim.status()["pending_orders"]
+    victim.kill()
+    survivor = next(a for a in agents if a is not victim)
+    assert survivor.status()["pending_orders"] == []
+    progress = [e for _, e in iter_log(svc.events_dir) if e.type == "order_progress"]
+    assert progress == []  # the victim had not started them: their start_by was ahead
+
+    def completed() -> bool:
+        done = {e.order_id for _, e in iter_log(svc.events_dir)
+                if e.type == "order_progress" and e.status == "completed"}
+        return set(held) <= done
+
+    wait_for(completed, "the survivor to complete the orders", survivor)
+    progress = [e for _, e in iter_log(svc.events_dir) if e.type == "order_progress" and e.order_id in held]
+    counts = Counter((e.order_id, e.status) for e in progress)
+    assert counts == Counter({(o, s): 1 for o in held for s in ("accepted", "completed")}), counts
+    # Handed out again only once the lease had run out: the victim's lease began after the post.
+    accepted_at = min(e.ts for e in progress if e.status == "accepted")
+    assert accepted_at >= posted_at + LEASE_SECONDS
+    # The survivor writes its status once the service has answered for its reports.
+    status = wait_for(lambda: (s := survivor.status())["completed"] >= 3 and s, "the survivor's status", survivor)
+    assert (status["completed"], status["failed"]) == (3, 0)
+    assert sorted(status["buffer_blocks"]) == sorted(h for b in PULL_SESSIONS.values() for h in b)
+    scheduler = httpx.get(f"{svc.url}/v1/scheduler", timeout=5).json()
+    assert scheduler["orders"]["prefetch"] == 3 and scheduler["completed"] >= 3
+
+    print(f"\npull queue: {len(held)} orders leased by {victim.name}, killed before their start; "
+          f"{survivor.name} accepted them {accepted_at - posted_at:.2f} s after the events were posted "
+          f"(lease {LEASE_SECONDS:.0f} s), each completed once")

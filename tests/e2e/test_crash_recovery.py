@@ -1,177 +1,54 @@
 """Crash recovery of the real service process.
 
-kill -9 the server in the middle of a stream of posts, restart it, and the state and the log hold
-every acknowledged event exactly once. And a torn last line of the log (a write cut short by the
-crash) is cut on restart, while the complete lines before it are served.
+kill -9 the server while two routers stream events to it through the real client (app/client),
+keep it down while they go on sending and retrying, restart it: every event the clients sent is
+acknowledged once, and the log and the state hold each exactly once. And a torn last line of the
+log (a write cut short by the crash) is cut on restart, while the complete lines before it are
+served.
 """
 
 from __future__ import annotations
 
 import random
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
 import pytest
 
-from app.engine.eventlog import iter_log, list_segments
+from app.client import Answer, KvpClient
+from app.engine.eventlog import list_segments
+from tests.e2e.streams import (
+    CLIENT_BATCH,
+    Router,
+    check_each_event_once,
+    drain,
+    ids_of,
+    log_ids_from_files,
+    log_ids_from_iter_log,
+    post,
+    readyz_stats,
+    session_views,
+    start_routers,
+    wait_until,
+)
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import ServiceProcess
 
 pytestmark = pytest.mark.slow
 
-JSON = {"content-type": "application/json"}
-BATCH_EVENTS = 200
-SESSIONS = 300
 CLIENTS = 2
-STREAM_LIMIT_SECONDS = 20.0  # a safety net: the kill always lands long before
-
-
-# -- the client side ---------------------------------------------------------------------------
-
-
-class EventSource:
-    """A router's stream: request_routed events over a few hundred sessions, then their finishes."""
-
-    def __init__(self, name: str, seed: int) -> None:
-        self.name = name
-        self.rng = random.Random(f"{seed}-{name}")
-        self.batches = 0
-        self.requests = 0
-        self.ts = 1_700_000_000.0
-        self.unfinished: list[tuple[str, str, str]] = []  # (session, request, instance)
-
-    def next_batch(self) -> list[dict[str, Any]]:
-        self.batches += 1
-        events = []
-        for i in range(BATCH_EVENTS):
-            self.ts += 0.001
-            event_id = f"{self.name}-b{self.batches}-e{i}"
-            if self.unfinished and self.rng.random() < 0.25:
-                session, request, instance = self.unfinished.pop(self.rng.randrange(len(self.unfinished)))
-                events.append({"type": "request_finished", "event_id": event_id, "ts": self.ts,
-                               "session_id": session, "request_id": request, "instance_id": instance,
-                               "output_tokens": self.rng.randrange(1, 500)})
-            else:
-                self.requests += 1
-                session = f"s{self.rng.randrange(SESSIONS)}"
-                request = f"{self.name}-r{self.requests}"
-                instance = f"i{self.rng.randrange(8)}"
-                self.unfinished.append((session, request, instance))
-                events.append({"type": "request_routed", "event_id": event_id, "ts": self.ts,
-                               "session_id": session, "request_id": request, "instance_id": instance,
-                               "prompt_tokens": self.rng.randrange(100, 4000)})
-        return events
-
-
-def post(client: httpx.Client, events: list[dict[str, Any]]) -> httpx.Response:
-    return client.post("/v1/events", content=orjson.dumps({"events": events}), headers=JSON)
-
-
-def ids_of(events: list[dict[str, Any]]) -> list[str]:
-    return [e["event_id"] for e in events]
-
-
-@dataclass
-class Stream:
-    """What one client thread sent and what the server acknowledged."""
-
-    source: EventSource
-    acked_batches: list[list[dict[str, Any]]] = field(default_factory=list)
-    in_flight: list[dict[str, Any]] | None = None
-    failure: BaseException | None = None
-    error: str | None = None
-
-    @property
-    def acked_ids(self) -> set[str]:
-        return {i for batch in self.acked_batches for i in ids_of(batch)}
-
-    def run(self, url: str, started: threading.Event) -> None:
-        try:
-            self._run(url, started)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
-            self.error = f"client {self.source.name} raised {exc!r}"
-
-    def _run(self, url: str, started: threading.Event) -> None:
-        deadline = time.monotonic() + STREAM_LIMIT_SECONDS
-        with httpx.Client(base_url=url, timeout=10.0) as client:
-            while time.monotonic() < deadline:
-                batch = self.source.next_batch()
-                self.in_flight = batch
-                started.set()
-                try:
-                    r = post(client, batch)
-                except httpx.TransportError as exc:
-                    self.failure = exc  # the kill landed: this batch is not acknowledged
-                    return
-                if r.status_code != 200:
-                    self.error = f"POST answered {r.status_code}: {r.text[:300]}"
-                    return
-                body = r.json()
-                # Every id is fresh: all of them must come back accepted, in order.
-                if body["accepted"] != ids_of(batch) or body["duplicates"] or body["rejected"]:
-                    self.error = f"unexpected answer to a fresh batch: {str(body)[:300]}"
-                    return
-                self.acked_batches.append(batch)
-                self.in_flight = None
-        self.error = f"the server was not killed within {STREAM_LIMIT_SECONDS} s"
-
-
-# -- reading the log and the state ---------------------------------------------------------------
-
-
-def log_ids_from_files(events_dir: Path) -> list[str]:
-    """Every event id in the JSONL segments, read as plain files."""
-    ids = []
-    segments = list_segments(events_dir)
-    assert segments, f"no log segment in {events_dir}"
-    for _, path in segments:
-        data = path.read_bytes()
-        assert not data or data.endswith(b"\n"), f"{path.name} ends in a partial line"
-        for line in data.splitlines():
-            doc = orjson.loads(line)  # one event, or a whole batch as it was posted
-            if "events" in doc:
-                ids.extend(e["event_id"] for e in doc["events"])
-            else:
-                ids.append(doc["event_id"])
-    return ids
-
-
-def log_ids_from_iter_log(events_dir: Path) -> list[str]:
-    return [event.event_id for _, event in iter_log(events_dir)]
-
-
-def expected_turns(events: list[dict[str, Any]]) -> dict[str, int]:
-    """Per session named by these events: how many distinct request_routed events it got."""
-    routed: dict[str, set[str]] = {}
-    for e in events:
-        ids = routed.setdefault(e["session_id"], set())
-        if e["type"] == "request_routed":
-            ids.add(e["event_id"])
-    return {s: len(ids) for s, ids in routed.items()}
-
-
-def session_views(url: str, session_ids: list[str]) -> dict[str, dict[str, Any] | None]:
-    out: dict[str, dict[str, Any] | None] = {}
-    with httpx.Client(base_url=url, timeout=10.0) as client:
-        for sid in session_ids:
-            r = client.get(f"/v1/sessions/{sid}")
-            assert r.status_code in (200, 404), r.text
-            out[sid] = r.json() if r.status_code == 200 else None
-    return out
-
-
-def readyz_stats(url: str) -> dict[str, int]:
-    r = httpx.get(f"{url}/readyz", timeout=10.0)
-    assert r.status_code == 200, r.text
-    return r.json()["stats"]
+# Far more than the service takes: each client's queue stays at the bound, so it always has a
+# full batch to post, and the service is busy when the kill lands. The bound keeps any event from
+# being dropped; it is raised at the kill so the routers go on sending while the service is down.
+ROUTER_RATE = 100_000  # events per second, per router
+HIGH_WATER = 10_000
+OUTAGE_ALLOWANCE = 10_000
+OUTAGE_SECONDS = 1.0
+STREAM_AFTER_RESTART_SECONDS = 0.5
 
 
 # -- kill -9 mid-stream -------------------------------------------------------------------------
@@ -180,103 +57,89 @@ def readyz_stats(url: str) -> dict[str, int]:
 @pytest.mark.parametrize(
     ("seed", "kill_after", "env"),
     [
-        (1, 0.30, {}),
-        (2, 0.60, {}),
+        (1, 0.4, {}),
         # Small segments: the log rotates every batch or so, and the kill may land on a rotation.
-        (3, 0.95, {"KVP_LOG_SEGMENT_BYTES": "100000"}),
+        (3, 0.9, {"KVP_LOG_SEGMENT_BYTES": "100000"}),
     ],
-    ids=["kill-at-0.3s", "kill-at-0.6s", "kill-at-0.95s-small-segments"],
+    ids=["kill-at-0.4s", "kill-at-0.9s-small-segments"],
 )
-def test_kill_9_mid_stream_loses_nothing_acknowledged_and_applies_nothing_twice(
-    service_factory: Callable[..., ServiceProcess], seed: int, kill_after: float, env: dict[str, str]
+def test_kill_9_under_the_clients_stream_loses_nothing_acknowledged_and_applies_nothing_twice(
+    service_factory: Callable[..., ServiceProcess], routers: list[Router], seed: int, kill_after: float,
+    env: dict[str, str]
 ) -> None:
     svc = service_factory(env=env)
     svc.start()
-    streams = [Stream(EventSource(f"c{n}", seed)) for n in range(CLIENTS)]
-    started = threading.Event()
-    threads = [threading.Thread(target=s.run, args=(svc.url, started), daemon=True) for s in streams]
-    for t in threads:
-        t.start()
-    try:
-        assert started.wait(10), "the clients never started posting"
-        time.sleep(kill_after + random.Random(seed).uniform(0.0, 0.05))
-        svc.kill()
-    finally:
-        svc.kill()
-        for t in threads:
-            t.join(STREAM_LIMIT_SECONDS + 15)
-    for s in streams:
-        assert s.error is None, s.error
-        assert s.failure is not None and s.in_flight is not None, "the kill did not land mid-stream"
-        assert s.acked_batches, f"client {s.source.name} had no batch acknowledged before the kill"
+    routers += [Router(f"c{n}", seed, svc.url, rate=ROUTER_RATE, high_water=HIGH_WATER)
+                for n in range(CLIENTS)]
+    start_routers(routers)
+    wait_until(lambda: all(r.answers for r in routers), "the first acknowledgements")
+    time.sleep(kill_after + random.Random(seed).uniform(0.0, 0.05))
+    svc.kill()
+    sent_at_kill = sum(len(r.sent) for r in routers)
+    retries_at_kill = [r.client.stats.retries for r in routers]
+    for r in routers:
+        r.high_water += OUTAGE_ALLOWANCE
+    # Once each client has failed an attempt, every answer sent before the kill was read.
+    wait_until(lambda: all(r.client.stats.retries > n for r, n in zip(routers, retries_at_kill)),
+               "the clients to notice the kill")
+    acked_at_kill = set().union(*(r.acknowledged() for r in routers))
 
-    acked = set().union(*(s.acked_ids for s in streams))
-    in_flight_ids = {i for s in streams for i in ids_of(s.in_flight or [])}
-    assert not acked & in_flight_ids
-
-    # The log on disk, before the restart: every acknowledged id is in it, none twice. Of the
-    # in-flight batches, any prefix of whole lines may be there; a torn last line is skipped.
+    # The log on disk while the service is down: every acknowledged id once; besides them
+    # at most the batch each client had in flight (a torn last line is skipped).
     before = log_ids_from_iter_log(svc.events_dir)
     assert len(before) == len(set(before)), "an event id is in the log twice"
-    assert acked <= set(before), f"{len(acked - set(before))} acknowledged events are not in the log"
-    assert set(before) <= acked | in_flight_ids
+    assert acked_at_kill <= set(before), (
+        f"{len(acked_at_kill - set(before))} acknowledged events are not in the log")
+    logged_unacked = set(before) - acked_at_kill
+    assert len(logged_unacked) <= CLIENTS * CLIENT_BATCH
 
+    # The routers go on sending and the clients retrying while nothing answers.
+    time.sleep(OUTAGE_SECONDS)
+    assert all(r.thread.is_alive() for r in routers), [r.error for r in routers]
+    retries_down = sum(r.client.stats.retries for r in routers) - sum(retries_at_kill)
+    sent_down = sum(len(r.sent) for r in routers) - sent_at_kill
+    assert retries_down >= CLIENTS and sent_down > 0
+    assert set(log_ids_from_iter_log(svc.events_dir)) == set(before)
+
+    acks_before_restart = [len(r.answers) for r in routers]
+    restarted = time.monotonic()
     svc.start()
+    started_in = time.monotonic() - restarted
+    wait_until(lambda: all(len(r.answers) > n for r, n in zip(routers, acks_before_restart)),
+               "the clients' first acknowledgement after the restart")
+    first_ack = time.monotonic() - restarted
+    time.sleep(STREAM_AFTER_RESTART_SECONDS)  # streaming on, across the restart
+    stats = drain(routers)
+    drained = time.monotonic() - restarted
 
-    # The client's retry of the batch that was in flight: every id comes back accepted or duplicate.
-    retried_duplicates = 0
-    with httpx.Client(base_url=svc.url, timeout=10.0) as client:
-        for s in streams:
-            assert s.in_flight is not None
-            r = post(client, s.in_flight)
-            assert r.status_code == 200, r.text
-            body = r.json()
-            assert not body["rejected"]
-            assert sorted(body["accepted"] + body["duplicates"]) == sorted(ids_of(s.in_flight))
-            assert set(body["duplicates"]) == set(ids_of(s.in_flight)) & set(before), (
-                "the retry's duplicates are not exactly the in-flight events that reached the log")
-            retried_duplicates += len(body["duplicates"])
+    views = check_each_event_once(routers, stats, svc.url, svc.events_dir)
+    # The duplicates are exactly the in-flight events that had reached the log before the kill.
+    duplicates = set().union(*(r.duplicates() for r in routers))
+    assert duplicates == logged_unacked
+    state = readyz_stats(svc.url)
 
-    everything = [e for s in streams for batch in s.acked_batches for e in batch]
-    everything += [e for s in streams for e in (s.in_flight or [])]
-    final_ids = {e["event_id"] for e in everything}
-    assert len(final_ids) == len(everything)
+    # A resend of acknowledged events is all duplicates and logs nothing.
+    sent = [e for r in routers for e in r.sent]
+    again: list[Answer] = []
+    with KvpClient(svc.url, batch_size=CLIENT_BATCH, on_answer=again.append) as client:
+        for e in sent[:CLIENT_BATCH] + [e for e in sent if e["event_id"] in duplicates]:
+            client.send(e)
+        assert client.flush(timeout=30)
+    assert again and not [i for a in again for i in (*a.accepted, *a.rejected)]
+    assert len(log_ids_from_files(svc.events_dir)) == len(sent)
 
-    # (a) + (b): every acknowledged (and retried) id is in the log exactly once, and nothing else.
-    for ids in (log_ids_from_files(svc.events_dir), log_ids_from_iter_log(svc.events_dir)):
-        counts = Counter(ids)
-        twice = [i for i, n in counts.items() if n > 1]
-        assert not twice, f"{len(twice)} event ids are in the log more than once, e.g. {twice[:5]}"
-        assert set(ids) == final_ids, (
-            f"missing from the log: {len(final_ids - set(ids))}, unexpected: {len(set(ids) - final_ids)}")
-
-    # (c): the state after the restart holds every event exactly once.
-    turns = expected_turns(everything)
-    session_ids = [f"s{n}" for n in range(SESSIONS)]
-    views = session_views(svc.url, session_ids)
-    got = {sid: (view["turns"] if view else None) for sid, view in views.items()}
-    wrong = {sid: (got[sid], turns.get(sid)) for sid in session_ids if got[sid] != turns.get(sid)}
-    assert not wrong, f"sessions whose turns are wrong (got, expected): {dict(list(wrong.items())[:10])}"
-    stats = readyz_stats(svc.url)
-    assert stats["remembered_event_ids"] == len(final_ids)
-    assert stats["sessions"] == len(turns)
-
-    # (d): resending acknowledged batches answers 200, every id a duplicate, and logs nothing.
-    with httpx.Client(base_url=svc.url, timeout=10.0) as client:
-        for batch in [streams[0].acked_batches[0], streams[-1].acked_batches[-1], streams[0].in_flight]:
-            assert batch is not None
-            r = post(client, batch)
-            assert r.status_code == 200, r.text
-            assert r.json() == {"accepted": [], "duplicates": ids_of(batch), "rejected": []}
-    assert len(log_ids_from_files(svc.events_dir)) == len(final_ids)
-
-    # And a second crash replays the whole log, retry included, to the very same state.
+    # And a second crash replays the whole log to the very same state.
     svc.restart()
-    assert session_views(svc.url, session_ids) == views
-    assert readyz_stats(svc.url) == stats
+    assert session_views(svc.url, list(views)) == views
+    assert readyz_stats(svc.url) == state
 
-    print(f"seed {seed}: {len(acked)} events acknowledged before the kill, "
-          f"{len(in_flight_ids)} in flight ({retried_duplicates} of them had reached the log)")
+    print(f"\nkill -9, seed {seed}: {len(sent)} events sent by {CLIENTS} clients, all acknowledged "
+          f"once; {len(acked_at_kill)} acknowledged before the kill, {len(logged_unacked)} logged "
+          f"but unanswered (acknowledged as duplicates on retry); while down ({OUTAGE_SECONDS:.1f} s "
+          f"+ {started_in:.2f} s to restart) {sent_down} events sent, {retries_down} failed attempts "
+          f"by {CLIENTS} clients (before the restart began); {sum(s.retries for s in stats)} retries "
+          f"in all; first acknowledgement {first_ack:.2f} s after the restart began, drained "
+          f"{drained:.2f} s after it")
 
 
 # -- a torn last line ---------------------------------------------------------------------------
