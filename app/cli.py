@@ -104,6 +104,56 @@ def bench_plan(
     _print_result(run(sessions=sessions, instances=instances, ticks=ticks, page=page), as_json)
 
 
+@bench_cli.command("load")
+def bench_load(
+    duration_seconds: Annotated[float, typer.Option(min=0.1, help="Measured seconds of sustained load.")] = 120.0,
+    warmup_seconds: Annotated[float, typer.Option(min=0, help="Load before the start RSS is taken.")] = 10.0,
+    sessions: Annotated[int, typer.Option(min=1, help="Live conversations (ended ones are replaced).")] = 3000,
+    instances: Annotated[int, typer.Option(min=1, help="Serving instances, split among the event connections.")] = 16,
+    hbm_blocks: Annotated[int, typer.Option(min=1, help="KV blocks an instance's HBM holds (LRU).")] = 2000,
+    batch_size: Annotated[int, typer.Option(min=1, help="Events per POST /v1/events.")] = 200,
+    event_connections: Annotated[int, typer.Option(min=1, help="Routers posting batches, one connection each.")] = 2,
+    hint_connections: Annotated[int, typer.Option(min=0, help="Connections asking for route hints.")] = 2,
+    store: Annotated[str, typer.Option(help="memory, or redis (at KVP_REDIS_URL, under a prefix removed afterwards).")] = "memory",
+    fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync the event log per batch (the default).")] = True,
+    dedupe_max_ids: Annotated[int | None, typer.Option(min=1, help="The service's KVP_DEDUPE_MAX_IDS (default: its own).")] = None,
+    sample_seconds: Annotated[float, typer.Option(min=0.1, help="How often RSS and the store's counts are sampled.")] = 5.0,
+    ceiling_seconds: Annotated[float, typer.Option(min=0, help="Each of the two ceiling phases (0: none).")] = 10.0,
+    calibrate_sessions: Annotated[int, typer.Option(
+        min=0, help="Sessions ingested to price each unit of state the bound counts (0: no bound).")] = 10_000,
+    token: Annotated[str | None, typer.Option(
+        envvar="KVP_BENCH_TOKEN", help="Sent as Authorization: Bearer (default: KVP_BENCH_TOKEN).")] = None,
+    service_env: Annotated[list[str] | None, typer.Option(
+        metavar="KVP_X=V", help="A setting for the service process (repeat), e.g. KVP_INGEST_TOKEN=...")] = None,
+    data_dir: Annotated[Path | None, typer.Option(help="Where the temporary data dir goes.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the generated traffic.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+) -> None:
+    """Sustained event batches and route hints against the service in its own process: throughput,
+    latency, errors, and its RSS against a bound computed from the run's configuration."""
+    from bench.load import BenchError, run
+
+    env = {}
+    for item in service_env or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("KVP_"):
+            raise typer.BadParameter(f"{item!r}: KVP_NAME=VALUE", param_hint="'--service-env'")
+        env[key] = value
+    try:
+        result = run(duration_seconds=duration_seconds, warmup_seconds=warmup_seconds, sessions=sessions,
+                     instances=instances, hbm_blocks=hbm_blocks, batch_size=batch_size,
+                     event_connections=event_connections, hint_connections=hint_connections, store=store,
+                     fsync=fsync, dedupe_max_ids=dedupe_max_ids, sample_seconds=sample_seconds,
+                     ceiling_seconds=ceiling_seconds, calibrate_sessions=calibrate_sessions, token=token,
+                     service_env=env, data_dir=data_dir, seed=seed)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except BenchError as exc:  # the service did not start or died: its log says why
+        typer.echo(f"kvprefetch bench load: {exc}", err=True)
+        raise typer.Exit(1) from None
+    _print_result(result, as_json)
+
+
 @cli.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (KVP_HOST).")] = None,
@@ -163,11 +213,10 @@ def token(
 ) -> None:
     """Make a bearer token: the token for its holder on stdout, its KVP_TOKENS_FILE entry (a digest,
     not the token) on stderr."""
+    import re
     import secrets
 
     from app.core.security import Scope, token_digest
-
-    import re
 
     if not re.fullmatch(r"[A-Za-z0-9._@:-]{1,64}", name):
         raise typer.BadParameter("1-64 of letters, digits and . _ @ : -", param_hint="'--name'")

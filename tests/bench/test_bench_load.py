@@ -1,0 +1,128 @@
+"""`kvprefetch bench load` runs against a real service process for a few seconds and prints the
+documented JSON: every figure there and positive, no errors (no timing thresholds)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from tests.bench.conftest import REPO, positive, run_bench
+
+pytestmark = pytest.mark.slow
+
+SHORT = ("--duration-seconds", "5", "--warmup-seconds", "1", "--sample-seconds", "1", "--sessions", "300",
+         "--instances", "4", "--hbm-blocks", "200", "--batch-size", "100")
+
+
+def _run(*args: str, env: dict[str, str]) -> dict[str, Any]:
+    """run_bench with an environment of our own (KVP_REDIS_URL, KVP_BENCH_TOKEN)."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
+    full.update(env)
+    done = subprocess.run([sys.executable, "-m", "app.cli", "bench", "load", *args, "--json"], cwd=REPO,
+                          env=full, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, f"stdout must be exactly one JSON object, got:\n{done.stdout}"
+    return json.loads(lines[0])
+
+
+def _no_errors(r: dict[str, Any]) -> None:
+    e = r["errors"]
+    assert e["total"] == 0 and e["rate_limited_429"] == 0, e
+    assert e["dropped_after_retries"] == 0 and e["unexpected_duplicates_or_rejects"] == 0, e
+
+
+def test_bench_load_prints_the_documented_json() -> None:
+    r = run_bench("load", *SHORT, "--ceiling-seconds", "1", "--calibrate-sessions", "1000", timeout=240)
+    t = r["throughput"]
+    assert positive(t["seconds"])
+    assert all(positive(t["event_batches"][k]) for k in ("requests", "requests_per_second", "events",
+                                                         "events_per_second"))
+    assert positive(t["route_hints"]["requests"]) and positive(t["route_hints"]["requests_per_second"])
+    for kind in ("event_batches", "route_hints"):
+        lat = r["latency_ms"][kind]
+        assert positive(lat["p50"]) and lat["p50"] <= lat["p99"] <= lat["max"], (kind, lat)
+    _no_errors(r)
+
+    m = r["memory"]
+    assert all(positive(m[k]) for k in ("rss_after_startup_bytes", "rss_start_bytes", "rss_end_bytes",
+                                        "rss_peak_bytes"))
+    assert m["rss_end_bytes"] - m["rss_start_bytes"] == m["rss_growth_bytes"]
+    assert positive(m["store_stats_end"]["sessions"]) and positive(m["store_stats_end"]["remembered_event_ids"])
+    b = m["bound"]
+    assert all(positive(b["unit_costs"][k]) for k in ("bytes_per_session", "bytes_per_event_id",
+                                                      "bytes_per_resident_block", "bytes_per_tombstone",
+                                                      "bytes_per_held_order"))
+    assert positive(b["outside_bound"]["tombstones"])  # engines evict: removals are part of the traffic
+    assert b["unexplained_after_those_bytes"] == (m["rss_growth_bytes"] - sum(b["explained_bytes"].values())
+                                                  - b["outside_bound"]["tombstone_bytes"]
+                                                  - b["outside_bound"]["held_order_bytes"])
+    assert set(b["explained_bytes"]) == {"sessions", "remembered_event_ids", "resident_blocks"}
+    assert b["bound_bytes"] == sum(b["explained_bytes"].values()) + b["allowance_bytes"]
+    assert b["end_rss_limit_bytes"] == m["rss_start_bytes"] + b["bound_bytes"]
+    assert b["within_bound"] == (m["rss_growth_bytes"] <= b["bound_bytes"])
+    assert positive(b["growth"]["remembered_event_ids"]) and positive(b["dedupe_ring_full_bytes"])
+
+    series = r["series"]
+    assert series[0]["t"] == 0 and len(series) >= 5
+    assert all(positive(s["rss_bytes"]) and positive(s["sessions"]) for s in series)
+    assert all(s["events_per_second"] >= 0 for s in series[1:]) and any(positive(s["events_per_second"]) for s in series[1:])
+
+    c = r["ceiling"]
+    assert len(c["phases"]) == 2
+    assert all(positive(p["event_batches"]["events_per_second"]) for p in c["phases"])
+    assert all(positive(p["route_hints"]["requests_per_second"]) for p in c["phases"])
+    assert all(p["errors"]["total"] == 0 for p in c["phases"])
+    assert positive(c["ratio_to_ceiling"]["events_per_second"])
+    assert positive(c["ratio_to_ceiling"]["route_hints_per_second"])
+
+    tr = r["traffic"]["events_by_type"]
+    for kind in ("request_routed", "request_started", "request_finished", "kv_blocks_stored",
+                 "kv_blocks_removed", "session_closed", "instance_status"):
+        assert positive(tr[kind]), kind
+    assert r["service_end"]["readyz"]["status"] == "ready"
+    assert positive(r["service_end"]["metrics"]['kvprefetch_events_ingested_total{type="request_routed"}'])
+    cfg = r["config"]
+    assert (cfg["duration_seconds"], cfg["store"], cfg["fsync"], cfg["token"]) == (5.0, "memory", True, None)
+    assert cfg["service_env"]["KVP_LOG_FSYNC"] == "true"
+    assert positive(r["environment"]["cpu_count"]) and isinstance(r["environment"]["python"], str)
+
+
+def test_bench_load_against_redis_removes_its_keys(redis_url: str) -> None:
+    import redis
+
+    r = _run(*SHORT, "--store", "redis", "--ceiling-seconds", "0", "--calibrate-sessions", "0",
+             env={"KVP_REDIS_URL": redis_url})
+    _no_errors(r)
+    assert positive(r["throughput"]["event_batches"]["events_per_second"])
+    assert positive(r["throughput"]["route_hints"]["requests_per_second"])
+    assert positive(r["memory"]["store_stats_end"]["sessions"])
+    assert "bound" not in r["memory"] and r["ceiling"]["phases"] == []
+    prefix = r["redis"]["prefix"]
+    assert prefix.startswith("kvp-bench-load-") and positive(r["redis"]["keys_removed"])
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert list(client.scan_iter(match=f"{prefix}:*", count=1000)) == []
+    finally:
+        client.close()
+
+
+def test_bench_load_sends_its_token_and_counts_refusals() -> None:
+    quick = (*SHORT, "--duration-seconds", "2", "--ceiling-seconds", "0", "--calibrate-sessions", "0",
+             "--service-env", "KVP_INGEST_TOKEN=bench-load-secret-0123456789")
+    r = _run(*quick, env={"KVP_BENCH_TOKEN": "bench-load-secret-0123456789"})
+    _no_errors(r)
+    assert r["config"]["token"] == "set" and r["config"]["service_env"]["KVP_INGEST_TOKEN"] == "set"
+    assert positive(r["throughput"]["event_batches"]["events_per_second"])
+
+    # Refused batches are counted by status, not retried; no session is acknowledged, so no hint is asked.
+    refused = _run(*quick, "--token", "wrong", env={})
+    by_kind = refused["errors"]["by_kind"]
+    assert refused["errors"]["total"] > 0 and refused["errors"]["dropped_after_retries"] > 0
+    assert set(by_kind["event_batches"]) <= {"401", "403"} and by_kind["event_batches"], by_kind
+    assert refused["throughput"]["event_batches"]["events"] == 0
