@@ -395,6 +395,9 @@ def agent(
         min=0.0, help="Start an early order this long before its start_by.")] = 0.05,
     poll_seconds: Annotated[float, typer.Option(min=0.01, help="Longest wait for new orders.")] = 0.5,
     status_file: Annotated[Path | None, typer.Option(help="Keep the agent's status here as JSON.")] = None,
+    token: Annotated[str | None, typer.Option(
+        envvar="KVP_AGENT_TOKEN", show_default=False,
+        help="A bearer token with the agent scope, for the service's reports and pulls (KVP_AGENT_TOKEN).")] = None,
 ) -> None:
     """Run the reference transfer agent: carry out orders, pool directory -> in-memory buffer."""
     import signal
@@ -412,7 +415,7 @@ def agent(
                                        claim_idle_seconds=claim_idle_seconds or settings.order_claim_idle_seconds,
                                        instance_id=instance_id)
     elif source == "pull":
-        orders = PullSource(service_url, instance_id)
+        orders = PullSource(service_url, instance_id, token=token)
     else:
         raise typer.BadParameter("stream or pull", param_hint="'--source'")
     stop = threading.Event()
@@ -420,7 +423,7 @@ def agent(
         signal.signal(sig, lambda *_: stop.set())
     run_agent(instance_id=instance_id, source=orders, service_url=service_url, pool_dir=pool_dir,
               capacity_bytes=capacity_bytes, stop=stop, status_file=status_file,
-              start_margin_seconds=start_margin_seconds, poll_seconds=poll_seconds)
+              start_margin_seconds=start_margin_seconds, poll_seconds=poll_seconds, token=token)
 
 
 def main() -> None:

@@ -644,3 +644,17 @@ def test_partition_places_repeats_and_rejections_as_the_service_counts_them() ->
     outcome = _Outcome("done", duplicate_ids=("a", "c", "c"), rejections=(1, "d", 99))
     assert _partition(batch, outcome) == Answer(("a",), ("a", "c", "c"), ("b", "d"))
     assert _partition(batch, _Outcome("done")) == Answer(("a", "b", "a", "c", "d", "c"), (), ())
+
+
+def test_the_token_is_sent_as_a_bearer_header() -> None:
+    seen: list[httpx.Request] = []
+
+    def service(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        ids = [e["event_id"] for e in json.loads(request.content)["events"]]
+        return httpx.Response(200, json={"accepted": ids, "duplicates": [], "rejected": []})
+
+    with KvpClient("http://kvp.test", transport=httpx.MockTransport(service), token="ingest-token-0123456789") as kvp:
+        kvp.session_closed(session_id="s1")
+        assert kvp.flush(5)
+    assert seen[0].headers["authorization"] == "Bearer ingest-token-0123456789"

@@ -264,12 +264,13 @@ class PullSource:
 
     def __init__(self, service_url: str, instance_id: str, *, limit: int = 100,
                  timeout_seconds: float = 5.0, transport: httpx.BaseTransport | None = None,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep, token: str | None = None) -> None:
         self.instance_id = instance_id
         self._limit = limit
         self._sleep = sleep
         self._http = httpx.Client(base_url=service_url.rstrip("/"), timeout=timeout_seconds,
-                                  transport=transport)
+                                  transport=transport,
+                                  headers={"authorization": f"Bearer {token}"} if token else None)
         self._failing = False
 
     def bind(self, instance_id: str) -> None:

@@ -446,12 +446,13 @@ def write_status_file(path: Path) -> Callable[[dict[str, Any]], None]:
 
 def run_agent(*, instance_id: str, source: OrderSource, service_url: str, pool_dir: Path,
               capacity_bytes: int, stop: threading.Event, status_file: Path | None = None,
-              start_margin_seconds: float = 0.05, poll_seconds: float = 0.5) -> AgentStats:
+              start_margin_seconds: float = 0.05, poll_seconds: float = 0.5,
+              token: str | None = None) -> AgentStats:
     """Run an agent until `stop` is set; closes the source and flushes the reports on the way out."""
     from app.client import KvpClient
 
     # Small linger: an agent's reports are few, and an ack waits on them.
-    reporter = KvpClient(service_url, batch_size=100, flush_interval_seconds=0.005)
+    reporter = KvpClient(service_url, batch_size=100, flush_interval_seconds=0.005, token=token)
     try:
         # Inside: binding the source to the instance can fail (Redis away), and both still close.
         agent = Agent(instance_id=instance_id, source=source, pool=PoolDir(pool_dir),

@@ -42,6 +42,7 @@ class AsyncKvpClient(_EventHelpers):
                  flush_interval_seconds: float = 0.05, max_queue_events: int = 100_000,
                  timeout_seconds: float = 5.0, max_backoff_seconds: float = 5.0,
                  headers: Mapping[str, str] | None = None,
+                 token: str | None = None,
                  on_answer: AnswerCallback | None = None,
                  transport: httpx.AsyncBaseTransport | None = None) -> None:
         self._pipeline = _Pipeline(batch_size=batch_size,
@@ -50,7 +51,7 @@ class AsyncKvpClient(_EventHelpers):
                                    max_backoff_seconds=max_backoff_seconds,
                                    keep_answers=on_answer is not None)
         self._on_answer = on_answer
-        self._url, options = _http_options(base_url, timeout_seconds, headers)
+        self._url, options = _http_options(base_url, timeout_seconds, headers, token)
         self._http = httpx.AsyncClient(transport=transport, **options)
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()  # the sender waits on this

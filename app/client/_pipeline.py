@@ -454,11 +454,13 @@ class _EventHelpers:
 
 
 def _http_options(base_url: str, timeout_seconds: float,
-                  headers: Mapping[str, str] | None) -> tuple[str, dict[str, Any]]:
+                  headers: Mapping[str, str] | None, token: str | None = None) -> tuple[str, dict[str, Any]]:
     if timeout_seconds <= 0:
         raise ValueError("timeout_seconds must be positive")
     all_headers = {"user-agent": f"kvprefetch-client/{__version__}"}
     all_headers.update(headers or {})
+    if token is not None:  # the ingest scope, or agent for an agent's reports (README, Security)
+        all_headers["authorization"] = f"Bearer {token}"
     all_headers["content-type"] = "application/json"
     return base_url.rstrip("/") + "/v1/events", {"timeout": timeout_seconds, "headers": all_headers}
 

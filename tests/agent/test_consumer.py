@@ -45,6 +45,21 @@ def test_pull_reads_orders_and_cancels_for_its_instance() -> None:
     assert got[1].error
 
 
+def test_pull_sends_its_token_and_none_without_one() -> None:
+    seen: list[httpx.Request] = []
+
+    def service(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, json={"orders": [], "cancelled": []})
+
+    for token in ("agent-token-0123456789", None):
+        source = PullSource("http://kvp", "gpu-3", transport=httpx.MockTransport(service), token=token)
+        source.poll(0)
+        source.close()
+    assert seen[0].headers["authorization"] == "Bearer agent-token-0123456789"
+    assert "authorization" not in seen[1].headers
+
+
 @pytest.mark.parametrize("answer", [
     httpx.Response(503, json={"detail": "store down"}),
     httpx.Response(200, content=b"<html>"),
