@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
+from starlette.requests import ClientDisconnect
 
 from app import __version__
 from app.api.auth import (AUTH_RESPONSES, AdminScope, AgentScope, IngestScope, ObservabilityScope, ReadScope,
@@ -19,6 +20,7 @@ from app.api.auth import (AUTH_RESPONSES, AdminScope, AgentScope, IngestScope, O
 from app.api.deps import drain_backlog
 from app.api.errors import error_response
 from app.api.routes import config, dashboard, events, health, hints, metrics, model, orders, scheduler, state
+from app.api.bodylimit import BodyLimitMiddleware
 from app.api.timeouts import TimeoutMiddleware
 from app.core.clock import Clock, SystemClock
 from app.core.config import Settings
@@ -160,6 +162,13 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     app.add_middleware(TimeoutMiddleware, body_seconds=settings.body_timeout_seconds,
                        request_seconds=settings.request_timeout_seconds)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(_: Request, exc: ClientDisconnect) -> Response:
+        # The client left, or a limit answered for it (app/api/bodylimit.py, timeouts.py): this
+        # answer goes nowhere, and nothing of the request was accepted.
+        return Response(status_code=400)
 
     @app.exception_handler(Refused)
     async def _refused(_: Request, exc: Refused) -> Response:
