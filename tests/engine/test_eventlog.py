@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from app.core.errors import CorruptLogError
-from app.engine.eventlog import EventLog, encode_events, iter_log, list_segments, read_events
-from app.engine.events import event_adapter
+from app.engine.eventlog import EventLog, encode_batch, encode_events, iter_log, list_segments, read_events
+from app.engine.events import batch_adapter, event_adapter
 from app.engine.state import LogPosition
 
 
@@ -67,6 +67,20 @@ def test_a_corrupt_line_names_its_file_and_line(tmp_path: Path) -> None:
         list(iter_log(tmp_path))
     assert info.value.line == 2
     assert str(info.value).endswith("events-00000001.jsonl:2: ts: Input should be greater than or equal to 0")
+
+
+def test_a_logged_batch_reads_back_whatever_numbers_the_ingest_accepted(tmp_path: Path) -> None:
+    # A token id past 64 bits, and 1e400 in a field of a vLLM event that is ignored: the ingest's
+    # parse takes both, so a restart replaying the log must too (found by tests/api/test_fuzz.py).
+    body = (b'{"events": [{"type": "vllm_kv_events", "event_id": "v", "ts": 1, "instance_id": "gpu-0", '
+            b'"events": [{"type": "BlockStored", "block_hashes": [1], "block_size": 16, '
+            b'"token_ids": [123456789012345678901234567890], "extra_keys": 1e400}]}]}')
+    posted = batch_adapter.validate_json(body).events
+    log = EventLog(tmp_path, fsync=False)
+    log.append(encode_batch(body))
+    log.append(encode_events(posted))
+    log.close()
+    assert [e for _, e in iter_log(tmp_path)] == posted * 2
 
 
 def test_read_events_takes_files_and_directories(tmp_path: Path) -> None:
