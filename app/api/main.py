@@ -18,7 +18,7 @@ from app import __version__
 from app.api.auth import (AUTH_RESPONSES, AdminScope, AgentScope, IngestScope, ObservabilityScope, ReadScope,
                           Refused, refused_response)
 from app.api.deps import drain_backlog
-from app.api.errors import error_response
+from app.api.errors import Error, error_response
 from app.api.routes import config, dashboard, events, health, hints, metrics, model, orders, scheduler, state
 from app.api.bodylimit import BodyLimitMiddleware
 from app.api.timeouts import TimeoutMiddleware
@@ -44,6 +44,16 @@ from app.engine.timeline import LandedPrefetches, MeasuredStall, Timeline, capac
 from app.engine.state import StateStore, build_store
 
 log = logging.getLogger("kvprefetch")
+
+# What any route may answer besides its own codes: the store or the event log failing, the limits
+# answering for it (app/api/bodylimit.py, timeouts.py). A route's own `responses=` wins.
+SERVICE_RESPONSES: dict[int | str, dict[str, Any]] = {
+    408: {"model": Error, "description": "The body stopped arriving (KVP_BODY_TIMEOUT_SECONDS)."},
+    413: {"model": Error, "description": "The body is over KVP_MAX_BODY_BYTES."},
+    503: {"model": Error, "description": "The store or the event log failed, or the request ran over "
+                                         "KVP_REQUEST_TIMEOUT_SECONDS; retry after Retry-After."},
+}
+SCOPED_RESPONSES = {**SERVICE_RESPONSES, **AUTH_RESPONSES}
 
 
 def create_app(settings: Settings | None = None, *, store: StateStore | None = None,
@@ -146,18 +156,18 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
     # Each router's scope (app/api/auth.py); the events and model routes declare theirs per route.
     # Readers of what the planning side derives drain its backlog first: read-your-writes.
     fresh = Depends(drain_backlog)
-    app.include_router(health.router)
-    app.include_router(metrics.router, dependencies=[ObservabilityScope, fresh], responses=AUTH_RESPONSES)
-    app.include_router(events.router, prefix="/v1", responses=AUTH_RESPONSES)
-    app.include_router(state.router, prefix="/v1", dependencies=[ReadScope], responses=AUTH_RESPONSES)
-    app.include_router(model.router, prefix="/v1", dependencies=[fresh], responses=AUTH_RESPONSES)
-    app.include_router(orders.router, prefix="/v1", dependencies=[AgentScope, fresh], responses=AUTH_RESPONSES)
-    app.include_router(scheduler.router, prefix="/v1", dependencies=[ReadScope, fresh], responses=AUTH_RESPONSES)
-    app.include_router(hints.router, prefix="/v1", dependencies=[IngestScope], responses=AUTH_RESPONSES)
-    app.include_router(config.router, prefix="/v1", dependencies=[AdminScope], responses=AUTH_RESPONSES)
+    app.include_router(health.router, responses=SERVICE_RESPONSES)
+    app.include_router(metrics.router, dependencies=[ObservabilityScope, fresh], responses=SCOPED_RESPONSES)
+    app.include_router(events.router, prefix="/v1", responses=SCOPED_RESPONSES)
+    app.include_router(state.router, prefix="/v1", dependencies=[ReadScope], responses=SCOPED_RESPONSES)
+    app.include_router(model.router, prefix="/v1", dependencies=[fresh], responses=SCOPED_RESPONSES)
+    app.include_router(orders.router, prefix="/v1", dependencies=[AgentScope, fresh], responses=SCOPED_RESPONSES)
+    app.include_router(scheduler.router, prefix="/v1", dependencies=[ReadScope, fresh], responses=SCOPED_RESPONSES)
+    app.include_router(hints.router, prefix="/v1", dependencies=[IngestScope], responses=SCOPED_RESPONSES)
+    app.include_router(config.router, prefix="/v1", dependencies=[AdminScope], responses=SCOPED_RESPONSES)
     app.include_router(dashboard.router, prefix="/v1", dependencies=[ObservabilityScope, fresh],
-                       responses=AUTH_RESPONSES)
-    app.include_router(dashboard.page, dependencies=[ObservabilityScope], responses=AUTH_RESPONSES)
+                       responses=SCOPED_RESPONSES)
+    app.include_router(dashboard.page, dependencies=[ObservabilityScope], responses=SCOPED_RESPONSES)
     # The page's script and styles: nothing in them is private.
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")
     app.add_middleware(TimeoutMiddleware, body_seconds=settings.body_timeout_seconds,

@@ -134,7 +134,11 @@ class LearnedPredictor(_PredictMixin):
 
         self.model_dir = Path(model_dir)
         model_file = self.model_dir / "model.txt"
-        if not model_file.is_file():
+        try:
+            found = model_file.is_file()
+        except OSError as exc:  # a name too long for the file system, a directory we may not search
+            raise ModelError(f"no model at {model_file}: {exc.strerror}") from None
+        if not found:
             raise ModelError(f"no model at {model_file}")
         try:
             self.booster = lgb.Booster(model_file=str(model_file))
@@ -145,7 +149,10 @@ class LearnedPredictor(_PredictMixin):
             raise ModelError(f"{model_file} was trained on features {list(names)}; this service computes "
                              f"{list(FEATURES)}")
         card_file = self.model_dir / "card.json"
-        self.card = json.loads(card_file.read_text()) if card_file.is_file() else {}
+        try:
+            self.card = json.loads(card_file.read_text()) if card_file.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"{card_file} does not load: {exc}") from None
         self.version = self.model_dir.name
         self.compiled: compiled.CompiledModel | None = None
         if backend == "compiled" or (backend == "auto" and compiled.available()):

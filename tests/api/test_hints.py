@@ -125,10 +125,18 @@ def test_a_body_that_is_not_json(client: TestClient) -> None:
                         "field": "body"}
 
 
+def test_a_body_that_is_not_utf8_is_not_json_either(client: TestClient) -> None:
+    r = client.post("/v1/route-hint", content=b'{"session_id": "\xff"}',
+                    headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert r.json() == {"detail": "the body is not JSON: 'utf-8' codec can't decode byte 0xff in position 16: "
+                                  "invalid start byte", "field": "body"}
+
+
 def test_openapi_documents_the_hint_with_examples(client: TestClient) -> None:
     schema = client.get("/openapi.json").json()
     post = schema["paths"]["/v1/route-hint"]["post"]
-    assert set(post["responses"]) == {"200", "400", "401", "403", "422", "429"}
+    assert set(post["responses"]) == {"200", "400", "401", "403", "408", "413", "422", "429", "503"}
     components = schema["components"]["schemas"]
     assert components["RouteHintRequest"]["examples"][0]["candidates"] == ["gpu-0", "gpu-1", "gpu-2"]
     assert components["RouteHintResponse"]["examples"][0]["recommended"] == "gpu-0"

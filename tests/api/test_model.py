@@ -102,10 +102,22 @@ def test_a_bad_model_is_refused_and_the_old_one_serves_on(client: TestClient, tm
     assert (missing.status_code, missing.json()) == (
         422, {"detail": f"no model at {tmp_path / 'absent' / 'model.txt'}", "field": "model_dir"})
     empty = client.post("/v1/model/reload", json={"model_dir": ""})
-    assert empty.status_code == 422 and empty.json()["detail"][0]["loc"] == ["body", "model_dir"]
+    assert (empty.status_code, empty.json()) == (
+        422, {"detail": "model_dir: String should have at least 1 character", "field": "model_dir"})
     extra = client.post("/v1/model/reload", json={"model_dir": "x", "extra": 1})
-    assert extra.status_code == 422 and extra.json()["detail"][0]["loc"] == ["body", "extra"]
+    assert (extra.status_code, extra.json()) == (
+        422, {"detail": "extra: Extra inputs are not permitted", "field": "extra"})
     assert client.get("/v1/model").json()["version"] == "default"
+
+
+def test_a_model_dir_the_file_system_refuses_is_refused_too(client: TestClient) -> None:
+    r = client.post("/v1/model/reload", json={"model_dir": "m" * 4096})
+    assert (r.status_code, r.json()["field"]) == (422, "model_dir")
+    assert r.json()["detail"].endswith("/model.txt: File name too long")
+    r = client.put("/v1/model/shadow", content=b"\xff", headers={"content-type": "application/json"})
+    assert (r.status_code, r.json()) == (400, {
+        "detail": "the body is not JSON: 'utf-8' codec can't decode byte 0xff in position 0: invalid start byte",
+        "field": "body"})
 
 
 def test_reload_is_checked_on_live_sessions(client: TestClient, tmp_path: Path) -> None:
@@ -160,7 +172,8 @@ def test_a_bad_shadow_is_refused_with_the_field_named(client: TestClient, tmp_pa
     assert (r.status_code, r.json()) == (422, {
         "detail": f"{bad_on_traffic}: the model's answers on 1 live session are not probabilities",
         "field": "model_dir"})
-    assert client.put("/v1/model/shadow", json={}).json()["detail"][0]["loc"] == ["body", "model_dir"]
+    assert client.put("/v1/model/shadow", json={}).json() == {"detail": "model_dir is required",
+                                                              "field": "model_dir"}
     # The shadow in place before the refusals is still there.
     assert client.get("/v1/model").json()["shadow"]["version"] == "v2"
 

@@ -22,7 +22,14 @@ def test_session_view(client: TestClient) -> None:
 def test_unknown_session_is_404(client: TestClient) -> None:
     r = client.get("/v1/sessions/nobody")
     assert r.status_code == 404
-    assert r.json() == {"detail": "session 'nobody' is not known"}
+    assert r.json() == {"detail": "session 'nobody' is not known", "field": "session_id"}
+
+
+def test_a_session_id_over_256_characters_is_refused_by_name(client: TestClient) -> None:
+    r = client.get("/v1/sessions/" + "s" * 257)
+    assert (r.status_code, r.json()) == (422, {
+        "detail": "the path parameter session_id: String should have at most 256 characters",
+        "field": "session_id"})
 
 
 def test_instances_and_locations(client: TestClient) -> None:

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Request, Response
 from app.api.auth import EventsCaller, Refused, charge
 from app.api.batch import BatchError, IngestResponse, parse_batch
 from app.api.deps import BacklogDep, IngestorDep, MetricsDep, SettingsDep
-from app.api.errors import error_response
+from app.api.errors import Error, error_response
 from app.core.security import Principal, Scope
 from app.engine.events import Event
 
@@ -19,13 +19,18 @@ AGENT_EVENT_TYPES = frozenset({"order_progress", "kv_blocks_stored", "kv_blocks_
 
 _RESPONSES = {
     200: {"model": IngestResponse, "description": "Every event was accepted or was a duplicate."},
-    400: {"description": "The body is not JSON."},
-    403: {"description": "An agent-scope token posted an event type only the ingest scope may post."},
-    413: {"description": "The body or the batch is too large."},
-    415: {"description": "The body is not application/json."},
-    422: {"model": IngestResponse,
-          "description": "Some events were rejected; the valid ones of the batch were accepted."},
-    503: {"description": "The store or the event log is unavailable; retry later."},
+    400: {"model": Error, "description": "The body is not JSON."},
+    403: {"model": Error,
+          "description": "An agent-scope token posted an event type only the ingest scope may post."},
+    413: {"model": Error, "description": "The body or the batch is too large."},
+    415: {"model": Error, "description": "The body is not application/json."},
+    # Two shapes (docs/decisions.md, 2): a batch with bad events lists them, and its valid ones
+    # were accepted; a body that is no batch at all (not an object, no events) is an Error.
+    422: {"model": IngestResponse | Error,
+          "description": "Some events were rejected and the valid ones of the batch were accepted "
+                         "(IngestResponse); or the body is not a batch of events, and nothing was (Error)."},
+    503: {"model": Error, "description": "The store, the event log or the planning backlog is unavailable or "
+                                         "full; retry later."},
 }
 
 

@@ -3,13 +3,11 @@ which one to send its next request to (app/engine/hints.py does the work)."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.api.deps import ClockDep, SettingsDep, StoreDep
-from app.api.errors import Error, error_response, field_error_route
+from app.api.errors import Error, body_error, field_error_route
 from app.core.config import Settings
 from app.engine.events import Ident
 from app.engine.hints import HintConfig, route_hint
@@ -17,22 +15,7 @@ from app.engine.hints import HintConfig, route_hint
 # A router asks about the instances it could pick; a fleet larger than this is asked in parts.
 MAX_CANDIDATES = 256
 
-
-def _body_error(request: Request, error: dict[str, Any]) -> Response:
-    """A bad body, naming its top-level field; one that is not JSON as POST /v1/events answers it."""
-    if error["type"] == "json_invalid":
-        return error_response(400, "body", f"the body is not JSON: {error['ctx']['error']}")
-    loc = [str(p) for p in error["loc"]]
-    field = loc[1] if len(loc) > 1 else "body"
-    if error["type"] == "missing":
-        message = f"{field} is required"
-    else:
-        where = ".".join(loc[1:]) or "body"
-        message = f"{where}: {str(error['msg']).removeprefix('Value error, ')}"
-    return error_response(422, field, message)
-
-
-router = APIRouter(tags=["routing"], route_class=field_error_route(_body_error))
+router = APIRouter(tags=["routing"], route_class=field_error_route(body_error))
 
 
 class RouteHintRequest(BaseModel):

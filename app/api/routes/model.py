@@ -10,18 +10,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.auth import AdminScope, ReadScope
 from app.api.deps import ClockDep, LedgerDep, ModelsDep, StoreDep
-from app.api.errors import error_response
+from app.api.errors import Error, body_error, error_response, field_error_route
 from app.engine.advice import AdviceLedger
 from app.engine.models import Serving
 from app.engine.predictor import ModelError
 
-router = APIRouter(tags=["model"])
+router = APIRouter(tags=["model"], route_class=field_error_route(body_error))
 
 # Live sessions a new model must answer for before it serves (or shadows): the most recently
 # active ones, the traffic it would see first.
 CHECK_SAMPLE = 256
 
-_REFUSED = {422: {"description": "The model does not load or does not fit; nothing changed."}}
+_REFUSED = {400: {"model": Error, "description": "The body is not JSON."},
+            422: {"model": Error,
+                  "description": "The model does not load or does not fit, or the body is bad; nothing changed."}}
 
 
 class ModelInfo(BaseModel):

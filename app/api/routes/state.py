@@ -6,15 +6,23 @@ never sees a half-applied batch of the in-memory store.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import APIRouter, HTTPException, Path
+from fastapi import APIRouter, Path, Request, Response
 from pydantic import BaseModel
 
 from app.api.deps import StoreDep
+from app.api.errors import Error, error_response, field_error_route
 from app.engine.state.base import InstanceView, LocationView, SessionView
 
-router = APIRouter(tags=["state"])
+
+def _path_error(request: Request, error: dict[str, Any]) -> Response:
+    """A bad path parameter, named."""
+    name = str(error["loc"][-1])
+    return error_response(422, name, f"the path parameter {name}: {error['msg']}")
+
+
+router = APIRouter(tags=["state"], route_class=field_error_route(_path_error))
 
 
 class InstancesResponse(BaseModel):
@@ -26,11 +34,13 @@ class LocationsResponse(BaseModel):
 
 
 @router.get("/sessions/{session_id}", response_model=SessionView,
-            responses={404: {"description": "No event has named this session."}})
-async def get_session(session_id: Annotated[str, Path(min_length=1, max_length=256)], store: StoreDep) -> SessionView:
+            responses={404: {"model": Error, "description": "No event has named this session."},
+                       422: {"model": Error, "description": "The session id is longer than 256 characters."}})
+async def get_session(session_id: Annotated[str, Path(min_length=1, max_length=256)],
+                      store: StoreDep) -> SessionView | Response:
     view = store.session(session_id)
     if view is None:
-        raise HTTPException(404, detail=f"session {session_id!r} is not known")
+        return error_response(404, "session_id", f"session {session_id!r} is not known")
     return view
 
 
