@@ -79,6 +79,15 @@ class Settings(BaseSettings):
     # (Redis store). A retry later than this is applied again.
     dedupe_max_ids: int = Field(2_000_000, ge=1)
     dedupe_ttl_seconds: int = Field(24 * 3600, ge=1)
+    # How late (in event time) a block store may arrive and still lose to a newer removal at its
+    # location: a removal's tombstone is dropped once that location has seen an event more than
+    # this much newer than it. A store or removal whose ts is at least the location's newest
+    # event ts minus this is applied as if the location's events had come in order.
+    reorder_window_seconds: float = Field(60.0, gt=0)
+    # A session with no event for this long, measured against the newest event ts the store has
+    # seen, is forgotten (closed or not, with its requests; block residency stays). A later event
+    # starts it afresh; a session event older than that newest ts minus this is ignored.
+    session_retention_seconds: float = Field(3600.0, gt=0)
 
     # The arrival model served at startup; when it is missing or does not load, the heuristic serves.
     model_dir: Path = Path(__file__).resolve().parent.parent.parent / "models" / "default"

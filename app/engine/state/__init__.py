@@ -32,7 +32,8 @@ __all__ = [
 
 
 def build_store(settings: Settings) -> StateStore:
-    """The store the settings ask for."""
+    """The store the settings ask for, bounded by their windows (the constructors' defaults keep
+    everything, for offline replays of whole traces)."""
     if settings.store == "redis":
         from app.engine.state.redis import RedisStore
 
@@ -42,10 +43,14 @@ def build_store(settings: Settings) -> StateStore:
             bytes_per_token=settings.bytes_per_token,
             block_tokens=settings.block_tokens,
             dedupe_ttl_seconds=settings.dedupe_ttl_seconds,
+            reorder_window_seconds=settings.reorder_window_seconds,
+            session_retention_seconds=settings.session_retention_seconds,
             timeout_seconds=settings.redis_timeout_seconds,
         )
     return MemoryStore(
         bytes_per_token=settings.bytes_per_token,
         block_tokens=settings.block_tokens,
         dedupe_max_ids=settings.dedupe_max_ids,
+        reorder_window_seconds=settings.reorder_window_seconds,
+        session_retention_seconds=settings.session_retention_seconds,
     )

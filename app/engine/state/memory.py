@@ -117,43 +117,96 @@ class _Session:
 
 
 class _Location:
-    __slots__ = ("present", "removed", "cleared_ts", "block_tokens")
+    """Residency of one location, and its tombstones: a removal's ts per block, so that a store
+    older than it, arriving late, stays a no-op.
 
-    def __init__(self, block_tokens: int) -> None:
+    A tombstone is in force while `ts >= newest - window` (`newest`: the newest event of this
+    location); lookups ignore a dead one, and one dead on arrival is not kept. The dead are
+    dropped a generation at a time: `removed` takes new tombstones, `removed_old` holds the
+    previous generation, and once all of `removed_old` is dead (every one is at most `old_bound`)
+    it goes and `removed` takes its place. No dict deletes from its front (that scans a growing
+    run of freed slots), so each tombstone costs O(1); one is held between about one and two
+    windows of this location's event time.
+    """
+
+    __slots__ = ("present", "removed", "removed_old", "old_bound", "newest", "window", "cleared_ts",
+                 "block_tokens")
+
+    def __init__(self, block_tokens: int, window: float) -> None:
         self.present: dict[BlockHash, float] = {}
         self.removed: dict[BlockHash, float] = {}
+        self.removed_old: dict[BlockHash, float] = {}
+        self.old_bound = -math.inf  # no tombstone of removed_old is newer
+        self.newest = -math.inf  # the newest ts of an event at this location
+        self.window = window
         self.cleared_ts = _NONE
         self.block_tokens = block_tokens
 
+    def advance(self, ts: float) -> None:
+        if ts <= self.newest:
+            return
+        previous, self.newest = self.newest, ts
+        cutoff = ts - self.window
+        if self.old_bound < cutoff:
+            # Every tombstone so far is at most `previous` (a tombstone is never newer than the
+            # location's newest event), so both generations may be dead.
+            if previous < cutoff:
+                self.removed, self.removed_old = {}, {}
+            else:
+                self.removed, self.removed_old = {}, self.removed
+            self.old_bound = previous
+
     def store(self, block_hashes: Sequence[BlockHash], ts: float) -> None:
+        self.advance(ts)
         if ts <= self.cleared_ts:
             return
-        present, removed = self.present, self.removed
+        present, removed, removed_old = self.present, self.removed, self.removed_old
+        cutoff = self.newest - self.window
         for h in block_hashes:
-            if ts <= removed.get(h, _NONE):
-                continue
+            t = removed.get(h)
+            if t is None and removed_old:
+                t = removed_old.get(h)
+            if t is not None:
+                if ts <= t and t >= cutoff:
+                    continue
+                removed.pop(h, None)
+                removed_old.pop(h, None)
             if ts > present.get(h, _NONE):
                 present[h] = ts
-            removed.pop(h, None)
 
     def remove(self, block_hashes: Sequence[BlockHash], ts: float) -> None:
-        present, removed = self.present, self.removed
+        self.advance(ts)
+        present, removed, removed_old = self.present, self.removed, self.removed_old
+        # A tombstone dead on arrival would never be consulted: don't keep it.
+        keep = ts >= self.newest - self.window
         for h in block_hashes:
             stored = present.get(h)
             if stored is not None:
                 if stored > ts:
                     continue
                 del present[h]
-            if ts > removed.get(h, _NONE):
+            if not keep:
+                continue
+            t = removed.get(h)
+            if t is not None:
+                if ts > t:
+                    removed[h] = ts
+                continue
+            t = removed_old.get(h) if removed_old else None
+            if t is None or ts > t:
                 removed[h] = ts
+                if t is not None:
+                    del removed_old[h]  # removed_old's tombstones never move past old_bound
 
     def clear(self, ts: float) -> None:
+        self.advance(ts)
         if ts <= self.cleared_ts:
             return
         self.cleared_ts = ts
         self.present = {h: t for h, t in self.present.items() if t > ts}
         # Tombstones older than the clear are implied by it.
         self.removed = {h: t for h, t in self.removed.items() if t > ts}
+        self.removed_old = {h: t for h, t in self.removed_old.items() if t > ts}
 
 
 class _Instance:
@@ -170,11 +223,27 @@ class _Instance:
 
 
 class MemoryStore:
-    def __init__(self, *, bytes_per_token: int, block_tokens: int, dedupe_max_ids: int = 2_000_000) -> None:
+    def __init__(self, *, bytes_per_token: int, block_tokens: int, dedupe_max_ids: int = 2_000_000,
+                 reorder_window_seconds: float = math.inf, session_retention_seconds: float = math.inf) -> None:
+        if dedupe_max_ids < 1 or reorder_window_seconds <= 0 or session_retention_seconds <= 0:
+            raise ValueError("dedupe_max_ids and both windows must be positive")
         self.bytes_per_token = bytes_per_token
         self.block_tokens = block_tokens
         self.dedupe_max_ids = dedupe_max_ids
-        self._seen: dict[str, None] = {}
+        self.reorder_window_seconds = reorder_window_seconds
+        self.session_retention_seconds = session_retention_seconds
+        # The dedupe ring in two generations of sets: ids go to _seen, which becomes _seen_old
+        # when it holds _seen_half; so the last _seen_half ids at least, and at most
+        # dedupe_max_ids, are remembered. A replaced _seen_old is freed a few ids per event
+        # (_dying) rather than at once: freeing a million strings is a 50 ms pause.
+        self._seen_half = (dedupe_max_ids + 1) // 2
+        self._seen: set[str] = set()
+        self._seen_old: set[str] = set()
+        self._dying: set[str] = set()
+        # The newest event ts applied, and the sessions' cutoff it makes: a session last active
+        # before the cutoff is forgotten.
+        self._newest = -math.inf
+        self._cutoff = -math.inf
         self._sessions: dict[str, _Session] = {}
         # Sessions by the whole second of their last activity, and those seconds in order: what
         # live_sessions() reads newest first. A session moves only when its activity crosses into
@@ -201,28 +270,71 @@ class MemoryStore:
     # -- ingestion -------------------------------------------------------------------------
 
     def seen(self, event_ids: Sequence[str]) -> list[bool]:
-        seen = self._seen
-        return [e in seen for e in event_ids]
+        seen, old = self._seen, self._seen_old
+        return [e in seen or e in old for e in event_ids]
 
     def apply(self, events: Sequence[Event]) -> list[bool]:
-        seen, apply_one = self._seen, self._apply_one
+        seen, old, half, apply_one = self._seen, self._seen_old, self._seen_half, self._apply_one
         out: list[bool] = []
         for e in events:
-            if e.event_id in seen:
+            eid = e.event_id
+            if eid in seen or eid in old:
                 out.append(False)
                 continue
+            ts = e.ts
+            if ts > self._newest:
+                self._newest, self._cutoff = ts, ts - self.session_retention_seconds
             apply_one[e.type](e)
-            seen[e.event_id] = None
+            seen.add(eid)
             out.append(True)
-        overflow = len(seen) - self.dedupe_max_ids
-        if overflow > 0:
-            # Dicts keep insertion order: the oldest ids go first.
-            for key in list(_take(seen, overflow)):
-                del seen[key]
+            if len(seen) >= half:
+                if self._dying:
+                    self._dying.clear()  # not drained in time (a tiny ring): free it now
+                self._dying, old = old, seen
+                self._seen_old, self._seen = old, set()
+                seen = self._seen
+        dying = self._dying
+        if dying:
+            # Two per id added: empty before _seen is half full again.
+            for _ in range(min(len(dying), 2 * len(events))):
+                dying.pop()
+        if self._seconds and self._seconds[0] + 1 <= self._cutoff:
+            self._expire_sessions()
         return out
 
-    def _session(self, session_id: str, ts: float) -> _Session:
+    def _expire_sessions(self) -> None:
+        """Forget every session whose whole second of last activity is before the cutoff; the
+        second holding the cutoff is left to the reads' filter."""
+        seconds, by_second, sessions = self._seconds, self._by_second, self._sessions
+        n = bisect.bisect_right(seconds, math.floor(self._cutoff) - 1)
+        for second in seconds[:n]:
+            for session_id in by_second.pop(second):
+                del sessions[session_id]
+        del seconds[:n]
+
+    def _live(self, session_id: str) -> _Session | None:
+        """The session unless it is unknown or forgotten (idle since before the cutoff)."""
         s = self._sessions.get(session_id)
+        return s if s is not None and s.last_ts >= self._cutoff else None
+
+    def _forget(self, session_id: str) -> None:
+        s = self._sessions.pop(session_id)
+        second = int(s.last_ts)
+        members = self._by_second[second]
+        members.discard(session_id)
+        if not members:
+            del self._by_second[second]
+            del self._seconds[bisect.bisect_left(self._seconds, second)]
+
+    def _session(self, session_id: str, ts: float) -> _Session | None:
+        """The session an event at `ts` updates; None when the event is itself older than the
+        cutoff (it is about a past the store has forgotten, or is about to)."""
+        if ts < self._cutoff:
+            return None
+        s = self._sessions.get(session_id)
+        if s is not None and s.last_ts < self._cutoff:
+            self._forget(session_id)  # forgotten: a new event starts it afresh
+            s = None
         if s is None:
             s = self._sessions[session_id] = _Session(ts)
             self._index(session_id, None, ts)
@@ -258,17 +370,29 @@ class MemoryStore:
             i.last_seen_ts = ts
         return i
 
-    def _request_event(self, e: RequestRouted | RequestStarted | RequestFinished) -> tuple[_Session, _Request]:
+    def _request_event(self, e: RequestRouted | RequestStarted | RequestFinished) -> tuple[_Session, _Request] | None:
         """What every request event does: touch its session and instance, find its request.
+        None: the event is about a forgotten session (see _session); only the instance is touched.
 
         Inlined rather than split into helpers: this runs for most events on the ingest path.
         """
         ts = e.ts
         s = self._sessions.get(e.session_id)
-        if s is None:
-            s = self._sessions[e.session_id] = _Session(ts)
-            self._index(e.session_id, None, ts)
-        elif ts > s.last_ts:
+        if s is None or s.last_ts < self._cutoff or ts < self._cutoff:
+            instance = self._instances.get(e.instance_id)
+            if instance is None:
+                self._instances[e.instance_id] = _Instance(ts)
+            elif ts > instance.last_seen_ts:
+                instance.last_seen_ts = ts
+            s = self._session(e.session_id, ts)
+            if s is None:
+                return None
+            s.instance_id, s.instance_ts = e.instance_id, ts
+            r = _Request(e.request_id)
+            r.instance_id, r.instance_ts = e.instance_id, ts
+            s.requests.append(r)
+            return s, r
+        if ts > s.last_ts:
             if int(ts) != int(s.last_ts):
                 self._index(e.session_id, s.last_ts, ts)
             s.last_ts = ts
@@ -292,7 +416,10 @@ class MemoryStore:
         return s, r
 
     def _routed(self, e: RequestRouted) -> None:
-        s, r = self._request_event(e)
+        sr = self._request_event(e)
+        if sr is None:
+            return
+        s, r = sr
         ts = e.ts
         s.turns += 1
         arrivals = s.arrivals
@@ -310,14 +437,20 @@ class MemoryStore:
             s.trim_requests()
 
     def _started(self, e: RequestStarted) -> None:
-        s, r = self._request_event(e)
+        sr = self._request_event(e)
+        if sr is None:
+            return
+        s, r = sr
         if e.ts > r.started_ts:
             r.started_ts = e.ts
         if len(s.requests) > RECENT_REQUESTS:
             s.trim_requests()
 
     def _finished(self, e: RequestFinished) -> None:
-        s, r = self._request_event(e)
+        sr = self._request_event(e)
+        if sr is None:
+            return
+        s, r = sr
         ts = e.ts
         if e.block_hashes is not None:
             s.set_blocks(e.block_hashes, e.block_tokens or self.block_tokens, ts)
@@ -329,14 +462,14 @@ class MemoryStore:
 
     def _closed(self, e: SessionClosed) -> None:
         s = self._session(e.session_id, e.ts)
-        if e.ts > s.closed_ts:
+        if s is not None and e.ts > s.closed_ts:
             s.closed_ts = e.ts
 
     def _location(self, tier: str, instance_id: str | None, block_tokens: int | None) -> _Location:
         key = (tier, instance_id)
         loc = self._locations.get(key)
         if loc is None:
-            loc = self._locations[key] = _Location(block_tokens or self.block_tokens)
+            loc = self._locations[key] = _Location(block_tokens or self.block_tokens, self.reorder_window_seconds)
         elif block_tokens:
             loc.block_tokens = block_tokens
         return loc
@@ -376,7 +509,7 @@ class MemoryStore:
     # -- reads -----------------------------------------------------------------------------
 
     def session(self, session_id: str) -> SessionView | None:
-        s = self._sessions.get(session_id)
+        s = self._live(session_id)
         if s is None:
             return None
         latest = s.latest()
@@ -418,7 +551,7 @@ class MemoryStore:
         if limit <= 0:
             return []
         sessions, seconds = self._sessions, self._seconds
-        since = active_since_ts if active_since_ts is not None else _NONE
+        since = max(active_since_ts if active_since_ts is not None else _NONE, self._cutoff)
         # Whole seconds, newest first, from the cursor's down to the first one that may hold
         # activity at `since`; within a second, sessions in (last activity, id) order.
         i = bisect.bisect_right(seconds, int(before[0])) if before is not None else len(seconds)
@@ -494,13 +627,17 @@ class MemoryStore:
                          bytes=nbytes, seconds=seconds, reason=reason)
 
     def stats(self) -> dict[str, int]:
+        # Only the second holding the cutoff can still hold forgotten sessions (_expire_sessions).
+        cutoff = self._cutoff
+        forgotten = sum(1 for session_id in self._by_second.get(math.floor(cutoff), ())
+                        if self._sessions[session_id].last_ts < cutoff) if cutoff > -math.inf else 0
         return {
-            "sessions": len(self._sessions),
+            "sessions": len(self._sessions) - forgotten,
             "instances": len(self._instances),
             "locations": len(self._locations),
             "resident_blocks": sum(len(loc.present) for loc in self._locations.values()),
             "orders": len(self._orders),
-            "remembered_event_ids": len(self._seen),
+            "remembered_event_ids": len(self._seen) + len(self._seen_old),
         }
 
     def checkpoint(self, replica_id: str) -> LogPosition | None:
@@ -513,7 +650,8 @@ class MemoryStore:
         return None
 
     def clear(self) -> None:
-        self._seen.clear()
+        self._seen, self._seen_old, self._dying = set(), set(), set()
+        self._newest = self._cutoff = -math.inf
         self._sessions.clear()
         self._by_second.clear()
         self._seconds.clear()
@@ -545,8 +683,3 @@ def _pack(block_hashes: list[BlockHash]) -> array[int] | tuple[BlockHash, ...]:
         except (OverflowError, TypeError):
             continue
     return tuple(block_hashes)
-
-
-def _take(d: dict[str, None], n: int) -> list[str]:
-    it = iter(d)
-    return [next(it) for _ in range(n)]

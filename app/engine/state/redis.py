@@ -34,8 +34,11 @@ from the prefix, so they must all live on one node):
 
     <p>:eid:<event_id>      string "1", EX dedupe_ttl_seconds: the event was applied
     <p>:eidn:<bucket>       how many eid keys were set in a time bucket (see stats() below)
-    <p>:sessions            zset  session_id -> last activity ts (stats: ZCARD; live_sessions
-                                  pages down it, newest first)
+    <p>:newest              string the newest event ts applied (the sessions' retention counts
+                                  from it)
+    <p>:sessions            zset  session_id -> last activity ts (stats: ZCOUNT from the
+                                  retention cutoff; live_sessions pages down it, newest first;
+                                  the apply script deletes the sessions below the cutoff)
     <p>:s:<session_id>      hash  f first seen ts, l last activity ts, c closed ts,
                                   i instance, it its ts, b block hashes (JSON list), bts their ts,
                                   k their block tokens, t turns,
@@ -49,8 +52,11 @@ from the prefix, so they must all live on one node):
     <p>:locs                hash  location name (`hbm@gpu-0`, `pool`) -> JSON [tier, instance|null]
     <p>:locbt               hash  location name -> block tokens
     <p>:loccl               hash  location name -> cleared ts
+    <p>:lochw               hash  location name -> the newest ts of an event there
     <p>:loc:<location>      zset  block (JSON) -> ts of the store that put it there (present)
-    <p>:tomb:<location>     zset  block (JSON) -> ts of its removal (tombstones)
+    <p>:tomb:<location>     zset  block (JSON) -> ts of its removal (tombstones); only those in
+                                  force: each time lochw moves, ZREMRANGEBYSCORE drops those
+                                  older than lochw - reorder window
     <p>:orders              set   order ids
     <p>:o:<order_id>        hash  rank, ts, status, bytes, seconds, reason (JSON string or null)
     <p>:ckpt:<replica_id>   string "segment:offset"
@@ -64,6 +70,15 @@ of its time bucket (ttl/64 seconds of Redis server time), and a bucket's counter
 last id counted in it does. The sum over live buckets is exact until ids start to expire, then
 an upper bound that runs at most one bucket (1/64 of the window) late. `resident_blocks` sums
 ZCARD over the locations; the whole of stats() is one read-only script call.
+
+Expiry is by event time and exact, the same as MemoryStore's (which drops its dead tombstones
+and sessions lazily but never shows them): a tombstone is dead once its location has seen an
+event more than `reorder_window_seconds` newer, a session is forgotten once the store has seen
+an event more than `session_retention_seconds` newer than its last activity. The apply script
+deletes at most twice as many forgotten sessions per call as the call has events, oldest first
+(a call creates at most one per event, so it keeps up and no call does unbounded work); the reads
+filter by the same cutoff, so a session not deleted yet is never seen. Computed bounds go to
+Redis as `%.17g` strings, which parse back to the double Lua (and Python) computed.
 
 `clear()` deletes every key matching `<p>:*` by SCAN + UNLINK (never FLUSHDB). It therefore
 also deletes the keys of a prefix that starts with `<p>:`; don't nest prefixes that way.
@@ -129,7 +144,8 @@ _REQ_ID, _REQ_INSTANCE, _REQ_INSTANCE_TS, _REQ_ROUTED, _REQ_STARTED, _REQ_FINISH
 _REQ_PROMPT, _REQ_OUTPUT, _REQ_CONTEXT = 6, 7, 8
 
 # One call applies a chunk of events (see RedisStore.apply for the chunking).
-# ARGV: prefix, ttl seconds, stats bucket seconds, then per event: its event_id, how many
+# ARGV: prefix, ttl seconds, stats bucket seconds, reorder window, session retention (each
+# `inf` for never), then per event: its event_id, how many
 # operation fields follow, and the operations, each an opcode and its fields (strings; "" means
 # None where a field is optional):
 #   R sid rid iid ts prompt blocks_json|"" session_block_tokens          request_routed
@@ -147,7 +163,7 @@ _REQ_PROMPT, _REQ_OUTPUT, _REQ_CONTEXT = 6, 7, 8
 _APPLY_LUA = _lua("redis_apply.lua").replace("__RECENT_REQUESTS__", str(RECENT_REQUESTS)).replace(
     "__RECENT_ARRIVALS__", str(RECENT_ARRIVALS))
 
-# ARGV: prefix, ttl seconds, bucket seconds. Returns sessions, instances, locations,
+# ARGV: prefix, ttl seconds, bucket seconds, session retention. Returns sessions, instances, locations,
 # resident blocks, orders, remembered event ids.
 _STATS_LUA = _lua("redis_stats.lua")
 
@@ -172,9 +188,14 @@ def _glob_escape(s: str) -> str:
 
 class RedisStore:
     def __init__(self, client: redis.Redis, *, prefix: str, bytes_per_token: int, block_tokens: int,
-                 dedupe_ttl_seconds: int = 24 * 3600) -> None:
+                 dedupe_ttl_seconds: int = 24 * 3600, reorder_window_seconds: float = math.inf,
+                 session_retention_seconds: float = math.inf) -> None:
         if not prefix:
             raise ValueError("prefix must not be empty")
+        if reorder_window_seconds <= 0 or session_retention_seconds <= 0:
+            raise ValueError("both windows must be positive")
+        self.reorder_window_seconds = float(reorder_window_seconds)
+        self.session_retention_seconds = float(session_retention_seconds)
         self._r = client
         self.prefix = prefix
         self.bytes_per_token = bytes_per_token
@@ -186,6 +207,7 @@ class RedisStore:
         p = prefix
         self._k_instances = f"{p}:instances"
         self._k_locs, self._k_locbt, self._k_loccl = f"{p}:locs", f"{p}:locbt", f"{p}:loccl"
+        self._k_newest = f"{p}:newest"
         self._encode = {
             "request_routed": self._enc_routed,
             "request_started": self._enc_started,
@@ -201,7 +223,8 @@ class RedisStore:
 
     @classmethod
     def from_url(cls, url: str, *, prefix: str = "kvp", bytes_per_token: int, block_tokens: int,
-                 dedupe_ttl_seconds: int = 24 * 3600, timeout_seconds: float = 2.0) -> RedisStore:
+                 dedupe_ttl_seconds: int = 24 * 3600, reorder_window_seconds: float = math.inf,
+                 session_retention_seconds: float = math.inf, timeout_seconds: float = 2.0) -> RedisStore:
         # No automatic retries: a script call resent after a timeout may already have run, and
         # would then report its event as a duplicate. Callers retry whole batches; the event-id
         # dedupe makes that safe. (A pooled connection the server closed is replaced on checkout.)
@@ -209,7 +232,18 @@ class RedisStore:
             url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds,
             decode_responses=True, retry=Retry(NoBackoff(), 0))
         return cls(client, prefix=prefix, bytes_per_token=bytes_per_token,
-                   block_tokens=block_tokens, dedupe_ttl_seconds=dedupe_ttl_seconds)
+                   block_tokens=block_tokens, dedupe_ttl_seconds=dedupe_ttl_seconds,
+                   reorder_window_seconds=reorder_window_seconds,
+                   session_retention_seconds=session_retention_seconds)
+
+    def _head(self) -> list[str]:
+        """The apply script's first arguments, before the events."""
+        return [self.prefix, str(self.dedupe_ttl_seconds), str(self._bucket_seconds),
+                _ts(self.reorder_window_seconds), _ts(self.session_retention_seconds)]
+
+    def _cutoff(self, newest: str | None) -> float:
+        """Sessions last active before this are forgotten (the apply script's `cutoff`)."""
+        return -math.inf if newest is None else float(newest) - self.session_retention_seconds
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
@@ -235,7 +269,7 @@ class RedisStore:
             return []
         # Chunks of events, one script call each, all in one pipeline: one round trip. A chunk
         # is atomic; chunks stay small so no call holds Redis for long.
-        head = [self.prefix, str(self.dedupe_ttl_seconds), str(self._bucket_seconds)]
+        head = self._head()
         calls: list[list[str]] = []
         sizes: list[int] = []
         args, count = head[:], 0
@@ -340,8 +374,9 @@ class RedisStore:
             pipe = self._r.pipeline(transaction=False)
             pipe.hgetall(f"{p}:s:{session_id}")
             pipe.hkeys(self._k_locs)
-            h, loc_names = pipe.execute()
-            if not h:
+            pipe.get(self._k_newest)
+            h, loc_names, newest = pipe.execute()
+            if not h or float(h["l"]) < self._cutoff(newest):
                 return None
             blocks: list[BlockHash] = json.loads(h["b"]) if "b" in h else []
             resident: dict[str, int] = {}
@@ -362,10 +397,13 @@ class RedisStore:
             return []
         p = self.prefix
         key = f"{p}:sessions"
-        low = _ts(active_since_ts) if active_since_ts is not None else "-inf"
         cursor = before
         found: list[tuple[str, dict[str, str], list[BlockHash]]] = []
         with self._errors():
+            # Forgotten sessions not deleted yet are below the cutoff: start there at the lowest.
+            since = max(-math.inf if active_since_ts is None else active_since_ts,
+                        self._cutoff(self._r.get(self._k_newest)))
+            low = _ts(since) if since > -math.inf else "-inf"
             # Pages down the activity index (its score is the session's last activity ts), each
             # page read with one pipeline, until `limit` open sessions are found. What comes after
             # a cursor (ts, id): the ids below `id` among those tied at `ts`, then every score below
@@ -381,7 +419,7 @@ class RedisStore:
                 replies = pipe.execute()
                 rows: list[tuple[float, str]] = []
                 if cursor is not None:
-                    if active_since_ts is None or cursor[0] >= active_since_ts:
+                    if cursor[0] >= since:
                         rows = [(cursor[0], m) for m in sorted(replies[0], reverse=True) if m < cursor[1]]
                 rows += [(float(score), m) for m, score in replies[-1]]
                 rows = rows[:want]
@@ -551,7 +589,8 @@ class RedisStore:
     def stats(self) -> dict[str, int]:
         with self._errors():
             counts = self._stats_script(
-                args=[self.prefix, self.dedupe_ttl_seconds, self._bucket_seconds])
+                args=[self.prefix, self.dedupe_ttl_seconds, self._bucket_seconds,
+                      _ts(self.session_retention_seconds)])
         keys = ("sessions", "instances", "locations", "resident_blocks", "orders",
                 "remembered_event_ids")
         return {k: int(v) for k, v in zip(keys, counts)}

@@ -5,14 +5,57 @@ local P = argv[1]
 local TTL = argv[2]
 local RECENT_REQUESTS = __RECENT_REQUESTS__
 local RECENT_ARRIVALS = __RECENT_ARRIVALS__
+local WINDOW = tonumber(argv[4])     -- reorder window (inf: tombstones never expire)
+local RETENTION = tonumber(argv[5])  -- session retention (inf: sessions are never forgotten)
 local SESSIONS = P .. ':sessions'
 local INSTANCES = P .. ':instances'
-local LOCS, LOCBT, LOCCL = P .. ':locs', P .. ':locbt', P .. ':loccl'
+local LOCS, LOCBT, LOCCL, LOCHW = P .. ':locs', P .. ':locbt', P .. ':loccl', P .. ':lochw'
+local NEWEST = P .. ':newest'
 
 -- a stored number, or -1 ("none") when absent
 local function num(x)
   if not x then return -1 end
   return tonumber(x)
+end
+
+-- a computed number as Redis parses it back to the same double
+local function fmt(x)
+  return string.format('%.17g', x)
+end
+
+-- MemoryStore._newest / _cutoff: the newest event ts applied, and the sessions' cutoff
+local newest_s = redis.call('GET', NEWEST)
+local newest = newest_s and tonumber(newest_s) or -math.huge
+local newest_moved = false
+local cutoff = newest - RETENTION
+
+local function see(ts_s, ts)
+  if ts > newest then
+    newest, newest_s, newest_moved = ts, ts_s, true
+    cutoff = ts - RETENTION
+  end
+end
+
+-- _Location.advance: the location's newest event ts; drops the tombstones it makes dead
+-- (ts < newest - WINDOW) and returns that bound
+local hws, hw_order = {}, {}
+local function advance(name, ts_s, ts)
+  local hw = hws[name]
+  if not hw then
+    local v = redis.call('HGET', LOCHW, name)
+    hw = {v and tonumber(v) or -math.huge}
+    hws[name] = hw
+  end
+  if ts > hw[1] then
+    hw[1] = ts
+    if not hw[2] then hw_order[#hw_order + 1] = name end
+    hw[2] = ts_s
+    local dead = ts - WINDOW
+    if dead > -math.huge then
+      redis.call('ZREMRANGEBYSCORE', P .. ':tomb:' .. name, '-inf', '(' .. fmt(dead))
+    end
+  end
+  return hw[1] - WINDOW
 end
 
 -- sessions read in this call: sid -> fields (the stored strings, or false), plus
@@ -21,8 +64,9 @@ end
 local sessions, session_order = {}, {}
 local SESSION_FIELDS = {'f', 'l', 'c', 'i', 'it', 'bts', 'k', 't', 'r', 'a'}
 
--- MemoryStore._session / _Session.touch
+-- MemoryStore._session / _Session.touch; nil: the event is older than the cutoff
 local function touch_session(sid, ts_s, ts)
+  if ts < cutoff then return nil end
   local s = sessions[sid]
   if not s then
     local v = redis.call('HMGET', P .. ':s:' .. sid, unpack(SESSION_FIELDS))
@@ -30,6 +74,11 @@ local function touch_session(sid, ts_s, ts)
     for n, name in ipairs(SESSION_FIELDS) do s[name] = v[n] end
     sessions[sid] = s
     session_order[#session_order + 1] = sid
+  end
+  if s.l and tonumber(s.l) < cutoff then
+    -- forgotten: a new event starts it afresh (the write-back deletes the old hash first)
+    for _, name in ipairs(SESSION_FIELDS) do s[name] = false end
+    s.reqs, s.arr, s.b, s.reset = nil, nil, nil, true
   end
   if not s.f then
     s.f, s.l, s.moved = ts_s, ts_s, true
@@ -146,49 +195,59 @@ local function apply_ops(i, last)
       local prompt, blocks, bt = argv[i + 5], argv[i + 6], argv[i + 7]
       i = i + 8
       local ts = tonumber(ts_s)
+      see(ts_s, ts)
       local s = touch_session(sid, ts_s, ts)
       touch_instance(iid, ts_s, ts)
-      s.t = tostring((s.t and tonumber(s.t) or 0) + 1)
-      add_arrival(s, ts_s, ts)
-      name_session(s, iid, ts_s, ts)
-      set_blocks(s, blocks, bt, ts_s, ts)
-      local r = find_request(s, rid)
-      if ts >= tonumber(r[4]) then r[4], r[7] = ts_s, prompt end
-      name_request(r, iid, ts_s, ts)
-      trim_requests(s)
+      if s then
+        s.t = tostring((s.t and tonumber(s.t) or 0) + 1)
+        add_arrival(s, ts_s, ts)
+        name_session(s, iid, ts_s, ts)
+        set_blocks(s, blocks, bt, ts_s, ts)
+        local r = find_request(s, rid)
+        if ts >= tonumber(r[4]) then r[4], r[7] = ts_s, prompt end
+        name_request(r, iid, ts_s, ts)
+        trim_requests(s)
+      end
     elseif op == 'S' then
       -- MemoryStore._started
       local sid, rid, iid, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
       i = i + 5
       local ts = tonumber(ts_s)
+      see(ts_s, ts)
       local s = touch_session(sid, ts_s, ts)
       touch_instance(iid, ts_s, ts)
-      name_session(s, iid, ts_s, ts)
-      local r = find_request(s, rid)
-      if ts > tonumber(r[5]) then r[5] = ts_s end
-      name_request(r, iid, ts_s, ts)
-      trim_requests(s)
+      if s then
+        name_session(s, iid, ts_s, ts)
+        local r = find_request(s, rid)
+        if ts > tonumber(r[5]) then r[5] = ts_s end
+        name_request(r, iid, ts_s, ts)
+        trim_requests(s)
+      end
     elseif op == 'F' then
       -- MemoryStore._finished
       local sid, rid, iid, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
       local output, context, blocks, bt = argv[i + 5], argv[i + 6], argv[i + 7], argv[i + 8]
       i = i + 9
       local ts = tonumber(ts_s)
+      see(ts_s, ts)
       local s = touch_session(sid, ts_s, ts)
       touch_instance(iid, ts_s, ts)
-      name_session(s, iid, ts_s, ts)
-      set_blocks(s, blocks, bt, ts_s, ts)
-      local r = find_request(s, rid)
-      if ts >= tonumber(r[6]) then r[6], r[8], r[9] = ts_s, output, context end
-      name_request(r, iid, ts_s, ts)
-      trim_requests(s)
+      if s then
+        name_session(s, iid, ts_s, ts)
+        set_blocks(s, blocks, bt, ts_s, ts)
+        local r = find_request(s, rid)
+        if ts >= tonumber(r[6]) then r[6], r[8], r[9] = ts_s, output, context end
+        name_request(r, iid, ts_s, ts)
+        trim_requests(s)
+      end
     elseif op == 'C' then
       -- MemoryStore._closed
       local sid, ts_s = argv[i + 1], argv[i + 2]
       i = i + 3
       local ts = tonumber(ts_s)
+      see(ts_s, ts)
       local s = touch_session(sid, ts_s, ts)
-      if ts > num(s.c) then s.c = ts_s end
+      if s and ts > num(s.c) then s.c = ts_s end
     elseif op == 'K' then
       -- MemoryStore._stored, _Location.store
       local iid, name, meta, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
@@ -196,8 +255,10 @@ local function apply_ops(i, last)
       local first = i + 8
       i = first + n
       local ts = tonumber(ts_s)
+      see(ts_s, ts)
       if iid ~= '' then touch_instance(iid, ts_s, ts) end
       location(name, meta, bt_new, bt_update)
+      advance(name, ts_s, ts)  -- what tombstones are left are in force
       if ts > num(redis.call('HGET', LOCCL, name)) then
         local present, tomb = P .. ':loc:' .. name, P .. ':tomb:' .. name
         for j = first, first + n - 1 do
@@ -219,17 +280,21 @@ local function apply_ops(i, last)
       local first = i + 7
       i = first + n
       local ts = tonumber(ts_s)
+      see(ts_s, ts)
       if iid ~= '' then touch_instance(iid, ts_s, ts) end
       location(name, meta, bt_new, '')
+      local keep = ts >= advance(name, ts_s, ts)  -- a tombstone dead on arrival is not kept
       local present, tomb = P .. ':loc:' .. name, P .. ':tomb:' .. name
       for j = first, first + n - 1 do
         local h = argv[j]
         local stored = redis.call('ZSCORE', present, h)
         if not stored or tonumber(stored) <= ts then
           if stored then redis.call('ZREM', present, h) end
-          local removed = redis.call('ZSCORE', tomb, h)
-          if not removed or ts > tonumber(removed) then
-            redis.call('ZADD', tomb, ts_s, h)
+          if keep then
+            local removed = redis.call('ZSCORE', tomb, h)
+            if not removed or ts > tonumber(removed) then
+              redis.call('ZADD', tomb, ts_s, h)
+            end
           end
         end
       end
@@ -239,8 +304,10 @@ local function apply_ops(i, last)
       local bt_new = argv[i + 5]
       i = i + 6
       local ts = tonumber(ts_s)
+      see(ts_s, ts)
       if iid ~= '' then touch_instance(iid, ts_s, ts) end
       location(name, meta, bt_new, '')
+      advance(name, ts_s, ts)
       if ts > num(redis.call('HGET', LOCCL, name)) then
         redis.call('HSET', LOCCL, name, ts_s)
         redis.call('ZREMRANGEBYSCORE', P .. ':loc:' .. name, '-inf', ts_s)
@@ -253,6 +320,7 @@ local function apply_ops(i, last)
                       'rr', argv[i + 6]}
       i = i + 7
       local ts = tonumber(ts_s)
+      see(ts_s, ts)
       local inst = touch_instance(iid, ts_s, ts)
       if ts >= num(inst.st) then inst.st, inst.status = ts_s, status end
     elseif op == 'O' then
@@ -261,6 +329,7 @@ local function apply_ops(i, last)
       local nbytes, seconds, reason = argv[i + 5], argv[i + 6], argv[i + 7]
       i = i + 8
       local ts, rk = tonumber(ts_s), tonumber(rk_s)
+      see(ts_s, ts)
       local k = P .. ':o:' .. oid
       local old = redis.call('HMGET', k, 'rank', 'ts', 'status')
       local newer = not old[1]
@@ -280,7 +349,7 @@ local function apply_ops(i, last)
 end
 
 local results, applied, in_call = {}, {}, {}
-local i = 4
+local i = 6
 while i <= nargv do
   local eid, n = argv[i], tonumber(argv[i + 1])
   local first, last = i + 2, i + 1 + n
@@ -312,8 +381,23 @@ for _, sid in ipairs(session_order) do
     fields[#fields + 1] = 'b'
     fields[#fields + 1] = s.b
   end
+  if s.reset then redis.call('DEL', P .. ':s:' .. sid) end
   redis.call('HSET', P .. ':s:' .. sid, unpack(fields))
   if s.moved then redis.call('ZADD', SESSIONS, s.l, sid) end
+end
+if newest_moved then redis.call('SET', NEWEST, newest_s) end
+for _, name in ipairs(hw_order) do redis.call('HSET', LOCHW, name, hws[name][2]) end
+
+-- MemoryStore._expire_sessions: forget sessions idle since before the cutoff, the oldest first,
+-- at most twice as many per call as events (a call creates at most one per event: this keeps
+-- up, and no call does unbounded work). The reads ignore any left for the next call.
+if cutoff > -math.huge then
+  local old = redis.call('ZRANGEBYSCORE', SESSIONS, '-inf', '(' .. fmt(cutoff), 'LIMIT', 0,
+                         2 * #results + 16)
+  if #old > 0 then
+    for _, sid in ipairs(old) do redis.call('DEL', P .. ':s:' .. sid) end
+    redis.call('ZREM', SESSIONS, unpack(old))
+  end
 end
 for _, iid in ipairs(instance_order) do
   local inst = instances[iid]

@@ -1,6 +1,7 @@
 #!lua flags=no-writes
 local P = ARGV[1]
 local ttl, B = tonumber(ARGV[2]), tonumber(ARGV[3])
+local retention = tonumber(ARGV[4])
 local blocks = 0
 for _, name in ipairs(redis.call('HKEYS', P .. ':locs')) do
   blocks = blocks + redis.call('ZCARD', P .. ':loc:' .. name)
@@ -13,5 +14,14 @@ for b = first, last do
   local c = redis.call('GET', P .. ':eidn:' .. string.format('%d', b))
   if c then ids = ids + tonumber(c) end
 end
-return {redis.call('ZCARD', P .. ':sessions'), redis.call('SCARD', P .. ':instances'),
+-- sessions idle since before the cutoff are forgotten, even while not deleted yet
+local sessions
+local newest = redis.call('GET', P .. ':newest')
+local cutoff = newest and (tonumber(newest) - retention) or -math.huge
+if cutoff > -math.huge then
+  sessions = redis.call('ZCOUNT', P .. ':sessions', string.format('%.17g', cutoff), '+inf')
+else
+  sessions = redis.call('ZCARD', P .. ':sessions')
+end
+return {sessions, redis.call('SCARD', P .. ':instances'),
         redis.call('HLEN', P .. ':locs'), blocks, redis.call('SCARD', P .. ':orders'), ids}

@@ -288,6 +288,61 @@ def test_tie_heavy_streams_match_memory_in_the_same_order(rstore: RedisStore, se
     _assert_same(_views(rstore), _views(memory))
 
 
+@pytest.mark.parametrize(("seed", "set_function"), [(31, True), (32, True), (33, False), (34, False)])
+def test_short_windows_expire_exactly_as_in_memory(redis_url: str, clean_redis: str, seed: int,
+                                                   set_function: bool) -> None:
+    # Events arriving up to 40 s late against a 5 s reorder window and a 20 s retention: tombstones
+    # die, sessions are forgotten and restarted, late events ignored, all the time. Expiry is exact
+    # in both stores, so the views agree after every batch.
+    windows: dict[str, Any] = dict(reorder_window_seconds=5.0, session_retention_seconds=20.0)
+    rng = random.Random(seed)
+    events = _Gen(seed, set_function=set_function).stream(600)
+    events.sort(key=lambda e: e.ts + rng.uniform(0.0, 40.0))
+    memory = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK, **windows)
+    redis_store = RedisStore.from_url(redis_url, prefix=clean_redis, bytes_per_token=BPT, block_tokens=BLOCK,
+                                      **windows)
+    forgotten = restarted = 0
+    first_seen: dict[str, float] = {}
+    try:
+        for i in range(0, len(events), 50):
+            _apply_in_batches([memory, redis_store], events[i:i + 50], rng, compare_views=True)
+            for s in SESSIONS:
+                v = memory.session(s)
+                if v is None:
+                    forgotten += s in first_seen
+                    continue
+                restarted += v.first_seen_ts > first_seen.get(s, v.first_seen_ts)
+                first_seen[s] = v.first_seen_ts
+        assert forgotten and restarted  # the stream exercised both
+    finally:
+        redis_store.close()
+
+
+def test_expiry_deletes_keys_a_bounded_number_per_call(redis_url: str, clean_redis: str) -> None:
+    store = RedisStore.from_url(redis_url, prefix=clean_redis, bytes_per_token=BPT, block_tokens=BLOCK,
+                                reorder_window_seconds=10.0, session_retention_seconds=100.0)
+    client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
+    p = clean_redis
+    try:
+        store.apply([_ev(type="request_routed", event_id=f"r{i}", ts=1.0 + i / 1000, session_id=f"s{i}",
+                         request_id="r", instance_id="g", prompt_tokens=1) for i in range(100)])
+        store.apply([_ev(type="kv_blocks_removed", event_id=f"x{i}", ts=float(i), instance_id="g",
+                         block_hashes=[i]) for i in range(50)])
+        assert client.zcard(f"{p}:tomb:hbm@g") == 11  # 39..49: the others died as the location moved
+        # One event moves the cutoff past all 100 sessions; the call deletes 2 * 1 + 16 of them.
+        store.apply([_ev(type="instance_status", event_id="i", ts=500.0, instance_id="g", free_kv_bytes=1)])
+        assert client.zcard(f"{p}:sessions") == 100 - 18
+        assert client.exists(f"{p}:s:s0") == 0 and client.exists(f"{p}:s:s99") == 1
+        assert store.stats()["sessions"] == 0 and store.session("s99") is None and store.live_sessions(10) == []
+        for n in range(5):
+            store.apply([_ev(type="instance_status", event_id=f"i{n}", ts=500.0, instance_id="g", free_kv_bytes=1)])
+        assert client.zcard(f"{p}:sessions") == 0
+        assert not list(client.scan_iter(match=f"{p}:s:*"))
+    finally:
+        client.close()
+        store.close()
+
+
 def test_timestamps_and_block_types_round_trip_exactly(rstore: RedisStore) -> None:
     ts = [0.1 + 0.2, 1e-05, 1_700_000_000.123456789, 5e-324, 99_999_999_999.99998]
     events = [_ev(type="request_routed", event_id=f"e{i}", ts=t, session_id="s", request_id=f"r{i % 3}",
@@ -397,7 +452,7 @@ def test_a_call_that_fails_half_way_marks_nothing(rstore: RedisStore) -> None:
     good = _ev(type="request_routed", event_id="a", ts=1.0, session_id="s", request_id="r",
                instance_id="g", prompt_tokens=10)
     stored = _ev(type="kv_blocks_stored", event_id="b", ts=1.0, instance_id="g", block_hashes=[1])
-    args = [rstore.prefix, "60", "1"]
+    args = rstore._head()
     for e in (good, stored):
         ops: list[str] = []
         rstore._encode[e.type](e, ops)

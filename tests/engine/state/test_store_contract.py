@@ -387,3 +387,93 @@ def test_any_order_gives_the_same_views(store: StateStore) -> None:
     store.clear()
     store.apply(list(reversed(events)))
     assert (store.session("s"), store.instances(), store.locations()) == expected
+
+
+# -- bounded state: expiry by event time ----------------------------------------------------
+
+WINDOW = 10.0
+RETENTION = 100.0
+
+
+@pytest.fixture(params=["memory", "redis"])
+def bounded(request: pytest.FixtureRequest) -> Iterator[StateStore]:
+    """A store with a reorder window of 10 s and a session retention of 100 s."""
+    windows: dict[str, Any] = dict(reorder_window_seconds=WINDOW, session_retention_seconds=RETENTION)
+    if request.param == "memory":
+        s: StateStore = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK, **windows)
+    else:
+        from app.engine.state.redis import RedisStore
+
+        url = request.getfixturevalue("redis_url")
+        prefix = request.getfixturevalue("clean_redis")
+        s = RedisStore.from_url(url, prefix=prefix, bytes_per_token=BPT, block_tokens=BLOCK, **windows)
+    yield s
+    s.close()
+
+
+def test_a_late_store_inside_the_window_still_loses_to_the_removal(bounded: StateStore) -> None:
+    bounded.apply([stored([1, 2], 90.0), removed([1, 2], 100.0), stored([9], 109.5)])
+    # The location's newest event is 109.5: stores from 99.5 on are in the window.
+    bounded.apply([stored([1], 99.6), stored([2], 100.0)])  # older, and a tie: the removal wins
+    assert bounded.holds("hbm", "gpu-0", [1, 2, 9]) == [False, False, True]
+    # Another location's events do not move this one's window.
+    bounded.apply([stored([7], 500.0, instance="gpu-1"), stored([1], 99.7)])
+    assert bounded.holds("hbm", "gpu-0", [1]) == [False]
+
+
+def test_tombstones_older_than_the_window_are_dropped(bounded: StateStore) -> None:
+    bounded.apply([removed([1], 100.0), stored([9], 110.5)])  # 100 < 110.5 - 10: dropped
+    bounded.apply([stored([1], 99.0)])  # arrives too late: nothing remembers the removal
+    assert bounded.holds("hbm", "gpu-0", [1]) == [True]
+    # A removal already older than the window removes what it finds but leaves no tombstone.
+    bounded.apply([removed([1, 2], 100.1), stored([2], 100.0)])
+    assert bounded.holds("hbm", "gpu-0", [1, 2]) == [False, True]
+    # A store newer than a tombstone still in force replaces it, as before.
+    bounded.apply([removed([3], 110.0), stored([3], 110.2)])
+    assert bounded.holds("hbm", "gpu-0", [3]) == [True]
+
+
+def test_sessions_idle_past_the_retention_are_forgotten(bounded: StateStore) -> None:
+    bounded.apply([routed("a", "r1", 10.0, block_hashes=[1]), finished("a", "r1", 12.0),
+                   routed("b", "r1", 50.0), _closed("b", 55.0), stored([1], 12.0)])
+    bounded.apply([routed("c", "r1", 111.5)])  # cutoff 11.5: "a" (last active at 12) stays
+    assert bounded.session("a") is not None and bounded.stats()["sessions"] == 3
+    bounded.apply([ev("instance_status", 112.5, instance_id="gpu-1", free_kv_bytes=1)])  # any event counts
+    assert bounded.session("a") is None
+    assert [v.session_id for v in bounded.live_sessions(10)] == ["c"]
+    assert [v.session_id for v in bounded.live_sessions(10, active_since_ts=0.0)] == ["c"]
+    assert bounded.stats()["sessions"] == 2  # b (closed) and c
+    assert bounded.holds("hbm", "gpu-0", [1]) == [True]  # residency is not the session's
+    # An event older than the cutoff is about a forgotten past: ignored.
+    bounded.apply([finished("a", "r1", 12.4), routed("z", "r1", 5.0), started("c", "r1", 12.0)])
+    assert bounded.session("a") is None and bounded.session("z") is None
+    assert bounded.session("c").state == "queued"
+    # A new event starts a forgotten session afresh.
+    bounded.apply([routed("a", "r2", 150.0, prompt=42)])
+    v = bounded.session("a")
+    assert (v.turns, v.first_seen_ts, v.last_activity_ts, v.state, v.closed_ts) == (1, 150.0, 150.0, "queued", None)
+    assert (v.recent_arrivals_ts, v.block_hashes, v.context_tokens) == ([150.0], [], 42)
+    assert v.last_request.request_id == "r2"
+    bounded.apply([routed("c", "r2", 155.5)])  # cutoff 55.5: b goes, closed or not
+    assert bounded.session("b") is None
+    assert [v.session_id for v in bounded.live_sessions(10)] == ["c", "a"]
+    assert bounded.stats()["sessions"] == 2
+
+
+def test_a_session_touched_after_its_retention_starts_afresh_in_the_same_batch(bounded: StateStore) -> None:
+    bounded.apply([routed("a", "r1", 10.0), _closed("a", 11.0), routed("b", "r1", 111.5),
+                   routed("a", "r2", 112.0)])
+    v = bounded.session("a")
+    assert (v.turns, v.first_seen_ts, v.state, v.closed_ts) == (1, 112.0, "queued", None)
+    assert bounded.stats()["sessions"] == 2
+
+
+def test_counts_after_expiry_agree_with_the_views(bounded: StateStore) -> None:
+    # Sessions on many seconds, some sharing one: only those idle for more than 100 s are gone.
+    bounded.apply([routed(f"s{i}", "r", 1.0 + i * 0.5) for i in range(40)])
+    bounded.apply([ev("instance_status", 110.25, instance_id="gpu-1", free_kv_bytes=1)])
+    live = bounded.live_sessions(100)
+    kept = [f"s{i}" for i in range(40) if 1.0 + i * 0.5 >= 10.25]
+    assert sorted(v.session_id for v in live) == sorted(kept)
+    assert bounded.stats()["sessions"] == len(kept)
+    assert [bounded.session(f"s{i}") is not None for i in range(40)] == [f"s{i}" in kept for i in range(40)]
