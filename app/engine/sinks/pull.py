@@ -17,16 +17,22 @@ An order's life here:
 - **done**: `completed` or `failed` arrived; the order is forgotten (its id stays in the dedupe
   window, so a resubmission is still dropped).
 - **expired**: held `lease_seconds` past its `needed_by_ts` without finishing: too late to be of
-  use, dropped at the next lease of its instance (counted in `stats["expired"]`). This is also
-  what bounds the memory an agent that vanished leaves behind.
+  use, dropped (counted in `stats["expired"]`) at the next lease of any instance, by its `now`,
+  or at a later submit, by the newest `created_ts` submitted (the scheduler's clock, the one
+  `now` and `needed_by_ts` come from). The submit side is what bounds the memory of an instance
+  whose agent never pulls (or vanished): without it, its orders piled up until a pull.
 
 A cancel of a held order removes it unless it has started (one moving finishes), and its id is
-reported once, in `cancelled`, to the next lease of its instance. A cancel or a progress event
-for an order this queue does not hold (another replica's, done, or expired) is a no-op.
+reported once, in `cancelled`, to the next lease of its instance, unless the order's expiry
+comes first (it is moot then, and an instance nobody pulls for would pile reports up). A cancel
+or a progress event for an order this queue does not hold (another replica's, done, or expired)
+is a no-op.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -72,7 +78,13 @@ class PullQueue:
         self.lease_seconds = lease_seconds
         self._by_instance: dict[str, dict[str, _Held]] = {}
         self._instance_of: dict[str, str] = {}
-        self._to_report: dict[str, list[str]] = {}
+        # Cancelled ids to report, per instance: id -> when it expires (its order's expiry).
+        self._to_report: dict[str, dict[str, float]] = {}
+        # (expiry, seq, order id, instance) of every order submitted, soonest first; an entry
+        # whose order is gone (done, cancelled) stays until its time or the next compaction.
+        self._expiries: list[tuple[float, int, str, str]] = []
+        self._compact_at = 1024
+        self._submitted_now = -math.inf
         self._orders = RecentIds(dedupe_seconds, clock=clock)
         self._seq = 0
         self._closed = False
@@ -91,13 +103,20 @@ class PullQueue:
         self._check_open()
         added = []
         for order in orders:
+            if order.created_ts > self._submitted_now:
+                self._submitted_now = order.created_ts
             if not self._orders.add(order.order_id):
                 continue
             self._seq += 1
             self._by_instance.setdefault(order.instance_id, {})[order.order_id] = _Held(order, self._seq)
             self._instance_of[order.order_id] = order.instance_id
+            heapq.heappush(self._expiries, (order.needed_by_ts + self.lease_seconds, self._seq,
+                                            order.order_id, order.instance_id))
             added.append(order.order_id)
         self.stats["submitted"] += len(added)
+        # At most a few expiries per order submitted (each order expires once, so this keeps up)
+        # so a submit never stalls on a backlog.
+        self._expire(self._submitted_now, limit=2 * len(orders) + 16)
         return added
 
     def cancel_nowait(self, cancels: Sequence[Cancel]) -> list[str]:
@@ -111,7 +130,7 @@ class PullQueue:
             instance = held.order.instance_id
             if not held.started:
                 self._forget(c.order_id)
-            self._to_report.setdefault(instance, []).append(c.order_id)
+            self._to_report.setdefault(instance, {})[c.order_id] = held.order.needed_by_ts + self.lease_seconds
             done.append(c.order_id)
         self.stats["cancelled"] += len(done)
         return done
@@ -120,11 +139,8 @@ class PullQueue:
         """Up to `limit` orders for `instance_id` not leased or whose lease ran out, leased until
         `now + lease_seconds`; and every cancel for it not reported yet."""
         self._check_open()
+        self._expire(now)
         queue = self._by_instance.get(instance_id, {})
-        stale = [oid for oid, h in queue.items() if h.order.needed_by_ts + self.lease_seconds < now]
-        for oid in stale:
-            self._forget(oid)
-        self.stats["expired"] += len(stale)
         free = [h for h in queue.values()
                 if not h.started and not h.cancelled and (h.leased_until is None or h.leased_until <= now)]
         free.sort(key=lambda h: (-h.order.priority, h.order.start_by_ts, h.seq))
@@ -132,7 +148,7 @@ class PullQueue:
         for h in chosen:
             h.leased_until = now + self.lease_seconds
         self.stats["leased"] += len(chosen)
-        return Lease([h.order for h in chosen], self._to_report.pop(instance_id, []))
+        return Lease([h.order for h in chosen], list(self._to_report.pop(instance_id, {})))
 
     def observe(self, events: Sequence[Event]) -> None:
         """The ingest observer: order_progress moves an order to started or done."""
@@ -159,6 +175,32 @@ class PullQueue:
     def _held(self, order_id: str) -> _Held | None:
         instance = self._instance_of.get(order_id)
         return None if instance is None else self._by_instance[instance].get(order_id)
+
+    def _expire(self, now: float, limit: float = math.inf) -> None:
+        """Drop the orders, and the cancel reports, whose expiry is before `now`: up to `limit`
+        entries of the expiry heap."""
+        expiries = self._expiries
+        while expiries and expiries[0][0] < now and limit > 0:
+            _, seq, order_id, instance = heapq.heappop(expiries)
+            limit -= 1
+            if self._holds(order_id, seq):
+                self._forget(order_id)
+                self.stats["expired"] += 1
+            reports = self._to_report.get(instance)
+            if reports is not None and reports.pop(order_id, None) is not None and not reports:
+                del self._to_report[instance]
+        if len(expiries) > self._compact_at:
+            # Rebuild from the orders held and the reports pending; amortised, since at least as
+            # many entries as were kept must be pushed before the next rebuild.
+            kept = [e for e in expiries if self._holds(e[2], e[1]) or e[2] in self._to_report.get(e[3], ())]
+            heapq.heapify(kept)
+            self._expiries = kept
+            self._compact_at = 2 * len(kept) + 1024
+
+    def _holds(self, order_id: str, seq: int) -> bool:
+        """Whether the order submitted as `seq` is still held (not a later one of the same id)."""
+        held = self._held(order_id)
+        return held is not None and held.seq == seq
 
     def _forget(self, order_id: str) -> None:
         instance = self._instance_of.pop(order_id)

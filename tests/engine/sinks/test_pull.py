@@ -113,3 +113,30 @@ def test_the_lease_json_is_each_orders_own_json() -> None:
     queue.submit_nowait([order("b")])
     expected = b'{"orders":[' + order("b").to_json() + b'],"cancelled":["a"]}'
     assert queue.lease("gpu-0", 10, 0.0).to_json() == expected
+
+
+def test_orders_nobody_leases_are_dropped_after_their_expiry_on_submit(queue: PullQueue) -> None:
+    # No agent ever pulls for gpu-7: its orders must not pile up. Submits expire them by the newest
+    # created_ts submitted (the scheduler's clock), a few per order submitted.
+    for t in range(200):
+        queue.submit_nowait([order(f"o{t}", "gpu-7", created_ts=float(t), start_by_ts=t + 1.0,
+                                   needed_by_ts=t + 2.0)])
+        # Held: those whose expiry (needed_by + lease) is not before the newest created_ts.
+        assert queue.held("gpu-7") == min(t + 1, int(LEASE) + 3)
+    assert queue.stats["expired"] == 200 - (int(LEASE) + 3)
+    assert len(queue._expiries) <= 2 * queue.held() + 1024
+
+
+def test_cancel_reports_nobody_collects_expire_with_their_orders(queue: PullQueue) -> None:
+    queue.submit_nowait([order("a", "gpu-7", needed_by_ts=12.0), order("b", "gpu-7", needed_by_ts=100.0)])
+    assert queue.cancel_nowait([Cancel(order_id="a"), Cancel(order_id="b")]) == ["a", "b"]
+    queue.submit_nowait([order("c", "gpu-1", created_ts=12.1 + LEASE, start_by_ts=50.0, needed_by_ts=60.0)])
+    assert leased(queue, 12.1 + LEASE, "gpu-7") == ([], ["b"])  # a's report expired with a
+    assert queue.held() == 1
+
+
+def test_the_expiry_heap_stays_small_when_orders_finish_long_before_their_expiry(queue: PullQueue) -> None:
+    for t in range(5000):
+        queue.submit_nowait([order(f"o{t}", created_ts=float(t), start_by_ts=t + 1.0, needed_by_ts=t + 10**6)])
+        queue.observe([progress(f"o{t}", "completed", bytes=1, seconds=0.1)])
+    assert queue.held() == 0 and len(queue._expiries) <= 1024 + 1

@@ -157,9 +157,12 @@ def test_orders_arrive_intact(case: Case) -> None:
         order("prefetch-3f2a-0", priority=0.123456789012345, block_hashes=[2**63 - 1, -(2**63), "ab01", 7],
               size_bytes=2**53, session_ids=["chat-42", "chat-43"], created_ts=1767000000.123456,
               start_by_ts=1767000000.5, needed_by_ts=1767000001.75),
+        # One scheduler clock for a batch, as in the service (the pull queue expires by it).
         order("pin-1", kind="pin", source_tier=None, tier="host", ttl_seconds=300.0, block_hashes=["x" * 128],
-              size_bytes=0, session_ids=[], start_by_ts=11.0, instance_id="gpu-1"),
-        order("demote-é-1", kind="demote", source_tier=None, tier="hbm", start_by_ts=12.0, needed_by_ts=12.0),
+              size_bytes=0, session_ids=[], created_ts=1767000000.0, start_by_ts=1767000001.0,
+              needed_by_ts=1767000002.0, instance_id="gpu-1"),
+        order("demote-é-1", kind="demote", source_tier=None, tier="hbm", created_ts=1767000000.0,
+              start_by_ts=1767000002.0, needed_by_ts=1767000002.0),
     ]
 
     async def body(sink: OrderSink) -> None:
