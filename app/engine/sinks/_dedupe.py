@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 # Past this many ids the oldest are forgotten early (a resend of one of those is delivered
@@ -19,7 +20,9 @@ class RecentIds:
         self.window_seconds = window_seconds
         self.max_ids = max_ids
         self._clock = clock
-        self._expiry: dict[str, float] = {}
+        # Not a dict: finding a dict's first item after many deletions at its front scans every
+        # deleted slot until the next resize; an OrderedDict's front is a linked list's head.
+        self._expiry: OrderedDict[str, float] = OrderedDict()
 
     def add(self, key: str) -> bool:
         """Remember `key`; False when it was already remembered (a repeat)."""
@@ -47,4 +50,4 @@ class RecentIds:
             first = next(iter(expiry))
             if expiry[first] > now and len(expiry) < self.max_ids:
                 break
-            del expiry[first]
+            expiry.popitem(last=False)
