@@ -117,6 +117,10 @@ def bench_load(
     store: Annotated[str, typer.Option(help="memory, or redis (at KVP_REDIS_URL, under a prefix removed afterwards).")] = "memory",
     fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync the event log per batch (the default).")] = True,
     dedupe_max_ids: Annotated[int | None, typer.Option(min=1, help="The service's KVP_DEDUPE_MAX_IDS (default: its own).")] = None,
+    # The bench's users answer in about a second, real ones in minutes: an hour of retention at a
+    # human pace is about a minute at the bench's.
+    session_retention_seconds: Annotated[float, typer.Option(
+        min=0.001, help="The service's KVP_SESSION_RETENTION_SECONDS, scaled to the bench's think times.")] = 60.0,
     sample_seconds: Annotated[float, typer.Option(min=0.1, help="How often RSS and the store's counts are sampled.")] = 5.0,
     ceiling_seconds: Annotated[float, typer.Option(min=0, help="Each of the two ceiling phases (0: none).")] = 10.0,
     calibrate_sessions: Annotated[int, typer.Option(
@@ -143,7 +147,8 @@ def bench_load(
         result = run(duration_seconds=duration_seconds, warmup_seconds=warmup_seconds, sessions=sessions,
                      instances=instances, hbm_blocks=hbm_blocks, batch_size=batch_size,
                      event_connections=event_connections, hint_connections=hint_connections, store=store,
-                     fsync=fsync, dedupe_max_ids=dedupe_max_ids, sample_seconds=sample_seconds,
+                     fsync=fsync, dedupe_max_ids=dedupe_max_ids, session_retention_seconds=session_retention_seconds,
+                     sample_seconds=sample_seconds,
                      ceiling_seconds=ceiling_seconds, calibrate_sessions=calibrate_sessions, token=token,
                      service_env=env, data_dir=data_dir, seed=seed)
     except ValueError as exc:

@@ -3,6 +3,7 @@ documented JSON: every figure there and positive, no errors (no timing threshold
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -38,7 +39,8 @@ def _no_errors(r: dict[str, Any]) -> None:
 
 
 def test_bench_load_prints_the_documented_json() -> None:
-    r = run_bench("load", *SHORT, "--ceiling-seconds", "1", "--calibrate-sessions", "1000", timeout=240)
+    r = run_bench("load", *SHORT, "--ceiling-seconds", "1", "--calibrate-sessions", "1000",
+                  "--dedupe-max-ids", "20000", "--session-retention-seconds", "2", timeout=240)
     t = r["throughput"]
     assert positive(t["seconds"])
     assert all(positive(t["event_batches"][k]) for k in ("requests", "requests_per_second", "events",
@@ -54,24 +56,39 @@ def test_bench_load_prints_the_documented_json() -> None:
                                         "rss_peak_bytes"))
     assert m["rss_end_bytes"] - m["rss_start_bytes"] == m["rss_growth_bytes"]
     assert positive(m["store_stats_end"]["sessions"]) and positive(m["store_stats_end"]["remembered_event_ids"])
+    # Engines evict: removals are part of the traffic, and a tombstone in force is held.
+    assert 0 < m["tombstones_alive"]["end"] <= m["tombstones_held_at_most"]["end"]
+    assert positive(m["pull_sink"]["orders_held_by_pull_sink"]["end"]["high"])
     b = m["bound"]
-    assert all(positive(b["unit_costs"][k]) for k in ("bytes_per_session", "bytes_per_event_id",
-                                                      "bytes_per_resident_block", "bytes_per_tombstone",
-                                                      "bytes_per_held_order"))
-    assert positive(b["outside_bound"]["tombstones"])  # engines evict: removals are part of the traffic
-    assert b["unexplained_after_those_bytes"] == (m["rss_growth_bytes"] - sum(b["explained_bytes"].values())
-                                                  - b["outside_bound"]["tombstone_bytes"]
-                                                  - b["outside_bound"]["held_order_bytes"])
-    assert set(b["explained_bytes"]) == {"sessions", "remembered_event_ids", "resident_blocks"}
+    assert all(positive(b["unit_costs"][k]) for k in (
+        "bytes_per_session", "bytes_per_event_id", "bytes_per_resident_block", "bytes_per_tombstone",
+        "bytes_per_advised_session", "bytes_per_held_order", "bytes_per_remembered_order_id",
+        "dedupe_ring_peak_bytes"))
+    counted = {"sessions", "remembered_event_ids", "resident_blocks", "tombstones", "advised_sessions",
+               "orders_held_by_pull_sink", "order_ids_remembered_by_pull_sink"}
+    assert set(b["explained_bytes"]) == set(b["growth"]) == set(b["counts"]) == counted
+    assert "outside_bound" not in b
+    assert positive(b["growth"]["tombstones"]) and min(b["growth"].values()) >= 0
+    assert b["counts"]["sessions"]["high_water"] <= max(m["sessions_within_retention"]["end"],
+                                                       max(s["sessions_within_retention"] for s in r["series"]))
+    assert b["unexplained_growth_bytes"] == m["rss_growth_bytes"] - sum(b["explained_bytes"].values())
     assert b["bound_bytes"] == sum(b["explained_bytes"].values()) + b["allowance_bytes"]
     assert b["end_rss_limit_bytes"] == m["rss_start_bytes"] + b["bound_bytes"]
     assert b["within_bound"] == (m["rss_growth_bytes"] <= b["bound_bytes"])
-    assert positive(b["growth"]["remembered_event_ids"]) and positive(b["dedupe_ring_full_bytes"])
+    # A ring of 20,000 ids turns over within seconds at these rates: priced at its measured peak.
+    assert b["dedupe_ring_turned_over"] is True and b["settings"]["dedupe_max_ids"] == 20_000
+    assert b["explained_bytes"]["remembered_event_ids"] >= (
+        b["unit_costs"]["dedupe_ring_peak_bytes"]
+        - b["counts"]["remembered_event_ids"]["start"] * b["unit_costs"]["bytes_per_event_id"] - 1)
 
     series = r["series"]
     assert series[0]["t"] == 0 and len(series) >= 5
     assert all(positive(s["rss_bytes"]) and positive(s["sessions"]) for s in series)
     assert all(s["events_per_second"] >= 0 for s in series[1:]) and any(positive(s["events_per_second"]) for s in series[1:])
+    assert all(s["tombstones_alive"] <= s["tombstones_held_at_most"] for s in series)
+    assert all(s["rss_bytes"] - series[0]["rss_bytes"] == s["explained_bytes"] + s["unexplained_bytes"]
+               for s in series)
+    assert series[-1]["unexplained_bytes"] == b["unexplained_growth_bytes"]
 
     c = r["ceiling"]
     assert len(c["phases"]) == 2
@@ -80,6 +97,9 @@ def test_bench_load_prints_the_documented_json() -> None:
     assert all(p["errors"]["total"] == 0 for p in c["phases"])
     assert positive(c["ratio_to_ceiling"]["events_per_second"])
     assert positive(c["ratio_to_ceiling"]["route_hints_per_second"])
+
+    # A 2 s retention: the store forgets most of the conversations the run went through.
+    assert m["store_stats_end"]["sessions"] < 0.8 * r["traffic"]["sessions_started"]
 
     tr = r["traffic"]["events_by_type"]
     for kind in ("request_routed", "request_started", "request_finished", "kv_blocks_stored",
@@ -90,7 +110,40 @@ def test_bench_load_prints_the_documented_json() -> None:
     cfg = r["config"]
     assert (cfg["duration_seconds"], cfg["store"], cfg["fsync"], cfg["token"]) == (5.0, "memory", True, None)
     assert cfg["service_env"]["KVP_LOG_FSYNC"] == "true"
+    assert (cfg["session_retention_seconds"], cfg["reorder_window_seconds"], cfg["dedupe_max_ids"]) == (2.0, 60.0, 20_000)
+    assert cfg["service_env"]["KVP_SESSION_RETENTION_SECONDS"] == "2"
     assert positive(r["environment"]["cpu_count"]) and isinstance(r["environment"]["python"], str)
+
+
+def test_the_client_counts_what_the_store_may_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tombstones and sessions the bound allows, worked out from the events sent, against a
+    MemoryStore fed the same events: tombstones in force exactly, held ones and sessions at most."""
+    from app.engine.events import batch_adapter
+    from app.engine.state.memory import MemoryStore
+    from bench.load import traffic
+
+    clock = itertools.count()
+    monkeypatch.setattr(traffic.time, "time", lambda: 1_700_000_000 + next(clock) * 0.001)
+    window, retention = 2.0, 3.0
+    shard = traffic.Shard(seed=1, sessions=50, instance_ids=["a", "b", "c"], hbm_blocks=40,
+                          reorder_window=window, session_retention=retention)
+    store = MemoryStore(bytes_per_token=1, block_tokens=512, reorder_window_seconds=window,
+                        session_retention_seconds=retention)
+    for _ in range(60):  # ~30 s of event time: windows and retentions go by
+        for _ in range(100):
+            shard.step()
+        store.apply(batch_adapter.validate_python({"events": shard.take()}).events)
+        alive = held = 0
+        for inst in shard.instances:
+            loc = store._locations[("hbm", inst)]
+            ts = [*loc.removed.values(), *loc.removed_old.values()]
+            alive += sum(t >= loc.newest - window for t in ts)
+            held += len(ts)
+        assert shard.tombstones_alive == alive
+        assert alive <= held <= shard.tombstones_held_at_most
+        assert store.stats()["sessions"] <= shard.sessions_within_retention
+    assert 0 < store.stats()["sessions"] < shard.sessions_started / 2
+    assert shard.tombstones_held_at_most < shard.events["kv_blocks_removed"]  # not every removal ever
 
 
 def test_bench_load_against_redis_removes_its_keys(redis_url: str) -> None:
