@@ -298,6 +298,8 @@ class MemoryStore:
             # Two per id added: empty before _seen is half full again.
             for _ in range(min(len(dying), 2 * len(events))):
                 dying.pop()
+            if not dying:
+                self._dying = set()  # set.pop never shrinks the table: let the emptied one go
         if self._seconds and self._seconds[0] + 1 <= self._cutoff:
             self._expire_sessions()
         return out
