@@ -15,7 +15,7 @@ from fastapi import Depends, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.api.errors import Error, error_response
-from app.core.ratelimit import retry_after
+from app.core.ratelimit import RateLimiter, retry_after
 from app.core.security import LOCAL, Principal, Scope
 
 _bearer = HTTPBearer(auto_error=False, description="A token from KVP_*_TOKEN or KVP_TOKENS_FILE")
@@ -43,10 +43,10 @@ def client_key(request: Request, principal: Principal) -> str:
     return f"addr:{request.client.host if request.client else 'unknown'}"
 
 
-def charge(request: Request, principal: Principal, limiter_name: str, cost: float) -> None:
-    wait = getattr(request.app.state, limiter_name).take(client_key(request, principal), cost)
+def charge(request: Request, principal: Principal, limiter: RateLimiter, what: str, cost: float) -> None:
+    """Spend `cost` of the caller's `what` (requests, events) or refuse with 429."""
+    wait = limiter.take(client_key(request, principal), cost)
     if wait > 0:
-        what = "requests" if limiter_name == "request_limiter" else "events"
         raise Refused(429, f"over this client's rate of {what} "
                            f"(KVP_RATE_LIMIT_{what.upper()}_PER_SECOND); retry after the wait",
                       {"Retry-After": retry_after(wait)})
@@ -72,7 +72,7 @@ def requires(*scopes: Scope) -> Callable[..., Awaitable[Principal]]:
                               {"WWW-Authenticate": f'Bearer realm="kvprefetch", error="insufficient_scope", '
                                                    f'scope="{" ".join(str(s) for s in scopes)}"'})
             principal = found
-        charge(request, principal, "request_limiter", 1.0)
+        charge(request, principal, request.app.state.request_limiter, "requests", 1.0)
         return principal
 
     authorize.scopes = frozenset(scopes)  # type: ignore[attr-defined]  # read by the route audit test

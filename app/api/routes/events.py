@@ -74,7 +74,7 @@ async def post_events(request: Request, caller: EventsCaller, ingestor: Ingestor
         metrics.batch_refused(exc.status_code)
         return error_response(exc.status_code, exc.field, exc.message)
     try:
-        charge(request, caller, "event_limiter", len(parsed.events))
+        charge(request, caller, request.app.state.event_limiter, "events", len(parsed.events))
     except Refused:
         metrics.batch_refused(429)
         raise
