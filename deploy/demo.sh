@@ -46,8 +46,12 @@ stop() {
 trap stop EXIT
 trap 'exit 130' INT TERM
 
+# In a session of its own: Ctrl-C reaches this script alone, whose EXIT trap stops the service.
+# In the terminal's group the service would take the SIGINT too and could exit 0 before the trap
+# ran, so the script's status would depend on which of the two went first.
+SETSID=$(command -v setsid || true)
 KVP_STORE=memory KVP_HOST=127.0.0.1 KVP_PORT="$PORT" KVP_DATA_DIR="$DATA" KVP_LOG_FSYNC=false \
-  "$KVP" serve >"$DATA/service.log" 2>&1 &
+  $SETSID "$KVP" serve >"$DATA/service.log" 2>&1 &
 svc=$!
 
 say "starting the service on $URL (log: $DATA/service.log)"
