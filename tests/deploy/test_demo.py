@@ -68,8 +68,11 @@ def demo(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path, P
            "DEMO_DATA_DIR": str(tmp_path / "demo")}
     with out.open("wb") as o, err.open("wb") as e:
         # Its own process group, as a terminal's foreground job: Ctrl-C signals the whole group.
+        # SIGINT as a terminal has it: a shell started with it ignored (pytest run as a background
+        # job inherits that) can't trap it, and the script would not see the Ctrl-C.
         proc = subprocess.Popen(["bash", str(SCRIPT)], stdout=o, stderr=e, env=env, cwd=REPO,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         yield proc, f"http://127.0.0.1:{port}", out, err
     finally:
