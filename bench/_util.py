@@ -57,37 +57,39 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
     return env
 
 
-class Server:
-    """One uvicorn process (one worker) started with `python -m bench._server WHICH`."""
+class ServerProcess:
+    """A server process on a port, its output in a log file; `error` is what its failures raise."""
 
-    def __init__(self, which: str, *, workdir: Path, env: dict[str, str] | None = None) -> None:
-        self.which = which
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / f"{which}.log"
+    error: type[Exception] = RuntimeError
+
+    def __init__(self, name: str, cmd_tail: list[str], *, workdir: Path, env: dict[str, str], port: int) -> None:
+        self.name = name
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench._server", which, "--port", str(self.port)],
-            cwd=workdir,  # so no .env of the caller's directory leaks into Settings
-            env=child_env(env or {}),
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
+        # cwd is the workdir so that no .env of the caller's directory leaks into Settings.
+        self.proc = subprocess.Popen([sys.executable, *cmd_tail], cwd=workdir, env=child_env(env),
+                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout: float = 60.0) -> None:
+    def wait_ready(self, path: str = "/healthz", headers: dict[str, str] | None = None,
+                   timeout: float = 90.0) -> None:
         import httpx
 
         deadline = time.monotonic() + timeout
+        last = "no answer yet"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the {self.which} server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise self.error(f"the {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if httpx.get(self.url + "/healthz", timeout=1.0).status_code == 200:
+                r = httpx.get(self.url + path, headers=headers, timeout=2.0)
+                if r.status_code == 200:
                     return
-            except httpx.HTTPError:
-                pass
+                last = f"{path} answered {r.status_code}: {r.text[:200]}"
+            except httpx.HTTPError as exc:
+                last = repr(exc)
             time.sleep(0.05)
-        raise RuntimeError(f"the {self.which} server did not answer within {timeout:.0f} s:\n{self.log_tail()}")
+        raise self.error(f"the {self.name} was not ready within {timeout:.0f} s ({last}):\n{self.log_tail()}")
 
     def log_tail(self, n: int = 4000) -> str:
         try:
@@ -99,11 +101,20 @@ class Server:
         if self.proc.poll() is None:
             self.proc.send_signal(2)  # SIGINT: uvicorn shuts down gracefully (closes the log)
             try:
-                self.proc.wait(timeout=15)
+                self.proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+
+
+class Server(ServerProcess):
+    """One uvicorn process (one worker) started with `python -m bench._server WHICH`."""
+
+    def __init__(self, which: str, *, workdir: Path, env: dict[str, str] | None = None) -> None:
+        port = free_port()
+        super().__init__(f"{which} server", ["-m", "bench._server", which, "--port", str(port)],
+                         workdir=workdir, env=env or {}, port=port)
 
 
 def _uuidish(rng: random.Random) -> str:

@@ -3,64 +3,19 @@
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from bench._util import child_env
+from bench._util import ServerProcess
 
 
 class BenchError(RuntimeError):
     """The service (or the ceiling, or a calibration) did not start or died: the message holds its log."""
 
 
-class Proc:
-    """A server process on a free port, its output in a log file."""
+class Proc(ServerProcess):
+    """A server process of this bench: its failures are BenchErrors."""
 
-    def __init__(self, name: str, cmd_tail: list[str], *, workdir: Path, env: dict[str, str], port: int) -> None:
-        self.name = name
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = workdir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([sys.executable, *cmd_tail], cwd=workdir, env=child_env(env),
-                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, path: str, headers: dict[str, str], timeout: float = 90.0) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        last = "no answer yet"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise BenchError(f"the {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                r = httpx.get(self.url + path, headers=headers, timeout=2.0)
-                if r.status_code == 200:
-                    return
-                last = f"{path} answered {r.status_code}: {r.text[:200]}"
-            except httpx.HTTPError as exc:
-                last = repr(exc)
-            time.sleep(0.1)
-        raise BenchError(f"the {self.name} was not ready within {timeout:.0f} s ({last}):\n{self.log_tail()}")
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_bytes()[-n:].decode(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)  # uvicorn shuts down gracefully
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    error = BenchError
 
 
 def rss(pid: int) -> int:
