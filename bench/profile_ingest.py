@@ -4,7 +4,7 @@
     python -m bench.profile_ingest cprofile [--batches 200] [--no-fsync] [--top 25] [--out FILE.pstats]
 
 `stages` times each step of the ingest path in-process with perf_counter, no profiler (so pure
-Python code is not inflated): parse (app.api.batch.parse_batch), dedupe (the in-batch set and
+Python code is not inflated): parse (app.api.batch.BatchParser.parse), dedupe (the in-batch set and
 MemoryStore.seen, as Ingestor.ingest does them), log encode (encode_events), log write+flush,
 fsync, apply (MemoryStore.apply), response encode (the route's orjson.dumps), and a real
 Ingestor.ingest on the same kind of batches as a cross-check of the sum. Medians per batch.
@@ -72,11 +72,12 @@ class GcTimer:
 def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
     import orjson
 
-    from app.api.batch import parse_batch
+    from app.api.batch import BatchParser
     from app.engine.eventlog import EventLog, encode_events, segment_path
     from app.engine.ingest import Ingestor
     from app.engine.state.memory import MemoryStore
 
+    parser = BatchParser(10_000)
     traffic = Traffic(seed=seed)
     bodies = traffic.batches(batches, 1000)
     check_bodies = traffic.batches(batches, 1000)
@@ -92,7 +93,7 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
         gc_timer = GcTimer().__enter__()
         for body in bodies:
             t0 = clock()
-            parsed = parse_batch(body, 10_000)
+            parsed = parser.parse(body)
             t1 = clock()
             # Ingestor.ingest's dedupe, step for step.
             unique, in_batch, duplicates = [], set(), []
@@ -133,7 +134,7 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
         log2 = EventLog(workdir / "ingestor", fsync=fsync)
         ingestor = Ingestor(store2, log2, replica_id="bench")
         for body in check_bodies:
-            events = parse_batch(body, 10_000).events
+            events = parser.parse(body).events
             t0 = clock()
             ingestor.ingest(events)
             ingest_times.append(clock() - t0)
@@ -162,7 +163,7 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
 # Steps of the request, each the cumulative time of one function (name, file suffix).
 _STEPS: list[tuple[str, str, str]] = [
     ("read body", "read_body", "app/api/routes/events.py"),
-    ("parse (validate_json)", "parse_batch", "app/api/batch.py"),
+    ("parse (validate_json)", "parse", "app/api/batch.py"),
     ("dedupe: MemoryStore.seen", "seen", "app/engine/state/memory.py"),
     ("log encode (encode_events)", "encode_events", "app/engine/eventlog.py"),
     ("log append (write+flush+fsync)", "append", "app/engine/eventlog.py"),
@@ -260,7 +261,7 @@ def _report(stats: pstats.Stats, batches: int, top: int, gc_timer: GcTimer) -> s
         lines.append(f"{label:34s} {ct / n * 1e3:9.2f} {ct / busy * 100:6.1f}%")
     # What the route does besides read/parse/ingest: build the payload, orjson.dumps, Response.
     rest_route = route - sum(_find(stats, nm, sf)[2] for nm, sf in (
-        ("read_body", "app/api/routes/events.py"), ("parse_batch", "app/api/batch.py"),
+        ("read_body", "app/api/routes/events.py"), ("parse", "app/api/batch.py"),
         ("ingest", "app/engine/ingest.py")))
     lines.append(f"{'response encode + rest of route':34s} {rest_route / n * 1e3:9.2f} {rest_route / busy * 100:6.1f}%")
     lines.append(f"{'HTTP + framework (busy - route)':34s} {(busy - route) / n * 1e3:9.2f} "

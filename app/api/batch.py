@@ -3,17 +3,23 @@
 A batch whose every event is valid is parsed in one pydantic pass straight from the bytes. Only
 when that fails do we parse the JSON and validate event by event, so that the caller learns
 exactly which events were rejected and why, and the valid ones still go in.
+
+The work per request is bounded by the limits, not by what was sent (docs/decisions.md, 14):
+the batch's events are counted before anything is parsed into objects whenever the body's commas
+allow more than `COMMAS_PER_EVENT` per allowed event; the fast pass stops at the first bad event
+or at the limit; and the answer lists a bounded number of rejections.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
+import numpy as np
 import orjson
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from app.engine.events import Event, batch_adapter, event_adapter
+from app.engine.events import Event, event_adapter
 
 _TAGS = frozenset({
     "request_routed", "request_started", "request_finished", "session_closed",
@@ -23,20 +29,41 @@ _TAGS = frozenset({
 # Names pydantic puts in an error's location for the member of a union that failed.
 _UNION_MEMBERS = frozenset({"int", "str", "constrained-int", "constrained-str", "list[str]"})
 
+# A body with at most this many commas per allowed event goes straight to pydantic: parsing it
+# costs at most that many JSON values per event. Real events have about 15 (a prompt's block
+# hashes); a body with more is counted first (count_events).
+COMMAS_PER_EVENT = 64
+# What one answer lists: rejections per event, rejections in all, and the longest echoed strings.
+MAX_REJECTIONS_PER_EVENT = 3
+MAX_REJECTIONS_PER_ANSWER = 100
+MAX_ECHOED_ID_CHARS = 128  # an event id's own limit (app/engine/events.py, EventId)
+MAX_FIELD_PATH_CHARS = 160
+MAX_MESSAGE_CHARS = 400  # pydantic's messages may quote what was sent (an unknown type's tag)
+
 
 class Rejection(BaseModel):
     index: int
-    event_id: str | None
+    event_id: str | None = Field(description="The event's id when it is a valid id (a string of 1 to 128 "
+                                             "characters); otherwise null.")
     field: str
     message: str
 
 
 class IngestResponse(BaseModel):
-    """What POST /v1/events answers: every event of the batch is in exactly one list."""
+    """What POST /v1/events answers: every event of the batch is accepted, a duplicate, or rejected."""
+
+    model_config = ConfigDict(json_schema_extra={"description": (
+        "Every event of the batch is in `accepted`, in `duplicates`, or rejected. `rejected` lists at "
+        f"most {MAX_REJECTIONS_PER_EVENT} rejections per event and {MAX_REJECTIONS_PER_ANSWER} in all; "
+        "a 422 also counts the rejected events and the rejections left out.")})
 
     accepted: list[str]
     duplicates: list[str]
     rejected: list[Rejection]
+    rejected_events: int | None = Field(None, description="In a 422: how many events were rejected, "
+                                                          "listed in `rejected` or not.")
+    rejections_omitted: int | None = Field(None, description="In a 422: how many rejections the caps "
+                                                             "left out of `rejected`.")
 
 
 class BatchError(Exception):
@@ -52,7 +79,11 @@ class BatchError(Exception):
 @dataclass(slots=True)
 class ParsedBatch:
     events: list[Event] = field(default_factory=list)
+    # Listed in the answer: bounded per event and in all.
     rejected: list[Rejection] = field(default_factory=list)
+    # Every rejected event's index and first field (for the metrics), listed or not.
+    rejected_first: list[tuple[int, str]] = field(default_factory=list)
+    rejections_omitted: int = 0
 
 
 def field_path(prefix: str, loc: tuple[Any, ...]) -> str:
@@ -72,16 +103,85 @@ def clean_message(msg: str) -> str:
     return msg.removeprefix("Value error, ")
 
 
+def _too_many(max_events: int, got: str) -> BatchError:
+    return BatchError(413, "events", f"a batch holds at most {max_events} events, got {got}")
+
+
+# The JSON structure's bytes for count_events: +1 opens, -1 (255) closes.
+_DEPTH_STEP = bytes(1 if b in b"{[" else 255 if b in b"}]" else 0 for b in range(256))
+_QUOTE = bytes(1 if b == ord('"') else 0 for b in range(256))
+_COUNT_CHUNK_BYTES = 1 << 16
+
+
+def count_events(body: bytes, stop_above: int) -> int:
+    """How many values the body's arrays nested one level in its top-level value hold together
+    (for a batch, its events), counting commas outside strings with numpy; it stops once past
+    `stop_above`, so a flood costs no more than the limit. An upper bound for other shapes."""
+    if b"\\" in body:  # drop escaped backslashes, then escaped quotes: no quote left is escaped
+        body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    inside_string = depth = commas = 0
+    for start in range(0, len(body), _COUNT_CHUNK_BYTES):
+        chunk = body[start:start + _COUNT_CHUNK_BYTES]
+        # The low bit of the running quote count: 1 inside a string (uint8 wraps, keeping it).
+        outside = np.cumsum(np.frombuffer(chunk.translate(_QUOTE), dtype=np.uint8), dtype=np.uint8)
+        outside += inside_string + 1
+        outside &= 1
+        inside_string = 1 - int(outside[-1])
+        # Depth wraps at 256 too: a comma at depth 2 is always counted, so the count only grows.
+        steps = np.frombuffer(chunk.translate(_DEPTH_STEP), dtype=np.int8) * outside.view(np.int8)
+        at = np.cumsum(steps, dtype=np.int8)
+        at += depth
+        depth = int(at[-1])
+        hit = np.frombuffer(chunk, dtype=np.uint8) == ord(",")
+        hit &= at == 2
+        hit &= outside.view(bool)
+        commas += int(np.count_nonzero(hit))
+        if commas + 1 > stop_above:
+            break
+    return commas + 1
+
+
+class BatchParser:
+    """Parses POST /v1/events bodies for one limit of events per batch."""
+
+    def __init__(self, max_events: int) -> None:
+        self.max_events = max_events
+
+        class _Batch(BaseModel):
+            model_config = ConfigDict(extra="forbid")
+            # fail_fast: a bad event ends the pass (the slow path names it); max_length: so does
+            # one event past the limit.
+            events: Annotated[list[Event], Field(max_length=max_events, fail_fast=True)]
+
+        self._adapter: TypeAdapter[Any] = TypeAdapter(_Batch)
+
+    def parse(self, body: bytes) -> ParsedBatch:
+        max_events = self.max_events
+        bound = body.count(b",") + 1  # no array in the body holds more values
+        counted = bound <= max_events
+        if bound > COMMAS_PER_EVENT * max_events:
+            n = count_events(body, max_events)
+            if n > max_events:
+                raise _too_many(max_events, f"more than {max_events}")
+            counted = True
+        try:
+            batch = self._adapter.validate_json(body)
+        except ValidationError as exc:
+            for err in exc.errors(include_url=False, include_input=False):
+                if err["type"] == "too_long" and tuple(err["loc"]) == ("events",):
+                    actual = (err.get("ctx") or {}).get("actual_length")
+                    raise _too_many(max_events, str(actual) if actual else f"more than {max_events}") from None
+            if not counted and count_events(body, max_events) > max_events:
+                raise _too_many(max_events, f"more than {max_events}") from None
+            return _parse_slowly(body, max_events)
+        if not batch.events:
+            raise BatchError(422, "events", "a batch holds at least one event")
+        return ParsedBatch(events=batch.events)
+
+
 def parse_batch(body: bytes, max_events: int) -> ParsedBatch:
-    try:
-        batch = batch_adapter.validate_json(body)
-    except ValidationError:
-        return _parse_slowly(body, max_events)
-    if not batch.events:
-        raise BatchError(422, "events", "a batch holds at least one event")
-    if len(batch.events) > max_events:
-        raise BatchError(413, "events", f"a batch holds at most {max_events} events, got {len(batch.events)}")
-    return ParsedBatch(events=batch.events)
+    """One body through a parser of its own (the service keeps one: app.state.batch_parser)."""
+    return BatchParser(max_events).parse(body)
 
 
 def _parse_slowly(body: bytes, max_events: int) -> ParsedBatch:
@@ -93,30 +193,45 @@ def _parse_slowly(body: bytes, max_events: int) -> ParsedBatch:
         raise BatchError(422, "body", 'the body must be a JSON object: {"events": [...]}')
     extra = sorted(set(doc) - {"events"})
     if extra:
-        raise BatchError(422, extra[0], "unknown field: a batch has only 'events'")
+        raise BatchError(422, _clip(extra[0], MAX_FIELD_PATH_CHARS), "unknown field: a batch has only 'events'")
     raw_events = doc.get("events")
     if not isinstance(raw_events, list):
         raise BatchError(422, "events", "'events' must be a list of events" if "events" in doc else "'events' is required")
     if not raw_events:
         raise BatchError(422, "events", "a batch holds at least one event")
     if len(raw_events) > max_events:
-        raise BatchError(413, "events", f"a batch holds at most {max_events} events, got {len(raw_events)}")
+        raise _too_many(max_events, str(len(raw_events)))
     parsed = ParsedBatch()
     for i, raw in enumerate(raw_events):
         try:
             parsed.events.append(event_adapter.validate_python(raw))
         except ValidationError as exc:
-            event_id = raw.get("event_id") if isinstance(raw, dict) else None
-            fields_named: set[str] = set()
-            for err in exc.errors(include_url=False):
-                path = field_path(f"events[{i}]", tuple(err["loc"]))
-                if path in fields_named:
-                    continue  # a union reports each member's failure; the first one is enough
-                fields_named.add(path)
-                parsed.rejected.append(Rejection(
-                    index=i,
-                    event_id=event_id if isinstance(event_id, str) else None,
-                    field=path,
-                    message=clean_message(err["msg"]),
-                ))
+            _reject(parsed, i, raw, exc)
     return parsed
+
+
+def _reject(parsed: ParsedBatch, index: int, raw: object, exc: ValidationError) -> None:
+    """Lists at most MAX_REJECTIONS_PER_EVENT of an event's errors while the answer has room, and
+    counts the rest: an answer stays a small multiple of its request (docs/decisions.md, 14)."""
+    event_id = raw.get("event_id") if isinstance(raw, dict) else None
+    if not (isinstance(event_id, str) and 0 < len(event_id) <= MAX_ECHOED_ID_CHARS):
+        event_id = None  # only a valid id is echoed: whatever else was sent is not repeated
+    fields_named: set[str] = set()
+    listed = 0
+    for err in exc.errors(include_url=False, include_input=False, include_context=False):
+        path = _clip(field_path(f"events[{index}]", tuple(err["loc"])), MAX_FIELD_PATH_CHARS)
+        if path in fields_named:
+            continue  # a union reports each member's failure; the first one is enough
+        if not fields_named:
+            parsed.rejected_first.append((index, path))
+        fields_named.add(path)
+        if listed < MAX_REJECTIONS_PER_EVENT and len(parsed.rejected) < MAX_REJECTIONS_PER_ANSWER:
+            parsed.rejected.append(Rejection(index=index, event_id=event_id, field=path,
+                                             message=_clip(clean_message(err["msg"]), MAX_MESSAGE_CHARS)))
+            listed += 1
+        else:
+            parsed.rejections_omitted += 1
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -4,6 +4,9 @@ POST /v1/events reads its body by hand and checks the limit itself; routes whose
 parses (route hints, model reloads) would otherwise read any size into memory first. A declared
 Content-Length over the limit is refused before a byte is read; a body streamed past it is cut
 off, and the route sees the client as gone.
+
+A body sent with a Content-Encoding (gzip, say) is refused with 415 before a byte is read: no
+route decodes one, and its bytes would only fail later as "not JSON" or "not UTF-8".
 """
 
 from __future__ import annotations
@@ -24,7 +27,13 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         limit = self.limit
-        declared = dict(scope["headers"]).get(b"content-length")
+        headers = dict(scope["headers"])
+        encoding = headers.get(b"content-encoding", b"").strip().lower()
+        if encoding not in (b"", b"identity"):
+            await _refuse(send, "send the body uncompressed: no Content-Encoding (or identity)",
+                          status=415, field="content-encoding")
+            return
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await _refuse(send, f"the body is {int(declared)} bytes; the limit is {limit}")
             return
@@ -47,9 +56,9 @@ class BodyLimitMiddleware:
         await self.app(scope, counted_receive, guarded_send)
 
 
-async def _refuse(send: Send, message: str) -> None:
-    body = orjson.dumps({"detail": message, "field": "body"})
-    await send({"type": "http.response.start", "status": 413,
+async def _refuse(send: Send, message: str, *, status: int = 413, field: str = "body") -> None:
+    body = orjson.dumps({"detail": message, "field": field})
+    await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})

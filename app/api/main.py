@@ -50,6 +50,8 @@ log = logging.getLogger("kvprefetch")
 SERVICE_RESPONSES: dict[int | str, dict[str, Any]] = {
     408: {"model": Error, "description": "The body stopped arriving (KVP_BODY_TIMEOUT_SECONDS)."},
     413: {"model": Error, "description": "The body is over KVP_MAX_BODY_BYTES."},
+    415: {"model": Error, "description": "The body was sent compressed (a Content-Encoding other than "
+                                         "identity)."},
     503: {"model": Error, "description": "The store or the event log failed, or the request ran over "
                                          "KVP_REQUEST_TIMEOUT_SECONDS; retry after Retry-After."},
 }

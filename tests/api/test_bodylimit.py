@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
+import json
 from collections.abc import Iterator
 
+import pytest
 from fastapi.testclient import TestClient
+
+from tests.api.conftest import routed
 
 LIMIT = 64 * 1024  # tests/api/conftest.py's max_body_bytes
 
@@ -31,4 +36,20 @@ def test_a_streamed_body_over_the_limit_is_cut_off(client: TestClient) -> None:
 
 def test_a_body_within_the_limit_passes(client: TestClient) -> None:
     r = client.post("/v1/route-hint", json={"session_id": "s1", "candidates": [f"gpu-{i}" for i in range(200)]})
+    assert r.status_code == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/events", "/v1/route-hint", "/v1/model/reload"])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br, gzip"])
+def test_a_compressed_body_is_415_naming_the_content_encoding(client: TestClient, path: str, encoding: str) -> None:
+    body = gzip.compress(json.dumps({"events": [routed("gz")]}).encode())
+    r = client.post(path, content=body, headers={"content-type": "application/json", "content-encoding": encoding})
+    assert r.status_code == 415
+    assert r.json() == {"detail": "send the body uncompressed: no Content-Encoding (or identity)",
+                        "field": "content-encoding"}
+    assert client.get("/v1/sessions/s1").status_code == 404  # nothing of it went in
+
+
+def test_an_identity_content_encoding_is_a_plain_body(client: TestClient) -> None:
+    r = client.post("/v1/events", json={"events": [routed("plain")]}, headers={"content-encoding": "Identity"})
     assert r.status_code == 200

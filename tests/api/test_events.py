@@ -67,6 +67,7 @@ def test_mixed_batch_accepts_the_valid_and_names_each_bad_field(client: TestClie
         {"index": 5, "event_id": "bad4", "field": "events[5]",
          "message": "tier 'pool' is shared: leave instance_id out"},
     ]
+    assert (body["rejected_events"], body["rejections_omitted"]) == (5, 0)
     assert [e.event_id for _, e in iter_log(settings.event_log_dir)] == ["ok1", "ok3"]
 
 

@@ -6,7 +6,7 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from app.api.auth import EventsCaller, Refused, charge
-from app.api.batch import BatchError, IngestResponse, parse_batch
+from app.api.batch import BatchError, BatchParser, IngestResponse
 from app.api.deps import BacklogDep, IngestorDep, MetricsDep, SettingsDep
 from app.api.errors import Error, error_response
 from app.core.security import Principal, Scope
@@ -23,7 +23,8 @@ _RESPONSES = {
     403: {"model": Error,
           "description": "An agent-scope token posted an event type only the ingest scope may post."},
     413: {"model": Error, "description": "The body or the batch is too large."},
-    415: {"model": Error, "description": "The body is not application/json."},
+    415: {"model": Error, "description": "The body is not application/json, or is compressed "
+                                         "(Content-Encoding)."},
     # Two shapes (docs/decisions.md, 2): a batch with bad events lists them, and its valid ones
     # were accepted; a body that is no batch at all (not an object, no events) is an Error.
     422: {"model": IngestResponse | Error,
@@ -68,7 +69,7 @@ async def post_events(request: Request, caller: EventsCaller, ingestor: Ingestor
         return error_response(415, "content-type", "send the batch as application/json")
     try:
         body = await read_body(request, settings.max_body_bytes)
-        parsed = parse_batch(body, settings.max_batch_events)
+        parsed = batch_parser(request, settings.max_batch_events).parse(body)
         check_agent_events(caller, parsed.events)
     except BatchError as exc:
         metrics.batch_refused(exc.status_code)
@@ -84,15 +85,25 @@ async def post_events(request: Request, caller: EventsCaller, ingestor: Ingestor
                               f"(KVP_BACKLOG_MAX_EVENTS {backlog.max_events}); retry later",
                               {"Retry-After": "1"})
     result = ingestor.ingest(parsed.events, body if not parsed.rejected else None)
-    metrics.batch_answered(duplicates=len(result.duplicates),
-                           rejected_fields=[(r.index, r.field) for r in parsed.rejected])
-    payload = {
+    metrics.batch_answered(duplicates=len(result.duplicates), rejected_fields=parsed.rejected_first)
+    payload: dict[str, object] = {
         "accepted": result.accepted,
         "duplicates": result.duplicates,
         "rejected": [r.model_dump() for r in parsed.rejected],
     }
+    if parsed.rejected:
+        payload["rejected_events"] = len(parsed.rejected_first)
+        payload["rejections_omitted"] = parsed.rejections_omitted
     return Response(orjson.dumps(payload), status_code=422 if parsed.rejected else 200,
                     media_type="application/json")
+
+
+def batch_parser(request: Request, max_events: int) -> BatchParser:
+    """The app's parser, made on first use (its pydantic model is built for the limit)."""
+    parser: BatchParser | None = getattr(request.app.state, "batch_parser", None)
+    if parser is None or parser.max_events != max_events:
+        parser = request.app.state.batch_parser = BatchParser(max_events)
+    return parser
 
 
 def check_agent_events(caller: Principal, events: list[Event]) -> None:
