@@ -169,8 +169,6 @@ def serve(
     """Run the service."""
     import os
 
-    import uvicorn
-
     overrides = {k: v for k, v in {"host": host, "port": port, "store": store}.items() if v is not None}
     settings = Settings(**overrides)
     if workers < 1:
@@ -186,8 +184,6 @@ def serve(
         raise typer.Exit(2) from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvprefetch").info("%s", access)
-    # Slow clients and floods are bounded by uvicorn too: connections past the limit get 503.
-    limits = {"limit_concurrency": settings.max_connections, "timeout_keep_alive": 5}
     if workers > 1:
         # Worker processes read their settings from the environment (app/api/worker.py), and
         # /metrics must sum them all: prometheus-client's multiprocess mode, set before any
@@ -199,16 +195,17 @@ def serve(
     metrics_dir = multiprocess_dir()
     if metrics_dir is not None:
         prepare_multiprocess_dir(metrics_dir)
+    # Connection limits and timeouts at the edge, the same for one worker or several.
+    from app.api.edge import serve as serve_app
+
     if workers > 1:
-        uvicorn.run("app.api.worker:create_worker_app", factory=True, workers=workers, host=settings.host,
-                    port=settings.port, log_level="info", access_log=False, **limits)
+        serve_app("app.api.worker:create_worker_app", settings, workers=workers, factory=True)
         return
     from app.api.main import create_app
     from app.core.runtime import tune_gc
 
     tune_gc()
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
-                access_log=False, **limits)
+    serve_app(create_app(settings), settings)
 
 
 @cli.command()

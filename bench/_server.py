@@ -27,10 +27,16 @@ def main() -> None:
         from app.core.config import Settings
 
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        app = create_app(Settings())
-    else:
-        from bench.ceiling_app import app
-    # The same uvicorn.run call as `kvprefetch serve` (uvloop and httptools when installed).
+        from app.api.edge import serve
+
+        settings = Settings()
+        # The same server as `kvprefetch serve`, its edge limits included.
+        serve(create_app(settings), settings.model_copy(update={"host": args.host, "port": args.port}),
+              log_level="warning")
+        return
+    from bench.ceiling_app import app
+
+    # uvicorn as `kvprefetch serve` runs it (uvloop and httptools when installed), without the edge.
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
 
 

@@ -60,8 +60,16 @@ class Settings(BaseSettings):
     # one still unanswered after request_timeout_seconds, 503.
     body_timeout_seconds: float = Field(10.0, gt=0)
     request_timeout_seconds: float = Field(60.0, gt=0)
-    # Connections uvicorn serves at once per worker; more are answered 503 at once.
+    # The server's edge, per worker (app/api/edge.py): open connections in all and from one
+    # address (past either limit, the longest-idle connection without a request in flight is
+    # closed to make room; with none idle, the new one gets 503), and requests in flight (more
+    # get 503). A connection must send its headers within header_timeout_seconds of connecting
+    # or of its request's first byte; an idle keep-alive connection is closed after
+    # keepalive_timeout_seconds. Behind a proxy every client is the proxy's address.
     max_connections: int = Field(1024, ge=1)
+    max_connections_per_client: int = Field(256, ge=1)
+    header_timeout_seconds: float = Field(10.0, gt=0)
+    keepalive_timeout_seconds: float = Field(5.0, gt=0)
 
     bytes_per_token: int = Field(LLAMA_70B_BF16_BYTES_PER_TOKEN, gt=0)
     block_tokens: int = Field(MOONCAKE_BLOCK_TOKENS, gt=0)
