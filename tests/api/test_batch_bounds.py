@@ -33,9 +33,9 @@ def test_a_flood_of_empty_events_is_413_before_any_event_is_parsed(
         "validate_python": staticmethod(lambda raw: parsed.append("event") or real_validate(raw))}))
     body = empty_events(20_000)  # 60 kB: within the body limit, 400 times the batch limit (50)
     r = client.post("/v1/events", content=body, headers=JSON)
+    assert parsed == []  # counted, not parsed: no JSON objects built, no event validated
     assert r.status_code == 413
     assert r.json() == {"detail": "a batch holds at most 50 events, got more than 50", "field": "events"}
-    assert parsed == []  # counted, not parsed: no JSON objects built, no event validated
 
 
 def test_a_batch_a_little_over_the_limit_is_413_with_its_count(client: TestClient) -> None:
