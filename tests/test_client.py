@@ -134,6 +134,23 @@ def service_url(tmp_path: Path) -> Iterator[str]:
         yield url
 
 
+def test_rejections_the_service_left_out_are_counted_rejected_not_sent(service_url: str) -> None:
+    """The service lists at most 100 rejections per answer (app/api/batch.py): the client counts
+    the events it neither accepted nor called duplicates as rejected."""
+    good = [routed(i) for i in range(50)]
+    bad = [{"type": "request_routed", "event_id": f"bad-{i}", "ts": 1.0, "session_id": "s",
+            "request_id": "r", "instance_id": "gpu-0", "prompt_tokens": -1} for i in range(150)]
+    answers: list[Answer] = []
+    with KvpClient(service_url, batch_size=500, flush_interval_seconds=60, on_answer=answers.append) as client:
+        for event in [*good[:25], *bad, *good[25:]]:
+            client.send(event)
+        assert client.flush(timeout=HANG_GUARD)
+        stats = client.stats
+    assert (stats.sent, stats.rejected, stats.queued, stats.dropped) == (50, 150, 0, 0)
+    assert [len(a.accepted) for a in answers] == [50] and len(answers[0].rejected) == 150
+    assert set(answers[0].rejected) == {f"bad-{i}" for i in range(150)}
+
+
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_real_service_gets_every_turn(flavour: str, service_url: str,
                                       caplog: pytest.LogCaptureFixture) -> None:

@@ -114,12 +114,15 @@ class _Outcome:
     retry: nothing is known to be applied; send the same batch again later.
     split: the batch is too large; send each half. reject: the whole batch is refused for good.
     duplicate_ids: as the service listed them. rejections: the rejected events, each by its index
-    in the batch (or its event_id where the service gave no index).
+    in the batch (or its event_id where the service gave no index). accepted_ids: set when the
+    service left rejections out of its answer (it lists a bounded number): then an event is
+    accepted or a duplicate only as listed, and rejected otherwise.
     """
 
     action: Literal["done", "retry", "split", "reject"]
     duplicate_ids: tuple[str, ...] = ()
     rejections: tuple[int | str, ...] = ()
+    accepted_ids: tuple[str, ...] | None = None
     retry_after: float | None = None
     error: str | None = None
 
@@ -219,8 +222,14 @@ def _judge_response(status: int, headers: Mapping[str, str], content: bytes,
         # One event can fail on several fields; count events, not errors.
         keys = dict.fromkeys(k for r in rejections
                              if isinstance(k := r.get("index", r.get("event_id")), (int, str)))
+        omitted = doc.get("rejections_omitted")
+        accepted = doc.get("accepted")
+        accepted_ids = (tuple(a for a in accepted if isinstance(a, str))
+                        if isinstance(omitted, int) and omitted > 0 and isinstance(accepted, list) else None)
+        events = doc.get("rejected_events")
         return _Outcome("done", duplicate_ids=_duplicate_ids(doc), rejections=tuple(keys),
-                        error=_describe_rejections(rejections, len(keys)))
+                        accepted_ids=accepted_ids,
+                        error=_describe_rejections(rejections, events if isinstance(events, int) else len(keys)))
     error = _describe_error(status, doc, content)
     if status in _RETRY_STATUSES or status >= 500:
         return _Outcome("retry", retry_after=_retry_after_seconds(headers.get("retry-after")),
@@ -232,6 +241,8 @@ def _judge_response(status: int, headers: Mapping[str, str], content: bytes,
 
 def _partition(batch: _Batch, outcome: _Outcome) -> Answer:
     """Which of the batch's events the service accepted, had already, or rejected."""
+    if outcome.accepted_ids is not None:
+        return _partition_as_listed(batch, outcome)
     if not outcome.duplicate_ids and not outcome.rejections:
         return Answer(tuple(batch.event_ids), (), ())
     items = batch.items
@@ -260,6 +271,30 @@ def _partition(batch: _Batch, outcome: _Outcome) -> Answer:
         else:
             accepted.append(event_id)
     return Answer(tuple(reversed(accepted)), tuple(reversed(duplicates)), tuple(reversed(rejected)))
+
+
+def _partition_as_listed(batch: _Batch, outcome: _Outcome) -> Answer:
+    """An answer whose rejections were not all listed: what is not listed accepted or a
+    duplicate was rejected."""
+    listed_rejected = {k for k in outcome.rejections if isinstance(k, int)}
+    owed_accepted = Counter(outcome.accepted_ids or ())
+    owed_duplicates = Counter(outcome.duplicate_ids)
+    accepted: list[str] = []
+    duplicates: list[str] = []
+    rejected: list[str] = []
+    for i, item in enumerate(batch.items):
+        event_id = item.event_id
+        if i in listed_rejected:
+            rejected.append(event_id)
+        elif owed_accepted[event_id] > 0:  # the service accepts the first of a repeated id
+            owed_accepted[event_id] -= 1
+            accepted.append(event_id)
+        elif owed_duplicates[event_id] > 0:
+            owed_duplicates[event_id] -= 1
+            duplicates.append(event_id)
+        else:
+            rejected.append(event_id)
+    return Answer(tuple(accepted), tuple(duplicates), tuple(rejected))
 
 
 def _judge_exception(exc: BaseException) -> _Outcome:
