@@ -82,10 +82,10 @@ class ConnectionRegistry:
     def admit(self, conn: EdgeProtocol) -> bool:
         """Registers `conn`, first closing idle connections to make room; False: no room."""
         key = conn.client_key
-        if len(self.by_client.get(key, ())) >= self.limits.max_connections_per_client:
-            if not self._evict(self.idle_by_client.get(key, {})):
-                self.refused += 1
-                return False
+        at_client_limit = len(self.by_client.get(key, ())) >= self.limits.max_connections_per_client
+        if at_client_limit and not self._evict(self.idle_by_client.get(key, {})):
+            self.refused += 1
+            return False
         if self.open >= self.limits.max_connections and not self._evict(self.idle):
             self.refused += 1
             return False

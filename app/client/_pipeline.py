@@ -25,7 +25,6 @@ from app.engine.events import (
     SessionClosed,
 )
 
-
 log = logging.getLogger("kvprefetch.client")
 
 # The first retry waits about this long; each further failure doubles it, up to the cap.
@@ -504,7 +503,7 @@ def _announce(callback: AnswerCallback, answers: list[Answer]) -> None:
     for answer in answers:
         try:
             callback(answer)
-        except Exception:  # noqa: BLE001 - the caller's bug must not stop delivery
+        except Exception:
             log.exception("the kvprefetch client's on_answer callback failed")
 
 

@@ -11,8 +11,13 @@ import pytest
 from fastapi.testclient import TestClient
 
 import app.api.batch as batch_module
-from app.api.batch import (MAX_REJECTIONS_PER_ANSWER, MAX_REJECTIONS_PER_EVENT, BatchError, BatchParser,
-                           count_events)
+from app.api.batch import (
+    MAX_REJECTIONS_PER_ANSWER,
+    MAX_REJECTIONS_PER_EVENT,
+    BatchError,
+    BatchParser,
+    count_events,
+)
 from app.api.main import create_app
 from app.core.config import Settings
 from tests.api.conftest import routed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 from fastapi import APIRouter, Request, Response
 
@@ -17,7 +19,7 @@ router = APIRouter(tags=["events"])
 # What a token with the agent scope alone may post: its orders' progress and what it moved.
 AGENT_EVENT_TYPES = frozenset({"order_progress", "kv_blocks_stored", "kv_blocks_removed", "kv_blocks_cleared"})
 
-_RESPONSES = {
+_RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"model": IngestResponse, "description": "Every event was accepted or was a duplicate."},
     400: {"model": Error, "description": "The body is not JSON."},
     403: {"model": Error,
