@@ -53,7 +53,9 @@ class EdgeConfig(uvicorn.Config):
     """uvicorn's Config with the edge's limits; it travels to worker processes as it is."""
 
     def __init__(self, app: Any, *, limits: EdgeLimits, **kwargs: Any) -> None:
-        super().__init__(app, http=EdgeProtocol, **kwargs)
+        # No WebSocket upgrades: the service has no WebSocket route, and an upgraded connection
+        # would leave the registry without its connection_lost.
+        super().__init__(app, http=EdgeProtocol, ws="none", **kwargs)
         self.edge_limits = limits
 
 
@@ -171,6 +173,11 @@ class EdgeProtocol(HttpToolsProtocol):
         self._disarm_header_timer()
         self.registry.remove(self)
         super().connection_lost(exc)
+
+    def handle_websocket_upgrade(self) -> None:  # never with ws="none"; kept consistent anyway
+        self._disarm_header_timer()
+        self.registry.remove(self)
+        super().handle_websocket_upgrade()
 
     def evict(self) -> None:
         """Closed to make room for a new connection: it had no request in flight."""
