@@ -136,7 +136,7 @@ def test_a_body_that_is_not_utf8_is_not_json_either(client: TestClient) -> None:
 def test_openapi_documents_the_hint_with_examples(client: TestClient) -> None:
     schema = client.get("/openapi.json").json()
     post = schema["paths"]["/v1/route-hint"]["post"]
-    assert set(post["responses"]) == {"200", "400", "401", "403", "408", "413", "422", "429", "503"}
+    assert set(post["responses"]) == {"200", "400", "401", "403", "408", "413", "415", "422", "429", "503"}
     components = schema["components"]["schemas"]
     assert components["RouteHintRequest"]["examples"][0]["candidates"] == ["gpu-0", "gpu-1", "gpu-2"]
     assert components["RouteHintResponse"]["examples"][0]["recommended"] == "gpu-0"

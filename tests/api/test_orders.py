@@ -142,7 +142,7 @@ def test_the_sink_is_closed_at_shutdown_unless_it_was_injected(settings: Setting
 def test_the_endpoint_is_in_the_openapi_schema(client: TestClient) -> None:
     op = client.get("/openapi.json").json()["paths"]["/v1/orders"]["get"]
     assert {p["name"] for p in op["parameters"]} == {"instance_id", "limit"}
-    assert set(op["responses"]) == {"200", "401", "403", "408", "409", "413", "422", "429", "503"}
+    assert set(op["responses"]) == {"200", "401", "403", "408", "409", "413", "415", "422", "429", "503"}
 
 
 
