@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from app.engine.events import InstanceStatus, KvBlocksStored, RequestFinished, RequestRouted
-from app.engine.hints import HintConfig, InstanceLoad, prefix_lookups, route_hint
+from app.engine.hints import HintConfig, InstanceLoad, route_hint
 from app.engine.orders import Order
 from app.engine.state import MemoryStore
 
@@ -185,8 +185,8 @@ def test_the_worst_hint_costs_log_n_lookups_per_location_not_the_context() -> No
     hint = route_hint(counting, "s", candidates, 10.0, config=CONFIG)  # type: ignore[arg-type]
     locations = 1 + 2 * len(candidates)  # the pool, and each candidate's HBM and host
     print(f"\n{counting.blocks_looked_up} blocks looked up in {counting.calls} calls "
-          f"(bound {locations * prefix_lookups(n)}; the whole context per location: {locations * n})")
-    assert counting.blocks_looked_up <= locations * prefix_lookups(n) == locations * 17
+          f"(bound {locations * n.bit_length()}; the whole context per location: {locations * n})")
+    assert counting.blocks_looked_up <= locations * n.bit_length() == locations * 17
     # Every candidate holds the first half in HBM and the next quarter on host.
     first = hint.candidates[0]
     assert (first.resident_bytes, first.source) == (n // 2 * BLOCK, "host+pool")
