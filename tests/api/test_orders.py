@@ -144,7 +144,7 @@ def test_the_endpoint_is_in_the_openapi_schema(client: TestClient) -> None:
     assert {p["name"] for p in op["parameters"]} == {"instance_id", "limit", "agent"}
     assert set(op["responses"]) == {"200", "401", "403", "408", "409", "413", "422", "429", "503"}
     renew = client.get("/openapi.json").json()["paths"]["/v1/orders/renew"]["post"]
-    assert set(renew["responses"]) == {"200", "401", "403", "408", "409", "413", "422", "429", "503"}
+    assert set(renew["responses"]) == {"200", "400", "401", "403", "408", "409", "413", "422", "429", "503"}
 
 
 def renew(client: TestClient, agent: str, *order_ids: str) -> tuple[list[str], list[str]]:

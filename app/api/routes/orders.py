@@ -87,7 +87,8 @@ async def get_orders(
 @router.post(
     "/orders/renew",
     response_model=RenewResponse,
-    responses={409: {"model": Error, "description": "The configured order sink is not the pull queue."},
+    responses={400: {"model": Error, "description": "The body is not JSON."},
+               409: {"model": Error, "description": "The configured order sink is not the pull queue."},
                422: {"model": Error, "description": "A body field is missing or out of range."}},
     summary="Keep the leases of orders an agent holds",
 )
