@@ -132,10 +132,11 @@ class AdviceLedger:
             if kind == "request_routed":
                 if ts < self._cutoff:
                     continue  # the store ignores it too
+                entry_id: str = e.session_id  # type: ignore[union-attr]
                 for s in slots:
                     entry = s.sessions.get(e.session_id)
                     if entry is not None and entry.last_ts < self._cutoff:
-                        del s.sessions[e.session_id]  # forgotten, as the store has
+                        del s.sessions[entry_id]  # forgotten, as the store has
                         entry = None
                     if entry is None:
                         # Not tracked, so a re-route of this request would count twice; rare,
@@ -144,8 +145,8 @@ class AdviceLedger:
                     else:
                         if ts > entry.last_ts:
                             entry.last_ts = ts
-                            del s.sessions[e.session_id]
-                            s.sessions[e.session_id] = entry
+                            del s.sessions[entry_id]
+                            s.sessions[entry_id] = entry
                         if entry.last_request_id != e.request_id:
                             self._arrival(s, entry, e.request_id, ts)
                         # else: the same request routed again (a retry elsewhere): one outcome
@@ -153,13 +154,14 @@ class AdviceLedger:
                 for s in slots:
                     s.sessions.pop(e.session_id, None)
             elif kind == "request_started" or kind == "request_finished":
+                sid: str = e.session_id  # type: ignore[union-attr]
                 for s in slots:
-                    entry = s.sessions.get(e.session_id)  # type: ignore[union-attr]
+                    entry = s.sessions.get(sid)
                     if entry is not None and ts > entry.last_ts:
                         entry.last_ts = ts
                         # Last in the dict, so forgotten sessions reach its front.
-                        del s.sessions[e.session_id]  # type: ignore[union-attr]
-                        s.sessions[e.session_id] = entry  # type: ignore[union-attr]
+                        del s.sessions[sid]
+                        s.sessions[sid] = entry
 
     @staticmethod
     def _arrival(s: _Slot, entry: _Entry, request_id: str, ts: float) -> None:

@@ -144,7 +144,8 @@ def route_hint(store: StateStore, session_id: str, candidates: Sequence[str], no
                 to[b] = min(to.get(b, o.needed_by_ts), o.needed_by_ts)
     # Two searches in step: each HBM's prefix and the pool's; then each host's run from where
     # the HBM prefix and what is on its way end.
-    held = held_prefixes(store, [("pool", None)] + [("hbm", c) for c in candidates], blocks)
+    first: list[Location] = [("pool", None), *(("hbm", c) for c in candidates)]
+    held = held_prefixes(store, first, blocks)
     pool_end, hbm_end = held[0], held[1:]
     ready = [h + _run(blocks, h, due[c]) for c, h in zip(candidates, hbm_end)]
     host_end = held_prefixes(store, [("host", c) for c in candidates], blocks, starts=ready)

@@ -549,8 +549,10 @@ class RedisStore:
                 # The index's scores are all 0, so it is in id order (bytes: for UTF-8, Python's
                 # string order, as MemoryStore pages).
                 low = "(" + after if after is not None else "-"
-                page = {"offset": 0, "num": limit} if limit is not None else {}
-                chosen = self._r.zrange(self._k_instances, low, "+", bylex=True, **page)
+                if limit is not None:
+                    chosen = self._r.zrange(self._k_instances, low, "+", bylex=True, offset=0, num=limit)
+                else:
+                    chosen = self._r.zrange(self._k_instances, low, "+", bylex=True)
             pipe = self._r.pipeline(transaction=False)
             for instance_id in chosen:
                 names = [location_name(tier, instance_id) for tier in _INSTANCE_TIERS]
