@@ -40,7 +40,7 @@ class PlannedPolicy(Policy):
         self._idle.discard(r.session_id)
         self._fetched.discard(r.session_id)
         if self.routes is not None:
-            self.routes.routed(r.session_id, self.cluster.instances[r.instance].instance_id)
+            self.routes.routed(r.session_id, self.cluster.instances[r.instance].instance_id, now)
 
     def on_finished(self, r: SimRequest, now: float) -> None:
         self._idle.add(r.session_id)

@@ -255,23 +255,41 @@ class StreamSource:
 
 
 class PullSource:
-    """Asks the service: GET /v1/orders?instance_id=X&limit=N -> {"orders": [...], "cancelled": [...]}.
+    """Asks the service: GET /v1/orders?instance_id=X&limit=N&agent=A -> {"orders": [...],
+    "cancelled": [...], "lease_seconds": s}.
 
-    The service keeps no delivery state for a puller: an order comes back on every poll until the
-    service has seen progress on it, so `ack` does nothing and the runner drops repeats by order
-    id.
+    An order comes back on every poll until the service has seen progress on it or it is leased:
+    the runner drops repeats by order id. What the agent holds (delivered, not acked) keeps its
+    lease: a heartbeat thread renews it (POST /v1/orders/renew) a third of a lease apart, so an
+    order waiting for its start, or behind a long transfer, is not handed to a second agent; and
+    right before an order starts, `is_cancelled` renews it once more: an order the service says
+    is lost (leased to another agent, cancelled, gone) is not started.
     """
 
     def __init__(self, service_url: str, instance_id: str, *, limit: int = 100,
                  timeout_seconds: float = 5.0, transport: httpx.BaseTransport | None = None,
-                 sleep: Callable[[float], None] = time.sleep, token: str | None = None) -> None:
+                 sleep: Callable[[float], None] = time.sleep, token: str | None = None,
+                 agent: str | None = None, renew_seconds: float | None = None) -> None:
         self.instance_id = instance_id
+        # The name the leases are under: unique per process, like a stream consumer's.
+        self.agent = agent or default_consumer_name(instance_id)
         self._limit = limit
         self._sleep = sleep
         self._http = httpx.Client(base_url=service_url.rstrip("/"), timeout=timeout_seconds,
                                   transport=transport,
                                   headers={"authorization": f"Bearer {token}"} if token else None)
+        self._http_lock = threading.Lock()  # the heartbeat and the loop share the client
         self._failing = False
+        # None: a third of the lease the service states (10 s until it has).
+        self._renew_seconds = renew_seconds
+        self._lease_seconds: float | None = None
+        self._lock = threading.Lock()
+        self._held: set[str] = set()  # order ids delivered, not acked
+        self._stop = threading.Event()
+        self._wake = threading.Event()  # the lease changed (or stop): wait anew
+        self._heartbeat = threading.Thread(target=self._beat, name="kvprefetch-agent-lease-renewal",
+                                           daemon=True)
+        self._heartbeat.start()
 
     def bind(self, instance_id: str) -> None:
         if instance_id != self.instance_id:
@@ -286,8 +304,9 @@ class PullSource:
 
     def _fetch(self) -> list[Delivery]:
         try:
-            r = self._http.get("/v1/orders", params={"instance_id": self.instance_id,
-                                                      "limit": self._limit})
+            with self._http_lock:
+                r = self._http.get("/v1/orders", params={"instance_id": self.instance_id,
+                                                          "limit": self._limit, "agent": self.agent})
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
             doc = orjson.loads(r.content)
@@ -302,7 +321,13 @@ class PullSource:
         if self._failing:
             log.info("pulling orders from the service again")
             self._failing = False
+        lease_seconds = doc.get("lease_seconds")
+        if isinstance(lease_seconds, (int, float)) and lease_seconds > 0 and lease_seconds != self._lease_seconds:
+            self._lease_seconds = float(lease_seconds)
+            self._wake.set()
         out = [parse("", orjson.dumps(o)) for o in orders]
+        with self._lock:
+            self._held.update(d.message.order_id for d in out if isinstance(d.message, Order))
         for order_id in cancelled:
             try:
                 out.append(Delivery("", Cancel(order_id=order_id)))
@@ -311,10 +336,62 @@ class PullSource:
         return out
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
-        return None
+        done = {d.message.order_id for d in deliveries if isinstance(d.message, Order)}
+        with self._lock:
+            self._held.difference_update(done)
+
+    def held(self) -> list[str]:
+        with self._lock:
+            return sorted(self._held)
+
+    def renew(self, order_ids: Sequence[str] | None = None) -> list[str]:
+        """Renew the leases of `order_ids` (default: every order held); returns those lost, which
+        are held no more. Raises when the service does not answer."""
+        if order_ids is None:
+            order_ids = self.held()
+        lost: list[str] = []
+        for start in range(0, len(order_ids), 1000):  # the service's most per call
+            with self._http_lock:
+                r = self._http.post("/v1/orders/renew", json={
+                    "instance_id": self.instance_id, "agent": self.agent,
+                    "order_ids": list(order_ids[start:start + 1000])})
+            if r.status_code != 200:
+                raise RuntimeError(f"renewing leases: HTTP {r.status_code}: {r.text[:200]}")
+            doc = orjson.loads(r.content)
+            if not isinstance(doc, dict) or not isinstance(doc.get("lost"), list):
+                raise RuntimeError("renewing leases: answer is not {\"renewed\": [...], \"lost\": [...]}")
+            lost += [str(x) for x in doc["lost"]]
+        if lost:
+            with self._lock:
+                self._held.difference_update(lost)
+            log.warning("%d pulled orders lost their lease (leased to another agent, or gone): "
+                        "not starting them: %s", len(lost), ", ".join(lost[:5]))
+        return lost
+
+    def _beat(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self._beat_seconds())
+            self._wake.clear()
+            if self._stop.is_set() or not self.held():
+                continue
+            try:
+                self.renew()
+            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive anything
+                log.warning("could not renew the leases of pulled orders: %s", exc)
+
+    def _beat_seconds(self) -> float:
+        if self._renew_seconds is not None:
+            return self._renew_seconds
+        return self._lease_seconds / 3 if self._lease_seconds is not None else 10.0
 
     def is_cancelled(self, order_id: str) -> bool:
-        return False  # the service lists cancels in the next pull's `cancelled`
+        # Cancels come in the next pull's `cancelled`; a lease lost (to another agent, since this
+        # one's ran out) is as good as cancelled for this agent. The renewal also gives the order
+        # a fresh lease for the time its `accepted` takes to reach the service.
+        return bool(self.renew([order_id]))
 
     def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._heartbeat.join(timeout=5.0)
         self._http.close()

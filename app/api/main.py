@@ -80,13 +80,14 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         app.state.store = store if store is not None else build_store(settings)
         app.state.event_log = EventLog(settings.event_log_dir, segment_bytes=settings.log_segment_bytes,
                                        fsync=settings.log_fsync)
-        app.state.ledger = AdviceLedger()
+        # Both keep per-session maps, forgotten with the store's sessions (by event time).
+        app.state.ledger = AdviceLedger(retention_seconds=settings.session_retention_seconds)
         app.state.scheduler = Scheduler(app.state.store, SchedulerConfig(
             bytes_per_block=settings.bytes_per_token * settings.block_tokens, block_tokens=settings.block_tokens,
             link_share=settings.prefetch_link_share, pool_link_bytes_per_second=settings.pool_link_bytes_per_second,
             host_link_bytes_per_second=settings.host_link_bytes_per_second,
             prefill_tokens_per_second=settings.prefill_tokens_per_second))
-        app.state.routes = RouteTracker()
+        app.state.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)
         app.state.models = ModelRegistry(settings.model_dir, settings.shadow_model_dir, ledger=app.state.ledger)
         app.state.metrics = Metrics(gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir())
         app.state.metrics.bind(scheduler=app.state.scheduler, ledger=app.state.ledger, models=app.state.models)

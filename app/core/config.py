@@ -94,7 +94,8 @@ class Settings(BaseSettings):
     reorder_window_seconds: float = Field(60.0, gt=0)
     # A session with no event for this long, measured against the newest event ts the store has
     # seen, is forgotten (closed or not, with its requests; block residency stays). A later event
-    # starts it afresh; a session event older than that newest ts minus this is ignored.
+    # starts it afresh; a session event older than that newest ts minus this is ignored. Order
+    # records, the route tracker and the advice ledger forget by the same rule.
     session_retention_seconds: float = Field(3600.0, gt=0)
 
     # The arrival model served at startup; when it is missing or does not load, the heuristic serves.
@@ -139,7 +140,8 @@ class Settings(BaseSettings):
     order_stream_prefix: str | None = Field(None, min_length=1, max_length=64)
     # How long a stream entry may sit unacked with a consumer before another agent claims it.
     order_claim_idle_seconds: float = Field(30.0, gt=0)
-    # The pull queue: how long a pulled order is leased before it is handed out again.
+    # The pull queue: how long a pulled order is leased before it is handed out again, unless the
+    # agent renews it (POST /v1/orders/renew; the reference agent does, a third of this apart).
     order_lease_seconds: float = Field(30.0, gt=0)
 
     @model_validator(mode="after")

@@ -10,10 +10,17 @@ the ingestor tells the ledger about every accepted event, and a `request_routed`
 
 An arrival consumes the session's advice: the next turn is judged only on advice made after the
 session went idle again. docs/decisions.md (8, "A model's hit rate") has why.
+
+A session is forgotten when the store forgets it: by event time, once the newest event seen is
+more than `retention_seconds` past the session's last activity (its newest event seen here, or,
+for one advised before any, the newest event, or the scoring clock, when it was first advised:
+only live sessions are advised); its next arrival is then unscored, like the store's fresh
+start of it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -59,11 +66,12 @@ class LedgerStats:
 
 
 class _Entry:
-    __slots__ = ("last_request_id", "history")
+    __slots__ = ("history", "last_request_id", "last_ts")
 
-    def __init__(self) -> None:
+    def __init__(self, last_ts: float) -> None:
         self.last_request_id: str | None = None
         self.history: list[AdviceRecord] = []  # oldest first
+        self.last_ts = last_ts  # the session's last activity, in event time
 
 
 class _Slot:
@@ -78,16 +86,25 @@ class AdviceLedger:
     """Counts per model slot; a slot exists from start() to stop(), so with no shadow set the
     ingest path pays for one model only."""
 
-    def __init__(self, *, max_sessions: int = MAX_SESSIONS) -> None:
+    def __init__(self, *, max_sessions: int = MAX_SESSIONS, retention_seconds: float = math.inf) -> None:
+        if retention_seconds <= 0:
+            raise ValueError("retention_seconds must be positive")
         self.max_sessions = max_sessions
+        self.retention_seconds = retention_seconds
         self._slots: dict[str, _Slot] = {"live": _Slot()}
+        self._newest = -math.inf  # the newest event ts observed
+        self._cutoff = -math.inf
 
     def record(self, slot: str, advice: Iterable[SessionAdvice], made_ts: float) -> None:
         """The advice a model gave at `made_ts` (the scoring loop's clock); the slot must be started."""
         s = self._slots[slot]
         for a in advice:
             rec = AdviceRecord(made_ts, a.retention, a.prefetch, a.p_keep)
-            entry = s.sessions.pop(a.session_id, None) or _Entry()  # re-inserted last: dict order is recency
+            entry = s.sessions.pop(a.session_id, None)  # re-inserted last: dict order is recency
+            if entry is None or entry.last_ts < self._cutoff:
+                # Live in the store now (only live sessions are advised): active until at least
+                # the newest event, or the scoring clock before any event was seen.
+                entry = _Entry(max(self._newest, made_ts))
             history = entry.history
             history.append(rec)
             if len(history) > ADVICE_HISTORY:
@@ -105,19 +122,46 @@ class AdviceLedger:
         slots = list(self._slots.values())
         for e in events:
             kind = e.type
+            ts = e.ts
+            if ts > self._newest:
+                self._newest = ts
+                if ts - self.retention_seconds > self._cutoff:
+                    self._cutoff = ts - self.retention_seconds
+                    for s in slots:
+                        self._prune(s)
             if kind == "request_routed":
+                if ts < self._cutoff:
+                    continue  # the store ignores it too
+                entry_id: str = e.session_id  # type: ignore[union-attr]
                 for s in slots:
                     entry = s.sessions.get(e.session_id)
+                    if entry is not None and entry.last_ts < self._cutoff:
+                        del s.sessions[entry_id]  # forgotten, as the store has
+                        entry = None
                     if entry is None:
                         # Not tracked, so a re-route of this request would count twice; rare,
                         # and cheaper than tracking every session the ledger never advised.
                         s.unscored += 1
-                    elif entry.last_request_id != e.request_id:
-                        self._arrival(s, entry, e.request_id, e.ts)
-                    # else: the same request routed again (a retry elsewhere): one outcome
+                    else:
+                        if ts > entry.last_ts:
+                            entry.last_ts = ts
+                            del s.sessions[entry_id]
+                            s.sessions[entry_id] = entry
+                        if entry.last_request_id != e.request_id:
+                            self._arrival(s, entry, e.request_id, ts)
+                        # else: the same request routed again (a retry elsewhere): one outcome
             elif kind == "session_closed":
                 for s in slots:
                     s.sessions.pop(e.session_id, None)
+            elif kind == "request_started" or kind == "request_finished":
+                sid: str = e.session_id  # type: ignore[union-attr]
+                for s in slots:
+                    entry = s.sessions.get(sid)
+                    if entry is not None and ts > entry.last_ts:
+                        entry.last_ts = ts
+                        # Last in the dict, so forgotten sessions reach its front.
+                        del s.sessions[sid]
+                        s.sessions[sid] = entry
 
     @staticmethod
     def _arrival(s: _Slot, entry: _Entry, request_id: str, ts: float) -> None:
@@ -138,7 +182,24 @@ class AdviceLedger:
         """The newest advice not yet consumed by an arrival."""
         s = self._slots.get(slot)
         entry = s.sessions.get(session_id) if s is not None else None
-        return entry.history[-1] if entry is not None and entry.history else None
+        if entry is None or entry.last_ts < self._cutoff:
+            return None
+        return entry.history[-1] if entry.history else None
+
+    def tracked(self, slot: str) -> int:
+        """Sessions the slot holds advice for (forgotten ones not let go yet included)."""
+        s = self._slots.get(slot)
+        return len(s.sessions) if s is not None else 0
+
+    def _prune(self, s: _Slot) -> None:
+        """Let go of the forgotten sessions at the front (the least recently advised or arrived);
+        one touched since it was put back waits its turn, and lookups check the cutoff meanwhile."""
+        sessions, cutoff = s.sessions, self._cutoff
+        while sessions:
+            first = next(iter(sessions))
+            if sessions[first].last_ts >= cutoff:
+                return
+            del sessions[first]
 
     def stats(self, slot: str) -> LedgerStats:
         """A slot's counts since its start(); all zero for a slot not started."""

@@ -21,7 +21,8 @@ from collections.abc import Callable, Sequence
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
-from app.engine.events import Event, OrderProgress, RequestRouted, SessionClosed
+from app.engine.events import (Event, OrderProgress, RequestFinished, RequestRouted, RequestStarted,
+                               SessionClosed)
 from app.engine.ingest import Observer
 from app.engine.routing import RouteTracker
 from app.engine.scheduler import Plan, Scheduler
@@ -88,12 +89,16 @@ def feedback_observer(scheduler: Scheduler, routes: RouteTracker) -> Observer:
     def observe(events: Sequence[Event]) -> None:
         for e in events:
             if isinstance(e, RequestRouted):
-                routes.routed(e.session_id, e.instance_id)
+                routes.routed(e.session_id, e.instance_id, e.ts)
                 scheduler.forget(e.session_id, routed_to=e.instance_id)
+            elif isinstance(e, (RequestStarted, RequestFinished)):
+                routes.touched(e.session_id, e.ts)
             elif isinstance(e, SessionClosed):
-                routes.closed(e.session_id)
+                routes.closed(e.session_id, e.ts)
                 scheduler.forget(e.session_id)
-            elif isinstance(e, OrderProgress):
-                scheduler.on_progress(e.order_id, e.status)
+            else:
+                routes.see(e.ts)  # every event moves the store's cutoff
+                if isinstance(e, OrderProgress):
+                    scheduler.on_progress(e.order_id, e.status)
 
     return observe

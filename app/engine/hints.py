@@ -7,11 +7,12 @@ measures is what the endpoint answers.
 
 Per candidate:
 
-- **resident**: the context's blocks in that instance's HBM (the store's residency);
-- **in flight**: blocks not resident but in an open prefetch order to that instance's HBM
+- **resident**: the longest prefix of the context in that instance's HBM (the store's
+  residency; a prefix cache serves no block past the first one it misses);
+- **in flight**: the blocks after it that are in open prefetch orders to that instance's HBM
   (the scheduler's `open_orders()`); they are taken to land by the order's `needed_by_ts`;
-- **missing**: the rest, loaded from that instance's host DRAM when it holds them, else from the
-  shared pool; blocks in neither are recomputed;
+- **missing**: the rest, loaded from that instance's host DRAM as far as it holds the prefix,
+  then from the shared pool as far as it does; blocks after that are recomputed;
 - **expected load seconds**: the missing bytes over each source's link (host and pool links run
   side by side, so the slower one counts), or recomputing every missing token when that is
   sooner (what an engine does); never before the in-flight blocks are due;
@@ -33,11 +34,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from app.engine.events import BlockHash
+from app.engine.events import BlockHash, Tier
 from app.engine.orders import Order
 from app.engine.state.base import InstanceView, StateStore
 
-__all__ = ["DEFAULT_REQUEST_SECONDS", "CandidateHint", "HintConfig", "InstanceLoad", "RouteHint", "route_hint"]
+__all__ = ["DEFAULT_REQUEST_SECONDS", "CandidateHint", "HintConfig", "InstanceLoad", "RouteHint", "held_prefixes",
+           "prefix_lookups", "route_hint"]
 
 # A typical request's time in a slot: ~350 output tokens at 30 ms each plus its prefill, the
 # mean of the shared conversation trace in the default scenario. Only the wait estimate uses it.
@@ -114,36 +116,91 @@ def route_hint(store: StateStore, session_id: str, candidates: Sequence[str], no
     `inflight`: open orders (the scheduler's `open_orders()`); only prefetches to a candidate's
     HBM count. `loads`: each instance's queue and running requests when the caller knows them
     better than the store's last `instance_status` (the simulator reads its cluster); None reads
-    the store.
+    the store's, for the candidates only.
+
+    Costs at most `prefix_lookups(n)` residency lookups per location asked about (each
+    candidate's HBM and host, and the pool), in twice as many rounds of one `holds_many` each,
+    whatever the context's length n; plus the blocks of the open orders to the candidates.
     """
     if not candidates:
         raise ValueError("candidates is empty")
     if len(set(candidates)) != len(candidates):
         raise ValueError("candidates has duplicates")
     if loads is None:
-        loads = _loads_from(store.instances())
-    session = store.session(session_id)
-    blocks = list(dict.fromkeys(session.block_hashes)) if session is not None else []
+        loads = _loads_from(store.instances(ids=candidates))
+    context = store.context(session_id)
+    blocks = context.block_hashes if context is not None else ()
     if not blocks:
-        return _rank(session_id, False, session.context_bytes if session is not None else 0, None,
+        return _rank(session_id, False, context.context_bytes if context is not None else 0, None,
                      [_no_context(c, loads.get(c, InstanceLoad()), config) for c in candidates])
-    assert session is not None
-    block_bytes = session.block_tokens * config.bytes_per_token
-    orders = [o for o in inflight if o.kind == "prefetch" and o.tier == "hbm"]
-    wanted = set(blocks)
-    in_pool = dict(zip(blocks, store.holds("pool", None, blocks)))
-    hints = []
-    for c in candidates:
-        # When each block on its way here is due; the earliest order carrying it counts.
-        due: dict[BlockHash, float] = {}
-        for o in orders:
-            if o.instance_id == c:
-                for b in o.block_hashes:
-                    if b in wanted:
-                        due[b] = min(due.get(b, o.needed_by_ts), o.needed_by_ts)
-        hints.append(_candidate(store, c, blocks, in_pool, due, session.block_tokens, block_bytes, now,
-                                loads.get(c, InstanceLoad()), config))
-    return _rank(session_id, True, session.context_bytes, session.instance_id, hints)
+    assert context is not None
+    block_bytes = context.block_tokens * config.bytes_per_token
+    # When each block on its way to a candidate's HBM is due; the earliest order carrying it counts.
+    due: dict[str, dict[BlockHash, float]] = {c: {} for c in candidates}
+    for o in inflight:
+        to = due.get(o.instance_id)
+        if to is not None and o.kind == "prefetch" and o.tier == "hbm":
+            for b in o.block_hashes:
+                to[b] = min(to.get(b, o.needed_by_ts), o.needed_by_ts)
+    # Two searches in step: each HBM's prefix and the pool's; then each host's run from where
+    # the HBM prefix and what is on its way end.
+    first: list[Location] = [("pool", None), *(("hbm", c) for c in candidates)]
+    held = held_prefixes(store, first, blocks)
+    pool_end, hbm_end = held[0], held[1:]
+    ready = [h + _run(blocks, h, due[c]) for c, h in zip(candidates, hbm_end)]
+    host_end = held_prefixes(store, [("host", c) for c in candidates], blocks, starts=ready)
+    hints = [_candidate(c, len(blocks), hbm_end[k], ready[k], due[c], blocks, host_end[k], pool_end,
+                        context.block_tokens, block_bytes, now, loads.get(c, InstanceLoad()), config)
+             for k, c in enumerate(candidates)]
+    return _rank(session_id, True, context.context_bytes, context.instance_id, hints)
+
+
+Location = tuple[Tier, str | None]
+
+
+def prefix_lookups(n: int) -> int:
+    """The most lookups `held_prefixes` makes per location for a context of n blocks."""
+    return n.bit_length()
+
+
+def held_prefixes(store: StateStore, where: Sequence[Location], blocks: Sequence[BlockHash],
+                  starts: Sequence[int] | None = None) -> list[int]:
+    """For each location, where the run of blocks it holds from its start (default 0) ends: the
+    length of the longest prefix it holds, by binary search, all locations in step (one
+    `holds_many` a round).
+
+    A block hash names its whole prefix (engines chain them), and a prefix cache serves a
+    context only up to its first missing block, so what counts is the held prefix; a search
+    takes residency to be prefix-closed (block i held: every block before it held), which an
+    engine's tail-first eviction keeps. Where it is not, the answer is the end of some held run.
+    """
+    lo = list(starts) if starts is not None else [0] * len(where)  # the run ends at lo or after...
+    hi = [len(blocks)] * len(where)  # ...and at hi or before
+    while True:
+        active = [k for k in range(len(where)) if lo[k] < hi[k]]
+        if not active:
+            return lo
+        mids = [(lo[k] + hi[k] + 1) // 2 for k in active]
+        answers = store.holds_many([(where[k][0], where[k][1], (blocks[m - 1],)) for k, m in zip(active, mids)])
+        for k, m, (yes,) in zip(active, mids, answers):
+            if yes:
+                lo[k] = m
+            else:
+                hi[k] = m - 1
+
+
+def _run(blocks: Sequence[BlockHash], start: int, due: Mapping[BlockHash, float]) -> int:
+    """How many blocks from `start` on are in open orders (the held-prefix search, over them)."""
+    if not due:
+        return 0
+    lo, hi = start, len(blocks)
+    while lo < hi:
+        m = (lo + hi + 1) // 2
+        if blocks[m - 1] in due:
+            lo = m
+        else:
+            hi = m - 1
+    return lo - start
 
 
 def _loads_from(instances: Iterable[InstanceView]) -> dict[str, InstanceLoad]:
@@ -158,37 +215,37 @@ def _wait_seconds(load: InstanceLoad, config: HintConfig) -> float:
     return load.queue_depth * config.request_seconds / max(load.running_requests or 0, 1)
 
 
-def _candidate(store: StateStore, instance_id: str, blocks: list[BlockHash], in_pool: dict[BlockHash, bool],
-               due: dict[BlockHash, float], block_tokens: int, block_bytes: int, now: float, load: InstanceLoad,
-               config: HintConfig) -> CandidateHint:
-    resident = [b for b, h in zip(blocks, store.holds("hbm", instance_id, blocks)) if h]
-    resident_set = set(resident)
-    coming = [b for b in blocks if b not in resident_set and b in due]
-    missing = [b for b in blocks if b not in resident_set and b not in due]
-    on_host = set(b for b, h in zip(missing, store.holds("host", instance_id, missing)) if h) if missing else set()
-    host_n = len(on_host)
-    pool_n = sum(1 for b in missing if b not in on_host and in_pool[b])
-    nowhere_n = len(missing) - host_n - pool_n
-    recompute_seconds = len(missing) * block_tokens / config.prefill_tokens_per_second
+def _candidate(instance_id: str, total: int, resident_n: int, ready: int, due: Mapping[BlockHash, float],
+               blocks: Sequence[BlockHash], host_end: int, pool_end: int, block_tokens: int,
+               block_bytes: int, now: float, load: InstanceLoad, config: HintConfig) -> CandidateHint:
+    # The context loads in order: HBM's prefix, then what is on its way, then the host's run
+    # from there, then the pool's prefix beyond it; from the first block held nowhere, recomputed.
+    coming_n = ready - resident_n
+    missing_n = total - ready
+    host_n = host_end - ready
+    pool_n = max(0, pool_end - max(ready, host_end))
+    nowhere_n = missing_n - host_n - pool_n
+    recompute_seconds = missing_n * block_tokens / config.prefill_tokens_per_second
     # The two links run side by side; blocks held nowhere are recomputed meanwhile.
     load_seconds = max(host_n * block_bytes / config.host_link_bytes_per_second,
                        pool_n * block_bytes / config.pool_link_bytes_per_second,
                        nowhere_n * block_tokens / config.prefill_tokens_per_second)
-    if not missing:
+    if not missing_n:
         source = "none"
-    elif recompute_seconds < load_seconds or nowhere_n == len(missing):
+    elif recompute_seconds < load_seconds or nowhere_n == missing_n:
         source, load_seconds = "recompute", recompute_seconds
     else:
         source = "+".join(name for name, n in (("host", host_n), ("pool", pool_n)) if n)
-    landing_seconds = max((due[b] - now for b in coming), default=0.0)
+    # The run on its way is at most the blocks of the open orders: bounded by them, not the context.
+    landing_seconds = max((due[blocks[i]] - now for i in range(resident_n, ready)), default=0.0)
     expected_load = max(load_seconds, landing_seconds, 0.0)
     wait = _wait_seconds(load, config)
     return CandidateHint(
-        instance_id=instance_id, resident_bytes=len(resident) * block_bytes,
-        inflight_bytes=len(coming) * block_bytes, missing_bytes=len(missing) * block_bytes, source=source,
+        instance_id=instance_id, resident_bytes=resident_n * block_bytes,
+        inflight_bytes=coming_n * block_bytes, missing_bytes=missing_n * block_bytes, source=source,
         expected_load_seconds=expected_load, queue_depth=load.queue_depth, running_requests=load.running_requests,
         expected_wait_seconds=wait, recommended=False,
-        reason=_describe(len(blocks), len(resident), len(coming), source, expected_load, load, wait))
+        reason=_describe(total, resident_n, coming_n, source, expected_load, load, wait))
 
 
 def _no_context(instance_id: str, load: InstanceLoad, config: HintConfig) -> CandidateHint:

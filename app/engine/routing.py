@@ -37,18 +37,62 @@ class SameInstanceEstimate:
 
 class RouteTracker:
     """Feeds a SameInstanceEstimate from routing events: remembers each session's last instance
-    (the most recent `max_sessions`; a session forgotten counts as a first turn)."""
+    while the store does (a session forgotten counts as a first turn).
 
-    def __init__(self, estimate: SameInstanceEstimate | None = None, *, max_sessions: int = 200_000) -> None:
+    By event time, with the store's rule (app/engine/state/base.py): a session with no event for
+    `retention_seconds` before the newest event seen is forgotten, and an event older than that
+    is ignored. The most recently active `max_sessions` are kept in any case.
+    """
+
+    def __init__(self, estimate: SameInstanceEstimate | None = None, *, max_sessions: int = 200_000,
+                 retention_seconds: float = math.inf) -> None:
+        if retention_seconds <= 0:
+            raise ValueError("retention_seconds must be positive")
         self.estimate = estimate or SameInstanceEstimate()
         self.max_sessions = max_sessions
-        self._last: dict[str, str] = {}  # oldest first
+        self.retention_seconds = retention_seconds
+        # session -> (its last instance, its last activity ts); least recently touched first.
+        self._last: dict[str, tuple[str, float]] = {}
+        self._cutoff = -math.inf
 
-    def routed(self, session_id: str, instance_id: str) -> None:
-        self.estimate.observe(self._last.pop(session_id, None), instance_id)
-        self._last[session_id] = instance_id
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def see(self, ts: float) -> None:
+        """Any event's time: moves the cutoff, and forgets what it passes (oldest first; one
+        touched out of time order waits its turn, and lookups check the cutoff meanwhile)."""
+        cutoff = ts - self.retention_seconds
+        if cutoff <= self._cutoff:
+            return
+        self._cutoff = cutoff
+        last = self._last
+        while last:
+            oldest = next(iter(last))
+            if last[oldest][1] >= cutoff:
+                break
+            del last[oldest]
+
+    def routed(self, session_id: str, instance_id: str, ts: float) -> None:
+        self.see(ts)
+        if ts < self._cutoff:
+            return  # about a past the store has forgotten
+        previous = self._last.pop(session_id, None)
+        if previous is not None and previous[1] < self._cutoff:
+            previous = None
+        self.estimate.observe(previous[0] if previous is not None else None, instance_id)
+        self._last[session_id] = (instance_id, max(ts, previous[1]) if previous is not None else ts)
         if len(self._last) > self.max_sessions:
             del self._last[next(iter(self._last))]
 
-    def closed(self, session_id: str) -> None:
+    def touched(self, session_id: str, ts: float) -> None:
+        """Another event of the session (started, finished): it is still active."""
+        self.see(ts)
+        entry = self._last.get(session_id)
+        if entry is not None and ts > entry[1] and entry[1] >= self._cutoff:
+            del self._last[session_id]
+            self._last[session_id] = (entry[0], ts)
+
+    def closed(self, session_id: str, ts: float | None = None) -> None:
+        if ts is not None:
+            self.see(ts)
         self._last.pop(session_id, None)

@@ -36,10 +36,14 @@ def test_pull_reads_orders_and_cancels_for_its_instance() -> None:
             "cancelled": ["o0"]})
 
     source = PullSource("http://kvp", "gpu-3", limit=7, transport=httpx.MockTransport(service),
-                        sleep=lambda s: pytest.fail("slept though orders came"))
+                        sleep=lambda s: pytest.fail("slept though orders came"), agent="a-1")
     got = source.poll(1.0)
     assert seen[0].url.path == "/v1/orders"
-    assert dict(seen[0].url.params) == {"instance_id": "gpu-3", "limit": "7"}
+    assert dict(seen[0].url.params) == {"instance_id": "gpu-3", "limit": "7", "agent": "a-1"}
+    assert source.held() == ["o1"]  # held until acked: its lease is renewed meanwhile
+    source.ack(got[:1])
+    assert source.held() == []
+    source.close()
     assert [type(d.message).__name__ for d in got] == ["Order", "NoneType", "Cancel"]
     assert got[0].message.block_hashes == [1, 2] and got[2].message.order_id == "o0"
     assert got[1].error

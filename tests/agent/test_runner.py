@@ -271,6 +271,9 @@ def test_pulled_orders_repeated_by_their_lease_run_once(tmp_path: Path) -> None:
     pulls = []
 
     def service(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/orders/renew":  # before a start: still ours
+            ids = orjson.loads(request.content)["order_ids"]
+            return httpx.Response(200, json={"renewed": ids, "lost": [], "lease_seconds": 30.0})
         pulls.append(rig.clock.now)
         # A lease runs out on every pull here: the same orders come back each time, until the
         # service sees them cancelled.
@@ -297,3 +300,74 @@ def test_a_prefetch_with_a_ttl_holds_what_landed(rig: Rig) -> None:
     rig.agent.run_once()
     assert rig.buffer.pinned_bytes(rig.clock.now) == 2 * BLOCK_BYTES
     assert rig.buffer.pinned_bytes(rig.clock.now + 61.0) == 0
+
+
+def test_a_pulled_order_behind_a_transfer_that_outlasts_its_lease_is_not_handed_to_a_second_agent(
+        tmp_path: Path) -> None:
+    """Real time, a real PullQueue behind the HTTP seam: agent A pulls two orders with a 1 s lease
+    and runs the first for 3.5 s; its lease renewal (a thread) keeps the second, so agent B's pull
+    in the middle of the transfer gets nothing, and A runs each order once."""
+    import threading
+    import time
+
+    import httpx
+    import orjson
+
+    from app.agent.consumer import PullSource
+    from app.engine.events import OrderProgress
+    from app.engine.orders import Order
+    from app.engine.sinks import PullQueue
+
+    lease, transfer_seconds = 1.0, 3.5
+    queue = PullQueue(lease_seconds=lease)
+    lock = threading.Lock()
+
+    def service(request: httpx.Request) -> httpx.Response:
+        with lock:
+            if request.url.path == "/v1/orders":
+                p = request.url.params
+                got = queue.lease(p["instance_id"], int(p["limit"]), time.monotonic(), p.get("agent"))
+                return httpx.Response(200, content=got.to_json())
+            body = orjson.loads(request.content)
+            renewed, lost = queue.renew(body["instance_id"], body["agent"], body["order_ids"], time.monotonic())
+            return httpx.Response(200, json={"renewed": renewed, "lost": lost, "lease_seconds": lease})
+
+    class Reporter(FakeReporter):
+        def send(self, event: object) -> None:
+            super().send(event)  # type: ignore[arg-type]
+            if isinstance(event, OrderProgress):
+                with lock:
+                    queue.observe([event])  # the service hears of it at once
+
+    b_got: list[list[str]] = []
+    b = PullSource("http://kvp", "gpu-0", transport=httpx.MockTransport(service), agent="B")
+
+    class SlowPool(PoolDir):
+        def read(self, h: object) -> bytes:
+            if h == 1:  # the first order's block: a transfer three leases long
+                time.sleep(transfer_seconds)
+                b_got.append([d.message.order_id for d in b.poll(0) if d.message is not None])
+            return super().read(h)  # type: ignore[arg-type]
+
+    pool = SlowPool(tmp_path / "pool")
+    for h in (1, 2):
+        pool.write(h, bytes([h]) * BLOCK_BYTES)
+    now = time.monotonic()
+    queue.submit_nowait([Order(order_id=f"o{h}", kind="prefetch", instance_id="gpu-0", source_tier="pool",
+                               block_hashes=[h], size_bytes=BLOCK_BYTES, created_ts=now, start_by_ts=now,
+                               needed_by_ts=now + 60.0, priority=2.0 - h) for h in (1, 2)])
+    reporter = Reporter()
+    a = Agent(instance_id="gpu-0", source=PullSource("http://kvp", "gpu-0", transport=httpx.MockTransport(service),
+                                                     agent="A"),
+              pool=pool, buffer=HbmBuffer(8 * BLOCK_BYTES), reporter=reporter, clock=time.monotonic,
+              start_margin_seconds=MARGIN, poll_seconds=0.01)
+    try:
+        a.run_once()
+    finally:
+        a.source.close()
+        b.close()
+    print(f"\nB pulled {b_got} {transfer_seconds} s into A's transfer (lease {lease} s); "
+          f"A renewed {queue.stats['renewed']} times")
+    assert b_got == [[]]
+    assert reporter.progress() == [("o1", "accepted"), ("o1", "completed"), ("o2", "accepted"), ("o2", "completed")]
+    assert queue.stats["lost"] == 0 and queue.stats["leased"] == 2

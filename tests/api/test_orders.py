@@ -141,8 +141,38 @@ def test_the_sink_is_closed_at_shutdown_unless_it_was_injected(settings: Setting
 
 def test_the_endpoint_is_in_the_openapi_schema(client: TestClient) -> None:
     op = client.get("/openapi.json").json()["paths"]["/v1/orders"]["get"]
-    assert {p["name"] for p in op["parameters"]} == {"instance_id", "limit"}
+    assert {p["name"] for p in op["parameters"]} == {"instance_id", "limit", "agent"}
     assert set(op["responses"]) == {"200", "401", "403", "408", "409", "413", "415", "422", "429", "503"}
+    renew = client.get("/openapi.json").json()["paths"]["/v1/orders/renew"]["post"]
+    assert set(renew["responses"]) == {"200", "400", "401", "403", "408", "409", "413", "415", "422", "429", "503"}
+
+
+def renew(client: TestClient, agent: str, *order_ids: str) -> tuple[list[str], list[str]]:
+    r = client.post("/v1/orders/renew", json={"instance_id": "gpu-0", "agent": agent, "order_ids": list(order_ids)})
+    assert r.status_code == 200, r.text
+    assert r.json()["lease_seconds"] == 30.0
+    return r.json()["renewed"], r.json()["lost"]
+
+
+def test_an_agent_renewing_its_leases_keeps_its_orders_from_a_second_agent(client: TestClient, clock: ManualClock,
+                                                                         settings: Settings) -> None:
+    queue_of(client).submit_nowait([order("a", needed_by_ts=1000.0), order("b", needed_by_ts=1000.0)])
+    r = client.get("/v1/orders", params={"instance_id": "gpu-0", "agent": "A"})
+    assert r.json()["lease_seconds"] == settings.order_lease_seconds and len(r.json()["orders"]) == 2
+    for _ in range(5):  # three leases' time, renewed every half lease
+        clock.advance(settings.order_lease_seconds / 2)
+        assert renew(client, "A", "a", "b") == (["a", "b"], [])
+        assert client.get("/v1/orders", params={"instance_id": "gpu-0", "agent": "B"}).json()["orders"] == []
+    # A stops renewing: once its lease has run out, B gets them, and A's renewal finds them lost.
+    clock.advance(settings.order_lease_seconds)
+    assert len(client.get("/v1/orders", params={"instance_id": "gpu-0", "agent": "B"}).json()["orders"]) == 2
+    assert renew(client, "A", "a", "b", "never") == ([], ["a", "b", "never"])
+    assert renew(client, "B", "a") == (["a"], [])
+
+
+def test_a_renewal_is_422_naming_a_bad_field(client: TestClient) -> None:
+    r = client.post("/v1/orders/renew", json={"instance_id": "gpu-0", "order_ids": ["a"]})
+    assert (r.status_code, r.json()) == (422, {"detail": "agent is required", "field": "agent"})
 
 
 

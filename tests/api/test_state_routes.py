@@ -45,6 +45,27 @@ def test_instances_and_locations(client: TestClient) -> None:
     assert [(loc["location"], loc["blocks"]) for loc in locations] == [("hbm@gpu-0", 2), ("pool", 1)]
 
 
+def test_instances_come_in_pages_by_id(client: TestClient) -> None:
+    client.post("/v1/events", json={"events": [
+        {"type": "instance_status", "event_id": f"i{k}", "ts": 1.0, "instance_id": f"gpu-{k}", "free_kv_bytes": k}
+        for k in (4, 0, 3, 1, 2)]})
+    seen, cursor, pages = [], None, 0
+    while True:
+        body = client.get("/v1/instances", params={"limit": 2, **({"cursor": cursor} if cursor else {})}).json()
+        pages += 1
+        seen += [i["instance_id"] for i in body["instances"]]
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    assert (seen, pages) == ([f"gpu-{k}" for k in range(5)], 3)
+    assert client.get("/v1/instances").json()["next_cursor"] is None  # 100 by default: one page
+    r = client.get("/v1/instances", params={"limit": 1001})
+    assert (r.status_code, r.json()) == (422, {
+        "detail": "the query parameter limit: Input should be less than or equal to 1000", "field": "limit"})
+    paged = client.get("/openapi.json").json()["paths"]["/v1/instances"]["get"]
+    assert {p["name"] for p in paged["parameters"]} == {"limit", "cursor"}
+
+
 def test_health_and_readiness(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")

@@ -156,3 +156,28 @@ def test_history_and_sessions_are_bounded() -> None:
     assert ledger.stats("live").unscored == 1
     ledger.record("live", [advice("b"), advice("c"), advice("d")], 10.0)
     assert [ledger.latest("live", s) is not None for s in "bcd"] == [False, True, True]
+
+
+def _finished(session_id: str, ts: float) -> Event:
+    return event_adapter.validate_python({
+        "type": "request_finished", "event_id": f"e{next(_ids)}", "ts": ts, "session_id": session_id,
+        "request_id": "r", "instance_id": "gpu-0", "output_tokens": 1})
+
+
+def _status(ts: float) -> Event:
+    return event_adapter.validate_python({"type": "instance_status", "event_id": f"e{next(_ids)}", "ts": ts,
+                                          "instance_id": "gpu-9", "free_kv_bytes": 1})
+
+
+def test_a_session_the_store_forgot_is_forgotten_here_by_event_time() -> None:
+    ledger = AdviceLedger(retention_seconds=100.0)
+    ledger.observe([_finished("a", 10.0)])
+    ledger.record("live", [advice("a")], 11.0)
+    ledger.record("live", [advice(f"s{i}") for i in range(1000)], 11.0)
+    ledger.observe([_finished("a", 50.0)])  # a is active at 50
+    ledger.observe([_status(150.0)])  # cutoff 50: a stays, every s* (advised at 11) goes
+    assert ledger.latest("live", "a") is not None and ledger.tracked("live") == 1
+    ledger.observe([_status(151.0)])  # cutoff 51: a is forgotten, as in the store
+    assert ledger.latest("live", "a") is None
+    ledger.observe([routed("a", 152.0)])
+    assert ledger.stats("live") == LedgerStats(1001, 1001, 0, 0, 1)  # unscored: its advice went with it

@@ -173,3 +173,29 @@ def test_bad_candidates_and_config() -> None:
         route_hint(store, "s", ["gpu-0", "gpu-0"], 0.0, config=CONFIG)
     with pytest.raises(ValueError, match="request_seconds must be positive"):
         HintConfig(bytes_per_token=1, request_seconds=0.0)
+
+
+def test_the_worst_hint_costs_log_n_lookups_per_location_not_the_context() -> None:
+    """65,536 blocks over 64 candidates: bounded by counting the blocks looked up, not by time."""
+    from bench.hints import CountingStore, build
+
+    store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
+    n, candidates = 65_536, build(store, 65_536, 64)
+    counting = CountingStore(store)
+    hint = route_hint(counting, "s", candidates, 10.0, config=CONFIG)  # type: ignore[arg-type]
+    locations = 1 + 2 * len(candidates)  # the pool, and each candidate's HBM and host
+    print(f"\n{counting.blocks_looked_up} blocks looked up in {counting.calls} calls "
+          f"(bound {locations * n.bit_length()}; the whole context per location: {locations * n})")
+    assert counting.blocks_looked_up <= locations * n.bit_length() == locations * 17
+    # Every candidate holds the first half in HBM and the next quarter on host.
+    first = hint.candidates[0]
+    assert (first.resident_bytes, first.source) == (n // 2 * BLOCK, "host+pool")
+    assert first.missing_bytes == n // 2 * BLOCK
+
+
+def test_only_the_held_prefix_counts() -> None:
+    # Block 2 is missing from gpu-0's HBM: blocks 3 and after are of no use there (a prefix cache
+    # stops at the first miss), so they load like the rest.
+    store = store_with(hbm={"gpu-0": [0, 1, 3]})
+    (zero,) = route_hint(store, "s", ["gpu-0"], 10.0, config=CONFIG).candidates
+    assert (zero.resident_bytes, zero.missing_bytes) == (2 * BLOCK, 2 * BLOCK)

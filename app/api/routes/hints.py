@@ -13,7 +13,9 @@ from app.engine.events import Ident
 from app.engine.hints import HintConfig, route_hint
 
 # A router asks about the instances it could pick; a fleet larger than this is asked in parts.
-MAX_CANDIDATES = 256
+# A hint costs about log2(context blocks) residency lookups per candidate (app/engine/hints.py),
+# so this bounds the time one hint holds the event loop.
+MAX_CANDIDATES = 64
 
 router = APIRouter(tags=["routing"], route_class=field_error_route(body_error))
 
@@ -87,7 +89,7 @@ def hint_config(settings: Settings) -> HintConfig:
     response_model=RouteHintResponse,
     responses={400: {"model": Error, "description": "The body is not JSON."},
                422: {"model": Error, "description": "A field is missing or bad: no candidates, a candidate "
-                                                    "twice, more than 256, an id out of bounds."}},
+                                                    "twice, more than 64, an id out of bounds."}},
     summary="Which candidate instance to route a session's next request to",
 )
 async def post_route_hint(body: RouteHintRequest, request: Request, store: StoreDep, settings: SettingsDep,

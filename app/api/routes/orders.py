@@ -1,14 +1,16 @@
-"""GET /v1/orders: transfer agents pull their instance's orders from the pull sink."""
+"""GET /v1/orders: transfer agents pull their instance's orders from the pull sink, and
+POST /v1/orders/renew: they keep the leases of what they hold."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from app.api.deps import ClockDep, OrderSinkDep, SettingsDep
-from app.api.errors import Error, error_response, field_error_route
+from app.api.errors import Error, body_error, error_response, field_error_route
+from app.engine.events import Ident
 from app.engine.orders import Order
 from app.engine.sinks import PullQueue
 
@@ -16,7 +18,9 @@ MAX_LIMIT = 1000
 
 
 def _query_error(request: Request, error: dict[str, Any]) -> Response:
-    """A bad query parameter, named."""
+    """A bad query parameter, or body field, named."""
+    if error["loc"] and error["loc"][0] == "body":
+        return body_error(request, error)
     name = str(error["loc"][-1])
     message = (f"the query parameter {name} is required" if error["type"] == "missing"
                else f"{name}: {error['msg']}")
@@ -29,6 +33,28 @@ router = APIRouter(tags=["orders"], route_class=field_error_route(_query_error))
 class OrdersResponse(BaseModel):
     orders: list[Order]
     cancelled: list[str]
+    lease_seconds: float = Field(description="How long the orders are leased: renew well within it "
+                                             "(POST /v1/orders/renew) while holding them")
+
+
+class RenewRequest(BaseModel):
+    model_config = {"extra": "forbid"}
+
+    instance_id: Ident
+    agent: Ident = Field(description="The name the agent leased them under (GET /v1/orders?agent=)")
+    order_ids: list[Ident] = Field(max_length=MAX_LIMIT, description="Orders the agent holds, not finished")
+
+
+class RenewResponse(BaseModel):
+    renewed: list[str] = Field(description="Still this agent's: leased for lease_seconds more")
+    lost: list[str] = Field(description="Gone, or leased to another agent since: do not start them")
+    lease_seconds: float
+
+
+def _not_pull(settings: SettingsDep, route: str) -> Response:
+    return error_response(409, "order_sink",
+                          f"orders go to the {settings.order_sink} sink (KVP_ORDER_SINK); "
+                          f"{route} serves only the pull sink (KVP_ORDER_SINK=pull)")
 
 
 @router.get(
@@ -45,13 +71,35 @@ async def get_orders(
     instance_id: Annotated[str, Query(min_length=1, max_length=256,
                                       description="The instance whose orders to lease")],
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="The most orders to hand out")] = 100,
+    agent: Annotated[str | None, Query(min_length=1, max_length=256,
+                                       description="The agent's name, to renew the leases under")] = None,
 ) -> Response:
     """Orders for the instance not leased yet or whose lease ran out (leased now for
-    KVP_ORDER_LEASE_SECONDS; report `order_progress` `accepted` to keep them), and the ids of its
-    orders cancelled since its last pull. Served only when KVP_ORDER_SINK is `pull`."""
+    KVP_ORDER_LEASE_SECONDS, to `agent`: renew them while holding them, and report
+    `order_progress` `accepted` when one starts), and the ids of its orders cancelled since its
+    last pull. Served only when KVP_ORDER_SINK is `pull`."""
     if not isinstance(sink, PullQueue):
-        return error_response(409, "order_sink",
-                              f"orders go to the {settings.order_sink} sink (KVP_ORDER_SINK); "
-                              "GET /v1/orders serves only the pull sink (KVP_ORDER_SINK=pull)")
-    lease = sink.lease(instance_id, limit, clock.now())
+        return _not_pull(settings, "GET /v1/orders")
+    lease = sink.lease(instance_id, limit, clock.now(), agent)
     return Response(lease.to_json(), media_type="application/json")
+
+
+@router.post(
+    "/orders/renew",
+    response_model=RenewResponse,
+    responses={400: {"model": Error, "description": "The body is not JSON."},
+               409: {"model": Error, "description": "The configured order sink is not the pull queue."},
+               422: {"model": Error, "description": "A body field is missing or out of range."}},
+    summary="Keep the leases of orders an agent holds",
+)
+async def renew_orders(body: RenewRequest, sink: OrderSinkDep, settings: SettingsDep, clock: ClockDep) -> Response:
+    """For each order: leased to `agent` for KVP_ORDER_LEASE_SECONDS more (`renewed`; a started
+    order needs no lease and is renewed as it is), or `lost` (done, cancelled, expired, unknown,
+    or leased to another agent after this one's lease ran out): the agent must not start a lost
+    order. An agent renews what it holds a third of a lease apart, so a long transfer, or orders
+    waiting behind one, are not handed to a second agent."""
+    if not isinstance(sink, PullQueue):
+        return _not_pull(settings, "POST /v1/orders/renew")
+    renewed, lost = sink.renew(body.instance_id, body.agent, body.order_ids, clock.now())
+    return Response(RenewResponse(renewed=renewed, lost=lost, lease_seconds=sink.lease_seconds)
+                    .model_dump_json(), media_type="application/json")

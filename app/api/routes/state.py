@@ -8,25 +8,29 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Path, Request, Response
-from pydantic import BaseModel
+from fastapi import APIRouter, Path, Query, Request, Response
+from pydantic import BaseModel, Field
 
 from app.api.deps import StoreDep
 from app.api.errors import Error, error_response, field_error_route
 from app.engine.state.base import InstanceView, LocationView, SessionView
 
 
-def _path_error(request: Request, error: dict[str, Any]) -> Response:
-    """A bad path parameter, named."""
+def _param_error(request: Request, error: dict[str, Any]) -> Response:
+    """A bad path or query parameter, named."""
     name = str(error["loc"][-1])
-    return error_response(422, name, f"the path parameter {name}: {error['msg']}")
+    return error_response(422, name, f"the {error['loc'][0]} parameter {name}: {error['msg']}")
 
 
-router = APIRouter(tags=["state"], route_class=field_error_route(_path_error))
+router = APIRouter(tags=["state"], route_class=field_error_route(_param_error))
+
+# The most instances one page of GET /v1/instances answers: a page costs its own instances only.
+MAX_INSTANCES_PAGE = 1000
 
 
 class InstancesResponse(BaseModel):
-    instances: list[InstanceView]
+    instances: list[InstanceView] = Field(description="Up to `limit` instances, by id")
+    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null: this was the last")
 
 
 class LocationsResponse(BaseModel):
@@ -44,9 +48,20 @@ async def get_session(session_id: Annotated[str, Path(min_length=1, max_length=2
     return view
 
 
-@router.get("/instances", response_model=InstancesResponse)
-async def get_instances(store: StoreDep) -> InstancesResponse:
-    return InstancesResponse(instances=store.instances())
+@router.get("/instances", response_model=InstancesResponse,
+            responses={422: {"model": Error, "description": "`limit` or `cursor` is out of range."}})
+async def get_instances(
+    store: StoreDep,
+    limit: Annotated[int, Query(ge=1, le=MAX_INSTANCES_PAGE, description="The most instances to answer")] = 100,
+    cursor: Annotated[str | None, Query(min_length=1, max_length=256,
+                                        description="The previous page's `next_cursor`")] = None,
+) -> InstancesResponse:
+    """Instances by id, a page at a time: each one's last status and the blocks and bytes it holds
+    per tier. Follow `next_cursor` until it is null."""
+    page = store.instances(after=cursor, limit=limit + 1)  # one more: is there a next page?
+    more = len(page) > limit
+    page = page[:limit]
+    return InstancesResponse(instances=page, next_cursor=page[-1].instance_id if more else None)
 
 
 @router.get("/locations", response_model=LocationsResponse)

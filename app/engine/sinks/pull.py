@@ -10,6 +10,11 @@ An order's life here:
 - **pending**: submitted, handed out by `lease()` at most `limit` at a time, highest `priority`
   first, then earliest `start_by_ts`, then oldest. A lease lasts `lease_seconds`; an order whose
   lease ran out without word from the agent is handed out again (at least once: run an id once).
+  An agent that names itself (`agent`) keeps what it leased by `renew()` while it holds it
+  (waiting for its start, or behind a long transfer): the reference agent renews a third of
+  a lease apart, so only an agent that stopped renewing (dead, or cut off) loses its orders. A
+  renewal of an order another agent has leased since, or that is gone, is refused: the order is
+  `lost` to the renewing agent, which must not start it.
 - **started**: an `order_progress` event with status `accepted` arrived. It is never handed out
   again, lease or not; if the agent dies mid-transfer, no completion comes: the scheduler gives
   the order up `overdue_seconds` past its needed_by and may plan its blocks again (a new
@@ -52,6 +57,7 @@ class _Held:
     order: Order
     seq: int
     leased_until: float | None = None
+    holder: str | None = None  # the agent that leased it last, when it said
     started: bool = False
     cancelled: bool = False
 
@@ -62,11 +68,14 @@ class Lease:
 
     orders: list[Order] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
+    lease_seconds: float | None = None
 
     def to_json(self) -> bytes:
-        """`{"orders": [...], "cancelled": [...]}`, each order exactly its `Order.to_json()`."""
+        """`{"orders": [...], "cancelled": [...], "lease_seconds": s}`, each order exactly its
+        `Order.to_json()` (no `lease_seconds` where None)."""
+        tail = b',"lease_seconds":' + orjson.dumps(self.lease_seconds) if self.lease_seconds is not None else b""
         return (b'{"orders":[' + b",".join(o.to_json() for o in self.orders) + b'],"cancelled":'
-                + orjson.dumps(self.cancelled) + b"}")
+                + orjson.dumps(self.cancelled) + tail + b"}")
 
 
 class PullQueue:
@@ -88,7 +97,8 @@ class PullQueue:
         self._orders = RecentIds(dedupe_seconds, clock=clock)
         self._seq = 0
         self._closed = False
-        self.stats = {"submitted": 0, "leased": 0, "cancelled": 0, "started": 0, "done": 0, "expired": 0}
+        self.stats = {"submitted": 0, "leased": 0, "renewed": 0, "lost": 0, "cancelled": 0, "started": 0,
+                      "done": 0, "expired": 0}
 
     async def submit(self, orders: Sequence[Order]) -> list[str]:
         return self.submit_nowait(orders)
@@ -135,9 +145,10 @@ class PullQueue:
         self.stats["cancelled"] += len(done)
         return done
 
-    def lease(self, instance_id: str, limit: int, now: float) -> Lease:
+    def lease(self, instance_id: str, limit: int, now: float, agent: str | None = None) -> Lease:
         """Up to `limit` orders for `instance_id` not leased or whose lease ran out, leased until
-        `now + lease_seconds`; and every cancel for it not reported yet."""
+        `now + lease_seconds` (to `agent`, which may renew them); and every cancel for it not
+        reported yet."""
         self._check_open()
         self._expire(now)
         queue = self._by_instance.get(instance_id, {})
@@ -146,9 +157,33 @@ class PullQueue:
         free.sort(key=lambda h: (-h.order.priority, h.order.start_by_ts, h.seq))
         chosen = free[:limit]
         for h in chosen:
-            h.leased_until = now + self.lease_seconds
+            h.leased_until, h.holder = now + self.lease_seconds, agent
         self.stats["leased"] += len(chosen)
-        return Lease([h.order for h in chosen], list(self._to_report.pop(instance_id, {})))
+        return Lease([h.order for h in chosen], list(self._to_report.pop(instance_id, {})), self.lease_seconds)
+
+    def renew(self, instance_id: str, agent: str, order_ids: Sequence[str], now: float) -> tuple[list[str], list[str]]:
+        """Extend `agent`'s leases of `order_ids` to `now + lease_seconds`: (renewed, lost).
+
+        Renewed: still this agent's (its lease may have run out, if nobody leased it since), or
+        started (it needs no lease). Lost: gone (done, cancelled, expired, unknown, another
+        instance's) or leased to another agent since: the caller must not start it."""
+        self._check_open()
+        self._expire(now)
+        renewed, lost = [], []
+        for order_id in dict.fromkeys(order_ids):
+            held = self._held(order_id)
+            if held is None or held.order.instance_id != instance_id or held.cancelled:
+                lost.append(order_id)
+            elif held.started:
+                renewed.append(order_id)
+            elif held.holder != agent or held.leased_until is None:
+                lost.append(order_id)
+            else:
+                held.leased_until = max(held.leased_until, now + self.lease_seconds)
+                renewed.append(order_id)
+        self.stats["renewed"] += len(renewed)
+        self.stats["lost"] += len(lost)
+        return renewed, lost
 
     def observe(self, events: Sequence[Event]) -> None:
         """The ingest observer: order_progress moves an order to started or done."""

@@ -18,6 +18,9 @@ order they arrive in (tests/engine/state/test_store_contract.py checks them on e
   before `ts` and makes older stores of that location no-ops.
 - Instance status and order progress: last writer wins by `ts`; an order's terminal status
   (completed, failed) beats `accepted` whatever the timestamps.
+- Orders are forgotten like sessions: an order whose newest progress event is older than the
+  newest event ts minus the session retention is gone (`order()` None, not counted), and an
+  order_progress event older than that is ignored.
 - Counters (turns) count events, so they rely on event-id idempotency: a resent event with the
   same `event_id` is never applied twice.
 - Listing: `live_sessions` orders by (last activity ts, session id), both descending, and
@@ -112,6 +115,22 @@ class LocationView(_View):
     cleared_ts: float | None
 
 
+@dataclass(frozen=True, slots=True)
+class SessionContext:
+    """What a route hint needs of a session, without the residency count a SessionView costs:
+    its context's block hashes (the store's own sequence: read it, never change it)."""
+
+    session_id: str
+    instance_id: str | None
+    context_bytes: int
+    block_hashes: Sequence[BlockHash]
+    block_tokens: int
+
+
+# One residency question: does (tier, instance) hold each of these blocks?
+HoldsQuery = tuple[Tier, str | None, Sequence[BlockHash]]
+
+
 # Where a listing of live sessions stopped: the (last_activity_ts, session_id) of its last session.
 SessionCursor = tuple[float, str]
 
@@ -141,6 +160,11 @@ class StateStore(Protocol):
 
     def session(self, session_id: str) -> SessionView | None: ...
 
+    def context(self, session_id: str) -> SessionContext | None:
+        """The session's context for a route hint (None where `session()` is None); costs one
+        read, whatever the length of the context."""
+        ...
+
     def live_sessions(self, limit: int, *, before: SessionCursor | None = None,
                       active_since_ts: float | None = None) -> list[SessionView]:
         """Up to `limit` sessions that are not closed, most recently active first.
@@ -152,12 +176,21 @@ class StateStore(Protocol):
         """
         ...
 
-    def instances(self) -> list[InstanceView]: ...
+    def instances(self, *, after: str | None = None, limit: int | None = None,
+                  ids: Sequence[str] | None = None) -> list[InstanceView]:
+        """Instances by id: all of them, or up to `limit` whose id is greater than `after` (a
+        page: pass the last id of the previous one), or those of `ids` the store knows. A page
+        costs its own instances, not the fleet's."""
+        ...
 
     def locations(self) -> list[LocationView]: ...
 
     def holds(self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]) -> list[bool]:
         """For each block, whether the location holds it now."""
+        ...
+
+    def holds_many(self, queries: Sequence[HoldsQuery]) -> list[list[bool]]:
+        """`holds` for each query, in one round trip."""
         ...
 
     def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:

@@ -34,7 +34,9 @@ from app.engine.state.base import (
     LocationView,
     LogPosition,
     OrderView,
+    HoldsQuery,
     RequestView,
+    SessionContext,
     SessionCursor,
     SessionView,
     location_name,
@@ -42,6 +44,10 @@ from app.engine.state.base import (
 
 _NONE = -1.0  # "no timestamp": every real ts is >= 0
 _ORDER_RANK = {"accepted": 0, "completed": 1, "failed": 1}
+# An order's record: (rank, status ts, status, bytes, seconds, reason, last activity ts); the
+# first three decide which progress event wins, the last when the order is forgotten.
+_OrderRecord = tuple[int, float, str, "int | None", "float | None", "str | None", float]
+_INSTANCE_TIERS = ("hbm", "host", "disk")
 
 
 class _Request:
@@ -252,7 +258,13 @@ class MemoryStore:
         self._seconds: list[int] = []
         self._instances: dict[str, _Instance] = {}
         self._locations: dict[tuple[str, str | None], _Location] = {}
-        self._orders: dict[str, tuple[int, float, str, int | None, float | None, str | None]] = {}
+        self._orders: dict[str, _OrderRecord] = {}
+        # Orders by the whole second of their last activity, and those seconds in order: what
+        # expiry reads oldest first (the sessions' index, for orders).
+        self._orders_by_second: dict[int, set[str]] = {}
+        self._order_seconds: list[int] = []
+        # Instance ids in order, for the pages of instances().
+        self._instance_ids: list[str] = []
         self._checkpoints: dict[str, LogPosition] = {}
         self._apply_one = {
             "request_routed": self._routed,
@@ -302,7 +314,38 @@ class MemoryStore:
                 self._dying = set()  # set.pop never shrinks the table: let the emptied one go
         if self._seconds and self._seconds[0] + 1 <= self._cutoff:
             self._expire_sessions()
+        if self._order_seconds and self._order_seconds[0] + 1 <= self._cutoff:
+            self._expire_orders()
         return out
+
+    def _expire_orders(self) -> None:
+        """_expire_sessions for orders: forget those last active in a whole second before the
+        cutoff's."""
+        seconds, by_second, orders = self._order_seconds, self._orders_by_second, self._orders
+        n = bisect.bisect_right(seconds, math.floor(self._cutoff) - 1)
+        for second in seconds[:n]:
+            for order_id in by_second.pop(second):
+                del orders[order_id]
+        del seconds[:n]
+
+    def _index_order(self, order_id: str, old_ts: float | None, ts: float) -> None:
+        """Move an order to the second of its new last activity."""
+        by_second, seconds = self._orders_by_second, self._order_seconds
+        if old_ts is not None:
+            old = int(old_ts)
+            if old == int(ts):
+                return
+            members = by_second[old]
+            members.discard(order_id)
+            if not members:
+                del by_second[old]
+                del seconds[bisect.bisect_left(seconds, old)]
+        second = int(ts)
+        members = by_second.get(second)
+        if members is None:
+            members = by_second[second] = set()
+            bisect.insort(seconds, second)
+        members.add(order_id)
 
     def _expire_sessions(self) -> None:
         """Forget every session whose whole second of last activity is before the cutoff; the
@@ -364,10 +407,15 @@ class MemoryStore:
             bisect.insort(self._seconds, second)
         members.add(session_id)
 
+    def _new_instance(self, instance_id: str, ts: float) -> _Instance:
+        i = self._instances[instance_id] = _Instance(ts)
+        bisect.insort(self._instance_ids, instance_id)
+        return i
+
     def _instance(self, instance_id: str, ts: float) -> _Instance:
         i = self._instances.get(instance_id)
         if i is None:
-            i = self._instances[instance_id] = _Instance(ts)
+            i = self._new_instance(instance_id, ts)
         elif ts > i.last_seen_ts:
             i.last_seen_ts = ts
         return i
@@ -383,7 +431,7 @@ class MemoryStore:
         if s is None or s.last_ts < self._cutoff or ts < self._cutoff:
             instance = self._instances.get(e.instance_id)
             if instance is None:
-                self._instances[e.instance_id] = _Instance(ts)
+                self._new_instance(e.instance_id, ts)
             elif ts > instance.last_seen_ts:
                 instance.last_seen_ts = ts
             s = self._session(e.session_id, ts)
@@ -402,7 +450,7 @@ class MemoryStore:
             s.first_ts = ts
         instance = self._instances.get(e.instance_id)
         if instance is None:
-            self._instances[e.instance_id] = _Instance(ts)
+            self._new_instance(e.instance_id, ts)
         elif ts > instance.last_seen_ts:
             instance.last_seen_ts = ts
         if ts >= s.instance_ts:
@@ -503,26 +551,53 @@ class MemoryStore:
             i.queue_depth, i.running_requests = e.queue_depth, e.running_requests
 
     def _order(self, e: OrderProgress) -> None:
-        new = (_ORDER_RANK[e.status], e.ts, e.status, e.bytes, e.seconds, e.reason)
-        old = self._orders.get(e.order_id)
-        if old is None or new[:3] > old[:3]:
-            self._orders[e.order_id] = new
+        ts, order_id = e.ts, e.order_id
+        if ts < self._cutoff:
+            return  # about a past the store has forgotten, as for sessions
+        orders = self._orders
+        old = orders.get(order_id)
+        if old is not None and old[6] < self._cutoff:
+            self._forget_order(order_id, old[6])  # forgotten: this event starts it afresh
+            old = None
+        if old is None:
+            orders[order_id] = (_ORDER_RANK[e.status], ts, e.status, e.bytes, e.seconds, e.reason, ts)
+            self._index_order(order_id, None, ts)
+            return
+        last = ts if ts > old[6] else old[6]
+        new: _OrderRecord = (_ORDER_RANK[e.status], ts, e.status, e.bytes, e.seconds, e.reason, last)
+        if new[:3] > old[:3]:
+            orders[order_id] = new
+        elif last != old[6]:
+            orders[order_id] = old[:6] + (last,)
+        if last != old[6]:
+            self._index_order(order_id, old[6], last)
+
+    def _forget_order(self, order_id: str, last_ts: float) -> None:
+        del self._orders[order_id]
+        second = int(last_ts)
+        members = self._orders_by_second[second]
+        members.discard(order_id)
+        if not members:
+            del self._orders_by_second[second]
+            del self._order_seconds[bisect.bisect_left(self._order_seconds, second)]
 
     # -- reads -----------------------------------------------------------------------------
+
+    def context(self, session_id: str) -> SessionContext | None:
+        s = self._live(session_id)
+        if s is None:
+            return None
+        # s.blocks is replaced, never changed in place: handing it out is safe.
+        return SessionContext(session_id=session_id, instance_id=s.instance_id,
+                              context_bytes=_context_tokens(s.latest()) * self.bytes_per_token,
+                              block_hashes=s.blocks, block_tokens=s.block_tokens or self.block_tokens)
 
     def session(self, session_id: str) -> SessionView | None:
         s = self._live(session_id)
         if s is None:
             return None
         latest = s.latest()
-        if latest is None:
-            context_tokens = 0
-        elif latest.finished_ts >= 0 and latest.context_tokens >= 0:
-            context_tokens = latest.context_tokens
-        elif latest.finished_ts >= 0 and latest.prompt_tokens >= 0:
-            context_tokens = latest.prompt_tokens + latest.output_tokens
-        else:
-            context_tokens = max(latest.prompt_tokens, 0)
+        context_tokens = _context_tokens(latest)
         resident: dict[str, int] = {}
         if s.blocks:
             for (tier, instance_id), loc in self._locations.items():
@@ -577,25 +652,31 @@ class MemoryStore:
                     break
         return [self.session(session_id) for session_id in found]  # type: ignore[misc]
 
-    def instances(self) -> list[InstanceView]:
-        per_instance: dict[str, dict[str, int]] = {}
-        per_instance_bytes: dict[str, dict[str, int]] = {}
-        for (tier, instance_id), loc in self._locations.items():
-            if instance_id is None:
-                continue
-            per_instance.setdefault(instance_id, {})[tier] = len(loc.present)
-            per_instance_bytes.setdefault(instance_id, {})[tier] = (
-                len(loc.present) * loc.block_tokens * self.bytes_per_token)
+    def instances(self, *, after: str | None = None, limit: int | None = None,
+                  ids: Sequence[str] | None = None) -> list[InstanceView]:
+        if ids is not None:
+            chosen = sorted({i for i in ids if i in self._instances})
+        else:
+            known = self._instance_ids
+            start = bisect.bisect_right(known, after) if after is not None else 0
+            chosen = known[start: start + limit] if limit is not None else known[start:]
+        locations, bytes_per_token = self._locations, self.bytes_per_token
         out = []
-        for instance_id in sorted(self._instances):
+        for instance_id in chosen:
             i = self._instances[instance_id]
+            blocks: dict[str, int] = {}
+            nbytes: dict[str, int] = {}
+            for tier in _INSTANCE_TIERS:
+                loc = locations.get((tier, instance_id))
+                if loc is not None:
+                    blocks[tier] = len(loc.present)
+                    nbytes[tier] = len(loc.present) * loc.block_tokens * bytes_per_token
             out.append(InstanceView(
                 instance_id=instance_id, last_seen_ts=i.last_seen_ts,
                 status_ts=i.status_ts if i.status_ts >= 0 else None,
                 free_kv_bytes=i.free_kv_bytes, total_kv_bytes=i.total_kv_bytes,
                 queue_depth=i.queue_depth, running_requests=i.running_requests,
-                resident_blocks=per_instance.get(instance_id, {}),
-                resident_bytes=per_instance_bytes.get(instance_id, {})))
+                resident_blocks=blocks, resident_bytes=nbytes))
         return out
 
     def locations(self) -> list[LocationView]:
@@ -616,15 +697,27 @@ class MemoryStore:
         present = loc.present
         return [h in present for h in block_hashes]
 
+    def holds_many(self, queries: Sequence[HoldsQuery]) -> list[list[bool]]:
+        locations = self._locations
+        out = []
+        for tier, instance_id, block_hashes in queries:
+            loc = locations.get((tier, instance_id))
+            if loc is None:
+                out.append([False] * len(block_hashes))
+            else:
+                present = loc.present
+                out.append([h in present for h in block_hashes])
+        return out
+
     def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
         loc = self._locations.get((tier, instance_id))
         return loc.present.keys() & block_hashes if loc is not None else set()
 
     def order(self, order_id: str) -> OrderView | None:
         o = self._orders.get(order_id)
-        if o is None:
+        if o is None or o[6] < self._cutoff:
             return None
-        _, ts, status, nbytes, seconds, reason = o
+        _, ts, status, nbytes, seconds, reason, _ = o
         return OrderView(order_id=order_id, status=status, status_ts=ts,  # type: ignore[arg-type]
                          bytes=nbytes, seconds=seconds, reason=reason)
 
@@ -633,12 +726,14 @@ class MemoryStore:
         cutoff = self._cutoff
         forgotten = sum(1 for session_id in self._by_second.get(math.floor(cutoff), ())
                         if self._sessions[session_id].last_ts < cutoff) if cutoff > -math.inf else 0
+        forgotten_orders = sum(1 for order_id in self._orders_by_second.get(math.floor(cutoff), ())
+                               if self._orders[order_id][6] < cutoff) if cutoff > -math.inf else 0
         return {
             "sessions": len(self._sessions) - forgotten,
             "instances": len(self._instances),
             "locations": len(self._locations),
             "resident_blocks": sum(len(loc.present) for loc in self._locations.values()),
-            "orders": len(self._orders),
+            "orders": len(self._orders) - forgotten_orders,
             "remembered_event_ids": len(self._seen) + len(self._seen_old),
         }
 
@@ -660,10 +755,23 @@ class MemoryStore:
         self._instances.clear()
         self._locations.clear()
         self._orders.clear()
+        self._orders_by_second.clear()
+        self._order_seconds.clear()
+        self._instance_ids.clear()
         self._checkpoints.clear()
 
     def close(self) -> None:
         return None
+
+
+def _context_tokens(latest: _Request | None) -> int:
+    if latest is None:
+        return 0
+    if latest.finished_ts >= 0 and latest.context_tokens >= 0:
+        return latest.context_tokens
+    if latest.finished_ts >= 0 and latest.prompt_tokens >= 0:
+        return latest.prompt_tokens + latest.output_tokens
+    return max(latest.prompt_tokens, 0)
 
 
 def _state(s: _Session, latest: _Request | None) -> Any:

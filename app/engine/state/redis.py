@@ -47,7 +47,7 @@ from the prefix, so they must all live on one node):
                                     instance ts, routed ts, started ts, finished ts, prompt,
                                     output, context], strings, "-1" for none; in MemoryStore's
                                     list order, at most 3)
-    <p>:instances           set   instance ids
+    <p>:instance-ids        zset  instance id -> 0: in id order, for the pages of instances()
     <p>:i:<instance_id>     hash  l last seen ts, st status ts, free, total, qd, rr
     <p>:locs                hash  location name (`hbm@gpu-0`, `pool`) -> JSON [tier, instance|null]
     <p>:locbt               hash  location name -> block tokens
@@ -57,8 +57,10 @@ from the prefix, so they must all live on one node):
     <p>:tomb:<location>     zset  block (JSON) -> ts of its removal (tombstones); only those in
                                   force: each time lochw moves, ZREMRANGEBYSCORE drops those
                                   older than lochw - reorder window
-    <p>:orders              set   order ids
-    <p>:o:<order_id>        hash  rank, ts, status, bytes, seconds, reason (JSON string or null)
+    <p>:order-activity      zset  order id -> its last activity ts (the newest progress ts):
+                                  orders are forgotten by the sessions' cutoff, like sessions
+    <p>:o:<order_id>        hash  rank, ts, status, bytes, seconds, reason (JSON string or null),
+                                  l last activity ts
     <p>:ckpt:<replica_id>   string "segment:offset"
 
 Per-id keys of different kinds differ in their second component (`loc` / `tomb`), never by a
@@ -73,11 +75,12 @@ ZCARD over the locations; the whole of stats() is one read-only script call.
 
 Expiry is by event time and exact, the same as MemoryStore's (which drops its dead tombstones
 and sessions lazily but never shows them): a tombstone is dead once its location has seen an
-event more than `reorder_window_seconds` newer, a session is forgotten once the store has seen
-an event more than `session_retention_seconds` newer than its last activity. The apply script
-deletes at most twice as many forgotten sessions per call as the call has events, oldest first
-(a call creates at most one per event, so it keeps up and no call does unbounded work); the reads
-filter by the same cutoff, so a session not deleted yet is never seen. Computed bounds go to
+event more than `reorder_window_seconds` newer, a session (and an order) is forgotten once the
+store has seen an event more than `session_retention_seconds` newer than its last activity. The
+apply script deletes at most twice as many forgotten sessions (and as many orders) per call as
+the call has events, oldest first (a call creates at most one of each per event, so it keeps up
+and no call does unbounded work); the reads filter by the same cutoff, so a session or an order
+not deleted yet is never seen. Computed bounds go to
 Redis as `%.17g` strings, which parse back to the double Lua (and Python) computed.
 
 `clear()` deletes every key matching `<p>:*` by SCAN + UNLINK (never FLUSHDB). It therefore
@@ -93,6 +96,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import orjson
 import redis
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError
@@ -121,7 +125,9 @@ from app.engine.state.base import (
     LocationView,
     LogPosition,
     OrderView,
+    HoldsQuery,
     RequestView,
+    SessionContext,
     SessionCursor,
     SessionView,
     location_name,
@@ -133,6 +139,7 @@ def _lua(name: str) -> str:
 
 
 _ORDER_RANK = {"accepted": 0, "completed": 1, "failed": 1}
+_INSTANCE_TIERS = ("hbm", "host", "disk")
 _STATS_BUCKETS = 64
 # At most this many events, and about this many script arguments, per script call.
 _CHUNK_EVENTS = 1000
@@ -166,6 +173,8 @@ _APPLY_LUA = _lua("redis_apply.lua").replace("__RECENT_REQUESTS__", str(RECENT_R
 # ARGV: prefix, ttl seconds, bucket seconds, session retention. Returns sessions, instances, locations,
 # resident blocks, orders, remembered event ids.
 _STATS_LUA = _lua("redis_stats.lua")
+# ARGV: prefix, then per query: location name, n, n members. Returns 1/0 per member.
+_HOLDS_LUA = _lua("redis_holds.lua")
 
 
 def _ts(x: float) -> str:
@@ -204,8 +213,10 @@ class RedisStore:
         self._bucket_seconds = max(1, math.ceil(self.dedupe_ttl_seconds / _STATS_BUCKETS))
         self._apply_script = client.register_script(_APPLY_LUA)
         self._stats_script = client.register_script(_STATS_LUA)
+        self._holds_script = client.register_script(_HOLDS_LUA)
         p = prefix
-        self._k_instances = f"{p}:instances"
+        self._k_instances = f"{p}:instance-ids"
+        self._k_order_activity = f"{p}:order-activity"
         self._k_locs, self._k_locbt, self._k_loccl = f"{p}:locs", f"{p}:locbt", f"{p}:loccl"
         self._k_newest = f"{p}:newest"
         self._encode = {
@@ -391,6 +402,21 @@ class RedisStore:
                         resident[name] = n
         return self._session_view(session_id, h, blocks, resident)
 
+    def context(self, session_id: str) -> SessionContext | None:
+        with self._errors():
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hmget(f"{self.prefix}:s:{session_id}", "l", "i", "k", "r", "b")
+            pipe.get(self._k_newest)
+            (last, instance_id, bt, reqs_json, blocks_json), newest = pipe.execute()
+        if last is None or float(last) < self._cutoff(newest):
+            return None
+        reqs: list[list[str]] = json.loads(reqs_json) if reqs_json else []
+        latest = max(reqs, key=_rank) if reqs else None
+        return SessionContext(session_id=session_id, instance_id=instance_id,
+                              context_bytes=_context_tokens(latest) * self.bytes_per_token,
+                              block_hashes=orjson.loads(blocks_json) if blocks_json else [],
+                              block_tokens=int(bt or 0) or self.block_tokens)
+
     def live_sessions(self, limit: int, *, before: SessionCursor | None = None,
                       active_since_ts: float | None = None) -> list[SessionView]:
         if limit <= 0:
@@ -469,17 +495,7 @@ class RedisStore:
                       resident: dict[str, int]) -> SessionView:
         reqs: list[list[str]] = json.loads(h["r"]) if "r" in h else []
         latest = max(reqs, key=_rank) if reqs else None
-        if latest is None:
-            context_tokens = 0
-        else:
-            finished = float(latest[_REQ_FINISHED]) >= 0
-            ctx, prompt = int(latest[_REQ_CONTEXT]), int(latest[_REQ_PROMPT])
-            if finished and ctx >= 0:
-                context_tokens = ctx
-            elif finished and prompt >= 0:
-                context_tokens = prompt + int(latest[_REQ_OUTPUT])
-            else:
-                context_tokens = max(prompt, 0)
+        context_tokens = _context_tokens(latest)
         closed_ts = float(h["c"]) if "c" in h else -1.0
         arrivals = [float(t) for t in json.loads(h["a"])] if "a" in h else []
         return SessionView(
@@ -521,26 +537,43 @@ class RedisStore:
             out.append((name, tier, instance_id, bt, cl, int(n)))
         return out
 
-    def instances(self) -> list[InstanceView]:
+    def instances(self, *, after: str | None = None, limit: int | None = None,
+                  ids: Sequence[str] | None = None) -> list[InstanceView]:
         p = self.prefix
         with self._errors():
-            ids = sorted(self._r.smembers(self._k_instances))
-            locs = self._location_table()
+            if ids is not None:
+                chosen = sorted(set(ids))
+            elif limit is not None and limit <= 0:
+                chosen = []
+            else:
+                # The index's scores are all 0, so it is in id order (bytes: for UTF-8, Python's
+                # string order, as MemoryStore pages).
+                low = "(" + after if after is not None else "-"
+                if limit is not None:
+                    chosen = self._r.zrange(self._k_instances, low, "+", bylex=True, offset=0, num=limit)
+                else:
+                    chosen = self._r.zrange(self._k_instances, low, "+", bylex=True)
             pipe = self._r.pipeline(transaction=False)
-            for instance_id in ids:
+            for instance_id in chosen:
+                names = [location_name(tier, instance_id) for tier in _INSTANCE_TIERS]
                 pipe.hgetall(f"{p}:i:{instance_id}")
-            hashes = pipe.execute() if ids else []
-        per_instance: dict[str, dict[str, int]] = {}
-        per_instance_bytes: dict[str, dict[str, int]] = {}
-        for _, tier, instance_id, bt, _, n in locs:
-            if instance_id is None:
-                continue
-            per_instance.setdefault(instance_id, {})[tier] = n
-            per_instance_bytes.setdefault(instance_id, {})[tier] = n * bt * self.bytes_per_token
+                pipe.hmget(self._k_locs, names)
+                pipe.hmget(self._k_locbt, names)
+                for name in names:
+                    pipe.zcard(f"{p}:loc:{name}")
+            replies = pipe.execute() if chosen else []
         out = []
-        for instance_id, h in zip(ids, hashes):
-            if not h:  # cleared between the two reads
+        per = 3 + len(_INSTANCE_TIERS)
+        for k, instance_id in enumerate(chosen):
+            h, metas, bts, *counts = replies[k * per: (k + 1) * per]
+            if not h:  # unknown (ids), or cleared between the two reads
                 continue
+            blocks: dict[str, int] = {}
+            nbytes: dict[str, int] = {}
+            for tier, meta, bt, n in zip(_INSTANCE_TIERS, metas, bts, counts):
+                if meta is not None:
+                    blocks[tier] = int(n)
+                    nbytes[tier] = int(n) * (int(bt) if bt is not None else self.block_tokens) * self.bytes_per_token
             has_status = "st" in h
             out.append(InstanceView(
                 instance_id=instance_id, last_seen_ts=float(h["l"]),
@@ -549,8 +582,7 @@ class RedisStore:
                 total_kv_bytes=int(h["total"]) if has_status and h["total"] else None,
                 queue_depth=int(h["qd"]) if has_status else None,
                 running_requests=int(h["rr"]) if has_status else None,
-                resident_blocks=per_instance.get(instance_id, {}),
-                resident_bytes=per_instance_bytes.get(instance_id, {})))
+                resident_blocks=blocks, resident_bytes=nbytes))
         return out
 
     def locations(self) -> list[LocationView]:
@@ -571,14 +603,37 @@ class RedisStore:
             scores = self._r.zmscore(key, _enc_blocks(block_hashes))
         return [s is not None for s in scores]
 
+    def holds_many(self, queries: Sequence[HoldsQuery]) -> list[list[bool]]:
+        # One read-only script call: a route hint asks ~130 locations about one block each, a
+        # round, where a ZMSCORE apiece cost the client ~70 us each.
+        args: list[str] = [self.prefix]
+        for tier, instance_id, block_hashes in queries:
+            if block_hashes:
+                args += (location_name(tier, instance_id), str(len(block_hashes)))
+                args += _enc_blocks(block_hashes)
+        if len(args) == 1:
+            return [[] for _ in queries]
+        with self._errors():
+            flags = self._holds_script(args=args)
+        out: list[list[bool]] = []
+        at = 0
+        for _, _, block_hashes in queries:
+            out.append([f == 1 for f in flags[at: at + len(block_hashes)]])
+            at += len(block_hashes)
+        return out
+
     def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
         blocks = list(dict.fromkeys(block_hashes))
         return {h for h, held in zip(blocks, self.holds(tier, instance_id, blocks)) if held}
 
     def order(self, order_id: str) -> OrderView | None:
         with self._errors():
-            h = self._r.hgetall(f"{self.prefix}:o:{order_id}")
-        if not h:
+            pipe = self._r.pipeline(transaction=False)
+            pipe.hgetall(f"{self.prefix}:o:{order_id}")
+            pipe.get(self._k_newest)
+            h, newest = pipe.execute()
+        # Forgotten like a session once idle past the retention (deleted by a later apply).
+        if not h or float(h.get("l", h["ts"])) < self._cutoff(newest):
             return None
         return OrderView(
             order_id=order_id, status=h["status"], status_ts=float(h["ts"]),  # type: ignore[arg-type]
@@ -649,6 +704,19 @@ def _request_view(r: list[str]) -> RequestView:
         routed_ts=opt(r[_REQ_ROUTED]), started_ts=opt(r[_REQ_STARTED]),
         finished_ts=opt(r[_REQ_FINISHED]), prompt_tokens=opt_int(r[_REQ_PROMPT]),
         output_tokens=opt_int(r[_REQ_OUTPUT]), context_tokens=opt_int(r[_REQ_CONTEXT]))
+
+
+def _context_tokens(latest: list[str] | None) -> int:
+    """memory._context_tokens on a stored record."""
+    if latest is None:
+        return 0
+    finished = float(latest[_REQ_FINISHED]) >= 0
+    ctx, prompt = int(latest[_REQ_CONTEXT]), int(latest[_REQ_PROMPT])
+    if finished and ctx >= 0:
+        return ctx
+    if finished and prompt >= 0:
+        return prompt + int(latest[_REQ_OUTPUT])
+    return max(prompt, 0)
 
 
 def _state(closed_ts: float, latest: list[str] | None) -> Any:

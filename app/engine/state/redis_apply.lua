@@ -8,7 +8,8 @@ local RECENT_ARRIVALS = __RECENT_ARRIVALS__
 local WINDOW = tonumber(argv[4])     -- reorder window (inf: tombstones never expire)
 local RETENTION = tonumber(argv[5])  -- session retention (inf: sessions are never forgotten)
 local SESSIONS = P .. ':sessions'
-local INSTANCES = P .. ':instances'
+local INSTANCES = P .. ':instance-ids'
+local ORDER_ACTIVITY = P .. ':order-activity'
 local LOCS, LOCBT, LOCCL, LOCHW = P .. ':locs', P .. ':locbt', P .. ':loccl', P .. ':lochw'
 local NEWEST = P .. ':newest'
 
@@ -324,23 +325,35 @@ local function apply_ops(i, last)
       local inst = touch_instance(iid, ts_s, ts)
       if ts >= num(inst.st) then inst.st, inst.status = ts_s, status end
     elseif op == 'O' then
-      -- MemoryStore._order: (rank, ts, status) replaces the old one when greater
+      -- MemoryStore._order: (rank, ts, status) replaces the old one when greater; an order is
+      -- forgotten like a session (its last activity before the cutoff), and an event older
+      -- than the cutoff is ignored
       local oid, rk_s, ts_s, status = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
       local nbytes, seconds, reason = argv[i + 5], argv[i + 6], argv[i + 7]
       i = i + 8
       local ts, rk = tonumber(ts_s), tonumber(rk_s)
       see(ts_s, ts)
-      local k = P .. ':o:' .. oid
-      local old = redis.call('HMGET', k, 'rank', 'ts', 'status')
-      local newer = not old[1]
-      if not newer then
-        local ork, ots = tonumber(old[1]), tonumber(old[2])
-        newer = rk > ork or (rk == ork and (ts > ots or (ts == ots and status > old[3])))
-      end
-      if newer then
-        redis.call('HSET', k, 'rank', rk_s, 'ts', ts_s, 'status', status,
-                   'bytes', nbytes, 'seconds', seconds, 'reason', reason)
-        redis.call('SADD', P .. ':orders', oid)
+      if ts >= cutoff then
+        local k = P .. ':o:' .. oid
+        local old = redis.call('HMGET', k, 'rank', 'ts', 'status', 'l')
+        local last_s = old[4] or old[2]
+        if old[1] and tonumber(last_s) < cutoff then
+          redis.call('DEL', k)  -- forgotten: this event starts it afresh
+          old = {false, false, false, false}
+        end
+        local newer = not old[1]
+        if not newer then
+          local ork, ots = tonumber(old[1]), tonumber(old[2])
+          newer = rk > ork or (rk == ork and (ts > ots or (ts == ots and status > old[3])))
+        end
+        if newer then
+          redis.call('HSET', k, 'rank', rk_s, 'ts', ts_s, 'status', status,
+                     'bytes', nbytes, 'seconds', seconds, 'reason', reason)
+        end
+        if not old[1] or ts > tonumber(last_s) then
+          redis.call('HSET', k, 'l', ts_s)
+          redis.call('ZADD', ORDER_ACTIVITY, ts_s, oid)
+        end
       end
     else
       error('kvprefetch: unknown operation ' .. tostring(op))
@@ -398,13 +411,20 @@ if cutoff > -math.huge then
     for _, sid in ipairs(old) do redis.call('DEL', P .. ':s:' .. sid) end
     redis.call('ZREM', SESSIONS, unpack(old))
   end
+  -- MemoryStore._expire_orders, by the same rule
+  old = redis.call('ZRANGEBYSCORE', ORDER_ACTIVITY, '-inf', '(' .. fmt(cutoff), 'LIMIT', 0,
+                   2 * #results + 16)
+  if #old > 0 then
+    for _, oid in ipairs(old) do redis.call('DEL', P .. ':o:' .. oid) end
+    redis.call('ZREM', ORDER_ACTIVITY, unpack(old))
+  end
 end
 for _, iid in ipairs(instance_order) do
   local inst = instances[iid]
   local k = P .. ':i:' .. iid
   redis.call('HSET', k, 'l', inst.l)
   if inst.status then redis.call('HSET', k, unpack(inst.status)) end
-  if inst.new then redis.call('SADD', INSTANCES, iid) end
+  if inst.new then redis.call('ZADD', INSTANCES, 0, iid) end
 end
 
 -- mark the ids, and count them for stats()

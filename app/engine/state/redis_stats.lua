@@ -15,13 +15,17 @@ for b = first, last do
   if c then ids = ids + tonumber(c) end
 end
 -- sessions idle since before the cutoff are forgotten, even while not deleted yet
-local sessions
+-- (and orders, by the same rule)
+local sessions, orders
 local newest = redis.call('GET', P .. ':newest')
 local cutoff = newest and (tonumber(newest) - retention) or -math.huge
 if cutoff > -math.huge then
-  sessions = redis.call('ZCOUNT', P .. ':sessions', string.format('%.17g', cutoff), '+inf')
+  local low = string.format('%.17g', cutoff)
+  sessions = redis.call('ZCOUNT', P .. ':sessions', low, '+inf')
+  orders = redis.call('ZCOUNT', P .. ':order-activity', low, '+inf')
 else
   sessions = redis.call('ZCARD', P .. ':sessions')
+  orders = redis.call('ZCARD', P .. ':order-activity')
 end
-return {sessions, redis.call('SCARD', P .. ':instances'),
-        redis.call('HLEN', P .. ':locs'), blocks, redis.call('SCARD', P .. ':orders'), ids}
+return {sessions, redis.call('ZCARD', P .. ':instance-ids'),
+        redis.call('HLEN', P .. ':locs'), blocks, orders, ids}

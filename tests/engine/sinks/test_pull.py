@@ -111,7 +111,7 @@ def test_the_lease_json_is_each_orders_own_json() -> None:
     queue.submit_nowait([o])
     queue.cancel_nowait([Cancel(order_id="a")])
     queue.submit_nowait([order("b")])
-    expected = b'{"orders":[' + order("b").to_json() + b'],"cancelled":["a"]}'
+    expected = b'{"orders":[' + order("b").to_json() + b'],"cancelled":["a"],"lease_seconds":30.0}'
     assert queue.lease("gpu-0", 10, 0.0).to_json() == expected
 
 

@@ -477,3 +477,70 @@ def test_counts_after_expiry_agree_with_the_views(bounded: StateStore) -> None:
     assert sorted(v.session_id for v in live) == sorted(kept)
     assert bounded.stats()["sessions"] == len(kept)
     assert [bounded.session(f"s{i}") is not None for i in range(40)] == [f"s{i}" in kept for i in range(40)]
+
+
+def _order(order_id: str, ts: float, status: str = "accepted", **kw: Any) -> Event:
+    if status == "completed":
+        kw = {"bytes": 1, "seconds": 0.1, **kw}
+    return ev("order_progress", ts, order_id=order_id, status=status, **kw)
+
+
+def test_orders_idle_past_the_retention_are_forgotten(bounded: StateStore) -> None:
+    bounded.apply([_order("a", 10.0, "completed", bytes=1, seconds=0.1), _order("a", 12.0),
+                   _order("b", 50.0), _order("old", 1.0)])
+    bounded.apply([_order("c", 111.5)])  # cutoff 11.5: "a" (last active at 12) stays
+    assert bounded.order("a").status == "completed" and bounded.stats()["orders"] == 3
+    bounded.apply([ev("instance_status", 112.5, instance_id="gpu-1", free_kv_bytes=1)])  # any event counts
+    assert bounded.order("a") is None and bounded.stats()["orders"] == 2
+    # An event older than the cutoff is about a forgotten past: ignored.
+    bounded.apply([_order("a", 12.4, "failed", reason="late"), _order("z", 5.0)])
+    assert bounded.order("a") is None and bounded.order("z") is None
+    # A new event starts a forgotten order afresh: its old terminal status is gone with it.
+    bounded.apply([_order("a", 150.0)])
+    o = bounded.order("a")
+    assert (o.status, o.status_ts, o.bytes) == ("accepted", 150.0, None)
+    bounded.apply([_order("c", 150.5, "completed")])  # cutoff 50.5: b goes
+    assert bounded.order("b") is None and bounded.order("c").status == "completed"
+    assert bounded.stats()["orders"] == 2
+
+
+def test_an_order_stays_while_any_of_its_events_is_recent(bounded: StateStore) -> None:
+    # A completion stamped before the accepted it beats still keeps the order alive by the later one.
+    bounded.apply([_order("o", 20.0), _order("o", 10.0, "completed"), _order("x", 115.0)])
+    assert bounded.order("o").status == "completed"  # last activity 20 >= cutoff 15
+    bounded.apply([_order("x", 121.0)])
+    assert bounded.order("o") is None
+
+
+def test_order_records_stay_bounded_under_distinct_ids(bounded: StateStore) -> None:
+    # 2,000 distinct orders over 1,000 s of event time: about the last retention's worth stay.
+    for start in range(0, 2000, 500):
+        bounded.apply([_order(f"o{i}", i * 0.5) for i in range(start, start + 500)])
+    held = bounded.stats()["orders"]
+    assert held == sum(1 for i in range(2000) if i * 0.5 >= 999.5 - RETENTION)
+    assert bounded.order("o0") is None and bounded.order("o1999") is not None
+
+
+def test_instances_page_by_id_and_read_by_ids(store: StateStore) -> None:
+    store.apply([ev("instance_status", 1.0, instance_id=f"gpu-{i:02d}", free_kv_bytes=i) for i in (3, 1, 4, 0, 2)]
+                + [stored([1, 2], 2.0, instance="gpu-02")])
+    everything = store.instances()
+    assert [i.instance_id for i in everything] == [f"gpu-{i:02d}" for i in range(5)]
+    first = store.instances(limit=2)
+    rest = store.instances(after=first[-1].instance_id, limit=10)
+    assert first + rest == everything
+    assert [i.instance_id for i in rest] == ["gpu-02", "gpu-03", "gpu-04"]
+    assert rest[0].resident_blocks == {"hbm": 2}
+    assert store.instances(after="gpu-04", limit=2) == [] and store.instances(limit=0) == []
+    assert store.instances(ids=["gpu-04", "nope", "gpu-02"]) == [everything[2], everything[4]]
+
+
+def test_context_and_holds_many(store: StateStore) -> None:
+    store.apply([routed("s", "r", 1.0, block_hashes=[5, "x", 7], prompt=3 * BLOCK), stored([5, "x"], 1.0),
+                 stored([7], 1.0, instance=None, tier="pool")])
+    c = store.context("s")
+    assert (list(c.block_hashes), c.block_tokens, c.context_bytes, c.instance_id) == (
+        [5, "x", 7], BLOCK, 3 * BLOCK * BPT, "gpu-0")
+    assert store.context("nope") is None
+    assert store.holds_many([("hbm", "gpu-0", [5, 7, "x"]), ("pool", None, [7]), ("host", "gpu-9", [5]),
+                             ("hbm", "gpu-0", [])]) == [[True, False, True], [True], [False], []]

@@ -1,0 +1,118 @@
+"""The worst route hint: one session's context of `blocks` blocks, over `candidates` candidates.
+
+    python -m bench.hints [--blocks 65536] [--candidates 64] [--repeats 5] [--store memory|redis]
+
+Every candidate holds the first half of the context in HBM and the next quarter on host; the
+pool holds all of it. Prints one JSON object: the median and max ms of `route_hint` (what
+`POST /v1/route-hint` runs on the event loop) and the blocks it looked up in the store.
+`--store redis` uses KVP_TEST_REDIS_URL (default redis://127.0.0.1:6379/15), prefix
+`kvp-bench-hints`, cleared before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from app.engine.events import KvBlocksStored, RequestFinished, RequestRouted
+from app.engine.hints import HintConfig, route_hint
+
+
+class CountingStore:
+    """A store that counts the blocks asked about (holds, present, holds_many)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.blocks_looked_up = 0
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def holds(self, tier: Any, instance_id: Any, block_hashes: Sequence[Any]) -> list[bool]:
+        self.calls += 1
+        self.blocks_looked_up += len(block_hashes)
+        return self.inner.holds(tier, instance_id, block_hashes)  # type: ignore[no-any-return]
+
+    def present(self, tier: Any, instance_id: Any, block_hashes: Any) -> set[Any]:
+        block_hashes = list(block_hashes)
+        self.calls += 1
+        self.blocks_looked_up += len(block_hashes)
+        return self.inner.present(tier, instance_id, block_hashes)  # type: ignore[no-any-return]
+
+    def holds_many(self, queries: Sequence[Any]) -> list[list[bool]]:
+        self.calls += 1
+        self.blocks_looked_up += sum(len(q[2]) for q in queries)
+        return self.inner.holds_many(queries)  # type: ignore[no-any-return]
+
+
+def build(store: Any, blocks: int, candidates: int) -> list[str]:
+    """Fill `store` with the worst case; returns the candidate ids."""
+    context = list(range(1_000_000, 1_000_000 + blocks))
+    events: list[Any] = [
+        RequestRouted(event_id="r", ts=1.0, session_id="s", request_id="q", instance_id="gpu-0",
+                      prompt_tokens=blocks * 16, block_hashes=context),
+        RequestFinished(event_id="f", ts=2.0, session_id="s", request_id="q", instance_id="gpu-0",
+                        output_tokens=1, block_hashes=context),
+        KvBlocksStored(event_id="p", ts=2.0, tier="pool", block_hashes=context),
+    ]
+    ids = [f"gpu-{k}" for k in range(candidates)]
+    for k, iid in enumerate(ids):
+        events.append(KvBlocksStored(event_id=f"h{k}", ts=2.0, tier="hbm", instance_id=iid,
+                                     block_hashes=context[: blocks // 2]))
+        events.append(KvBlocksStored(event_id=f"o{k}", ts=2.0, tier="host", instance_id=iid,
+                                     block_hashes=context[blocks // 2: 3 * blocks // 4]))
+    for k in range(0, len(events), 8):
+        store.apply(events[k: k + 8])
+    return ids
+
+
+def measure(store: Any, ids: list[str], repeats: int) -> dict[str, Any]:
+    config = HintConfig(bytes_per_token=1000)
+    counting = CountingStore(store)
+    times = []
+    for _ in range(repeats):
+        counting.blocks_looked_up = counting.calls = 0
+        t0 = time.perf_counter()
+        hint = route_hint(counting, "s", ids, 10.0, config=config)  # type: ignore[arg-type]
+        times.append((time.perf_counter() - t0) * 1000)
+    return {"hint_ms_median": round(statistics.median(times), 3), "hint_ms_max": round(max(times), 3),
+            "blocks_looked_up": counting.blocks_looked_up, "store_calls": counting.calls,
+            "recommended": hint.recommended}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--blocks", type=int, default=65_536)
+    parser.add_argument("--candidates", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--store", choices=("memory", "redis"), default="memory")
+    args = parser.parse_args(argv)
+    if args.store == "memory":
+        from app.engine.state import MemoryStore
+
+        store: Any = MemoryStore(bytes_per_token=1000, block_tokens=16)
+    else:
+        from app.engine.state.redis import RedisStore
+
+        url = os.environ.get("KVP_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+        store = RedisStore.from_url(url, prefix="kvp-bench-hints", bytes_per_token=1000, block_tokens=16,
+                                    timeout_seconds=30.0)
+        store.clear()
+    try:
+        ids = build(store, args.blocks, args.candidates)
+        out = {"store": args.store, "blocks": args.blocks, "candidates": args.candidates,
+               **measure(store, ids, args.repeats)}
+    finally:
+        if args.store == "redis":
+            store.clear()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
