@@ -19,6 +19,7 @@ from app.engine.models import ModelRegistry
 from app.engine.scheduler import Scheduler
 from app.engine.sinks import OrderSink
 from app.engine.state.base import StateStore
+from app.engine.storethread import StoreHealth, StoreThread
 
 
 async def get_settings(request: Request) -> Settings:
@@ -63,7 +64,23 @@ async def get_backlog(request: Request) -> Backlog:
 
 async def drain_backlog(request: Request) -> None:
     """For routes reading what the planning side derives from events (app/engine/backlog.py)."""
-    request.app.state.backlog.drain()
+    await request.app.state.store_thread.run(request.app.state.backlog.drain, fail_fast=False)
+
+
+async def drain_backlog_briefly(request: Request) -> None:
+    """drain_backlog for /metrics and the dashboard, which must not wait on the store: at most
+    KVP_OBSERVABILITY_WAIT_SECONDS, then they answer with what the planning side has."""
+    state = request.app.state
+    await state.store_thread.run_within(state.settings.observability_wait_seconds, state.backlog.drain,
+                                        fail_fast=False)
+
+
+async def get_store_thread(request: Request) -> StoreThread:
+    return request.app.state.store_thread
+
+
+async def get_store_health(request: Request) -> StoreHealth:
+    return request.app.state.store_health
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -76,3 +93,5 @@ OrderSinkDep = Annotated[OrderSink, Depends(get_order_sink)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 BacklogDep = Annotated[Backlog, Depends(get_backlog)]
+StoreThreadDep = Annotated[StoreThread, Depends(get_store_thread)]
+StoreHealthDep = Annotated[StoreHealth, Depends(get_store_health)]
