@@ -26,6 +26,7 @@ from app.core.clock import Clock, SystemClock
 from app.core.config import Settings
 from app.core.errors import EventLogError, StoreError, StoreUnavailable
 from app.core.ratelimit import RateLimiter
+from app.core.redact import mask_url
 from app.core.security import check_bind, load_tokens
 from app.engine.advice import AdviceLedger
 from app.engine.backlog import Backlog
@@ -129,7 +130,9 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
                                       observer=app.state.backlog.put)
         replayed = app.state.ingestor.recover()
         await app.state.store_health.refresh(settings.redis_timeout_seconds)
-        log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed; %s", __version__, settings.store,
+        store_name = (settings.store if settings.store == "memory"
+                      else f"{settings.store} at {mask_url(settings.redis_url.get_secret_value())}")
+        log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed; %s", __version__, store_name,
                  settings.event_log_dir, replayed, access)
         probing = app.state.probe_task = asyncio.create_task(
             app.state.store_health.run(settings.store_probe_interval_seconds))

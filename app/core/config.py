@@ -22,7 +22,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
 
     store: Literal["memory", "redis"] = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Secret: it may hold a password. Shown masked (app/core/redact.py), read with get_secret_value().
+    redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     redis_prefix: str = Field("kvp", min_length=1, max_length=64)
     # Redis calls block the event loop, so they must fail fast when Redis is away.
     redis_timeout_seconds: float = Field(2.0, gt=0)
@@ -130,7 +131,8 @@ class Settings(BaseSettings):
     # A resubmitted order id (or cancel) within this long is dropped by the sink.
     order_dedupe_seconds: int = Field(3600, ge=1)
     # The webhook sink's receiver; required when order_sink is webhook.
-    order_webhook_url: str | None = None
+    # Secret: its path is often the receiver's secret (shown as https://host/****).
+    order_webhook_url: SecretStr | None = None
     order_webhook_timeout_seconds: float = Field(5.0, gt=0)
     # Tries per batch (the first included) on connection errors, 5xx and 429.
     order_webhook_max_attempts: int = Field(5, ge=1)

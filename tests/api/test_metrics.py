@@ -233,7 +233,8 @@ def test_orders_follow_the_schedulers_totals(make_client: Callable[..., TestClie
 
 def test_predictions_would_be_hits_and_model_versions(tmp_path: Path, make_client: Callable[..., TestClient]) -> None:
     # The heuristic serves (no model there), the bundled model shadows.
-    c = make_client(model_dir=tmp_path / "none", shadow_model_dir=DEFAULT_MODEL_DIR)
+    c = make_client(model_dir=tmp_path / "none", shadow_model_dir=DEFAULT_MODEL_DIR,
+                    models_root=DEFAULT_MODEL_DIR.parent)
     state = c.app.state  # type: ignore[attr-defined]
     turns = []
     for session, ts in (("a", 900.0), ("b", 400.0)):
