@@ -69,10 +69,13 @@ async def drain_backlog(request: Request) -> None:
 
 async def drain_backlog_briefly(request: Request) -> None:
     """drain_backlog for /metrics and the dashboard, which must not wait on the store: at most
-    KVP_OBSERVABILITY_WAIT_SECONDS, then they answer with what the planning side has."""
+    KVP_OBSERVABILITY_WAIT_SECONDS, and not at all while the store thread has been held longer
+    than that; then they answer with what the planning side has."""
     state = request.app.state
-    await state.store_thread.run_within(state.settings.observability_wait_seconds, state.backlog.drain,
-                                        fail_fast=False)
+    wait = state.settings.observability_wait_seconds
+    if state.backlog.events == 0 or state.store_thread.stuck_seconds() > wait:
+        return  # nothing to wait for, or the store thread is held by a store that does not answer
+    await state.store_thread.run_within(wait, state.backlog.drain, fail_fast=False)
 
 
 async def get_store_thread(request: Request) -> StoreThread:

@@ -45,8 +45,16 @@ class StoreThread:
     def __init__(self, *, offload: bool) -> None:
         self.offload = offload
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvp-store") if offload else None
-        # time.monotonic() when a job last raised StoreUnavailable; only the store thread writes it.
+        # time.monotonic() when a job last raised StoreUnavailable, and when the job running now
+        # started (None: idle); only the store thread writes them.
         self._unavailable_at = -math.inf
+        self._running_since: float | None = None
+
+    def stuck_seconds(self) -> float:
+        """How long the job running now has run (0 when idle or inline): a store that hangs shows
+        here first."""
+        since = self._running_since
+        return 0.0 if since is None else max(0.0, time.monotonic() - since)
 
     async def run(self, fn: Callable[..., T], *args: Any, fail_fast: bool = True) -> T:
         """`fn(*args)` on the store thread (inline without offload), its result or its exception.
@@ -85,11 +93,14 @@ class StoreThread:
     def _job(self, submitted: float, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         if self._unavailable_at > submitted:
             raise StoreUnavailable("the store did not answer the request before this one")
+        self._running_since = time.monotonic()
         try:
             return fn(*args)
         except StoreUnavailable:
             self._unavailable_at = time.monotonic()
             raise
+        finally:
+            self._running_since = None
 
     def close(self) -> None:
         """Wait for the jobs queued, then stop the thread."""
