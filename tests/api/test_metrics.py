@@ -304,3 +304,14 @@ def test_a_new_run_starts_from_an_empty_multiprocess_dir(tmp_path: Path) -> None
     (d / "keep.txt").write_text("not ours")
     prepare_multiprocess_dir(d)
     assert sorted(p.name for p in d.iterdir()) == ["keep.txt"]
+
+
+def test_the_stores_last_probe_is_exported_with_its_age(make_client: Callable[..., TestClient]) -> None:
+    c = make_client()
+    assert c.post("/v1/events", json={"events": [routed("e1"), routed("e2", "s2")]}).status_code == 200
+    c.portal.call(c.app.state.store_health.refresh, None)  # type: ignore[union-attr]
+    m = scrape(c)
+    assert value(m, "kvprefetch_store_up") == 1
+    assert value(m, "kvprefetch_store_objects", kind="sessions") == 2
+    age = value(m, "kvprefetch_store_stats_age_seconds")
+    assert age is not None and 0 <= age
