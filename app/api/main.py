@@ -78,7 +78,7 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         # First: a sink misconfigured (webhook without a URL) stops startup before anything opens.
         app.state.order_sink = order_sink if order_sink is not None else build_sink(settings)
         app.state.store = store if store is not None else build_store(settings)
-        # A blocking store (Redis) is called off the loop, one job at a time (docs/decisions.md, 16).
+        # A blocking store (Redis) is called off the loop, one job at a time (decisions.md, 16).
         offload = not isinstance(app.state.store, MemoryStore)
         store_thread = app.state.store_thread = StoreThread(offload=offload)
         app.state.store_health = StoreHealth(app.state.store, offload=offload)
@@ -91,7 +91,8 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
             host_link_bytes_per_second=settings.host_link_bytes_per_second,
             prefill_tokens_per_second=settings.prefill_tokens_per_second))
         app.state.routes = RouteTracker()
-        app.state.models = ModelRegistry(settings.model_dir, settings.shadow_model_dir, ledger=app.state.ledger,
+        app.state.models = ModelRegistry(settings.model_dir, settings.shadow_model_dir,
+                                         ledger=app.state.ledger,
                                          models_root=settings.models_root_dir)
         app.state.metrics = Metrics(gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir())
         app.state.metrics.bind(scheduler=app.state.scheduler, ledger=app.state.ledger, models=app.state.models)
@@ -100,7 +101,8 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
                                   scheduler=app.state.scheduler, routes=app.state.routes.estimate,
                                   observe_seconds=app.state.metrics.scored)
         app.state.dispatcher = Dispatcher(app.state.scheduler, app.state.order_sink, app.state.clock,
-                                          observe_seconds=app.state.metrics.planned, offload=store_thread.run)
+                                          observe_seconds=app.state.metrics.planned,
+                                          offload=store_thread.run)
         landed, measured = LandedPrefetches(app.state.scheduler), MeasuredStall()
         app.state.timeline = Timeline(app.state.ledger, app.state.scheduler, app.state.models, app.state.clock,
                                       landed=landed, stall=measured.stall,
@@ -132,13 +134,15 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         await app.state.store_health.refresh(settings.redis_timeout_seconds)
         store_name = (settings.store if settings.store == "memory"
                       else f"{settings.store} at {mask_url(settings.redis_url.get_secret_value())}")
-        log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed; %s", __version__, store_name,
-                 settings.event_log_dir, replayed, access)
+        log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed; %s", __version__,
+                 store_name, settings.event_log_dir, replayed, access)
         probing = app.state.probe_task = asyncio.create_task(
             app.state.store_health.run(settings.store_probe_interval_seconds))
-        observing = app.state.backlog_task = asyncio.create_task(app.state.backlog.run(store_thread.run))
+        observing = app.state.backlog_task = asyncio.create_task(
+            app.state.backlog.run(store_thread.run))
         scoring = app.state.scoring_task = (
-            asyncio.create_task(app.state.scorer.run(settings.score_interval_seconds, store_thread.run))
+            asyncio.create_task(
+                app.state.scorer.run(settings.score_interval_seconds, store_thread.run))
             if settings.score_interval_seconds > 0 else None)
         planning = app.state.planning_task = (
             asyncio.create_task(app.state.dispatcher.run(settings.plan_interval_seconds))
@@ -177,7 +181,8 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
     # /metrics and the dashboard wait for that only briefly: they never wait on the store.
     brief = Depends(drain_backlog_briefly)
     app.include_router(health.router, responses=SERVICE_RESPONSES)
-    app.include_router(metrics.router, dependencies=[ObservabilityScope, brief], responses=SCOPED_RESPONSES)
+    app.include_router(metrics.router, dependencies=[ObservabilityScope, brief],
+                       responses=SCOPED_RESPONSES)
     app.include_router(events.router, prefix="/v1", responses=SCOPED_RESPONSES)
     app.include_router(state.router, prefix="/v1", dependencies=[ReadScope], responses=SCOPED_RESPONSES)
     app.include_router(model.router, prefix="/v1", dependencies=[fresh], responses=SCOPED_RESPONSES)

@@ -22,7 +22,7 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
 
     store: Literal["memory", "redis"] = "memory"
-    # Secret: it may hold a password. Shown masked (app/core/redact.py), read with get_secret_value().
+    # Secret: it may hold a password; shown masked (app/core/redact.py).
     redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     redis_prefix: str = Field("kvp", min_length=1, max_length=64)
     # Redis calls block the event loop, so they must fail fast when Redis is away.

@@ -49,7 +49,9 @@ class Dispatcher:
         self.undelivered = 0
 
     async def _run(self, fn: Callable[..., Any], *args: Any, fail_fast: bool = True) -> Any:
-        return fn(*args) if self.offload is None else await self.offload(fn, *args, fail_fast=fail_fast)
+        if self.offload is None:
+            return fn(*args)
+        return await self.offload(fn, *args, fail_fast=fail_fast)
 
     def _plan(self) -> Plan:
         started = time.perf_counter()

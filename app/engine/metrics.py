@@ -59,9 +59,9 @@ __all__ = ["CONTENT_TYPE", "Metrics", "multiprocess_dir", "prepare_multiprocess_
 
 if TYPE_CHECKING:
     from app.engine.advice import AdviceLedger
-    from app.engine.storethread import StoreSnapshot
     from app.engine.models import ModelRegistry, Serving
     from app.engine.scheduler import Scheduler
+    from app.engine.storethread import StoreSnapshot
 
 # Text format 0.0.4: every name here is a classic one, so every Prometheus (2.x, 3.x) and
 # promtool read it; prometheus-client's default (1.0.0) is for UTF-8 names.
@@ -78,7 +78,8 @@ ORDER_KINDS = ("prefetch", "pin", "demote")
 REFUSED_CODES = (400, 413, 415, 422)
 ADVICE_OUTCOMES = ("hit", "miss", "unscored")
 # The store's counts (StateStore.stats()) exported as kvprefetch_store_objects{kind}.
-STORE_KINDS = ("sessions", "instances", "locations", "resident_blocks", "orders", "remembered_event_ids")
+STORE_KINDS = ("sessions", "instances", "locations", "resident_blocks", "orders",
+               "remembered_event_ids")
 # A rejected event whose error is about the event as a whole (not an object, no or an unknown
 # type, fields that do not fit together), or about a field no event schema has (a typo: its
 # name is the client's, so it is not a label value).
@@ -197,16 +198,17 @@ class Metrics:
         # From the store's last background probe (app/engine/storethread.py): /metrics never
         # waits on the store. In multiprocess mode the worst worker's view wins.
         self.store_up = Gauge(
-            "kvprefetch_store_up", "1 when the state store answered its last probe, else 0.", registry=r,
-            multiprocess_mode="livemin")
+            "kvprefetch_store_up", "1 when the state store answered its last probe, else 0.",
+            registry=r, multiprocess_mode="livemin")
         self.store_stats_age = Gauge(
             "kvprefetch_store_stats_age_seconds",
             "Seconds since kvprefetch_store_objects was read from the store (probed every "
             "KVP_STORE_PROBE_INTERVAL_SECONDS; grows while the store does not answer).", registry=r,
             multiprocess_mode="livemax")
         self.store_objects = Gauge(
-            "kvprefetch_store_objects", "The state store's counts at its last answered probe, by kind.", ["kind"],
-            registry=r, multiprocess_mode="livemax")
+            "kvprefetch_store_objects",
+            "The state store's counts at its last answered probe, by kind.", ["kind"], registry=r,
+            multiprocess_mode="livemax")
         self.inference_duration = Histogram(
             "kvprefetch_inference_duration_seconds",
             "Time to score one page of sessions with a model (features, model, planner rules).",

@@ -108,8 +108,8 @@ def public_error(exc: ModelError, model_dir: Path, root: Path) -> ModelError:
     """`exc` with this machine's paths replaced by the names of public_name."""
     message = str(exc)
     name = public_name(model_dir, root)
-    for path in sorted({str(model_dir), str(model_dir.absolute()), str(model_dir.resolve())}, key=len,
-                       reverse=True):
+    forms = {str(model_dir), str(model_dir.absolute()), str(model_dir.resolve())}
+    for path in sorted(forms, key=len, reverse=True):
         message = message.replace(path, name)
     for path in sorted({str(root.absolute()), str(root.resolve())}, key=len, reverse=True):
         message = message.replace(path, "<models>")
@@ -143,7 +143,8 @@ class ModelRegistry:
                 log.warning("no shadow model: %s (%s)", exc, shadow_dir)
                 self.shadow_problem = str(exc)
 
-    def _load(self, model_dir: Path, sample: Sequence[SessionView] = (), now: float | None = None) -> LearnedPredictor:
+    def _load(self, model_dir: Path, sample: Sequence[SessionView] = (),
+              now: float | None = None) -> LearnedPredictor:
         try:
             return load_checked(model_dir, sample, now)
         except ModelError as exc:

@@ -74,10 +74,13 @@ class StoreThread:
 
     def _submit(self, fn: Callable[..., T], args: tuple[Any, ...], fail_fast: bool) -> Future[T]:
         assert self._executor is not None
-        return self._executor.submit(self._job, time.monotonic() if fail_fast else math.inf, fn, args)
+        return self._executor.submit(
+            self._job, time.monotonic() if fail_fast else math.inf, fn, args
+        )
 
-    async def run_within(self, wait_seconds: float, fn: Callable[..., T], *args: Any,
-                         fail_fast: bool = True) -> tuple[bool, T | None]:
+    async def run_within(
+        self, wait_seconds: float, fn: Callable[..., T], *args: Any, fail_fast: bool = True
+    ) -> tuple[bool, T | None]:
         """Like run(), waiting at most `wait_seconds`: (True, result), or (False, None) when the
         job is not done by then (it still runs, in its turn)."""
         if self._executor is None:
@@ -132,8 +135,9 @@ class StoreHealth:
     own (redis-py's client is thread-safe), so no probe waits behind ingestion and no caller waits
     longer than it asked; without, it runs inline (the memory store answers at once)."""
 
-    def __init__(self, store: StateStore, *, offload: bool,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, store: StateStore, *, offload: bool, monotonic: Callable[[], float] = time.monotonic
+    ) -> None:
         self.store = store
         self.monotonic = monotonic
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvp-probe") if offload else None
@@ -153,8 +157,13 @@ class StoreHealth:
         except StoreError as exc:
             now = self.monotonic()
             with self._lock:
-                self._last = StoreSnapshot(ok=False, stats=self._last.stats, checked_at=now,
-                                           stats_at=self._last.stats_at, problem=str(exc))
+                self._last = StoreSnapshot(
+                    ok=False,
+                    stats=self._last.stats,
+                    checked_at=now,
+                    stats_at=self._last.stats_at,
+                    problem=str(exc),
+                )
         else:
             now = self.monotonic()
             with self._lock:

@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from tests.e2e.streams import Router, StatusCounter, check_each_event_once, drain, post, start_routers, wait_until
+from tests.e2e.streams import (
+    Router,
+    StatusCounter,
+    check_each_event_once,
+    drain,
+    post,
+    start_routers,
+    wait_until,
+)
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import RedisServer, ServiceProcess
@@ -61,9 +69,15 @@ class Poller:
                 self.answers.append((path, started, time.monotonic(), status))
             time.sleep(0.02)
 
-    def max_latency(self, path: str, since: float = 0.0, until: float = float("inf")) -> tuple[float, int]:
+    def max_latency(
+        self, path: str, since: float = 0.0, until: float = float("inf")
+    ) -> tuple[float, int]:
         """The longest wait of the requests to `path` sent within [since, until], and their count."""
-        waits = [end - start for p, start, end, _ in list(self.answers) if p == path and since <= start <= until]
+        waits = [
+            end - start
+            for p, start, end, _ in list(self.answers)
+            if p == path and since <= start <= until
+        ]
         return (max(waits) if waits else float("nan")), len(waits)
 
 
@@ -94,18 +108,32 @@ def stopped(redis_server: RedisServer) -> Iterator[Callable[[], float]]:
 
 
 def refused_503(metrics_text: str) -> float:
-    found = re.search(r'^kvprefetch_event_batches_refused_total\{code="503"\} (\S+)$', metrics_text, re.M)
+    found = re.search(
+        r'^kvprefetch_event_batches_refused_total\{code="503"\} (\S+)$', metrics_text, re.MULTILINE
+    )
     return float(found.group(1)) if found else 0.0
 
 
-def start(service_factory: Callable[..., ServiceProcess], redis_server: RedisServer, timeout_seconds: float,
-          routers: list[Router]) -> tuple[ServiceProcess, list[StatusCounter]]:
-    svc = service_factory(env={"KVP_STORE": "redis", "KVP_REDIS_URL": redis_server.url,
-                               "KVP_REDIS_PREFIX": "kvp-hang", "KVP_REDIS_TIMEOUT_SECONDS": str(timeout_seconds)})
+def start(
+    service_factory: Callable[..., ServiceProcess],
+    redis_server: RedisServer,
+    timeout_seconds: float,
+    routers: list[Router],
+) -> tuple[ServiceProcess, list[StatusCounter]]:
+    svc = service_factory(
+        env={
+            "KVP_STORE": "redis",
+            "KVP_REDIS_URL": redis_server.url,
+            "KVP_REDIS_PREFIX": "kvp-hang",
+            "KVP_REDIS_TIMEOUT_SECONDS": str(timeout_seconds),
+        }
+    )
     svc.start()
     counters = [StatusCounter() for _ in range(CLIENTS)]
-    routers += [Router(f"c{n}", 11, svc.url, rate=ROUTER_RATE, high_water=HIGH_WATER, transport=c)
-                for n, c in enumerate(counters)]
+    routers += [
+        Router(f"c{n}", 11, svc.url, rate=ROUTER_RATE, high_water=HIGH_WATER, transport=c)
+        for n, c in enumerate(counters)
+    ]
     start_routers(routers)
     wait_until(lambda: all(r.answers for r in routers), "the first acknowledgements")
     time.sleep(STREAM_BEFORE_SECONDS)
@@ -113,12 +141,22 @@ def start(service_factory: Callable[..., ServiceProcess], redis_server: RedisSer
 
 
 def probe_event(n: int) -> dict[str, object]:
-    return {"type": "request_routed", "event_id": f"probe-{n}", "ts": 1_700_000_000.0,
-            "session_id": "probe", "request_id": f"probe-{n}", "instance_id": "i0", "prompt_tokens": 1}
+    return {
+        "type": "request_routed",
+        "event_id": f"probe-{n}",
+        "ts": 1_700_000_000.0,
+        "session_id": "probe",
+        "request_id": f"probe-{n}",
+        "instance_id": "i0",
+        "prompt_tokens": 1,
+    }
 
 
 def test_a_redis_hung_past_the_timeout_is_refused_503_counted_and_health_answers_throughout(
-        service_factory: Callable[..., ServiceProcess], private_redis: RedisServer, routers: list[Router]) -> None:
+    service_factory: Callable[..., ServiceProcess],
+    private_redis: RedisServer,
+    routers: list[Router],
+) -> None:
     timeout_seconds, stop_seconds = 1.0, 5.0
     svc, counters = start(service_factory, private_redis, timeout_seconds, routers)
     with polling(svc.url) as poller, httpx.Client(base_url=svc.url, timeout=30.0) as http:
@@ -134,19 +172,26 @@ def test_a_redis_hung_past_the_timeout_is_refused_503_counted_and_health_answers
             refused_in = time.monotonic() - sent
             metrics_during = http.get("/metrics", timeout=stop_seconds)
             answered_by = stopped_for()
-            wait_until(lambda: all(c.counts[503] for c in counters), "a 503 to each client",
-                       limit=stop_seconds - stopped_for() - 0.1)
+            wait_until(
+                lambda: all(c.counts[503] for c in counters),
+                "a 503 to each client",
+                limit=stop_seconds - stopped_for() - 0.1,
+            )
             time.sleep(max(0.0, stop_seconds - stopped_for()))
             cont_at = time.monotonic()
         assert answered_by < stop_seconds  # every answer above came before SIGCONT
         assert health.status_code == 200
         assert ready.status_code == 503 and ready.json()["store_ok"] is False, ready.text
         assert refusal.status_code == 503, refusal.text
-        assert refusal.json()["field"] == "store" and refusal.headers["retry-after"] == "1", refusal.text
+        assert refusal.json()["field"] == "store" and refusal.headers["retry-after"] == "1", (
+            refusal.text
+        )
         assert metrics_during.status_code == 200
         wait_until(lambda: http.get("/readyz").status_code == 200, "ready again")
         accepted = post(http, [probe_event(1)])
-        assert accepted.status_code == 200 and accepted.json()["accepted"] == ["probe-1"], accepted.text
+        assert accepted.status_code == 200 and accepted.json()["accepted"] == ["probe-1"], (
+            accepted.text
+        )
         time.sleep(0.5)
         stats = drain(routers)
         healthz = poller.max_latency("/healthz", stopped_at, cont_at)
@@ -158,20 +203,27 @@ def test_a_redis_hung_past_the_timeout_is_refused_503_counted_and_health_answers
         counted = refused_503(http.get("/metrics").text)
     assert counted == client_503 + 1, (counted, client_503)
     assert set(poller_statuses(poller)) == {200}, poller_statuses(poller)
-    check_each_event_once(routers, stats, svc.url, svc.events_dir, extra_ids={"probe-1"}, extra_sessions=1)
+    check_each_event_once(
+        routers, stats, svc.url, svc.events_dir, extra_ids={"probe-1"}, extra_sessions=1
+    )
     assert sum(c.missing_retry_after for c in counters) == 0, "a 503 without Retry-After"
     assert svc.running
-    print(f"\nRedis SIGSTOPped {stop_seconds:.0f} s (KVP_REDIS_TIMEOUT_SECONDS={timeout_seconds:g}) under "
-          f"{CLIENTS} clients: /healthz answered {health_in:.3f} s into the stop; a post refused 503 in "
-          f"{refused_in:.3f} s; while stopped, /healthz max {healthz[0] * 1000:.1f} ms over {healthz[1]} "
-          f"requests, /metrics max {metrics[0] * 1000:.1f} ms over {metrics[1]}; whole run /healthz max "
-          f"{healthz_all[0] * 1000:.1f} ms, /metrics max {metrics_all[0] * 1000:.1f} ms; {client_503} answers "
-          f"503 to the clients, kvprefetch_event_batches_refused_total{{code=\"503\"}} {counted:g}; "
-          f"{sum(len(r.sent) for r in routers)} events sent, each acknowledged and applied once")
+    print(
+        f"\nRedis SIGSTOPped {stop_seconds:.0f} s (KVP_REDIS_TIMEOUT_SECONDS={timeout_seconds:g}) under "
+        f"{CLIENTS} clients: /healthz answered {health_in:.3f} s into the stop; a post refused 503 in "
+        f"{refused_in:.3f} s; while stopped, /healthz max {healthz[0] * 1000:.1f} ms over {healthz[1]} "
+        f"requests, /metrics max {metrics[0] * 1000:.1f} ms over {metrics[1]}; whole run /healthz max "
+        f"{healthz_all[0] * 1000:.1f} ms, /metrics max {metrics_all[0] * 1000:.1f} ms; {client_503} answers "
+        f'503 to the clients, kvprefetch_event_batches_refused_total{{code="503"}} {counted:g}; '
+        f"{sum(len(r.sent) for r in routers)} events sent, each acknowledged and applied once"
+    )
 
 
 def test_a_redis_hung_within_the_timeout_holds_only_the_posts(
-        service_factory: Callable[..., ServiceProcess], private_redis: RedisServer, routers: list[Router]) -> None:
+    service_factory: Callable[..., ServiceProcess],
+    private_redis: RedisServer,
+    routers: list[Router],
+) -> None:
     # Redis answers again before any call times out: posts wait for it; nothing else may.
     timeout_seconds, stop_seconds = 30.0, 3.0
     svc, counters = start(service_factory, private_redis, timeout_seconds, routers)
@@ -207,12 +259,14 @@ def test_a_redis_hung_within_the_timeout_holds_only_the_posts(
     check_each_event_once(routers, stats, svc.url, svc.events_dir)
     statuses = sum((c.counts for c in counters), start=Counter())
     assert svc.running
-    print(f"\nRedis SIGSTOPped {stop_seconds:.0f} s (KVP_REDIS_TIMEOUT_SECONDS={timeout_seconds:g}) under "
-          f"{CLIENTS} clients: /healthz, /metrics, /readyz (503) and the dashboard ({dashboard.status_code}) "
-          f"answered {answered_by:.3f} s into the stop; {acked_while_stopped} client answers while stopped; "
-          f"while stopped /healthz max {healthz[0] * 1000:.1f} ms over {healthz[1]} requests, /metrics max "
-          f"{metrics[0] * 1000:.1f} ms over {metrics[1]}; client statuses {dict(statuses)}; "
-          f"{sum(len(r.sent) for r in routers)} events sent, each acknowledged and applied once")
+    print(
+        f"\nRedis SIGSTOPped {stop_seconds:.0f} s (KVP_REDIS_TIMEOUT_SECONDS={timeout_seconds:g}) under "
+        f"{CLIENTS} clients: /healthz, /metrics, /readyz (503) and the dashboard ({dashboard.status_code}) "
+        f"answered {answered_by:.3f} s into the stop; {acked_while_stopped} client answers while stopped; "
+        f"while stopped /healthz max {healthz[0] * 1000:.1f} ms over {healthz[1]} requests, /metrics max "
+        f"{metrics[0] * 1000:.1f} ms over {metrics[1]}; client statuses {dict(statuses)}; "
+        f"{sum(len(r.sent) for r in routers)} events sent, each acknowledged and applied once"
+    )
 
 
 def poller_statuses(poller: Poller) -> set[int | str]:

@@ -105,7 +105,12 @@ def test_health_keeps_the_last_counts_when_the_store_is_down(offload: bool) -> N
         assert up is not None and up.ok and up.stats["sessions"] == 0
         store.down = True
         down = await health.refresh(1.0)
-        assert down is not None and not down.ok and down.stats == up.stats and down.stats_at == up.stats_at
+        assert (
+            down is not None
+            and not down.ok
+            and down.stats == up.stats
+            and down.stats_at == up.stats_at
+        )
 
     try:
         asyncio.run(scenario())

@@ -14,9 +14,9 @@ router = APIRouter(tags=["admin"])
 
 
 class ConfigView(BaseModel):
-    settings: dict[str, Any] = Field(description="Every KVP_ setting, by its field name; tokens shown as "
-                                                 "'**********' when set, URLs without their password, query "
-                                                 "or (the webhook's) path")
+    settings: dict[str, Any] = Field(
+        description="Every KVP_ setting, by its field name; tokens shown as '**********' when set, "
+                    "URLs without their password, query or (the webhook's) path")
     tokens: dict[str, list[str]] = Field(description="Each configured token's name and scopes (never the "
                                                      "token or its digest)")
 
@@ -27,5 +27,6 @@ async def get_config(request: Request, settings: SettingsDep) -> ConfigView:
     shown = settings.model_dump(mode="json")
     shown["redis_url"] = mask_url(settings.redis_url.get_secret_value())
     if settings.order_webhook_url is not None:
-        shown["order_webhook_url"] = mask_url(settings.order_webhook_url.get_secret_value(), keep_path=False)
+        webhook = settings.order_webhook_url.get_secret_value()
+        shown["order_webhook_url"] = mask_url(webhook, keep_path=False)
     return ConfigView(settings=shown, tokens=request.app.state.tokens.names())

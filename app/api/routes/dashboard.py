@@ -14,8 +14,16 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
-from app.api.deps import (ClockDep, LedgerDep, ModelsDep, SchedulerDep, SettingsDep, StoreDep, StoreHealthDep,
-                          StoreThreadDep)
+from app.api.deps import (
+    ClockDep,
+    LedgerDep,
+    ModelsDep,
+    SchedulerDep,
+    SettingsDep,
+    StoreDep,
+    StoreHealthDep,
+    StoreThreadDep,
+)
 from app.api.errors import Error, error_response, field_error_route
 from app.core.config import Settings
 from app.engine.advice import AdviceLedger
@@ -120,7 +128,8 @@ async def dashboard_now(
 
     def figures() -> dict[str, Any]:
         # On the store thread with the Redis store: it reads what the store thread changes.
-        return now_figures(timeline, settings, clock.now(), ledger, models, scheduler, store, limit, instances)
+        return now_figures(timeline, settings, clock.now(), ledger, models, scheduler, store, limit,
+                           instances)
 
     wait = settings.observability_wait_seconds
     done, body = ((True, figures()) if not store_thread.offload
@@ -133,8 +142,8 @@ async def dashboard_now(
     else:
         last = getattr(state, "dashboard_last", None)
         if last is None or last[1:3] != (limit, instances):
-            return error_response(503, "store", "the state store is not answering; the dashboard's figures "
-                                                "come back when it does", {"Retry-After": "1"})
+            return error_response(503, "store", "the state store is not answering; the dashboard's "
+                                  "figures come back when it does", {"Retry-After": "1"})
         body = {**last[3], "stale_seconds": health.monotonic() - last[0]}
     known = health.last
     body = {**body, "store": {"ok": known.ok, "stats": known.stats,
@@ -151,7 +160,8 @@ def shows_session_ids(request: Request, settings: Settings) -> bool:
         return True
     tokens = request.app.state.tokens
     scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-    return tokens.enabled and scheme.lower() == "bearer" and tokens.authenticate(credentials.strip()) is not None
+    return (tokens.enabled and scheme.lower() == "bearer"
+            and tokens.authenticate(credentials.strip()) is not None)
 
 
 def now_figures(timeline: Timeline, settings: Settings, now: float, ledger: AdviceLedger,

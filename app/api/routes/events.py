@@ -58,7 +58,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     summary="Post a batch of events",
 )
 async def post_events(request: Request, caller: EventsCaller, ingestor: IngestorDep, settings: SettingsDep,
-                      metrics: MetricsDep, backlog: BacklogDep, store_thread: StoreThreadDep) -> Response:
+                      metrics: MetricsDep, backlog: BacklogDep,
+                      store_thread: StoreThreadDep) -> Response:
     """Accept a batch of events. Valid events are logged durably and applied before the answer.
 
     A batch with some invalid events is answered 422, and its valid events are still accepted:

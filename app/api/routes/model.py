@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,8 +52,9 @@ class ModelDirRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_dir: str = Field(min_length=1, max_length=4096,
-                           description="A directory with model.txt and card.json inside the models directory "
-                                       "(KVP_MODELS_ROOT): its name relative to it, or its absolute path")
+                           description="A directory with model.txt and card.json inside the "
+                                       "models directory (KVP_MODELS_ROOT): its name relative to "
+                                       "it, or its absolute path")
 
 
 def _score(serving: Serving, ledger: AdviceLedger, slot: str) -> ModelScore:

@@ -27,7 +27,8 @@ class SchedulerStatus(BaseModel):
 
 
 @router.get("/scheduler", response_model=SchedulerStatus, summary="The scheduler's state and totals")
-async def scheduler_status(scheduler: SchedulerDep, store_thread: StoreThreadDep) -> SchedulerStatus:
+async def scheduler_status(scheduler: SchedulerDep,
+                           store_thread: StoreThreadDep) -> SchedulerStatus:
     # Where the planning side runs (app/engine/storethread.py): one consistent view of it.
     return await store_thread.run(_status, scheduler, fail_fast=False)
 

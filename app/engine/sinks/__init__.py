@@ -67,7 +67,8 @@ def build_sink(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     if kind == "memory":
         return InProcessSink(dedupe_seconds=dedupe)
     if kind == "webhook":
-        url = settings.order_webhook_url.get_secret_value() if settings.order_webhook_url is not None else ""
+        secret = settings.order_webhook_url
+        url = secret.get_secret_value() if secret is not None else ""
         if not url:
             raise ConfigError("KVP_ORDER_SINK=webhook needs KVP_ORDER_WEBHOOK_URL, the URL the orders "
                               "are POSTed to")
@@ -80,7 +81,8 @@ def build_sink(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
                            max_backoff_seconds=settings.order_webhook_max_backoff_seconds,
                            dedupe_seconds=dedupe, transport=transport)
     if kind == "redis":
-        return RedisStreamSink.from_url(settings.redis_url.get_secret_value(), settings.stream_prefix,
+        return RedisStreamSink.from_url(settings.redis_url.get_secret_value(),
+                                        settings.stream_prefix,
                                         timeout_seconds=settings.redis_timeout_seconds,
                                         maxlen=settings.order_stream_maxlen, dedupe_seconds=dedupe)
     raise ConfigError(f"KVP_ORDER_SINK={kind!r} is not one of memory, webhook, redis, pull")

@@ -25,8 +25,8 @@ from email.utils import parsedate_to_datetime
 
 import httpx
 
-from app.engine.orders import Cancel, Order
 from app.core.redact import mask_url
+from app.engine.orders import Cancel, Order
 from app.engine.sinks._dedupe import RecentIds
 from app.engine.sinks.base import SinkClosed, SinkRejected, SinkUnavailable
 
@@ -108,22 +108,24 @@ class WebhookSink:
                     self.last_error = None
                     return
                 if status != 429 and status < 500:
-                    self.last_error = (f"{self.shown_url} refused {len(batch)} messages: HTTP {status}: "
-                                       f"{response.text[:200]}")
+                    self.last_error = (f"{self.shown_url} refused {len(batch)} messages: "
+                                       f"HTTP {status}: {response.text[:200]}")
                     raise SinkRejected(self.last_error, status)
                 problem = f"HTTP {status}"
                 retry_after = parse_retry_after(response.headers.get("retry-after"))
                 if retry_after is not None:
                     if retry_after > self.max_backoff_seconds:
-                        self.last_error = (f"{self.shown_url} answered {problem} with Retry-After {retry_after:g} s, "
-                                           f"longer than KVP_ORDER_WEBHOOK_MAX_BACKOFF_SECONDS "
+                        self.last_error = (f"{self.shown_url} answered {problem} with Retry-After "
+                                           f"{retry_after:g} s, longer than "
+                                           f"KVP_ORDER_WEBHOOK_MAX_BACKOFF_SECONDS "
                                            f"({self.max_backoff_seconds:g} s): giving up after {attempt} "
                                            f"attempt(s)")
                         raise SinkUnavailable(self.last_error)
                     wait = retry_after
             if attempt < self.max_attempts:
                 await self._sleep(wait)
-        self.last_error = f"{self.shown_url}: gave up after {self.max_attempts} attempt(s); last: {problem}"
+        self.last_error = (f"{self.shown_url}: gave up after {self.max_attempts} attempt(s); "
+                           f"last: {problem}")
         raise SinkUnavailable(self.last_error)
 
     def _backoff(self, attempt: int) -> float:
