@@ -48,6 +48,7 @@ class StoreThread:
         # time.monotonic() when a job last raised StoreUnavailable, and when the job running now
         # started (None: idle); only the store thread writes them.
         self._unavailable_at = -math.inf
+        self._unavailable_because = ""
         self._running_since: float | None = None
 
     def stuck_seconds(self) -> float:
@@ -95,11 +96,13 @@ class StoreThread:
 
     def _job(self, submitted: float, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
         if self._unavailable_at > submitted:
-            raise StoreUnavailable("the store did not answer the request before this one")
+            # What the store said to the job that found it away: the same answer, one timeout.
+            raise StoreUnavailable(self._unavailable_because)
         self._running_since = time.monotonic()
         try:
             return fn(*args)
-        except StoreUnavailable:
+        except StoreUnavailable as exc:
+            self._unavailable_because = str(exc)
             self._unavailable_at = time.monotonic()
             raise
         finally:

@@ -54,6 +54,7 @@ def test_jobs_queued_behind_an_unavailable_store_are_refused_without_touching_it
     finally:
         thread.close()
     assert isinstance(answers[0], StoreUnavailable) and isinstance(answers[1], StoreUnavailable)
+    assert str(answers[1]) == "timed out"  # the store's own answer, given once more
     assert answers[2:] == ["drain", "later"]
     assert calls == ["hung", "drain", "later"]
 
