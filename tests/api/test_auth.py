@@ -273,3 +273,17 @@ def test_readyz_shows_no_path(tmp_path: Path) -> None:
         assert ready.status_code == 200
         assert str(tmp_path) not in ready.text and "/events" not in ready.text, ready.text
         assert ready.json()["event_log"] == "open"
+
+
+def test_the_startup_line_names_the_redis_store_without_its_password(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from app.engine.state import MemoryStore
+
+    settings = Settings(data_dir=tmp_path, log_fsync=False, store="redis",
+                        redis_url=f"redis://:{REDIS_PASSWORD}@cache.internal:6380/2")
+    # A store injected in its place: the line is what a Redis deployment logs, no Redis needed.
+    with caplog.at_level(logging.INFO), TestClient(create_app(
+            settings, store=MemoryStore(bytes_per_token=1, block_tokens=512))):
+        pass
+    assert "store=redis at redis://:****@cache.internal:6380/2" in caplog.text
+    assert REDIS_PASSWORD not in caplog.text
