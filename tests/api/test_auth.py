@@ -251,11 +251,12 @@ REDIS_PASSWORD = "redis-pass-3f9c"
 HOOK_SECRET = "T000/B000/hook-secret-77aa"
 
 
-def test_config_logs_and_the_settings_repr_mask_urls_secrets(tmp_path: Path,
-                                                              caplog: pytest.LogCaptureFixture) -> None:
-    settings = Settings(data_dir=tmp_path, log_fsync=False, admin_token=ADMIN,
-                        redis_url=f"redis://app:{REDIS_PASSWORD}@cache.internal:6380/2?password={REDIS_PASSWORD}",
-                        order_webhook_url=f"https://hooks.example.com/services/{HOOK_SECRET}?key={HOOK_SECRET}")
+def test_config_logs_and_the_settings_repr_mask_urls_secrets(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    redis_url = f"redis://app:{REDIS_PASSWORD}@cache.internal:6380/2?password={REDIS_PASSWORD}"
+    webhook_url = f"https://hooks.example.com/services/{HOOK_SECRET}?key={HOOK_SECRET}"
+    settings = Settings(data_dir=tmp_path, log_fsync=False, admin_token=ADMIN, redis_url=redis_url,
+                        order_webhook_url=webhook_url)
     with caplog.at_level(logging.DEBUG), TestClient(create_app(settings)) as c:
         shown = c.get("/v1/config", headers=bearer(ADMIN)).json()["settings"]
     assert shown["redis_url"] == "redis://app:****@cache.internal:6380/2?****"

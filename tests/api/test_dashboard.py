@@ -48,7 +48,8 @@ def client(settings: Settings, clock: ManualClock, tmp_path: Path) -> Iterator[T
 
 
 @pytest.fixture
-def client_showing_ids(settings: Settings, clock: ManualClock, tmp_path: Path) -> Iterator[TestClient]:
+def client_showing_ids(settings: Settings, clock: ManualClock,
+                       tmp_path: Path) -> Iterator[TestClient]:
     """As `client`, with the operator's opt-in to session ids on the dashboard."""
     quiet = _quiet(settings, model_dir=tmp_path / "no-model", dashboard_show_session_ids=True)
     with TestClient(create_app(quiet, clock=clock)) as c:
@@ -236,8 +237,8 @@ def test_the_series_follows_what_the_service_did(client: TestClient, clock: Manu
     assert now["prefetch"]["landed"] == 2
 
 
-def test_now_lists_the_sessions_likely_back_next_and_each_instance_queue(client_showing_ids: TestClient,
-                                                                         clock: ManualClock) -> None:
+def test_now_lists_the_sessions_likely_back_next_and_each_instance_queue(
+        client_showing_ids: TestClient, clock: ManualClock) -> None:
     client = client_showing_ids
     post(client, cluster(clock.now()))
     tick(client)
@@ -329,7 +330,8 @@ def test_sampling_off_starts_no_task(client: TestClient) -> None:
     assert client.app.state.sampling_task is None  # type: ignore[attr-defined]
 
 
-def test_session_ids_are_hidden_unless_the_operator_opts_in(client: TestClient, clock: ManualClock) -> None:
+def test_session_ids_are_hidden_unless_the_operator_opts_in(client: TestClient,
+                                                           clock: ManualClock) -> None:
     post(client, cluster(clock.now()))
     tick(client)
     top = client.get("/v1/dashboard/now").json()["top_sessions"]
@@ -338,8 +340,8 @@ def test_session_ids_are_hidden_unless_the_operator_opts_in(client: TestClient, 
     assert "chat-" not in client.get("/v1/dashboard/now").text
 
 
-def test_session_ids_are_shown_to_a_caller_with_a_valid_token(settings: Settings, clock: ManualClock,
-                                                             tmp_path: Path) -> None:
+def test_session_ids_are_shown_to_a_caller_with_a_valid_token(
+        settings: Settings, clock: ManualClock, tmp_path: Path) -> None:
     # Tokens on, observability open (the default): the data answers anyone, ids only with a token.
     quiet = _quiet(settings, model_dir=tmp_path / "no-model", ingest_token=SecretStr("i" * 32),
                    admin_token=SecretStr("a" * 32))
@@ -354,7 +356,7 @@ def test_session_ids_are_shown_to_a_caller_with_a_valid_token(settings: Settings
         shown = c.get("/v1/dashboard/now", headers={"authorization": "Bearer " + "a" * 32}).json()
     assert [t["session_id"] for t in anonymous] == [None] * 4
     assert [t["session_id"] for t in forged["top_sessions"]] == [None] * 4
-    assert sorted(t["session_id"] for t in shown["top_sessions"]) == ["chat-0", "chat-1", "chat-2", "chat-3"]
+    assert sorted(t["session_id"] for t in shown["top_sessions"]) == [f"chat-{i}" for i in range(4)]
 
 
 def test_now_says_how_old_the_stores_counts_are(client: TestClient) -> None:

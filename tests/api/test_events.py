@@ -209,7 +209,9 @@ def test_a_store_503_is_counted_as_a_refused_batch(settings: Settings, error: st
 
     class Down(MemoryStore):
         def seen(self, event_ids):  # type: ignore[no-untyped-def]
-            raise StoreUnavailable("connection refused") if error == "unavailable" else StoreError("OOM")
+            if error == "unavailable":
+                raise StoreUnavailable("connection refused")
+            raise StoreError("OOM")
 
     with TestClient(create_app(settings, store=Down(bytes_per_token=1, block_tokens=512))) as c:
         assert [post(c, [routed("a")]).status_code for _ in range(3)] == [503] * 3

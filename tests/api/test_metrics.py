@@ -306,9 +306,11 @@ def test_a_new_run_starts_from_an_empty_multiprocess_dir(tmp_path: Path) -> None
     assert sorted(p.name for p in d.iterdir()) == ["keep.txt"]
 
 
-def test_the_stores_last_probe_is_exported_with_its_age(make_client: Callable[..., TestClient]) -> None:
+def test_the_stores_last_probe_is_exported_with_its_age(
+        make_client: Callable[..., TestClient]) -> None:
     c = make_client()
-    assert c.post("/v1/events", json={"events": [routed("e1"), routed("e2", "s2")]}).status_code == 200
+    events = [routed("e1"), routed("e2", "s2")]
+    assert c.post("/v1/events", json={"events": events}).status_code == 200
     c.portal.call(c.app.state.store_health.refresh, None)  # type: ignore[union-attr]
     m = scrape(c)
     assert value(m, "kvprefetch_store_up") == 1

@@ -53,8 +53,8 @@ def session_with_turns(client: TestClient, session_id: str, turns: int, start_ts
 def settings(tmp_path: Path) -> Settings:
     """The api suite's settings, with the test's own directory as the models root: the models a
     test builds there may be loaded (KVP_MODELS_ROOT)."""
-    return Settings(data_dir=tmp_path, max_batch_events=50, max_body_bytes=64 * 1024, log_fsync=False,
-                    models_root=tmp_path)
+    return Settings(data_dir=tmp_path, max_batch_events=50, max_body_bytes=64 * 1024,
+                    log_fsync=False, models_root=tmp_path)
 
 
 @pytest.fixture
@@ -298,8 +298,9 @@ def test_a_model_dir_outside_the_models_root_is_refused_alike_whatever_is_there(
         return r.status_code, r.json()
 
     answers = {name: send(name) for name in (
-        str(outside / "good"), str(outside / "empty"), str(outside / "file"), str(outside / "absent"),
-        "/", "/etc", f"{tmp_path}/../{outside.name}/good", "../" + outside.name + "/good", "v2/../v2",
+        str(outside / "good"), str(outside / "empty"), str(outside / "file"),
+        str(outside / "absent"), "/", "/etc", f"{tmp_path}/../{outside.name}/good",
+        "../" + outside.name + "/good", "v2/../v2",
         "escape", str(tmp_path / "escape"))}
     # One answer for all: a model there, none, a file, nothing, a symlink leading out, `..`.
     assert {code for code, _ in answers.values()} == {422}
@@ -320,15 +321,18 @@ def test_a_relative_name_is_a_model_under_the_root_and_a_symlink_inside_it_is_fo
     assert (r.status_code, r.json()) == (200, {"predictor": "learned (v2)", "version": "v2"})
     r = client.put("/v1/model/shadow", json={"model_dir": "nested/current"})
     assert (r.status_code, r.json()["version"]) == (200, "v2")
-    r = client.post("/v1/model/reload", json={"model_dir": str(tmp_path / "v2")})  # absolute, inside
+    # An absolute path inside the root.
+    r = client.post("/v1/model/reload", json={"model_dir": str(tmp_path / "v2")})
     assert r.status_code == 200
 
 
-def test_inside_the_root_errors_name_the_model_dir_relative_to_it(client: TestClient, tmp_path: Path) -> None:
+def test_inside_the_root_errors_name_the_model_dir_relative_to_it(client: TestClient,
+                                                                  tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
     answers = {name: client.post("/v1/model/reload", json={"model_dir": name}).json()["detail"]
                for name in ("absent", "empty", "file", str(tmp_path / "absent"))}
-    assert answers == {"absent": "no model at absent/model.txt", "empty": "no model at empty/model.txt",
+    assert answers == {"absent": "no model at absent/model.txt",
+                       "empty": "no model at empty/model.txt",
                        "file": "no model at file/model.txt",
                        str(tmp_path / "absent"): "no model at absent/model.txt"}
