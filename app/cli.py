@@ -411,7 +411,7 @@ def agent(
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per report is noise
     if source == "stream":
         settings = Settings()
-        orders = StreamSource.from_url(redis_url or settings.redis_url,
+        orders = StreamSource.from_url(redis_url or settings.redis_url.get_secret_value(),
                                        prefix=stream_prefix or settings.stream_prefix,
                                        consumer=consumer_name or default_consumer_name(instance_id),
                                        claim_idle_seconds=claim_idle_seconds or settings.order_claim_idle_seconds,

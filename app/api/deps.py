@@ -19,6 +19,7 @@ from app.engine.models import ModelRegistry
 from app.engine.scheduler import Scheduler
 from app.engine.sinks import OrderSink
 from app.engine.state.base import StateStore
+from app.engine.storethread import StoreHealth, StoreThread
 
 
 async def get_settings(request: Request) -> Settings:
@@ -63,7 +64,26 @@ async def get_backlog(request: Request) -> Backlog:
 
 async def drain_backlog(request: Request) -> None:
     """For routes reading what the planning side derives from events (app/engine/backlog.py)."""
-    request.app.state.backlog.drain()
+    await request.app.state.store_thread.run(request.app.state.backlog.drain, fail_fast=False)
+
+
+async def drain_backlog_briefly(request: Request) -> None:
+    """drain_backlog for /metrics and the dashboard, which must not wait on the store: at most
+    KVP_OBSERVABILITY_WAIT_SECONDS, and not at all while the store thread has been held longer
+    than that; then they answer with what the planning side has."""
+    state = request.app.state
+    wait = state.settings.observability_wait_seconds
+    if state.backlog.events == 0 or state.store_thread.stuck_seconds() > wait:
+        return  # nothing to wait for, or the store thread is held by a store that does not answer
+    await state.store_thread.run_within(wait, state.backlog.drain, fail_fast=False)
+
+
+async def get_store_thread(request: Request) -> StoreThread:
+    return request.app.state.store_thread
+
+
+async def get_store_health(request: Request) -> StoreHealth:
+    return request.app.state.store_health
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -76,3 +96,5 @@ OrderSinkDep = Annotated[OrderSink, Depends(get_order_sink)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 MetricsDep = Annotated[Metrics, Depends(get_metrics)]
 BacklogDep = Annotated[Backlog, Depends(get_backlog)]
+StoreThreadDep = Annotated[StoreThread, Depends(get_store_thread)]
+StoreHealthDep = Annotated[StoreHealth, Depends(get_store_health)]

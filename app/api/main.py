@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect
 from app import __version__
 from app.api.auth import (AUTH_RESPONSES, AdminScope, AgentScope, IngestScope, ObservabilityScope, ReadScope,
                           Refused, refused_response)
-from app.api.deps import drain_backlog
+from app.api.deps import drain_backlog, drain_backlog_briefly
 from app.api.errors import Error, error_response
 from app.api.routes import config, dashboard, events, health, hints, metrics, model, orders, scheduler, state
 from app.api.bodylimit import BodyLimitMiddleware
@@ -26,6 +26,7 @@ from app.core.clock import Clock, SystemClock
 from app.core.config import Settings
 from app.core.errors import EventLogError, StoreError, StoreUnavailable
 from app.core.ratelimit import RateLimiter
+from app.core.redact import mask_url
 from app.core.security import check_bind, load_tokens
 from app.engine.advice import AdviceLedger
 from app.engine.backlog import Backlog
@@ -41,7 +42,8 @@ from app.engine.scheduler import Scheduler, SchedulerConfig
 from app.engine.scoring import Scorer
 from app.engine.sinks import OrderSink, PullQueue, build_sink
 from app.engine.timeline import LandedPrefetches, MeasuredStall, Timeline, capacity_for
-from app.engine.state import StateStore, build_store
+from app.engine.state import MemoryStore, StateStore, build_store
+from app.engine.storethread import StoreHealth, StoreThread
 
 log = logging.getLogger("kvprefetch")
 
@@ -78,6 +80,10 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         # First: a sink misconfigured (webhook without a URL) stops startup before anything opens.
         app.state.order_sink = order_sink if order_sink is not None else build_sink(settings)
         app.state.store = store if store is not None else build_store(settings)
+        # A blocking store (Redis) is called off the loop, one job at a time (decisions.md, 16).
+        offload = not isinstance(app.state.store, MemoryStore)
+        store_thread = app.state.store_thread = StoreThread(offload=offload)
+        app.state.store_health = StoreHealth(app.state.store, offload=offload)
         app.state.event_log = EventLog(settings.event_log_dir, segment_bytes=settings.log_segment_bytes,
                                        fsync=settings.log_fsync)
         # Both keep per-session maps, forgotten with the store's sessions (by event time).
@@ -88,7 +94,9 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
             host_link_bytes_per_second=settings.host_link_bytes_per_second,
             prefill_tokens_per_second=settings.prefill_tokens_per_second))
         app.state.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)
-        app.state.models = ModelRegistry(settings.model_dir, settings.shadow_model_dir, ledger=app.state.ledger)
+        app.state.models = ModelRegistry(settings.model_dir, settings.shadow_model_dir,
+                                         ledger=app.state.ledger,
+                                         models_root=settings.models_root_dir)
         app.state.metrics = Metrics(gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir())
         app.state.metrics.bind(scheduler=app.state.scheduler, ledger=app.state.ledger, models=app.state.models)
         app.state.scorer = Scorer(app.state.store, app.state.models, app.state.ledger, app.state.clock,
@@ -96,7 +104,8 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
                                   scheduler=app.state.scheduler, routes=app.state.routes.estimate,
                                   observe_seconds=app.state.metrics.scored)
         app.state.dispatcher = Dispatcher(app.state.scheduler, app.state.order_sink, app.state.clock,
-                                          observe_seconds=app.state.metrics.planned)
+                                          observe_seconds=app.state.metrics.planned,
+                                          offload=store_thread.run)
         landed, measured = LandedPrefetches(app.state.scheduler), MeasuredStall()
         app.state.timeline = Timeline(app.state.ledger, app.state.scheduler, app.state.models, app.state.clock,
                                       landed=landed, stall=measured.stall,
@@ -105,7 +114,10 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         observers: list[Observer] = [app.state.ledger.observe, app.state.scorer.observe, landed.observe,
                                      feedback_observer(app.state.scheduler, app.state.routes)]
         if isinstance(app.state.order_sink, PullQueue):
-            observers.append(app.state.order_sink.observe)  # order_progress: started, done
+            # order_progress: started, done. The queue is the loop's (GET /v1/orders, the
+            # planning loop's delivery), so a store thread's drain hands it over there.
+            pulled = app.state.order_sink.observe
+            observers.append(on_loop(pulled, asyncio.get_running_loop()) if offload else pulled)
 
         def record_outcomes(outcomes: Sequence[RequestOutcome]) -> None:  # for /metrics and the dashboard
             app.state.metrics.record_outcomes(outcomes)
@@ -122,11 +134,18 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         app.state.ingestor = Ingestor(app.state.store, app.state.event_log, replica_id=settings.replica_id,
                                       observer=app.state.backlog.put)
         replayed = app.state.ingestor.recover()
-        log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed; %s", __version__, settings.store,
-                 settings.event_log_dir, replayed, access)
-        observing = app.state.backlog_task = asyncio.create_task(app.state.backlog.run())
+        await app.state.store_health.refresh(settings.redis_timeout_seconds)
+        store_name = (settings.store if settings.store == "memory"
+                      else f"{settings.store} at {mask_url(settings.redis_url.get_secret_value())}")
+        log.info("kvprefetch %s ready: store=%s, log=%s, %d events replayed; %s", __version__,
+                 store_name, settings.event_log_dir, replayed, access)
+        probing = app.state.probe_task = asyncio.create_task(
+            app.state.store_health.run(settings.store_probe_interval_seconds))
+        observing = app.state.backlog_task = asyncio.create_task(
+            app.state.backlog.run(store_thread.run))
         scoring = app.state.scoring_task = (
-            asyncio.create_task(app.state.scorer.run(settings.score_interval_seconds))
+            asyncio.create_task(
+                app.state.scorer.run(settings.score_interval_seconds, store_thread.run))
             if settings.score_interval_seconds > 0 else None)
         planning = app.state.planning_task = (
             asyncio.create_task(app.state.dispatcher.run(settings.plan_interval_seconds))
@@ -137,12 +156,15 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         try:
             yield
         finally:
-            for task in (scoring, planning, sampling, observing):
+            for task in (scoring, planning, sampling, observing, probing):
                 if task is not None:
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
-            app.state.backlog.drain()
+            await store_thread.run(app.state.backlog.drain, fail_fast=False)
+            store_thread.close()
+            app.state.store_health.close()
+            await asyncio.sleep(0)  # what the drain handed to the loop (on_loop)
             app.state.event_log.close()
             app.state.metrics.close()
             if store is None:
@@ -159,8 +181,11 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
     # Each router's scope (app/api/auth.py); the events and model routes declare theirs per route.
     # Readers of what the planning side derives drain its backlog first: read-your-writes.
     fresh = Depends(drain_backlog)
+    # /metrics and the dashboard wait for that only briefly: they never wait on the store.
+    brief = Depends(drain_backlog_briefly)
     app.include_router(health.router, responses=SERVICE_RESPONSES)
-    app.include_router(metrics.router, dependencies=[ObservabilityScope, fresh], responses=SCOPED_RESPONSES)
+    app.include_router(metrics.router, dependencies=[ObservabilityScope, brief],
+                       responses=SCOPED_RESPONSES)
     app.include_router(events.router, prefix="/v1", responses=SCOPED_RESPONSES)
     app.include_router(state.router, prefix="/v1", dependencies=[ReadScope], responses=SCOPED_RESPONSES)
     app.include_router(model.router, prefix="/v1", dependencies=[fresh], responses=SCOPED_RESPONSES)
@@ -168,7 +193,7 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
     app.include_router(scheduler.router, prefix="/v1", dependencies=[ReadScope, fresh], responses=SCOPED_RESPONSES)
     app.include_router(hints.router, prefix="/v1", dependencies=[IngestScope], responses=SCOPED_RESPONSES)
     app.include_router(config.router, prefix="/v1", dependencies=[AdminScope], responses=SCOPED_RESPONSES)
-    app.include_router(dashboard.router, prefix="/v1", dependencies=[ObservabilityScope, fresh],
+    app.include_router(dashboard.router, prefix="/v1", dependencies=[ObservabilityScope, brief],
                        responses=SCOPED_RESPONSES)
     app.include_router(dashboard.page, dependencies=[ObservabilityScope], responses=SCOPED_RESPONSES)
     # The page's script and styles: nothing in them is private.
@@ -201,6 +226,14 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
 
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
+
+
+def on_loop(observer: Observer, loop: asyncio.AbstractEventLoop) -> Observer:
+    """`observer`, told on `loop` (in order) when it is told on another thread."""
+    def observe(events: Sequence[Event]) -> None:
+        loop.call_soon_threadsafe(observer, events)
+
+    return observe
 
 
 def compose_observers(observers: Sequence[Observer]) -> Observer:

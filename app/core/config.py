@@ -22,10 +22,18 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
 
     store: Literal["memory", "redis"] = "memory"
-    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Secret: it may hold a password; shown masked (app/core/redact.py).
+    redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
     redis_prefix: str = Field("kvp", min_length=1, max_length=64)
     # Redis calls block the event loop, so they must fail fast when Redis is away.
     redis_timeout_seconds: float = Field(2.0, gt=0)
+    # /readyz, /metrics and the dashboard never wait on the store (docs/decisions.md, 16): its
+    # health and counts are probed this often in the background, so they are this old plus one
+    # probe while it answers (kvprefetch_store_stats_age_seconds says how old they are).
+    store_probe_interval_seconds: float = Field(1.0, gt=0)
+    # How long those routes wait for a fresh probe or for the planning side to catch up with the
+    # events acknowledged before they answer with what they have.
+    observability_wait_seconds: float = Field(0.5, gt=0)
 
     data_dir: Path = Path("var")
     # Where the event log lives; defaults to <data_dir>/events.
@@ -47,6 +55,9 @@ class Settings(BaseSettings):
     # /metrics, /dashboard and its data are open like /healthz unless this is set; then they
     # need a token (the read scope, which every token has).
     protect_observability: bool = False
+    # Session ids may be user identities: the dashboard's data lists them only to a caller with a
+    # valid token, or to anyone when this is set.
+    dashboard_show_session_ids: bool = False
 
     # Per client (token, or address when authentication is off), per worker process: a token
     # bucket holding `burst_seconds` of the rate. 0 turns a limit off.
@@ -100,6 +111,9 @@ class Settings(BaseSettings):
 
     # The arrival model served at startup; when it is missing or does not load, the heuristic serves.
     model_dir: Path = Path(__file__).resolve().parent.parent.parent / "models" / "default"
+    # The only directory POST /v1/model/reload and PUT /v1/model/shadow load from (names relative
+    # to it, or absolute paths inside it); defaults to the one holding model_dir.
+    models_root: Path | None = None
     # A second model scored beside the serving one and never advising: its would-be hit rate is
     # reported next to the serving model's. None: no shadow.
     shadow_model_dir: Path | None = None
@@ -126,7 +140,8 @@ class Settings(BaseSettings):
     # A resubmitted order id (or cancel) within this long is dropped by the sink.
     order_dedupe_seconds: int = Field(3600, ge=1)
     # The webhook sink's receiver; required when order_sink is webhook.
-    order_webhook_url: str | None = None
+    # Secret: its path is often the receiver's secret (shown as https://host/****).
+    order_webhook_url: SecretStr | None = None
     order_webhook_timeout_seconds: float = Field(5.0, gt=0)
     # Tries per batch (the first included) on connection errors, 5xx and 429.
     order_webhook_max_attempts: int = Field(5, ge=1)
@@ -150,6 +165,10 @@ class Settings(BaseSettings):
             raise ValueError(f"max_batch_events ({self.max_batch_events}) must not exceed "
                              f"backlog_max_events ({self.backlog_max_events})")
         return self
+
+    @property
+    def models_root_dir(self) -> Path:
+        return self.models_root if self.models_root is not None else self.model_dir.parent
 
     @property
     def event_log_dir(self) -> Path:

@@ -8,6 +8,9 @@ none, so a slow planning side pushes back on routers instead of growing memory.
 
 Readers of what the planning side derives call `drain()` first, which makes the service
 read-your-writes: a GET after an acknowledged POST sees its effect.
+
+With a blocking store the Ingestor puts and the observers drain on the store thread
+(app/engine/storethread.py), one job at a time as on the loop; `run` then wakes on the loop.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Sequence
 
 from app.engine.events import Event
 from app.engine.ingest import Observer
+from app.engine.storethread import Offload
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,7 @@ class Backlog:
         self._batches: deque[Sequence[Event]] = deque()
         self._events = 0
         self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.refused = 0
 
     @property
@@ -48,7 +53,11 @@ class Backlog:
         logged, and on the event loop nothing can come between."""
         self._batches.append(events)
         self._events += len(events)
-        self._wake.set()
+        loop = self._loop
+        if loop is None or _running_loop() is loop:
+            self._wake.set()
+        else:  # put on the store thread: asyncio.Event is the loop's alone
+            loop.call_soon_threadsafe(self._wake.set)
 
     def drain(self, max_events: int | None = None) -> int:
         """Hand queued events to the observer, in order; all of them unless `max_events`."""
@@ -66,10 +75,23 @@ class Backlog:
                 log.exception("the planning side failed on %d events", len(chunk))
         return handed
 
-    async def run(self) -> None:
+    async def run(self, offload: Offload | None = None) -> None:
+        """Drain in chunks as events come; `offload`, when given, runs each chunk's drain (on the
+        store thread)."""
+        self._loop = asyncio.get_running_loop()
         while True:
             await self._wake.wait()
             self._wake.clear()
             while self._batches:
-                self.drain(CHUNK_EVENTS)
+                if offload is None:
+                    self.drain(CHUNK_EVENTS)
+                else:
+                    await offload(self.drain, CHUNK_EVENTS, fail_fast=False)
                 await asyncio.sleep(0)  # let requests in between chunks
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None

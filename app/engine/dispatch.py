@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
@@ -27,28 +28,46 @@ from app.engine.ingest import Observer
 from app.engine.routing import RouteTracker
 from app.engine.scheduler import Plan, Scheduler
 from app.engine.sinks import OrderSink, SinkError
+from app.engine.storethread import Offload
 
 log = logging.getLogger(__name__)
 
 
 class Dispatcher:
     """`observe_seconds`, when given, is told how long each plan took (the metrics' latency
-    histogram); delivery is not in it, since a sink's network time is not planning."""
+    histogram); delivery is not in it, since a sink's network time is not planning. `offload`,
+    when given, runs what touches the scheduler (on the store thread, app/engine/storethread.py);
+    delivery stays on the loop."""
 
     def __init__(self, scheduler: Scheduler, sink: OrderSink, clock: Clock, *,
-                 observe_seconds: Callable[[float], None] | None = None) -> None:
+                 observe_seconds: Callable[[float], None] | None = None,
+                 offload: Offload | None = None) -> None:
         self.scheduler = scheduler
         self.sink = sink
         self.clock = clock
         self.observe_seconds = observe_seconds
+        self.offload = offload
         self.undelivered = 0
 
-    async def tick(self) -> Plan:
-        """Plan now (by the injected clock) and deliver; returns the plan."""
+    async def _run(self, fn: Callable[..., Any], *args: Any, fail_fast: bool = True) -> Any:
+        if self.offload is None:
+            return fn(*args)
+        return await self.offload(fn, *args, fail_fast=fail_fast)
+
+    def _plan(self) -> Plan:
         started = time.perf_counter()
         plan = self.scheduler.plan(self.clock.now())
         if self.observe_seconds is not None:
             self.observe_seconds(time.perf_counter() - started)
+        return plan
+
+    def _failed(self, plan: Plan) -> None:
+        for order in plan.orders:
+            self.scheduler.on_progress(order.order_id, "failed")
+
+    async def tick(self) -> Plan:
+        """Plan now (by the injected clock) and deliver; returns the plan."""
+        plan: Plan = await self._run(self._plan)
         if plan.cancels:
             try:
                 await self.sink.cancel(plan.cancels)
@@ -60,8 +79,7 @@ class Dispatcher:
             except SinkError as exc:
                 self.undelivered += len(plan.orders)
                 log.warning("%d orders not delivered (planned again next tick): %s", len(plan.orders), exc)
-                for order in plan.orders:
-                    self.scheduler.on_progress(order.order_id, "failed")
+                await self._run(self._failed, plan, fail_fast=False)  # needs no store
         return plan
 
     async def run(self, interval_seconds: float) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import threading
 import typing
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     from app.engine.advice import AdviceLedger
     from app.engine.models import ModelRegistry, Serving
     from app.engine.scheduler import Scheduler
+    from app.engine.storethread import StoreSnapshot
 
 # Text format 0.0.4: every name here is a classic one, so every Prometheus (2.x, 3.x) and
 # promtool read it; prometheus-client's default (1.0.0) is for UTF-8 names.
@@ -75,6 +77,9 @@ ORDER_KINDS = ("prefetch", "pin", "demote")
 # What POST /v1/events answers a body it refuses whole (app/api/routes/events.py).
 REFUSED_CODES = (400, 413, 415, 422)
 ADVICE_OUTCOMES = ("hit", "miss", "unscored")
+# The store's counts (StateStore.stats()) exported as kvprefetch_store_objects{kind}.
+STORE_KINDS = ("sessions", "instances", "locations", "resident_blocks", "orders",
+               "remembered_event_ids")
 # A rejected event whose error is about the event as a whole (not an object, no or an unknown
 # type, fields that do not fit together), or about a field no event schema has (a typo: its
 # name is the client's, so it is not a label value).
@@ -190,6 +195,20 @@ class Metrics:
         self.plan_duration = Histogram(
             "kvprefetch_plan_duration_seconds", "Time of one planning tick (the scheduler's plan).",
             registry=r, buckets=PLAN_BUCKETS_SECONDS)
+        # From the store's last background probe (app/engine/storethread.py): /metrics never
+        # waits on the store. In multiprocess mode the worst worker's view wins.
+        self.store_up = Gauge(
+            "kvprefetch_store_up", "1 when the state store answered its last probe, else 0.",
+            registry=r, multiprocess_mode="livemin")
+        self.store_stats_age = Gauge(
+            "kvprefetch_store_stats_age_seconds",
+            "Seconds since kvprefetch_store_objects was read from the store (probed every "
+            "KVP_STORE_PROBE_INTERVAL_SECONDS; grows while the store does not answer).", registry=r,
+            multiprocess_mode="livemax")
+        self.store_objects = Gauge(
+            "kvprefetch_store_objects",
+            "The state store's counts at its last answered probe, by kind.", ["kind"], registry=r,
+            multiprocess_mode="livemax")
         self.inference_duration = Histogram(
             "kvprefetch_inference_duration_seconds",
             "Time to score one page of sessions with a model (features, model, planner rules).",
@@ -212,6 +231,8 @@ class Metrics:
         self._scheduler: Scheduler | None = None
         self._ledger: AdviceLedger | None = None
         self._models: ModelRegistry | None = None
+        # sync() runs on the store thread (ingest, ticks) and on the loop (a scrape).
+        self._sync_lock = threading.RLock()
         self._seen: dict[object, int] = {}  # a source total -> its value at the last sync
         self._ledger_seen: dict[str, tuple[Serving, LedgerStats]] = {}
         self._versions: dict[str, str | None] = {}
@@ -271,18 +292,30 @@ class Metrics:
     def planned(self, seconds: float) -> None:
         """The planning loop's timing hook (app/engine/dispatch.py), right after a plan."""
         self.plan_duration.observe(seconds)
-        self._sync_scheduler()
+        with self._sync_lock:
+            self._sync_scheduler()
 
     def scored(self, slot: str, seconds: float) -> None:
         """The scoring loop's timing hook (app/engine/scoring.py), after a model's page is recorded."""
         self.inference_duration.labels(slot).observe(seconds)
-        self._sync_models()
+        with self._sync_lock:
+            self._sync_models()
+
+    def store_probed(self, snapshot: StoreSnapshot, now: float) -> None:
+        """The store's last probe (`now` on the same time.monotonic() scale)."""
+        self.store_up.set(1 if snapshot.ok else 0)
+        age = snapshot.stats_age_seconds(now)
+        self.store_stats_age.set(age if age is not None else float("nan"))
+        for kind in STORE_KINDS:
+            if kind in snapshot.stats:
+                self.store_objects.labels(kind).set(snapshot.stats[kind])
 
     # -- from the owners' totals --------------------------------------------------------------
 
     def sync(self) -> None:
-        self._sync_scheduler()
-        self._sync_models()
+        with self._sync_lock:
+            self._sync_scheduler()
+            self._sync_models()
 
     def _advance(self, key: object, counter: Counter, current: int) -> None:
         last = self._seen.get(key, 0)
@@ -295,7 +328,7 @@ class Metrics:
         if self._scheduler is None:
             return
         t = self._scheduler.totals
-        for kind, n in t.orders.items():
+        for kind, n in list(t.orders.items()):
             self._advance(("issued", kind), self.orders_issued.labels(kind), n)
         self._advance("completed", self.orders_completed.labels("prefetch"), t.completed)
         self._advance("failed", self.orders_failed.labels("prefetch"), t.failed)

@@ -54,18 +54,83 @@ def load_checked(model_dir: Path, sample: Sequence[SessionView] = (),
     return model
 
 
+# Whatever a refused name was, outside the models root: one answer, so that it tells nothing of
+# what exists there.
+OUTSIDE_ROOT = ("model_dir must name a directory inside the models directory (KVP_MODELS_ROOT): "
+                "a name relative to it, or an absolute path under it, with no '..'")
+
+
+class ModelDirRefused(ModelError):
+    pass
+
+
+def resolve_model_dir(root: Path, requested: str) -> Path:
+    """The directory `requested` names inside `root` (relative names are under it), symlinks
+    resolved; ModelDirRefused for `..`, or anything that is or leads outside it."""
+    path = Path(requested)
+    if "\x00" in requested or ".." in path.parts:
+        raise ModelDirRefused(OUTSIDE_ROOT)
+    root_real = root.resolve()
+    if path.is_absolute():
+        # Lexically first, so nothing outside the root is ever looked at.
+        if not (_within(path, root.absolute()) or _within(path, root_real)):
+            raise ModelDirRefused(OUTSIDE_ROOT)
+    else:
+        path = root_real / path
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError):  # a symlink loop
+        raise ModelDirRefused(OUTSIDE_ROOT) from None
+    if not _within(real, root_real):  # a symlink leading out
+        raise ModelDirRefused(OUTSIDE_ROOT)
+    return real
+
+
+def _within(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def public_name(model_dir: Path, root: Path) -> str:
+    """How messages that anyone may read name a model directory: relative to the models root,
+    else by its last part (never a path of this machine)."""
+    for base in (root, root.resolve()):
+        try:
+            return model_dir.relative_to(base).as_posix() or "."
+        except ValueError:
+            continue
+    try:
+        return model_dir.resolve().relative_to(root.resolve()).as_posix() or "."
+    except (OSError, ValueError):
+        return model_dir.name or "."
+
+
+def public_error(exc: ModelError, model_dir: Path, root: Path) -> ModelError:
+    """`exc` with this machine's paths replaced by the names of public_name."""
+    message = str(exc)
+    name = public_name(model_dir, root)
+    forms = {str(model_dir), str(model_dir.absolute()), str(model_dir.resolve())}
+    for path in sorted(forms, key=len, reverse=True):
+        message = message.replace(path, name)
+    for path in sorted({str(root.absolute()), str(root.resolve())}, key=len, reverse=True):
+        message = message.replace(path, "<models>")
+    return type(exc)(message)
+
+
 class ModelRegistry:
     """Holds the serving predictor and the shadow beside it; a swap replaces one in a single
-    assignment, or nothing at all, and starts that model's advice ledger afresh."""
+    assignment, or nothing at all, and starts that model's advice ledger afresh. What it says
+    (descriptions, errors) names model directories relative to `models_root` (default: the one
+    holding `model_dir`), never by their path."""
 
     def __init__(self, model_dir: Path, shadow_dir: Path | None = None, *,
-                 ledger: AdviceLedger | None = None) -> None:
+                 ledger: AdviceLedger | None = None, models_root: Path | None = None) -> None:
         self.ledger = ledger if ledger is not None else AdviceLedger()
+        self.models_root = models_root if models_root is not None else model_dir.parent
         try:
-            model = load_checked(model_dir)
+            model = self._load(model_dir)
             self.serving = Serving(model, f"learned ({model.version})", model.version)
         except ModelError as exc:
-            log.warning("serving the heuristic: %s", exc)
+            log.warning("serving the heuristic: %s (%s)", exc, model_dir)
             self.serving = Serving(HeuristicPredictor(), f"heuristic ({exc})", None)
         # The shadow is scored beside the serving model and never advises anyone.
         self.shadow: Serving | None = None
@@ -75,12 +140,19 @@ class ModelRegistry:
             try:
                 self.set_shadow(shadow_dir)
             except ModelError as exc:
-                log.warning("no shadow model: %s", exc)
+                log.warning("no shadow model: %s (%s)", exc, shadow_dir)
                 self.shadow_problem = str(exc)
+
+    def _load(self, model_dir: Path, sample: Sequence[SessionView] = (),
+              now: float | None = None) -> LearnedPredictor:
+        try:
+            return load_checked(model_dir, sample, now)
+        except ModelError as exc:
+            raise public_error(exc, model_dir, self.models_root) from None
 
     def reload(self, model_dir: Path, sample: Sequence[SessionView] = (),
                now: float | None = None) -> Serving:
-        model = load_checked(model_dir, sample, now)  # raises before anything changes
+        model = self._load(model_dir, sample, now)  # raises before anything changes
         self.serving = Serving(model, f"learned ({model.version})", model.version)
         self.ledger.start("live")
         log.info("now serving model %s from %s", model.version, model_dir)
@@ -88,7 +160,7 @@ class ModelRegistry:
 
     def set_shadow(self, model_dir: Path, sample: Sequence[SessionView] = (),
                    now: float | None = None) -> Serving:
-        model = load_checked(model_dir, sample, now)
+        model = self._load(model_dir, sample, now)
         self.shadow = Serving(model, f"learned ({model.version})", model.version)
         self.shadow_problem = None
         self.ledger.start("shadow")

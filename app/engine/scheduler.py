@@ -203,7 +203,9 @@ class Scheduler:
     # -- views ------------------------------------------------------------------------------
 
     def open_orders(self) -> list[Order]:
-        return [e.order for e in self._open.values()]
+        # Copied at once (one C call): with the Redis store the planning side changes _open on
+        # the store thread while a route on the loop reads (app/engine/storethread.py).
+        return [e.order for e in list(self._open.values())]
 
     def latest_advice(self) -> list[tuple[SessionAdvice, float]]:
         """Each tracked session's latest advice and when it was made (the dashboard's "back

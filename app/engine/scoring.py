@@ -26,6 +26,7 @@ from app.engine.planner import MAX_IDLE_SECONDS, Planner
 from app.engine.routing import SameInstanceEstimate
 from app.engine.scheduler import Scheduler
 from app.engine.state.base import SessionCursor, StateStore, cursor_of
+from app.engine.storethread import Offload
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +100,18 @@ class Scorer:
                     self.observe_seconds("shadow", seconds)
         return len(page)
 
-    async def run(self, interval_seconds: float) -> None:
-        """Tick every `interval_seconds` until cancelled."""
+    async def run(self, interval_seconds: float, offload: Offload | None = None) -> None:
+        """Tick every `interval_seconds` until cancelled; `offload`, when given, runs each tick
+        (on the store thread, app/engine/storethread.py)."""
         while True:
             await asyncio.sleep(interval_seconds)
             # Nothing a tick raises ends scoring for the life of the process; a store blip is
             # expected (and says so once a tick), anything else is a bug worth its traceback.
             try:
-                self.tick()
+                if offload is None:
+                    self.tick()
+                else:
+                    await offload(self.tick)
             except StoreError as exc:
                 log.warning("scoring tick skipped: %s", exc)
             except Exception:

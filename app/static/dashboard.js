@@ -212,8 +212,9 @@
   function drawSessions(now) {
     fillTable("sessions", now.top_sessions, "no session advised yet", 7, (s) => {
       const tr = document.createElement("tr");
-      tr.dataset.session = s.session_id;
-      cell(tr, s.session_id, "id");
+      // null: ids are hidden (KVP_DASHBOARD_SHOW_SESSION_IDS, or a token; SECURITY.md).
+      if (s.session_id != null) tr.dataset.session = s.session_id;
+      cell(tr, s.session_id == null ? "hidden" : s.session_id, "id");
       cell(tr, s.instance_id == null ? "–" : s.instance_id, "id");
       cell(tr, pct(s.p_soon), "num");
       cell(tr, pct(s.p_keep), "num");

@@ -243,3 +243,48 @@ async def _stop_draining(app: Any) -> None:
 def test_a_batch_limit_over_the_backlog_is_a_settings_error() -> None:
     with pytest.raises(ValueError, match=r"max_batch_events \(10\) must not exceed backlog_max_events \(5\)"):
         Settings(max_batch_events=10, backlog_max_events=5)
+
+
+# -- secrets and paths on what is shown -------------------------------------------------------
+
+REDIS_PASSWORD = "redis-pass-3f9c"
+HOOK_SECRET = "T000/B000/hook-secret-77aa"
+
+
+def test_config_logs_and_the_settings_repr_mask_urls_secrets(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    redis_url = f"redis://app:{REDIS_PASSWORD}@cache.internal:6380/2?password={REDIS_PASSWORD}"
+    webhook_url = f"https://hooks.example.com/services/{HOOK_SECRET}?key={HOOK_SECRET}"
+    settings = Settings(data_dir=tmp_path, log_fsync=False, admin_token=ADMIN, redis_url=redis_url,
+                        order_webhook_url=webhook_url)
+    with caplog.at_level(logging.DEBUG), TestClient(create_app(settings)) as c:
+        shown = c.get("/v1/config", headers=bearer(ADMIN)).json()["settings"]
+    assert shown["redis_url"] == "redis://app:****@cache.internal:6380/2?****"
+    assert shown["order_webhook_url"] == "https://hooks.example.com/****?****"
+    for text in (str(shown), repr(settings), str(settings), caplog.text):
+        assert REDIS_PASSWORD not in text and "hook-secret" not in text
+
+
+def test_readyz_shows_no_path(tmp_path: Path) -> None:
+    for protect in (False, True):
+        settings = Settings(data_dir=tmp_path / "data", log_fsync=False, admin_token=ADMIN,
+                            protect_observability=protect, shadow_model_dir=tmp_path / "absent")
+        with TestClient(create_app(settings)) as c:
+            ready = c.get("/readyz")
+        assert ready.status_code == 200
+        assert str(tmp_path) not in ready.text and "/events" not in ready.text, ready.text
+        assert ready.json()["event_log"] == "open"
+
+
+def test_the_startup_line_names_the_redis_store_without_its_password(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from app.engine.state import MemoryStore
+
+    settings = Settings(data_dir=tmp_path, log_fsync=False, store="redis",
+                        redis_url=f"redis://:{REDIS_PASSWORD}@cache.internal:6380/2")
+    # A store injected in its place: the line is what a Redis deployment logs, no Redis needed.
+    with caplog.at_level(logging.INFO), TestClient(create_app(
+            settings, store=MemoryStore(bytes_per_token=1, block_tokens=512))):
+        pass
+    assert "store=redis at redis://:****@cache.internal:6380/2" in caplog.text
+    assert REDIS_PASSWORD not in caplog.text

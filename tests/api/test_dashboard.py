@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import SecretStr
 from fastapi.testclient import TestClient
 
 from app.api.main import create_app
@@ -43,6 +44,15 @@ def _quiet(settings: Settings, **kw: Any) -> Settings:
 def client(settings: Settings, clock: ManualClock, tmp_path: Path) -> Iterator[TestClient]:
     # The heuristic serves: it prefetches for sessions with a steady rhythm.
     with TestClient(create_app(_quiet(settings, model_dir=tmp_path / "no-model"), clock=clock)) as c:
+        yield c
+
+
+@pytest.fixture
+def client_showing_ids(settings: Settings, clock: ManualClock,
+                       tmp_path: Path) -> Iterator[TestClient]:
+    """As `client`, with the operator's opt-in to session ids on the dashboard."""
+    quiet = _quiet(settings, model_dir=tmp_path / "no-model", dashboard_show_session_ids=True)
+    with TestClient(create_app(quiet, clock=clock)) as c:
         yield c
 
 
@@ -227,8 +237,9 @@ def test_the_series_follows_what_the_service_did(client: TestClient, clock: Manu
     assert now["prefetch"]["landed"] == 2
 
 
-def test_now_lists_the_sessions_likely_back_next_and_each_instance_queue(client: TestClient,
-                                                                         clock: ManualClock) -> None:
+def test_now_lists_the_sessions_likely_back_next_and_each_instance_queue(
+        client_showing_ids: TestClient, clock: ManualClock) -> None:
+    client = client_showing_ids
     post(client, cluster(clock.now()))
     tick(client)
     now = client.get("/v1/dashboard/now", params={"limit": 2}).json()
@@ -317,3 +328,38 @@ def test_the_sampler_runs_in_the_lifespan_when_configured(settings: Settings) ->
 
 def test_sampling_off_starts_no_task(client: TestClient) -> None:
     assert client.app.state.sampling_task is None  # type: ignore[attr-defined]
+
+
+def test_session_ids_are_hidden_unless_the_operator_opts_in(client: TestClient,
+                                                           clock: ManualClock) -> None:
+    post(client, cluster(clock.now()))
+    tick(client)
+    top = client.get("/v1/dashboard/now").json()["top_sessions"]
+    assert len(top) == 4 and [t["session_id"] for t in top] == [None] * 4
+    assert {t["instance_id"] for t in top} == {"gpu-0", "gpu-1"}  # the rest of each row stays
+    assert "chat-" not in client.get("/v1/dashboard/now").text
+
+
+def test_session_ids_are_shown_to_a_caller_with_a_valid_token(
+        settings: Settings, clock: ManualClock, tmp_path: Path) -> None:
+    # Tokens on, observability open (the default): the data answers anyone, ids only with a token.
+    quiet = _quiet(settings, model_dir=tmp_path / "no-model", ingest_token=SecretStr("i" * 32),
+                   admin_token=SecretStr("a" * 32))
+    with TestClient(create_app(quiet, clock=clock)) as c:
+        r = c.post("/v1/events", json={"events": cluster(clock.now())},
+                   headers={"authorization": "Bearer " + "i" * 32})
+        assert r.status_code == 200, r.text
+        settle(c)
+        tick(c)
+        anonymous = c.get("/v1/dashboard/now").json()["top_sessions"]
+        forged = c.get("/v1/dashboard/now", headers={"authorization": "Bearer " + "x" * 32}).json()
+        shown = c.get("/v1/dashboard/now", headers={"authorization": "Bearer " + "a" * 32}).json()
+    assert [t["session_id"] for t in anonymous] == [None] * 4
+    assert [t["session_id"] for t in forged["top_sessions"]] == [None] * 4
+    assert sorted(t["session_id"] for t in shown["top_sessions"]) == [f"chat-{i}" for i in range(4)]
+
+
+def test_now_says_how_old_the_stores_counts_are(client: TestClient) -> None:
+    store = client.get("/v1/dashboard/now").json()["store"]
+    assert store["ok"] is True and set(store["stats"]) >= {"sessions", "instances"}
+    assert store["stats_age_seconds"] >= 0

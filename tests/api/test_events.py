@@ -200,3 +200,21 @@ def test_an_unavailable_store_is_503_and_nothing_is_acknowledged(settings: Setti
         assert r.status_code == 503
         assert r.headers["retry-after"] == "1"
         assert r.json() == {"detail": "the state store is unavailable: connection refused", "field": "store"}
+
+
+@pytest.mark.parametrize("error", ["unavailable", "failed"])
+def test_a_store_503_is_counted_as_a_refused_batch(settings: Settings, error: str) -> None:
+    from app.api.main import create_app
+    from app.core.errors import StoreError, StoreUnavailable
+    from app.engine.state import MemoryStore
+
+    class Down(MemoryStore):
+        def seen(self, event_ids):  # type: ignore[no-untyped-def]
+            if error == "unavailable":
+                raise StoreUnavailable("connection refused")
+            raise StoreError("OOM")
+
+    with TestClient(create_app(settings, store=Down(bytes_per_token=1, block_tokens=512))) as c:
+        assert [post(c, [routed("a")]).status_code for _ in range(3)] == [503] * 3
+        text = c.get("/metrics").text
+    assert 'kvprefetch_event_batches_refused_total{code="503"} 3.0' in text

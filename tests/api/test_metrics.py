@@ -233,7 +233,8 @@ def test_orders_follow_the_schedulers_totals(make_client: Callable[..., TestClie
 
 def test_predictions_would_be_hits_and_model_versions(tmp_path: Path, make_client: Callable[..., TestClient]) -> None:
     # The heuristic serves (no model there), the bundled model shadows.
-    c = make_client(model_dir=tmp_path / "none", shadow_model_dir=DEFAULT_MODEL_DIR)
+    c = make_client(model_dir=tmp_path / "none", shadow_model_dir=DEFAULT_MODEL_DIR,
+                    models_root=DEFAULT_MODEL_DIR.parent)
     state = c.app.state  # type: ignore[attr-defined]
     turns = []
     for session, ts in (("a", 900.0), ("b", 400.0)):
@@ -303,3 +304,16 @@ def test_a_new_run_starts_from_an_empty_multiprocess_dir(tmp_path: Path) -> None
     (d / "keep.txt").write_text("not ours")
     prepare_multiprocess_dir(d)
     assert sorted(p.name for p in d.iterdir()) == ["keep.txt"]
+
+
+def test_the_stores_last_probe_is_exported_with_its_age(
+        make_client: Callable[..., TestClient]) -> None:
+    c = make_client()
+    events = [routed("e1"), routed("e2", "s2")]
+    assert c.post("/v1/events", json={"events": events}).status_code == 200
+    c.portal.call(c.app.state.store_health.refresh, None)  # type: ignore[union-attr]
+    m = scrape(c)
+    assert value(m, "kvprefetch_store_up") == 1
+    assert value(m, "kvprefetch_store_objects", kind="sessions") == 2
+    age = value(m, "kvprefetch_store_stats_age_seconds")
+    assert age is not None and 0 <= age

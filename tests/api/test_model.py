@@ -50,6 +50,14 @@ def session_with_turns(client: TestClient, session_id: str, turns: int, start_ts
 
 
 @pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    """The api suite's settings, with the test's own directory as the models root: the models a
+    test builds there may be loaded (KVP_MODELS_ROOT)."""
+    return Settings(data_dir=tmp_path, max_batch_events=50, max_body_bytes=64 * 1024,
+                    log_fsync=False, models_root=tmp_path)
+
+
+@pytest.fixture
 def clock() -> ManualClock:
     return ManualClock(0.0)
 
@@ -76,7 +84,8 @@ def test_without_a_model_the_heuristic_serves_and_readyz_says_why(tmp_path: Path
     with TestClient(create_app(settings)) as c:
         ready = c.get("/readyz").json()
         assert ready["status"] == "ready"
-        assert ready["predictor"] == f"heuristic (no model at {tmp_path / 'nothing' / 'model.txt'})"
+        # Named relative to the models root (the model dir's parent): /readyz shows no path.
+        assert ready["predictor"] == "heuristic (no model at nothing/model.txt)"
         model = c.get("/v1/model").json()
         assert model["version"] is None and model["live"]["version"] is None
 
@@ -97,10 +106,11 @@ def test_a_bad_model_is_refused_and_the_old_one_serves_on(client: TestClient, tm
     r = client.post("/v1/model/reload", json={"model_dir": str(broken)})
     assert r.status_code == 422
     assert r.json()["field"] == "model_dir"
-    assert r.json()["detail"].startswith(f"{broken / 'model.txt'} does not load: ")
+    assert r.json()["detail"].startswith("broken/model.txt does not load: ")
+    assert str(tmp_path) not in r.json()["detail"]
     missing = client.post("/v1/model/reload", json={"model_dir": str(tmp_path / "absent")})
     assert (missing.status_code, missing.json()) == (
-        422, {"detail": f"no model at {tmp_path / 'absent' / 'model.txt'}", "field": "model_dir"})
+        422, {"detail": "no model at absent/model.txt", "field": "model_dir"})
     empty = client.post("/v1/model/reload", json={"model_dir": ""})
     assert (empty.status_code, empty.json()) == (
         422, {"detail": "model_dir: String should have at least 1 character", "field": "model_dir"})
@@ -125,7 +135,7 @@ def test_reload_is_checked_on_live_sessions(client: TestClient, tmp_path: Path) 
     session_with_turns(client, "chat", 3)
     r = client.post("/v1/model/reload", json={"model_dir": str(bad_on_traffic)})
     assert (r.status_code, r.json()) == (422, {
-        "detail": f"{bad_on_traffic}: the model's answers on 1 live session are not probabilities",
+        "detail": "turns: the model's answers on 1 live session are not probabilities",
         "field": "model_dir"})
     assert client.get("/v1/model").json()["version"] == "default"
 
@@ -165,12 +175,12 @@ def test_a_bad_shadow_is_refused_with_the_field_named(client: TestClient, tmp_pa
     assert client.put("/v1/model/shadow", json={"model_dir": str(tmp_path / "v2")}).status_code == 200
     r = client.put("/v1/model/shadow", json={"model_dir": str(tmp_path / "absent")})
     assert (r.status_code, r.json()) == (
-        422, {"detail": f"no model at {tmp_path / 'absent' / 'model.txt'}", "field": "model_dir"})
+        422, {"detail": "no model at absent/model.txt", "field": "model_dir"})
     session_with_turns(client, "chat", 3)
     bad_on_traffic = turns_model(tmp_path / "turns")
     r = client.put("/v1/model/shadow", json={"model_dir": str(bad_on_traffic)})
     assert (r.status_code, r.json()) == (422, {
-        "detail": f"{bad_on_traffic}: the model's answers on 1 live session are not probabilities",
+        "detail": "turns: the model's answers on 1 live session are not probabilities",
         "field": "model_dir"})
     assert client.put("/v1/model/shadow", json={}).json() == {"detail": "model_dir is required",
                                                               "field": "model_dir"}
@@ -190,14 +200,15 @@ def test_a_configured_shadow_that_does_not_load_is_no_outage(tmp_path: Path) -> 
     with TestClient(create_app(settings)) as c:
         ready = c.get("/readyz").json()
         assert ready["status"] == "ready"
-        assert ready["shadow"] == f"none (no model at {tmp_path / 'absent' / 'model.txt'})"
+        assert ready["shadow"] == "none (no model at absent/model.txt)"
         assert c.get("/v1/model").json()["shadow"] is None
 
 
 def test_hit_rates_of_live_and_shadow(tmp_path: Path, clock: ManualClock) -> None:
     # The heuristic serves (no model), the bundled model shadows: two models that disagree.
     settings = Settings(data_dir=tmp_path / "data", log_fsync=False, score_interval_seconds=0,
-                        model_dir=tmp_path / "none", shadow_model_dir=DEFAULT_MODEL_DIR)
+                        model_dir=tmp_path / "none", shadow_model_dir=DEFAULT_MODEL_DIR,
+                        models_root=DEFAULT_MODEL_DIR.parent)
     with TestClient(create_app(settings, clock=clock)) as c:
         session_with_turns(c, "a", 3, start_ts=740.0)  # a turn a minute, the last at 860
         session_with_turns(c, "b", 1, start_ts=300.0)  # one turn, silent since 305
@@ -217,7 +228,8 @@ def test_hit_rates_of_live_and_shadow(tmp_path: Path, clock: ManualClock) -> Non
         assert c.post("/v1/events", json={"events": arrivals}).status_code == 200
         assert c.post("/v1/events", json={"events": arrivals[:1]}).json()["duplicates"] == ["a-back"]
         model = c.get("/v1/model").json()
-        for name, predictor in (("live", f"heuristic (no model at {tmp_path / 'none' / 'model.txt'})"),
+        # Outside the models root: named by its last part alone.
+        for name, predictor in (("live", "heuristic (no model at none/model.txt)"),
                                 ("shadow", "learned (default)")):
             hits = sum(kept[name])
             # Unscored: c, and the four turns that built a and b before any advice.
@@ -257,3 +269,70 @@ def test_the_scoring_loop_runs_with_the_service(tmp_path: Path) -> None:
     off = create_app(Settings(data_dir=tmp_path / "off", log_fsync=False, score_interval_seconds=0))
     with TestClient(off):
         assert off.state.scoring_task is None
+
+
+# -- the models root (KVP_MODELS_ROOT) ----------------------------------------------------------
+
+
+@pytest.fixture
+def outside(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory outside the models root, holding a good model, a directory with no model, and
+    a plain file."""
+    place = tmp_path_factory.mktemp("outside")
+    shutil.copytree(DEFAULT_MODEL_DIR, place / "good")
+    (place / "empty").mkdir()
+    (place / "file").write_text("x")
+    return place
+
+
+@pytest.mark.parametrize("route", ["reload", "shadow"])
+def test_a_model_dir_outside_the_models_root_is_refused_alike_whatever_is_there(
+        client: TestClient, tmp_path: Path, outside: Path, route: str) -> None:
+    shutil.copytree(DEFAULT_MODEL_DIR, tmp_path / "v2")
+    (tmp_path / "escape").symlink_to(outside / "good", target_is_directory=True)
+
+    def send(model_dir: str) -> tuple[int, dict[str, str]]:
+        body = {"model_dir": model_dir}
+        r = client.post("/v1/model/reload", json=body) if route == "reload" else client.put(
+            "/v1/model/shadow", json=body)
+        return r.status_code, r.json()
+
+    answers = {name: send(name) for name in (
+        str(outside / "good"), str(outside / "empty"), str(outside / "file"),
+        str(outside / "absent"), "/", "/etc", f"{tmp_path}/../{outside.name}/good",
+        "../" + outside.name + "/good", "v2/../v2",
+        "escape", str(tmp_path / "escape"))}
+    # One answer for all: a model there, none, a file, nothing, a symlink leading out, `..`.
+    assert {code for code, _ in answers.values()} == {422}
+    assert len({body["detail"] for _, body in answers.values()}) == 1, answers
+    body = next(iter(answers.values()))[1]
+    assert body["field"] == "model_dir" and "KVP_MODELS_ROOT" in body["detail"]
+    assert str(tmp_path) not in body["detail"] and str(outside) not in body["detail"]
+    model = client.get("/v1/model").json()
+    assert model["version"] == "default" and model["shadow"] is None  # nothing changed
+
+
+def test_a_relative_name_is_a_model_under_the_root_and_a_symlink_inside_it_is_followed(
+        client: TestClient, tmp_path: Path) -> None:
+    shutil.copytree(DEFAULT_MODEL_DIR, tmp_path / "v2")
+    (tmp_path / "nested").mkdir()
+    (tmp_path / "nested" / "current").symlink_to(tmp_path / "v2", target_is_directory=True)
+    r = client.post("/v1/model/reload", json={"model_dir": "v2"})
+    assert (r.status_code, r.json()) == (200, {"predictor": "learned (v2)", "version": "v2"})
+    r = client.put("/v1/model/shadow", json={"model_dir": "nested/current"})
+    assert (r.status_code, r.json()["version"]) == (200, "v2")
+    # An absolute path inside the root.
+    r = client.post("/v1/model/reload", json={"model_dir": str(tmp_path / "v2")})
+    assert r.status_code == 200
+
+
+def test_inside_the_root_errors_name_the_model_dir_relative_to_it(client: TestClient,
+                                                                  tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("x")
+    answers = {name: client.post("/v1/model/reload", json={"model_dir": name}).json()["detail"]
+               for name in ("absent", "empty", "file", str(tmp_path / "absent"))}
+    assert answers == {"absent": "no model at absent/model.txt",
+                       "empty": "no model at empty/model.txt",
+                       "file": "no model at file/model.txt",
+                       str(tmp_path / "absent"): "no model at absent/model.txt"}

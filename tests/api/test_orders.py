@@ -193,7 +193,8 @@ def test_the_sink_is_built_from_settings_on_the_apps_loop(kind: str, tmp_path: P
     if kind == "webhook":
         assert receiver.take() == [order("a")]
     if kind == "redis":
-        consumer = RedisStreamConsumer.from_url(settings.redis_url, settings.stream_prefix, "agent", instance_id="gpu-0")
+        consumer = RedisStreamConsumer.from_url(settings.redis_url.get_secret_value(),
+                                                settings.stream_prefix, "agent", instance_id="gpu-0")
         assert [e.message for e in consumer.poll(10)] == [order("a")]
         consumer.close()
     with pytest.raises(SinkClosed):

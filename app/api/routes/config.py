@@ -8,13 +8,15 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, Field
 
 from app.api.deps import SettingsDep
+from app.core.redact import mask_url
 
 router = APIRouter(tags=["admin"])
 
 
 class ConfigView(BaseModel):
-    settings: dict[str, Any] = Field(description="Every KVP_ setting, by its field name; tokens shown as "
-                                                 "'**********' when set")
+    settings: dict[str, Any] = Field(
+        description="Every KVP_ setting, by its field name; tokens shown as '**********' when set, "
+                    "URLs without their password, query or (the webhook's) path")
     tokens: dict[str, list[str]] = Field(description="Each configured token's name and scopes (never the "
                                                      "token or its digest)")
 
@@ -22,4 +24,9 @@ class ConfigView(BaseModel):
 @router.get("/config", response_model=ConfigView, summary="The running configuration")
 async def get_config(request: Request, settings: SettingsDep) -> ConfigView:
     """The effective settings (environment, .env and defaults resolved), secrets masked."""
-    return ConfigView(settings=settings.model_dump(mode="json"), tokens=request.app.state.tokens.names())
+    shown = settings.model_dump(mode="json")
+    shown["redis_url"] = mask_url(settings.redis_url.get_secret_value())
+    if settings.order_webhook_url is not None:
+        webhook = settings.order_webhook_url.get_secret_value()
+        shown["order_webhook_url"] = mask_url(webhook, keep_path=False)
+    return ConfigView(settings=shown, tokens=request.app.state.tokens.names())

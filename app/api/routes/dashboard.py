@@ -14,9 +14,22 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse
 from pydantic import BaseModel
 
-from app.api.deps import ClockDep, LedgerDep, ModelsDep, SchedulerDep, SettingsDep, StoreDep
+from app.api.deps import (
+    ClockDep,
+    LedgerDep,
+    ModelsDep,
+    SchedulerDep,
+    SettingsDep,
+    StoreDep,
+    StoreHealthDep,
+    StoreThreadDep,
+)
 from app.api.errors import Error, error_response, field_error_route
+from app.core.config import Settings
 from app.engine.advice import AdviceLedger
+from app.engine.models import ModelRegistry
+from app.engine.scheduler import Scheduler
+from app.engine.state.base import StateStore
 from app.engine.timeline import HISTORY_SECONDS, Timeline, instance_queues, series, top_sessions
 
 STATIC_DIR = Path(__file__).resolve().parent.parent.parent / "static"
@@ -92,6 +105,7 @@ def _slot(ledger: AdviceLedger, slot: str, predictor: str, version: str | None) 
 
 @router.get("/now", responses=_BAD_PARAM, summary="The dashboard's current figures")
 async def dashboard_now(
+    request: Request,
     timeline: TimelineDep,
     settings: SettingsDep,
     clock: ClockDep,
@@ -99,14 +113,60 @@ async def dashboard_now(
     models: ModelsDep,
     scheduler: SchedulerDep,
     store: StoreDep,
+    store_thread: StoreThreadDep,
+    health: StoreHealthDep,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="The most sessions in top_sessions")] = 20,
     instances: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="The most instances listed")] = 50,
 ) -> Response:
     """Now: each model's counts and hit rate, the scheduler's totals, the prefetches landed, the
     stall saved (and its cost at KVP_GPU_HOUR_PRICE dollars per GPU-hour), per instance its open orders, the
     bytes on their way and its link backlog (most bytes first, up to `instances`), and the
-    `limit` sessions most likely back soonest by the serving model's latest advice."""
-    now = clock.now()
+    `limit` sessions most likely back soonest by the serving model's latest advice (their ids
+    only with KVP_DASHBOARD_SHOW_SESSION_IDS or a valid token; else null). `store`: its last
+    probe's health and counts with their age. When the store does not answer within
+    KVP_OBSERVABILITY_WAIT_SECONDS, the last figures computed, with `stale_seconds` how old."""
+
+    def figures() -> dict[str, Any]:
+        # On the store thread with the Redis store: it reads what the store thread changes.
+        return now_figures(timeline, settings, clock.now(), ledger, models, scheduler, store, limit,
+                           instances)
+
+    wait = settings.observability_wait_seconds
+    done, body = ((True, figures()) if not store_thread.offload
+                  else (False, None) if store_thread.stuck_seconds() > wait
+                  else await store_thread.run_within(wait, figures))
+    state = request.app.state
+    if done:
+        assert body is not None
+        state.dashboard_last = (health.monotonic(), limit, instances, body)
+    else:
+        last = getattr(state, "dashboard_last", None)
+        if last is None or last[1:3] != (limit, instances):
+            return error_response(503, "store", "the state store is not answering; the dashboard's "
+                                  "figures come back when it does", {"Retry-After": "1"})
+        body = {**last[3], "stale_seconds": health.monotonic() - last[0]}
+    known = health.last
+    body = {**body, "store": {"ok": known.ok, "stats": known.stats,
+                              "stats_age_seconds": known.stats_age_seconds(health.monotonic())}}
+    if not shows_session_ids(request, settings):
+        body["top_sessions"] = [{**row, "session_id": None} for row in body["top_sessions"]]
+    return _json(body)
+
+
+def shows_session_ids(request: Request, settings: Settings) -> bool:
+    """Session ids may be user identities: shown when the operator opted in
+    (KVP_DASHBOARD_SHOW_SESSION_IDS) or to a caller presenting a valid token."""
+    if settings.dashboard_show_session_ids:
+        return True
+    tokens = request.app.state.tokens
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    return (tokens.enabled and scheme.lower() == "bearer"
+            and tokens.authenticate(credentials.strip()) is not None)
+
+
+def now_figures(timeline: Timeline, settings: Settings, now: float, ledger: AdviceLedger,
+                models: ModelRegistry, scheduler: Scheduler, store: StateStore, limit: int,
+                instances: int) -> dict[str, Any]:
     serving, shadow = models.serving, models.shadow
     t = scheduler.totals
     open_orders = scheduler.open_orders()
@@ -114,7 +174,7 @@ async def dashboard_now(
     price = settings.gpu_hour_price
     rows, total = instance_queues(scheduler, store, instances)
     landed = timeline.landed
-    return _json({
+    return {
         "now": now,
         "sample_interval_seconds": settings.dashboard_sample_seconds,
         "samples": len(timeline),
@@ -138,4 +198,4 @@ async def dashboard_now(
         "instances": rows,
         "instances_total": total,
         "top_sessions": top_sessions(scheduler, limit, now, scheduler.config.bytes_per_block),
-    })
+    }

@@ -9,10 +9,12 @@ from fastapi import APIRouter, Request, Response
 
 from app.api.auth import EventsCaller, Refused, charge
 from app.api.batch import BatchError, BatchParser, IngestResponse
-from app.api.deps import BacklogDep, IngestorDep, MetricsDep, SettingsDep
+from app.api.deps import BacklogDep, IngestorDep, MetricsDep, SettingsDep, StoreThreadDep
 from app.api.errors import Error, error_response
+from app.core.errors import EventLogError, StoreError
 from app.core.security import Principal, Scope
 from app.engine.events import Event
+from app.engine.ingest import IngestResult
 
 router = APIRouter(tags=["events"])
 
@@ -59,7 +61,8 @@ async def read_body(request: Request, limit: int) -> bytes:
     summary="Post a batch of events",
 )
 async def post_events(request: Request, caller: EventsCaller, ingestor: IngestorDep, settings: SettingsDep,
-                      metrics: MetricsDep, backlog: BacklogDep) -> Response:
+                      metrics: MetricsDep, backlog: BacklogDep,
+                      store_thread: StoreThreadDep) -> Response:
     """Accept a batch of events. Valid events are logged durably and applied before the answer.
 
     A batch with some invalid events is answered 422, and its valid events are still accepted:
@@ -81,12 +84,24 @@ async def post_events(request: Request, caller: EventsCaller, ingestor: Ingestor
     except Refused:
         metrics.batch_refused(429)
         raise
-    if not backlog.has_room(len(parsed.events)):
+
+    def admit_and_ingest() -> IngestResult | None:
+        # On the store thread with the Redis store (app/engine/storethread.py), where the backlog
+        # is filled and drained too: the room asked for is the room there.
+        if not backlog.has_room(len(parsed.events)):
+            return None
+        return ingestor.ingest(parsed.events, body if not parsed.rejected else None)
+
+    try:
+        result = await store_thread.run(admit_and_ingest)
+    except (StoreError, EventLogError):  # answered 503 by the app's handlers; nothing was accepted
+        metrics.batch_refused(503)
+        raise
+    if result is None:
         metrics.batch_refused(503)
         return error_response(503, "backlog", f"the planning side is behind: {backlog.events} events wait "
                               f"(KVP_BACKLOG_MAX_EVENTS {backlog.max_events}); retry later",
                               {"Retry-After": "1"})
-    result = ingestor.ingest(parsed.events, body if not parsed.rejected else None)
     metrics.batch_answered(duplicates=len(result.duplicates), rejected_fields=parsed.rejected_first)
     payload: dict[str, object] = {
         "accepted": result.accepted,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Response
 from pydantic import BaseModel
 
-from app.api.deps import ModelsDep, SettingsDep, StoreDep
-from app.core.errors import StoreError
+from app.api.deps import ModelsDep, SettingsDep, StoreHealthDep
 
 router = APIRouter(tags=["health"])
 
@@ -19,39 +18,41 @@ class Readiness(BaseModel):
     status: str
     store: str
     store_ok: bool
+    # Always "open" while the service runs; no path is shown (SECURITY.md).
     event_log: str
     predictor: str
     # The shadow model, "none (<why>)" when the configured one did not load, null when none is set.
     shadow: str | None
+    # The store's counts at its last answered probe (empty before any), and how old they are.
     stats: dict[str, int]
+    stats_age_seconds: float | None
 
 
 @router.get("/healthz", response_model=Health)
 async def healthz() -> Health:
-    """The process is alive."""
+    """The process is alive: nothing else is looked at, the store least of all."""
     return Health(status="ok")
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz(request: Request, response: Response, settings: SettingsDep, store: StoreDep,
+async def readyz(response: Response, settings: SettingsDep, health: StoreHealthDep,
                  models: ModelsDep) -> Readiness:
-    """The service can take events: its store answers and its event log is open."""
-    try:
-        store.ping()
-        stats = store.stats()
-        store_ok = True
-    except StoreError:
-        stats, store_ok = {}, False
+    """The service can take events: its store answered a probe within KVP_OBSERVABILITY_WAIT_SECONDS
+    (probed on a thread of its own, never waited for longer)."""
+    fresh = await health.refresh(settings.observability_wait_seconds)
+    store_ok = fresh is not None and fresh.ok
     if not store_ok:
         response.status_code = 503
+    known = fresh if fresh is not None else health.last
     shadow = (models.shadow.description if models.shadow is not None
               else f"none ({models.shadow_problem})" if models.shadow_problem else None)
     return Readiness(
         status="ready" if store_ok else "unavailable",
         store=settings.store,
         store_ok=store_ok,
-        event_log=str(request.app.state.event_log.directory),
+        event_log="open",
         predictor=models.serving.description,
         shadow=shadow,
-        stats=stats,
+        stats=known.stats,
+        stats_age_seconds=known.stats_age_seconds(health.monotonic()),
     )

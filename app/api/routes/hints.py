@@ -102,8 +102,10 @@ async def post_route_hint(body: RouteHintRequest, request: Request, store: Store
     false and the least loaded candidate is recommended."""
     scheduler = getattr(request.app.state, "scheduler", None)
     inflight = scheduler.open_orders() if scheduler is not None else ()
-    hint = route_hint(store, body.session_id, body.candidates, clock.now(), config=hint_config(settings),
-                      inflight=inflight)
+    # Off the loop with the Redis store (app/engine/storethread.py): a hung Redis stalls this alone.
+    hint = await request.app.state.store_thread.read(
+        lambda: route_hint(store, body.session_id, body.candidates, clock.now(),
+                           config=hint_config(settings), inflight=inflight))
     return RouteHintResponse(
         session_id=hint.session_id, context_known=hint.context_known, context_bytes=hint.context_bytes,
         recommended=hint.recommended, reason=hint.reason,

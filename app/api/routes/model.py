@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.auth import AdminScope, ReadScope
-from app.api.deps import ClockDep, LedgerDep, ModelsDep, StoreDep
+from app.api.deps import ClockDep, LedgerDep, ModelsDep, SettingsDep, StoreDep, StoreThreadDep
 from app.api.errors import Error, body_error, error_response, field_error_route
 from app.engine.advice import AdviceLedger
-from app.engine.models import Serving
+from app.engine.models import Serving, resolve_model_dir
 from app.engine.predictor import ModelError
 
 router = APIRouter(tags=["model"], route_class=field_error_route(body_error))
@@ -52,7 +51,10 @@ class ModelStatus(ModelInfo):
 class ModelDirRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_dir: str = Field(min_length=1, max_length=4096, description="A directory with model.txt and card.json")
+    model_dir: str = Field(min_length=1, max_length=4096,
+                           description="A directory with model.txt and card.json inside the "
+                                       "models directory (KVP_MODELS_ROOT): its name relative to "
+                                       "it, or its absolute path")
 
 
 def _score(serving: Serving, ledger: AdviceLedger, slot: str) -> ModelScore:
@@ -72,25 +74,29 @@ async def get_model(models: ModelsDep, ledger: LedgerDep) -> ModelStatus:
 
 
 @router.post("/model/reload", dependencies=[AdminScope], response_model=ModelInfo, responses=_REFUSED)
-async def reload_model(body: ModelDirRequest, models: ModelsDep, store: StoreDep,
-                       clock: ClockDep) -> ModelInfo | Response:
-    """Load a model, check it on live sessions, and swap it in atomically; on failure nothing changes."""
-    sample = store.live_sessions(CHECK_SAMPLE)  # on the loop: the store is not shared with threads
+async def reload_model(body: ModelDirRequest, models: ModelsDep, store: StoreDep, clock: ClockDep,
+                       settings: SettingsDep, store_thread: StoreThreadDep) -> ModelInfo | Response:
+    """Load a model from the models directory (KVP_MODELS_ROOT), check it on live sessions, and
+    swap it in atomically; on failure nothing changes."""
     try:
+        model_dir = resolve_model_dir(settings.models_root_dir, body.model_dir)
+        sample = await store_thread.read(store.live_sessions, CHECK_SAMPLE)
         # Off the loop: a model new to this machine compiles for seconds (app/engine/compiled.py).
-        serving = await asyncio.to_thread(models.reload, Path(body.model_dir), sample, clock.now())
+        serving = await asyncio.to_thread(models.reload, model_dir, sample, clock.now())
     except ModelError as exc:
         return error_response(422, "model_dir", str(exc))
     return ModelInfo(predictor=serving.description, version=serving.version)
 
 
 @router.put("/model/shadow", dependencies=[AdminScope], response_model=ModelInfo, responses=_REFUSED)
-async def set_shadow(body: ModelDirRequest, models: ModelsDep, store: StoreDep,
-                     clock: ClockDep) -> ModelInfo | Response:
-    """Put a model beside the serving one, checked as a reload is; it is scored and never advises."""
-    sample = store.live_sessions(CHECK_SAMPLE)
+async def set_shadow(body: ModelDirRequest, models: ModelsDep, store: StoreDep, clock: ClockDep,
+                     settings: SettingsDep, store_thread: StoreThreadDep) -> ModelInfo | Response:
+    """Put a model from the models directory beside the serving one, checked as a reload is; it
+    is scored and never advises."""
     try:
-        shadow = await asyncio.to_thread(models.set_shadow, Path(body.model_dir), sample, clock.now())
+        model_dir = resolve_model_dir(settings.models_root_dir, body.model_dir)
+        sample = await store_thread.read(store.live_sessions, CHECK_SAMPLE)
+        shadow = await asyncio.to_thread(models.set_shadow, model_dir, sample, clock.now())
     except ModelError as exc:
         return error_response(422, "model_dir", str(exc))
     return ModelInfo(predictor=shadow.description, version=shadow.version)

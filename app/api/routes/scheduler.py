@@ -5,7 +5,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from app.api.deps import SchedulerDep
+from app.api.deps import SchedulerDep, StoreThreadDep
+from app.engine.scheduler import Scheduler
 
 router = APIRouter(tags=["orders"])
 
@@ -26,7 +27,13 @@ class SchedulerStatus(BaseModel):
 
 
 @router.get("/scheduler", response_model=SchedulerStatus, summary="The scheduler's state and totals")
-async def scheduler_status(scheduler: SchedulerDep) -> SchedulerStatus:
+async def scheduler_status(scheduler: SchedulerDep,
+                           store_thread: StoreThreadDep) -> SchedulerStatus:
+    # Where the planning side runs (app/engine/storethread.py): one consistent view of it.
+    return await store_thread.run(_status, scheduler, fail_fast=False)
+
+
+def _status(scheduler: Scheduler) -> SchedulerStatus:
     t = scheduler.totals
     open_orders = scheduler.open_orders()
     return SchedulerStatus(

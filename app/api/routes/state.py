@@ -1,7 +1,8 @@
 """Read the live state: sessions, instances, block residency.
 
 The handlers are async so they run on the event loop, the thread that applies events: a read
-never sees a half-applied batch of the in-memory store.
+never sees a half-applied batch of the in-memory store. With the Redis store (whose batches are
+atomic in Redis) they read on a worker thread instead (app/engine/storethread.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
 
-from app.api.deps import StoreDep
+from app.api.deps import StoreDep, StoreThreadDep
 from app.api.errors import Error, error_response, field_error_route
 from app.engine.state.base import InstanceView, LocationView, SessionView
 
@@ -41,8 +42,8 @@ class LocationsResponse(BaseModel):
             responses={404: {"model": Error, "description": "No event has named this session."},
                        422: {"model": Error, "description": "The session id is longer than 256 characters."}})
 async def get_session(session_id: Annotated[str, Path(min_length=1, max_length=256)],
-                      store: StoreDep) -> SessionView | Response:
-    view = store.session(session_id)
+                      store: StoreDep, store_thread: StoreThreadDep) -> SessionView | Response:
+    view = await store_thread.read(store.session, session_id)
     if view is None:
         return error_response(404, "session_id", f"session {session_id!r} is not known")
     return view
@@ -52,19 +53,21 @@ async def get_session(session_id: Annotated[str, Path(min_length=1, max_length=2
             responses={422: {"model": Error, "description": "`limit` or `cursor` is out of range."}})
 async def get_instances(
     store: StoreDep,
+    store_thread: StoreThreadDep,
     limit: Annotated[int, Query(ge=1, le=MAX_INSTANCES_PAGE, description="The most instances to answer")] = 100,
     cursor: Annotated[str | None, Query(min_length=1, max_length=256,
                                         description="The previous page's `next_cursor`")] = None,
 ) -> InstancesResponse:
     """Instances by id, a page at a time: each one's last status and the blocks and bytes it holds
     per tier. Follow `next_cursor` until it is null."""
-    page = store.instances(after=cursor, limit=limit + 1)  # one more: is there a next page?
+    # One more than asked: is there a next page?
+    page = await store_thread.read(lambda: store.instances(after=cursor, limit=limit + 1))
     more = len(page) > limit
     page = page[:limit]
     return InstancesResponse(instances=page, next_cursor=page[-1].instance_id if more else None)
 
 
 @router.get("/locations", response_model=LocationsResponse)
-async def get_locations(store: StoreDep) -> LocationsResponse:
+async def get_locations(store: StoreDep, store_thread: StoreThreadDep) -> LocationsResponse:
     """Every location that holds KV blocks, each block counted once however many sessions use it."""
-    return LocationsResponse(locations=store.locations())
+    return LocationsResponse(locations=await store_thread.read(store.locations))

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from app.core.errors import ConfigError
+from app.core.redact import mask_url
 from app.engine.sinks.base import OrderSink, SinkClosed, SinkError, SinkRejected, SinkUnavailable
 from app.engine.sinks.memory import InProcessSink
 from app.engine.sinks.pull import Lease, PullQueue
@@ -66,19 +67,22 @@ def build_sink(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
     if kind == "memory":
         return InProcessSink(dedupe_seconds=dedupe)
     if kind == "webhook":
-        url = settings.order_webhook_url
+        secret = settings.order_webhook_url
+        url = secret.get_secret_value() if secret is not None else ""
         if not url:
             raise ConfigError("KVP_ORDER_SINK=webhook needs KVP_ORDER_WEBHOOK_URL, the URL the orders "
                               "are POSTed to")
         if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"KVP_ORDER_WEBHOOK_URL must be an http:// or https:// URL, not {url!r}")
+            raise ConfigError(f"KVP_ORDER_WEBHOOK_URL must be an http:// or https:// URL, not "
+                              f"{mask_url(url, keep_path=False)!r}")
         return WebhookSink(url, timeout_seconds=settings.order_webhook_timeout_seconds,
                            max_attempts=settings.order_webhook_max_attempts,
                            backoff_seconds=settings.order_webhook_backoff_seconds,
                            max_backoff_seconds=settings.order_webhook_max_backoff_seconds,
                            dedupe_seconds=dedupe, transport=transport)
     if kind == "redis":
-        return RedisStreamSink.from_url(settings.redis_url, settings.stream_prefix,
+        return RedisStreamSink.from_url(settings.redis_url.get_secret_value(),
+                                        settings.stream_prefix,
                                         timeout_seconds=settings.redis_timeout_seconds,
                                         maxlen=settings.order_stream_maxlen, dedupe_seconds=dedupe)
     raise ConfigError(f"KVP_ORDER_SINK={kind!r} is not one of memory, webhook, redis, pull")

@@ -25,6 +25,7 @@ from email.utils import parsedate_to_datetime
 
 import httpx
 
+from app.core.redact import mask_url
 from app.engine.orders import Cancel, Order
 from app.engine.sinks._dedupe import RecentIds
 from app.engine.sinks.base import SinkClosed, SinkRejected, SinkUnavailable
@@ -46,6 +47,8 @@ class WebhookSink:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         self.url = url
+        # What errors and logs say: the path of a webhook URL is often its secret.
+        self.shown_url = mask_url(url, keep_path=False)
         self.max_attempts = max_attempts
         self.backoff_seconds = backoff_seconds
         self.max_backoff_seconds = max_backoff_seconds
@@ -105,22 +108,24 @@ class WebhookSink:
                     self.last_error = None
                     return
                 if status != 429 and status < 500:
-                    self.last_error = (f"{self.url} refused {len(batch)} messages: HTTP {status}: "
-                                       f"{response.text[:200]}")
+                    self.last_error = (f"{self.shown_url} refused {len(batch)} messages: "
+                                       f"HTTP {status}: {response.text[:200]}")
                     raise SinkRejected(self.last_error, status)
                 problem = f"HTTP {status}"
                 retry_after = parse_retry_after(response.headers.get("retry-after"))
                 if retry_after is not None:
                     if retry_after > self.max_backoff_seconds:
-                        self.last_error = (f"{self.url} answered {problem} with Retry-After {retry_after:g} s, "
-                                           f"longer than KVP_ORDER_WEBHOOK_MAX_BACKOFF_SECONDS "
+                        self.last_error = (f"{self.shown_url} answered {problem} with Retry-After "
+                                           f"{retry_after:g} s, longer than "
+                                           f"KVP_ORDER_WEBHOOK_MAX_BACKOFF_SECONDS "
                                            f"({self.max_backoff_seconds:g} s): giving up after {attempt} "
                                            f"attempt(s)")
                         raise SinkUnavailable(self.last_error)
                     wait = retry_after
             if attempt < self.max_attempts:
                 await self._sleep(wait)
-        self.last_error = f"{self.url}: gave up after {self.max_attempts} attempt(s); last: {problem}"
+        self.last_error = (f"{self.shown_url}: gave up after {self.max_attempts} attempt(s); "
+                           f"last: {problem}")
         raise SinkUnavailable(self.last_error)
 
     def _backoff(self, attempt: int) -> float:

@@ -40,7 +40,7 @@ def build_store(settings: Settings) -> StateStore:
         from app.engine.state.redis import RedisStore
 
         return RedisStore.from_url(
-            settings.redis_url,
+            settings.redis_url.get_secret_value(),
             prefix=settings.redis_prefix,
             bytes_per_token=settings.bytes_per_token,
             block_tokens=settings.block_tokens,

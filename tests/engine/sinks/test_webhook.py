@@ -4,6 +4,7 @@ httpx's MockTransport (the timing, without waiting) and on a real local server."
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
@@ -20,6 +21,8 @@ from app.engine.sinks.webhook import idempotency_key, parse_retry_after
 from tests.engine.sinks.conftest import Receiver, order
 
 URL = "http://receiver.test/orders"
+# How errors name it: a webhook URL's path is often its secret (app/core/redact.py).
+SHOWN = "http://receiver.test/****"
 
 
 class Script:
@@ -120,7 +123,7 @@ def test_a_retry_after_past_the_longest_wait_gives_up_at_once() -> None:
         assert sink.last_error == str(caught.value)
         await sink.close()
         assert str(caught.value) == (
-            f"{URL} answered HTTP 503 with Retry-After 120 s, longer than "
+            f"{SHOWN} answered HTTP 503 with Retry-After 120 s, longer than "
             "KVP_ORDER_WEBHOOK_MAX_BACKOFF_SECONDS (5 s): giving up after 1 attempt(s)")
 
     run(body)
@@ -132,7 +135,8 @@ def test_it_gives_up_after_the_bound_and_a_resubmit_then_tries_again() -> None:
 
     async def body() -> None:
         sink = sink_for(script, sleeps, max_attempts=3)
-        with pytest.raises(SinkUnavailable, match=rf"^{URL}: gave up after 3 attempt\(s\); last: HTTP 500$"):
+        gave_up = rf"^{re.escape(SHOWN)}: gave up after 3 attempt\(s\); last: HTTP 500$"
+        with pytest.raises(SinkUnavailable, match=gave_up):
             await sink.submit([order("a")])
         assert len(script.requests) == 3 and len(sleeps) == 2
         assert sink.last_error is not None
@@ -152,7 +156,7 @@ def test_a_4xx_other_than_429_is_refused_without_retry(status: int) -> None:
         with pytest.raises(SinkRejected) as caught:
             await sink.submit([order("a"), order("b")])
         assert caught.value.status_code == status
-        assert str(caught.value) == f"{URL} refused 2 messages: HTTP {status}: nope"
+        assert str(caught.value) == f"{SHOWN} refused 2 messages: HTTP {status}: nope"
         await sink.close()
 
     run(body)
