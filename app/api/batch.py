@@ -53,6 +53,8 @@ class BatchError(Exception):
 class ParsedBatch:
     events: list[Event] = field(default_factory=list)
     rejected: list[Rejection] = field(default_factory=list)
+    # Each event's index in the posted batch; None: 0, 1, ... (nothing was rejected).
+    indices: list[int] | None = None
 
 
 def field_path(prefix: str, loc: tuple[Any, ...]) -> str:
@@ -101,10 +103,11 @@ def _parse_slowly(body: bytes, max_events: int) -> ParsedBatch:
         raise BatchError(422, "events", "a batch holds at least one event")
     if len(raw_events) > max_events:
         raise BatchError(413, "events", f"a batch holds at most {max_events} events, got {len(raw_events)}")
-    parsed = ParsedBatch()
+    parsed = ParsedBatch(indices=[])
     for i, raw in enumerate(raw_events):
         try:
             parsed.events.append(event_adapter.validate_python(raw))
+            parsed.indices.append(i)  # type: ignore[union-attr]
         except ValidationError as exc:
             event_id = raw.get("event_id") if isinstance(raw, dict) else None
             fields_named: set[str] = set()

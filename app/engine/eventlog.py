@@ -210,9 +210,10 @@ def _parse(raw: bytes, path: Path, line_no: int | None) -> list[Event]:
     except ValueError as exc:
         raise CorruptLogError(str(path), line_no or -1, f"not JSON: {exc}") from exc
     try:
+        # Lax: lines that older, lenient versions logged as posted may hold "10" for 10.
         if isinstance(doc, dict) and "type" not in doc and "events" in doc:
-            return batch_adapter.validate_python(doc).events
-        return [event_adapter.validate_python(doc)]
+            return batch_adapter.validate_python(doc, strict=False).events
+        return [event_adapter.validate_python(doc, strict=False)]
     except ValidationError as exc:
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"][1:]) or "event"

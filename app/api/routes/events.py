@@ -6,11 +6,12 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from app.api.auth import EventsCaller, Refused, charge
-from app.api.batch import BatchError, IngestResponse, parse_batch
+from app.api.batch import BatchError, IngestResponse, ParsedBatch, Rejection, parse_batch
 from app.api.deps import BacklogDep, IngestorDep, MetricsDep, SettingsDep
 from app.api.errors import Error, error_response
 from app.core.security import Principal, Scope
 from app.engine.events import Event
+from app.engine.ingest import TimeRejection
 
 router = APIRouter(tags=["events"])
 
@@ -84,14 +85,17 @@ async def post_events(request: Request, caller: EventsCaller, ingestor: Ingestor
                               f"(KVP_BACKLOG_MAX_EVENTS {backlog.max_events}); retry later",
                               {"Retry-After": "1"})
     result = ingestor.ingest(parsed.events, body if not parsed.rejected else None)
+    rejected = parsed.rejected
+    if result.rejected:
+        rejected = sorted(rejected + time_rejections(parsed, result.rejected), key=lambda r: r.index)
     metrics.batch_answered(duplicates=len(result.duplicates),
-                           rejected_fields=[(r.index, r.field) for r in parsed.rejected])
+                           rejected_fields=[(r.index, r.field) for r in rejected])
     payload = {
         "accepted": result.accepted,
         "duplicates": result.duplicates,
-        "rejected": [r.model_dump() for r in parsed.rejected],
+        "rejected": [r.model_dump() for r in rejected],
     }
-    return Response(orjson.dumps(payload), status_code=422 if parsed.rejected else 200,
+    return Response(orjson.dumps(payload), status_code=422 if rejected else 200,
                     media_type="application/json")
 
 
@@ -103,3 +107,14 @@ def check_agent_events(caller: Principal, events: list[Event]) -> None:
             raise BatchError(403, f"events[{i}].type",
                              f"a token with the agent scope alone may post only {', '.join(sorted(AGENT_EVENT_TYPES))} "
                              f"events, not {event.type}; nothing of the batch was accepted")
+
+
+def time_rejections(parsed: ParsedBatch, refused: list[TimeRejection]) -> list[Rejection]:
+    """The ingestor's refusals for `ts`, indexed in the posted batch rather than in the events
+    that passed validation."""
+    out = []
+    for r in refused:
+        index = parsed.indices[r.index] if parsed.indices is not None else r.index
+        out.append(Rejection(index=index, event_id=r.event_id, field=f"events[{index}].ts",
+                             message=r.message))
+    return out
