@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -40,16 +39,12 @@ EventId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 Ident = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 
 
-def _readable_session_id(session_id: str) -> str:
-    # GET /v1/sessions/{session_id} must reach every session accepted: a path segment holds no
-    # "/", and clients resolve "." and ".." away before sending.
-    if session_id in (".", "..") or "/" in session_id or not session_id.isprintable():
-        raise ValueError("a session id is not '.' or '..' and holds no '/' and no control or "
-                         "other unprintable character")
-    return session_id
-
-
-SessionId = Annotated[Ident, AfterValidator(_readable_session_id)]
+# GET /v1/sessions/{session_id} must reach every session accepted: a path segment holds no "/",
+# clients resolve "." and ".." away before sending, and control characters do not travel. A
+# pattern (Rust regex, inside pydantic-core) costs nothing measurable; a Python validator cost
+# a third of the parse of 1000 ids.
+SESSION_ID_PATTERN = r"^(?:[^/.\p{Cc}]|\.[^/.\p{Cc}]|\.\.[^/\p{Cc}])[^/\p{Cc}]*$"
+SessionId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=SESSION_ID_PATTERN)]
 Timestamp = Annotated[StrictFloat, Field(ge=0, le=MAX_TS_SECONDS, allow_inf_nan=False)]
 Tokens = Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS)]
 BlockTokens = Annotated[StrictInt, Field(ge=1, le=1_048_576)]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,12 +24,13 @@ from pathlib import Path
 
 from app.core.clock import Clock
 from app.engine.eventlog import EventLog, encode_batch, encode_events, iter_log
-from app.engine.events import Event
+from app.engine.events import Event, VllmKvEvents
 from app.engine.state.base import StateStore
 
 log = logging.getLogger(__name__)
 
 _RECOVERY_CHUNK = 5_000
+_TS = operator.attrgetter("ts")
 # The events a store ignores once they are older than its session retention.
 SESSION_EVENT_TYPES = frozenset({"request_routed", "request_started", "request_finished", "session_closed"})
 # Why an event was refused for its time (the label of kvprefetch_events_refused_total).
@@ -88,8 +90,11 @@ class Ingestor:
             if self._behind_log:
                 self._replay_tail()
             given = events
-            if events and max([e.ts for e in events]) > latest_ts:
+            # One pass over the events' ts, reused below: passes over a batch add up on this path.
+            stamps = list(map(_TS, events))
+            if stamps and max(stamps) > latest_ts:
                 events = self._reject_from_the_future(events, latest_ts, result)
+                stamps = list(map(_TS, events))
             ids = [e.event_id for e in events]
             if len(set(ids)) == len(ids):
                 unique = list(events)
@@ -110,7 +115,8 @@ class Ingestor:
                 fresh = unique
             retention = self.store.session_retention_seconds
             if fresh and retention < math.inf:
-                stamps = [e.ts for e in fresh]
+                if len(fresh) != len(events):
+                    stamps = list(map(_TS, fresh))
                 # No event is older than the cutoff the newest of them all would make: none is
                 # refused (the common case, checked without a walk in order).
                 if min(stamps) < max(newest, max(stamps)) - retention:
@@ -119,7 +125,7 @@ class Ingestor:
                 # A batch is logged as posted only when that is exactly what was validated:
                 # every event of it taken, none in vLLM's encoding (arrays, fields we drop).
                 whole = (body is not None and len(fresh) == len(given)
-                         and all(e.type != "vllm_kv_events" for e in fresh))
+                         and VllmKvEvents not in map(type, fresh))
                 position = self.event_log.append(encode_batch(body) if whole else encode_events(fresh))  # type: ignore[arg-type]
                 try:
                     applied = self.store.apply(fresh)

