@@ -73,6 +73,7 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
     import orjson
 
     from app.api.batch import BatchParser
+    from app.core.clock import SystemClock
     from app.engine.eventlog import EventLog, encode_events, segment_path
     from app.engine.ingest import Ingestor
     from app.engine.state.memory import MemoryStore
@@ -132,7 +133,8 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
         # Cross-check: the real Ingestor (fsync as asked) on fresh batches, parse not included.
         store2 = MemoryStore(bytes_per_token=327_680, block_tokens=512)
         log2 = EventLog(workdir / "ingestor", fsync=fsync)
-        ingestor = Ingestor(store2, log2, replica_id="bench")
+        ingestor = Ingestor(store2, log2, replica_id="bench", clock=SystemClock(),
+                            max_clock_skew_seconds=300.0)
         for body in check_bodies:
             events = parser.parse(body).events
             t0 = clock()

@@ -84,6 +84,17 @@ class ParsedBatch:
     # Every rejected event's index and first field (for the metrics), listed or not.
     rejected_first: list[tuple[int, str]] = field(default_factory=list)
     rejections_omitted: int = 0
+    # Each event's index in the posted batch; None: 0, 1, ... (nothing was rejected).
+    indices: list[int] | None = None
+
+    def reject(self, index: int, event_id: str, field: str, message: str) -> None:
+        """One more event rejected after parsing (the ingestor's refusals of `ts`), listed while
+        the answer has room."""
+        self.rejected_first.append((index, field))
+        if len(self.rejected) < MAX_REJECTIONS_PER_ANSWER:
+            self.rejected.append(Rejection(index=index, event_id=event_id, field=field, message=message))
+        else:
+            self.rejections_omitted += 1
 
 
 def field_path(prefix: str, loc: tuple[Any, ...]) -> str:
@@ -201,10 +212,11 @@ def _parse_slowly(body: bytes, max_events: int) -> ParsedBatch:
         raise BatchError(422, "events", "a batch holds at least one event")
     if len(raw_events) > max_events:
         raise _too_many(max_events, str(len(raw_events)))
-    parsed = ParsedBatch()
+    parsed = ParsedBatch(indices=[])
     for i, raw in enumerate(raw_events):
         try:
             parsed.events.append(event_adapter.validate_python(raw))
+            parsed.indices.append(i)  # type: ignore[union-attr]
         except ValidationError as exc:
             _reject(parsed, i, raw, exc)
     return parsed

@@ -132,8 +132,16 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
         observers.append(app.state.metrics.observe)
         app.state.backlog = Backlog(compose_observers(observers), settings.backlog_max_events)
         app.state.ingestor = Ingestor(app.state.store, app.state.event_log, replica_id=settings.replica_id,
-                                      observer=app.state.backlog.put)
+                                      clock=app.state.clock,
+                                      max_clock_skew_seconds=settings.max_clock_skew_seconds,
+                                      observer=app.state.backlog.put, refused=app.state.metrics.events_refused)
         replayed = app.state.ingestor.recover()
+        ahead = app.state.ingestor.newest_ahead_of_clock()
+        if ahead is not None:
+            log.error("the store has taken an event stamped %r, more than KVP_MAX_CLOCK_SKEW_SECONDS "
+                      "ahead of the clock, before such events were refused: its session retention "
+                      "and reorder windows count from there. Clear the store (its keys under "
+                      "KVP_REDIS_PREFIX) and restart: the log is replayed without such events.", ahead)
         await app.state.store_health.refresh(settings.redis_timeout_seconds)
         store_name = (settings.store if settings.store == "memory"
                       else f"{settings.store} at {mask_url(settings.redis_url.get_secret_value())}")

@@ -108,6 +108,10 @@ class Settings(BaseSettings):
     # starts it afresh; a session event older than that newest ts minus this is ignored. Order
     # records, the route tracker and the advice ledger forget by the same rule.
     session_retention_seconds: float = Field(3600.0, gt=0)
+    # Both windows count from the newest event ts, so one event stamped in the future would
+    # move them for everyone: an event more than this ahead of the service clock is rejected
+    # (422 on events[i].ts), and skipped when replayed from the log.
+    max_clock_skew_seconds: float = Field(300.0, gt=0)
 
     # The arrival model served at startup; when it is missing or does not load, the heuristic serves.
     model_dir: Path = Path(__file__).resolve().parent.parent.parent / "models" / "default"

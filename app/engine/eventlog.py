@@ -19,6 +19,7 @@ import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 from pydantic_core import from_json
@@ -210,10 +211,47 @@ def _parse(raw: bytes, path: Path, line_no: int | None) -> list[Event]:
     except ValueError as exc:
         raise CorruptLogError(str(path), line_no or -1, f"not JSON: {exc}") from exc
     try:
-        if isinstance(doc, dict) and "type" not in doc and "events" in doc:
-            return batch_adapter.validate_python(doc).events
-        return [event_adapter.validate_python(doc)]
+        return _validate(doc)
     except ValidationError as exc:
+        legacy = _with_legacy_session_ids(doc, exc)
+        if legacy is not None:
+            return legacy
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"][1:]) or "event"
         raise CorruptLogError(str(path), line_no or -1, f"{field}: {first['msg']}") from exc
+
+
+def _validate(doc: Any) -> list[Event]:
+    # Lax: lines that older, lenient versions logged as posted may hold "10" for 10.
+    if isinstance(doc, dict) and "type" not in doc and "events" in doc:
+        return batch_adapter.validate_python(doc, strict=False).events
+    return [event_adapter.validate_python(doc, strict=False)]
+
+
+def _with_legacy_session_ids(doc: Any, exc: ValidationError) -> list[Event] | None:
+    """The events of a line whose only fault is session ids older versions accepted and the
+    schema now refuses ('/', '.', control characters): validated with a stand-in id, then given
+    their own back. None when the line has other faults."""
+    errors = exc.errors()
+    if not all(e["type"] == "string_pattern_mismatch" and e["loc"][-1] == "session_id" for e in errors):
+        return None
+    batch = isinstance(doc, dict) and "type" not in doc and "events" in doc
+    originals: dict[int, str] = {}
+    for e in errors:
+        index = e["loc"][1] if batch else 0
+        if not isinstance(index, int):
+            return None
+        originals[index] = e["input"]
+    doc = {**doc, "events": list(doc["events"])} if batch else dict(doc)
+    for index in originals:
+        if batch:
+            doc["events"][index] = {**doc["events"][index], "session_id": "legacy"}
+        else:
+            doc["session_id"] = "legacy"
+    try:
+        events = _validate(doc)
+    except ValidationError:
+        return None
+    for index, session_id in originals.items():
+        events[index] = events[index].model_copy(update={"session_id": session_id})
+    return events

@@ -15,6 +15,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    Strict,
     StringConstraints,
     TypeAdapter,
     field_validator,
@@ -28,14 +29,28 @@ MAX_BLOCKS_PER_EVENT = 65_536
 MAX_BYTES = 2**53  # exact in a JSON double
 MAX_SECONDS = 1e7
 
+# Numbers are strict on the wire: a JSON int for an int (no "10", no true, no 10.0), a JSON
+# number for a float. So a batch logged as posted holds exactly the values validated. The log's
+# reader validates with strict=False, to read what older, lenient versions logged.
+StrictInt = Annotated[int, Strict()]
+StrictFloat = Annotated[float, Strict()]
+
 EventId = Annotated[str, StringConstraints(min_length=1, max_length=128)]
 Ident = Annotated[str, StringConstraints(min_length=1, max_length=256)]
-Timestamp = Annotated[float, Field(ge=0, le=MAX_TS_SECONDS, allow_inf_nan=False)]
-Tokens = Annotated[int, Field(ge=0, le=MAX_TOKENS)]
-BlockTokens = Annotated[int, Field(ge=1, le=1_048_576)]
+
+
+# GET /v1/sessions/{session_id} must reach every session accepted: a path segment holds no "/",
+# clients resolve "." and ".." away before sending, and control characters do not travel. A
+# pattern (Rust regex, inside pydantic-core) costs nothing measurable; a Python validator cost
+# a third of the parse of 1000 ids.
+SESSION_ID_PATTERN = r"^(?:[^/.\p{Cc}]|\.[^/.\p{Cc}]|\.\.[^/\p{Cc}])[^/\p{Cc}]*$"
+SessionId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=SESSION_ID_PATTERN)]
+Timestamp = Annotated[StrictFloat, Field(ge=0, le=MAX_TS_SECONDS, allow_inf_nan=False)]
+Tokens = Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS)]
+BlockTokens = Annotated[StrictInt, Field(ge=1, le=1_048_576)]
 # vLLM's ExternalBlockHash is bytes or int; over JSON that is an int or a (hex) string.
 BlockHash = Union[
-    Annotated[int, Field(ge=-(2**63), lt=2**64)],
+    Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)],
     Annotated[str, StringConstraints(min_length=1, max_length=128)],
 ]
 BlockHashes = Annotated[list[BlockHash], Field(max_length=MAX_BLOCKS_PER_EVENT)]
@@ -57,7 +72,7 @@ class RequestRouted(_Event):
     """A router sent a request of a session to an instance."""
 
     type: Literal["request_routed"] = "request_routed"
-    session_id: Ident
+    session_id: SessionId
     request_id: Ident
     instance_id: Ident
     prompt_tokens: Tokens
@@ -70,7 +85,7 @@ class RequestStarted(_Event):
     """The instance's GPU began the request (prefill started)."""
 
     type: Literal["request_started"] = "request_started"
-    session_id: Ident
+    session_id: SessionId
     request_id: Ident
     instance_id: Ident
 
@@ -79,7 +94,7 @@ class RequestFinished(_Event):
     """The request finished; `context_tokens` is what the session now holds (prompt + output)."""
 
     type: Literal["request_finished"] = "request_finished"
-    session_id: Ident
+    session_id: SessionId
     request_id: Ident
     instance_id: Ident
     output_tokens: Tokens
@@ -92,7 +107,7 @@ class SessionClosed(_Event):
     """The conversation ended (the user closed it, or the router gave up on it)."""
 
     type: Literal["session_closed"] = "session_closed"
-    session_id: Ident
+    session_id: SessionId
 
 
 class _Located(_Event):
@@ -143,6 +158,8 @@ VLLM_MEDIUM_TIERS: dict[str, Tier] = {"GPU": "hbm", "CPU": "host", "DISK": "disk
 
 class _VllmEvent(BaseModel):
     # vLLM adds fields over time (group_idx, extra_keys, ...): tolerate the ones we don't use.
+    # They are dropped, never logged: a batch holding vLLM events is logged re-encoded
+    # (app/engine/ingest.py).
     model_config = ConfigDict(extra="ignore", frozen=True)
 
 
@@ -168,9 +185,9 @@ class VllmBlockStored(_VllmEvent):
     type: Literal["BlockStored"]
     block_hashes: Annotated[BlockHashes, Field(min_length=1)]
     parent_block_hash: BlockHash | None = None
-    token_ids: list[int] = Field(default_factory=list, max_length=MAX_TOKENS)
+    token_ids: list[StrictInt] = Field(default_factory=list, max_length=MAX_TOKENS)
     block_size: BlockTokens
-    lora_id: int | None = None
+    lora_id: StrictInt | None = None
     medium: Annotated[str, StringConstraints(max_length=32)] | None = None
 
 
@@ -199,7 +216,7 @@ class VllmKvEvents(_Event):
     type: Literal["vllm_kv_events"] = "vllm_kv_events"
     instance_id: Ident
     events: Annotated[list[VllmKvEvent], Field(max_length=MAX_BLOCKS_PER_EVENT)]
-    data_parallel_rank: int | None = None
+    data_parallel_rank: StrictInt | None = None
 
     def expand(self) -> list[KvBlocksStored | KvBlocksRemoved | KvBlocksCleared]:
         out: list[KvBlocksStored | KvBlocksRemoved | KvBlocksCleared] = []
@@ -226,10 +243,10 @@ class InstanceStatus(_Event):
 
     type: Literal["instance_status"] = "instance_status"
     instance_id: Ident
-    free_kv_bytes: Annotated[int, Field(ge=0, le=MAX_BYTES)]
-    total_kv_bytes: Annotated[int, Field(ge=0, le=MAX_BYTES)] | None = None
-    queue_depth: Annotated[int, Field(ge=0, le=1_000_000)] = 0
-    running_requests: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    free_kv_bytes: Annotated[StrictInt, Field(ge=0, le=MAX_BYTES)]
+    total_kv_bytes: Annotated[StrictInt, Field(ge=0, le=MAX_BYTES)] | None = None
+    queue_depth: Annotated[StrictInt, Field(ge=0, le=1_000_000)] = 0
+    running_requests: Annotated[StrictInt, Field(ge=0, le=1_000_000)] = 0
 
     @model_validator(mode="after")
     def _free_within_total(self) -> InstanceStatus:
@@ -247,8 +264,8 @@ class OrderProgress(_Event):
     type: Literal["order_progress"] = "order_progress"
     order_id: Ident
     status: OrderStatus
-    bytes: Annotated[int, Field(ge=0, le=MAX_BYTES)] | None = None
-    seconds: Annotated[float, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)] | None = None
+    bytes: Annotated[StrictInt, Field(ge=0, le=MAX_BYTES)] | None = None
+    seconds: Annotated[StrictFloat, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)] | None = None
     reason: Annotated[str, StringConstraints(max_length=1024)] | None = None
 
     @field_validator("reason")

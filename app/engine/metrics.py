@@ -53,6 +53,7 @@ from prometheus_client import (
 from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
 from app.engine.advice import SLOTS, LedgerStats
 from app.engine.events import EVENT_TYPES, Event, VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored
+from app.engine.ingest import CLOCK_SKEW, PAST_RETENTION
 from app.engine.outcomes import OUTCOMES, RequestOutcome
 
 __all__ = ["CONTENT_TYPE", "Metrics", "multiprocess_dir", "prepare_multiprocess_dir", "rejection_field"]
@@ -140,6 +141,12 @@ class Metrics:
             "kvprefetch_events_rejected",
             "Events rejected by validation, by the first field named (schema field names; 'event': the event "
             "as a whole; 'other': a field no event has).", ["field"], registry=r)
+        self.events_refused_by_time = Counter(
+            "kvprefetch_events_refused",
+            "Events not taken for their ts, by reason: 'clock_skew', more than KVP_MAX_CLOCK_SKEW_SECONDS "
+            "ahead of the service clock (rejected when posted, skipped when replayed from the log); "
+            "'past_retention', a session event older than the session retention (rejected).",
+            ["reason"], registry=r)
         self.batches_refused = Counter(
             "kvprefetch_event_batches_refused",
             "POST /v1/events bodies refused whole (nothing accepted), by HTTP status code.", ["code"], registry=r)
@@ -222,6 +229,8 @@ class Metrics:
         self._missing_bytes = self.reused_bytes.labels("false")
         for code in REFUSED_CODES:
             self.batches_refused.labels(str(code))
+        for reason in (CLOCK_SKEW, PAST_RETENTION):
+            self.events_refused_by_time.labels(reason)
         for kind in ORDER_KINDS:
             self.orders_issued.labels(kind)
         for family in (self.orders_completed, self.orders_failed, self.orders_cancelled):
@@ -285,6 +294,10 @@ class Metrics:
             first.setdefault(index, path)
         for field, n in collections.Counter(rejection_field(p) for p in first.values()).items():
             self.events_rejected.labels(field).inc(n)
+
+    def events_refused(self, reason: str, n: int) -> None:
+        """The ingestor's hook (app/engine/ingest.py): `n` events refused for their ts."""
+        self.events_refused_by_time.labels(reason).inc(n)
 
     def batch_refused(self, status_code: int) -> None:
         self.batches_refused.labels(str(status_code)).inc()

@@ -57,7 +57,7 @@ def test_mixed_batch_accepts_the_valid_and_names_each_bad_field(client: TestClie
         {"index": 1, "event_id": "bad1", "field": "events[1].prompt_tokens",
          "message": "Input should be greater than or equal to 0"},
         {"index": 2, "event_id": "bad2", "field": "events[2].block_hashes[1]",
-         "message": "Input should be a valid integer, got a number with a fractional part"},
+         "message": "Input should be a valid integer"},
         {"index": 3, "event_id": "bad3", "field": "events[3]",
          "message": "Input tag 'no_such_type' found using 'type' does not match any of the expected tags: "
                     "'request_routed', 'request_started', 'request_finished', 'session_closed', "

@@ -210,10 +210,10 @@ def test_hit_rates_of_live_and_shadow(tmp_path: Path, clock: ManualClock) -> Non
                         model_dir=tmp_path / "none", shadow_model_dir=DEFAULT_MODEL_DIR,
                         models_root=DEFAULT_MODEL_DIR.parent)
     with TestClient(create_app(settings, clock=clock)) as c:
+        clock.set(900.0)  # the events below are then in the service's past, as they are live
         session_with_turns(c, "a", 3, start_ts=740.0)  # a turn a minute, the last at 860
         session_with_turns(c, "b", 1, start_ts=300.0)  # one turn, silent since 305
         app = c.app
-        clock.set(900.0)
         settle(c)
         assert app.state.scorer.tick() == 2  # type: ignore[attr-defined]
         views = [app.state.store.session("a"), app.state.store.session("b")]  # type: ignore[attr-defined]
@@ -247,8 +247,8 @@ def test_hit_rates_of_live_and_shadow(tmp_path: Path, clock: ManualClock) -> Non
 
 def test_advice_made_after_a_late_arrival_does_not_score_it(scored: TestClient, clock: ManualClock) -> None:
     c = scored
+    clock.set(900.0)  # the events below are then in the service's past, as they are live
     session_with_turns(c, "a", 2, start_ts=800.0)
-    clock.set(900.0)
     settle(c)
     assert c.app.state.scorer.tick() == 1  # type: ignore[attr-defined]
     before = c.get("/v1/model").json()["live"]

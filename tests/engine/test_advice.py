@@ -6,12 +6,16 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+from app.core.clock import SystemClock
 from app.engine.advice import ADVICE_HISTORY, AdviceLedger, AdviceRecord, LedgerStats
 from app.engine.eventlog import EventLog
 from app.engine.events import Event, event_adapter
 from app.engine.ingest import Ingestor
 from app.engine.planner import SessionAdvice
 from app.engine.state import MemoryStore
+
+# The service clock and skew, as the service has them (events here are stamped in the past).
+CLOCKED = {"clock": SystemClock(), "max_clock_skew_seconds": 300.0}
 
 _ids = itertools.count()
 
@@ -129,7 +133,7 @@ def test_duplicates_reach_the_ledger_once(tmp_path: Path) -> None:
         ledger.observe(events)
 
     ing = Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
-                   replica_id="r1", observer=observer)
+                   replica_id="r1", observer=observer, **CLOCKED)
     ledger.record("live", [advice("a", "keep")], 10.0)
     first = routed("a", 20.0, event_id="arrive")
     ing.ingest([first, first])

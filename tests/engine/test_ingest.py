@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from app.core.clock import SystemClock
 from app.engine.eventlog import EventLog, iter_log
 from app.engine.events import event_adapter
 from app.engine.ingest import Ingestor
 from app.engine.state import MemoryStore
+
+# The service clock and skew, as the service has them (events here are stamped in the past).
+CLOCKED = {"clock": SystemClock(), "max_clock_skew_seconds": 300.0}
 
 
 def routed(i: int, session: str = "s"):  # type: ignore[no-untyped-def]
@@ -18,7 +22,7 @@ def routed(i: int, session: str = "s"):  # type: ignore[no-untyped-def]
 
 def make(tmp_path: Path) -> Ingestor:
     return Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
-                    replica_id="r1")
+                    replica_id="r1", **CLOCKED)
 
 
 def test_ingest_splits_accepted_and_duplicates(tmp_path: Path) -> None:
@@ -45,12 +49,12 @@ def test_recover_rebuilds_a_fresh_store_from_the_log(tmp_path: Path) -> None:
 def test_recover_replays_only_past_the_checkpoint(tmp_path: Path) -> None:
     store = MemoryStore(bytes_per_token=1, block_tokens=512)
     log = EventLog(tmp_path, fsync=False)
-    ing = Ingestor(store, log, replica_id="r1")
+    ing = Ingestor(store, log, replica_id="r1", **CLOCKED)
     ing.ingest([routed(i) for i in range(5)])
     # The process dies after logging a batch but before applying it.
     log.append(b"".join(event_adapter.dump_json(routed(i)) + b"\n" for i in range(5, 8)))
     log.close()
-    again = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1")
+    again = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
     assert again.recover() == 3
     assert store.session("s").turns == 8
     assert again.recover() == 0
@@ -76,7 +80,7 @@ def test_a_failed_apply_is_caught_up_from_the_log_and_not_logged_twice(tmp_path:
     from app.core.errors import StoreUnavailable
 
     store = FailingOnce(bytes_per_token=1, block_tokens=512)
-    ing = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1")
+    ing = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
     ing.ingest([routed(1)])
     store.fail_next = True
     with pytest.raises(StoreUnavailable):
@@ -107,7 +111,8 @@ def test_a_batch_of_new_events_is_logged_as_posted_and_read_back_canonical(tmp_p
 def test_the_observer_sees_accepted_events_only_and_never_the_replayed_log(tmp_path: Path) -> None:
     seen: list[list[str]] = []
     ing = Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
-                   replica_id="r1", observer=lambda events: seen.append([e.event_id for e in events]))
+                   replica_id="r1", observer=lambda events: seen.append([e.event_id for e in events]),
+                   **CLOCKED)
     ing.ingest([routed(1), routed(2), routed(1)])
     ing.ingest([routed(2), routed(3)])
     ing.ingest([routed(3)])  # all duplicates: not called at all
@@ -115,7 +120,8 @@ def test_the_observer_sees_accepted_events_only_and_never_the_replayed_log(tmp_p
     ing.event_log.close()
     seen.clear()
     again = Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
-                     replica_id="r1", observer=lambda events: seen.append([e.event_id for e in events]))
+                     replica_id="r1", observer=lambda events: seen.append([e.event_id for e in events]),
+                     **CLOCKED)
     assert again.recover() == 3
     assert seen == []
 
@@ -125,7 +131,7 @@ def test_a_failing_observer_does_not_fail_the_ingest(tmp_path: Path, caplog) -> 
         raise RuntimeError("observer bug")
 
     ing = Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
-                   replica_id="r1", observer=broken)
+                   replica_id="r1", observer=broken, **CLOCKED)
     assert ing.ingest([routed(1)]).accepted == ["e1"]
     assert ing.store.session("s").turns == 1
     assert "the ingest observer failed on 1 events" in caplog.text

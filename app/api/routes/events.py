@@ -102,16 +102,22 @@ async def post_events(request: Request, caller: EventsCaller, ingestor: Ingestor
         return error_response(503, "backlog", f"the planning side is behind: {backlog.events} events wait "
                               f"(KVP_BACKLOG_MAX_EVENTS {backlog.max_events}); retry later",
                               {"Retry-After": "1"})
+    for refused in result.rejected:  # the ingestor's refusals of `ts`, indexed as posted
+        index = parsed.indices[refused.index] if parsed.indices is not None else refused.index
+        parsed.reject(index, refused.event_id, f"events[{index}].ts", refused.message)
+    if result.rejected:
+        parsed.rejected.sort(key=lambda r: r.index)
+        parsed.rejected_first.sort()
     metrics.batch_answered(duplicates=len(result.duplicates), rejected_fields=parsed.rejected_first)
     payload: dict[str, object] = {
         "accepted": result.accepted,
         "duplicates": result.duplicates,
         "rejected": [r.model_dump() for r in parsed.rejected],
     }
-    if parsed.rejected:
+    if parsed.rejected_first:
         payload["rejected_events"] = len(parsed.rejected_first)
         payload["rejections_omitted"] = parsed.rejections_omitted
-    return Response(orjson.dumps(payload), status_code=422 if parsed.rejected else 200,
+    return Response(orjson.dumps(payload), status_code=422 if parsed.rejected_first else 200,
                     media_type="application/json")
 
 

@@ -150,8 +150,16 @@ class LogPosition:
 class StateStore(Protocol):
     """The live picture of the cluster. Implementations: memory (embedded) and Redis (shared)."""
 
+    # A session event older than the newest event ts applied minus this is ignored (math.inf:
+    # none is); the ingestor rejects such events before they are logged.
+    session_retention_seconds: float
+
     def seen(self, event_ids: Sequence[str]) -> list[bool]:
         """Which of these events were already applied (within the idempotency window)."""
+        ...
+
+    def seen_and_newest(self, event_ids: Sequence[str]) -> tuple[list[bool], float]:
+        """`seen(event_ids)`, and the newest event ts applied (-inf: none), in one read."""
         ...
 
     def apply(self, events: Sequence[Event]) -> list[bool]:

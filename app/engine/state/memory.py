@@ -285,6 +285,9 @@ class MemoryStore:
         seen, old = self._seen, self._seen_old
         return [e in seen or e in old for e in event_ids]
 
+    def seen_and_newest(self, event_ids: Sequence[str]) -> tuple[list[bool], float]:
+        return self.seen(event_ids), self._newest
+
     def apply(self, events: Sequence[Event]) -> list[bool]:
         seen, old, half, apply_one = self._seen, self._seen_old, self._seen_half, self._apply_one
         out: list[bool] = []

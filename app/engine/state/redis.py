@@ -275,6 +275,13 @@ class RedisStore:
             values = self._r.mget([f"{p}:eid:{eid}" for eid in event_ids])
         return [v is not None for v in values]
 
+    def seen_and_newest(self, event_ids: Sequence[str]) -> tuple[list[bool], float]:
+        p = self.prefix
+        with self._errors():
+            values = self._r.mget([*(f"{p}:eid:{eid}" for eid in event_ids), self._k_newest])
+        newest = values.pop()
+        return [v is not None for v in values], -math.inf if newest is None else float(newest)
+
     def apply(self, events: Sequence[Event]) -> list[bool]:
         if not events:
             return []

@@ -25,7 +25,8 @@ pytestmark = pytest.mark.redis
 BPT = 327_680
 BLOCK = 512
 
-SESSIONS = [f"s{i}" for i in range(5)] + ["s:sa:x", "ünï cödé/\"q\""]
+# Odd ids: a key separator, non-ASCII, a space, quotes and glob characters (clear() scans by glob).
+SESSIONS = [f"s{i}" for i in range(5)] + ["s:sa:x", "ünï cödé*?[\"q\"]"]
 INSTANCES = ["g0", "g1", "g2", "g:3"]
 ORDERS = ["o0", "o1", "o2", "o3"]
 # 5 and "5" are different blocks; big and negative ints as vLLM sends them.
