@@ -136,7 +136,10 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
                                       max_clock_skew_seconds=settings.max_clock_skew_seconds,
                                       observer=app.state.backlog.put, refused=app.state.metrics.events_refused)
         replayed = app.state.ingestor.recover()
-        ahead = app.state.ingestor.newest_ahead_of_clock()
+        try:
+            ahead = app.state.ingestor.newest_ahead_of_clock()
+        except StoreError:  # a diagnostic: the store's health is reported by the probe below
+            ahead = None
         if ahead is not None:
             log.error("the store has taken an event stamped %r, more than KVP_MAX_CLOCK_SKEW_SECONDS "
                       "ahead of the clock, before such events were refused: its session retention "

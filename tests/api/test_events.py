@@ -209,7 +209,7 @@ def test_a_store_503_is_counted_as_a_refused_batch(settings: Settings, error: st
     from app.engine.state import MemoryStore
 
     class Down(MemoryStore):
-        def seen(self, event_ids):  # type: ignore[no-untyped-def]
+        def seen_and_newest(self, event_ids):  # type: ignore[no-untyped-def]
             if error == "unavailable":
                 raise StoreUnavailable("connection refused")
             raise StoreError("OOM")
