@@ -38,8 +38,8 @@ from app.engine.events import BlockHash
 from app.engine.orders import Order
 from app.engine.state.base import Location, StateStore
 
-__all__ = ["DEFAULT_REQUEST_SECONDS", "CandidateHint", "HintConfig", "InstanceLoad", "RouteHint", "prefix_lookups",
-           "route_hint"]
+__all__ = ["DEFAULT_REQUEST_SECONDS", "CandidateHint", "HintConfig", "InstanceLoad", "RouteHint",
+           "prefix_lookups", "route_hint"]
 
 # A typical request's time in a slot: ~350 output tokens at 30 ms each plus its prefill, the
 # mean of the shared conversation trace in the default scenario. Only the wait estimate uses it.
@@ -249,8 +249,9 @@ def _describe_load(load: InstanceLoad, wait: float) -> str:
 def _rank(session_id: str, known: bool, context_bytes: int, home: str | None,
           hints: list[CandidateHint]) -> RouteHint:
     # Rounded so that float noise does not beat the tie-breaks.
-    order = [key[3] for key in sorted((round(h.expected_load_seconds + h.expected_wait_seconds, 9),
-                                        h.instance_id != home, _load_of(h), k) for k, h in enumerate(hints))]
+    keys = sorted((round(h.expected_load_seconds + h.expected_wait_seconds, 9),
+                   h.instance_id != home, _load_of(h), k) for k, h in enumerate(hints))
+    order = [key[3] for key in keys]
     best_k = order[0]
     best = hints[best_k]
     hints[best_k] = replace(best, recommended=True)

@@ -724,7 +724,8 @@ class MemoryStore:
             if loc is not None and lo < n:
                 present = loc.present
                 if backwards is not None:
-                    lo = n - bisect.bisect_left(backwards, True, 0, n - lo, key=present.__contains__)
+                    held = present.__contains__
+                    lo = n - bisect.bisect_left(backwards, True, 0, n - lo, key=held)
                 else:
                     hi = n
                     while lo < hi:
@@ -738,7 +739,8 @@ class MemoryStore:
 
     def instance_loads(self, ids: Sequence[str]) -> dict[str, tuple[int | None, int | None]]:
         instances = self._instances
-        return {i: (r.queue_depth, r.running_requests) for i in ids if (r := instances.get(i)) is not None}
+        return {i: (r.queue_depth, r.running_requests)
+                for i in ids if (r := instances.get(i)) is not None}
 
     def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
         loc = self._locations.get((tier, instance_id))

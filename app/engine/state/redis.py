@@ -673,7 +673,8 @@ class RedisStore:
                     members += _probe_tree(block_hashes, span[0], span[1], k)
                 args += (names[x], str(tree))
             with self._errors():
-                stops = self._held_script(args=[self.prefix, str(k), str(len(trees)), *members, *args])
+                stops = self._held_script(
+                    args=[self.prefix, str(k), str(len(trees)), *members, *args])
             for x, node in zip(active, stops):
                 a, b = lo[x], hi[x]
                 for bit in bin(int(node))[3:]:  # the path from the root: 1 held (right), 0 not

@@ -565,9 +565,10 @@ def test_held_prefixes_answer_the_search_over_holds(store: StateStore) -> None:
                  stored([7, 8], 1.0, instance="gpu-2"),
                  # Not prefix-closed: a hole at 50..59 and the tail gone.
                  stored(context[:50] + context[60:251], 1.0, instance="gpu-3"),
-                 stored(context[200:260], 1.0, tier="host"), stored(context[:1], 1.0, instance=None, tier="pool")])
-    where: list[Any] = [("hbm", "gpu-0"), ("hbm", "gpu-1"), ("hbm", "gpu-2"), ("hbm", "gpu-3"), ("pool", None),
-                        ("host", "gpu-0"), ("host", "gpu-9")]
+                 stored(context[200:260], 1.0, tier="host"),
+                 stored(context[:1], 1.0, instance=None, tier="pool")])
+    where: list[Any] = [("hbm", "gpu-0"), ("hbm", "gpu-1"), ("hbm", "gpu-2"), ("hbm", "gpu-3"),
+                        ("pool", None), ("host", "gpu-0"), ("host", "gpu-9")]
     starts = [0, 7, 299, 61, 0, 200, 150]
     expected = [_held_by_holds(store, w, context, 0) for w in where]
     expected_from = [_held_by_holds(store, w, context, s) for w, s in zip(where, starts)]
@@ -585,10 +586,12 @@ def test_held_prefixes_answer_the_search_over_holds(store: StateStore) -> None:
 
 
 def test_instance_loads_are_those_of_the_instance_records(store: StateStore) -> None:
-    store.apply([ev("instance_status", 1.0, instance_id="gpu-1", free_kv_bytes=5, queue_depth=3, running_requests=2),
+    store.apply([ev("instance_status", 1.0, instance_id="gpu-1", free_kv_bytes=5, queue_depth=3,
+                    running_requests=2),
                  routed("s", "r", 1.0, instance="gpu-0")])
     ids = ["gpu-1", "gpu-0", "nope"]
     loads = store.instance_loads(ids)
-    assert loads == {i.instance_id: (i.queue_depth, i.running_requests) for i in store.instances(ids=ids)}
+    views = store.instances(ids=ids)
+    assert loads == {i.instance_id: (i.queue_depth, i.running_requests) for i in views}
     assert loads["gpu-1"] == (3, 2) and "nope" not in loads
     assert store.instance_loads([]) == {}
