@@ -34,11 +34,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from app.engine.events import BlockHash, Tier
+from app.engine.events import BlockHash
 from app.engine.orders import Order
-from app.engine.state.base import InstanceView, StateStore
+from app.engine.state.base import Location, StateStore
 
-__all__ = ["DEFAULT_REQUEST_SECONDS", "CandidateHint", "HintConfig", "InstanceLoad", "RouteHint", "held_prefixes",
+__all__ = ["DEFAULT_REQUEST_SECONDS", "CandidateHint", "HintConfig", "InstanceLoad", "RouteHint",
            "prefix_lookups", "route_hint"]
 
 # A typical request's time in a slot: ~350 output tokens at 30 ms each plus its prefill, the
@@ -75,7 +75,9 @@ class InstanceLoad:
         return (self.queue_depth or 0) + (self.running_requests or 0)
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a hint builds one per candidate (64), and a frozen dataclass's init costs 5 times
+# as much (its fields set one by one through object.__setattr__). Treat it as read-only.
+@dataclass(slots=True)
 class CandidateHint:
     instance_id: str
     resident_bytes: int
@@ -119,15 +121,15 @@ def route_hint(store: StateStore, session_id: str, candidates: Sequence[str], no
     the store's, for the candidates only.
 
     Costs at most `prefix_lookups(n)` residency lookups per location asked about (each
-    candidate's HBM and host, and the pool), in twice as many rounds of one `holds_many` each,
-    whatever the context's length n; plus the blocks of the open orders to the candidates.
+    candidate's HBM and host, and the pool) in two `held_prefixes` calls, whatever the context's
+    length n; plus the blocks of the open orders to the candidates, and their load records.
     """
     if not candidates:
         raise ValueError("candidates is empty")
     if len(set(candidates)) != len(candidates):
         raise ValueError("candidates has duplicates")
     if loads is None:
-        loads = _loads_from(store.instances(ids=candidates))
+        loads = {i: InstanceLoad(q, r) for i, (q, r) in store.instance_loads(candidates).items()}
     context = store.context(session_id)
     blocks = context.block_hashes if context is not None else ()
     if not blocks:
@@ -142,51 +144,22 @@ def route_hint(store: StateStore, session_id: str, candidates: Sequence[str], no
         if to is not None and o.kind == "prefetch" and o.tier == "hbm":
             for b in o.block_hashes:
                 to[b] = min(to.get(b, o.needed_by_ts), o.needed_by_ts)
-    # Two searches in step: each HBM's prefix and the pool's; then each host's run from where
-    # the HBM prefix and what is on its way end.
+    # Two searches (the store's `held_prefixes`): the pool's prefix and each HBM's; then each
+    # host's run from where the HBM prefix and what is on its way end.
     first: list[Location] = [("pool", None), *(("hbm", c) for c in candidates)]
-    held = held_prefixes(store, first, blocks)
+    held = store.held_prefixes(first, blocks)
     pool_end, hbm_end = held[0], held[1:]
     ready = [h + _run(blocks, h, due[c]) for c, h in zip(candidates, hbm_end)]
-    host_end = held_prefixes(store, [("host", c) for c in candidates], blocks, starts=ready)
+    host_end = store.held_prefixes([("host", c) for c in candidates], blocks, ready)
     hints = [_candidate(c, len(blocks), hbm_end[k], ready[k], due[c], blocks, host_end[k], pool_end,
-                        context.block_tokens, block_bytes, now, loads.get(c, InstanceLoad()), config)
+                        context.block_tokens, block_bytes, now, loads.get(c, _UNKNOWN_LOAD), config)
              for k, c in enumerate(candidates)]
     return _rank(session_id, True, context.context_bytes, context.instance_id, hints)
 
 
-Location = tuple[Tier, str | None]
-
-
 def prefix_lookups(n: int) -> int:
-    """The most lookups `held_prefixes` makes per location for a context of n blocks."""
+    """The most blocks `StateStore.held_prefixes` looks up per location for a context of n."""
     return n.bit_length()
-
-
-def held_prefixes(store: StateStore, where: Sequence[Location], blocks: Sequence[BlockHash],
-                  starts: Sequence[int] | None = None) -> list[int]:
-    """For each location, where the run of blocks it holds from its start (default 0) ends: the
-    length of the longest prefix it holds, by binary search, all locations in step (one
-    `holds_many` a round).
-
-    A block hash names its whole prefix (engines chain them), and a prefix cache serves a
-    context only up to its first missing block, so what counts is the held prefix; a search
-    takes residency to be prefix-closed (block i held: every block before it held), which an
-    engine's tail-first eviction keeps. Where it is not, the answer is the end of some held run.
-    """
-    lo = list(starts) if starts is not None else [0] * len(where)  # the run ends at lo or after...
-    hi = [len(blocks)] * len(where)  # ...and at hi or before
-    while True:
-        active = [k for k in range(len(where)) if lo[k] < hi[k]]
-        if not active:
-            return lo
-        mids = [(lo[k] + hi[k] + 1) // 2 for k in active]
-        answers = store.holds_many([(where[k][0], where[k][1], (blocks[m - 1],)) for k, m in zip(active, mids)])
-        for k, m, (yes,) in zip(active, mids, answers):
-            if yes:
-                lo[k] = m
-            else:
-                hi[k] = m - 1
 
 
 def _run(blocks: Sequence[BlockHash], start: int, due: Mapping[BlockHash, float]) -> int:
@@ -203,8 +176,7 @@ def _run(blocks: Sequence[BlockHash], start: int, due: Mapping[BlockHash, float]
     return lo - start
 
 
-def _loads_from(instances: Iterable[InstanceView]) -> dict[str, InstanceLoad]:
-    return {i.instance_id: InstanceLoad(i.queue_depth, i.running_requests) for i in instances}
+_UNKNOWN_LOAD = InstanceLoad()
 
 
 def _wait_seconds(load: InstanceLoad, config: HintConfig) -> float:
@@ -235,9 +207,10 @@ def _candidate(instance_id: str, total: int, resident_n: int, ready: int, due: M
     elif recompute_seconds < load_seconds or nowhere_n == missing_n:
         source, load_seconds = "recompute", recompute_seconds
     else:
-        source = "+".join(name for name, n in (("host", host_n), ("pool", pool_n)) if n)
+        source = ("host+pool" if pool_n else "host") if host_n else "pool"
     # The run on its way is at most the blocks of the open orders: bounded by them, not the context.
-    landing_seconds = max((due[blocks[i]] - now for i in range(resident_n, ready)), default=0.0)
+    landing_seconds = max((due[blocks[i]] - now for i in range(resident_n, ready)), default=0.0) \
+        if coming_n else 0.0
     expected_load = max(load_seconds, landing_seconds, 0.0)
     wait = _wait_seconds(load, config)
     return CandidateHint(
@@ -276,8 +249,9 @@ def _describe_load(load: InstanceLoad, wait: float) -> str:
 def _rank(session_id: str, known: bool, context_bytes: int, home: str | None,
           hints: list[CandidateHint]) -> RouteHint:
     # Rounded so that float noise does not beat the tie-breaks.
-    order = sorted(range(len(hints)), key=lambda k: (round(hints[k].expected_seconds, 9),
-                                                      hints[k].instance_id != home, _load_of(hints[k]), k))
+    keys = sorted((round(h.expected_load_seconds + h.expected_wait_seconds, 9),
+                   h.instance_id != home, _load_of(h), k) for k, h in enumerate(hints))
+    order = [key[3] for key in keys]
     best_k = order[0]
     best = hints[best_k]
     hints[best_k] = replace(best, recommended=True)

@@ -83,7 +83,7 @@ def test_the_worst_route_hint_is_bounded_and_the_loop_keeps_answering(
         assert r.status_code == 422 and r.json()["field"] == "candidates", r.text[:300]
 
         waits: list[float] = []
-        stop = threading.Event()
+        stop, probing = threading.Event(), threading.Event()
 
         def probe() -> None:
             with httpx.Client(base_url=svc.url, timeout=120) as c:
@@ -91,10 +91,13 @@ def test_the_worst_route_hint_is_bounded_and_the_loop_keeps_answering(
                     started = time.perf_counter()
                     c.get("/healthz")
                     waits.append(time.perf_counter() - started)
+                    probing.set()
                     time.sleep(0.005)
 
         prober = threading.Thread(target=probe)
         prober.start()
+        # The hints can be done before a first probe: measure /healthz beside them, not after.
+        assert probing.wait(60)
         took = []
         try:
             for _ in range(20):

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 import pytest
 
 from app.engine.events import InstanceStatus, KvBlocksStored, RequestFinished, RequestRouted
-from app.engine.hints import HintConfig, InstanceLoad, route_hint
+from app.engine.hints import HintConfig, InstanceLoad, prefix_lookups, route_hint
 from app.engine.orders import Order
 from app.engine.state import MemoryStore
 
@@ -175,18 +175,39 @@ def test_bad_candidates_and_config() -> None:
         HintConfig(bytes_per_token=1, request_seconds=0.0)
 
 
+class _CountingPresence(dict):  # type: ignore[type-arg]
+    """A location's residency that counts the blocks asked about (its `in`, as the store's
+    search calls it, in C or in Python)."""
+
+    lookups = 0
+
+    def __contains__(self, h: object) -> bool:
+        _CountingPresence.lookups += 1
+        return dict.__contains__(self, h)
+
+
 def test_the_worst_hint_costs_log_n_lookups_per_location_not_the_context() -> None:
-    """65,536 blocks over 64 candidates: bounded by counting the blocks looked up, not by time."""
+    """65,536 blocks over 64 candidates: bounded by counting the blocks looked up, not by time:
+    the context's blocks read (any store) and the memory store's own residency lookups."""
     from bench.hints import CountingStore, build
 
     store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
     n, candidates = 65_536, build(store, 65_536, 64)
+    locations = 1 + 2 * len(candidates)  # the pool, and each candidate's HBM and host
+    bound = locations * prefix_lookups(n)
+    assert bound == locations * 17
     counting = CountingStore(store)
     hint = route_hint(counting, "s", candidates, 10.0, config=CONFIG)  # type: ignore[arg-type]
-    locations = 1 + 2 * len(candidates)  # the pool, and each candidate's HBM and host
-    print(f"\n{counting.blocks_looked_up} blocks looked up in {counting.calls} calls "
-          f"(bound {locations * n.bit_length()}; the whole context per location: {locations * n})")
-    assert counting.blocks_looked_up <= locations * n.bit_length() == locations * 17
+    print(f"\n{counting.blocks_looked_up} blocks read in {counting.calls} calls "
+          f"(bound {bound}; the whole context per location: {locations * n})")
+    assert counting.blocks_looked_up <= bound and counting.calls == 2
+    # The store's fast path (its own packed context, searched in C), counted inside it.
+    for loc in store._locations.values():
+        loc.present = _CountingPresence(loc.present)
+    _CountingPresence.lookups = 0
+    assert route_hint(store, "s", candidates, 10.0, config=CONFIG) == hint
+    print(f"{_CountingPresence.lookups} residency lookups in the store")
+    assert 0 < _CountingPresence.lookups <= bound
     # Every candidate holds the first half in HBM and the next quarter on host.
     first = hint.candidates[0]
     assert (first.resident_bytes, first.source) == (n // 2 * BLOCK, "host+pool")

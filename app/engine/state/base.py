@@ -129,6 +129,8 @@ class SessionContext:
 
 # One residency question: does (tier, instance) hold each of these blocks?
 HoldsQuery = tuple[Tier, str | None, Sequence[BlockHash]]
+# A place blocks are held: (tier, instance id), the instance None for the pool.
+Location = tuple[Tier, str | None]
 
 
 # Where a listing of live sessions stopped: the (last_activity_ts, session_id) of its last session.
@@ -199,6 +201,23 @@ class StateStore(Protocol):
 
     def holds_many(self, queries: Sequence[HoldsQuery]) -> list[list[bool]]:
         """`holds` for each query, in one round trip."""
+        ...
+
+    def held_prefixes(self, where: Sequence[Location], block_hashes: Sequence[BlockHash],
+                      starts: Sequence[int] | None = None) -> list[int]:
+        """For each location, where the run of `block_hashes` it holds from its start (default 0)
+        ends: from 0, the length of the longest prefix it holds.
+
+        By binary search, so residency is taken to be prefix-closed (block i held: every block
+        before it held), which an engine's tail-first eviction keeps; where it is not, the answer
+        is the end of some held run. Reads at most `len(block_hashes).bit_length()` blocks per
+        location, whatever the length: one pass in memory, one script call a round in Redis.
+        """
+        ...
+
+    def instance_loads(self, ids: Sequence[str]) -> dict[str, tuple[int | None, int | None]]:
+        """(queue_depth, running_requests) of the instances of `ids` the store knows, as their
+        last `instance_status` said (None: never said); costs those instances only."""
         ...
 
     def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:

@@ -126,6 +126,7 @@ from app.engine.state.base import (
     LogPosition,
     OrderView,
     HoldsQuery,
+    Location,
     RequestView,
     SessionContext,
     SessionCursor,
@@ -175,6 +176,11 @@ _APPLY_LUA = _lua("redis_apply.lua").replace("__RECENT_REQUESTS__", str(RECENT_R
 _STATS_LUA = _lua("redis_stats.lua")
 # ARGV: prefix, then per query: location name, n, n members. Returns 1/0 per member.
 _HOLDS_LUA = _lua("redis_holds.lua")
+# One round of held_prefixes: ARGV prefix, levels, trees, members, then per location name and tree.
+_HELD_LUA = _lua("redis_held.lua")
+# Levels of a held-prefix search per script call: a 65,536-block context (17 levels) takes 5
+# calls, each sending 15 probes per distinct search interval (locations at the same one share).
+_HELD_LEVELS = 4
 
 
 def _ts(x: float) -> str:
@@ -189,6 +195,27 @@ def _opt(x: Any) -> str:
 def _enc_blocks(hs: Sequence[BlockHash]) -> list[str]:
     """5 -> '5', '5' -> '"5"': unambiguous, and json.loads gives the same Python value back."""
     return [str(int(h)) if isinstance(h, int) else json.dumps(h) for h in hs]
+
+
+def _probe_tree(block_hashes: Sequence[BlockHash], lo: int, hi: int, levels: int) -> list[str]:
+    """The probes of the next `levels` levels of a held-run search over (lo, hi], breadth first
+    (node j's children 2j, not held, and 2j + 1, held); "" where the search has ended."""
+    spans: list[tuple[int, int] | None] = [(lo, hi)]
+    out: list[str] = []
+    for _ in range(levels):
+        below: list[tuple[int, int] | None] = []
+        for span in spans:
+            if span is None or span[0] >= span[1]:
+                out.append("")
+                below += (None, None)
+                continue
+            a, b = span
+            m = (a + b + 1) >> 1
+            h = block_hashes[m - 1]
+            out.append(str(int(h)) if isinstance(h, int) else json.dumps(h))
+            below += ((a, m - 1), (m, b))
+        spans = below
+    return out
 
 
 def _glob_escape(s: str) -> str:
@@ -214,6 +241,7 @@ class RedisStore:
         self._apply_script = client.register_script(_APPLY_LUA)
         self._stats_script = client.register_script(_STATS_LUA)
         self._holds_script = client.register_script(_HOLDS_LUA)
+        self._held_script = client.register_script(_HELD_LUA)
         p = prefix
         self._k_instances = f"{p}:instance-ids"
         self._k_order_activity = f"{p}:order-activity"
@@ -628,6 +656,50 @@ class RedisStore:
             out.append([f == 1 for f in flags[at: at + len(block_hashes)]])
             at += len(block_hashes)
         return out
+
+    def held_prefixes(self, where: Sequence[Location], block_hashes: Sequence[BlockHash],
+                      starts: Sequence[int] | None = None) -> list[int]:
+        # A round trip costs far more than a probe, so each call walks _HELD_LEVELS levels of
+        # every search in the script; the client sends each level's candidate probes.
+        n, k = len(block_hashes), _HELD_LEVELS
+        lo = list(starts) if starts is not None else [0] * len(where)
+        hi = [n] * len(where)
+        names = [location_name(tier, instance_id) for tier, instance_id in where]
+        while True:
+            active = [x for x in range(len(where)) if lo[x] < hi[x]]
+            if not active:
+                return lo
+            trees: dict[tuple[int, int], int] = {}
+            members: list[str] = []
+            args: list[str] = []
+            for x in active:
+                span = (lo[x], hi[x])
+                tree = trees.get(span)
+                if tree is None:
+                    tree = trees[span] = len(trees) + 1
+                    members += _probe_tree(block_hashes, span[0], span[1], k)
+                args += (names[x], str(tree))
+            with self._errors():
+                stops = self._held_script(
+                    args=[self.prefix, str(k), str(len(trees)), *members, *args])
+            for x, node in zip(active, stops):
+                a, b = lo[x], hi[x]
+                for bit in bin(int(node))[3:]:  # the path from the root: 1 held (right), 0 not
+                    m = (a + b + 1) >> 1
+                    a, b = (m, b) if bit == "1" else (a, m - 1)
+                lo[x], hi[x] = a, b
+
+    def instance_loads(self, ids: Sequence[str]) -> dict[str, tuple[int | None, int | None]]:
+        chosen = list(dict.fromkeys(ids))
+        if not chosen:
+            return {}
+        with self._errors():
+            pipe = self._r.pipeline(transaction=False)
+            for instance_id in chosen:
+                pipe.hmget(f"{self.prefix}:i:{instance_id}", "l", "st", "qd", "rr")
+            replies = pipe.execute()
+        return {instance_id: ((int(qd), int(rr)) if st is not None else (None, None))
+                for instance_id, (last, st, qd, rr) in zip(chosen, replies) if last is not None}
 
     def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
         blocks = list(dict.fromkeys(block_hashes))

@@ -544,3 +544,54 @@ def test_context_and_holds_many(store: StateStore) -> None:
     assert store.context("nope") is None
     assert store.holds_many([("hbm", "gpu-0", [5, 7, "x"]), ("pool", None, [7]), ("host", "gpu-9", [5]),
                              ("hbm", "gpu-0", [])]) == [[True, False, True], [True], [False], []]
+
+
+def _held_by_holds(store: StateStore, where: Any, blocks: list[Any], start: int) -> int:
+    """The held-run search done with `holds`, one block a probe: what held_prefixes must answer."""
+    lo, hi = start, len(blocks)
+    while lo < hi:
+        m = (lo + hi + 1) // 2
+        if store.holds(where[0], where[1], [blocks[m - 1]])[0]:
+            lo = m
+        else:
+            hi = m - 1
+    return lo
+
+
+def test_held_prefixes_answer_the_search_over_holds(store: StateStore) -> None:
+    context = list(range(1000, 1300))  # 300 blocks: several rounds of the Redis script
+    store.apply([routed("s", "r", 1.0, block_hashes=context, prompt=300 * BLOCK),
+                 stored(context[:200], 1.0), stored(context, 1.0, instance="gpu-1"),
+                 stored([7, 8], 1.0, instance="gpu-2"),
+                 # Not prefix-closed: a hole at 50..59 and the tail gone.
+                 stored(context[:50] + context[60:251], 1.0, instance="gpu-3"),
+                 stored(context[200:260], 1.0, tier="host"),
+                 stored(context[:1], 1.0, instance=None, tier="pool")])
+    where: list[Any] = [("hbm", "gpu-0"), ("hbm", "gpu-1"), ("hbm", "gpu-2"), ("hbm", "gpu-3"),
+                        ("pool", None), ("host", "gpu-0"), ("host", "gpu-9")]
+    starts = [0, 7, 299, 61, 0, 200, 150]
+    expected = [_held_by_holds(store, w, context, 0) for w in where]
+    expected_from = [_held_by_holds(store, w, context, s) for w, s in zip(where, starts)]
+    assert expected[:5] == [200, 300, 0, expected[3], 1] and expected[3] in (50, 251)
+    assert expected_from[5] == 260 and expected_from[3] == 251 and expected_from[6] == 150
+    # The store's own sequence (packed in memory) and a plain list: the same answers.
+    for blocks in (store.context("s").block_hashes, context):
+        assert store.held_prefixes(where, blocks) == expected
+        assert store.held_prefixes(where, blocks, starts) == expected_from
+    assert store.held_prefixes([], context) == []
+    assert store.held_prefixes(where[:2], [], [0, 0]) == [0, 0]
+    store.apply([stored(["a", "b"], 2.0, instance="gpu-5")])
+    assert store.held_prefixes([("hbm", "gpu-5"), ("hbm", "gpu-0")], ["a", "b", "c"]) == [2, 0]
+    assert store.held_prefixes([("hbm", "gpu-5")], ["a", "b", "c"], [2]) == [2]
+
+
+def test_instance_loads_are_those_of_the_instance_records(store: StateStore) -> None:
+    store.apply([ev("instance_status", 1.0, instance_id="gpu-1", free_kv_bytes=5, queue_depth=3,
+                    running_requests=2),
+                 routed("s", "r", 1.0, instance="gpu-0")])
+    ids = ["gpu-1", "gpu-0", "nope"]
+    loads = store.instance_loads(ids)
+    views = store.instances(ids=ids)
+    assert loads == {i.instance_id: (i.queue_depth, i.running_requests) for i in views}
+    assert loads["gpu-1"] == (3, 2) and "nope" not in loads
+    assert store.instance_loads([]) == {}
