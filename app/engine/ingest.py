@@ -32,7 +32,10 @@ log = logging.getLogger(__name__)
 _RECOVERY_CHUNK = 5_000
 _TS = operator.attrgetter("ts")
 # The events a store ignores once they are older than its session retention.
-SESSION_EVENT_TYPES = frozenset({"request_routed", "request_started", "request_finished", "session_closed"})
+# What the stores forget past the retention (sessions and order records): an event of these older
+# than the cutoff would be ignored, so it is rejected instead.
+RETAINED_EVENT_TYPES = frozenset({"request_routed", "request_started", "request_finished", "session_closed",
+                                  "order_progress"})
 # Why an event was refused for its time (the label of kvprefetch_events_refused_total).
 CLOCK_SKEW, PAST_RETENTION = "clock_skew", "past_retention"
 
@@ -165,7 +168,7 @@ class Ingestor:
         """The store's cutoff moves as it applies the batch in order: walk it the same way."""
         kept, refused = [], []
         for e in fresh:
-            if e.type in SESSION_EVENT_TYPES and e.ts < newest - retention:
+            if e.type in RETAINED_EVENT_TYPES and e.ts < newest - retention:
                 refused.append((e, newest))
                 continue
             kept.append(e)
@@ -181,8 +184,8 @@ class Ingestor:
             result.rejected.append(TimeRejection(
                 index[e.event_id], e.event_id, PAST_RETENTION,
                 f"ts {e.ts!r} is older than the session retention: the store has taken events up "
-                f"to ts {newest_then!r} and forgets a session idle for {retention:g} s "
-                f"(KVP_SESSION_RETENTION_SECONDS), so this event would be ignored"))
+                f"to ts {newest_then!r} and forgets sessions and order records idle for "
+                f"{retention:g} s (KVP_SESSION_RETENTION_SECONDS), so this event would be ignored"))
         result.rejected.sort(key=lambda r: r.index)
         return kept
 

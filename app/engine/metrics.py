@@ -145,7 +145,7 @@ class Metrics:
             "kvprefetch_events_refused",
             "Events not taken for their ts, by reason: 'clock_skew', more than KVP_MAX_CLOCK_SKEW_SECONDS "
             "ahead of the service clock (rejected when posted, skipped when replayed from the log); "
-            "'past_retention', a session event older than the session retention (rejected).",
+            "'past_retention', a session or order event older than the session retention (rejected).",
             ["reason"], registry=r)
         self.batches_refused = Counter(
             "kvprefetch_event_batches_refused",

@@ -81,3 +81,17 @@ def test_a_session_event_older_than_the_retention_is_answered_422(settings: Sett
         assert "older than the session retention" in body["rejected"][-1]["message"]
         assert c.get("/v1/sessions/s-old").status_code == 404
         assert refused_total(c, "past_retention") == 1
+
+
+def test_an_order_progress_older_than_the_retention_is_answered_422(settings: Settings) -> None:
+    # Order records expire with the sessions' retention (decisions 17): a report older than the
+    # cutoff would be ignored, so it is refused like a session event.
+    now = time.time()
+    with TestClient(create_app(settings)) as c:
+        assert c.post("/v1/events", json={"events": [routed("new", "s-new", now)]}).status_code == 200
+        old = {"type": "order_progress", "event_id": "p-old", "ts": now - settings.session_retention_seconds - 1,
+               "order_id": "o-old", "status": "accepted"}
+        r = c.post("/v1/events", json={"events": [old]})
+        assert r.status_code == 422, r.text
+        assert [(x["index"], x["field"]) for x in r.json()["rejected"]] == [(0, "events[0].ts")]
+        assert refused_total(c, "past_retention") == 1
