@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -40,6 +41,54 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
+
+
+@contextmanager
+def redis_workers(tmp_path: Path, redis_url: str, prefix: str, metrics_dir: Path,
+                  extra_env: dict[str, str] | None = None, workers: int = 2) -> Iterator[str]:
+    """`kvprefetch serve --workers N` on the Redis store, the heuristic and no loops (quick to start,
+    quiet on 2 cores); yields its URL once /readyz answers, and stops the whole process group."""
+    work = tmp_path / "work"
+    work.mkdir()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
+    env.update({
+        "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+        "KVP_DATA_DIR": str(tmp_path / "data"), "KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": prefix,
+        "KVP_REPLICA_ID": "e2e", "KVP_LOG_FSYNC": "false", "KVP_MODEL_DIR": str(tmp_path / "no-model"),
+        "KVP_SCORE_INTERVAL_SECONDS": "0", "KVP_PLAN_INTERVAL_SECONDS": "0", "KVP_DASHBOARD_SAMPLE_SECONDS": "0",
+        **(extra_env or {}),
+    })
+    log_path = work / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--store", "redis",
+             "--workers", str(workers)],
+            cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
+        while True:
+            assert proc.poll() is None, f"the service exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+            assert time.monotonic() < deadline, f"the service was not ready:\n{log_path.read_text()[-4000:]}"
+            try:
+                if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        yield url
+    finally:
+        # The whole group (the supervisor and its workers), by the id of the session we started.
+        with_group = os.getpgid(proc.pid) if proc.poll() is None else None
+        if with_group is not None:
+            os.killpg(with_group, signal.SIGTERM)
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(with_group, signal.SIGKILL)
+                proc.wait(timeout=10)
 
 class ServiceProcess:
     """One service: a port and a data dir that outlive the processes started on them."""

@@ -5,12 +5,8 @@ memory are printed, never asserted."""
 
 from __future__ import annotations
 
-import os
 import select
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +17,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.e2e.conftest import REPO, free_port
+from tests.e2e.conftest import redis_workers
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import ServiceProcess
@@ -177,51 +173,19 @@ def test_a_flood_of_empty_events_is_refused_without_being_parsed(service: Servic
 @pytest.mark.redis
 def test_with_workers_the_edge_holds_in_each_worker(tmp_path: Path, redis_url: str, clean_redis: str) -> None:
     """`kvprefetch serve --workers 2` runs the same server (app/api/edge.py) in each worker."""
-    work = tmp_path / "work"
-    work.mkdir()
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-    env.update({
-        "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "prom"),
-        "KVP_DATA_DIR": str(tmp_path / "data"), "KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": clean_redis,
-        "KVP_REPLICA_ID": "e2e", "KVP_LOG_FSYNC": "false", "KVP_MODEL_DIR": str(tmp_path / "no-model"),
-        "KVP_SCORE_INTERVAL_SECONDS": "0", "KVP_PLAN_INTERVAL_SECONDS": "0", "KVP_DASHBOARD_SAMPLE_SECONDS": "0",
-        "KVP_MAX_CONNECTIONS": str(MAX_CONNECTIONS), "KVP_HEADER_TIMEOUT_SECONDS": "30",
-    })
     (tmp_path / "prom").mkdir()
-    log_path = work / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--store", "redis", "--workers", "2"],
-            cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     flood: list[tuple[socket.socket, bool]] = []
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        # More than both workers' limits together, whichever worker each lands on.
-        flood = open_flood(port, 6 * MAX_CONNECTIONS)
-        statuses = []
-        for _ in range(8):  # new connections: the kernel hands them to either worker
-            r, ms = timed(lambda: httpx.get(f"{url}/healthz", timeout=10))
-            statuses.append(r.status_code)
-            print(f"GET /healthz with {len(flood)} flood connections open: {r.status_code} in {ms:.1f} ms")
-        assert statuses == [200] * 8
-    finally:
-        for s, _ in flood:
-            s.close()
-        os.killpg(os.getpgid(proc.pid), signal.SIGTERM)
+    extra = {"KVP_MAX_CONNECTIONS": str(MAX_CONNECTIONS), "KVP_HEADER_TIMEOUT_SECONDS": "30"}
+    with redis_workers(tmp_path, redis_url, clean_redis, tmp_path / "prom", extra) as url:
         try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
-            proc.wait(timeout=10)
+            # More than both workers' limits together, whichever worker each lands on.
+            flood = open_flood(httpx.URL(url).port or 0, 6 * MAX_CONNECTIONS)
+            statuses = []
+            for _ in range(8):  # new connections: the kernel hands them to either worker
+                r, ms = timed(lambda: httpx.get(f"{url}/healthz", timeout=10))
+                statuses.append(r.status_code)
+                print(f"GET /healthz with {len(flood)} flood connections open: {r.status_code} in {ms:.1f} ms")
+            assert statuses == [200] * 8
+        finally:
+            for s, _ in flood:
+                s.close()

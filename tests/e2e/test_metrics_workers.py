@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,61 +10,22 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.e2e.conftest import REPO, free_port
+from tests.e2e.conftest import redis_workers
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
 
 EVENTS_PER_POST = 10
 MAX_POSTS = 400  # the kernel spreads new connections over both workers long before this
-READY_TIMEOUT_SECONDS = 30.0
 
 
 @pytest.fixture
 def two_workers(tmp_path: Path, redis_url: str, clean_redis: str) -> Iterator[tuple[str, Path, Path]]:
     """The service with two workers on the Redis store; yields its URL, data dir and metrics dir."""
-    data, metrics_dir, work = tmp_path / "data", tmp_path / "prometheus", tmp_path / "work"
-    work.mkdir()
+    metrics_dir = tmp_path / "prometheus"
     metrics_dir.mkdir()
     (metrics_dir / "counter_99999.db").write_bytes(b"a previous run's values")  # must not be summed
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-    env.update({
-        "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-        "KVP_DATA_DIR": str(data), "KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": clean_redis,
-        "KVP_REPLICA_ID": "e2e", "KVP_LOG_FSYNC": "false",
-        # The heuristic (no model to load) and no loops: quick to start, quiet on 2 cores.
-        "KVP_MODEL_DIR": str(tmp_path / "no-model"), "KVP_SCORE_INTERVAL_SECONDS": "0",
-        "KVP_PLAN_INTERVAL_SECONDS": "0", "KVP_DASHBOARD_SAMPLE_SECONDS": "0",
-    })
-    log_path = work / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--store", "redis", "--workers", "2"],
-            cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_SECONDS
-        while True:
-            assert proc.poll() is None, f"the service exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"the service was not ready:\n{log_path.read_text()[-4000:]}"
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        yield url, data, metrics_dir
-    finally:
-        # The whole group (the supervisor and its workers), by the id of the session we started.
-        with_group = os.getpgid(proc.pid) if proc.poll() is None else None
-        if with_group is not None:
-            os.killpg(with_group, signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(with_group, signal.SIGKILL)
-                proc.wait(timeout=10)
+    with redis_workers(tmp_path, redis_url, clean_redis, metrics_dir) as url:
+        yield url, tmp_path / "data", metrics_dir
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
