@@ -12,7 +12,6 @@ from typing import Annotated, Any
 import orjson
 from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import FileResponse
-from pydantic import BaseModel
 
 from app.api.deps import (
     ClockDep,
