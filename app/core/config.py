@@ -131,6 +131,21 @@ class Settings(BaseSettings):
     plan_interval_seconds: float = Field(0.1, ge=0)
     # The share of each link prefetch may book, so demand loads are never starved.
     prefetch_link_share: float = Field(0.5, gt=0, le=1)
+    # The planner's thresholds (app/decide/advisor.py Thresholds), read by the advisor and the
+    # scheduler alike. lead <= keep horizon <= the return horizon (900 s).
+    keep_horizon_seconds: float = Field(300.0, gt=0, description=(
+        "Keep a context resident for this long when its session is likely back within it."))
+    keep_min_p: float = Field(0.2, ge=0, le=1, description=(
+        "Keep (pin with TTL) a context when P(back within the keep horizon) is at least this."))
+    demote_max_p: float = Field(0.1, ge=0, le=1, description=(
+        "Demote (evict first) a context when P(back within 900 s) is at most this."))
+    lead_seconds: float = Field(30.0, gt=0, description=(
+        "Prefetch a context when its session is likely back within this long."))
+    prefetch_min_p: float = Field(0.5, ge=0, le=1, description=(
+        "Prefetch when P(back within the lead) is at least this."))
+    cancel_below_p: float = Field(0.25, ge=0, le=1, description=(
+        "Cancel an open prefetch not yet started when its chance falls below this (hysteresis "
+        "under KVP_PREFETCH_MIN_P)."))
     # How often the dashboard's timeline samples the counters (app/observe/timeline.py; an hour
     # of samples is kept at 2 s); 0 turns sampling off (tests drive it one sample at a time).
     dashboard_sample_seconds: float = Field(2.0, ge=0)
@@ -168,6 +183,14 @@ class Settings(BaseSettings):
         if self.max_batch_events > self.backlog_max_events:
             raise ValueError(f"max_batch_events ({self.max_batch_events}) must not exceed "
                              f"backlog_max_events ({self.backlog_max_events})")
+        return self
+
+    @model_validator(mode="after")
+    def _horizons_in_order(self) -> Settings:
+        # The advisor's return horizon (app/decide/advisor.py RETURN_HORIZON_SECONDS).
+        if not self.lead_seconds <= self.keep_horizon_seconds <= 900.0:
+            raise ValueError(f"lead_seconds ({self.lead_seconds:g}) <= keep_horizon_seconds "
+                             f"({self.keep_horizon_seconds:g}) <= 900 must hold")
         return self
 
     @property
