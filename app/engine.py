@@ -21,9 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from app.core.clock import Clock, SystemClock
+from app.core.cluster import ClusterSpec
 from app.core.config import Settings
 from app.core.errors import StoreError
 from app.decide.advisor import Thresholds
+from app.decide.hints import HintConfig
 from app.decide.plan_loop import Dispatcher, feedback_observer
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
@@ -34,7 +36,7 @@ from app.ingest.eventlog import EventLog
 from app.ingest.ingestor import IngestResult, Ingestor, Observer
 from app.observe.ledger import AdviceLedger
 from app.observe.metrics import Metrics, multiprocess_dir
-from app.observe.outcomes import OutcomeConfig, RequestOutcome, outcome_observer
+from app.observe.outcomes import RequestOutcome, outcome_observer
 from app.observe.timeline import LandedPrefetches, MeasuredStall, Timeline, capacity_for
 from app.predict.registry import ModelRegistry
 from app.state import MemoryStore, StateStore, build_store
@@ -90,14 +92,12 @@ class Engine:
         self._owns_log = event_log is None
         # Both keep per-session maps, forgotten with the store's sessions (by event time).
         self.ledger = AdviceLedger(retention_seconds=settings.session_retention_seconds)
-        # Set once, read by the scorer's advisor and the scheduler alike.
+        # Each set once: the cluster's numbers (read by the scheduler, route hints and outcomes)
+        # and the planner's thresholds (read by the scorer's advisor and the scheduler alike).
+        self.cluster = ClusterSpec.from_settings(settings)
+        self.hint_config = HintConfig.for_cluster(self.cluster)
         self.thresholds = Thresholds.from_settings(settings)
-        self.scheduler = Scheduler(self.store, SchedulerConfig(
-            bytes_per_block=settings.bytes_per_token * settings.block_tokens, block_tokens=settings.block_tokens,
-            link_share=settings.prefetch_link_share, pool_link_bytes_per_second=settings.pool_link_bytes_per_second,
-            host_link_bytes_per_second=settings.host_link_bytes_per_second,
-            prefill_tokens_per_second=settings.prefill_tokens_per_second, lead_seconds=self.thresholds.lead_seconds,
-            prefetch_min_p=self.thresholds.prefetch_min_p, cancel_below_p=self.thresholds.cancel_below_p))
+        self.scheduler = Scheduler(self.store, SchedulerConfig.from_cluster(self.cluster, self.thresholds))
         self.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)
         self.models = ModelRegistry(settings.model_dir if load_model else None, settings.shadow_model_dir,
                                     ledger=self.ledger,
@@ -121,11 +121,7 @@ class Engine:
             # order_progress: started, done. The queue is the loop's (GET /v1/orders, the
             # planning loop's delivery), so a store thread's drain hands it over there.
             observers.append(self._on_loop(self.order_sink.observe) if self.offload else self.order_sink.observe)
-        observers.append(outcome_observer(self.store, OutcomeConfig(
-            bytes_per_token=settings.bytes_per_token, block_tokens=settings.block_tokens,
-            pool_link_bytes_per_second=settings.pool_link_bytes_per_second,
-            host_link_bytes_per_second=settings.host_link_bytes_per_second,
-            prefill_tokens_per_second=settings.prefill_tokens_per_second), self._record_outcomes))
+        observers.append(outcome_observer(self.store, self.cluster, self._record_outcomes))
         # Last: it syncs the counters with what the ledger and the scheduler counted just now.
         observers.append(self.metrics.observe)
         self.backlog = Backlog(compose_observers(observers), settings.backlog_max_events)

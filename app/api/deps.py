@@ -15,6 +15,7 @@ from app.core.clock import Clock
 from app.core.config import Settings
 from app.core.ratelimit import RateLimiter
 from app.core.security import TokenTable
+from app.decide.hints import HintConfig
 from app.decide.scheduler import Scheduler
 from app.deliver import OrderSink
 from app.engine import Engine
@@ -87,6 +88,10 @@ async def get_timeline(engine: EngineDep) -> Timeline:
     return engine.timeline
 
 
+async def get_hint_config(engine: EngineDep) -> HintConfig:
+    return engine.hint_config
+
+
 async def get_batch_parser(request: Request) -> BatchParser:
     """The app's parser (its pydantic model is built once, for KVP_MAX_BATCH_EVENTS)."""
     return request.app.state.batch_parser
@@ -133,3 +138,4 @@ TimelineDep = Annotated[Timeline, Depends(get_timeline)]
 BatchParserDep = Annotated[BatchParser, Depends(get_batch_parser)]
 TokensDep = Annotated[TokenTable, Depends(get_tokens)]
 EventLimiterDep = Annotated[RateLimiter, Depends(get_event_limiter)]
+HintConfigDep = Annotated[HintConfig, Depends(get_hint_config)]

@@ -9,6 +9,9 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.core.cluster import (HOST_LINK_BYTES_PER_SECOND, LINK_SHARE, POOL_LINK_BYTES_PER_SECOND,
+                              PREFILL_TOKENS_PER_SECOND)
+
 # Llama-3.1-70B bf16: 2 x 80 layers x 8 kv heads x 128 x 2 bytes (REFERENCE.md, "KV bytes per token").
 LLAMA_70B_BF16_BYTES_PER_TOKEN = 327_680
 # The Mooncake traces' block unit (shared/traces/README.md).
@@ -86,9 +89,9 @@ class Settings(BaseSettings):
     block_tokens: int = Field(MOONCAKE_BLOCK_TOKENS, gt=0)
     # What moving or recomputing a context costs (REFERENCE.md, "Links and tiers"): a 100 Gb/s
     # NIC from the shared pool, PCIe 5 from host DRAM, 70B prefill on one GPU.
-    pool_link_bytes_per_second: float = Field(12.5e9, gt=0)
-    host_link_bytes_per_second: float = Field(50e9, gt=0)
-    prefill_tokens_per_second: float = Field(20_000.0, gt=0)
+    pool_link_bytes_per_second: float = Field(POOL_LINK_BYTES_PER_SECOND, gt=0)
+    host_link_bytes_per_second: float = Field(HOST_LINK_BYTES_PER_SECOND, gt=0)
+    prefill_tokens_per_second: float = Field(PREFILL_TOKENS_PER_SECOND, gt=0)
     # Dollars per GPU-hour, for the metrics' cost of the GPU-seconds saved (kvprefetch_gpu_saved_
     # dollars_total): roughly an on-demand H100-class GPU in a public cloud; set your own. For an
     # instance spanning several GPUs, their price together.
@@ -130,7 +133,7 @@ class Settings(BaseSettings):
     # turns planning off (tests drive it one tick at a time).
     plan_interval_seconds: float = Field(0.1, ge=0)
     # The share of each link prefetch may book, so demand loads are never starved.
-    prefetch_link_share: float = Field(0.5, gt=0, le=1)
+    prefetch_link_share: float = Field(LINK_SHARE, gt=0, le=1)
     # The planner's thresholds (app/decide/advisor.py Thresholds), read by the advisor and the
     # scheduler alike. lead <= keep horizon <= the return horizon (900 s).
     keep_horizon_seconds: float = Field(300.0, gt=0, description=(
