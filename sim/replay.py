@@ -95,8 +95,12 @@ class EngineFeed:
     """Turns the cluster's happenings into events and hands them to the engine's ingest (the
     service's: validation, dedupe, the store, the observers), under its simulated clock."""
 
-    def __init__(self, engine: AppEngine, keep_events: bool = False) -> None:
+    def __init__(self, engine: AppEngine, keep_events: bool = False, drain_each: bool = False) -> None:
+        """`drain_each`: tell the engine's observers of each event at once, rather than before the
+        engine's next tick: for a policy whose scheduler a router reads between ticks (`hinted`
+        asks it for the orders on their way)."""
         self.engine = engine
+        self.drain_each = drain_each
         self.store = engine.store
         self.clock = engine.clock
         self.keep_events = keep_events
@@ -109,6 +113,8 @@ class EngineFeed:
         event = event_adapter.validate_python({"type": kind, "event_id": f"sim-{next(self._ids)}", "ts": ts,
                                                **fields})
         self.engine.ingest([event])
+        if self.drain_each:
+            self.engine.drain()
         if self.keep_events:
             self.events.append(event)
 
@@ -136,7 +142,8 @@ def replay(trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "
         # Only the scheduled policy scores through the engine's model: the others' replays do
         # not pay for loading it.
         engine = EngineFeed(sim_engine(scenario, model_dir=model_dir, planner_options=planner_options,
-                                       load_model=policy == "scheduled"), keep_events=keep_events)
+                                       load_model=policy == "scheduled"), keep_events=keep_events,
+                            drain_each=policy == "scheduled" and router == "hinted")
     app_engine = getattr(engine, "engine", None)
     pol = make_policy(policy, session_view=engine.session, model_dir=model_dir, planner_options=planner_options,
                       store=getattr(engine, "store", None), scenario=scenario, engine=app_engine)
