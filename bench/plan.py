@@ -113,7 +113,8 @@ def run(*, sessions: int = 100_000, instances: int = 16, ticks: int = 200, page:
     score_ms = None
     try:
         from app.decide.advisor import Advisor
-        from app.predict.predictors import DEFAULT_MODEL_DIR, LearnedPredictor
+        from app.core.bundle import DEFAULT_MODEL_DIR
+        from app.predict.predictors import LearnedPredictor
 
         planner = Advisor(LearnedPredictor(DEFAULT_MODEL_DIR))
         views = _sessions(page, seed)

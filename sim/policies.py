@@ -23,7 +23,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from app.predict.predictors import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
+from app.core.bundle import DEFAULT_MODEL_DIR
+from app.predict.predictors import HeuristicPredictor, LearnedPredictor
 
 if TYPE_CHECKING:
     from app.state.base import StateStore

@@ -32,8 +32,6 @@ log = logging.getLogger(__name__)
 # REFERENCE.md ("What real traffic looks like"): the gap to a conversation's next turn has a
 # median of ~78-126 s; this is the prior for a session with no gap of its own yet.
 PRIOR_GAP_SECONDS = 100.0
-# The bundled model (`make model` rebuilds it); the service and `replay --policy learned` default to it.
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "models" / "default"
 # The horizons a prediction is read at; beyond the last, a session counts as not returning.
 HORIZON_GRID: tuple[float, ...] = (5.0, 15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 900.0)
 # What evaluates the trees: "auto" is the compiled model when lleaves is installed and compiles

@@ -19,7 +19,7 @@ from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.observe.metrics import prepare_multiprocess_dir, rejection_field
 from app.decide.advisor import SessionAdvice
-from app.predict.predictors import DEFAULT_MODEL_DIR
+from app.core.bundle import DEFAULT_MODEL_DIR
 from tests.api.conftest import routed, settle
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -10,8 +10,8 @@ import pytest
 
 from app.predict.features import FEATURES
 from app.decide.advisor import Advisor
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.predict.predictors import (
-    DEFAULT_MODEL_DIR,
     HORIZON_GRID,
     HeuristicPredictor,
     LearnedPredictor,
