@@ -405,7 +405,7 @@ def agent(
     import signal
     import threading
 
-    from app.agent import PullSource, StreamSource, default_consumer_name, run_agent
+    from kvprefetch_client.agent import PullSource, StreamSource, default_consumer_name, run_agent
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per report is noise

@@ -10,7 +10,7 @@ from __future__ import annotations
 import orjson
 from fastapi import FastAPI, Request, Response
 
-from app.engine.events import batch_adapter
+from kvprefetch_client.events import batch_adapter
 
 app = FastAPI(title="kvprefetch ingest ceiling")
 

@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from app.engine.events import KvBlocksStored, RequestFinished, RequestRouted
-from app.engine.hints import HintConfig, route_hint
+from kvprefetch_client.events import KvBlocksStored, RequestFinished, RequestRouted
+from app.decide.hints import HintConfig, route_hint
 
 
 class CountingBlocks(Sequence[Any]):
@@ -133,11 +133,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--store", choices=("memory", "redis"), default="memory")
     args = parser.parse_args(argv)
     if args.store == "memory":
-        from app.engine.state import MemoryStore
+        from app.state import MemoryStore
 
         store: Any = MemoryStore(bytes_per_token=1000, block_tokens=16)
     else:
-        from app.engine.state.redis import RedisStore
+        from app.state.redis import RedisStore
 
         url = os.environ.get("KVP_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
         store = RedisStore.from_url(url, prefix="kvp-bench-hints", bytes_per_token=1000, block_tokens=16,

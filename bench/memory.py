@@ -48,8 +48,8 @@ def measure(sessions: int, method: str, keep_ids: bool, seed: int = 0) -> dict[s
     import psutil
 
     from app.core.config import Settings
-    from app.engine.events import batch_adapter
-    from app.engine.state.memory import MemoryStore
+    from kvprefetch_client.events import batch_adapter
+    from app.state.memory import MemoryStore
 
     settings = Settings(_env_file=None)  # type: ignore[call-arg]
     store = MemoryStore(bytes_per_token=settings.bytes_per_token, block_tokens=settings.block_tokens,

@@ -2,7 +2,7 @@
 
     kvprefetch bench plan [--sessions 100000] [--instances 16] [--ticks 200] [--page 256] [--json]
 
-What a service tick does (app/engine/scheduler.py): take the advice for one page of freshly
+What a service tick does (app/decide/scheduler.py): take the advice for one page of freshly
 scored sessions (`advise`), then `plan`: retire landed orders, drop stale advice, cancel what
 fell, decide pins and demotes for the page, and order prefetches for the candidates within the
 links and the room. Measured per tick, p50 and p99 over `ticks` ticks, with `sessions` sessions'
@@ -31,7 +31,7 @@ BLOCKS_PER_SESSION = 10
 
 
 def _advice(rng: random.Random, i: int, instances: int, candidate_share: float) -> Any:
-    from app.engine.planner import SessionAdvice
+    from app.decide.advisor import SessionAdvice
 
     p_soon = rng.uniform(0.5, 0.95) if rng.random() < candidate_share else rng.uniform(0.0, 0.2)
     p_keep = min(1.0, p_soon + rng.uniform(0.0, 0.4))
@@ -42,8 +42,8 @@ def _advice(rng: random.Random, i: int, instances: int, candidate_share: float) 
 
 
 def _store(sessions: int, instances: int, resident_share: float, bytes_per_block: int, seed: int) -> Any:
-    from app.engine.events import InstanceStatus, KvBlocksStored
-    from app.engine.state import MemoryStore
+    from kvprefetch_client.events import InstanceStatus, KvBlocksStored
+    from app.state import MemoryStore
 
     rng = random.Random(seed)
     store = MemoryStore(bytes_per_token=bytes_per_block // 512, block_tokens=512, dedupe_max_ids=1)
@@ -75,7 +75,7 @@ def _percentile(xs: list[float], q: float) -> float:
 def run(*, sessions: int = 100_000, instances: int = 16, ticks: int = 200, page: int = 256,
         baseline_ticks: int = 5, candidate_share: float = 0.005, resident_share: float = 0.5,
         seed: int = 0) -> dict[str, Any]:
-    from app.engine.scheduler import Scheduler, SchedulerConfig
+    from app.decide.scheduler import Scheduler, SchedulerConfig
     from bench.predict import _sessions
 
     bytes_per_block = 512 * 327_680
@@ -112,10 +112,10 @@ def run(*, sessions: int = 100_000, instances: int = 16, ticks: int = 200, page:
 
     score_ms = None
     try:
-        from app.engine.planner import Planner
-        from app.engine.predictor import DEFAULT_MODEL_DIR, LearnedPredictor
+        from app.decide.advisor import Advisor
+        from app.predict.predictors import DEFAULT_MODEL_DIR, LearnedPredictor
 
-        planner = Planner(LearnedPredictor(DEFAULT_MODEL_DIR))
+        planner = Advisor(LearnedPredictor(DEFAULT_MODEL_DIR))
         views = _sessions(page, seed)
         at = max(v.last_activity_ts for v in views) + 30.0
         times = []

@@ -6,7 +6,7 @@ Two horizon sets: what a planner tick asks (PLANNER_HORIZONS, 3) and the whole H
 what `predict_many` reads). For each, medians over rounds of:
 
 - `service_p_within`: `LearnedPredictor.p_within(views, now, horizons)`, the call that takes
-  SessionViews: the features in bulk (app.engine.features.feature_matrix) and the model;
+  SessionViews: the features in bulk (app.predict.features.feature_matrix) and the model;
 - `table_p_within`: `LearnedPredictor.p_within_table(table, now, horizons)`, a tick of a caller that
   keeps a FeatureTable current as sessions change (so no views to convert): the 20 ms target;
 - its parts: `table_matrix` (the time-dependent columns and the horizons, numpy) and the model
@@ -41,7 +41,7 @@ PLANNER_HORIZONS: tuple[float, ...] = (30.0, 300.0, 900.0)
 
 
 def _sessions(n: int, seed: int) -> list[Any]:
-    from app.engine.state.base import RequestView, SessionView
+    from app.state.base import RequestView, SessionView
 
     rng = random.Random(seed)
     out = []
@@ -88,7 +88,7 @@ def _reference_matrix(views: list[Any], now: float, horizons: tuple[float, ...])
     """feature_matrix as it was before the FeatureTable: session_features per view, rows of lists."""
     import numpy as np
 
-    from app.engine.features import FEATURES, session_features
+    from app.predict.features import FEATURES, session_features
 
     rows = []
     for view in views:
@@ -104,8 +104,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def _batch(model: Any, views: list[Any], now: float, horizons: tuple[float, ...], rounds: int) -> dict[str, Any]:
-    from app.engine.feature_table import FeatureTable
-    from app.engine.features import feature_matrix
+    from app.predict.feature_table import FeatureTable
+    from app.predict.features import feature_matrix
 
     table = FeatureTable.from_views(views)
     x = table.matrix(now, horizons)
@@ -140,9 +140,9 @@ def _batch(model: Any, views: list[Any], now: float, horizons: tuple[float, ...]
 
 
 def run(*, sessions: int = 10_000, rounds: int = 7, model_dir: Path | None = None, seed: int = 0) -> dict[str, Any]:
-    from app.engine.feature_table import FeatureTable
-    from app.engine.features import feature_matrix
-    from app.engine.predictor import DEFAULT_MODEL_DIR, HORIZON_GRID, LearnedPredictor
+    from app.predict.feature_table import FeatureTable
+    from app.predict.features import feature_matrix
+    from app.predict.predictors import DEFAULT_MODEL_DIR, HORIZON_GRID, LearnedPredictor
 
     model_dir = model_dir or DEFAULT_MODEL_DIR
     load_before = os.getloadavg()[0]

@@ -74,9 +74,9 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
 
     from app.api.batch import BatchParser
     from app.core.clock import SystemClock
-    from app.engine.eventlog import EventLog, encode_events, segment_path
-    from app.engine.ingest import Ingestor
-    from app.engine.state.memory import MemoryStore
+    from app.ingest.eventlog import EventLog, encode_events, segment_path
+    from app.ingest.ingestor import Ingestor
+    from app.state.memory import MemoryStore
 
     parser = BatchParser(10_000)
     traffic = Traffic(seed=seed)
@@ -166,12 +166,12 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
 _STEPS: list[tuple[str, str, str]] = [
     ("read body", "read_body", "app/api/routes/events.py"),
     ("parse (validate_json)", "parse", "app/api/batch.py"),
-    ("dedupe: MemoryStore.seen", "seen", "app/engine/state/memory.py"),
-    ("log encode (encode_events)", "encode_events", "app/engine/eventlog.py"),
-    ("log append (write+flush+fsync)", "append", "app/engine/eventlog.py"),
+    ("dedupe: MemoryStore.seen", "seen", "app/state/memory.py"),
+    ("log encode (encode_events)", "encode_events", "app/ingest/eventlog.py"),
+    ("log append (write+flush+fsync)", "append", "app/ingest/eventlog.py"),
     ("  of which fsync", "<built-in method posix.fsync>", "~"),
-    ("apply (MemoryStore.apply)", "apply", "app/engine/state/memory.py"),
-    ("Ingestor.ingest (all of it)", "ingest", "app/engine/ingest.py"),
+    ("apply (MemoryStore.apply)", "apply", "app/state/memory.py"),
+    ("Ingestor.ingest (all of it)", "ingest", "app/ingest/ingestor.py"),
     ("route post_events (all of it)", "post_events", "app/api/routes/events.py"),
 ]
 
@@ -264,7 +264,7 @@ def _report(stats: pstats.Stats, batches: int, top: int, gc_timer: GcTimer) -> s
     # What the route does besides read/parse/ingest: build the payload, orjson.dumps, Response.
     rest_route = route - sum(_find(stats, nm, sf)[2] for nm, sf in (
         ("read_body", "app/api/routes/events.py"), ("parse", "app/api/batch.py"),
-        ("ingest", "app/engine/ingest.py")))
+        ("ingest", "app/ingest/ingestor.py")))
     lines.append(f"{'response encode + rest of route':34s} {rest_route / n * 1e3:9.2f} {rest_route / busy * 100:6.1f}%")
     lines.append(f"{'HTTP + framework (busy - route)':34s} {(busy - route) / n * 1e3:9.2f} "
                  f"{(busy - route) / busy * 100:6.1f}%")

@@ -1,6 +1,6 @@
 """The service's planner driving the cluster model: the `heuristic` and `learned` policies.
 
-On every finish, and every tick for every idle live session, the planner (app/engine/planner.py)
+On every finish, and every tick for every idle live session, the planner (app/decide/advisor.py)
 reads the session from the engine's own state and advises: keep its context for a while, demote
 it, or leave it to LRU; and, if it is likely back within the lead time and its context is not on
 its instance, prefetch it there (once per idle spell: a context evicted again is not chased).
@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from app.engine.planner import MAX_IDLE_SECONDS, Planner
-from app.engine.routing import RouteTracker
-from app.engine.state.base import SessionView
+from app.decide.advisor import MAX_IDLE_SECONDS, Advisor
+from app.decide.routing import RouteTracker
+from app.state.base import SessionView
 from sim.policies import Policy
 
 if TYPE_CHECKING:
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 class PlannedPolicy(Policy):
     tick_seconds = 20.0
 
-    def __init__(self, planner: Planner, session_view: Callable[[str], SessionView | None], name: str) -> None:
+    def __init__(self, planner: Advisor, session_view: Callable[[str], SessionView | None], name: str) -> None:
         self.planner = planner
         self.name = name
         self._session_view = session_view

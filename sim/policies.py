@@ -8,13 +8,13 @@
   the instance its router will pick, within link bandwidth. The upper bound. It is approximate:
   it predicts the destination by asking the router at prefetch time, and Belady's next use is
   global, not per instance.
-- `heuristic`: the service's planner (app/engine/planner.py) over the HeuristicPredictor: each
+- `heuristic`: the service's planner (app/decide/advisor.py) over the HeuristicPredictor: each
   session's median gap between its turns, no learning (sim/planned.py).
 - `learned`: the same planner over the LightGBM predictor trained from event logs (training/).
 - `clairvoyant`: the same planner over a predictor that knows each session's next arrival: what
   a perfect model would win through the same mechanism (a diagnostic, like `oracle`).
 - `scheduled`: the learned planner's advice through the service's scheduler
-  (app/engine/scheduler.py): orders within link shares and destination room, deduplicated,
+  (app/decide/scheduler.py): orders within link shares and destination room, deduplicated,
   cancelled when the chance falls (sim/scheduled.py).
 """
 
@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from app.engine.predictor import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
+from app.predict.predictors import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
 
 if TYPE_CHECKING:
-    from app.engine.state.base import StateStore
+    from app.state.base import StateStore
     from sim.cluster import Cluster, SimRequest
     from sim.scenario import Scenario
 
@@ -124,7 +124,7 @@ class Oracle(Belady):
 def make_policy(name: str, *, session_view: Callable[[str], object] | None = None,
                 model_dir: str | None = None, planner_options: dict[str, float] | None = None,
                 store: StateStore | None = None, scenario: Scenario | None = None) -> Policy:
-    """`planner_options`: keyword arguments for app.engine.planner.Planner (heuristic, learned,
+    """`planner_options`: keyword arguments for app.decide.advisor.Advisor (heuristic, learned,
     scheduled). `store` and `scenario`: the engine's state and the cluster, for `scheduled`."""
     if name == "none":
         return NoPrefetch()
@@ -135,9 +135,9 @@ def make_policy(name: str, *, session_view: Callable[[str], object] | None = Non
     if name == "oracle":
         return Oracle()
     if name == "scheduled":
-        from app.engine.planner import Planner
-        from app.engine.routing import SameInstanceEstimate
-        from app.engine.scheduler import Scheduler, SchedulerConfig
+        from app.decide.advisor import Advisor
+        from app.decide.routing import SameInstanceEstimate
+        from app.decide.scheduler import Scheduler, SchedulerConfig
         from sim.scheduled import ScheduledPolicy
 
         if session_view is None or store is None or scenario is None:
@@ -146,25 +146,25 @@ def make_policy(name: str, *, session_view: Callable[[str], object] | None = Non
                                  pool_link_bytes_per_second=scenario.pool_link_bytes_per_second,
                                  host_link_bytes_per_second=scenario.host_link_bytes_per_second,
                                  prefill_tokens_per_second=scenario.prefill_tokens_per_second)
-        planner = Planner(LearnedPredictor(model_dir or DEFAULT_MODEL_DIR), routes=SameInstanceEstimate(),
+        planner = Advisor(LearnedPredictor(model_dir or DEFAULT_MODEL_DIR), routes=SameInstanceEstimate(),
                           **(planner_options or {}))
         return ScheduledPolicy(planner, Scheduler(store, config), session_view)  # type: ignore[arg-type]
     if name == "clairvoyant":
-        from app.engine.planner import Planner
+        from app.decide.advisor import Advisor
         from sim.planned import Clairvoyant, ClairvoyantPolicy
 
         if session_view is None:
             raise ValueError("the clairvoyant policy reads the engine's state: pass session_view")
-        return ClairvoyantPolicy(Planner(Clairvoyant(), **(planner_options or {})), session_view,  # type: ignore[arg-type]
+        return ClairvoyantPolicy(Advisor(Clairvoyant(), **(planner_options or {})), session_view,  # type: ignore[arg-type]
                                  "clairvoyant")
     if name in ("heuristic", "learned"):
-        from app.engine.planner import Planner
-        from app.engine.routing import SameInstanceEstimate
+        from app.decide.advisor import Advisor
+        from app.decide.routing import SameInstanceEstimate
         from sim.planned import PlannedPolicy
 
         if session_view is None:
             raise ValueError(f"the {name} policy reads the engine's state: pass session_view")
         predictor = HeuristicPredictor() if name == "heuristic" else LearnedPredictor(model_dir or DEFAULT_MODEL_DIR)
-        planner = Planner(predictor, routes=SameInstanceEstimate(), **(planner_options or {}))
+        planner = Advisor(predictor, routes=SameInstanceEstimate(), **(planner_options or {}))
         return PlannedPolicy(planner, session_view, name)  # type: ignore[arg-type]
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

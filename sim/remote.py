@@ -1,7 +1,7 @@
 """Replay against a running kvprefetch service (`kvprefetch replay --via URL`).
 
 The same replay as sim.replay.replay(), but the engine is a service reached over HTTP: every
-event the cluster emits is posted with app.client.KvpClient, and the policies read their
+event the cluster emits is posted with kvprefetch_client.client.KvpClient, and the policies read their
 sessions from GET /v1/sessions/{id}. Before each read the client is flushed, so the service has
 applied every event emitted so far and a policy decides on the same state as in process; an
 over-HTTP replay therefore gives the same summary as an in-process one.
@@ -40,10 +40,10 @@ from urllib.parse import quote
 import httpx
 import orjson
 
-from app.client import KvpClient
+from kvprefetch_client.client import KvpClient
 from app.core.errors import KvpError
-from app.engine.events import Event, event_adapter
-from app.engine.state.base import SessionView
+from kvprefetch_client.events import Event, event_adapter
+from app.state.base import SessionView
 from sim.replay import ReplayResult, replay
 
 if TYPE_CHECKING:

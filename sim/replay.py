@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from app.core.clock import ManualClock
-from app.engine.eventlog import encode_events
-from app.engine.events import Event, event_adapter
-from app.engine.state import MemoryStore
-from app.engine.state.base import SessionView
+from app.ingest.eventlog import encode_events
+from kvprefetch_client.events import Event, event_adapter
+from app.state import MemoryStore
+from app.state.base import SessionView
 from sim.cluster import Cluster, SimRequest
 from sim.policies import make_policy
 from sim.routers import make_router

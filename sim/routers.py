@@ -5,7 +5,7 @@
 - `least-loaded`: fewest running + queued requests (round-robin-like when all are equal).
 - `kv-aware`: most of the request's reused blocks resident in HBM, then least loaded (what
   Dynamo's KV router and llm-d's scorer do with engine KV events).
-- `hinted`: asks the service's route hint (app/engine/hints.py, what `POST /v1/route-hint`
+- `hinted`: asks the service's route hint (app/decide/hints.py, what `POST /v1/route-hint`
   answers) over every instance and takes its recommendation: where the session's context is or
   soonest will be, weighed against each instance's queue. Where the context is comes from the
   engine's store (the events the cluster emitted), never from the cluster itself; the queues
@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from app.engine.hints import HintConfig, InstanceLoad, route_hint
+from app.decide.hints import HintConfig, InstanceLoad, route_hint
 
 if TYPE_CHECKING:
-    from app.engine.state.base import StateStore
+    from app.state.base import StateStore
     from sim.cluster import Cluster, SimRequest
     from sim.scenario import Scenario
 

@@ -2,7 +2,7 @@
 
 Every tick the engines report their free KV bytes (instance_status events, as real engines do on
 a timer; the cluster also reports at every finish), the planner advises on every idle live
-session (as in sim/planned.py), and the scheduler (app/engine/scheduler.py) turns the advice
+session (as in sim/planned.py), and the scheduler (app/decide/scheduler.py) turns the advice
 into orders. The cluster model is the transfer layer:
 it starts a prefetch at its start_by unless cancelled first, pins with the order's TTL, demotes,
 and its landed blocks come back as kv_blocks_stored events, which retire the order. A finish
@@ -14,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from app.engine.orders import Order
-from app.engine.planner import Planner
-from app.engine.scheduler import Scheduler
-from app.engine.state.base import SessionView
+from kvprefetch_client.orders import Order
+from app.decide.advisor import Advisor
+from app.decide.scheduler import Scheduler
+from app.state.base import SessionView
 from sim.planned import PlannedPolicy
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 class ScheduledPolicy(PlannedPolicy):
-    def __init__(self, planner: Planner, scheduler: Scheduler, session_view: Callable[[str], SessionView | None],
+    def __init__(self, planner: Advisor, scheduler: Scheduler, session_view: Callable[[str], SessionView | None],
                  name: str = "scheduled") -> None:
         super().__init__(planner, session_view, name)
         self.scheduler = scheduler

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.engine.eventlog import encode_events
-from app.engine.predictor import LearnedPredictor
+from app.ingest.eventlog import encode_events
+from app.predict.predictors import LearnedPredictor
 from sim.commands import events_from_trace
 from sim.replay import replay
 from sim.scenario import load_scenario

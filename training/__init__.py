@@ -11,7 +11,7 @@ make an event log first: `kvprefetch events-from-trace --trace ../shared/traces/
     save_model(model, Path("models/mine"))              # models/mine/{model.txt, card.json}
     evaluate("models/mine", "../shared/traces/mooncake_synthetic.jsonl")  # replay: learned vs baselines
 
-- build_dataset(logs) -> DataFrame: app.engine.features.FEATURES (the last is horizon_seconds), then
+- build_dataset(logs) -> DataFrame: app.predict.features.FEATURES (the last is horizon_seconds), then
   training.dataset.META_COLUMNS: `label` (the next request came within the horizon) and
   `time_fraction` (where the row lies in its log's time span: the split is by time, never at random).
 - train(df, params=None, *, valid_fraction=0.2, seed=0, num_boost_round=1000, progress=None)

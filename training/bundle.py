@@ -13,7 +13,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from app.engine.eventlog import encode_events
+from app.ingest.eventlog import encode_events
 from sim.replay import replay
 from sim.scenario import load_scenario
 from sim.traces import load_trace

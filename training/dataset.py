@@ -1,7 +1,7 @@
 """Training rows from event logs, computed by the service's own state and feature code.
 
 Each log is replayed, in event-time order, through a fresh MemoryStore (the service's embedded
-store). At every *decision point* the features are read with app.engine.features from the
+store). At every *decision point* the features are read with app.predict.features from the
 store's SessionView, as the service reads them from live state. Decision points: when a request
 finishes, and again while the session stays idle (CHECKPOINTS after the finish), because the
 chance of a return changes as the silence grows.
@@ -21,10 +21,10 @@ import numpy as np
 import pandas as pd
 
 from app.core.errors import EventLogError
-from app.engine.eventlog import read_events
-from app.engine.events import Event, RequestFinished, RequestRouted
-from app.engine.features import FEATURES, HORIZON_FEATURE, session_features
-from app.engine.state import MemoryStore
+from app.ingest.eventlog import read_events
+from kvprefetch_client.events import Event, RequestFinished, RequestRouted
+from app.predict.features import FEATURES, HORIZON_FEATURE, session_features
+from app.state import MemoryStore
 
 # Seconds after a finish at which the question is asked again while the session is idle. They
 # span the whole range over which the service scores idle sessions (up to MAX_IDLE_SECONDS), or a
@@ -120,7 +120,7 @@ def rows_from_events(events: Sequence[Event], *, log_name: str, bytes_per_token:
 def build_dataset(logs: Iterable[Path | str], progress: Progress | None = None, **kwargs: object) -> pd.DataFrame:
     """Training rows from one or more event logs (files or log directories), each replayed alone.
 
-    Columns: app.engine.features.FEATURES, then META_COLUMNS (`label` is the target,
+    Columns: app.predict.features.FEATURES, then META_COLUMNS (`label` is the target,
     `time_fraction` the row's position in its log's time span, for splitting by time).
     `progress(task, done, total)`, when given, hears how far each log's replay has got.
     """

@@ -45,7 +45,7 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
 
-from app.engine.features import HORIZON_FEATURE, SESSION_FEATURES
+from app.predict.features import HORIZON_FEATURE, SESSION_FEATURES
 from training.dataset import HORIZONS, load_events, rows_from_events
 from training.train import DEFAULT_PARAMS
 from training.tune import INNER_VALID_FRACTION
@@ -151,7 +151,7 @@ def classifier(parts: Split, seed: int = 0, features: Sequence[str] | None = Non
                    _horizon_rows(parts.stop, features, horizons))
     p = np.column_stack([booster.predict(_with_column(parts.valid, features, HORIZON_FEATURE, h),
                                          num_iteration=booster.best_iteration) for h in EVAL_HORIZONS])
-    # The planner reads the horizons through a running maximum (app/engine/planner.py).
+    # The planner reads the horizons through a running maximum (app/decide/advisor.py).
     return np.maximum.accumulate(p, axis=1), booster
 
 

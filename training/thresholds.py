@@ -5,7 +5,7 @@
 
 The model must have been trained on data before the window (e.g. `python -m training.bundle
 --train-fraction 0.5 --out DIR`); each trace is replayed up to the window's end and only the
-requests arriving inside it are counted. Each setting is a set of app.engine.planner.Planner
+requests arriving inside it are counted. Each setting is a set of app.decide.advisor.Advisor
 keyword arguments; `{}` is the planner's defaults, and `none` (plain LRU) is the baseline row.
 The setting with the best mean byte hit rate across traces is the one to ship.
 """
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--policy", default="learned", choices=("learned", "scheduled"))
     parser.add_argument("--scenario", default="default")
     parser.add_argument("--setting", action="append", type=json.loads,
-                        help="Planner keyword arguments as JSON; repeat. Default: a small grid.")
+                        help="Advisor keyword arguments as JSON; repeat. Default: a small grid.")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     rows = compare_settings(args.model, args.trace, args.setting or DEFAULT_SETTINGS, window=tuple(args.window),

@@ -19,7 +19,7 @@ import numpy as np
 import pandas as pd
 from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
 
-from app.engine.features import FEATURES
+from app.predict.features import FEATURES
 from training.progress import Progress
 
 DEFAULT_PARAMS: dict[str, Any] = {

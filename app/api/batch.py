@@ -19,7 +19,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from app.engine.events import Event, event_adapter
+from kvprefetch_client.events import Event, event_adapter
 
 _TAGS = frozenset({
     "request_routed", "request_started", "request_finished", "session_closed",
@@ -36,7 +36,7 @@ COMMAS_PER_EVENT = 64
 # What one answer lists: rejections per event, rejections in all, and the longest echoed strings.
 MAX_REJECTIONS_PER_EVENT = 3
 MAX_REJECTIONS_PER_ANSWER = 100
-MAX_ECHOED_ID_CHARS = 128  # an event id's own limit (app/engine/events.py, EventId)
+MAX_ECHOED_ID_CHARS = 128  # an event id's own limit (client/kvprefetch_client/events.py, EventId)
 MAX_FIELD_PATH_CHARS = 160
 MAX_MESSAGE_CHARS = 400  # pydantic's messages may quote what was sent (an unknown type's tag)
 

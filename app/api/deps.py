@@ -11,15 +11,15 @@ from fastapi import Depends, Request
 
 from app.core.clock import Clock
 from app.core.config import Settings
-from app.engine.advice import AdviceLedger
-from app.engine.backlog import Backlog
-from app.engine.ingest import Ingestor
-from app.engine.metrics import Metrics
-from app.engine.models import ModelRegistry
-from app.engine.scheduler import Scheduler
-from app.engine.sinks import OrderSink
-from app.engine.state.base import StateStore
-from app.engine.storethread import StoreHealth, StoreThread
+from app.observe.ledger import AdviceLedger
+from app.ingest.backlog import Backlog
+from app.ingest.ingestor import Ingestor
+from app.observe.metrics import Metrics
+from app.predict.registry import ModelRegistry
+from app.decide.scheduler import Scheduler
+from app.deliver import OrderSink
+from app.state.base import StateStore
+from app.state.storethread import StoreHealth, StoreThread
 
 
 async def get_settings(request: Request) -> Settings:
@@ -63,7 +63,7 @@ async def get_backlog(request: Request) -> Backlog:
 
 
 async def drain_backlog(request: Request) -> None:
-    """For routes reading what the planning side derives from events (app/engine/backlog.py)."""
+    """For routes reading what the planning side derives from events (app/ingest/backlog.py)."""
     await request.app.state.store_thread.run(request.app.state.backlog.drain, fail_fast=False)
 
 

@@ -28,22 +28,22 @@ from app.core.errors import EventLogError, StoreError, StoreUnavailable
 from app.core.ratelimit import RateLimiter
 from app.core.redact import mask_url
 from app.core.security import check_bind, load_tokens
-from app.engine.advice import AdviceLedger
-from app.engine.backlog import Backlog
-from app.engine.eventlog import EventLog
-from app.engine.events import Event, batch_adapter
-from app.engine.ingest import Ingestor, Observer
-from app.engine.metrics import Metrics, multiprocess_dir
-from app.engine.models import ModelRegistry
-from app.engine.outcomes import OutcomeConfig, RequestOutcome, outcome_observer
-from app.engine.dispatch import Dispatcher, feedback_observer
-from app.engine.routing import RouteTracker
-from app.engine.scheduler import Scheduler, SchedulerConfig
-from app.engine.scoring import Scorer
-from app.engine.sinks import OrderSink, PullQueue, build_sink
-from app.engine.timeline import LandedPrefetches, MeasuredStall, Timeline, capacity_for
-from app.engine.state import MemoryStore, StateStore, build_store
-from app.engine.storethread import StoreHealth, StoreThread
+from app.observe.ledger import AdviceLedger
+from app.ingest.backlog import Backlog
+from app.ingest.eventlog import EventLog
+from kvprefetch_client.events import Event, batch_adapter
+from app.ingest.ingestor import Ingestor, Observer
+from app.observe.metrics import Metrics, multiprocess_dir
+from app.predict.registry import ModelRegistry
+from app.observe.outcomes import OutcomeConfig, RequestOutcome, outcome_observer
+from app.decide.plan_loop import Dispatcher, feedback_observer
+from app.decide.routing import RouteTracker
+from app.decide.scheduler import Scheduler, SchedulerConfig
+from app.decide.score_loop import Scorer
+from app.deliver import OrderSink, PullQueue, build_sink
+from app.observe.timeline import LandedPrefetches, MeasuredStall, Timeline, capacity_for
+from app.state import MemoryStore, StateStore, build_store
+from app.state.storethread import StoreHealth, StoreThread
 
 log = logging.getLogger("kvprefetch")
 

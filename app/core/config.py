@@ -64,7 +64,7 @@ class Settings(BaseSettings):
     rate_limit_requests_per_second: float = Field(10_000.0, ge=0)
     rate_limit_events_per_second: float = Field(500_000.0, ge=0)
     rate_limit_burst_seconds: float = Field(2.0, gt=0)
-    # Accepted events waiting for the planning side (app/engine/backlog.py); a batch that would
+    # Accepted events waiting for the planning side (app/ingest/backlog.py); a batch that would
     # overflow it is refused with 503 and Retry-After before anything of it is logged.
     backlog_max_events: int = Field(200_000, ge=1)
     # A request whose body has not fully arrived this long after its last chunk is answered 408;
@@ -126,19 +126,19 @@ class Settings(BaseSettings):
     score_interval_seconds: float = Field(1.0, ge=0)
     # Sessions per tick: what bounds the time one tick holds the event loop.
     score_sessions_per_tick: int = Field(256, ge=1)
-    # How often the scheduler plans orders from the latest advice (app/engine/dispatch.py); 0
+    # How often the scheduler plans orders from the latest advice (app/decide/plan_loop.py); 0
     # turns planning off (tests drive it one tick at a time).
     plan_interval_seconds: float = Field(0.1, ge=0)
     # The share of each link prefetch may book, so demand loads are never starved.
     prefetch_link_share: float = Field(0.5, gt=0, le=1)
-    # How often the dashboard's timeline samples the counters (app/engine/timeline.py; an hour
+    # How often the dashboard's timeline samples the counters (app/observe/timeline.py; an hour
     # of samples is kept at 2 s); 0 turns sampling off (tests drive it one sample at a time).
     dashboard_sample_seconds: float = Field(2.0, ge=0)
 
     # Name of this replica: keys its log checkpoint in a shared store.
     replica_id: str = Field(default_factory=socket.gethostname)
 
-    # Where prefetch orders go (app/engine/sinks): `pull` keeps them for agents to fetch with
+    # Where prefetch orders go (app/deliver): `pull` keeps them for agents to fetch with
     # GET /v1/orders and needs nothing else, so it is the default.
     order_sink: Literal["memory", "webhook", "redis", "pull"] = "pull"
     # A resubmitted order id (or cancel) within this long is dropped by the sink.

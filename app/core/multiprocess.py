@@ -1,6 +1,6 @@
 """prometheus-client's multiprocess mode, as `kvprefetch serve --workers N` prepares it.
 
-Apart from app/engine/metrics.py so that the supervisor process, which serves nothing, does not
+Apart from app/observe/metrics.py so that the supervisor process, which serves nothing, does not
 import the engine (or prometheus-client) just to prepare the directory.
 """
 

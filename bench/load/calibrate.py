@@ -59,7 +59,7 @@ def _worker(mode: str, sessions: int, store: str, redis_url: str, dedupe_max_ids
         return _ring(dedupe_max_ids or Settings.model_fields["dedupe_max_ids"].default)
 
     from app.api.main import create_app
-    from app.engine.events import batch_adapter
+    from kvprefetch_client.events import batch_adapter
 
     tmp = Path(tempfile.mkdtemp(prefix="kvp-bench-load-cal-"))
     prefix = f"kvp-bench-load-cal-{uuid.uuid4().hex[:12]}"
@@ -147,9 +147,9 @@ def _orders(n: int, seed: int) -> dict[str, Any]:
     remembers each one's id too)."""
     import psutil
 
-    from app.engine.orders import Order, order_id_for
-    from app.engine.sinks._dedupe import RecentIds
-    from app.engine.sinks.pull import PullQueue
+    from kvprefetch_client.orders import Order, order_id_for
+    from app.deliver._dedupe import RecentIds
+    from app.deliver.pull import PullQueue
 
     shard = Shard(seed=seed, sessions=max(1, min(3000, n // 4)), instance_ids=[f"cal-{i:02d}" for i in range(16)],
                   hbm_blocks=10**9, status_events=False)
@@ -188,8 +188,8 @@ def _ring(max_ids: int) -> dict[str, Any]:
     the generation it freed: a full ring costs more than its ids at their cost in a young one."""
     import psutil
 
-    from app.engine.events import InstanceStatus
-    from app.engine.state.memory import MemoryStore
+    from kvprefetch_client.events import InstanceStatus
+    from app.state.memory import MemoryStore
 
     store = MemoryStore(bytes_per_token=BYTES_PER_BLOCK // BLOCK_TOKENS, block_tokens=BLOCK_TOKENS,
                         dedupe_max_ids=max_ids)

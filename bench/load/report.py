@@ -51,8 +51,8 @@ UNIT_COSTS = {
 def service_settings(env: dict[str, str]) -> dict[str, Any]:
     """The service's settings the accounting depends on: what `env` sets, else the defaults."""
     from app.core.config import Settings
-    from app.engine.scheduler import SchedulerConfig
-    from app.engine.sinks._dedupe import MAX_REMEMBERED_IDS
+    from app.decide.scheduler import SchedulerConfig
+    from app.deliver._dedupe import MAX_REMEMBERED_IDS
 
     def get(name: str) -> Any:
         default = Settings.model_fields[name].default

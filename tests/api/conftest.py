@@ -23,7 +23,7 @@ def client(settings: Settings) -> Iterator[TestClient]:
 
 
 def settle(client: TestClient) -> None:
-    """Let the planning side take every acknowledged event (app/engine/backlog.py), on the
+    """Let the planning side take every acknowledged event (app/ingest/backlog.py), on the
     service's loop, before a test drives or reads its parts directly."""
     client.portal.call(_drain, client.app)  # type: ignore[union-attr]
 

@@ -278,7 +278,7 @@ def test_readyz_shows_no_path(tmp_path: Path) -> None:
 
 def test_the_startup_line_names_the_redis_store_without_its_password(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from app.engine.state import MemoryStore
+    from app.state import MemoryStore
 
     settings = Settings(data_dir=tmp_path, log_fsync=False, store="redis",
                         redis_url=f"redis://:{REDIS_PASSWORD}@cache.internal:6380/2")

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from app.api.main import create_app
 from app.core.clock import ManualClock
 from app.core.config import Settings
-from app.engine.timeline import HISTORY_SECONDS
+from app.observe.timeline import HISTORY_SECONDS
 from tests.api.conftest import settle
 
 REPO = Path(__file__).resolve().parents[2]

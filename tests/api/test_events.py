@@ -8,7 +8,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.core.config import Settings
-from app.engine.eventlog import iter_log
+from app.ingest.eventlog import iter_log
 from tests.api.conftest import routed
 
 
@@ -189,7 +189,7 @@ def test_every_event_type_is_accepted(client: TestClient) -> None:
 def test_an_unavailable_store_is_503_and_nothing_is_acknowledged(settings: Settings) -> None:
     from app.api.main import create_app
     from app.core.errors import StoreUnavailable
-    from app.engine.state import MemoryStore
+    from app.state import MemoryStore
 
     class Down(MemoryStore):
         def apply(self, events):  # type: ignore[no-untyped-def]
@@ -206,7 +206,7 @@ def test_an_unavailable_store_is_503_and_nothing_is_acknowledged(settings: Setti
 def test_a_store_503_is_counted_as_a_refused_batch(settings: Settings, error: str) -> None:
     from app.api.main import create_app
     from app.core.errors import StoreError, StoreUnavailable
-    from app.engine.state import MemoryStore
+    from app.state import MemoryStore
 
     class Down(MemoryStore):
         def seen_and_newest(self, event_ids):  # type: ignore[no-untyped-def]

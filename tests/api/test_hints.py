@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from app.api.main import create_app
 from app.core.clock import ManualClock
 from app.core.config import Settings
-from app.engine.orders import Order
+from kvprefetch_client.orders import Order
 from tests.api.conftest import routed, settle
 
 # Settings' defaults: 512-token blocks of 327,680 bytes per token, a 12.5 GB/s pool link.

@@ -17,9 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.api.main import create_app
 from app.core.clock import ManualClock
 from app.core.config import Settings
-from app.engine.metrics import prepare_multiprocess_dir, rejection_field
-from app.engine.planner import SessionAdvice
-from app.engine.predictor import DEFAULT_MODEL_DIR
+from app.observe.metrics import prepare_multiprocess_dir, rejection_field
+from app.decide.advisor import SessionAdvice
+from app.predict.predictors import DEFAULT_MODEL_DIR
 from tests.api.conftest import routed, settle
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

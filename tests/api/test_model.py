@@ -14,9 +14,9 @@ from fastapi.testclient import TestClient
 from app.api.main import create_app
 from app.core.clock import ManualClock
 from app.core.config import Settings
-from app.engine.features import FEATURES
-from app.engine.planner import Planner
-from app.engine.predictor import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
+from app.predict.features import FEATURES
+from app.decide.advisor import Advisor
+from app.predict.predictors import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
 from tests.api.conftest import routed, settle
 
 NO_SCORES = {"predictions": 0, "keep_predictions": 0, "hits": 0, "misses": 0, "unscored": 0, "hit_rate": None}
@@ -219,7 +219,7 @@ def test_hit_rates_of_live_and_shadow(tmp_path: Path, clock: ManualClock) -> Non
         views = [app.state.store.session("a"), app.state.store.session("b")]  # type: ignore[attr-defined]
         # What the production planner advises at 900 is what each model is judged on.
         predictors = {"live": HeuristicPredictor(), "shadow": LearnedPredictor(DEFAULT_MODEL_DIR)}
-        kept = {name: [a.retention == "keep" or a.prefetch for a in Planner(p).advise(views, 900.0)]
+        kept = {name: [a.retention == "keep" or a.prefetch for a in Advisor(p).advise(views, 900.0)]
                 for name, p in predictors.items()}
         assert kept["live"] == [True, False]  # the setup: the heuristic keeps a, lets b go
 

@@ -15,8 +15,8 @@ from app.api.main import create_app
 from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.core.errors import ConfigError
-from app.engine.orders import Cancel, Order
-from app.engine.sinks import (
+from kvprefetch_client.orders import Cancel, Order
+from app.deliver import (
     InProcessSink,
     PullQueue,
     RedisStreamConsumer,
@@ -25,7 +25,7 @@ from app.engine.sinks import (
     WebhookSink,
 )
 from tests.api.conftest import routed
-from tests.engine.sinks.conftest import _receiver_server, order, receiver  # noqa: F401 (fixtures)
+from tests.deliver.conftest import _receiver_server, order, receiver  # noqa: F401 (fixtures)
 
 
 @pytest.fixture

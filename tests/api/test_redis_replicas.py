@@ -8,7 +8,7 @@ from fastapi.testclient import TestClient
 
 from app.api.main import create_app
 from app.core.config import Settings
-from app.engine.eventlog import iter_log
+from app.ingest.eventlog import iter_log
 from tests.api.conftest import routed
 
 

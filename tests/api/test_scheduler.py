@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from app.api.main import create_app
 from app.core.clock import ManualClock
 from app.core.config import Settings
-from app.engine.orders import Order
+from kvprefetch_client.orders import Order
 from tests.api.conftest import settle
 
 BLOCKS = list(range(100, 120))
@@ -80,7 +80,7 @@ def test_order_progress_reaches_the_scheduler(client: TestClient) -> None:
                    "instance_id": None, "block_hashes": BLOCKS},
                   {"type": "instance_status", "event_id": "st", "ts": 900.0, "instance_id": "gpu-0",
                    "free_kv_bytes": 10**12}])
-    from app.engine.planner import SessionAdvice
+    from app.decide.advisor import SessionAdvice
 
     scheduler.advise([SessionAdvice("s9", "gpu-0", tuple(BLOCKS), "lru", 0.0, 0.9, 0.9, 0.9, True)], 1000.0)
     asyncio.run(client.app.state.dispatcher.tick())  # type: ignore[attr-defined]

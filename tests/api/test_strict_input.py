@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from pydantic_core import from_json
 
 from app.core.config import Settings
-from app.engine.eventlog import iter_log
+from app.ingest.eventlog import iter_log
 from tests.api.conftest import routed
 
 

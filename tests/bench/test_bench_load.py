@@ -118,8 +118,8 @@ def test_bench_load_prints_the_documented_json() -> None:
 def test_the_client_counts_what_the_store_may_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tombstones and sessions the bound allows, worked out from the events sent, against a
     MemoryStore fed the same events: tombstones in force exactly, held ones and sessions at most."""
-    from app.engine.events import batch_adapter
-    from app.engine.state.memory import MemoryStore
+    from kvprefetch_client.events import batch_adapter
+    from app.state.memory import MemoryStore
     from bench.load import traffic
 
     clock = itertools.count()

@@ -7,8 +7,8 @@ import json
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.engine import compiled
-from app.engine.predictor import HORIZON_GRID
+from app.predict import compiled
+from app.predict.predictors import HORIZON_GRID
 from bench.predict import PLANNER_HORIZONS
 
 BATCH = {"service_p_within", "table_p_within", "table_matrix", "compiled", "booster_1_thread", "booster_2_threads",

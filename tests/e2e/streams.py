@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import orjson
 
-from app.client import Answer, ClientStats, KvpClient
-from app.engine.eventlog import iter_log, list_segments
+from kvprefetch_client.client import Answer, ClientStats, KvpClient
+from app.ingest.eventlog import iter_log, list_segments
 
 JSON = {"content-type": "application/json"}
 BATCH_EVENTS = 200  # what EventSource makes at a time

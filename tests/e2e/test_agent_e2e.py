@@ -1,7 +1,7 @@
 """The reference transfer agent as real processes: the service, Redis and two `kvprefetch agent`s.
 
 The test writes orders into gpu-0's stream `<KVP_REDIS_PREFIX>:sink:orders:gpu-0` exactly as the
-producer (app/engine/sinks/redis_stream.py) does: one field `msg`, an Order's or a Cancel's JSON,
+producer (app/deliver/redis_stream.py) does: one field `msg`, an Order's or a Cancel's JSON,
 and a cancel key for a cancelled order. Both agents serve gpu-0; an order in gpu-1's stream is
 never read by either. One of them takes an order whose
 start_by is a few seconds away and holds it; it is not robbed while alive (its heartbeat), then
@@ -35,10 +35,10 @@ import httpx
 import pytest
 import redis
 
-from app.agent import GROUP, PoolDir, cancel_key, default_stream_prefix, stream_key
-from app.engine.eventlog import iter_log
-from app.engine.orders import Cancel, Order, order_id_for
-from app.engine.state.redis import RedisStore
+from kvprefetch_client.agent import GROUP, PoolDir, cancel_key, default_stream_prefix, stream_key
+from app.ingest.eventlog import iter_log
+from kvprefetch_client.orders import Cancel, Order, order_id_for
+from app.state.redis import RedisStore
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import ServiceProcess

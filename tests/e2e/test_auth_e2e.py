@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from app.agent import PullSource
-from app.client import Answer, KvpClient
+from kvprefetch_client.agent import PullSource
+from kvprefetch_client.client import Answer, KvpClient
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import ServiceProcess

@@ -1,6 +1,6 @@
 """Crash recovery of the real service process.
 
-kill -9 the server while two routers stream events to it through the real client (app/client),
+kill -9 the server while two routers stream events to it through the real client (client/kvprefetch_client/client),
 keep it down while they go on sending and retrying, restart it: every event the clients sent is
 acknowledged once, and the log and the state hold each exactly once. And a torn last line of the
 log (a write cut short by the crash) is cut on restart, while the complete lines before it are
@@ -18,8 +18,8 @@ import httpx
 import orjson
 import pytest
 
-from app.client import Answer, KvpClient
-from app.engine.eventlog import list_segments
+from kvprefetch_client.client import Answer, KvpClient
+from app.ingest.eventlog import list_segments
 from tests.e2e.streams import (
     CLIENT_BATCH,
     Router,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import httpx
 import pytest
 
-from app.client import KvpClient
+from kvprefetch_client.client import KvpClient
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import ServiceProcess

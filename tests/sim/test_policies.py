@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from app.core.clock import ManualClock
-from app.engine.planner import Planner
-from app.engine.scheduler import Scheduler, SchedulerConfig
-from app.engine.state import MemoryStore
-from app.engine.state.base import SessionView
+from app.decide.advisor import Advisor
+from app.decide.scheduler import Scheduler, SchedulerConfig
+from app.state import MemoryStore
+from app.state.base import SessionView
 from sim.cluster import Cluster, SimRequest
 from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy, make_policy
 from sim.replay import EngineFeed
@@ -243,7 +243,7 @@ def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
     engine = EngineFeed(store, ManualClock(0.0))
     config = SchedulerConfig(bytes_per_block=scen.block_bytes, block_tokens=scen.block_tokens,
                              pool_link_bytes_per_second=POOL, prefill_tokens_per_second=100.0)
-    policy = ScheduledPolicy(Planner(Chances({"s0": (0.9, 30.0)})), Scheduler(store, config), engine.session)
+    policy = ScheduledPolicy(Advisor(Chances({"s0": (0.9, 30.0)})), Scheduler(store, config), engine.session)
     cluster = CheckedCluster(scen, [a, b, c, d], Placed([0] * 4), policy, emit=engine.emit)
     cluster.run()
     assert d.hit_blocks == 4 and d.stall_seconds == 0.0

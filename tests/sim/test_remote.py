@@ -20,8 +20,8 @@ import pytest
 from app.api.main import create_app
 from app.core.clock import ManualClock
 from app.core.config import Settings
-from app.engine.state import MemoryStore
-from app.engine.state.base import SessionView
+from app.state import MemoryStore
+from app.state.base import SessionView
 from sim.remote import EventsRejected, RemoteEngine, RemoteEngineError, ServiceUnreachable, replay_via
 from sim.replay import EngineFeed, ReplayResult, replay
 from sim.scenario import Scenario, load_scenario

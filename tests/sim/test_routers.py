@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app.engine.events import KvBlocksStored, RequestFinished
-from app.engine.state import MemoryStore
+from kvprefetch_client.events import KvBlocksStored, RequestFinished
+from app.state import MemoryStore
 from sim.cluster import Cluster, SimRequest
 from sim.policies import Policy
 from sim.replay import replay

@@ -1,6 +1,6 @@
 """The built-in dashboard: the page at /dashboard (app/static/) and the JSON it polls.
 
-GET /v1/dashboard/series: the timeline's snapshots (app/engine/timeline.py) as columns;
+GET /v1/dashboard/series: the timeline's snapshots (app/observe/timeline.py) as columns;
 GET /v1/dashboard/now: the current totals, per-instance queues and the sessions likely back next.
 """
 
@@ -25,11 +25,11 @@ from app.api.deps import (
 )
 from app.api.errors import Error, error_response, field_error_route
 from app.core.config import Settings
-from app.engine.advice import AdviceLedger
-from app.engine.models import ModelRegistry
-from app.engine.scheduler import Scheduler
-from app.engine.state.base import StateStore
-from app.engine.timeline import HISTORY_SECONDS, Timeline, instance_queues, series, top_sessions
+from app.observe.ledger import AdviceLedger
+from app.predict.registry import ModelRegistry
+from app.decide.scheduler import Scheduler
+from app.state.base import StateStore
+from app.observe.timeline import HISTORY_SECONDS, Timeline, instance_queues, series, top_sessions
 
 STATIC_DIR = Path(__file__).resolve().parent.parent.parent / "static"
 MAX_LIMIT = 1000

@@ -13,8 +13,8 @@ from app.api.deps import BacklogDep, IngestorDep, MetricsDep, SettingsDep, Store
 from app.api.errors import Error, error_response
 from app.core.errors import EventLogError, StoreError
 from app.core.security import Principal, Scope
-from app.engine.events import Event
-from app.engine.ingest import IngestResult
+from kvprefetch_client.events import Event
+from app.ingest.ingestor import IngestResult
 
 router = APIRouter(tags=["events"])
 
@@ -86,7 +86,7 @@ async def post_events(request: Request, caller: EventsCaller, ingestor: Ingestor
         raise
 
     def admit_and_ingest() -> IngestResult | None:
-        # On the store thread with the Redis store (app/engine/storethread.py), where the backlog
+        # On the store thread with the Redis store (app/state/storethread.py), where the backlog
         # is filled and drained too: the room asked for is the room there.
         if not backlog.has_room(len(parsed.events)):
             return None

@@ -1,5 +1,5 @@
 """POST /v1/route-hint: where a session's context is among a router's candidate instances, and
-which one to send its next request to (app/engine/hints.py does the work)."""
+which one to send its next request to (app/decide/hints.py does the work)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from app.api.deps import ClockDep, SettingsDep, StoreDep
 from app.api.errors import Error, body_error, field_error_route
 from app.core.config import Settings
-from app.engine.events import Ident
-from app.engine.hints import HintConfig, route_hint
+from kvprefetch_client.events import Ident
+from app.decide.hints import HintConfig, route_hint
 
 # A router asks about the instances it could pick; a fleet larger than this is asked in parts.
-# A hint costs about log2(context blocks) residency lookups per candidate (app/engine/hints.py),
+# A hint costs about log2(context blocks) residency lookups per candidate (app/decide/hints.py),
 # so this bounds the time one hint holds the event loop.
 MAX_CANDIDATES = 64
 
@@ -102,7 +102,7 @@ async def post_route_hint(body: RouteHintRequest, request: Request, store: Store
     false and the least loaded candidate is recommended."""
     scheduler = getattr(request.app.state, "scheduler", None)
     inflight = scheduler.open_orders() if scheduler is not None else ()
-    # Off the loop with the Redis store (app/engine/storethread.py): a hung Redis stalls this alone.
+    # Off the loop with the Redis store (app/state/storethread.py): a hung Redis stalls this alone.
     hint = await request.app.state.store_thread.read(
         lambda: route_hint(store, body.session_id, body.candidates, clock.now(),
                            config=hint_config(settings), inflight=inflight))

@@ -1,11 +1,11 @@
-"""GET /metrics: the Prometheus exposition (app/engine/metrics.py has what is in it and why)."""
+"""GET /metrics: the Prometheus exposition (app/observe/metrics.py has what is in it and why)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Response
 
 from app.api.deps import MetricsDep, StoreHealthDep
-from app.engine.metrics import CONTENT_TYPE
+from app.observe.metrics import CONTENT_TYPE
 
 router = APIRouter(tags=["health"])
 

@@ -10,9 +10,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from app.api.auth import AdminScope, ReadScope
 from app.api.deps import ClockDep, LedgerDep, ModelsDep, SettingsDep, StoreDep, StoreThreadDep
 from app.api.errors import Error, body_error, error_response, field_error_route
-from app.engine.advice import AdviceLedger
-from app.engine.models import Serving, resolve_model_dir
-from app.engine.predictor import ModelError
+from app.observe.ledger import AdviceLedger
+from app.predict.registry import Serving, resolve_model_dir
+from app.predict.predictors import ModelError
 
 router = APIRouter(tags=["model"], route_class=field_error_route(body_error))
 
@@ -81,7 +81,7 @@ async def reload_model(body: ModelDirRequest, models: ModelsDep, store: StoreDep
     try:
         model_dir = resolve_model_dir(settings.models_root_dir, body.model_dir)
         sample = await store_thread.read(store.live_sessions, CHECK_SAMPLE)
-        # Off the loop: a model new to this machine compiles for seconds (app/engine/compiled.py).
+        # Off the loop: a model new to this machine compiles for seconds (app/predict/compiled.py).
         serving = await asyncio.to_thread(models.reload, model_dir, sample, clock.now())
     except ModelError as exc:
         return error_response(422, "model_dir", str(exc))

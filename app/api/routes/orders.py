@@ -10,9 +10,9 @@ from pydantic import BaseModel, Field
 
 from app.api.deps import ClockDep, OrderSinkDep, SettingsDep
 from app.api.errors import Error, body_error, error_response, field_error_route
-from app.engine.events import Ident
-from app.engine.orders import Order
-from app.engine.sinks import PullQueue
+from kvprefetch_client.events import Ident
+from kvprefetch_client.orders import Order
+from app.deliver import PullQueue
 
 MAX_LIMIT = 1000
 

@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from app.api.deps import SchedulerDep, StoreThreadDep
-from app.engine.scheduler import Scheduler
+from app.decide.scheduler import Scheduler
 
 router = APIRouter(tags=["orders"])
 
@@ -29,7 +29,7 @@ class SchedulerStatus(BaseModel):
 @router.get("/scheduler", response_model=SchedulerStatus, summary="The scheduler's state and totals")
 async def scheduler_status(scheduler: SchedulerDep,
                            store_thread: StoreThreadDep) -> SchedulerStatus:
-    # Where the planning side runs (app/engine/storethread.py): one consistent view of it.
+    # Where the planning side runs (app/state/storethread.py): one consistent view of it.
     return await store_thread.run(_status, scheduler, fail_fast=False)
 
 

@@ -2,7 +2,7 @@
 
 The handlers are async so they run on the event loop, the thread that applies events: a read
 never sees a half-applied batch of the in-memory store. With the Redis store (whose batches are
-atomic in Redis) they read on a worker thread instead (app/engine/storethread.py).
+atomic in Redis) they read on a worker thread instead (app/state/storethread.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pydantic import BaseModel, Field
 
 from app.api.deps import StoreDep, StoreThreadDep
 from app.api.errors import Error, error_response, field_error_route
-from app.engine.state.base import InstanceView, LocationView, SessionView
+from app.state.base import InstanceView, LocationView, SessionView
 
 
 def _param_error(request: Request, error: dict[str, Any]) -> Response:

@@ -1,0 +1,1 @@
+"""Decisions: the advisor, the scheduler and their loops, route estimates and hints."""

@@ -1,0 +1,122 @@
+"""The service's planning loop: the scheduler's orders to the sink, and what comes back to it.
+
+Every `plan_interval_seconds` the Dispatcher asks the scheduler for a plan (app/decide/
+scheduler.py) and hands its orders and cancels to the configured sink (app/deliver/).
+An order the sink could not take is reported to the scheduler as failed, so the next tick may
+plan it again rather than count it as on its way. While the store is unavailable every tick
+fails; that is logged once per outage, and what a failed tick decided goes out with the next
+tick that completes (Scheduler.plan).
+
+`feedback_observer` is the ingest observer that tells the scheduler what happened: a request
+routed (its session's advice is void; its order, if it went where the order goes, is used), a
+session closed, an order's progress; and tells the route tracker where returns land.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from app.core.clock import Clock
+from app.core.errors import StoreError
+from kvprefetch_client.events import (Event, OrderProgress, RequestFinished, RequestRouted, RequestStarted,
+                               SessionClosed)
+from app.ingest.ingestor import Observer
+from app.decide.routing import RouteTracker
+from app.decide.scheduler import Plan, Scheduler
+from app.deliver import OrderSink, SinkError
+from app.state.storethread import Offload
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    """`observe_seconds`, when given, is told how long each plan took (the metrics' latency
+    histogram); delivery is not in it, since a sink's network time is not planning. `offload`,
+    when given, runs what touches the scheduler (on the store thread, app/state/storethread.py);
+    delivery stays on the loop."""
+
+    def __init__(self, scheduler: Scheduler, sink: OrderSink, clock: Clock, *,
+                 observe_seconds: Callable[[float], None] | None = None,
+                 offload: Offload | None = None) -> None:
+        self.scheduler = scheduler
+        self.sink = sink
+        self.clock = clock
+        self.observe_seconds = observe_seconds
+        self.offload = offload
+        self.undelivered = 0
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, fail_fast: bool = True) -> Any:
+        if self.offload is None:
+            return fn(*args)
+        return await self.offload(fn, *args, fail_fast=fail_fast)
+
+    def _plan(self) -> Plan:
+        started = time.perf_counter()
+        plan = self.scheduler.plan(self.clock.now())
+        if self.observe_seconds is not None:
+            self.observe_seconds(time.perf_counter() - started)
+        return plan
+
+    def _failed(self, plan: Plan) -> None:
+        for order in plan.orders:
+            self.scheduler.on_progress(order.order_id, "failed")
+
+    async def tick(self) -> Plan:
+        """Plan now (by the injected clock) and deliver; returns the plan."""
+        plan: Plan = await self._run(self._plan)
+        if plan.cancels:
+            try:
+                await self.sink.cancel(plan.cancels)
+            except SinkError as exc:  # the agent may still start it; the scheduler counts it as cancelled
+                log.warning("%d cancels not delivered: %s", len(plan.cancels), exc)
+        if plan.orders:
+            try:
+                await self.sink.submit(plan.orders)
+            except SinkError as exc:
+                self.undelivered += len(plan.orders)
+                log.warning("%d orders not delivered (planned again next tick): %s", len(plan.orders), exc)
+                await self._run(self._failed, plan, fail_fast=False)  # needs no store
+        return plan
+
+    async def run(self, interval_seconds: float) -> None:
+        store_down = False
+        while True:
+            await asyncio.sleep(interval_seconds)
+            try:
+                await self.tick()
+            except StoreError as exc:
+                # An outage fails every tick until it ends: one warning for it, not ten a second
+                # with a traceback each. What a failed tick decided goes out with the next one.
+                if not store_down:
+                    log.warning("planning paused: %s", exc)
+                    store_down = True
+                continue
+            except Exception:  # one bad tick must not end planning for the life of the process
+                log.exception("planning tick failed")
+                continue
+            if store_down:
+                log.info("planning again: the store answers")
+                store_down = False
+
+
+def feedback_observer(scheduler: Scheduler, routes: RouteTracker) -> Observer:
+    def observe(events: Sequence[Event]) -> None:
+        for e in events:
+            if isinstance(e, RequestRouted):
+                routes.routed(e.session_id, e.instance_id, e.ts)
+                scheduler.forget(e.session_id, routed_to=e.instance_id)
+            elif isinstance(e, (RequestStarted, RequestFinished)):
+                routes.touched(e.session_id, e.ts)
+            elif isinstance(e, SessionClosed):
+                routes.closed(e.session_id, e.ts)
+                scheduler.forget(e.session_id)
+            else:
+                routes.see(e.ts)  # every event moves the store's cutoff
+                if isinstance(e, OrderProgress):
+                    scheduler.on_progress(e.order_id, e.status)
+
+    return observe

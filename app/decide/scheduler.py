@@ -1,0 +1,533 @@
+"""From advice to orders: what to move, from where, to which instance, when; within the links and
+the destinations' room, never twice, and withdrawn when the prediction falls.
+
+One `plan(advice, now)` per tick turns the planner's per-session advice (app/decide/advisor.py)
+into a `Plan` of orders (client/kvprefetch_client/orders.py) and cancels:
+
+- **Prefetch** for sessions likely back on their instance within the lead time, held on landing
+  (the order's ttl) for as long as the context would be kept, at least the lead. Value = P(back
+  there in time) x the stall it avoids (the missing bytes' time to last byte over the link, or
+  their recompute time if that is shorter); cost = the bytes not already at the destination or
+  on their way. Best value per byte first. needed_by = now + `needed_within_fraction` of the
+  lead: taking the chance of a return as flat across the lead, by then 10% of the returns it
+  expects have come, so landing later would miss them; start_by = needed_by - the transfer's
+  time at the link's prefetch share - a margin, or now when that has passed.
+- **Dedup.** A block at the destination, or in an open order to it, is never ordered again; a
+  block several candidates share goes in the first (most valuable) order, which then serves
+  every one of them: its value is their sum.
+- **Links.** Each destination's link from each source tier gives prefetch `link_share` of its
+  bandwidth; a link's orders are booked into disjoint intervals at that rate (each as late as
+  its needed_by allows), so their sum never exceeds it. An order that cannot land by its
+  needed_by is not issued.
+- **Room.** A destination takes a prefetch only into its free KV bytes (its last
+  instance_status) less what is already on its way; when that is short, the contexts of sessions
+  predicted less likely back (lower p_keep than the candidate's chance) are demoted to make room,
+  and the demote orders say so. A destination that never reported its room gets no prefetch.
+- **Pins and demotes** follow the planner's keep and demote advice, once per idle spell, and a
+  pin again only when the last one is about to lapse.
+- **Cancellation.** Each tick, an open prefetch not yet started whose sessions are no longer
+  candidates (closed, back already, routed elsewhere, or their chance fell below
+  `cancel_below_p`) is cancelled; one already accepted by an agent runs on, and if it has no
+  session left its bytes count as wasted.
+
+Progress comes back as order_progress events (`on_progress`); an open order whose blocks all
+show at the destination is done too (the agent also reports the blocks as stored). One with no
+word of its end `overdue_seconds` past its needed_by (its agent died while moving it, or nobody
+took it) is given up: counted failed, or cancelled if it never started, so its blocks can be
+ordered again and its bytes stop holding the destination's room.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvprefetch_client.events import BlockHash, Tier
+from kvprefetch_client.orders import Cancel, Order, OrderKind, order_id_for
+from app.decide.advisor import SessionAdvice
+from app.state.base import StateStore
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    bytes_per_block: int
+    lead_seconds: float = 30.0
+    needed_within_fraction: float = 0.1
+    prefetch_min_p: float = 0.5
+    # Hysteresis: an open order survives a small dip in its chance.
+    cancel_below_p: float = 0.25
+    # The share of each link prefetch may use, so demand loads are never starved.
+    link_share: float = 0.5
+    pool_link_bytes_per_second: float = 12.5e9
+    host_link_bytes_per_second: float = 50e9
+    prefill_tokens_per_second: float = 20_000.0
+    block_tokens: int = 512
+    margin_seconds: float = 0.25
+    # Re-pin when the current pin lapses within this long.
+    repin_before_seconds: float = 5.0
+    # An open prefetch not done this long past its needed_by is given up (see the module doc):
+    # long enough for a dead agent's order to be taken over and finished (a stream entry is
+    # claimed after 30 s by default), short enough that its room is not held for good.
+    overdue_seconds: float = 60.0
+
+    def link_bytes_per_second(self, source: Tier) -> float:
+        return self.host_link_bytes_per_second if source == "host" else self.pool_link_bytes_per_second
+
+
+# One idle spell of one session's context on one instance: (instance, session, blocks, last block).
+# A new turn grows the context, so its retention is a new question.
+_Spell = tuple[str, str, int, BlockHash]
+
+
+def _spell(a: SessionAdvice) -> _Spell:
+    return (a.instance_id or "", a.session_id, len(a.block_hashes), a.block_hashes[-1])
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    orders: list[Order]
+    cancels: list[Cancel]
+
+
+@dataclass(slots=True)
+class _Open:
+    order: Order
+    started: bool = False
+    sessions: set[str] = field(default_factory=set)
+    used: bool = False  # a session it served was routed to its destination
+    wasted: bool = False
+    served: set[str] = field(default_factory=set)  # every session it was ordered for
+
+
+@dataclass(slots=True)
+class SchedulerTotals:
+    orders: dict[str, int] = field(default_factory=lambda: {"prefetch": 0, "pin": 0, "demote": 0})
+    bytes_ordered: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    bytes_wasted: int = 0
+    # Landed prefetches: used when a session they served came back to their instance; unused when
+    # every session they served came back elsewhere, closed, or stopped being advised on.
+    bytes_used: int = 0
+    bytes_unused: int = 0
+
+
+@dataclass(slots=True)
+class _Landed:
+    instance_id: str
+    size_bytes: int
+    sessions: set[str]
+
+
+class Scheduler:
+    """Advice in (`advise`, as sessions are scored: one at a finish, or a page per tick), sessions
+    out (`forget`, when one is active again or closed), orders out (`plan`, each tick). The latest
+    advice per session is kept, so a tick costs the candidates and the open orders, not every
+    session tracked; advice not refreshed within `advice_ttl_seconds` is dropped."""
+
+    def __init__(self, store: StateStore, config: SchedulerConfig, *, advice_ttl_seconds: float = 120.0) -> None:
+        self.store = store
+        self.config = config
+        self.advice_ttl_seconds = advice_ttl_seconds
+        self.totals = SchedulerTotals()
+        self._open: dict[str, _Open] = {}
+        # (instance, source tier) -> the intervals its prefetch share is booked for.
+        self._link_booked: dict[tuple[str, Tier], list[tuple[float, float]]] = {}
+        self._booking: dict[str, tuple[tuple[str, Tier], tuple[float, float]]] = {}  # order -> its slot
+        self._latest: dict[str, tuple[SessionAdvice, float]] = {}  # oldest update first
+        self._candidates: dict[str, SessionAdvice] = {}
+        self._fresh: dict[str, SessionAdvice] = {}  # advised since the last plan: retention to decide
+        self._pinned: dict[str, tuple[_Spell, float]] = {}  # session -> its pinned spell, until
+        self._demoted: dict[str, _Spell] = {}
+        self._landed: dict[str, _Landed] = {}  # landed prefetches waiting for a session's return
+        # session -> ids of the open orders that served it (may name orders since closed): an
+        # arrival, on the ingest path, finds its orders without scanning every open one.
+        self._served_by: dict[str, set[str]] = {}
+        self._landed_by_session: dict[str, set[str]] = {}
+        self._generation = 0
+        # What a tick cut short by a store failure decided: handed out by the next plan().
+        self._carried: tuple[list[Cancel], list[Order]] = ([], [])
+
+    # -- input ------------------------------------------------------------------------------
+
+    def advise(self, advice: Sequence[SessionAdvice], now: float) -> None:
+        for a in advice:
+            self._latest.pop(a.session_id, None)
+            self._latest[a.session_id] = (a, now)
+            self._fresh[a.session_id] = a
+            if a.prefetch and a.instance_id is not None and a.p_soon >= self.config.prefetch_min_p:
+                self._candidates[a.session_id] = a
+            else:
+                self._candidates.pop(a.session_id, None)
+
+    def forget(self, session_id: str, *, routed_to: str | None = None) -> None:
+        """The session is active again (routed to `routed_to`) or closed: its advice is void. An
+        order moving its context to where it was routed is used by that request, not wasted."""
+        self._latest.pop(session_id, None)
+        self._candidates.pop(session_id, None)
+        self._fresh.pop(session_id, None)
+        self._pinned.pop(session_id, None)
+        self._demoted.pop(session_id, None)
+        for order_id in self._served_by.pop(session_id, ()):
+            e = self._open.get(order_id)
+            if e is not None and routed_to == e.order.instance_id:
+                e.used = True
+        for order_id in self._landed_by_session.pop(session_id, ()):
+            landed = self._landed.get(order_id)
+            if landed is None:
+                continue
+            landed.sessions.discard(session_id)
+            if routed_to == landed.instance_id:
+                self.totals.bytes_used += landed.size_bytes
+                del self._landed[order_id]
+            elif not landed.sessions:
+                self.totals.bytes_unused += landed.size_bytes
+                del self._landed[order_id]
+
+    def on_progress(self, order_id: str, status: str) -> None:
+        """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""
+        entry = self._open.get(order_id)
+        if entry is None:
+            return
+        if status == "accepted":
+            entry.started = True
+        elif status in ("completed", "failed"):
+            del self._open[order_id]
+            self._booking.pop(order_id, None)
+            if status == "completed":
+                self._has_landed(order_id, entry)
+            else:
+                self.totals.failed += 1
+
+    # -- views ------------------------------------------------------------------------------
+
+    def open_orders(self) -> list[Order]:
+        # Copied at once (one C call): with the Redis store the planning side changes _open on
+        # the store thread while a route on the loop reads (app/state/storethread.py).
+        return [e.order for e in list(self._open.values())]
+
+    def latest_advice(self) -> list[tuple[SessionAdvice, float]]:
+        """Each tracked session's latest advice and when it was made (the dashboard's "back
+        next"), oldest update first."""
+        return list(self._latest.values())
+
+    def inflight_bytes(self, instance_id: str) -> int:
+        return sum(e.order.size_bytes for e in self._open.values()
+                   if e.order.kind == "prefetch" and e.order.instance_id == instance_id)
+
+    @property
+    def tracked_sessions(self) -> int:
+        return len(self._latest)
+
+    @property
+    def candidates(self) -> int:
+        """Sessions whose latest advice asks for a prefetch."""
+        return len(self._candidates)
+
+    # -- planning ---------------------------------------------------------------------------
+
+    def plan(self, now: float) -> Plan:
+        cancels, orders = self._carried
+        self._carried = ([], [])
+        moving: dict[str, Order] = {}  # this tick's prefetches by id, grown as sessions share them
+        try:
+            return self._plan(now, cancels, orders, moving)
+        except Exception:
+            # A store failure cut the tick short. What it decided stands (the scheduler counts
+            # those orders open, those sessions pinned, those orders cancelled), so it goes out
+            # with the next tick that completes; dropped here, it would never go out at all.
+            self._carried = (cancels, orders + list(moving.values()))
+            raise
+
+    def _plan(self, now: float, cancels: list[Cancel], orders: list[Order], moving: dict[str, Order]) -> Plan:
+        """plan(), adding to `cancels`, `orders` (pins, demotes) and `moving` as it goes."""
+        cfg = self.config
+        self._generation += 1
+        self._retire_landed()
+        self._expire(now)
+        cancels += self._give_up_overdue(now)
+        cancels += self._cancel_fallen()
+        self._pins_and_demotes(list(self._fresh.values()), now, orders)
+        self._fresh.clear()
+
+        free = {i.instance_id: i.free_kv_bytes for i in self.store.instances()}
+        for inst, nbytes in self._inflight_by_instance().items():
+            if free.get(inst) is not None:
+                free[inst] = max(free[inst] - nbytes, 0)  # type: ignore[operator]
+        inflight_blocks = self._inflight_blocks()
+        ordered_now: dict[tuple[str, BlockHash], str] = {}
+        claimed: set[_Spell] = set()
+        displaceable: dict[str, list[SessionAdvice]] = {}  # per destination, built when first needed
+        # A destination whose room or link ran out for one candidate has none for the less likely
+        # ones after it (they may displace less): skipping them keeps a tick's cost to the
+        # candidates that can still be served.
+        exhausted: set[str] = {d for d, room in free.items() if room is None}
+        for cand in sorted(self._candidates.values(), key=lambda a: (-a.p_soon, a.session_id)):
+            dest: str = cand.instance_id  # type: ignore[assignment]
+            if dest in exhausted or dest not in free:
+                continue  # out of room, or it never reported its room
+            blocks = list(dict.fromkeys(cand.block_hashes))
+            here = self.store.holds("hbm", dest, blocks)
+            missing = [b for b, h in zip(blocks, here) if not h and b not in inflight_blocks.get(dest, ())]
+            for order_id in dict.fromkeys(ordered_now[(dest, b)] for b in missing if (dest, b) in ordered_now):
+                moving[order_id] = self._serve_too(moving[order_id], cand)
+            missing = [b for b in missing if (dest, b) not in ordered_now]
+            for source, part in self._sources(dest, missing):
+                nbytes = len(part) * cfg.bytes_per_block
+                room: int = free[dest]  # type: ignore[assignment]
+                if room < nbytes:
+                    if dest not in displaceable:
+                        displaceable[dest] = sorted(
+                            (a for a, _ in self._latest.values() if a.instance_id == dest and a.retention != "keep"),
+                            key=lambda a: (a.p_keep, a.session_id))
+                    room += self._make_room(dest, nbytes - room, cand, displaceable[dest], orders, now, claimed)
+                    if room < nbytes:
+                        exhausted.add(dest)
+                        break
+                order = self._book(cand, dest, source, part, nbytes, now)
+                if order is None:
+                    exhausted.add(dest)
+                    break
+                free[dest] = room - nbytes
+                moving[order.order_id] = order
+                for b in part:
+                    ordered_now[(dest, b)] = order.order_id
+        # A prefetch carried over from a tick cut short may be gone since (cancelled, or landed by
+        # other means): it was never handed out, so neither it nor its cancel goes out now.
+        gone = {o.order_id for o in orders if o.kind == "prefetch" and o.order_id not in self._open}
+        if gone:
+            orders[:] = [o for o in orders if o.order_id not in gone]
+            cancels[:] = [c for c in cancels if c.order_id not in gone]
+        orders += moving.values()
+        for o in orders:
+            self.totals.orders[o.kind] += 1
+            if o.kind == "prefetch":
+                self.totals.bytes_ordered += o.size_bytes
+        return Plan(orders=orders, cancels=cancels)
+
+    # -- parts of a tick ---------------------------------------------------------------------
+
+    def _expire(self, now: float) -> None:
+        cutoff = now - self.advice_ttl_seconds
+        stale = []
+        for session_id, (_, ts) in self._latest.items():
+            if ts >= cutoff:
+                break  # oldest first: the rest are fresher
+            stale.append(session_id)
+        for session_id in stale:
+            self.forget(session_id)
+
+    def _retire_landed(self) -> None:
+        for order_id, e in list(self._open.items()):
+            o = e.order
+            if o.kind == "prefetch" and all(self.store.holds(o.tier, o.instance_id, o.block_hashes)):
+                del self._open[order_id]
+                self._booking.pop(order_id, None)
+                self._has_landed(order_id, e)
+
+    def _has_landed(self, order_id: str, e: _Open) -> None:
+        """A prefetch completed: used already if a session it served came back there while it
+        moved; otherwise it waits for one of the sessions still advised on."""
+        self.totals.completed += 1
+        if e.order.kind != "prefetch":
+            return
+        if e.used:
+            self.totals.bytes_used += e.order.size_bytes
+            return
+        waiting = {s for s in e.served if s in self._latest}
+        if not waiting:
+            self.totals.bytes_unused += e.order.size_bytes
+            return
+        self._landed[order_id] = _Landed(e.order.instance_id, e.order.size_bytes, waiting)
+        for s in waiting:
+            self._landed_by_session.setdefault(s, set()).add(order_id)
+
+    def _give_up_overdue(self, now: float) -> list[Cancel]:
+        cutoff = now - self.config.overdue_seconds
+        cancels = []
+        for order_id, e in list(self._open.items()):
+            if e.order.needed_by_ts > cutoff:
+                continue
+            del self._open[order_id]
+            self._release(order_id)
+            if e.started:
+                self.totals.failed += 1
+            else:
+                self.totals.cancelled += 1
+                cancels.append(Cancel(order_id=order_id, reason="not done in time"))
+        return cancels
+
+    def _cancel_fallen(self) -> list[Cancel]:
+        cancels = []
+        for order_id, e in list(self._open.items()):
+            if e.order.kind != "prefetch":
+                continue
+            still = set()
+            for s in e.sessions:
+                latest = self._latest.get(s)
+                if latest is not None and latest[0].instance_id == e.order.instance_id \
+                        and latest[0].p_soon >= self.config.cancel_below_p:
+                    still.add(s)
+            e.sessions = still
+            if still:
+                continue
+            if e.started:
+                if not e.used and not e.wasted:
+                    e.wasted = True
+                    self.totals.bytes_wasted += e.order.size_bytes  # moving already: it lands unused
+                continue
+            del self._open[order_id]
+            self._release(order_id)
+            self.totals.cancelled += 1
+            cancels.append(Cancel(order_id=order_id, reason="no session is likely back there in time"))
+        return cancels
+
+    def _pins_and_demotes(self, advice: Sequence[SessionAdvice], now: float, out: list[Order]) -> None:
+        """Adds to `out` as it goes, so a store failure half way keeps what was decided."""
+        for a in advice:
+            if a.instance_id is None or not a.block_hashes:
+                continue
+            spell = _spell(a)
+            pinned = self._pinned.get(a.session_id)
+            if a.retention == "keep":
+                if pinned is None or pinned[0] != spell or pinned[1] - self.config.repin_before_seconds <= now:
+                    resident = self._resident(a)
+                    if resident:
+                        out.append(self._order("pin", a, resident, now, ttl_seconds=a.keep_seconds))
+                        self._pinned[a.session_id] = (spell, now + a.keep_seconds)
+                        self._demoted.pop(a.session_id, None)
+            elif a.retention == "demote" and self._demoted.get(a.session_id) != spell:
+                resident = self._resident(a)
+                if resident:
+                    out.append(self._order("demote", a, resident, now))
+                    self._demoted[a.session_id] = spell
+                    self._pinned.pop(a.session_id, None)
+
+    def _make_room(self, dest: str, need_bytes: int, cand: SessionAdvice, displaceable: list[SessionAdvice],
+                   orders: list[Order], now: float, claimed: set[_Spell]) -> int:
+        """Demote contexts at `dest` less likely back than `cand`; returns the bytes freed. A
+        context counted as room once this tick (`claimed`) is not counted again."""
+        freed = 0
+        for a in displaceable:
+            if freed >= need_bytes or a.p_keep >= cand.p_soon:
+                break
+            if a.instance_id != dest or a.session_id == cand.session_id:
+                continue
+            resident = self._resident(a)
+            if not resident:
+                continue
+            key = _spell(a)
+            if key in claimed:
+                continue
+            claimed.add(key)
+            if self._demoted.get(a.session_id) != key:  # one demoted already goes first: no new order
+                orders.append(self._order("demote", a, resident, now))
+                self._demoted[a.session_id] = key
+                self._pinned.pop(a.session_id, None)
+            freed += len(resident) * self.config.bytes_per_block
+        return freed
+
+    def _book(self, cand: SessionAdvice, dest: str, source: Tier, blocks: list[BlockHash], nbytes: int,
+              now: float) -> Order | None:
+        cfg = self.config
+        rate = cfg.link_bytes_per_second(source) * cfg.link_share
+        transfer_seconds = nbytes / rate
+        needed_by = now + cfg.lead_seconds * cfg.needed_within_fraction
+        link = (dest, source)
+        start_by = self._book_link(link, transfer_seconds, needed_by - cfg.margin_seconds, now)
+        if start_by is None:
+            return None  # the link's share is booked: it would land too late to matter
+        # Held as long as it would be kept, and at least through the lead it was fetched for.
+        hold_seconds = max(cand.keep_seconds, cfg.lead_seconds)
+        order = self._order("prefetch", cand, blocks, now, source=source, nbytes=nbytes, start_by=start_by,
+                            needed_by=needed_by, ttl_seconds=hold_seconds,
+                            priority=cand.p_soon * self._stall_avoided(source, len(blocks), nbytes))
+        self._open[order.order_id] = _Open(order, sessions={cand.session_id}, served={cand.session_id})
+        self._served_by.setdefault(cand.session_id, set()).add(order.order_id)
+        self._booking[order.order_id] = (link, (start_by, start_by + transfer_seconds))
+        return order
+
+    def _book_link(self, link: tuple[str, Tier], seconds: float, land_by: float, now: float) -> float | None:
+        """The latest start in [now, land_by - seconds] when the link's share is free for `seconds`,
+        booked; None when there is none. Latest, so what is booked later with an earlier deadline
+        still finds room before it."""
+        booked = [(s, e) for s, e in self._link_booked.get(link, ()) if e > now]
+        for start in sorted({land_by - seconds, *(s - seconds for s, _ in booked)}, reverse=True):
+            if start < now - 1e-9:
+                break
+            if start + seconds <= land_by + 1e-9 and all(start >= e - 1e-9 or start + seconds <= s + 1e-9
+                                                         for s, e in booked):
+                booked.append((start, start + seconds))
+                self._link_booked[link] = booked
+                return start
+        return None
+
+    def _release(self, order_id: str) -> None:
+        """A cancelled order gives its link time back."""
+        booking = self._booking.pop(order_id, None)
+        if booking is not None:
+            link, slot = booking
+            slots = self._link_booked.get(link, [])
+            if slot in slots:
+                slots.remove(slot)
+
+    def _serve_too(self, order: Order, cand: SessionAdvice) -> Order:
+        """`cand` needs blocks `order` already moves this tick: the order serves it too, and is
+        worth its chance of the same stall more."""
+        stall = self._stall_avoided(order.source_tier or "pool", len(order.block_hashes), order.size_bytes)
+        grown = order.model_copy(update={"session_ids": [*order.session_ids, cand.session_id],
+                                         "priority": order.priority + cand.p_soon * stall})
+        e = self._open[order.order_id]
+        e.order = grown
+        e.sessions.add(cand.session_id)
+        e.served.add(cand.session_id)
+        self._served_by.setdefault(cand.session_id, set()).add(order.order_id)
+        return grown
+
+    def _stall_avoided(self, source: Tier, blocks: int, nbytes: int) -> float:
+        """What a miss of these blocks would cost: their load at full link speed, or their
+        recompute if that is sooner (what the engine would do)."""
+        cfg = self.config
+        return min(nbytes / cfg.link_bytes_per_second(source), blocks * cfg.block_tokens / cfg.prefill_tokens_per_second)
+
+    def _sources(self, dest: str, blocks: list[BlockHash]) -> Iterable[tuple[Tier, list[BlockHash]]]:
+        on_host = self.store.holds("host", dest, blocks)
+        host = [b for b, h in zip(blocks, on_host) if h]
+        rest = [b for b, h in zip(blocks, on_host) if not h]
+        in_pool = self.store.holds("pool", None, rest) if rest else []
+        pool = [b for b, h in zip(rest, in_pool) if h]
+        # Blocks in neither are recomputed by the engine when asked for: nothing to move.
+        if host:
+            yield "host", host
+        if pool:
+            yield "pool", pool
+
+    def _resident(self, a: SessionAdvice) -> list[BlockHash]:
+        blocks = list(dict.fromkeys(a.block_hashes))
+        return [b for b, h in zip(blocks, self.store.holds("hbm", a.instance_id, blocks)) if h]
+
+    def _order(self, kind: OrderKind, a: SessionAdvice, blocks: list[BlockHash], now: float, *,
+               source: Tier | None = None, nbytes: int | None = None, start_by: float | None = None,
+               needed_by: float | None = None, priority: float = 0.0, ttl_seconds: float | None = None) -> Order:
+        dest: str = a.instance_id  # type: ignore[assignment]
+        return Order(order_id=order_id_for(kind, dest, "hbm", blocks, self._generation), kind=kind,
+                     instance_id=dest, tier="hbm", source_tier=source, block_hashes=blocks,
+                     size_bytes=nbytes if nbytes is not None else len(blocks) * self.config.bytes_per_block,
+                     created_ts=now, start_by_ts=now if start_by is None else start_by,
+                     needed_by_ts=now if needed_by is None else needed_by, ttl_seconds=ttl_seconds,
+                     priority=priority, session_ids=[a.session_id])
+
+    def _inflight_by_instance(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self._open.values():
+            if e.order.kind == "prefetch":
+                out[e.order.instance_id] = out.get(e.order.instance_id, 0) + e.order.size_bytes
+        return out
+
+    def _inflight_blocks(self) -> dict[str, set[BlockHash]]:
+        out: dict[str, set[BlockHash]] = {}
+        for e in self._open.values():
+            if e.order.kind == "prefetch":
+                out.setdefault(e.order.instance_id, set()).update(e.order.block_hashes)
+        return out

@@ -1,0 +1,118 @@
+"""The scoring loop: advises on live idle sessions with the serving model and the shadow, so the
+advice ledger can tell, when each session's next request comes, whether the model had it right.
+
+One tick reads a page of live sessions (at most `sessions_per_tick`, newest activity first, each
+tick continuing where the last one stopped, back to the newest after the oldest), runs the same
+Advisor the policies use for each model, and records the advice. A tick does not yield: its
+store read and its records happen with no ingestion in between, so no advice is recorded on a
+view that an already-ingested arrival made stale. The page bound is what keeps one tick from
+holding the event loop long: a page of 256 takes 10-30 ms with two learned models on the 2-core
+development machine, most of it building the session views.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from app.core.clock import Clock
+from app.core.errors import StoreError
+from app.observe.ledger import AdviceLedger
+from kvprefetch_client.events import Event, RequestFinished
+from app.predict.registry import ModelRegistry
+from app.decide.advisor import MAX_IDLE_SECONDS, Advisor
+from app.decide.routing import SameInstanceEstimate
+from app.decide.scheduler import Scheduler
+from app.state.base import SessionCursor, StateStore, cursor_of
+from app.state.storethread import Offload
+
+log = logging.getLogger(__name__)
+
+MAX_FINISHED_QUEUE = 100_000
+
+
+class Scorer:
+    """`scheduler`, when given, takes the serving model's advice too (the shadow's never);
+    `routes` weighs the advice by where returns land (app/decide/routing.py); `observe_seconds`,
+    when given, is told each model's time to score the page (slot, seconds), after its advice is
+    recorded (the metrics' latency histogram)."""
+
+    def __init__(self, store: StateStore, models: ModelRegistry, ledger: AdviceLedger, clock: Clock, *,
+                 sessions_per_tick: int = 256, scheduler: Scheduler | None = None,
+                 routes: SameInstanceEstimate | None = None,
+                 observe_seconds: Callable[[str, float], None] | None = None) -> None:
+        self.store = store
+        self.models = models
+        self.ledger = ledger
+        self.clock = clock
+        self.sessions_per_tick = sessions_per_tick
+        self.scheduler = scheduler
+        self.routes = routes
+        self.observe_seconds = observe_seconds
+        self._cursor: SessionCursor | None = None
+        # Sessions whose request just finished: advised at the next tick, ahead of the page, so
+        # a fresh context's keep or demote does not wait for the page to come round.
+        self._finished: dict[str, None] = {}
+
+    def observe(self, events: Sequence[Event]) -> None:
+        """The ingest observer: notes finishes (bounded; past the bound the page covers them)."""
+        for e in events:
+            if isinstance(e, RequestFinished) and len(self._finished) < MAX_FINISHED_QUEUE:
+                self._finished[e.session_id] = None
+
+    def tick(self) -> int:
+        """Score one page of live sessions now (by the injected clock); returns how many were read."""
+        now = self.clock.now()
+        # Sessions idle longer than the planner looks at are not read at all.
+        page = self.store.live_sessions(self.sessions_per_tick, before=self._cursor,
+                                        active_since_ts=now - MAX_IDLE_SECONDS)
+        self._cursor = cursor_of(page[-1]) if len(page) == self.sessions_per_tick else None
+        finished = list(self._finished)[: self.sessions_per_tick]
+        for session_id in finished:
+            del self._finished[session_id]
+        in_page = {v.session_id for v in page}
+        fresh = [v for v in (self.store.session(s) for s in finished if s not in in_page) if v is not None]
+        page = fresh + page
+        if not page:
+            return 0
+        live = self.models.serving
+        started = time.perf_counter()
+        advice = Advisor(live.predictor, routes=self.routes).advise(page, now)
+        seconds = time.perf_counter() - started
+        self.ledger.record("live", advice, now)
+        if self.scheduler is not None:
+            self.scheduler.advise(advice, now)
+        if self.observe_seconds is not None:
+            self.observe_seconds("live", seconds)
+        shadow = self.models.shadow
+        if shadow is not None:
+            started = time.perf_counter()
+            try:
+                advice = Advisor(shadow.predictor, routes=self.routes).advise(page, now)
+            except Exception:  # a broken shadow must never cost the serving model its scoring
+                log.exception("the shadow model %s failed to score %d sessions", shadow.version, len(page))
+            else:
+                seconds = time.perf_counter() - started
+                self.ledger.record("shadow", advice, now)
+                if self.observe_seconds is not None:
+                    self.observe_seconds("shadow", seconds)
+        return len(page)
+
+    async def run(self, interval_seconds: float, offload: Offload | None = None) -> None:
+        """Tick every `interval_seconds` until cancelled; `offload`, when given, runs each tick
+        (on the store thread, app/state/storethread.py)."""
+        while True:
+            await asyncio.sleep(interval_seconds)
+            # Nothing a tick raises ends scoring for the life of the process; a store blip is
+            # expected (and says so once a tick), anything else is a bug worth its traceback.
+            try:
+                if offload is None:
+                    self.tick()
+                else:
+                    await offload(self.tick)
+            except StoreError as exc:
+                log.warning("scoring tick skipped: %s", exc)
+            except Exception:
+                log.exception("scoring tick failed")

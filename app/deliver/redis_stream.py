@@ -1,0 +1,380 @@
+"""RedisStreamSink (the producer) and RedisStreamConsumer (the agents' side) of the orders streams.
+
+The format, which agents read directly:
+
+    stream  <prefix>:orders:<instance_id>
+                                     one stream per destination instance (the Order's
+                                     `instance_id`, as is: Redis keys take any bytes, so no
+                                     escaping); one entry per message, a single field `msg`: the
+                                     Order or Cancel JSON (`Order.to_json()`, `Cancel.to_json()`;
+                                     `kvprefetch_client.orders.from_json` reads it); each stream trimmed
+                                     with XADD MAXLEN ~ <KVP_ORDER_STREAM_MAXLEN>
+    group   kvp-agents               on every stream, created at id 0 with MKSTREAM by whichever
+                                     side comes first (the sink, in the same Lua call as its
+                                     first XADD there; or the instance's first agent)
+    <prefix>:order-ids:<order_id>    the order's instance_id, EX <KVP_ORDER_DEDUPE_SECONDS>: the
+                                     order was added, and to which stream
+    <prefix>:cancel-ids:<order_id>   "1", same TTL: the order was cancelled (consumers check it
+                                     before handing an order out, so a cancel read by one agent
+                                     stops the order read by another)
+
+The service's `<prefix>` is KVP_ORDER_STREAM_PREFIX, by default `<KVP_REDIS_PREFIX>:sink`: the
+state store already owns `<KVP_REDIS_PREFIX>:orders` (a set), so the streams cannot share its
+prefix.
+
+One stream per instance, so that an agent (which serves one instance) is only ever handed its own
+instance's orders, and XAUTOCLAIM takeover happens among the agents of one instance.
+
+Once per order id: a Lua script sets the id key with SET NX EX and, only when that set it, adds
+the entry, both atomically, so a resubmission from this or any other replica, or after a restart,
+within the window adds nothing; and no id is ever marked without its entry being added.
+
+A Cancel carries only the order id: the cancel script reads the order's id key, in the same call,
+for the instance, and adds the Cancel to that instance's stream. A cancel for an id this sink
+never added (or whose id key expired) sets the cancel key only, and is added to no stream: an
+agent holding such an order still finds the key before starting it. (The cancel script writes a
+stream key it computes, not one passed in KEYS: fine on a single Redis, not on Redis Cluster.)
+
+At least once past it: a consumer group gives each entry to one consumer, which acks it when the
+order is done (completed or failed; the agent also reports progress as order_progress events). An
+entry a consumer holds unacked for `claim_idle_seconds` (it died, or is stuck) is claimed by the
+next consumer of the same instance to poll (XAUTOCLAIM) and handed out again. MAXLEN ~ trims
+whole stream nodes (stream-node-max-entries, 100 by default), so each stream holds up to about
+that many entries over the bound; entries trimmed before being read are lost, so size the bound
+for one instance's backlog.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aredis
+from pydantic import ValidationError
+
+from kvprefetch_client.orders import Cancel, Order, from_json
+from app.deliver.base import SinkClosed, SinkError, SinkUnavailable
+
+log = logging.getLogger(__name__)
+
+GROUP = "kvp-agents"
+FIELD = "msg"
+# Messages per script call: keeps one call from holding Redis for long.
+_CHUNK = 500
+
+# A stream not there yet is made with its group (a stream that is there has it, or gets it at id 0
+# from its first consumer, which then reads it all). Returns an error reply, which the script
+# returns, when the key is not a stream: called before the id key is set, so that marks nothing.
+# (TYPE, not XGROUP CREATE and a BUSYGROUP error per call: those would count in Redis's error
+# stats.)
+_ENSURE_GROUP = """
+local ready = {}
+local function ensure_group(stream)
+  if ready[stream] then return nil end
+  local kind = redis.call('TYPE', stream)['ok']
+  if kind == 'none' then
+    redis.call('XGROUP', 'CREATE', stream, ARGV[3], '0', 'MKSTREAM')
+  elseif kind ~= 'stream' then
+    return redis.error_reply('WRONGTYPE ' .. stream .. ' holds a ' .. kind .. ', not a stream')
+  end
+  ready[stream] = true
+  return nil
+end
+"""
+
+# KEYS: per message, its stream then its order id key; ARGV[1] maxlen, ARGV[2] ttl seconds,
+# ARGV[3] the group, then per message its instance id then its JSON. Returns the 1-based
+# positions of the messages added.
+_SUBMIT = _ENSURE_GROUP + """
+local added = {}
+for i = 1, #KEYS / 2 do
+  local stream = KEYS[2 * i - 1]
+  local failed = ensure_group(stream)
+  if failed then return failed end
+  if redis.call('SET', KEYS[2 * i], ARGV[2 + 2 * i], 'NX', 'EX', ARGV[2]) then
+    redis.call('XADD', stream, 'MAXLEN', '~', ARGV[1], '*', 'msg', ARGV[3 + 2 * i])
+    added[#added + 1] = i
+  end
+end
+return added
+"""
+
+# KEYS: per message, its cancel key then its order id key; ARGV[1] maxlen, ARGV[2] ttl seconds,
+# ARGV[3] the group, ARGV[4] the streams' key up to the instance id, then per message its JSON.
+# The stream is the one the order id key names (none when it is gone: the cancel key alone).
+# Returns the 1-based positions of the messages whose cancel key it set.
+_CANCEL = _ENSURE_GROUP + """
+local added = {}
+for i = 1, #KEYS / 2 do
+  local instance = redis.call('GET', KEYS[2 * i])
+  local stream = nil
+  if instance then
+    stream = ARGV[4] .. instance
+    local failed = ensure_group(stream)
+    if failed then return failed end
+  end
+  if redis.call('SET', KEYS[2 * i - 1], '1', 'NX', 'EX', ARGV[2]) then
+    if stream then
+      redis.call('XADD', stream, 'MAXLEN', '~', ARGV[1], '*', 'msg', ARGV[4 + i])
+    end
+    added[#added + 1] = i
+  end
+end
+return added
+"""
+
+
+def stream_key(prefix: str, instance_id: str) -> str:
+    """The stream of one destination instance's orders and cancels."""
+    return f"{prefix}:orders:{instance_id}"
+
+
+def order_key(prefix: str, order_id: str) -> str:
+    return f"{prefix}:order-ids:{order_id}"
+
+
+def cancel_key(prefix: str, order_id: str) -> str:
+    return f"{prefix}:cancel-ids:{order_id}"
+
+
+def _busygroup(exc: redis.ResponseError) -> bool:
+    return str(exc).startswith("BUSYGROUP")
+
+
+class RedisStreamSink:
+    """The producer, on redis.asyncio: it runs on the service's event loop."""
+
+    def __init__(self, client: aredis.Redis, prefix: str, *, maxlen: int = 100_000,
+                 dedupe_seconds: int = 3600, owns_client: bool = True) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.maxlen = maxlen
+        self.dedupe_seconds = max(1, int(dedupe_seconds))
+        self._owns_client = owns_client
+        self._submit = client.register_script(_SUBMIT)
+        self._cancel = client.register_script(_CANCEL)
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str, *, timeout_seconds: float = 2.0, **kw: Any) -> RedisStreamSink:
+        client = aredis.Redis.from_url(url, socket_timeout=timeout_seconds,
+                                       socket_connect_timeout=timeout_seconds)
+        return cls(client, prefix, **kw)
+
+    def stream_key(self, instance_id: str) -> str:
+        return stream_key(self.prefix, instance_id)
+
+    async def submit(self, orders: Sequence[Order]) -> list[str]:
+        def call(chunk: list[Order]) -> tuple[list[Any], list[Any]]:
+            keys: list[Any] = []
+            args: list[Any] = [self.maxlen, self.dedupe_seconds, GROUP]
+            for o in chunk:
+                keys += [self.stream_key(o.instance_id), order_key(self.prefix, o.order_id)]
+                args += [o.instance_id, o.to_json()]
+            return keys, args
+
+        return await self._add(orders, self._submit, call)
+
+    async def cancel(self, cancels: Sequence[Cancel]) -> list[str]:
+        def call(chunk: list[Cancel]) -> tuple[list[Any], list[Any]]:
+            keys: list[Any] = []
+            for c in chunk:
+                keys += [cancel_key(self.prefix, c.order_id), order_key(self.prefix, c.order_id)]
+            args = [self.maxlen, self.dedupe_seconds, GROUP, self.stream_key(""),
+                    *(c.to_json() for c in chunk)]
+            return keys, args
+
+        return await self._add(cancels, self._cancel, call)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._owns_client:
+                await self.client.aclose()
+
+    async def _add(self, messages: Sequence[Any], script: Any, call: Any) -> list[str]:
+        if self._closed:
+            raise SinkClosed("the Redis stream order sink is closed")
+        if not messages:
+            return []
+        # Repeats inside one call: the first one wins, as across calls; the order is kept.
+        first: dict[str, Any] = {}
+        for m in messages:
+            first.setdefault(m.order_id, m)
+        unique = list(first.values())
+        added: list[str] = []
+        try:
+            for start in range(0, len(unique), _CHUNK):
+                chunk = unique[start:start + _CHUNK]
+                keys, args = call(chunk)
+                positions = await script(keys=keys, args=args)
+                added.extend(chunk[int(p) - 1].order_id for p in positions)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise SinkUnavailable(f"Redis at {self._where()} did not answer: {exc}") from exc
+        except redis.RedisError as exc:
+            raise SinkError(f"Redis at {self._where()} failed adding to the streams "
+                            f"{self.stream_key('*')}: {exc}") from exc
+        return added
+
+    def _where(self) -> str:
+        kw = self.client.connection_pool.connection_kwargs
+        return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamEntry:
+    entry_id: str
+    message: Order | Cancel
+    # Taken over from a consumer that held it past claim_idle_seconds: it may have started it.
+    claimed: bool = False
+
+
+class RedisStreamConsumer:
+    """One agent's side of its instance's stream, on synchronous redis-py.
+
+    It reads `<prefix>:orders:<instance_id>` only. `poll()` first claims entries other consumers
+    (of the same instance) have held unacked past `claim_idle_seconds`, then reads new ones. It
+    hands out Orders and Cancels; an order already cancelled (its cancel key exists, whoever read
+    the Cancel) is acked and skipped, and so is an entry that is not a valid message (logged),
+    and an Order for another instance (logged, counted in stats["misrouted"]: only a writer that
+    bypassed the sink puts one there, and no consumer of its own instance reads this stream).
+    `ack()` an entry when its order is done, or at once for a Cancel (drop the order if it is
+    queued here and not started; one moving finishes). Delivery is at least once: an entry can
+    come back (claimed after this consumer stalled, or to a restarted consumer under the same
+    name after claim_idle_seconds), so run an order id once.
+    """
+
+    def __init__(self, client: redis.Redis, prefix: str, consumer: str, *, instance_id: str,
+                 claim_idle_seconds: float = 30.0, group: str = GROUP) -> None:
+        if not instance_id:
+            raise ValueError("instance_id must name the instance whose stream to read")
+        self.client = client
+        self.prefix = prefix
+        self.instance_id = instance_id
+        self.key = stream_key(prefix, instance_id)
+        self.consumer = consumer
+        self.group = group
+        self.claim_idle_ms = max(1, int(claim_idle_seconds * 1000))
+        self.stats = {"read": 0, "claimed": 0, "skipped_cancelled": 0, "malformed": 0,
+                      "misrouted": 0, "acked": 0}
+        self._claim_cursor = "0-0"
+        # Entries this consumer handed out and has not acked: a claim of one of them (this
+        # consumer was slow, not dead) must not hand it out a second time.
+        self._held: set[str] = set()
+        self._group_ready = False
+
+    @classmethod
+    def from_url(cls, url: str, prefix: str, consumer: str, *, instance_id: str,
+                 **kw: Any) -> RedisStreamConsumer:
+        return cls(redis.Redis.from_url(url), prefix, consumer, instance_id=instance_id, **kw)
+
+    def poll(self, count: int = 100, block_ms: int | None = None) -> list[StreamEntry]:
+        """Up to `count` entries; waits up to `block_ms` for new ones when none is there
+        (None: does not wait)."""
+        self._ensure_group()
+        entries = self._claim(count)
+        if len(entries) < count:
+            block = block_ms if not entries else None
+            reply = self.client.xreadgroup(self.group, self.consumer, {self.key: ">"},
+                                           count=count - len(entries), block=block)
+            for _stream, items in reply or []:
+                for entry_id, fields in items:
+                    entries.append((_text(entry_id), fields, False))
+                    self.stats["read"] += 1
+        return self._hand_out(entries)
+
+    def ack(self, entry_id: str) -> bool:
+        """Mark an entry done; False when it was already acked (by this or another consumer)."""
+        self._held.discard(entry_id)
+        done = bool(self.client.xack(self.key, self.group, entry_id))
+        self.stats["acked"] += done
+        return done
+
+    def is_cancelled(self, order_id: str) -> bool:
+        """Whether a Cancel for this order was issued (check again right before starting it)."""
+        return bool(self.client.exists(cancel_key(self.prefix, order_id)))
+
+    def pending(self) -> int:
+        """Entries of the group delivered and not acked, all consumers together."""
+        return int(self.client.xpending(self.key, self.group)["pending"])
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _ensure_group(self) -> None:
+        if self._group_ready:
+            return
+        try:
+            self.client.xgroup_create(self.key, self.group, id="0", mkstream=True)
+        except redis.ResponseError as exc:
+            if not _busygroup(exc):
+                raise
+        self._group_ready = True
+
+    def _claim(self, count: int) -> list[tuple[str, Any, bool]]:
+        # Redis 7 answers [next cursor, entries, ids deleted by trimming]; the cursor walks the
+        # pending list across polls, so each poll claims a page and none rescans from the start.
+        reply = self.client.xautoclaim(self.key, self.group, self.consumer, self.claim_idle_ms,
+                                       start_id=self._claim_cursor, count=count)
+        cursor, items = reply[0], reply[1]
+        self._claim_cursor = _text(cursor)
+        claimed = []
+        for entry_id, fields in items:
+            entry_id = _text(entry_id)
+            if entry_id in self._held or fields is None:
+                continue
+            claimed.append((entry_id, fields, True))
+            self.stats["claimed"] += 1
+        return claimed
+
+    def _hand_out(self, raw: list[tuple[str, Any, bool]]) -> list[StreamEntry]:
+        entries: list[StreamEntry] = []
+        drop: list[str] = []
+        for entry_id, fields, claimed in raw:
+            data = _field(fields)
+            try:
+                if data is None:
+                    raise ValueError(f"no {FIELD!r} field")
+                message = from_json(data)
+            except (ValueError, ValidationError) as exc:
+                log.warning("stream %s entry %s is not an order or cancel, acked and skipped: %s",
+                            self.key, entry_id, exc)
+                self.stats["malformed"] += 1
+                drop.append(entry_id)
+                continue
+            if isinstance(message, Order) and message.instance_id != self.instance_id:
+                log.warning("stream %s entry %s is order %s for instance %s, not %s: acked and "
+                            "skipped (the sink writes it to %s)", self.key, entry_id,
+                            message.order_id, message.instance_id, self.instance_id,
+                            stream_key(self.prefix, message.instance_id))
+                self.stats["misrouted"] += 1
+                drop.append(entry_id)
+                continue
+            entries.append(StreamEntry(entry_id, message, claimed))
+        orders = [e for e in entries if isinstance(e.message, Order)]
+        if orders:
+            with self.client.pipeline(transaction=False) as pipe:
+                for e in orders:
+                    pipe.exists(cancel_key(self.prefix, e.message.order_id))
+                cancelled = {e.entry_id for e, hit in zip(orders, pipe.execute()) if hit}
+            if cancelled:
+                self.stats["skipped_cancelled"] += len(cancelled)
+                drop.extend(cancelled)
+                entries = [e for e in entries if e.entry_id not in cancelled]
+        if drop:
+            self.client.xack(self.key, self.group, *drop)
+        self._held.update(e.entry_id for e in entries)
+        return entries
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _field(fields: Any) -> bytes | str | None:
+    if not fields:
+        return None
+    return fields.get(FIELD.encode(), fields.get(FIELD)) if isinstance(fields, dict) else None

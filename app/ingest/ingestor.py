@@ -1,0 +1,249 @@
+"""Ingestion: deduplicate, log durably, apply to state. The one path every accepted event takes.
+
+Order matters for the promise "nothing acknowledged is ever lost, nothing applied twice":
+1. reject events stamped more than the allowed clock skew ahead of the service clock; drop
+   events whose id was already applied (and repeats inside the batch); reject session events
+   the store would ignore, being older than its session retention (docs/decisions.md, 15);
+2. append the rest to the event log and make them durable;
+3. apply them to the store, which dedupes again atomically (another replica may have raced us);
+4. record how far into the log the store has applied (the checkpoint);
+5. only then does the caller acknowledge.
+A crash after 2 replays the log tail from the checkpoint on restart; a crash before 2 leaves the
+client unacknowledged, and its retry carries the same event ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from app.core.clock import Clock
+from app.ingest.eventlog import EventLog, encode_batch, encode_events, iter_log
+from kvprefetch_client.events import Event, VllmKvEvents
+from app.state.base import StateStore
+
+log = logging.getLogger(__name__)
+
+_RECOVERY_CHUNK = 5_000
+_TS = operator.attrgetter("ts")
+# The events a store ignores once they are older than its session retention.
+# What the stores forget past the retention (sessions and order records): an event of these older
+# than the cutoff would be ignored, so it is rejected instead.
+RETAINED_EVENT_TYPES = frozenset({"request_routed", "request_started", "request_finished", "session_closed",
+                                  "order_progress"})
+# Why an event was refused for its time (the label of kvprefetch_events_refused_total).
+CLOCK_SKEW, PAST_RETENTION = "clock_skew", "past_retention"
+
+
+@dataclass(frozen=True, slots=True)
+class TimeRejection:
+    """An event refused for its `ts`; `index` is its place in the sequence given to ingest()."""
+
+    index: int
+    event_id: str
+    reason: str
+    message: str
+
+
+@dataclass(slots=True)
+class IngestResult:
+    accepted: list[str] = field(default_factory=list)
+    duplicates: list[str] = field(default_factory=list)
+    rejected: list[TimeRejection] = field(default_factory=list)
+
+
+# Told of the events a call to ingest() accepted, in the order they were applied.
+Observer = Callable[[Sequence[Event]], None]
+# Told how many events were refused for their time, and why (CLOCK_SKEW, PAST_RETENTION).
+RefusedHook = Callable[[str, int], None]
+
+
+class Ingestor:
+    def __init__(self, store: StateStore, event_log: EventLog, *, replica_id: str, clock: Clock,
+                 max_clock_skew_seconds: float, observer: Observer | None = None,
+                 refused: RefusedHook | None = None) -> None:
+        if not max_clock_skew_seconds > 0:
+            raise ValueError("max_clock_skew_seconds must be positive")
+        self.store = store
+        self.event_log = event_log
+        self.replica_id = replica_id
+        # The store's windows count from the newest event ts applied: an event is taken only
+        # when it is at most this far ahead of the clock, so the windows never run ahead of it.
+        self.clock = clock
+        self.max_clock_skew_seconds = max_clock_skew_seconds
+        self.refused = refused
+        # Sees newly accepted events only: never a duplicate, and not the log replayed at startup,
+        # whose events happened before anything now observing them existed.
+        self.observer = observer
+        self._lock = threading.Lock()
+        # Set when events reached the log but the store failed to apply them: the log tail
+        # is replayed before anything new is taken, so a retry is not logged twice.
+        self._behind_log = False
+
+    def ingest(self, events: Sequence[Event], body: bytes | None = None) -> IngestResult:
+        """`body`, when given, is the posted batch these events were parsed from, whole."""
+        result = IngestResult()
+        latest_ts = self.clock.now() + self.max_clock_skew_seconds
+        with self._lock:
+            if self._behind_log:
+                self._replay_tail()
+            given = events
+            # One pass over the events' ts, reused below: passes over a batch add up on this path.
+            stamps = list(map(_TS, events))
+            if stamps and max(stamps) > latest_ts:
+                events = self._reject_from_the_future(events, latest_ts, result)
+                stamps = list(map(_TS, events))
+            ids = [e.event_id for e in events]
+            if len(set(ids)) == len(ids):
+                unique = list(events)
+            else:
+                unique, in_batch = [], set()
+                for e in events:
+                    if e.event_id in in_batch:
+                        result.duplicates.append(e.event_id)
+                    else:
+                        in_batch.add(e.event_id)
+                        unique.append(e)
+                ids = [e.event_id for e in unique]
+            seen, newest = self.store.seen_and_newest(ids)
+            if any(seen):
+                fresh = [e for e, was_seen in zip(unique, seen) if not was_seen]
+                result.duplicates.extend(e.event_id for e, was_seen in zip(unique, seen) if was_seen)
+            else:
+                fresh = unique
+            retention = self.store.session_retention_seconds
+            if fresh and retention < math.inf:
+                if len(fresh) != len(events):
+                    stamps = list(map(_TS, fresh))
+                # No event is older than the cutoff the newest of them all would make: none is
+                # refused (the common case, checked without a walk in order).
+                if min(stamps) < max(newest, max(stamps)) - retention:
+                    fresh = self._reject_past_retention(fresh, newest, retention, given, result)
+            if fresh:
+                # A batch is logged as posted only when that is exactly what was validated:
+                # every event of it taken, none in vLLM's encoding (arrays, fields we drop).
+                whole = (body is not None and len(fresh) == len(given)
+                         and VllmKvEvents not in map(type, fresh))
+                position = self.event_log.append(encode_batch(body) if whole else encode_events(fresh))  # type: ignore[arg-type]
+                try:
+                    applied = self.store.apply(fresh)
+                    self.store.set_checkpoint(self.replica_id, position)
+                except Exception:
+                    self._behind_log = True
+                    raise
+                for e, ok in zip(fresh, applied):
+                    if ok:
+                        result.accepted.append(e.event_id)
+                    else:
+                        result.duplicates.append(e.event_id)
+                if self.observer is not None:
+                    accepted = fresh if all(applied) else [e for e, ok in zip(fresh, applied) if ok]
+                    if accepted:
+                        self._notify(accepted)
+            if result.rejected and self.refused is not None:
+                self._count_refused(result.rejected)
+        return result
+
+    def _reject_from_the_future(self, events: Sequence[Event], latest_ts: float,
+                                result: IngestResult) -> list[Event]:
+        kept = []
+        for i, e in enumerate(events):
+            if e.ts > latest_ts:
+                ahead = e.ts - (latest_ts - self.max_clock_skew_seconds)
+                result.rejected.append(TimeRejection(
+                    i, e.event_id, CLOCK_SKEW,
+                    f"ts {e.ts!r} is {ahead:.0f} s ahead of the service clock; at most "
+                    f"{self.max_clock_skew_seconds:g} s is accepted (KVP_MAX_CLOCK_SKEW_SECONDS)"))
+            else:
+                kept.append(e)
+        return kept
+
+    def _reject_past_retention(self, fresh: list[Event], newest: float, retention: float,
+                               given: Sequence[Event], result: IngestResult) -> list[Event]:
+        """The store's cutoff moves as it applies the batch in order: walk it the same way."""
+        kept, refused = [], []
+        for e in fresh:
+            if e.type in RETAINED_EVENT_TYPES and e.ts < newest - retention:
+                refused.append((e, newest))
+                continue
+            kept.append(e)
+            newest = max(newest, e.ts)
+        # Where each refused event is in the batch (rare: a scan is fine); an id's copies that
+        # were rejected already or came later are not it.
+        taken = {r.index for r in result.rejected}
+        index: dict[str, int] = {}
+        for i, e in enumerate(given):
+            if i not in taken and e.event_id not in index:
+                index[e.event_id] = i
+        for e, newest_then in refused:
+            result.rejected.append(TimeRejection(
+                index[e.event_id], e.event_id, PAST_RETENTION,
+                f"ts {e.ts!r} is older than the session retention: the store has taken events up "
+                f"to ts {newest_then!r} and forgets sessions and order records idle for "
+                f"{retention:g} s (KVP_SESSION_RETENTION_SECONDS), so this event would be ignored"))
+        result.rejected.sort(key=lambda r: r.index)
+        return kept
+
+    def _count_refused(self, rejected: Sequence[TimeRejection]) -> None:
+        for reason in (CLOCK_SKEW, PAST_RETENTION):
+            n = sum(1 for r in rejected if r.reason == reason)
+            if n:
+                self.refused(reason, n)  # type: ignore[misc]
+
+    def _notify(self, accepted: Sequence[Event]) -> None:
+        # The events are durable and applied by now: an observer's failure must not turn their
+        # acknowledgement into an error (the client's retry would only find duplicates).
+        try:
+            self.observer(accepted)  # type: ignore[misc]
+        except Exception:
+            log.exception("the ingest observer failed on %d events", len(accepted))
+
+    def recover(self) -> int:
+        """Apply the log past the store's checkpoint; returns how many events were replayed."""
+        with self._lock:
+            replayed = self._replay_tail()
+        if replayed:
+            log.info("replayed %d events from the event log in %s", replayed, self.event_log.directory)
+        return replayed
+
+    def _replay_tail(self) -> int:
+        self._behind_log = True
+        start = self.store.checkpoint(self.replica_id)
+        latest_ts = self.clock.now() + self.max_clock_skew_seconds
+        replayed = skipped = 0
+        chunk: list[Event] = []
+        position = start
+        for position, event in iter_log(Path(self.event_log.directory), start):
+            if event.ts > latest_ts:
+                # Logged before the skew was checked (docs/decisions.md, 15): applying it would
+                # move the windows past the clock. It stays in the log, for training and audit.
+                skipped += 1
+                continue
+            chunk.append(event)
+            if len(chunk) >= _RECOVERY_CHUNK:
+                replayed += sum(self.store.apply(chunk))
+                chunk.clear()
+                self.store.set_checkpoint(self.replica_id, position)
+        if chunk:
+            replayed += sum(self.store.apply(chunk))
+        if position is not None:
+            self.store.set_checkpoint(self.replica_id, position)
+        self._behind_log = False
+        if skipped:
+            log.warning("skipped %d events of the event log in %s stamped more than %g s ahead of "
+                        "the clock (KVP_MAX_CLOCK_SKEW_SECONDS)", skipped, self.event_log.directory,
+                        self.max_clock_skew_seconds)
+            if self.refused is not None:
+                self.refused(CLOCK_SKEW, skipped)
+        return replayed
+
+    def newest_ahead_of_clock(self) -> float | None:
+        """The newest event ts the store holds when it is past the allowed skew (a shared store
+        that took events from the future before they were checked), else None."""
+        _, newest = self.store.seen_and_newest([])
+        return newest if newest > self.clock.now() + self.max_clock_skew_seconds else None

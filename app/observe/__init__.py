@@ -1,0 +1,1 @@
+"""Observation: the advice ledger, request outcomes, metrics and the dashboard timeline."""

@@ -1,0 +1,416 @@
+"""The service's Prometheus metrics: built once per app (app.state.metrics), served at GET /metrics.
+
+Every metric is named `kvprefetch_*`, in base units (seconds, bytes; dollars for the cost), with
+`_total` only on counters; ratios (hit rates) are left to PromQL over the counters, and no label
+takes an unbounded value (no session, request or order ids; a rejected event's field is one of the
+event schemas' field names or `other`). README.md ("Metrics") lists every metric.
+
+Where the numbers come from:
+
+- **At the source**, through seams that exist anyway: the ingest observer (events by type, what
+  each arriving request found: app/observe/outcomes.py), POST /v1/events (duplicates,
+  rejections), timing hooks on the scoring and planning loops (latency histograms).
+- **From the totals their owners keep**: the scheduler's `SchedulerTotals` and the advice
+  ledger's counts per model are the one bookkeeping of orders and would-be hits; `sync()` adds
+  what they grew by since it last looked to the counters here. It runs after each ingest batch,
+  each scoring and planning tick, and each scrape, so in multiprocess mode every worker's files
+  are at most a tick behind its totals. A ledger slot counts afresh when a model is swapped in:
+  `sync()` sees the new model and counts from zero again, so the exported counter never goes back.
+  A custom collector reading the totals at scrape time would be simpler, but with several
+  workers only the worker answering the scrape would be read.
+
+Registries. One `CollectorRegistry` per app, not prometheus-client's global REGISTRY, so tests
+building many apps in one process never collide. The exception is multiprocess mode
+(PROMETHEUS_MULTIPROC_DIR set, as `kvprefetch serve --workers N` does): prometheus-client then
+keeps every value in per-process files in that directory, keyed by metric name and labels, and a
+scrape reads all workers' files with MultiProcessCollector; so one app per process, and the
+directory must be emptied before the workers start (app/core/multiprocess.py, run by `serve`).
+Gauges need a `multiprocess_mode` there: the model info gauge uses `livemax` (a version is
+reported while any live worker serves it; a worker's values go when it shuts down).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import threading
+import typing
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import prometheus_client
+from prometheus_client import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
+from app.observe.ledger import SLOTS, LedgerStats
+from kvprefetch_client.events import EVENT_TYPES, Event, VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored
+from app.ingest.ingestor import CLOCK_SKEW, PAST_RETENTION
+from app.observe.outcomes import OUTCOMES, RequestOutcome
+
+__all__ = ["CONTENT_TYPE", "Metrics", "multiprocess_dir", "prepare_multiprocess_dir", "rejection_field"]
+
+if TYPE_CHECKING:
+    from app.observe.ledger import AdviceLedger
+    from app.predict.registry import ModelRegistry, Serving
+    from app.decide.scheduler import Scheduler
+    from app.state.storethread import StoreSnapshot
+
+# Text format 0.0.4: every name here is a classic one, so every Prometheus (2.x, 3.x) and
+# promtool read it; prometheus-client's default (1.0.0) is for UTF-8 names.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+# A planning tick takes ~1-50 ms and a scoring page of 256 sessions 10-30 ms per model (README,
+# KVP_SCORE_SESSIONS_PER_TICK): buckets from 0.5 ms to 1 s, finer where the ticks fall, and
+# room above for a tick that holds the event loop too long.
+PLAN_BUCKETS_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+INFERENCE_BUCKETS_SECONDS = PLAN_BUCKETS_SECONDS
+
+ORDER_KINDS = ("prefetch", "pin", "demote")
+# What POST /v1/events answers a body it refuses whole (app/api/routes/events.py).
+REFUSED_CODES = (400, 413, 415, 422)
+ADVICE_OUTCOMES = ("hit", "miss", "unscored")
+# The store's counts (StateStore.stats()) exported as kvprefetch_store_objects{kind}.
+STORE_KINDS = ("sessions", "instances", "locations", "resident_blocks", "orders",
+               "remembered_event_ids")
+# A rejected event whose error is about the event as a whole (not an object, no or an unknown
+# type, fields that do not fit together), or about a field no event schema has (a typo: its
+# name is the client's, so it is not a label value).
+WHOLE_EVENT, OTHER_FIELD = "event", "other"
+_INDEX = re.compile(r"\[\d+\]")
+_EVENT_PREFIX = re.compile(r"^events\[\d+\]\.?")
+
+
+def _schema_fields() -> frozenset[str]:
+    """Every field name an event may be rejected for, as `rejection_field` spells it."""
+    names: set[str] = set()
+    for model in typing.get_args(typing.get_args(Event)[0]):  # Event: Annotated[Union[...], ...]
+        names.update(model.model_fields)
+    # vllm_kv_events' inner events: events[i].events[j].block_hashes -> events.block_hashes
+    for model in (VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared):
+        names.update(f"events.{n}" for n in model.model_fields)
+    return frozenset(names)
+
+
+SCHEMA_FIELDS = _schema_fields()
+
+
+def rejection_field(path: str) -> str:
+    """A rejection's field path as a bounded label value: 'events[3].prompt_tokens' ->
+    'prompt_tokens', 'events[4].events[0].block_hashes[2]' -> 'events.block_hashes',
+    'events[2]' -> 'event', an unknown field -> 'other'."""
+    name = _INDEX.sub("", _EVENT_PREFIX.sub("", path, count=1))
+    if not name:
+        return WHOLE_EVENT
+    return name if name in SCHEMA_FIELDS else OTHER_FIELD
+
+
+class Metrics:
+    """Every metric of one app, on its own registry; the ingest observer, the events route and the
+    loops' timing hooks feed it, and `exposition()` is what GET /metrics answers."""
+
+    def __init__(self, *, gpu_hour_price_dollars: float, multiprocess: Path | None = None) -> None:
+        # The `_created` series double the exposition and multiprocess mode has none: off, so both
+        # modes expose the same families. (A process-wide switch in prometheus-client.)
+        prometheus_client.disable_created_metrics()
+        self.gpu_hour_price_dollars = gpu_hour_price_dollars
+        self.multiprocess = multiprocess
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        if multiprocess is None:
+            # The process's CPU, memory and GC, as the default registry would have them; they
+            # mean nothing summed over workers, so multiprocess mode has none.
+            prometheus_client.ProcessCollector(registry=r)
+            prometheus_client.PlatformCollector(registry=r)
+            prometheus_client.GCCollector(registry=r)
+
+        self.events_ingested = Counter(
+            "kvprefetch_events_ingested", "Events accepted (durable and applied), by event type.",
+            ["type"], registry=r)
+        self.events_duplicate = Counter(
+            "kvprefetch_events_duplicate", "Events acknowledged as duplicates of an event id already accepted.",
+            registry=r)
+        self.events_rejected = Counter(
+            "kvprefetch_events_rejected",
+            "Events rejected by validation, by the first field named (schema field names; 'event': the event "
+            "as a whole; 'other': a field no event has).", ["field"], registry=r)
+        self.events_refused_by_time = Counter(
+            "kvprefetch_events_refused",
+            "Events not taken for their ts, by reason: 'clock_skew', more than KVP_MAX_CLOCK_SKEW_SECONDS "
+            "ahead of the service clock (rejected when posted, skipped when replayed from the log); "
+            "'past_retention', a session or order event older than the session retention (rejected).",
+            ["reason"], registry=r)
+        self.batches_refused = Counter(
+            "kvprefetch_event_batches_refused",
+            "POST /v1/events bodies refused whole (nothing accepted), by HTTP status code.", ["code"], registry=r)
+        self.predictions = Counter(
+            "kvprefetch_predictions", "Sessions scored (advice records made) by the model in each slot.",
+            ["slot"], registry=r)
+        self.advice_outcomes = Counter(
+            "kvprefetch_advice_outcomes",
+            "Arriving requests judged against each model's advice in force: hit (keep or prefetch), miss "
+            "(demote or lru), unscored (no advice).", ["slot", "outcome"], registry=r)
+        self.model_info = Gauge(
+            "kvprefetch_model_info", "The model serving in each slot (1); version 'heuristic' when no model loads.",
+            ["slot", "version"], registry=r, multiprocess_mode="livemax")
+        self.orders_issued = Counter(
+            "kvprefetch_orders_issued", "Orders the scheduler issued, by kind.", ["kind"], registry=r)
+        self.orders_completed = Counter(
+            "kvprefetch_orders_completed", "Orders completed (reported, or their blocks seen at the destination).",
+            ["kind"], registry=r)
+        self.orders_failed = Counter(
+            "kvprefetch_orders_failed", "Orders failed (reported by the agent, or not taken by the sink).",
+            ["kind"], registry=r)
+        self.orders_cancelled = Counter(
+            "kvprefetch_orders_cancelled", "Orders cancelled before they started.", ["kind"], registry=r)
+        self.prefetch_ordered_bytes = Counter(
+            "kvprefetch_prefetch_ordered_bytes", "Bytes in the prefetch orders issued.", registry=r)
+        self.prefetch_wasted_bytes = Counter(
+            "kvprefetch_prefetch_wasted_bytes",
+            "Bytes of prefetches already moving when no session was likely back there: landed unused.", registry=r)
+        self.prefetch_used_bytes = Counter(
+            "kvprefetch_prefetch_used_bytes",
+            "Bytes of landed prefetches a session they served came back to use on their instance.", registry=r)
+        self.prefetch_unused_bytes = Counter(
+            "kvprefetch_prefetch_unused_bytes",
+            "Bytes of landed prefetches no session they served came back to use there.", registry=r)
+        self.reuse_requests = Counter(
+            "kvprefetch_reuse_requests",
+            "Arriving requests with a reused context, by what they found in their instance's HBM: hit (all of "
+            "it), partial, miss (none).", ["outcome"], registry=r)
+        self.reused_bytes = Counter(
+            "kvprefetch_reused_bytes", "Bytes of arriving requests' reused contexts, resident in the instance's HBM "
+            "or not.", ["resident"], registry=r)
+        self.stall_seconds = Counter(
+            "kvprefetch_stall_seconds",
+            "Estimated GPU stall incurred by arriving requests: their non-resident reused blocks loaded or "
+            "recomputed, whichever is sooner.", registry=r)
+        self.stall_avoided_seconds = Counter(
+            "kvprefetch_stall_avoided_seconds",
+            "Estimated GPU stall avoided (GPU-seconds saved): the resident reused blocks' load from the pool, "
+            "or their recompute if sooner.", registry=r)
+        self.gpu_saved_dollars = Counter(
+            "kvprefetch_gpu_saved_dollars", "The GPU-seconds saved at KVP_GPU_HOUR_PRICE dollars per GPU-hour.",
+            registry=r)
+        self.plan_duration = Histogram(
+            "kvprefetch_plan_duration_seconds", "Time of one planning tick (the scheduler's plan).",
+            registry=r, buckets=PLAN_BUCKETS_SECONDS)
+        # From the store's last background probe (app/state/storethread.py): /metrics never
+        # waits on the store. In multiprocess mode the worst worker's view wins.
+        self.store_up = Gauge(
+            "kvprefetch_store_up", "1 when the state store answered its last probe, else 0.",
+            registry=r, multiprocess_mode="livemin")
+        self.store_stats_age = Gauge(
+            "kvprefetch_store_stats_age_seconds",
+            "Seconds since kvprefetch_store_objects was read from the store (probed every "
+            "KVP_STORE_PROBE_INTERVAL_SECONDS; grows while the store does not answer).", registry=r,
+            multiprocess_mode="livemax")
+        self.store_objects = Gauge(
+            "kvprefetch_store_objects",
+            "The state store's counts at its last answered probe, by kind.", ["kind"], registry=r,
+            multiprocess_mode="livemax")
+        self.inference_duration = Histogram(
+            "kvprefetch_inference_duration_seconds",
+            "Time to score one page of sessions with a model (features, model, planner rules).",
+            ["slot"], registry=r, buckets=INFERENCE_BUCKETS_SECONDS)
+
+        # Children made once: a labelled counter's lookup costs more than its increment, and the
+        # bounded label sets show as 0 from the first scrape rather than appearing later.
+        self._ingested = {t: self.events_ingested.labels(t) for t in EVENT_TYPES}
+        self._reuse = {o: self.reuse_requests.labels(o) for o in OUTCOMES}
+        self._resident_bytes = self.reused_bytes.labels("true")
+        self._missing_bytes = self.reused_bytes.labels("false")
+        for code in REFUSED_CODES:
+            self.batches_refused.labels(str(code))
+        for reason in (CLOCK_SKEW, PAST_RETENTION):
+            self.events_refused_by_time.labels(reason)
+        for kind in ORDER_KINDS:
+            self.orders_issued.labels(kind)
+        for family in (self.orders_completed, self.orders_failed, self.orders_cancelled):
+            family.labels("prefetch")  # the scheduler follows prefetches to their end; pins and demotes not
+        self._slot_started("live")
+
+        self._scheduler: Scheduler | None = None
+        self._ledger: AdviceLedger | None = None
+        self._models: ModelRegistry | None = None
+        # sync() runs on the store thread (ingest, ticks) and on the loop (a scrape).
+        self._sync_lock = threading.RLock()
+        self._seen: dict[object, int] = {}  # a source total -> its value at the last sync
+        self._ledger_seen: dict[str, tuple[Serving, LedgerStats]] = {}
+        self._versions: dict[str, str | None] = {}
+
+    def bind(self, *, scheduler: Scheduler, ledger: AdviceLedger, models: ModelRegistry) -> None:
+        """The owners of the totals `sync()` reads."""
+        self._scheduler, self._ledger, self._models = scheduler, ledger, models
+        self.sync()
+
+    # -- at the source ----------------------------------------------------------------------
+
+    def observe(self, events: Sequence[Event]) -> None:
+        """The ingest observer, after the ledger's and the scheduler's (it syncs what they counted)."""
+        for event_type, n in collections.Counter(e.type for e in events).items():
+            self._ingested[event_type].inc(n)
+        self.sync()
+
+    def record_outcomes(self, outcomes: Iterable[RequestOutcome]) -> None:
+        """What arriving requests found (app/observe/outcomes.py), summed per batch: one increment
+        per counter, not per request, on the ingest path."""
+        counts = dict.fromkeys(OUTCOMES, 0)
+        resident = missing = 0
+        stall = avoided = 0.0
+        for o in outcomes:
+            counts[o.outcome] += 1
+            resident += o.resident_bytes
+            missing += o.missing_bytes
+            stall += o.stall_seconds
+            avoided += o.stall_avoided_seconds
+        for outcome, n in counts.items():
+            if n:
+                self._reuse[outcome].inc(n)
+        if resident:
+            self._resident_bytes.inc(resident)
+        if missing:
+            self._missing_bytes.inc(missing)
+        if stall:
+            self.stall_seconds.inc(stall)
+        if avoided:
+            self.stall_avoided_seconds.inc(avoided)
+            self.gpu_saved_dollars.inc(avoided / 3600.0 * self.gpu_hour_price_dollars)
+
+    def batch_answered(self, *, duplicates: int, rejected_fields: Sequence[tuple[int, str]]) -> None:
+        """A POST /v1/events answered with its lists: `rejected_fields` are (index, field path) of
+        each rejection, several per event possible; an event counts once, under its first field."""
+        if duplicates:
+            self.events_duplicate.inc(duplicates)
+        first: dict[int, str] = {}
+        for index, path in rejected_fields:
+            first.setdefault(index, path)
+        for field, n in collections.Counter(rejection_field(p) for p in first.values()).items():
+            self.events_rejected.labels(field).inc(n)
+
+    def events_refused(self, reason: str, n: int) -> None:
+        """The ingestor's hook (app/ingest/ingestor.py): `n` events refused for their ts."""
+        self.events_refused_by_time.labels(reason).inc(n)
+
+    def batch_refused(self, status_code: int) -> None:
+        self.batches_refused.labels(str(status_code)).inc()
+
+    def planned(self, seconds: float) -> None:
+        """The planning loop's timing hook (app/decide/plan_loop.py), right after a plan."""
+        self.plan_duration.observe(seconds)
+        with self._sync_lock:
+            self._sync_scheduler()
+
+    def scored(self, slot: str, seconds: float) -> None:
+        """The scoring loop's timing hook (app/decide/score_loop.py), after a model's page is recorded."""
+        self.inference_duration.labels(slot).observe(seconds)
+        with self._sync_lock:
+            self._sync_models()
+
+    def store_probed(self, snapshot: StoreSnapshot, now: float) -> None:
+        """The store's last probe (`now` on the same time.monotonic() scale)."""
+        self.store_up.set(1 if snapshot.ok else 0)
+        age = snapshot.stats_age_seconds(now)
+        self.store_stats_age.set(age if age is not None else float("nan"))
+        for kind in STORE_KINDS:
+            if kind in snapshot.stats:
+                self.store_objects.labels(kind).set(snapshot.stats[kind])
+
+    # -- from the owners' totals --------------------------------------------------------------
+
+    def sync(self) -> None:
+        with self._sync_lock:
+            self._sync_scheduler()
+            self._sync_models()
+
+    def _advance(self, key: object, counter: Counter, current: int) -> None:
+        last = self._seen.get(key, 0)
+        delta = current - last if current >= last else current  # gone down: its owner started afresh
+        if delta:
+            counter.inc(delta)
+        self._seen[key] = current
+
+    def _sync_scheduler(self) -> None:
+        if self._scheduler is None:
+            return
+        t = self._scheduler.totals
+        for kind, n in list(t.orders.items()):
+            self._advance(("issued", kind), self.orders_issued.labels(kind), n)
+        self._advance("completed", self.orders_completed.labels("prefetch"), t.completed)
+        self._advance("failed", self.orders_failed.labels("prefetch"), t.failed)
+        self._advance("cancelled", self.orders_cancelled.labels("prefetch"), t.cancelled)
+        self._advance("ordered_bytes", self.prefetch_ordered_bytes, t.bytes_ordered)
+        self._advance("wasted_bytes", self.prefetch_wasted_bytes, t.bytes_wasted)
+        self._advance("used_bytes", self.prefetch_used_bytes, t.bytes_used)
+        self._advance("unused_bytes", self.prefetch_unused_bytes, t.bytes_unused)
+
+    def _sync_models(self) -> None:
+        if self._models is None or self._ledger is None:
+            return
+        for slot in SLOTS:
+            serving = self._models.serving if slot == "live" else self._models.shadow
+            self._set_version(slot, None if serving is None else serving.version or "heuristic")
+            if serving is None:
+                self._ledger_seen.pop(slot, None)
+                continue
+            seen = self._ledger_seen.get(slot)
+            if seen is None or seen[0] is not serving:
+                # A model just swapped into the slot: the ledger counts it from zero.
+                seen = (serving, LedgerStats(0, 0, 0, 0, 0))
+                self._slot_started(slot)
+            last, now = seen[1], self._ledger.stats(slot)
+            for counter, was, is_ in (
+                    (self.predictions.labels(slot), last.predictions, now.predictions),
+                    (self.advice_outcomes.labels(slot, "hit"), last.hits, now.hits),
+                    (self.advice_outcomes.labels(slot, "miss"), last.misses, now.misses),
+                    (self.advice_outcomes.labels(slot, "unscored"), last.unscored, now.unscored)):
+                delta = is_ - was if is_ >= was else is_
+                if delta:
+                    counter.inc(delta)
+            self._ledger_seen[slot] = (serving, now)
+
+    def _slot_started(self, slot: str) -> None:
+        self.predictions.labels(slot)
+        for outcome in ADVICE_OUTCOMES:
+            self.advice_outcomes.labels(slot, outcome)
+
+    def _set_version(self, slot: str, version: str | None) -> None:
+        old = self._versions.get(slot)
+        if old == version:
+            return
+        if old is not None:
+            self.model_info.labels(slot, old).set(0)
+            if self.multiprocess is None:
+                # Gone from the exposition; in multiprocess mode a removed series stays in this
+                # worker's file, so it stays at 0 there instead.
+                self.model_info.remove(slot, old)
+        if version is not None:
+            self.model_info.labels(slot, version).set(1)
+        self._versions[slot] = version
+
+    # -- exposition ---------------------------------------------------------------------------
+
+    def exposition(self) -> bytes:
+        """The text exposition: this app's registry, or every worker's files in multiprocess mode."""
+        self.sync()
+        if self.multiprocess is None:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry, path=str(self.multiprocess))
+        return generate_latest(registry)
+
+    def close(self) -> None:
+        """At shutdown: a worker's `live*` gauges leave the exposition with it."""
+        if self.multiprocess is not None:
+            from prometheus_client import multiprocess
+
+            multiprocess.mark_process_dead(os.getpid(), str(self.multiprocess))

@@ -1,0 +1,1 @@
+"""Prediction: features (online and offline), the predictors and the model registry."""

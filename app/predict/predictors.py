@@ -1,0 +1,209 @@
+"""Predictors of each live session's next request: how likely within a horizon, and when.
+
+`predict_one` / `predict_many` in the style of river, plus `p_within`, the matrix the planner
+uses: for each session and each horizon h, P(the next request arrives within h seconds).
+The heuristic needs no model: it reads the session's own history. The learned predictor is a
+LightGBM model over app.predict.features, trained from event logs (training/), evaluated by the
+Booster or, when lleaves is installed, by the same model compiled to machine code
+(app/predict/compiled.py). A caller that keeps a FeatureTable current scores straight from it
+(`p_within_table`), skipping the conversion of views to features.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Protocol
+
+import numpy as np
+
+from app.core.errors import KvpError
+from app.predict import compiled
+from app.predict.feature_table import FeatureTable
+from app.predict.features import FEATURES, HORIZON_FEATURE, feature_matrix
+from app.state.base import SessionView
+
+log = logging.getLogger(__name__)
+
+# REFERENCE.md ("What real traffic looks like"): the gap to a conversation's next turn has a
+# median of ~78-126 s; this is the prior for a session with no gap of its own yet.
+PRIOR_GAP_SECONDS = 100.0
+# The bundled model (`make model` rebuilds it); the service and `replay --policy learned` default to it.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "models" / "default"
+# The horizons a prediction is read at; beyond the last, a session counts as not returning.
+HORIZON_GRID: tuple[float, ...] = (5.0, 15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 900.0)
+# What evaluates the trees: "auto" is the compiled model when lleaves is installed and compiles
+# this model, else the Booster.
+Backend = Literal["auto", "compiled", "booster"]
+
+
+# What a session that does not come back within the grid costs in expected wait: about an hour,
+# so the chance of a return at all dominates the retention rank.
+NO_SHOW_WAIT_SECONDS = 3600.0
+
+
+class ModelError(KvpError):
+    """A model that cannot serve: missing files, or features that differ from the service's."""
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalPrediction:
+    session_id: str
+    # P(next request within h) for h in HORIZON_GRID, non-decreasing.
+    p_within: tuple[float, ...]
+    # When the next request is expected, if it comes (the conditional median, same clock as ts).
+    expected_arrival_ts: float
+    # Expected seconds until the next request, a no-show counting as NO_SHOW_WAIT_SECONDS past the
+    # grid: the retention rank (smaller: keep longer), Belady's next use in expectation.
+    expected_wait_seconds: float
+
+    @property
+    def p_return(self) -> float:
+        return self.p_within[-1]
+
+
+class Predictor(Protocol):
+    name: str
+
+    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+        """Shape (len(sessions), len(horizons))."""
+        ...
+
+
+def predictions_from_matrix(sessions: Sequence[SessionView], now: float, p: np.ndarray,
+                            horizons: Sequence[float] = HORIZON_GRID) -> list[ArrivalPrediction]:
+    p = np.maximum.accumulate(np.clip(p, 0.0, 1.0), axis=1)  # a longer wait can only add returns
+    widths = np.diff(np.asarray([0.0, *horizons]))
+    waits = ((1.0 - p) * widths).sum(axis=1) + (1.0 - p[:, -1]) * NO_SHOW_WAIT_SECONDS
+    out = []
+    for view, row, wait in zip(sessions, p, waits):
+        half = row[-1] / 2.0
+        k = int(np.searchsorted(row, half)) if row[-1] > 0 else len(horizons) - 1
+        out.append(ArrivalPrediction(view.session_id, tuple(float(x) for x in row),
+                                     now + horizons[min(k, len(horizons) - 1)], float(wait)))
+    return out
+
+
+class _PredictMixin:
+    def predict_many(self, sessions: Sequence[SessionView], now: float) -> list[ArrivalPrediction]:
+        if not sessions:
+            return []
+        return predictions_from_matrix(sessions, now, self.p_within(sessions, now, HORIZON_GRID))  # type: ignore[attr-defined]
+
+    def predict_one(self, session: SessionView, now: float) -> ArrivalPrediction:
+        return self.predict_many([session], now)[0]
+
+
+class HeuristicPredictor(_PredictMixin):
+    """The session's median recent gap between turns, else a prior; a fixed chance of return,
+    until the session is `give_up_gaps` gaps late, when it counts as gone."""
+
+    name = "heuristic"
+
+    def __init__(self, prior_gap_seconds: float = PRIOR_GAP_SECONDS, give_up_gaps: float = 3.0) -> None:
+        self.prior_gap_seconds = prior_gap_seconds
+        self.give_up_gaps = give_up_gaps
+
+    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+        out = np.zeros((len(sessions), len(horizons)))
+        for i, s in enumerate(sessions):
+            if s.state == "closed":
+                continue
+            gaps = s.inter_turn_gaps_seconds
+            gap = statistics.median(gaps) if gaps else self.prior_gap_seconds
+            last = s.recent_arrivals_ts[-1] if s.recent_arrivals_ts else s.last_activity_ts
+            if now - last > self.give_up_gaps * gap:
+                continue
+            due_in = max(last + gap - now, 0.0)
+            p = 0.6 if gaps else 0.4
+            out[i] = [p if h >= due_in else 0.0 for h in horizons]
+        return out
+
+
+class LearnedPredictor(_PredictMixin):
+    """A LightGBM model of P(next request within horizon), from models/<version>/."""
+
+    name = "learned"
+
+    def __init__(self, model_dir: Path | str, *, backend: Backend = "auto", cache_dir: Path | None = None) -> None:
+        import lightgbm as lgb
+
+        self.model_dir = Path(model_dir)
+        model_file = self.model_dir / "model.txt"
+        try:
+            found = model_file.is_file()
+        except OSError as exc:  # a name too long for the file system, a directory we may not search
+            raise ModelError(f"no model at {model_file}: {exc.strerror}") from None
+        if not found:
+            raise ModelError(f"no model at {model_file}")
+        try:
+            self.booster = lgb.Booster(model_file=str(model_file))
+        except lgb.basic.LightGBMError as exc:
+            raise ModelError(f"{model_file} does not load: {exc}") from None
+        names = tuple(self.booster.feature_name())
+        if names != FEATURES:
+            raise ModelError(f"{model_file} was trained on features {list(names)}; this service computes "
+                             f"{list(FEATURES)}")
+        card_file = self.model_dir / "card.json"
+        try:
+            self.card = json.loads(card_file.read_text()) if card_file.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise ModelError(f"{card_file} does not load: {exc}") from None
+        self.version = self.model_dir.name
+        self.compiled: compiled.CompiledModel | None = None
+        if backend == "compiled" or (backend == "auto" and compiled.available()):
+            probe = probe_rows()
+            try:
+                self.compiled = compiled.compile_model(model_file, probe, self._booster_predict(probe), cache_dir)
+            except Exception as exc:  # lleaves is optional: any failure leaves the Booster serving
+                if backend == "compiled":
+                    raise ModelError(f"{model_file} does not compile: {exc}") from None
+                log.warning("scoring with the LightGBM Booster: %s does not compile: %s", model_file, exc)
+
+    @property
+    def backend(self) -> str:
+        """What evaluates the trees: "lleaves" or "booster"."""
+        return "lleaves" if self.compiled is not None else "booster"
+
+    def p_from_matrix(self, x: np.ndarray) -> np.ndarray:
+        """P(within the row's horizon) for each row of a FEATURES matrix (feature_matrix's layout)."""
+        if len(x) == 0:
+            return np.zeros(0)
+        if self.compiled is not None:
+            return self.compiled.predict(x)
+        return self._booster_predict(x)
+
+    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+        if not sessions:
+            return np.zeros((0, len(horizons)))
+        out = self.p_from_matrix(feature_matrix(sessions, now, horizons)).reshape(len(sessions), len(horizons))
+        closed = np.array([s.state == "closed" for s in sessions])
+        out[closed] = 0.0
+        return out
+
+    def p_within_table(self, table: FeatureTable, now: float, horizons: Sequence[float],
+                       rows: np.ndarray | None = None) -> np.ndarray:
+        """`p_within` for the table's sessions (all rows, or `rows`), shape (sessions, horizons)."""
+        n = len(table) if rows is None else len(rows)
+        out = self.p_from_matrix(table.matrix(now, horizons, rows)).reshape(n, len(horizons))
+        out[table.closed(rows)] = 0.0
+        return out
+
+    def _booster_predict(self, x: np.ndarray) -> np.ndarray:
+        # One thread: the service shares its two cores with ingestion (bench predict has both).
+        return np.asarray(self.booster.predict(x, num_threads=1))
+
+
+def probe_rows(n: int = 512, seed: int = 0) -> np.ndarray:
+    """Rows spread over many orders of magnitude, some NaN, every grid horizon: a compiled model
+    (or a cached one) that answers all of them as the Booster does is taken for the same model."""
+    rng = np.random.default_rng(seed)
+    x = rng.lognormal(mean=2.0, sigma=3.0, size=(n, len(FEATURES)))
+    x[rng.random(x.shape) < 0.15] = np.nan
+    x[:, FEATURES.index("running")] = rng.integers(0, 2, n)
+    x[:, FEATURES.index(HORIZON_FEATURE)] = rng.choice(HORIZON_GRID, n)
+    return x

@@ -1,0 +1,144 @@
+"""Predictors and the planner: advice in the transfer layers' vocabulary (keep, demote, prefetch)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.predict.features import FEATURES
+from app.decide.advisor import Advisor
+from app.predict.predictors import (
+    DEFAULT_MODEL_DIR,
+    HORIZON_GRID,
+    HeuristicPredictor,
+    LearnedPredictor,
+    ModelError,
+    predictions_from_matrix,
+)
+from app.decide.routing import SameInstanceEstimate
+from app.state.base import SessionView
+
+
+def view(session_id: str, *, state: str = "idle", last: float = 100.0, gaps: list[float] | None = None,
+         blocks: list[int] | None = None) -> SessionView:
+    gaps = gaps or []
+    arrivals = [last - sum(gaps[i:]) for i in range(len(gaps))] + [last]
+    return SessionView(session_id=session_id, state=state, turns=len(arrivals), first_seen_ts=arrivals[0],
+                       last_activity_ts=last, closed_ts=None, instance_id="gpu-0", context_tokens=1000,
+                       context_bytes=0, block_hashes=blocks if blocks is not None else [1, 2],
+                       block_tokens=512, recent_arrivals_ts=arrivals, inter_turn_gaps_seconds=gaps,
+                       last_request=None, resident_blocks={})
+
+
+class Fixed:
+    """P(within h) = the session's fixed chance, for every h at or past its due time."""
+
+    name = "fixed"
+
+    def __init__(self, chances: dict[str, tuple[float, float]]) -> None:
+        self.chances = chances  # session -> (p, due in seconds)
+
+    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+        return np.array([[p if h >= due else 0.0 for h in horizons]
+                         for p, due in (self.chances[s.session_id] for s in sessions)])
+
+
+def test_planner_keeps_demotes_prefetches_and_leaves_the_rest_to_lru() -> None:
+    planner = Advisor(Fixed({"soon": (0.9, 10.0), "later": (0.3, 200.0), "maybe": (0.15, 800.0),
+                             "gone": (0.05, 5.0)}))
+    advice = {a.session_id: a for a in planner.advise([view(s) for s in ("soon", "later", "maybe", "gone")], 100.0)}
+    assert {s: a.retention for s, a in advice.items()} == {
+        "soon": "keep", "later": "keep", "maybe": "lru", "gone": "demote"}
+    assert {s for s, a in advice.items() if a.prefetch} == {"soon"}
+    assert advice["soon"].keep_seconds == 300.0 and advice["maybe"].keep_seconds == 0.0
+    assert (advice["later"].p_keep, advice["later"].p_soon, advice["later"].p_return) == (0.3, 0.0, 0.3)
+    assert advice["soon"].block_hashes == (1, 2)
+
+
+def test_planner_scores_only_idle_recent_sessions_with_a_context() -> None:
+    planner = Advisor(Fixed({s: (0.9, 0.0) for s in ("a", "b", "c", "d")}))
+    sessions = [view("a"), view("b", state="running"), view("c", last=-5000.0), view("d", blocks=[])]
+    assert [a.session_id for a in planner.advise(sessions, 100.0)] == ["a"]
+    assert planner.advise([], 0.0) == []
+
+
+class Recording(Fixed):
+    def __init__(self, chances: dict[str, tuple[float, float]]) -> None:
+        super().__init__(chances)
+        self.asked: list[tuple[float, ...]] = []
+
+    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+        self.asked.append(tuple(horizons))
+        return super().p_within(sessions, now, horizons)
+
+
+def test_planner_asks_only_the_three_horizons_it_reads() -> None:
+    predictor = Recording({"a": (0.9, 0.0)})
+    Advisor(predictor, lead_seconds=20.0, keep_horizon_seconds=200.0, return_horizon_seconds=1000.0).advise(
+        [view("a")], 100.0)
+    assert predictor.asked == [(20.0, 200.0, 1000.0)]
+    with pytest.raises(ValueError, match="lead_seconds <= keep_horizon_seconds <= return_horizon_seconds"):
+        Advisor(predictor, lead_seconds=400.0)
+
+
+def test_a_router_that_moves_sessions_makes_keeping_worth_less() -> None:
+    routes = SameInstanceEstimate(prior=1.0, prior_weight=1.0, half_life_returns=1e9)
+    planner = Advisor(Fixed({"a": (0.9, 10.0)}), routes=routes)
+    assert planner.advise([view("a")], 100.0)[0].retention == "keep"
+    for i in range(99):
+        routes.observe("gpu-0", f"gpu-{1 + i % 3}")  # never back on the same instance
+    advice = planner.advise([view("a")], 100.0)[0]
+    assert advice.p_keep == pytest.approx(0.9 * routes.p_same)
+    assert (advice.retention, advice.prefetch) == ("demote", False)
+
+
+def test_heuristic_expects_the_median_gap_and_gives_up_three_gaps_late() -> None:
+    h = HeuristicPredictor()
+    sessions = [view("due", last=100.0, gaps=[50.0, 70.0]), view("late", last=100.0, gaps=[9.0]),
+                view("new", last=100.0)]
+    p = h.p_within(sessions, 130.0, [15.0, 60.0, 600.0])
+    assert p[0].tolist() == [0.0, 0.6, 0.6]   # due at 160: within 60 s of 130, not within 15
+    assert p[1].tolist() == [0.0, 0.0, 0.0]   # 30 s since its last turn on a 9 s habit: gone
+    assert p[2].tolist() == [0.0, 0.0, 0.4]   # no gap yet: due at 200 by the 100 s prior, a lower chance
+    closed = view("closed", state="closed")
+    assert h.p_within([closed], 100.0, [600.0]).tolist() == [[0.0]]
+
+
+def test_predictions_are_monotone_and_rank_by_expected_wait() -> None:
+    sessions = [view("a"), view("b")]
+    raw = np.array([[0.5, 0.4, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6],
+                    [0.0, 0.0, 0.0, 0.0, 0.1, 0.1, 0.2, 0.2, 0.2]])
+    a, b = predictions_from_matrix(sessions, 100.0, raw, HORIZON_GRID)
+    assert list(a.p_within) == sorted(a.p_within)
+    assert a.p_return == 0.6 and b.p_return == 0.2
+    assert a.expected_wait_seconds < b.expected_wait_seconds
+    assert a.expected_arrival_ts == 105.0  # half of its returns come within 5 s
+
+
+def test_the_bundled_model_loads_and_answers_for_every_horizon() -> None:
+    model = LearnedPredictor(DEFAULT_MODEL_DIR)
+    assert model.version == "default" and model.card["features"] == list(FEATURES)
+    sessions = [view("a", gaps=[30.0, 40.0]), view("b"), view("c", state="closed")]
+    p = model.p_within(sessions, 130.0, HORIZON_GRID)
+    assert p.shape == (3, len(HORIZON_GRID))
+    assert ((p >= 0) & (p <= 1)).all() and p[2].tolist() == [0.0] * len(HORIZON_GRID)
+    assert [x.session_id for x in model.predict_many(sessions, 130.0)] == ["a", "b", "c"]
+
+
+def test_a_model_that_is_missing_or_computes_other_features_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="no model at"):
+        LearnedPredictor(tmp_path)
+    (tmp_path / "model.txt").write_text("not a model")
+    with pytest.raises(ModelError, match="does not load"):
+        LearnedPredictor(tmp_path)
+    import lightgbm as lgb
+
+    x = np.random.default_rng(0).random((200, 2))
+    booster = lgb.train({"objective": "binary", "verbose": -1}, lgb.Dataset(x, label=(x[:, 0] > 0.5).astype(int),
+                        feature_name=["idle_seconds", "other"]), num_boost_round=2)
+    booster.save_model(str(tmp_path / "model.txt"))
+    with pytest.raises(ModelError, match="was trained on features"):
+        LearnedPredictor(tmp_path)

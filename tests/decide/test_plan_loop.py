@@ -1,0 +1,60 @@
+"""The planning loop's seams: orders to the sink (and back to the scheduler when the sink fails),
+and the ingest observer that tells the scheduler and the route tracker what happened."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from app.core.clock import ManualClock
+from app.decide.plan_loop import Dispatcher, feedback_observer
+from kvprefetch_client.events import OrderProgress, RequestRouted, SessionClosed
+from kvprefetch_client.orders import Cancel, Order
+from app.decide.routing import RouteTracker
+from app.decide.scheduler import Scheduler
+from app.deliver import InProcessSink, SinkUnavailable
+from tests.decide.test_scheduler import BLOCK_BYTES, advice, config, store_with
+
+
+class DownSink(InProcessSink):
+    async def submit(self, orders: Sequence[Order]) -> list[str]:
+        raise SinkUnavailable("receiver down")
+
+    async def cancel(self, cancels: Sequence[Cancel]) -> list[str]:
+        raise SinkUnavailable("receiver down")
+
+
+def scheduler_with_a_candidate() -> Scheduler:
+    sched = Scheduler(store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10)), config())
+    sched.advise([advice("a", [0, 1])], 0.0)
+    return sched
+
+
+def test_orders_go_to_the_sink() -> None:
+    sched, sink = scheduler_with_a_candidate(), InProcessSink()
+    plan = asyncio.run(Dispatcher(sched, sink, ManualClock(0.0)).tick())
+    assert [m.order_id for m in sink.drain()] == [o.order_id for o in plan.orders]
+    assert len(sched.open_orders()) == 1
+
+
+def test_orders_a_sink_did_not_take_are_planned_again() -> None:
+    sched = scheduler_with_a_candidate()
+    dispatcher = Dispatcher(sched, DownSink(), ManualClock(0.0))
+    first = asyncio.run(dispatcher.tick())
+    assert len(first.orders) == 1 and sched.open_orders() == [] and dispatcher.undelivered == 1
+    assert len(asyncio.run(dispatcher.tick()).orders) == 1  # not counted as on its way
+
+
+def test_the_observer_forgets_routed_and_closed_sessions_and_follows_progress() -> None:
+    sched, routes = scheduler_with_a_candidate(), RouteTracker()
+    (order,) = sched.plan(0.0).orders
+    sched.advise([advice("b", [5])], 0.0)
+    observe = feedback_observer(sched, routes)
+    observe([RequestRouted(event_id="e1", ts=1.0, session_id="a", request_id="r", instance_id="gpu-0",
+                           prompt_tokens=100),
+             SessionClosed(event_id="e2", ts=1.0, session_id="b"),
+             OrderProgress(event_id="e3", ts=1.0, order_id=order.order_id, status="accepted")])
+    assert sched.tracked_sessions == 0
+    assert sched.plan(2.0).cancels == [] and sched.totals.bytes_wasted == 0  # started, and used by a's request
+    observe([OrderProgress(event_id="e4", ts=3.0, order_id=order.order_id, status="completed", bytes=1, seconds=0.1)])
+    assert sched.totals.completed == 1

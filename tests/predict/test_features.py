@@ -1,0 +1,207 @@
+"""Features: online (the service's live state over HTTP) equals offline (training rows)."""
+
+from __future__ import annotations
+
+import math
+import random
+from pathlib import Path
+
+import numpy as np
+import orjson
+import pytest
+from fastapi.testclient import TestClient
+
+from app.api.main import create_app
+from app.core.config import Settings
+from app.ingest.eventlog import encode_events
+from app.predict.feature_table import FeatureTable
+from app.predict.features import FEATURES, SESSION_FEATURES, feature_matrix, session_features
+from app.state.base import RequestView, SessionView
+from sim.replay import replay
+from sim.scenario import load_scenario
+from sim.traces import load_trace
+from tests.conftest import TRACES
+from training.dataset import HORIZONS, load_events, rows_from_events
+
+
+def small_log(tmp_path: Path, requests: int = 300) -> Path:
+    trace = load_trace(TRACES / "mooncake_synthetic.jsonl")[:requests]
+    result = replay(trace, load_scenario("default"), keep_events=True)
+    path = tmp_path / "events.jsonl"
+    path.write_bytes(encode_events(result.events))
+    return path
+
+
+def same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or a == b
+
+
+def test_offline_rows_equal_features_read_from_the_running_service(tmp_path: Path) -> None:
+    events = load_events(small_log(tmp_path))
+    rows = rows_from_events(events, log_name="events.jsonl")
+    assert len(rows) > 100
+    sample = rows.drop_duplicates(["session_id", "decision_ts"]).sample(n=40, random_state=7).sort_values("decision_ts")
+    with TestClient(create_app(Settings(data_dir=tmp_path / "svc", log_fsync=False))) as client:
+        i = 0
+        for _, row in sample.iterrows():
+            batch = []
+            while i < len(events) and events[i].ts <= row.decision_ts:
+                batch.append(orjson.loads(events[i].__pydantic_serializer__.to_json(events[i])))
+                i += 1
+            for k in range(0, len(batch), 1000):
+                assert client.post("/v1/events", json={"events": batch[k:k + 1000]}).status_code == 200
+            view = SessionView.model_validate(client.get(f"/v1/sessions/{row.session_id}").json())
+            online = session_features(view, row.decision_ts)
+            offline = [row[name] for name in SESSION_FEATURES]
+            mismatched = [n for n, a, b in zip(SESSION_FEATURES, online, offline) if not same(a, b)]
+            assert not mismatched, f"{row.session_id} at {row.decision_ts}: {mismatched}"
+
+
+def test_labels_look_ahead_and_censored_rows_are_dropped(tmp_path: Path) -> None:
+    events = load_events(small_log(tmp_path))
+    rows = rows_from_events(events, log_name="x")
+    end = events[-1].ts
+    assert (rows.decision_ts + rows.horizon_seconds <= end).all()
+    assert ((rows.time_to_next_seconds <= rows.horizon_seconds) == (rows.label == 1)).all()
+    assert set(rows.horizon_seconds.unique()) <= set(HORIZONS)
+
+
+def test_feature_matrix_is_sessions_by_horizons() -> None:
+    view = SessionView(session_id="s", state="idle", turns=3, first_seen_ts=0.0, last_activity_ts=100.0,
+                       closed_ts=None, instance_id="g", context_tokens=900, context_bytes=0, block_hashes=[1],
+                       block_tokens=512, recent_arrivals_ts=[0.0, 30.0, 90.0], inter_turn_gaps_seconds=[30.0, 60.0],
+                       last_request=None, resident_blocks={})
+    x = feature_matrix([view, view], 130.0, [15.0, 60.0])
+    assert x.shape == (4, len(FEATURES))
+    assert list(x[:, -1]) == [15.0, 60.0, 15.0, 60.0]
+    f = dict(zip(FEATURES, x[0]))
+    assert (f["idle_seconds"], f["since_arrival_seconds"], f["gap_median_seconds"]) == (30.0, 40.0, 45.0)
+    assert f["idle_over_gap_median"] == 30.0 / 45.0
+    assert np.isnan(f["last_prompt_tokens"])
+
+
+# --- The columnar FeatureTable (and feature_matrix in bulk) equals the reference, session_features.
+
+START_TS = 1_767_000_000.0  # a unix time: differences of such timestamps are what the service computes
+
+
+def random_view(rng: random.Random, i: int, *, now: float) -> SessionView:
+    """A session in any of the shapes the store produces, edge cases over-represented."""
+    kind = rng.choice(["none", "one", "two", "many", "many", "many", "zero_median", "late", "unsorted", "old"])
+    n_arrivals = {"none": 0, "one": 1, "two": 2}.get(kind, rng.randint(3, 16))
+    last_arrival = now - rng.choice([0.0, rng.uniform(0, 60), rng.lognormvariate(5, 1.5)])
+    if kind == "late":  # an arrival after `now`: every age clamps at zero in the reference
+        last_arrival = now + rng.uniform(0.001, 500)
+    if kind == "old":  # decayed counts far down, into underflow
+        last_arrival = now - rng.choice([4e4, 4.3e4, 4.4e5, 1e6])
+    arrivals = [last_arrival]
+    for _ in range(n_arrivals - 1):
+        gap = 0.0 if kind == "zero_median" and rng.random() < 0.7 else rng.lognormvariate(4, 1.5)
+        arrivals.insert(0, arrivals[0] - gap)
+    if kind == "unsorted":
+        rng.shuffle(arrivals)
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    state = rng.choice(["idle", "idle", "idle", "running", "queued", "closed"])
+    last_activity = (arrivals[-1] if arrivals else now - 100) + rng.choice([0.0, rng.uniform(0, 300)])
+    last_request = None
+    if rng.random() < 0.8:
+        routed = rng.choice([None, last_arrival if arrivals else now - 50])
+        finished = rng.choice([None, (routed or now) + rng.uniform(-1, 40)])
+        last_request = RequestView(request_id=f"r{i}", instance_id="gpu-0", routed_ts=routed, started_ts=None,
+                                   finished_ts=finished, prompt_tokens=rng.choice([None, rng.randint(1, 200_000)]),
+                                   output_tokens=rng.choice([None, 0, rng.randint(1, 4000)]), context_tokens=None)
+    return SessionView(session_id=f"s{i}", state=state, turns=max(n_arrivals, rng.randint(0, 40)),
+                       first_seen_ts=(arrivals[0] if arrivals else now - 100), last_activity_ts=last_activity,
+                       closed_ts=None, instance_id=rng.choice([None, "gpu-1"]), context_tokens=rng.randint(0, 300_000),
+                       context_bytes=0, block_hashes=[], block_tokens=512, recent_arrivals_ts=arrivals,
+                       inter_turn_gaps_seconds=gaps, last_request=last_request, resident_blocks={})
+
+
+def reference(views: list[SessionView], now: float, horizons: tuple[float, ...]) -> np.ndarray:
+    rows = [session_features(v, now) for v in views]
+    return np.asarray([[*row, h] for row in rows for h in horizons], dtype=np.float64).reshape(-1, len(FEATURES))
+
+
+def assert_same_features(fast: np.ndarray, ref: np.ndarray) -> None:
+    # rtol 1e-9: a decayed count is rescaled from its value at the newest arrival (one multiply
+    # instead of one exp per arrival), equal to the reference within a few ulps. atol 1e-300: below
+    # it a double is subnormal and keeps no relative precision, in either computation.
+    assert fast.shape == ref.shape
+    np.testing.assert_array_equal(np.isnan(fast), np.isnan(ref))
+    np.testing.assert_allclose(fast, ref, rtol=1e-9, atol=1e-300)
+
+
+HORIZON_SETS = [(30.0, 300.0, 900.0), (5.0, 15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 900.0), (600.0,)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_feature_table_and_bulk_feature_matrix_equal_the_reference(seed: int) -> None:
+    rng = random.Random(seed)
+    now = START_TS + rng.uniform(0, 1e6)
+    views = [random_view(rng, i, now=now) for i in range(600)]
+    table = FeatureTable.from_views(views)
+    one_by_one = FeatureTable(capacity=1)  # grows as it goes
+    for view in views:
+        one_by_one.upsert(view)
+    assert table.session_ids == one_by_one.session_ids == [v.session_id for v in views]
+    for at in (now, now + rng.uniform(0, 3600), now - 400):  # the last: many arrivals after `now`
+        for horizons in HORIZON_SETS:
+            ref = reference(views, at, horizons)
+            assert_same_features(table.matrix(at, horizons), ref)
+            assert_same_features(one_by_one.matrix(at, horizons), ref)
+            assert_same_features(feature_matrix(views, at, horizons), ref)
+            assert_same_features(feature_matrix(views[:5], at, horizons), ref[:5 * len(horizons)])
+    assert table.closed().tolist() == [v.state == "closed" for v in views]
+
+
+def test_feature_table_follows_upserts_and_removals() -> None:
+    rng = random.Random(11)
+    now = START_TS
+    table = FeatureTable(capacity=4)
+    current: dict[str, SessionView] = {}
+    for step in range(3000):
+        i = rng.randrange(200)
+        sid = f"s{i}"
+        if sid in current and rng.random() < 0.3:
+            assert table.remove(sid)
+            del current[sid]
+        else:
+            view = random_view(rng, i, now=now)
+            current[sid] = view
+            if rng.random() < 0.5:
+                table.upsert(view)
+            else:
+                table.upsert_many([view, current[rng.choice(list(current))]])
+        now += rng.uniform(0, 5)
+    assert not table.remove("never-seen")
+    assert len(table) == len(current) and sorted(table.session_ids) == sorted(current)
+    views = [current[s] for s in table.session_ids]
+    assert_same_features(table.matrix(now, HORIZON_SETS[0]), reference(views, now, HORIZON_SETS[0]))
+    some = rng.sample(sorted(current), 25)
+    rows = table.rows_of(some)
+    assert [table.session_ids[r] for r in rows] == some
+    some_views = [current[s] for s in some]
+    assert_same_features(table.matrix(now, HORIZON_SETS[1], rows), reference(some_views, now, HORIZON_SETS[1]))
+    assert table.closed(rows).tolist() == [v.state == "closed" for v in some_views]
+
+
+def test_feature_table_edge_cases_read_as_the_reference_says() -> None:
+    now = START_TS + 1000
+    bare = SessionView(session_id="bare", state="running", turns=0, first_seen_ts=now - 10, last_activity_ts=now + 5,
+                       closed_ts=None, instance_id=None, context_tokens=0, context_bytes=0, block_hashes=[],
+                       block_tokens=512, recent_arrivals_ts=[], inter_turn_gaps_seconds=[], last_request=None,
+                       resident_blocks={})
+    zero = bare.model_copy(update={"session_id": "zero", "state": "idle", "recent_arrivals_ts": [now - 50, now - 50],
+                                   "inter_turn_gaps_seconds": [0.0], "last_activity_ts": now - 40})
+    table = FeatureTable.from_views([bare, zero])
+    x = table.matrix(now, [60.0])
+    f = [dict(zip(FEATURES, row)) for row in x]
+    assert f[0]["idle_seconds"] == 0.0 and f[0]["running"] == 1.0  # activity after `now` clamps
+    assert np.isnan(f[0]["since_arrival_seconds"]) and np.isnan(f[0]["gap_median_seconds"])
+    assert f[0]["arrivals_decayed_60s"] == 0.0 and f[0]["arrivals_decayed_600s"] == 0.0
+    assert f[1]["gap_median_seconds"] == 0.0 and np.isnan(f[1]["idle_over_gap_median"])  # no division by 0
+    assert f[1]["arrivals_decayed_60s"] == pytest.approx(2 * math.exp(-50 / 60), rel=1e-12)
+    assert_same_features(x, reference([bare, zero], now, (60.0,)))
+    assert table.matrix(now, [60.0], np.zeros(0, dtype=np.intp)).shape == (0, len(FEATURES))
+    assert FeatureTable().matrix(now, [60.0]).shape == (0, len(FEATURES))
+    assert feature_matrix([], now, [60.0]).shape == (0, len(FEATURES))
