@@ -20,10 +20,12 @@ METHODS = ("get", "put", "post", "delete", "patch", "head", "options")
 
 
 def on_config(config: MkDocsConfig) -> MkDocsConfig:
-    # The checkout being built, not whichever copy of `app` the venv's editable install points at.
-    root = str(Path(config.config_file_path).resolve().parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
+    # The checkout being built (the server and its light client), not whichever copy the venv's
+    # editable installs point at.
+    root = Path(config.config_file_path).resolve().parent
+    for path in (str(root / "client"), str(root)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     return config
 
 
@@ -46,10 +48,12 @@ def render(spec: dict[str, Any]) -> str:
         "# HTTP API",
         "",
         f"Written at build time from the OpenAPI document of {info.get('title', 'the service')} "
-        f"{info.get('version', '')} (`create_app().openapi()`, what `GET /openapi.json` serves and "
-        "`GET /docs` shows interactively). The hand-written [endpoint table](../routers/endpoints.md) "
-        "says what each route answers in prose; [Security](../operators/security.md) which token scope "
-        "each one needs.",
+        f"{info.get('version', '')} (`create_app().openapi()`, what `GET /openapi.json` serves "
+        "and `GET /docs` shows interactively). The hand-written "
+        "[endpoint table](../routers/endpoints.md) says what each route answers in prose. A "
+        'route marked "Security: bearer token" takes `Authorization: Bearer <token>` once '
+        "tokens are configured; [Security](../operators/security.md) says which scope each one "
+        "needs, and which stay open unless `KVP_PROTECT_OBSERVABILITY=true`.",
         "",
     ]
     by_tag: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
@@ -77,11 +81,11 @@ def _operation(method: str, path: str, op: dict[str, Any]) -> list[str]:
         out += [f"**{_text(op['summary'])}**", ""]
     if op.get("description"):
         out += [_text(op["description"]), ""]
-    out += ["Needs a bearer token once tokens are configured." if op.get("security")
-            else "Open: no token needed.", ""]
+    out += ["Security: bearer token." if op.get("security") else "Security: none.", ""]
     params = op.get("parameters") or []
     if params:
-        out += ["| parameter | in | required | type | default | description |", "|---|---|---|---|---|---|"]
+        out += ["| parameter | in | required | type | default | description |",
+                "|---|---|---|---|---|---|"]
         for p in params:
             schema = p.get("schema", {})
             default = f"`{schema['default']}`" if "default" in schema else ""
@@ -92,14 +96,16 @@ def _operation(method: str, path: str, op: dict[str, Any]) -> list[str]:
     if body:
         for content_type, media in body.get("content", {}).items():
             required = "required" if body.get("required") else "optional"
-            out += [f"Request body ({required}): `{content_type}`, {_type(media.get('schema', {}))}", ""]
+            schema = _type(media.get("schema", {}))
+            out += [f"Request body ({required}): `{content_type}`, {schema}", ""]
     responses = op.get("responses") or {}
     if responses:
         out += ["| status | when | body |", "|---|---|---|"]
         for code in sorted(responses):
             answer = responses[code]
-            kinds = [_type(m.get("schema", {})) + f" (`{ct}`)" if ct != "application/json" else
-                     _type(m.get("schema", {})) for ct, m in answer.get("content", {}).items()]
+            kinds = [_type(media.get("schema", {}))
+                     + ("" if content_type == "application/json" else f" (`{content_type}`)")
+                     for content_type, media in answer.get("content", {}).items()]
             out.append(f"| {code} | {_cell(answer.get('description', ''))} | {'; '.join(kinds)} |")
         out.append("")
     return out
@@ -130,7 +136,7 @@ def _schema_slug(name: str) -> str:
 
 
 def _type(schema: dict[str, Any]) -> str:
-    """A short, linked description of a JSON schema: `integer` (1-1000), array of X, A or B."""
+    """A short, linked description of a JSON schema: `integer` (1 to 1000), array of (A or B)."""
     if "$ref" in schema:
         name = schema["$ref"].rsplit("/", 1)[-1]
         return f"[{name}](#{_schema_slug(name)})"
@@ -138,34 +144,41 @@ def _type(schema: dict[str, Any]) -> str:
         if key in schema:
             return " or ".join(_type(s) for s in schema[key])
     kind = schema.get("type")
-    if kind == "array":
-        text = "array of " + _type(schema.get("items", {}))
-        bounds = _bounds(schema.get("minItems"), schema.get("maxItems"), "items")
-    elif kind is None:
+    if kind is None:
         return "any"
+    if kind == "array":
+        items = _type(schema.get("items", {}))
+        text = "array of " + (f"({items})" if " or " in items else items)
+        bounds = _bounds(schema.get("minItems"), schema.get("maxItems"), None, "items")
+    elif kind == "string":
+        text = "`string`"
+        bounds = _bounds(schema.get("minLength"), schema.get("maxLength"), None, "characters")
     else:
         text = f"`{kind}`"
-        if "enum" in schema:
-            text += " (" + ", ".join(f"`{v}`" for v in schema["enum"]) + ")"
-        bounds = _bounds(schema.get("minimum", schema.get("minLength")),
-                         schema.get("maximum", schema.get("maxLength")),
-                         "characters" if kind == "string" else "")
+        bounds = _bounds(schema.get("minimum"), schema.get("maximum"),
+                         schema.get("exclusiveMaximum"), "")
+    if "enum" in schema:
+        text += " (" + ", ".join(f"`{v}`" for v in schema["enum"]) + ")"
     return text + (f" ({bounds})" if bounds else "")
 
 
-def _bounds(low: Any, high: Any, unit: str) -> str:
+def _bounds(low: Any, high: Any, below: Any, unit: str) -> str:
+    """`1 to 128 characters`, `at least 0`, `-5 to below 10`: the limits a value must keep."""
     suffix = f" {unit}" if unit else ""
-    if low is not None and high is not None:
-        return f"{low}-{high}{suffix}"
+    upper = f"{high}" if high is not None else (f"below {below}" if below is not None else None)
+    if low is not None and upper is not None:
+        return f"{low} to {upper}{suffix}"
     if low is not None:
         return f"at least {low}{suffix}"
     if high is not None:
         return f"at most {high}{suffix}"
+    if below is not None:
+        return f"below {below}{suffix}"
     return ""
 
 
 def _text(text: str) -> str:
-    """Prose from docstrings: `<` and `>` outside code spans escaped, so they are not read as HTML."""
+    """Docstring prose with `<`, `>` and `&` outside code spans escaped: not read as HTML."""
     parts = text.split("`")
     for i in range(0, len(parts), 2):
         parts[i] = parts[i].replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
