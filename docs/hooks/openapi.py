@@ -47,13 +47,15 @@ def render(spec: dict[str, Any]) -> str:
     out = [
         "# HTTP API",
         "",
-        f"Written at build time from the OpenAPI document of {info.get('title', 'the service')} "
-        f"{info.get('version', '')} (`create_app().openapi()`, what `GET /openapi.json` serves "
-        "and `GET /docs` shows interactively). The hand-written "
-        "[endpoint table](../routers/endpoints.md) says what each route answers in prose. A "
-        'route marked "Security: bearer token" takes `Authorization: Bearer <token>` once '
-        "tokens are configured; [Security](../operators/security.md) says which scope each one "
-        "needs, and which stay open unless `KVP_PROTECT_OBSERVABILITY=true`.",
+        (
+            f"Written at build time from the OpenAPI document of {info.get('title', 'the service')}"
+            f" {info.get('version', '')} (`create_app().openapi()`, what `GET /openapi.json` "
+            "serves and `GET /docs` shows interactively). The hand-written "
+            "[endpoint table](../routers/endpoints.md) says what each route answers in prose. A "
+            'route marked "Security: bearer token" takes `Authorization: Bearer <token>` once '
+            "tokens are configured; [Security](../operators/security.md) says which scope each one "
+            "needs, and which stay open unless `KVP_PROTECT_OBSERVABILITY=true`."
+        ),
         "",
     ]
     by_tag: dict[str, list[tuple[str, str, dict[str, Any]]]] = {}
@@ -84,13 +86,17 @@ def _operation(method: str, path: str, op: dict[str, Any]) -> list[str]:
     out += ["Security: bearer token." if op.get("security") else "Security: none.", ""]
     params = op.get("parameters") or []
     if params:
-        out += ["| parameter | in | required | type | default | description |",
-                "|---|---|---|---|---|---|"]
+        out += [
+            "| parameter | in | required | type | default | description |",
+            "|---|---|---|---|---|---|",
+        ]
         for p in params:
             schema = p.get("schema", {})
             default = f"`{schema['default']}`" if "default" in schema else ""
-            out.append(f"| `{p['name']}` | {p['in']} | {'yes' if p.get('required') else 'no'} | "
-                       f"{_type(schema)} | {default} | {_cell(p.get('description', ''))} |")
+            out.append(
+                f"| `{p['name']}` | {p['in']} | {'yes' if p.get('required') else 'no'} | "
+                f"{_type(schema)} | {default} | {_cell(p.get('description', ''))} |"
+            )
         out.append("")
     body = op.get("requestBody")
     if body:
@@ -103,9 +109,11 @@ def _operation(method: str, path: str, op: dict[str, Any]) -> list[str]:
         out += ["| status | when | body |", "|---|---|---|"]
         for code in sorted(responses):
             answer = responses[code]
-            kinds = [_type(media.get("schema", {}))
-                     + ("" if content_type == "application/json" else f" (`{content_type}`)")
-                     for content_type, media in answer.get("content", {}).items()]
+            kinds = [
+                _type(media.get("schema", {}))
+                + ("" if content_type == "application/json" else f" (`{content_type}`)")
+                for content_type, media in answer.get("content", {}).items()
+            ]
             out.append(f"| {code} | {_cell(answer.get('description', ''))} | {'; '.join(kinds)} |")
         out.append("")
     return out
@@ -125,8 +133,9 @@ def _schema(name: str, schema: dict[str, Any]) -> list[str]:
         desc = sub.get("description", "")
         if "const" in sub:
             desc = f"always `{sub['const']}`" + (f"; {desc}" if desc else "")
-        out.append(f"| `{field}` | {_type(sub)} | {'yes' if field in required else 'no'} | "
-                   f"{_cell(desc)} |")
+        out.append(
+            f"| `{field}` | {_type(sub)} | {'yes' if field in required else 'no'} | {_cell(desc)} |"
+        )
     out.append("")
     return out
 
@@ -155,8 +164,9 @@ def _type(schema: dict[str, Any]) -> str:
         bounds = _bounds(schema.get("minLength"), schema.get("maxLength"), None, "characters")
     else:
         text = f"`{kind}`"
-        bounds = _bounds(schema.get("minimum"), schema.get("maximum"),
-                         schema.get("exclusiveMaximum"), "")
+        bounds = _bounds(
+            schema.get("minimum"), schema.get("maximum"), schema.get("exclusiveMaximum"), ""
+        )
     if "enum" in schema:
         text += " (" + ", ".join(f"`{v}`" for v in schema["enum"]) + ")"
     return text + (f" ({bounds})" if bounds else "")

@@ -18,8 +18,10 @@ DOCS = REPO / "docs"
 README_MAX_BYTES = 10_000
 BUILD_TIMEOUT_SECONDS = 120
 # Inline code that names a file or folder of the checkout, e.g. `app/decide/scheduler.py`.
-REPO_PATH = re.compile(r"`((?:app|client|sim|bench|training|tests|deploy|data|models|docs|\.ci)/"
-                       r"[A-Za-z0-9_./-]*)`")
+REPO_PATH = re.compile(
+    r"`((?:app|client|sim|bench|training|tests|deploy|data|models|docs|\.ci)/"
+    r"[A-Za-z0-9_./-]*)`"
+)
 # decisions.md is a record kept as written (it names the paths of its day); the layout page's
 # table of moves names the old paths on purpose.
 PATHS_NOT_CHECKED = {DOCS / "decisions.md", DOCS / "architecture" / "layout.md"}
@@ -28,9 +30,24 @@ PATHS_NOT_CHECKED = {DOCS / "decisions.md", DOCS / "architecture" / "layout.md"}
 def _mkdocs_build(config: Path, site_dir: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's banner, not a build warning
     return subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--config-file", str(config),
-         "--site-dir", str(site_dir), *extra],
-        cwd=config.parent, env=env, capture_output=True, text=True, timeout=BUILD_TIMEOUT_SECONDS)
+        [
+            sys.executable,
+            "-m",
+            "mkdocs",
+            "build",
+            "--config-file",
+            str(config),
+            "--site-dir",
+            str(site_dir),
+            *extra,
+        ],
+        cwd=config.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BUILD_TIMEOUT_SECONDS,
+        check=False,
+    )  # the caller judges the exit status
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +64,12 @@ def _markdown_pages() -> list[Path]:
 
 
 def test_site_builds_strict(site: Path) -> None:
-    for page in ("index.html", "decisions/index.html", "reference/http-api/index.html",
-                 "operators/security-promises/index.html"):
+    for page in (
+        "index.html",
+        "decisions/index.html",
+        "reference/http-api/index.html",
+        "operators/security-promises/index.html",
+    ):
         assert (site / page).is_file(), page
     # SECURITY.md is included, not copied: its text reaches the site.
     first_heading = (REPO / "SECURITY.md").read_text().splitlines()[0].lstrip("# ")
@@ -67,11 +88,13 @@ def test_a_broken_link_or_anchor_fails_the_build(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "index.md").write_text(
         "# Home\n\n[gone](no-such-page.md), [nowhere](other.md#no-such-anchor), "
-        "[ok](other.md#there)\n")
+        "[ok](other.md#there)\n"
+    )
     (tmp_path / "docs" / "other.md").write_text("# Other\n\n## There\n")
     config = tmp_path / "mkdocs.yml"
-    config.write_text(f"INHERIT: {REPO / 'mkdocs.yml'}\n"
-                      "docs_dir: docs\nhooks: []\nnav: [index.md, other.md]\n")
+    config.write_text(
+        f"INHERIT: {REPO / 'mkdocs.yml'}\ndocs_dir: docs\nhooks: []\nnav: [index.md, other.md]\n"
+    )
     built = _mkdocs_build(config, tmp_path / "site")
     warnings = [line for line in built.stderr.splitlines() if line.startswith("WARNING")]
     assert built.returncode != 0, built.stderr
@@ -86,8 +109,9 @@ def test_readme_is_a_landing_page() -> None:
     # Its relative links (into docs/ and SECURITY.md) lead to files that exist.
     targets = re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", readme.read_text())
     assert any(t.startswith("docs/") for t in targets)
-    missing = [t for t in targets if not (REPO / t).exists()
-               and t != "docs/reference/http-api.md"]  # written by the hook at build time
+    missing = [
+        t for t in targets if not (REPO / t).exists() and t != "docs/reference/http-api.md"
+    ]  # written by the hook at build time
     assert not missing, missing
 
 
@@ -98,8 +122,11 @@ def test_api_reference_has_every_route(site: Path) -> None:
     spec = create_app().openapi()
     routes = [(method.upper(), path) for path, item in spec["paths"].items() for method in item]
     assert len(routes) >= 18
-    missing = [f"{method} {path}" for method, path in routes
-               if f"<code>{html.escape(f'{method} {path}')}</code>" not in page]
+    missing = [
+        f"{method} {path}"
+        for method, path in routes
+        if f"<code>{html.escape(f'{method} {path}')}</code>" not in page
+    ]
     assert not missing, missing
     for name in spec["components"]["schemas"]:
         assert f'id="schema-{name.lower()}"' in page, name
@@ -140,10 +167,17 @@ def test_paths_named_in_the_docs_exist() -> None:
     assert len(named) > 20
     missing = sorted({path for _, path in named if not (REPO / path).exists()})
     if missing:  # git-ignored files (deploy/tokens.toml) are made by the user, not shipped
-        ignored = subprocess.run(["git", "check-ignore", "--stdin"], cwd=REPO,
-                                 input="\n".join(missing), capture_output=True,
-                                 text=True).stdout.split()
+        ignored = subprocess.run(
+            ["git", "check-ignore", "--stdin"],
+            cwd=REPO,
+            check=False,
+            input="\n".join(missing),
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         missing = [path for path in missing if path not in ignored]
-    where = {path: sorted(str(src.relative_to(REPO)) for src, named_path in named
-                          if named_path == path) for path in missing}
+    where = {
+        path: sorted(str(src.relative_to(REPO)) for src, named_path in named if named_path == path)
+        for path in missing
+    }
     assert not missing, f"named in the docs but not in the checkout: {where}"
