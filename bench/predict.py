@@ -6,7 +6,7 @@ Two horizon sets: what a planner tick asks (PLANNER_HORIZONS, 3) and the whole H
 what `predict_many` reads). For each, medians over rounds of:
 
 - `service_p_within`: `LearnedPredictor.p_within(views, now, horizons)`, the call that takes
-  SessionViews: the features in bulk (app.predict.features.feature_matrix) and the model;
+  SessionViews: the features in bulk (app.predict.feature_table.feature_matrix) and the model;
 - `table_p_within`: `LearnedPredictor.p_within_table(table, now, horizons)`, a tick of a caller that
   keeps a FeatureTable current as sessions change (so no views to convert): the 20 ms target;
 - its parts: `table_matrix` (the time-dependent columns and the horizons, numpy) and the model
@@ -105,7 +105,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _batch(model: Any, views: list[Any], now: float, horizons: tuple[float, ...], rounds: int) -> dict[str, Any]:
     from app.predict.feature_table import FeatureTable
-    from app.predict.features import feature_matrix
+    from app.predict.feature_table import feature_matrix
 
     table = FeatureTable.from_views(views)
     x = table.matrix(now, horizons)
@@ -141,7 +141,7 @@ def _batch(model: Any, views: list[Any], now: float, horizons: tuple[float, ...]
 
 def run(*, sessions: int = 10_000, rounds: int = 7, model_dir: Path | None = None, seed: int = 0) -> dict[str, Any]:
     from app.predict.feature_table import FeatureTable
-    from app.predict.features import feature_matrix
+    from app.predict.feature_table import feature_matrix
     from app.predict.predictors import DEFAULT_MODEL_DIR, HORIZON_GRID, LearnedPredictor
 
     model_dir = model_dir or DEFAULT_MODEL_DIR

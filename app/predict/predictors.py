@@ -23,8 +23,8 @@ import numpy as np
 
 from app.core.errors import KvpError
 from app.predict import compiled
-from app.predict.feature_table import FeatureTable
-from app.predict.features import FEATURES, HORIZON_FEATURE, feature_matrix
+from app.predict.feature_table import FeatureTable, feature_matrix
+from app.predict.features import FEATURES, HORIZON_FEATURE
 from app.state.base import SessionView
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,8 @@ import pytest
 
 from app.predict import compiled
 from app.predict.feature_table import FeatureTable
-from app.predict.features import FEATURES, feature_matrix
+from app.predict.feature_table import feature_matrix
+from app.predict.features import FEATURES
 from app.predict.predictors import DEFAULT_MODEL_DIR, HORIZON_GRID, LearnedPredictor, ModelError, probe_rows
 from tests.predict.test_features import START_TS, random_view
 
