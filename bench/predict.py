@@ -3,7 +3,7 @@
     kvprefetch bench predict [--sessions 10000] [--rounds 7] [--model DIR] [--json]
 
 Two horizon sets: what a planner tick asks (PLANNER_HORIZONS, 3) and the whole HORIZON_GRID (9,
-what `predict_many` reads). For each, medians over rounds of:
+the horizons a hint or a finish reads). For each, medians over rounds of:
 
 - `service_p_within`: `LearnedPredictor.p_within(views, now, horizons)`, the call that takes
   SessionViews: the features in bulk (app.predict.feature_table.feature_matrix) and the model;
@@ -16,7 +16,7 @@ what `predict_many` reads). For each, medians over rounds of:
   reference, `session_features`, what the service ran before: the same numbers);
 - `table_from_views`: building a FeatureTable from every view at once (a restart).
 
-`single_session_ms`: one session at the full grid (what `predict_one` costs on a finish) through
+`single_session_ms`: one session at the full grid (what one session costs on a finish) through
 the service, the Booster and the compiled model alone, and `table_upsert` (what a session change
 costs the table). `compiled_load_seconds`: compiling the model into an empty cache, then loading
 that cache as a later start does. `ratios` divide medians of this run; every figure's rounds are

@@ -108,10 +108,6 @@ class HbmBuffer:
         self._blocks.move_to_end(block_hash)
         return block.data
 
-    def size_of(self, block_hash: BlockHash) -> int:
-        block = self._blocks.get(block_hash)
-        return 0 if block is None else len(block.data)
-
     def is_pinned(self, block_hash: BlockHash, now: float) -> bool:
         block = self._blocks.get(block_hash)
         return block is not None and block.pinned_until_ts is not None and block.pinned_until_ts > now
