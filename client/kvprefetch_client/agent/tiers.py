@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvprefetch_client.errors import KvpError
 from kvprefetch_client.events import BlockHash
 
 # A string hash made only of these is used as a file name as it is; anything else (a '/', '..',
@@ -66,7 +67,7 @@ class PoolDir:
         return path
 
 
-class BufferFull(Exception):
+class BufferFull(KvpError):
     """The buffer cannot take a block without evicting pinned or protected blocks."""
 
 
