@@ -51,7 +51,7 @@ def make_policy(name: str, *, session_view: Callable[[str], object] | None = Non
     if name == "clairvoyant":
         if session_view is None:
             raise ValueError("the clairvoyant policy reads the engine's state: pass session_view")
-        advisor = Advisor(Clairvoyant(), **(planner_options or {}))
+        advisor = Advisor(Clairvoyant(), **(planner_options or {}))  # type: ignore[arg-type]
         return ClairvoyantPolicy(advisor, session_view, "clairvoyant")  # type: ignore[arg-type]
     if name in ("heuristic", "learned"):
         if session_view is None:

@@ -201,8 +201,8 @@ def test_a_layer_rule_is_enforced() -> None:
     assert broken_rules({"kvprefetch_client.client._sync": {"app.core.errors"},
                          "app.state.memory": {"app.api.deps"},
                          "app.cli": {"bench.load", "app.api.main"}}) == [
-        "app.state.memory imports app.api.deps: the engine's layers know nothing of their HTTP and "
-        "command-line drivers",
-        "kvprefetch_client.client._sync imports app.core.errors: the light client installs without "
-        "the server",
+        ("app.state.memory imports app.api.deps: the engine's layers know nothing of their HTTP and "
+        "command-line drivers"),
+        ("kvprefetch_client.client._sync imports app.core.errors: the light client installs without "
+        "the server"),
     ]

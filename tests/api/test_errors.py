@@ -12,14 +12,24 @@ import pytest
 from fastapi import APIRouter, FastAPI, Query
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
+from kvprefetch_client.agent.tiers import BufferFull
 
 from app.api.auth import Refused
 from app.api.batch import BatchError
 from app.api.errors import install_error_handlers
-from app.api.routes import (config, dashboard, events, health, hints, metrics, model, orders,
-                            scheduler, state)
+from app.api.routes import (
+    config,
+    dashboard,
+    events,
+    health,
+    hints,
+    metrics,
+    model,
+    orders,
+    scheduler,
+    state,
+)
 from app.core.errors import ConfigError, CorruptLogError, KvpError, StoreError, StoreUnavailable
-from kvprefetch_client.agent.tiers import BufferFull
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 ROUTE_MODULES = (config, dashboard, events, health, hints, metrics, model, orders, scheduler, state)
