@@ -12,11 +12,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.api.main import create_app
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.core.clock import ManualClock
 from app.core.config import Settings
-from app.predict.features import FEATURES
 from app.decide.advisor import Advisor
-from app.core.bundle import DEFAULT_MODEL_DIR
+from app.predict.features import FEATURES
 from app.predict.predictors import HeuristicPredictor, LearnedPredictor
 from tests.api.conftest import routed, settle
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from kvprefetch_client.agent.cli import StreamDefaults
-from kvprefetch_client.agent.cli import main as agent_main
 from typer.testing import CliRunner
 
 from app.cli import cli
 from app.core.config import Settings
+from kvprefetch_client.agent.cli import StreamDefaults
+from kvprefetch_client.agent.cli import main as agent_main
 
 
 def test_agent_refuses_an_unknown_source(tmp_path: Path) -> None:
