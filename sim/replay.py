@@ -25,11 +25,11 @@ from app.engine import Engine as AppEngine
 from app.engine import NullEventLog
 from app.ingest.eventlog import encode_events
 from kvprefetch_client.events import Event, event_adapter
-from app.predict.predictors import DEFAULT_MODEL_DIR
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.state import MemoryStore
 from app.state.base import SessionView
 from sim.cluster import Cluster, SimRequest
-from sim.policies import make_policy
+from sim.policy_registry import make_policy
 from sim.routers import make_router
 from sim.scheduled import ClusterSink
 from sim.scenario import Scenario

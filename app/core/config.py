@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.core.cluster import (HOST_LINK_BYTES_PER_SECOND, LINK_SHARE, POOL_LINK_BYTES_PER_SECOND,
                               PREFILL_TOKENS_PER_SECOND)
 
@@ -117,7 +118,7 @@ class Settings(BaseSettings):
     max_clock_skew_seconds: float = Field(300.0, gt=0)
 
     # The arrival model served at startup; when it is missing or does not load, the heuristic serves.
-    model_dir: Path = Path(__file__).resolve().parent.parent.parent / "models" / "default"
+    model_dir: Path = DEFAULT_MODEL_DIR
     # The only directory POST /v1/model/reload and PUT /v1/model/shadow load from (names relative
     # to it, or absolute paths inside it); defaults to the one holding model_dir.
     models_root: Path | None = None

@@ -12,7 +12,8 @@ from app.predict.registry import Serving
 from kvprefetch_client.orders import Order
 from app.state.base import SessionView
 from sim.cluster import Cluster, SimRequest
-from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy, make_policy
+from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy
+from sim.policy_registry import make_policy
 from sim.replay import EngineFeed, sim_engine
 from sim.scheduled import ScheduledPolicy
 from tests.sim.test_cluster import (

@@ -7,7 +7,7 @@ from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.api.deps import ClockDep, HintConfigDep, SchedulerDep, StoreDep, StoreThreadDep
-from app.api.errors import Error, body_error, field_error_route
+from app.api.errors import Error
 from kvprefetch_client.events import Ident
 from app.decide.hints import route_hint
 
@@ -16,7 +16,7 @@ from app.decide.hints import route_hint
 # so this bounds the time one hint holds the event loop.
 MAX_CANDIDATES = 64
 
-router = APIRouter(tags=["routing"], route_class=field_error_route(body_error))
+router = APIRouter(tags=["routing"])
 
 
 class RouteHintRequest(BaseModel):
