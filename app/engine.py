@@ -33,7 +33,7 @@ from app.decide.score_loop import Scorer
 from app.deliver import OrderSink, PullQueue, build_sink
 from app.ingest.backlog import CHUNK_EVENTS, Backlog
 from app.ingest.eventlog import EventLog
-from app.ingest.ingestor import IngestResult, Ingestor, Observer
+from app.ingest.ingestor import Ingestor, IngestResult, Observer
 from app.observe.ledger import AdviceLedger
 from app.observe.metrics import Metrics, multiprocess_dir
 from app.observe.outcomes import RequestOutcome, outcome_observer
@@ -71,9 +71,17 @@ class Engine:
     does; a replay with a NullEventLog has nothing to replay). `load_model` False: serve the
     heuristic without loading KVP_MODEL_DIR (a replay whose policy never scores through it)."""
 
-    def __init__(self, settings: Settings, *, store: StateStore | None = None, clock: Clock | None = None,
-                 order_sink: OrderSink | None = None, event_log: EventLog | NullEventLog | None = None,
-                 recover: bool = True, load_model: bool = True) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        store: StateStore | None = None,
+        clock: Clock | None = None,
+        order_sink: OrderSink | None = None,
+        event_log: EventLog | NullEventLog | None = None,
+        recover: bool = True,
+        load_model: bool = True,
+    ) -> None:
         self.settings = settings
         self.clock: Clock = clock or SystemClock()
         # First: a sink misconfigured (webhook without a URL) stops startup before anything opens.
@@ -86,9 +94,14 @@ class Engine:
         self.store_thread = StoreThread(offload=self.offload)
         self.store_health = StoreHealth(self.store, offload=self.offload)
         self.event_log: EventLog | NullEventLog = (
-            event_log if event_log is not None
-            else EventLog(settings.event_log_dir, segment_bytes=settings.log_segment_bytes,
-                          fsync=settings.log_fsync))
+            event_log
+            if event_log is not None
+            else EventLog(
+                settings.event_log_dir,
+                segment_bytes=settings.log_segment_bytes,
+                fsync=settings.log_fsync,
+            )
+        )
         self._owns_log = event_log is None
         # Both keep per-session maps, forgotten with the store's sessions (by event time).
         self.ledger = AdviceLedger(retention_seconds=settings.session_retention_seconds)
@@ -97,37 +110,74 @@ class Engine:
         self.cluster = ClusterSpec.from_settings(settings)
         self.hint_config = HintConfig.for_cluster(self.cluster)
         self.thresholds = Thresholds.from_settings(settings)
-        self.scheduler = Scheduler(self.store, SchedulerConfig.from_cluster(self.cluster, self.thresholds))
+        self.scheduler = Scheduler(
+            self.store, SchedulerConfig.from_cluster(self.cluster, self.thresholds)
+        )
         self.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)
-        self.models = ModelRegistry(settings.model_dir if load_model else None, settings.shadow_model_dir,
-                                    ledger=self.ledger,
-                                    models_root=settings.models_root_dir)
-        self.metrics = Metrics(gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir())
+        self.models = ModelRegistry(
+            settings.model_dir if load_model else None,
+            settings.shadow_model_dir,
+            ledger=self.ledger,
+            models_root=settings.models_root_dir,
+        )
+        self.metrics = Metrics(
+            gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir()
+        )
         self.metrics.bind(scheduler=self.scheduler, ledger=self.ledger, models=self.models)
-        self.scorer = Scorer(self.store, self.models, self.ledger, self.clock,
-                             sessions_per_tick=settings.score_sessions_per_tick, scheduler=self.scheduler,
-                             routes=self.routes.estimate, observe_seconds=self.metrics.scored,
-                             thresholds=self.thresholds)
-        self.dispatcher = Dispatcher(self.scheduler, self.order_sink, self.clock,
-                                     observe_seconds=self.metrics.planned, offload=self.store_thread.run)
+        self.scorer = Scorer(
+            self.store,
+            self.models,
+            self.ledger,
+            self.clock,
+            sessions_per_tick=settings.score_sessions_per_tick,
+            scheduler=self.scheduler,
+            routes=self.routes.estimate,
+            observe_seconds=self.metrics.scored,
+            thresholds=self.thresholds,
+        )
+        self.dispatcher = Dispatcher(
+            self.scheduler,
+            self.order_sink,
+            self.clock,
+            observe_seconds=self.metrics.planned,
+            offload=self.store_thread.run,
+        )
         landed, self._measured = LandedPrefetches(self.scheduler), MeasuredStall()
-        self.timeline = Timeline(self.ledger, self.scheduler, self.models, self.clock, landed=landed,
-                                 stall=self._measured.stall,
-                                 capacity=capacity_for(settings.dashboard_sample_seconds))
+        self.timeline = Timeline(
+            self.ledger,
+            self.scheduler,
+            self.models,
+            self.clock,
+            landed=landed,
+            stall=self._measured.stall,
+            capacity=capacity_for(settings.dashboard_sample_seconds),
+        )
         # landed before the scheduler's feedback, which forgets a completed order.
-        observers: list[Observer] = [self.ledger.observe, self.scorer.observe, landed.observe,
-                                     feedback_observer(self.scheduler, self.routes)]
+        observers: list[Observer] = [
+            self.ledger.observe,
+            self.scorer.observe,
+            landed.observe,
+            feedback_observer(self.scheduler, self.routes),
+        ]
         if isinstance(self.order_sink, PullQueue):
             # order_progress: started, done. The queue is the loop's (GET /v1/orders, the
             # planning loop's delivery), so a store thread's drain hands it over there.
-            observers.append(self._on_loop(self.order_sink.observe) if self.offload else self.order_sink.observe)
+            observers.append(
+                self._on_loop(self.order_sink.observe) if self.offload else self.order_sink.observe
+            )
         observers.append(outcome_observer(self.store, self.cluster, self._record_outcomes))
         # Last: it syncs the counters with what the ledger and the scheduler counted just now.
         observers.append(self.metrics.observe)
         self.backlog = Backlog(compose_observers(observers), settings.backlog_max_events)
-        self.ingestor = Ingestor(self.store, self.event_log, replica_id=settings.replica_id,  # type: ignore[arg-type]
-                                 clock=self.clock, max_clock_skew_seconds=settings.max_clock_skew_seconds,
-                                 observer=self.backlog.put, refused=self.metrics.events_refused)
+        self.ingestor = Ingestor(
+            self.store,
+            self.event_log,  # type: ignore[arg-type]  # a NullEventLog appends like one
+            replica_id=settings.replica_id,
+            clock=self.clock,
+            max_clock_skew_seconds=settings.max_clock_skew_seconds,
+            observer=self.backlog.put,
+            refused=self.metrics.events_refused,
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.probe_task: asyncio.Task[None] | None = None
@@ -141,12 +191,26 @@ class Engine:
         self._check_clock()
 
     @classmethod
-    def build(cls, settings: Settings | None = None, *, store: StateStore | None = None,
-              clock: Clock | None = None, order_sink: OrderSink | None = None,
-              event_log: EventLog | NullEventLog | None = None, recover: bool = True,
-              load_model: bool = True) -> Engine:
-        return cls(settings or Settings(), store=store, clock=clock, order_sink=order_sink,
-                   event_log=event_log, recover=recover, load_model=load_model)
+    def build(
+        cls,
+        settings: Settings | None = None,
+        *,
+        store: StateStore | None = None,
+        clock: Clock | None = None,
+        order_sink: OrderSink | None = None,
+        event_log: EventLog | NullEventLog | None = None,
+        recover: bool = True,
+        load_model: bool = True,
+    ) -> Engine:
+        return cls(
+            settings or Settings(),
+            store=store,
+            clock=clock,
+            order_sink=order_sink,
+            event_log=event_log,
+            recover=recover,
+            load_model=load_model,
+        )
 
     def _check_clock(self) -> None:
         try:
@@ -154,17 +218,23 @@ class Engine:
         except StoreError:  # a diagnostic: the store's health is reported by its probe
             ahead = None
         if ahead is not None:
-            log.error("the store has taken an event stamped %r, more than KVP_MAX_CLOCK_SKEW_SECONDS "
-                      "ahead of the clock, before such events were refused: its session retention "
-                      "and reorder windows count from there. Clear the store (its keys under "
-                      "KVP_REDIS_PREFIX) and restart: the log is replayed without such events.", ahead)
+            log.error(
+                "the store has taken an event stamped %r, more than KVP_MAX_CLOCK_SKEW_SECONDS "
+                "ahead of the clock, before such events were refused: its session retention "
+                "and reorder windows count from there. Clear the store (its keys under "
+                "KVP_REDIS_PREFIX) and restart: the log is replayed without such events.",
+                ahead,
+            )
 
-    def _record_outcomes(self, outcomes: Sequence[RequestOutcome]) -> None:  # /metrics, the dashboard
+    def _record_outcomes(
+        self, outcomes: Sequence[RequestOutcome]
+    ) -> None:  # /metrics, the dashboard
         self.metrics.record_outcomes(outcomes)
         self._measured.record_outcomes(outcomes)
 
     def _on_loop(self, observer: Observer) -> Observer:
         """`observer`, told on the engine's loop (in order) once it runs; before, at once."""
+
         def observe(events: Sequence[Event]) -> None:
             loop = self._loop
             if loop is None:
@@ -212,17 +282,38 @@ class Engine:
         settings = self.settings
         await self.store_health.refresh(settings.redis_timeout_seconds)
         self.running = True
-        self.probe_task = asyncio.create_task(self.store_health.run(settings.store_probe_interval_seconds))
+        self.probe_task = asyncio.create_task(
+            self.store_health.run(settings.store_probe_interval_seconds)
+        )
         self.backlog_task = asyncio.create_task(self.backlog.run(self.store_thread.run))
-        self.scoring_task = (asyncio.create_task(self.scorer.run(settings.score_interval_seconds,
-                                                                 self.store_thread.run))
-                             if settings.score_interval_seconds > 0 else None)
-        self.planning_task = (asyncio.create_task(self.dispatcher.run(settings.plan_interval_seconds))
-                              if settings.plan_interval_seconds > 0 else None)
-        self.sampling_task = (asyncio.create_task(self.timeline.run(settings.dashboard_sample_seconds))
-                              if settings.dashboard_sample_seconds > 0 else None)
-        self._tasks = [t for t in (self.scoring_task, self.planning_task, self.sampling_task,
-                                   self.backlog_task, self.probe_task) if t is not None]
+        self.scoring_task = (
+            asyncio.create_task(
+                self.scorer.run(settings.score_interval_seconds, self.store_thread.run)
+            )
+            if settings.score_interval_seconds > 0
+            else None
+        )
+        self.planning_task = (
+            asyncio.create_task(self.dispatcher.run(settings.plan_interval_seconds))
+            if settings.plan_interval_seconds > 0
+            else None
+        )
+        self.sampling_task = (
+            asyncio.create_task(self.timeline.run(settings.dashboard_sample_seconds))
+            if settings.dashboard_sample_seconds > 0
+            else None
+        )
+        self._tasks = [
+            t
+            for t in (
+                self.scoring_task,
+                self.planning_task,
+                self.sampling_task,
+                self.backlog_task,
+                self.probe_task,
+            )
+            if t is not None
+        ]
 
     async def close(self) -> None:
         """Stop the loops, hand the backlog to the observers, and close what the engine built.

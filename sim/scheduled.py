@@ -51,12 +51,23 @@ class ScheduledPolicy(PlannedPolicy):
     """`engine`: the replay's own, built with a ClusterSink as its order sink (sim/replay.py
     sim_engine); `session_view` reads its store."""
 
-    def __init__(self, engine: Engine, session_view: Callable[[str], SessionView | None],
-                 name: str = "scheduled") -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        session_view: Callable[[str], SessionView | None],
+        name: str = "scheduled",
+    ) -> None:
         # The advisor the engine's scorer runs: the serving model, the settings' thresholds, the
         # engine's estimate of where returns land.
-        super().__init__(Advisor(engine.models.serving.predictor, routes=engine.routes.estimate,
-                                 **engine.thresholds.advisor_options()), session_view, name)
+        super().__init__(
+            Advisor(
+                engine.models.serving.predictor,
+                routes=engine.routes.estimate,
+                **engine.thresholds.advisor_options(),
+            ),
+            session_view,
+            name,
+        )
         # The engine's route tracker hears of each request_routed event (its feedback observer).
         self.routes = None
         self.engine = engine
@@ -64,8 +75,10 @@ class ScheduledPolicy(PlannedPolicy):
         self.cancelled: set[str] = set()
         sink = engine.order_sink
         if not isinstance(sink, ClusterSink):
-            raise ValueError("the scheduled policy carries out the engine's orders: build the engine "
-                             "with a ClusterSink (sim.replay.sim_engine)")
+            raise ValueError(
+                "the scheduled policy carries out the engine's orders: build the engine "
+                "with a ClusterSink (sim.replay.sim_engine)"
+            )
         sink.policy = self
         # The planning tick is a coroutine (the service's sinks are async); the replay runs it here.
         self._loop = asyncio.new_event_loop()
@@ -129,4 +142,3 @@ class ScheduledPolicy(PlannedPolicy):
         elif status == "failed":
             fields["reason"] = "no room at the destination"
         self.cluster.emit("order_progress", self.cluster.now, fields)
-

@@ -29,31 +29,71 @@ _ids = itertools.count()
 
 
 def ev(type_: str, ts: float, **fields: object) -> Event:
-    return event_adapter.validate_python({"type": type_, "event_id": f"e{next(_ids)}", "ts": ts, **fields})
+    return event_adapter.validate_python(
+        {"type": type_, "event_id": f"e{next(_ids)}", "ts": ts, **fields}
+    )
 
 
 def settings(tmp_path: Path, **kw: object) -> Settings:
-    return Settings(data_dir=tmp_path, log_fsync=False, replica_id="test-engine", bytes_per_token=BYTES_PER_TOKEN,
-                    block_tokens=BLOCK_TOKENS, score_interval_seconds=0, plan_interval_seconds=0,
-                    dashboard_sample_seconds=0, model_dir=tmp_path / "no-model", **kw)  # type: ignore[arg-type]
+    return Settings(
+        data_dir=tmp_path,
+        log_fsync=False,
+        replica_id="test-engine",
+        bytes_per_token=BYTES_PER_TOKEN,
+        block_tokens=BLOCK_TOKENS,
+        score_interval_seconds=0,
+        plan_interval_seconds=0,
+        dashboard_sample_seconds=0,
+        model_dir=tmp_path / "no-model",
+        **kw,
+    )  # type: ignore[arg-type]
 
 
-def engine(tmp_path: Path, p_back: float = 0.9, **kw: object) -> tuple[Engine, MemoryStore, InProcessSink]:
+def engine(
+    tmp_path: Path, p_back: float = 0.9, **kw: object
+) -> tuple[Engine, MemoryStore, InProcessSink]:
     store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
     sink = InProcessSink()
-    built = Engine.build(settings(tmp_path, **kw), store=store, clock=ManualClock(0.0), order_sink=sink)
+    built = Engine.build(
+        settings(tmp_path, **kw), store=store, clock=ManualClock(0.0), order_sink=sink
+    )
     built.models.serving = Serving(Fixed(p_back), "fixed", None)  # type: ignore[arg-type]
     return built, store, sink
 
 
 def a_finished_turn_whose_context_is_in_the_pool(ts: float = 1.0) -> list[Event]:
-    """s1's turn on gpu-0, done; its two blocks are in the pool, not in gpu-0's HBM, which has room."""
-    return [ev("request_routed", ts, session_id="s1", request_id="r1", instance_id="gpu-0", prompt_tokens=32,
-               block_hashes=[1, 2], block_tokens=BLOCK_TOKENS),
-            ev("request_finished", ts + 1, session_id="s1", request_id="r1", instance_id="gpu-0", output_tokens=1),
-            ev("kv_blocks_stored", ts + 1, tier="pool", instance_id=None, block_hashes=[1, 2]),
-            ev("instance_status", ts + 1, instance_id="gpu-0", free_kv_bytes=100 * BLOCK_BYTES,
-               total_kv_bytes=100 * BLOCK_BYTES, queue_depth=0, running_requests=0)]
+    """s1's turn on gpu-0, done; its two blocks are in the pool, not in gpu-0's HBM (which has
+    room)."""
+    return [
+        ev(
+            "request_routed",
+            ts,
+            session_id="s1",
+            request_id="r1",
+            instance_id="gpu-0",
+            prompt_tokens=32,
+            block_hashes=[1, 2],
+            block_tokens=BLOCK_TOKENS,
+        ),
+        ev(
+            "request_finished",
+            ts + 1,
+            session_id="s1",
+            request_id="r1",
+            instance_id="gpu-0",
+            output_tokens=1,
+        ),
+        ev("kv_blocks_stored", ts + 1, tier="pool", instance_id=None, block_hashes=[1, 2]),
+        ev(
+            "instance_status",
+            ts + 1,
+            instance_id="gpu-0",
+            free_kv_bytes=100 * BLOCK_BYTES,
+            total_kv_bytes=100 * BLOCK_BYTES,
+            queue_depth=0,
+            running_requests=0,
+        ),
+    ]
 
 
 def test_an_ingested_session_is_scored_and_its_prefetch_reaches_the_sink(tmp_path: Path) -> None:
@@ -62,45 +102,79 @@ def test_an_ingested_session_is_scored_and_its_prefetch_reaches_the_sink(tmp_pat
     assert len(result.accepted) == 4 and store.session("s1") is not None
     built.clock.set(10.0)  # type: ignore[attr-defined]
     assert built.score_tick() == 1
-    # The scoring tick drained the backlog first: the ledger heard of the turn, and holds the advice.
+    # The scoring tick drained the backlog first: the ledger heard of the turn and holds the advice.
     assert built.ledger.stats("live").predictions == 1
     assert built.ledger.latest("live", "s1").prefetch  # type: ignore[union-attr]
     plan = asyncio.run(built.plan_tick())
     (order,) = [o for o in plan.orders if o.kind == "prefetch"]
-    assert (order.instance_id, list(order.block_hashes), order.session_ids) == ("gpu-0", [1, 2], ["s1"])
-    assert [m.order_id for m in sink.drain() if isinstance(m, Order)] == [o.order_id for o in plan.orders]
+    assert (order.instance_id, list(order.block_hashes), order.session_ids) == (
+        "gpu-0",
+        [1, 2],
+        ["s1"],
+    )
+    assert [m.order_id for m in sink.drain() if isinstance(m, Order)] == [
+        o.order_id for o in plan.orders
+    ]
     # The agent's report comes back through ingest to the scheduler (its feedback observer).
     built.ingest([ev("order_progress", 11.0, order_id=order.order_id, status="accepted")])
     built.drain()
     assert store.order(order.order_id).status == "accepted"  # type: ignore[union-attr]
-    assert built.scheduler.open_orders() and not asyncio.run(built.plan_tick()).orders  # not ordered twice
+    assert (
+        built.scheduler.open_orders() and not asyncio.run(built.plan_tick()).orders
+    )  # not ordered twice
     asyncio.run(built.close())
 
 
 def test_score_tick_given_session_ids_scores_exactly_those(tmp_path: Path) -> None:
     built, _, _ = engine(tmp_path)
-    built.ingest([*a_finished_turn_whose_context_is_in_the_pool(),
-                  ev("request_routed", 1.0, session_id="s2", request_id="r2", instance_id="gpu-0",
-                     prompt_tokens=16, block_hashes=[7]),
-                  ev("request_finished", 2.0, session_id="s2", request_id="r2", instance_id="gpu-0",
-                     output_tokens=1)])
+    built.ingest(
+        [
+            *a_finished_turn_whose_context_is_in_the_pool(),
+            ev(
+                "request_routed",
+                1.0,
+                session_id="s2",
+                request_id="r2",
+                instance_id="gpu-0",
+                prompt_tokens=16,
+                block_hashes=[7],
+            ),
+            ev(
+                "request_finished",
+                2.0,
+                session_id="s2",
+                request_id="r2",
+                instance_id="gpu-0",
+                output_tokens=1,
+            ),
+        ]
+    )
     built.clock.set(10.0)  # type: ignore[attr-defined]
     assert built.score_tick(["s2", "nobody"]) == 1
-    assert built.ledger.latest("live", "s2") is not None and built.ledger.latest("live", "s1") is None
+    assert (
+        built.ledger.latest("live", "s2") is not None and built.ledger.latest("live", "s1") is None
+    )
     asyncio.run(built.close())
 
 
 def test_the_thresholds_are_set_once_for_advisor_and_scheduler(tmp_path: Path) -> None:
     # A chance of 0.6 is a prefetch by default (0.5) and none at KVP_PREFETCH_MIN_P=0.7.
     for min_p, prefetches in ((0.5, True), (0.7, False)):
-        built, _, _ = engine(tmp_path / str(min_p), p_back=0.6, prefetch_min_p=min_p, lead_seconds=20.0)
+        built, _, _ = engine(
+            tmp_path / str(min_p), p_back=0.6, prefetch_min_p=min_p, lead_seconds=20.0
+        )
         assert built.thresholds == Thresholds(prefetch_min_p=min_p, lead_seconds=20.0)
-        assert (built.scheduler.config.prefetch_min_p, built.scheduler.config.lead_seconds) == (min_p, 20.0)
+        assert (built.scheduler.config.prefetch_min_p, built.scheduler.config.lead_seconds) == (
+            min_p,
+            20.0,
+        )
         built.ingest(a_finished_turn_whose_context_is_in_the_pool())
         built.clock.set(10.0)  # type: ignore[attr-defined]
         built.score_tick()
         assert built.ledger.latest("live", "s1").prefetch is prefetches  # type: ignore[union-attr]
-        assert any(o.kind == "prefetch" for o in asyncio.run(built.plan_tick()).orders) is prefetches
+        assert (
+            any(o.kind == "prefetch" for o in asyncio.run(built.plan_tick()).orders) is prefetches
+        )
         asyncio.run(built.close())
 
 
@@ -112,12 +186,20 @@ def test_horizons_out_of_order_are_refused_as_settings(tmp_path: Path) -> None:
 def test_the_cluster_is_described_once(tmp_path: Path) -> None:
     built, _, _ = engine(tmp_path, pool_link_bytes_per_second=1e6, prefetch_link_share=0.25)
     spec = built.cluster
-    assert spec == ClusterSpec(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS,
-                               pool_link_bytes_per_second=1e6, link_share=0.25)
+    assert spec == ClusterSpec(
+        bytes_per_token=BYTES_PER_TOKEN,
+        block_tokens=BLOCK_TOKENS,
+        pool_link_bytes_per_second=1e6,
+        link_share=0.25,
+    )
     assert spec.bytes_per_block == BLOCK_BYTES and spec.load_seconds(1e6, "pool") == 1.0
     assert spec.recompute_seconds(20_000) == 1.0
     config = built.scheduler.config
-    assert (config.bytes_per_block, config.pool_link_bytes_per_second, config.link_share) == (BLOCK_BYTES, 1e6, 0.25)
+    assert (config.bytes_per_block, config.pool_link_bytes_per_second, config.link_share) == (
+        BLOCK_BYTES,
+        1e6,
+        0.25,
+    )
     assert built.hint_config.pool_link_bytes_per_second == 1e6
     asyncio.run(built.close())
 
@@ -137,8 +219,15 @@ def test_close_is_idempotent_and_closes_only_what_it_built(tmp_path: Path) -> No
 
 def test_a_replay_engine_writes_nothing_to_the_data_dir(tmp_path: Path) -> None:
     store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
-    built = Engine(settings(tmp_path / "data"), store=store, clock=ManualClock(0.0), order_sink=InProcessSink(),
-                   event_log=NullEventLog(), recover=False, load_model=False)
+    built = Engine(
+        settings(tmp_path / "data"),
+        store=store,
+        clock=ManualClock(0.0),
+        order_sink=InProcessSink(),
+        event_log=NullEventLog(),
+        recover=False,
+        load_model=False,
+    )
     built.ingest(a_finished_turn_whose_context_is_in_the_pool())
     asyncio.run(built.close())
     assert not (tmp_path / "data").exists() or not any((tmp_path / "data").rglob("*.jsonl*"))
@@ -146,12 +235,16 @@ def test_a_replay_engine_writes_nothing_to_the_data_dir(tmp_path: Path) -> None:
 
 
 def test_create_app_runs_a_prebuilt_engine(tmp_path: Path) -> None:
-    built, store, sink = engine(tmp_path)
+    built, store, _ = engine(tmp_path)
     with TestClient(create_app(built)) as client:
         assert client.app.state.engine is built  # type: ignore[attr-defined]
-        body = {"events": [e.model_dump(mode="json") for e in a_finished_turn_whose_context_is_in_the_pool()]}
+        body = {
+            "events": [
+                e.model_dump(mode="json") for e in a_finished_turn_whose_context_is_in_the_pool()
+            ]
+        }
         assert client.post("/v1/events", json=body).status_code == 200
         assert built.running
     assert built.closed and store.session("s1") is not None
-    with pytest.raises(ValueError, match="Engine.build"):
+    with pytest.raises(ValueError, match=r"Engine\.build"):
         create_app(built, store=store)

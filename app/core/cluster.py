@@ -41,13 +41,18 @@ class ClusterSpec:
     link_share: float = LINK_SHARE
 
     @classmethod
-    def from_settings(cls, settings: ClusterSettings, *, link_share: float = LINK_SHARE) -> ClusterSpec:
+    def from_settings(
+        cls, settings: ClusterSettings, *, link_share: float = LINK_SHARE
+    ) -> ClusterSpec:
         """From app.core.config.Settings, or anything carrying the same names (a Scenario)."""
-        return cls(bytes_per_token=settings.bytes_per_token, block_tokens=settings.block_tokens,
-                   pool_link_bytes_per_second=settings.pool_link_bytes_per_second,
-                   host_link_bytes_per_second=settings.host_link_bytes_per_second,
-                   prefill_tokens_per_second=settings.prefill_tokens_per_second,
-                   link_share=getattr(settings, "prefetch_link_share", link_share))
+        return cls(
+            bytes_per_token=settings.bytes_per_token,
+            block_tokens=settings.block_tokens,
+            pool_link_bytes_per_second=settings.pool_link_bytes_per_second,
+            host_link_bytes_per_second=settings.host_link_bytes_per_second,
+            prefill_tokens_per_second=settings.prefill_tokens_per_second,
+            link_share=getattr(settings, "prefetch_link_share", link_share),
+        )
 
     @property
     def bytes_per_block(self) -> int:
@@ -55,7 +60,9 @@ class ClusterSpec:
 
     def link_bytes_per_second(self, source: str) -> float:
         """The link from `source` ("host" or "pool") into an instance's HBM."""
-        return self.host_link_bytes_per_second if source == "host" else self.pool_link_bytes_per_second
+        return (
+            self.host_link_bytes_per_second if source == "host" else self.pool_link_bytes_per_second
+        )
 
     def load_seconds(self, nbytes: float, source: str) -> float:
         """Time to last byte of `nbytes` over the whole link from `source`."""

@@ -62,7 +62,7 @@ class Thresholds:
     @classmethod
     def from_settings(cls, settings: object) -> Thresholds:
         """From anything carrying these names (app.core.config.Settings)."""
-        return cls(**{name: getattr(settings, name) for name in cls.__slots__})  # type: ignore[attr-defined]
+        return cls(**{name: getattr(settings, name) for name in cls.__slots__})
 
     def advisor_options(self) -> dict[str, float]:
         """The Advisor's keyword arguments."""

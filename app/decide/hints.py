@@ -55,8 +55,9 @@ class HintConfig(ClusterSpec):
     request_seconds: float = DEFAULT_REQUEST_SECONDS
 
     @classmethod
-    def for_cluster(cls, cluster: ClusterSpec, request_seconds: float = DEFAULT_REQUEST_SECONDS) -> HintConfig:
-        return cls(**{f: getattr(cluster, f) for f in ClusterSpec.__slots__},  # type: ignore[attr-defined]
+    def for_cluster(cls, cluster: ClusterSpec,
+                    request_seconds: float = DEFAULT_REQUEST_SECONDS) -> HintConfig:
+        return cls(**{f: getattr(cluster, f) for f in ClusterSpec.__slots__},
                    request_seconds=request_seconds)
 
     def __post_init__(self) -> None:

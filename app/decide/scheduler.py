@@ -85,7 +85,7 @@ class SchedulerConfig:
                    link_share=cluster.link_share, pool_link_bytes_per_second=cluster.pool_link_bytes_per_second,
                    host_link_bytes_per_second=cluster.host_link_bytes_per_second,
                    prefill_tokens_per_second=cluster.prefill_tokens_per_second, lead_seconds=t.lead_seconds,
-                   prefetch_min_p=t.prefetch_min_p, cancel_below_p=t.cancel_below_p, **kw)  # type: ignore[arg-type]
+                   prefetch_min_p=t.prefetch_min_p, cancel_below_p=t.cancel_below_p, **kw)
 
     def link_bytes_per_second(self, source: Tier) -> float:
         return self.host_link_bytes_per_second if source == "host" else self.pool_link_bytes_per_second
