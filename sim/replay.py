@@ -18,21 +18,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic_settings import BaseSettings
+
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.decide.advisor import Thresholds
 from app.engine import Engine as AppEngine
 from app.engine import NullEventLog
 from app.ingest.eventlog import encode_events
-from kvprefetch_client.events import Event, event_adapter
-from app.core.bundle import DEFAULT_MODEL_DIR
 from app.state import MemoryStore
 from app.state.base import SessionView
+from kvprefetch_client.events import Event, event_adapter
 from sim.cluster import Cluster, SimRequest
 from sim.policy_registry import make_policy
 from sim.routers import make_router
-from sim.scheduled import ClusterSink
 from sim.scenario import Scenario
+from sim.scheduled import ClusterSink
 from sim.sessions import derive_sessions
 from sim.traces import TraceRequest
 
@@ -65,6 +67,15 @@ class Engine(Protocol):
     def session(self, session_id: str) -> SessionView | None: ...
 
 
+class ReplaySettings(Settings):
+    """Settings from what the replay passes alone: no KVP_ environment, no .env file."""
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: Any,
+                                   *sources: Any, **named: Any) -> tuple[Any, ...]:
+        return (init_settings,)
+
+
 def sim_engine(scenario: Scenario, *, model_dir: str | None = None,
                planner_options: dict[str, float] | None = None, load_model: bool = True) -> AppEngine:
     """The service's Engine for a replay: a MemoryStore of the scenario's geometry keeping every
@@ -78,7 +89,7 @@ def sim_engine(scenario: Scenario, *, model_dir: str | None = None,
     # a session may be) reach only the policies that build their own Advisor.
     names = Thresholds.__slots__  # type: ignore[attr-defined]
     options = {k: v for k, v in (planner_options or {}).items() if k in names}
-    settings = Settings.model_validate({
+    settings = ReplaySettings(**{
         "bytes_per_token": scenario.bytes_per_token, "block_tokens": scenario.block_tokens,
         "pool_link_bytes_per_second": scenario.pool_link_bytes_per_second,
         "host_link_bytes_per_second": scenario.host_link_bytes_per_second,

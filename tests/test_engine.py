@@ -248,3 +248,16 @@ def test_create_app_runs_a_prebuilt_engine(tmp_path: Path) -> None:
     assert built.closed and store.session("s1") is not None
     with pytest.raises(ValueError, match=r"Engine\.build"):
         create_app(built, store=store)
+
+
+def test_a_replay_engine_takes_no_setting_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sim.replay import sim_engine
+    from sim.scenario import load_scenario
+
+    monkeypatch.setenv("KVP_PREFETCH_MIN_P", "0.9")
+    monkeypatch.setenv("KVP_POOL_LINK_BYTES_PER_SECOND", "1")
+    scenario = load_scenario("default")
+    replay_engine = sim_engine(scenario, load_model=False, planner_options={"keep_min_p": 0.3})
+    assert replay_engine.thresholds == Thresholds(keep_min_p=0.3)
+    assert replay_engine.cluster == scenario.cluster
+    asyncio.run(replay_engine.close())
