@@ -48,9 +48,17 @@ class ReplayResult:
 
 def build_requests(trace: Sequence[TraceRequest]) -> list[SimRequest]:
     sessions = derive_sessions(trace)
-    return [SimRequest(index=r.index, session_id=sid, arrival=r.arrival_seconds, input_tokens=r.input_tokens,
-                       output_tokens=r.output_tokens, hash_ids=r.hash_ids)
-            for r, sid in zip(trace, sessions.session_ids)]
+    return [
+        SimRequest(
+            index=r.index,
+            session_id=sid,
+            arrival=r.arrival_seconds,
+            input_tokens=r.input_tokens,
+            output_tokens=r.output_tokens,
+            hash_ids=r.hash_ids,
+        )
+        for r, sid in zip(trace, sessions.session_ids)
+    ]
 
 
 class Engine(Protocol):
@@ -71,13 +79,19 @@ class ReplaySettings(Settings):
     """Settings from what the replay passes alone: no KVP_ environment, no .env file."""
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls: type[BaseSettings], init_settings: Any,
-                                   *sources: Any, **named: Any) -> tuple[Any, ...]:
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: Any, *sources: Any, **named: Any
+    ) -> tuple[Any, ...]:
         return (init_settings,)
 
 
-def sim_engine(scenario: Scenario, *, model_dir: str | None = None,
-               planner_options: dict[str, float] | None = None, load_model: bool = True) -> AppEngine:
+def sim_engine(
+    scenario: Scenario,
+    *,
+    model_dir: str | None = None,
+    planner_options: dict[str, float] | None = None,
+    load_model: bool = True,
+) -> AppEngine:
     """The service's Engine for a replay: a MemoryStore of the scenario's geometry keeping every
     session (no retention: a trace's own time is the only clock), a simulated clock from 0, the
     cluster's numbers, the model (`model_dir`, default the bundled one), the planner's thresholds
@@ -89,24 +103,43 @@ def sim_engine(scenario: Scenario, *, model_dir: str | None = None,
     # a session may be) reach only the policies that build their own Advisor.
     names = Thresholds.__slots__  # type: ignore[attr-defined]
     options = {k: v for k, v in (planner_options or {}).items() if k in names}
-    settings = ReplaySettings(**{
-        "bytes_per_token": scenario.bytes_per_token, "block_tokens": scenario.block_tokens,
-        "pool_link_bytes_per_second": scenario.pool_link_bytes_per_second,
-        "host_link_bytes_per_second": scenario.host_link_bytes_per_second,
-        "prefill_tokens_per_second": scenario.prefill_tokens_per_second,
-        "session_retention_seconds": math.inf, "model_dir": Path(model_dir or DEFAULT_MODEL_DIR),
-        "replica_id": "replay", "score_interval_seconds": 0, "plan_interval_seconds": 0,
-        "dashboard_sample_seconds": 0, **options})
-    store = MemoryStore(bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens)
-    return AppEngine(settings, store=store, clock=ManualClock(0.0), order_sink=ClusterSink(),
-                     event_log=NullEventLog(), recover=False, load_model=load_model)
+    settings = ReplaySettings(
+        **{
+            "bytes_per_token": scenario.bytes_per_token,
+            "block_tokens": scenario.block_tokens,
+            "pool_link_bytes_per_second": scenario.pool_link_bytes_per_second,
+            "host_link_bytes_per_second": scenario.host_link_bytes_per_second,
+            "prefill_tokens_per_second": scenario.prefill_tokens_per_second,
+            "session_retention_seconds": math.inf,
+            "model_dir": Path(model_dir or DEFAULT_MODEL_DIR),
+            "replica_id": "replay",
+            "score_interval_seconds": 0,
+            "plan_interval_seconds": 0,
+            "dashboard_sample_seconds": 0,
+            **options,
+        }
+    )
+    store = MemoryStore(
+        bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens
+    )
+    return AppEngine(
+        settings,
+        store=store,
+        clock=ManualClock(0.0),
+        order_sink=ClusterSink(),
+        event_log=NullEventLog(),
+        recover=False,
+        load_model=load_model,
+    )
 
 
 class EngineFeed:
     """Turns the cluster's happenings into events and hands them to the engine's ingest (the
     service's: validation, dedupe, the store, the observers), under its simulated clock."""
 
-    def __init__(self, engine: AppEngine, keep_events: bool = False, drain_each: bool = False) -> None:
+    def __init__(
+        self, engine: AppEngine, keep_events: bool = False, drain_each: bool = False
+    ) -> None:
         """`drain_each`: tell the engine's observers of each event at once, rather than before the
         engine's next tick: for a policy whose scheduler a router reads between ticks (`hinted`
         asks it for the orders on their way)."""
@@ -121,8 +154,9 @@ class EngineFeed:
     def __call__(self, kind: str, ts: float, fields: dict[str, Any]) -> None:
         if ts > self.clock.now():
             self.clock.set(ts)  # type: ignore[attr-defined]
-        event = event_adapter.validate_python({"type": kind, "event_id": f"sim-{next(self._ids)}", "ts": ts,
-                                               **fields})
+        event = event_adapter.validate_python(
+            {"type": kind, "event_id": f"sim-{next(self._ids)}", "ts": ts, **fields}
+        )
         self.engine.ingest([event])
         if self.drain_each:
             self.engine.drain()
@@ -135,10 +169,19 @@ class EngineFeed:
         return self.store.session(session_id)
 
 
-def replay(trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "none", router: str = "sticky",
-           model_dir: str | None = None, measure_from_seconds: float = 0.0, keep_events: bool = False,
-           progress: Callable[[int], None] | None = None, engine: Engine | None = None,
-           planner_options: dict[str, float] | None = None) -> ReplayResult:
+def replay(
+    trace: Sequence[TraceRequest],
+    scenario: Scenario,
+    *,
+    policy: str = "none",
+    router: str = "sticky",
+    model_dir: str | None = None,
+    measure_from_seconds: float = 0.0,
+    keep_events: bool = False,
+    progress: Callable[[int], None] | None = None,
+    engine: Engine | None = None,
+    planner_options: dict[str, float] | None = None,
+) -> ReplayResult:
     """`engine`: where events go and sessions come from; default a fresh in-process EngineFeed
     over sim_engine(). `planner_options`: the planner's thresholds (Settings names), for the
     heuristic, learned and scheduled policies.
@@ -152,12 +195,26 @@ def replay(trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "
     if engine is None:
         # Only the scheduled policy scores through the engine's model: the others' replays do
         # not pay for loading it.
-        engine = EngineFeed(sim_engine(scenario, model_dir=model_dir, planner_options=planner_options,
-                                       load_model=policy == "scheduled"), keep_events=keep_events,
-                            drain_each=policy == "scheduled" and router == "hinted")
+        engine = EngineFeed(
+            sim_engine(
+                scenario,
+                model_dir=model_dir,
+                planner_options=planner_options,
+                load_model=policy == "scheduled",
+            ),
+            keep_events=keep_events,
+            drain_each=policy == "scheduled" and router == "hinted",
+        )
     app_engine = getattr(engine, "engine", None)
-    pol = make_policy(policy, session_view=engine.session, model_dir=model_dir, planner_options=planner_options,
-                      store=getattr(engine, "store", None), scenario=scenario, engine=app_engine)
+    pol = make_policy(
+        policy,
+        session_view=engine.session,
+        model_dir=model_dir,
+        planner_options=planner_options,
+        store=getattr(engine, "store", None),
+        scenario=scenario,
+        engine=app_engine,
+    )
     rtr = make_router(router, store=getattr(engine, "store", None), scenario=scenario)
     cluster = Cluster(scenario, requests, rtr, pol, emit=engine.emit)
     try:
@@ -172,8 +229,14 @@ def replay(trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "
             else:  # the caller's to close; what its observers derive is caught up
                 app_engine.drain()
     summary = summarize(cluster, requests, measure_from_seconds)
-    summary.update({"policy": policy, "router": router, "scenario": scenario.name,
-                    "wall_seconds": round(time.perf_counter() - started, 3)})
+    summary.update(
+        {
+            "policy": policy,
+            "router": router,
+            "scenario": scenario.name,
+            "wall_seconds": round(time.perf_counter() - started, 3),
+        }
+    )
     return ReplayResult(summary=summary, requests=requests, events=engine.events)
 
 
@@ -184,7 +247,9 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[k]
 
 
-def summarize(cluster: Cluster, requests: Sequence[SimRequest], measure_from_seconds: float = 0.0) -> dict[str, Any]:
+def summarize(
+    cluster: Cluster, requests: Sequence[SimRequest], measure_from_seconds: float = 0.0
+) -> dict[str, Any]:
     measured = [r for r in requests if r.arrival >= measure_from_seconds]
     reuse = [r for r in measured if r.reused_blocks]
     reused_blocks = sum(r.reused_blocks for r in reuse)
@@ -197,7 +262,9 @@ def summarize(cluster: Cluster, requests: Sequence[SimRequest], measure_from_sec
         "requests": len(measured),
         "sessions": len({r.session_id for r in measured}),
         "reuse_requests": len(reuse),
-        "hit_rate": round(sum(r.hit_blocks == r.reused_blocks for r in reuse) / len(reuse), 4) if reuse else 0.0,
+        "hit_rate": round(sum(r.hit_blocks == r.reused_blocks for r in reuse) / len(reuse), 4)
+        if reuse
+        else 0.0,
         "byte_hit_rate": round(hit_blocks / reused_blocks, 4) if reused_blocks else 0.0,
         "reused_bytes": reused_blocks * block_bytes,
         "stall_seconds_total": round(stall_total, 3),
@@ -208,7 +275,9 @@ def summarize(cluster: Cluster, requests: Sequence[SimRequest], measure_from_sec
         "bytes_prefetched_unused": int(cluster.totals.bytes_prefetched_unused),
         "recompute_tokens": sum(r.recompute_tokens for r in measured),
         "gpu_wait_fraction": round(stall_total / busy, 4) if busy else 0.0,
-        "simulated_seconds": round(max((r.finished_at or 0.0) for r in requests), 3) if requests else 0.0,
+        "simulated_seconds": round(max((r.finished_at or 0.0) for r in requests), 3)
+        if requests
+        else 0.0,
     }
 
 

@@ -250,7 +250,9 @@ def test_create_app_runs_a_prebuilt_engine(tmp_path: Path) -> None:
         create_app(built, store=store)
 
 
-def test_a_replay_engine_takes_no_setting_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_replay_engine_takes_no_setting_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from sim.replay import sim_engine
     from sim.scenario import load_scenario
 
