@@ -31,7 +31,7 @@ from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
 from app.decide.score_loop import Scorer
 from app.deliver import OrderSink, PullQueue, build_sink
-from app.ingest.backlog import CHUNK_EVENTS, Backlog
+from app.ingest.backlog import Backlog
 from app.ingest.eventlog import EventLog
 from app.ingest.ingestor import Ingestor, IngestResult, Observer
 from app.observe.ledger import AdviceLedger
@@ -46,12 +46,19 @@ from kvprefetch_client.events import Event
 
 log = logging.getLogger("kvprefetch")
 
+# Without the loops, the backlog is handed over once it holds this many events (or before a
+# tick): enough to spread each batch's cost (the metrics' sync), few enough that judging a
+# batch's outcomes (app/observe/outcomes.py: each request against the blocks landed after it in
+# the batch) stays cheap.
+DRAIN_EVENTS = 256
+
 
 class NullEventLog:
     """An event log that keeps nothing: for a replay, whose events are the trace's and must not
     land in the user's data dir. Nothing is logged, so there is nothing to recover."""
 
     directory: Path | None = None
+    keeps_events = False  # the Ingestor does not encode what it would append
 
     def __init__(self) -> None:
         self._lines = 0
@@ -251,7 +258,7 @@ class Engine:
         were parsed from. The observers hear of them from the backlog: its loop's, when the
         loops run; else `drain` (the ticks drain first), or this once the backlog holds a chunk."""
         result = self.ingestor.ingest(events, body)
-        if not self.running and self.backlog.events >= CHUNK_EVENTS:
+        if not self.running and self.backlog.events >= DRAIN_EVENTS:
             self.backlog.drain()
         return result
 

@@ -71,6 +71,7 @@ class Ingestor:
             raise ValueError("max_clock_skew_seconds must be positive")
         self.store = store
         self.event_log = event_log
+        self._encodes = getattr(event_log, "keeps_events", True)
         self.replica_id = replica_id
         # The store's windows count from the newest event ts applied: an event is taken only
         # when it is at most this far ahead of the clock, so the windows never run ahead of it.
@@ -129,7 +130,11 @@ class Ingestor:
                 # every event of it taken, none in vLLM's encoding (arrays, fields we drop).
                 whole = (body is not None and len(fresh) == len(given)
                          and VllmKvEvents not in map(type, fresh))
-                position = self.event_log.append(encode_batch(body) if whole else encode_events(fresh))  # type: ignore[arg-type]
+                if not self._encodes:  # a log that keeps nothing (a replay's): nothing to encode
+                    position = self.event_log.append(b"")
+                else:
+                    position = self.event_log.append(
+                        encode_batch(body) if whole else encode_events(fresh))  # type: ignore[arg-type]
                 try:
                     applied = self.store.apply(fresh)
                     self.store.set_checkpoint(self.replica_id, position)
