@@ -40,7 +40,7 @@ from app.observe.outcomes import RequestOutcome, outcome_observer
 from app.observe.timeline import LandedPrefetches, MeasuredStall, Timeline, capacity_for
 from app.predict.registry import ModelRegistry
 from app.state import MemoryStore, StateStore, build_store
-from app.state.base import LogPosition
+from app.state.base import LogPosition, SessionView
 from app.state.storethread import StoreHealth, StoreThread
 from kvprefetch_client.events import Event
 
@@ -267,12 +267,18 @@ class Engine:
         what the planning side derives, as the routes do with theirs); returns how many."""
         return self.backlog.drain()
 
-    def score_tick(self, session_ids: Sequence[str] | None = None) -> int:
+    def score_tick(
+        self,
+        session_ids: Sequence[str] | None = None,
+        *,
+        views: Sequence[SessionView] | None = None,
+    ) -> int:
         """One scoring tick now (by the engine's clock): a page of live sessions, or exactly
-        `session_ids` in that order (a driver that decides which, like the replay's policy)."""
+        `session_ids` in that order (a driver that decides which, like the replay's policy), or
+        `views`, those sessions as the driver just read them from the store."""
         if not self.running:
             self.backlog.drain()
-        return self.scorer.tick(session_ids)
+        return self.scorer.tick(session_ids, views=views)
 
     async def plan_tick(self) -> Plan:
         """One planning tick now: the scheduler's plan, delivered to the order sink."""

@@ -15,14 +15,28 @@ the session's advice.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from app.decide.advisor import Advisor
 from app.engine import Engine
 from app.state.base import SessionView
 from kvprefetch_client.orders import Cancel, Order
 from sim.planned import PlannedPolicy
+
+T = TypeVar("T")
+
+
+def run_now(step: Coroutine[Any, Any, T]) -> T:
+    """A coroutine that never waits, run to its end here: the replay's planning tick, whose
+    sink (ClusterSink) and store (in memory, no store thread) answer at once. An event loop per
+    tick would cost more than the tick."""
+    try:
+        step.send(None)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    step.close()
+    raise RuntimeError("the replay's planning tick waited on something: it must answer at once")
 
 
 class ClusterSink:
@@ -80,8 +94,6 @@ class ScheduledPolicy(PlannedPolicy):
                 "with a ClusterSink (sim.replay.sim_engine)"
             )
         sink.policy = self
-        # The planning tick is a coroutine (the service's sinks are async); the replay runs it here.
-        self._loop = asyncio.new_event_loop()
 
     def on_tick(self, now: float) -> None:
         for inst in self.cluster.instances:
@@ -99,11 +111,8 @@ class ScheduledPolicy(PlannedPolicy):
         clock = self.engine.clock
         if now > clock.now():
             clock.set(now)  # type: ignore[attr-defined]
-        self.engine.score_tick([v.session_id for v in views])
-        self._loop.run_until_complete(self.engine.plan_tick())
-
-    def close(self) -> None:
-        self._loop.close()
+        self.engine.score_tick(views=views)  # as just read: not read again
+        run_now(self.engine.plan_tick())
 
     def carry_out(self, order: Order) -> None:
         cluster = self.cluster

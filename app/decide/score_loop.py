@@ -68,12 +68,16 @@ class Scorer:
     def _advisor(self, predictor: Predictor) -> Advisor:
         return Advisor(predictor, routes=self.routes, **self.thresholds.advisor_options())
 
-    def tick(self, session_ids: Sequence[str] | None = None) -> int:
+    def tick(self, session_ids: Sequence[str] | None = None, *,
+             views: Sequence[SessionView] | None = None) -> int:
         """Score one page of live sessions now (by the injected clock); returns how many were read.
         `session_ids`: score exactly these, in this order, instead (the page and the finished
-        queue are left as they are): for a driver that decides which, like the replay."""
+        queue are left as they are): for a driver that decides which, like the replay; `views`:
+        those sessions as the driver just read them (not read again)."""
         now = self.clock.now()
-        if session_ids is not None:
+        if views is not None:
+            page = list(views)
+        elif session_ids is not None:
             page = [v for v in (self.store.session(s) for s in session_ids) if v is not None]
         else:
             page = self._page(now)
