@@ -20,8 +20,14 @@ class _Bucket:
 
 
 class RateLimiter:
-    def __init__(self, rate_per_second: float, burst_seconds: float, *,
-                 monotonic: Callable[[], float] = time.monotonic, max_clients: int = MAX_CLIENTS) -> None:
+    def __init__(
+        self,
+        rate_per_second: float,
+        burst_seconds: float,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        max_clients: int = MAX_CLIENTS,
+    ) -> None:
         self.rate = rate_per_second
         self.capacity = max(1.0, rate_per_second * burst_seconds)
         self._now = monotonic
