@@ -24,7 +24,14 @@ from kvprefetch_client.agent.consumer import (
     default_stream_prefix,
     stream_key,
 )
-from kvprefetch_client.agent.runner import Agent, AgentStats, Outcome, Reporter, progress_event_id, run_agent
+from kvprefetch_client.agent.runner import (
+    Agent,
+    AgentStats,
+    Outcome,
+    Reporter,
+    progress_event_id,
+    run_agent,
+)
 from kvprefetch_client.agent.tiers import BufferFull, HbmBuffer, PoolDir, block_file_name
 
 __all__ = [
