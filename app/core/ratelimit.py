@@ -1,4 +1,5 @@
-"""Per-client token buckets: a client may spend `rate` units a second, `burst_seconds` of them at once."""
+"""Per-client token buckets: a client may spend `rate` units a second, `burst_seconds` of them
+at once."""
 
 from __future__ import annotations
 
@@ -65,5 +66,6 @@ class RateLimiter:
 
 
 def retry_after(wait_seconds: float) -> str:
-    """Retry-After in whole seconds, never 0 (a client told 0 retries at once, and is refused again)."""
+    """Retry-After in whole seconds, never 0 (a client told 0 retries at once, and is refused
+    again)."""
     return str(max(1, math.ceil(wait_seconds)))

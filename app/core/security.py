@@ -165,7 +165,8 @@ def check_bind(host: str, tokens: TokenTable) -> str:
         return f"authentication on: {len(tokens)} token(s)"
     if not is_loopback(host):
         raise ConfigError(
-            f"no tokens are configured, so the service may listen on 127.0.0.1 only, not {host}: set "
-            "KVP_INGEST_TOKEN / KVP_AGENT_TOKEN / KVP_ADMIN_TOKEN or KVP_TOKENS_FILE (README, Security)"
+            "no tokens are configured, so the service may listen on 127.0.0.1 only, "
+            f"not {host}: set KVP_INGEST_TOKEN / KVP_AGENT_TOKEN / KVP_ADMIN_TOKEN or "
+            "KVP_TOKENS_FILE (README, Security)"
         )
     return f"authentication off (no tokens configured): listening on {host} only"
