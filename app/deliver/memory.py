@@ -53,7 +53,8 @@ class InProcessSink:
         return [c.order_id for c in fresh]
 
     def drain(self) -> list[Order | Cancel]:
-        """Everything delivered since the last drain, orders and cancels interleaved as they came."""
+        """Everything delivered since the last drain, orders and cancels interleaved as they
+        came."""
         messages, self._messages = self._messages, []
         return messages
 

@@ -64,7 +64,8 @@ class _Held:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """What one pull hands an agent: orders to run, and ids of orders withdrawn since its last pull."""
+    """What one pull hands an agent: orders to run, and ids of orders withdrawn since its last
+    pull."""
 
     orders: list[Order] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)

@@ -8,8 +8,8 @@ The format, which agents read directly:
                                      `instance_id`, as is: Redis keys take any bytes, so no
                                      escaping); one entry per message, a single field `msg`: the
                                      Order or Cancel JSON (`Order.to_json()`, `Cancel.to_json()`;
-                                     `kvprefetch_client.orders.from_json` reads it); each stream trimmed
-                                     with XADD MAXLEN ~ <KVP_ORDER_STREAM_MAXLEN>
+                                     `kvprefetch_client.orders.from_json` reads it); each stream
+                                     trimmed with XADD MAXLEN ~ <KVP_ORDER_STREAM_MAXLEN>
     group   kvp-agents               on every stream, created at id 0 with MKSTREAM by whichever
                                      side comes first (the sink, in the same Lua call as its
                                      first XADD there; or the instance's first agent)

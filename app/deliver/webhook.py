@@ -1,10 +1,10 @@
 """WebhookSink: orders and cancels POSTed as JSON batches to one URL.
 
 Body: `{"messages": [...]}`, each message an Order or Cancel in its JSON form (`type` tells them
-apart; `kvprefetch_client.orders.message_adapter` reads one). Header `Idempotency-Key`: a digest of the
-batch's messages (type and order id), the same on every retry of that batch, so a receiver that
-saw the first try can answer the retry without acting twice; per message, the order id is the
-key.
+apart; `kvprefetch_client.orders.message_adapter` reads one). Header `Idempotency-Key`: a digest
+of the batch's messages (type and order id), the same on every retry of that batch, so a
+receiver that saw the first try can answer the retry without acting twice; per message, the
+order id is the key.
 
 Retries: a connection error, a timeout, a 5xx or a 429 is tried again, up to
 `max_attempts` tries, after an exponential backoff with jitter (`backoff_seconds` doubling, capped
