@@ -15,6 +15,7 @@ rewritten. Training converts to a DataFrame once (training/).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -138,10 +139,9 @@ class EventLog:
     def _undo_partial_write(self) -> None:
         """Cut what a failed append left behind, so the next append starts on a whole line."""
         path = segment_path(self.directory, self._number)
-        try:
+        # The buffered bytes are what we are throwing away.
+        with contextlib.suppress(OSError):
             self._file.close()
-        except OSError:
-            pass  # the buffered bytes are what we are throwing away
         try:
             with open(path, "rb+") as f:
                 f.truncate(self._size)

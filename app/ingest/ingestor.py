@@ -178,7 +178,8 @@ class Ingestor:
                         e.event_id,
                         CLOCK_SKEW,
                         f"ts {e.ts!r} is {ahead:.0f} s ahead of the service clock; at most "
-                        f"{self.max_clock_skew_seconds:g} s is accepted (KVP_MAX_CLOCK_SKEW_SECONDS)",
+                        f"{self.max_clock_skew_seconds:g} s is accepted "
+                        "(KVP_MAX_CLOCK_SKEW_SECONDS)",
                     )
                 )
             else:
@@ -214,9 +215,10 @@ class Ingestor:
                     index[e.event_id],
                     e.event_id,
                     PAST_RETENTION,
-                    f"ts {e.ts!r} is older than the session retention: the store has taken events up "
-                    f"to ts {newest_then!r} and forgets sessions and order records idle for "
-                    f"{retention:g} s (KVP_SESSION_RETENTION_SECONDS), so this event would be ignored",
+                    f"ts {e.ts!r} is older than the session retention: the store has taken "
+                    f"events up to ts {newest_then!r} and forgets sessions and order records "
+                    f"idle for {retention:g} s (KVP_SESSION_RETENTION_SECONDS), so this event "
+                    "would be ignored",
                 )
             )
         result.rejected.sort(key=lambda r: r.index)
