@@ -99,7 +99,8 @@ class AdviceLedger:
         self._cutoff = -math.inf
 
     def record(self, slot: str, advice: Iterable[SessionAdvice], made_ts: float) -> None:
-        """The advice a model gave at `made_ts` (the scoring loop's clock); the slot must be started."""
+        """The advice a model gave at `made_ts` (the scoring loop's clock); the slot must be
+        started."""
         s = self._slots[slot]
         for a in advice:
             rec = AdviceRecord(made_ts, a.retention, a.prefetch, a.p_keep)
