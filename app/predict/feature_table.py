@@ -238,7 +238,8 @@ class FeatureTable:
     def matrix(
         self, now: float, horizons: Sequence[float], rows: np.ndarray | None = None
     ) -> np.ndarray:
-        """FEATURES at `now`: one row per (session, horizon), sessions outer, as `feature_matrix`."""
+        """FEATURES at `now`: one row per (session, horizon), sessions outer, as
+        `feature_matrix`."""
         base = self.session_matrix(now, rows)
         h = np.asarray(horizons, dtype=np.float64)
         out = np.empty((len(base), len(h), len(FEATURES)))

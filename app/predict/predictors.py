@@ -136,7 +136,8 @@ class LearnedPredictor:
         return "lleaves" if self.compiled is not None else "booster"
 
     def p_from_matrix(self, x: np.ndarray) -> np.ndarray:
-        """P(within the row's horizon) for each row of a FEATURES matrix (feature_matrix's layout)."""
+        """P(within the row's horizon) for each row of a FEATURES matrix (feature_matrix's
+        layout)."""
         if len(x) == 0:
             return np.zeros(0)
         if self.compiled is not None:
