@@ -1,7 +1,8 @@
 """What a state store is: the views it returns and the interface both backends implement.
 
-The rules every backend follows (in code: app/state/rules.py), so that state is a function of the *set* of events, whatever
-order they arrive in (tests/state/test_store_contract.py checks them on every backend):
+The rules every backend follows (in code: app/state/rules.py), so that state is a function of the
+*set* of events, whatever order they arrive in (tests/state/test_store_contract.py checks them on
+every backend):
 
 - Request lifecycle: each request keeps the greatest `ts` seen for routed, started and finished.
   A session's *latest request* is the one routed last (by `ts`); its state (queued, running,

@@ -185,8 +185,8 @@ _APPLY_LUA = (
     .replace("__RECENT_ARRIVALS__", str(RECENT_ARRIVALS))
 )
 
-# ARGV: prefix, ttl seconds, bucket seconds, session retention. Returns sessions, instances, locations,
-# resident blocks, orders, remembered event ids.
+# ARGV: prefix, ttl seconds, bucket seconds, session retention. Returns sessions, instances,
+# locations, resident blocks, orders, remembered event ids.
 _STATS_LUA = _lua("redis_stats.lua")
 # ARGV: prefix, then per query: location name, n, n members. Returns 1/0 per member.
 _HOLDS_LUA = _lua("redis_holds.lua")
@@ -580,13 +580,10 @@ class RedisStore:
                 )
                 replies = pipe.execute()
                 rows: list[tuple[float, str]] = []
-                if cursor is not None:
-                    if cursor[0] >= since:
-                        rows = [
-                            (cursor[0], m)
-                            for m in sorted(replies[0], reverse=True)
-                            if m < cursor[1]
-                        ]
+                if cursor is not None and cursor[0] >= since:
+                    rows = [
+                        (cursor[0], m) for m in sorted(replies[0], reverse=True) if m < cursor[1]
+                    ]
                 rows += [(float(score), m) for m, score in replies[-1]]
                 rows = rows[:want]
                 if not rows:
