@@ -8,7 +8,7 @@ order (see app/state/).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -51,10 +51,10 @@ Timestamp = Annotated[StrictFloat, Field(ge=0, le=MAX_TS_SECONDS, allow_inf_nan=
 Tokens = Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS)]
 BlockTokens = Annotated[StrictInt, Field(ge=1, le=1_048_576)]
 # vLLM's ExternalBlockHash is bytes or int; over JSON that is an int or a (hex) string.
-BlockHash = Union[
-    Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)],
-    Annotated[str, StringConstraints(min_length=1, max_length=128)],
-]
+BlockHash = (
+    Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]
+    | Annotated[str, StringConstraints(min_length=1, max_length=128)]
+)
 BlockHashes = Annotated[list[BlockHash], Field(max_length=MAX_BLOCKS_PER_EVENT)]
 
 # Where KV can live: a GPU's HBM, its host's DRAM, its local disk, or the shared pool
@@ -313,7 +313,16 @@ class OrderProgress(_Event):
 
 
 Event = Annotated[
-    RequestRouted | RequestStarted | RequestFinished | SessionClosed | KvBlocksStored | KvBlocksRemoved | KvBlocksCleared | VllmKvEvents | InstanceStatus | OrderProgress,
+    RequestRouted
+    | RequestStarted
+    | RequestFinished
+    | SessionClosed
+    | KvBlocksStored
+    | KvBlocksRemoved
+    | KvBlocksCleared
+    | VllmKvEvents
+    | InstanceStatus
+    | OrderProgress,
     Field(discriminator="type"),
 ]
 

@@ -539,7 +539,8 @@ def run_agent(
     poll_seconds: float = 0.5,
     token: str | None = None,
 ) -> AgentStats:
-    """Run an agent until `stop` is set; closes the source and flushes the reports on the way out."""
+    """Run an agent until `stop` is set; closes the source and flushes the reports on the way
+    out."""
     from kvprefetch_client.client import KvpClient
 
     # Small linger: an agent's reports are few, and an ack waits on them.
