@@ -168,7 +168,8 @@ def classifier(
     features: Sequence[str] | None = None,
     horizons: Sequence[float] = HORIZONS,
 ) -> tuple[np.ndarray, lgb.Booster]:
-    """P(within h) for h in EVAL_HORIZONS on the judged rows, shape (rows, horizons); the booster."""
+    """P(within h) for h in EVAL_HORIZONS on the judged rows, shape (rows, horizons); the
+    booster."""
     features = list(features or (*SESSION_FEATURES, HORIZON_FEATURE))
     booster = _fit(
         _params("binary", features, seed),
@@ -228,7 +229,7 @@ def _interval_rows(points: pd.DataFrame, features: Sequence[str]) -> tuple[np.nd
     wait, window = points.time_to_next_seconds.to_numpy(), points.window_seconds.to_numpy()
     for lo, hi in zip(HAZARD_EDGES_SECONDS[:-1], HAZARD_EDGES_SECONDS[1:]):
         event = (wait > lo) & (wait <= hi) & (wait <= window)
-        # At risk: not back by `lo`; counted when the log shows the whole interval or the return in it.
+        # At risk: not back by `lo`; counted when the log shows the whole interval or the return.
         at_risk = (wait > lo) & ((window >= hi) | event)
         xs.append(_with_column(points[at_risk], features, BIN_FEATURE, lo))
         ys.append(event[at_risk].astype(np.float64))
@@ -422,7 +423,8 @@ def render(out: dict[str, Any]) -> str:
         f"{out['inner_valid_fraction']:.0%} of the rest stops boosting; seed {out['seed']}",
         "decision points: " + ", ".join(f"{k} {v:,}" for k, v in out["decision_points"].items()),
         "",
-        f"{'formulation':<12} {'horizon_s':>9} {'rows':>7} {'pos_rate':>8} {'brier':>7} {'log_loss':>8} "
+        f"{'formulation':<12} {'horizon_s':>9} {'rows':>7} {'pos_rate':>8} {'brier':>7} "
+        f"{'log_loss':>8} "
         f"{'auc':>7}",
     ]
     for name, per_h in out["results"].items():
@@ -436,7 +438,8 @@ def render(out: dict[str, Any]) -> str:
     lines += [
         "",
         "classifier+: the classifier also trained at the judged horizons "
-        f"({', '.join(f'{h:g}' for h in PLANNER_TRAINING_HORIZONS)} s); base_rate: the training part's "
+        f"({', '.join(f'{h:g}' for h in PLANNER_TRAINING_HORIZONS)} s); base_rate: the training "
+        "part's "
         "share of returns within h, for every row",
         "best iteration: " + ", ".join(f"{k} {v}" for k, v in out["best_iteration"].items()),
     ]
@@ -457,7 +460,8 @@ def render(out: dict[str, Any]) -> str:
             "",
             "classifier gain share: " + ", ".join(f"{k} {v:.4f}" for k, v in gain.items()),
             "",
-            "retrained without one feature, minus the classifier with all (positive: the feature helps):",
+            "retrained without one feature, minus the classifier with all (positive: the feature "
+            "helps):",
             f"{'without':<22} {'horizon_s':>9} {'brier':>27} {'log_loss':>27}",
         ]
         for name, per_h in out["features"]["without"].items():

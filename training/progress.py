@@ -50,7 +50,8 @@ def rich_bars(console: Any = None) -> Iterator[Progress]:
 
 
 def stderr_is_terminal() -> bool:
-    """Whether bars on stderr would be seen (rich's test: a TTY, or TTY_COMPATIBLE=1 / FORCE_COLOR)."""
+    """Whether bars on stderr would be seen (rich's test: a TTY, or TTY_COMPATIBLE=1 /
+    FORCE_COLOR)."""
     from rich.console import Console
 
     return Console(stderr=True).is_terminal

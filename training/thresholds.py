@@ -1,7 +1,8 @@
 """Choose the planner's thresholds on a window inside the training part, never on the judged part.
 
     python -m training.thresholds --model DIR --trace T.jsonl [--trace ...] [--window 0.5 0.7]
-        [--router sticky] [--policy learned|scheduled] [--setting '{"keep_min_p": 0.3}' ...] [--json]
+        [--router sticky] [--policy learned|scheduled] [--setting '{"keep_min_p": 0.3}' ...]
+        [--json]
 
 The model must have been trained on data before the window (e.g. `python -m training.bundle
 --train-fraction 0.5 --out DIR`); each trace is replayed up to the window's end and only the
@@ -44,7 +45,8 @@ def compare_settings(
     scenario: str = "default",
     policy: str = "learned",
 ) -> list[dict[str, Any]]:
-    """One row per setting (the first is `none`): byte hit rate and stall per trace, and their means.
+    """One row per setting (the first is `none`): byte hit rate and stall per trace, and their
+    means.
     `policy`: the planner's driver, `learned` (advice straight to the cluster) or `scheduled`."""
     scen = load_scenario(scenario)
     runs: list[tuple[str, dict[str, float] | None]] = [

@@ -32,7 +32,7 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "bagging_fraction": 0.8,
     "bagging_freq": 1,
     "lambda_l2": 1.0,
-    # The model's chance must rise with the horizon: asking about a longer wait can only add returns.
+    # The chance must rise with the horizon: asking about a longer wait can only add returns.
     "monotone_constraints": [1 if f == "horizon_seconds" else 0 for f in FEATURES],
     "monotone_constraints_method": "advanced",
     "num_threads": 2,
@@ -177,7 +177,8 @@ def train(
     train_df, valid_df = split_by_time(df, valid_fraction)
     if train_df.empty or valid_df.empty:
         raise ValueError(
-            f"splitting {len(df)} rows at {1 - valid_fraction:.0%} of the time span leaves a side empty"
+            f"splitting {len(df)} rows at {1 - valid_fraction:.0%} of the time span leaves a "
+            "side empty"
         )
     features = list(FEATURES)
     booster = fit_booster(
@@ -233,7 +234,7 @@ def save_model(model: TrainedModel, out_dir: Path, *, extra: dict[str, Any] | No
         "metrics_valid": model.metrics,
         "calibration_valid": model.calibration,
         "feature_importance_gain": model.importance,
-        "params": {k: v for k, v in model.params.items()},
+        "params": dict(model.params.items()),
         "versions": {
             "lightgbm": lgb.__version__,
             "python": platform.python_version(),
