@@ -10,7 +10,8 @@ from __future__ import annotations
 import bisect
 import math
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from app.state.base import (
     HoldsQuery,
@@ -221,7 +222,8 @@ class MemoryStore:
         # Instance ids in order, for the pages of instances().
         self._instance_ids: list[str] = []
         self._checkpoints: dict[str, LogPosition] = {}
-        self._apply_one = {
+        # Each handler takes its own event type; the dispatch on `type` is what narrows.
+        self._apply_one: dict[str, Callable[[Any], None]] = {
             "request_routed": self._routed,
             "request_started": self._started,
             "request_finished": self._finished,
@@ -290,6 +292,7 @@ class MemoryStore:
     def _index_order(self, order_id: str, old_ts: float | None, ts: float) -> None:
         """Move an order to the second of its new last activity."""
         by_second, seconds = self._orders_by_second, self._order_seconds
+        members: set[str] | None
         if old_ts is not None:
             old = int(old_ts)
             if old == int(ts):
@@ -351,6 +354,7 @@ class MemoryStore:
     def _index(self, session_id: str, old_ts: float | None, ts: float) -> None:
         """Move a session to the second of its new last activity (every ts is >= 0: int floors)."""
         by_second = self._by_second
+        members: set[str] | None
         if old_ts is not None:
             old = int(old_ts)
             members = by_second[old]
@@ -651,7 +655,7 @@ class MemoryStore:
                 LocationView(
                     location=location_name(tier, instance_id),
                     tier=tier,
-                    instance_id=instance_id,  # type: ignore[arg-type]
+                    instance_id=instance_id,
                     blocks=len(loc.present),
                     bytes=len(loc.present) * loc.block_tokens * self.bytes_per_token,
                     block_tokens=loc.block_tokens,
@@ -734,7 +738,7 @@ class MemoryStore:
         return OrderView(
             order_id=order_id,
             status=status,
-            status_ts=ts,  # type: ignore[arg-type]
+            status_ts=ts,
             bytes=nbytes,
             seconds=seconds,
             reason=reason,

@@ -93,7 +93,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -269,7 +269,8 @@ class RedisStore:
         self._k_order_activity = f"{p}:order-activity"
         self._k_locs, self._k_locbt, self._k_loccl = f"{p}:locs", f"{p}:locbt", f"{p}:loccl"
         self._k_newest = f"{p}:newest"
-        self._encode = {
+        # Each encoder takes its own event type; the dispatch on `type` is what narrows.
+        self._encode: dict[str, Callable[[Any, list[str]], None]] = {
             "request_routed": self._enc_routed,
             "request_started": self._enc_started,
             "request_finished": self._enc_finished,
@@ -561,7 +562,8 @@ class RedisStore:
             # Forgotten sessions not deleted yet are below the cutoff: start there at the lowest.
             since = max(
                 -math.inf if active_since_ts is None else active_since_ts,
-                self._cutoff(self._r.get(self._k_newest)),
+                # decode_responses=True, which redis-py's types do not follow: replies are str.
+                self._cutoff(self._r.get(self._k_newest)),  # type: ignore[arg-type]
             )
             low = _ts(since) if since > -math.inf else "-inf"
             # Pages down the activity index (its score is the session's last activity ts), each
@@ -614,7 +616,8 @@ class RedisStore:
         union = sorted({m for members in encoded for m in members})
         if not union:
             return out
-        loc_names = self._r.hkeys(self._k_locs)
+        # decode_responses=True, which redis-py's types do not follow: replies are str.
+        loc_names: list[str] = self._r.hkeys(self._k_locs)  # type: ignore[assignment]
         if not loc_names:
             return out
         pipe = self._r.pipeline(transaction=False)
@@ -694,12 +697,15 @@ class RedisStore:
                 # The index's scores are all 0, so it is in id order (bytes: for UTF-8, Python's
                 # string order, as MemoryStore pages).
                 low = "(" + after if after is not None else "-"
+                # decode_responses=True, which redis-py's types do not follow: replies are str.
                 if limit is not None:
-                    chosen = self._r.zrange(
+                    chosen = self._r.zrange(  # type: ignore[assignment]
                         self._k_instances, low, "+", bylex=True, offset=0, num=limit
                     )
                 else:
-                    chosen = self._r.zrange(self._k_instances, low, "+", bylex=True)
+                    chosen = self._r.zrange(  # type: ignore[assignment]
+                        self._k_instances, low, "+", bylex=True
+                    )
             pipe = self._r.pipeline(transaction=False)
             for instance_id in chosen:
                 names = [location_name(tier, instance_id) for tier in _INSTANCE_TIERS]
@@ -748,7 +754,7 @@ class RedisStore:
             LocationView(
                 location=name,
                 tier=tier,
-                instance_id=instance_id,  # type: ignore[arg-type]
+                instance_id=instance_id,
                 blocks=n,
                 bytes=n * bt * self.bytes_per_token,
                 block_tokens=bt,
@@ -856,7 +862,7 @@ class RedisStore:
         return OrderView(
             order_id=order_id,
             status=h["status"],
-            status_ts=float(h["ts"]),  # type: ignore[arg-type]
+            status_ts=float(h["ts"]),
             bytes=int(h["bytes"]) if h["bytes"] else None,
             seconds=float(h["seconds"]) if h["seconds"] else None,
             reason=json.loads(h["reason"]),
@@ -884,7 +890,10 @@ class RedisStore:
 
     def checkpoint(self, replica_id: str) -> LogPosition | None:
         with self._errors():
-            raw = self._r.get(f"{self.prefix}:ckpt:{replica_id}")
+            # decode_responses=True, which redis-py's types do not follow: replies are str.
+            raw: str | None = self._r.get(  # type: ignore[assignment]
+                f"{self.prefix}:ckpt:{replica_id}"
+            )
         if raw is None:
             return None
         segment, offset = raw.split(":")
