@@ -21,6 +21,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from app.core.clock import Clock
 from app.ingest.eventlog import EventLog, encode_batch, encode_events, iter_log
@@ -143,9 +144,10 @@ class Ingestor:
                     and len(fresh) == len(given)
                     and VllmKvEvents not in map(type, fresh)
                 )
+                # `whole` implies a body.
                 position = self.event_log.append(
-                    encode_batch(body) if whole else encode_events(fresh)
-                )  # type: ignore[arg-type]
+                    encode_batch(cast(bytes, body)) if whole else encode_events(fresh)
+                )
                 try:
                     applied = self.store.apply(fresh)
                     self.store.set_checkpoint(self.replica_id, position)
