@@ -24,6 +24,7 @@ import math
 from collections.abc import Iterable, Sequence
 from itertools import chain
 from operator import attrgetter
+from typing import cast
 
 import numpy as np
 
@@ -173,19 +174,20 @@ class FeatureTable:
                 self.upsert(view)
             return
         ids = [v.session_id for v in views]
-        rows = list(map(self._row.get, ids))
-        new = [i for i, row in enumerate(rows) if row is None]
+        found = list(map(self._row.get, ids))
+        new = [i for i, row in enumerate(found) if row is None]
         first = len(self._ids)
         if first + len(new) > len(self._static):
             self._grow(max(2 * len(self._static), first + len(new)))
         for k, i in enumerate(new):
-            rows[i] = first + k
+            found[i] = first + k
+        rows = cast(list[int], found)  # every None was just given its new row
         self._ids.extend(ids[i] for i in new)
         self._row.update((ids[i], first + k) for k, i in enumerate(new))
         self._arrivals.extend(views[i].recent_arrivals_ts for i in new)
         for view, row in zip(views, rows):
-            if row < first:  # type: ignore[operator]
-                self._arrivals[row] = view.recent_arrivals_ts  # type: ignore[index]
+            if row < first:
+                self._arrivals[row] = view.recent_arrivals_ts
         static, aux, closed = _static_columns(views)
         self._static[np.ix_(rows, _STATIC_COLUMNS)] = static
         self._aux[rows] = aux
@@ -228,7 +230,7 @@ class FeatureTable:
             x[:, _COL[name]] = np.exp(-age / tau) * aux[:, _DECAY_SUMS + k]
         late = np.flatnonzero(ref > now)
         if len(late):
-            taken = np.arange(n) if rows is None else take
+            taken = np.arange(n) if rows is None else cast(np.ndarray, take)  # rows: an array
             for i, row in zip(late, taken[late]):
                 arrivals = self._arrivals[row]
                 for name, tau in DECAYED_FEATURES:
