@@ -176,7 +176,14 @@ def build_dataset(
             if progress
             else None
         )
-        frames.append(rows_from_events(events, log_name=path.name, applied=report, **kwargs))  # type: ignore[arg-type]
+        frames.append(
+            rows_from_events(
+                events,
+                log_name=path.name,
+                applied=report,
+                **kwargs,  # type: ignore[arg-type]
+            )
+        )
         if progress is not None:
             progress(task, len(events), len(events))
     if not frames:

@@ -108,7 +108,8 @@ def _rounds_reporter(progress: Progress, task: str, total: int) -> Any:
     def report(env: Any) -> None:
         progress(task, env.iteration + 1, total)
 
-    report.order = 40  # type: ignore[attr-defined]  # after early stopping (30), which may end the run
+    # After early stopping (30), which may end the run.
+    report.order = 40  # type: ignore[attr-defined]
     return report
 
 
