@@ -7,7 +7,7 @@ A token grants one or more scopes:
   read    the state, scheduler and model views; every token has it
 
 Tokens come from KVP_INGEST_TOKEN / KVP_AGENT_TOKEN / KVP_ADMIN_TOKEN and from KVP_TOKENS_FILE
-(TOML, see README "Security"). Only SHA-256 digests are kept once loaded, so a token never
+(TOML, see docs/operators/security.md). Only SHA-256 digests are kept once loaded, so a token never
 reaches a log, a repr or a dump of the settings. With no token at all, authentication is off and
 the service must listen on loopback only (`check_bind`).
 """
@@ -167,6 +167,6 @@ def check_bind(host: str, tokens: TokenTable) -> str:
         raise ConfigError(
             "no tokens are configured, so the service may listen on 127.0.0.1 only, "
             f"not {host}: set KVP_INGEST_TOKEN / KVP_AGENT_TOKEN / KVP_ADMIN_TOKEN or "
-            "KVP_TOKENS_FILE (README, Security)"
+            "KVP_TOKENS_FILE (docs/operators/security.md)"
         )
     return f"authentication off (no tokens configured): listening on {host} only"
