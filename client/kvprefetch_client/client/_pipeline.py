@@ -587,7 +587,8 @@ def _http_options(
         raise ValueError("timeout_seconds must be positive")
     all_headers = {"user-agent": f"kvprefetch-client/{__version__}"}
     all_headers.update(headers or {})
-    if token is not None:  # the ingest scope, or agent for an agent's reports (docs/operators/security.md)
+    # The ingest scope, or agent for an agent's reports (docs/operators/security.md).
+    if token is not None:
         all_headers["authorization"] = f"Bearer {token}"
     all_headers["content-type"] = "application/json"
     return base_url.rstrip("/") + "/v1/events", {"timeout": timeout_seconds, "headers": all_headers}
