@@ -41,8 +41,12 @@ def claim_worker_slot(directory: Path) -> tuple[int, IO[str]]:
 def create_worker_app() -> FastAPI:
     settings = Settings()  # `serve` put its options in the environment
     slot, lock = claim_worker_slot(settings.event_log_dir)
-    settings = settings.model_copy(update={"log_dir": settings.event_log_dir / f"worker-{slot}",
-                                           "replica_id": f"{settings.replica_id}-worker-{slot}"})
+    settings = settings.model_copy(
+        update={
+            "log_dir": settings.event_log_dir / f"worker-{slot}",
+            "replica_id": f"{settings.replica_id}-worker-{slot}",
+        }
+    )
     tune_gc()
     app = create_app(settings)
     app.state.worker_slot_lock = lock

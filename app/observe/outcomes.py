@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.core.cluster import ClusterSpec
-from kvprefetch_client.events import BlockHash, Event, KvBlocksStored, RequestRouted
 from app.ingest.ingestor import Observer
 from app.state.base import StateStore
+from kvprefetch_client.events import BlockHash, Event, KvBlocksStored, RequestRouted
 
 Outcome = Literal["hit", "partial", "miss"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "partial", "miss")
@@ -61,7 +61,9 @@ class RequestOutcome:
     stall_avoided_seconds: float
 
 
-def judge(store: StateStore, events: Sequence[Event], config: OutcomeConfig) -> list[RequestOutcome]:
+def judge(
+    store: StateStore, events: Sequence[Event], config: OutcomeConfig
+) -> list[RequestOutcome]:
     """The outcome of every `request_routed` in `events` with a reused block, in order.
 
     Three store lookups per instance per call (HBM, host, then the pool for what is in neither),
@@ -89,8 +91,12 @@ def judge(store: StateStore, events: Sequence[Event], config: OutcomeConfig) -> 
         on_host[inst] = host = store.present("host", inst, rest) if rest else set()
         pool_ask |= rest - host
     in_pool = store.present("pool", None, pool_ask) if pool_ask else set()
-    held = {inst: in_hbm[inst] | on_host[inst] | (blocks & in_pool) for inst, blocks in wanted.items()}
-    landed_any = {inst: set().union(*(stored for _, stored in stores)) for inst, stores in landed.items()}
+    held = {
+        inst: in_hbm[inst] | on_host[inst] | (blocks & in_pool) for inst, blocks in wanted.items()
+    }
+    landed_any = {
+        inst: set().union(*(stored for _, stored in stores)) for inst, stores in landed.items()
+    }
 
     pool_bps, host_bps = config.pool_link_bytes_per_second, config.host_link_bytes_per_second
     prefill = config.prefill_tokens_per_second
@@ -129,19 +135,35 @@ def judge(store: StateStore, events: Sequence[Event], config: OutcomeConfig) -> 
             host_n = len(from_host)
             # The host and pool links run side by side, and blocks held nowhere are recomputed
             # meanwhile; or all of it is recomputed, when that is sooner.
-            stall = min(max(host_n * block_bytes / host_bps, pool_n * block_bytes / pool_bps,
-                            (missing - host_n - pool_n) * block_tokens / prefill),
-                        missing * block_tokens / prefill)
-        out.append(RequestOutcome(
-            request_id=e.request_id, instance_id=inst,
-            outcome="hit" if not missing else "miss" if not resident else "partial",
-            reused_blocks=resident + missing, resident_blocks=resident, resident_bytes=resident * block_bytes,
-            missing_bytes=missing * block_bytes, stall_seconds=stall,
-            stall_avoided_seconds=min(resident * block_bytes / pool_bps, resident * block_tokens / prefill)))
+            stall = min(
+                max(
+                    host_n * block_bytes / host_bps,
+                    pool_n * block_bytes / pool_bps,
+                    (missing - host_n - pool_n) * block_tokens / prefill,
+                ),
+                missing * block_tokens / prefill,
+            )
+        out.append(
+            RequestOutcome(
+                request_id=e.request_id,
+                instance_id=inst,
+                outcome="hit" if not missing else "miss" if not resident else "partial",
+                reused_blocks=resident + missing,
+                resident_blocks=resident,
+                resident_bytes=resident * block_bytes,
+                missing_bytes=missing * block_bytes,
+                stall_seconds=stall,
+                stall_avoided_seconds=min(
+                    resident * block_bytes / pool_bps, resident * block_tokens / prefill
+                ),
+            )
+        )
     return out
 
 
-def _scan(events: Sequence[Event]) -> tuple[list[RequestRouted], dict[str, list[tuple[float, Sequence[BlockHash]]]]]:
+def _scan(
+    events: Sequence[Event],
+) -> tuple[list[RequestRouted], dict[str, list[tuple[float, Sequence[BlockHash]]]]]:
     """The batch's requests that name blocks, and the blocks each instance's HBM took in it with
     when (ts, blocks), in one pass (by type name: cheaper than isinstance on the ingest path)."""
     routed: list[RequestRouted] = []
@@ -161,8 +183,9 @@ def _scan(events: Sequence[Event]) -> tuple[list[RequestRouted], dict[str, list[
     return routed, landed
 
 
-def outcome_observer(store: StateStore, config: OutcomeConfig,
-                     record: Callable[[Sequence[RequestOutcome]], None]) -> Observer:
+def outcome_observer(
+    store: StateStore, config: OutcomeConfig, record: Callable[[Sequence[RequestOutcome]], None]
+) -> Observer:
     """The ingest observer: judges each batch's arriving requests and hands `record` their
     outcomes, a batch at a time (none: not called)."""
 
