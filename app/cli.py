@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -24,7 +24,7 @@ bench_cli = typer.Typer(
 cli.add_typer(bench_cli, name="bench")
 
 
-def _print_result(result: dict, as_json: bool) -> None:  # type: ignore[type-arg]
+def _print_result(result: dict[str, Any], as_json: bool) -> None:
     """One JSON object on stdout with --json; otherwise the same, indented for people."""
     import json
 
@@ -61,7 +61,9 @@ def bench_ingest(
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
 ) -> None:
-    """Events/s through POST /v1/events over HTTP (one uvicorn worker) against a bare FastAPI ceiling."""
+    """
+    Events/s through POST /v1/events over HTTP (one uvicorn worker) against a bare FastAPI ceiling.
+    """
     from bench.ingest import run
 
     _print_result(
@@ -90,7 +92,9 @@ def bench_memory(
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
 ) -> None:
-    """Bytes per tracked session in the MemoryStore, excluding and including remembered event ids."""
+    """
+    Bytes per tracked session in the MemoryStore, excluding and including remembered event ids.
+    """
     from bench.memory import run
 
     _print_result(run(sessions=sessions, jobs=jobs, seed=seed), as_json)
@@ -101,7 +105,10 @@ def bench_replay(
     trace: Annotated[
         Path | None,
         typer.Option(
-            help="A Mooncake-format trace (default: ../shared/traces/mooncake_conversation_first60.jsonl)."
+            help=(
+                "A Mooncake-format trace "
+                "(default: ../shared/traces/mooncake_conversation_first60.jsonl)."
+            )
         ),
     ] = None,
     policy: Annotated[
@@ -293,7 +300,8 @@ def serve(
     """Run the service."""
     import os
 
-    overrides = {
+    # Settings' own field names: it validates each value.
+    overrides: dict[str, Any] = {
         k: v for k, v in {"host": host, "port": port, "store": store}.items() if v is not None
     }
     settings = Settings(**overrides)
@@ -461,15 +469,16 @@ def replay(
 
 
 def _command_line(ctx: typer.Context) -> str:
-    """The running command as typed (options in declaration order; those left at their defaults omitted)."""
+    """The running command as typed (options in declaration order; those left at their defaults
+    omitted)."""
     import shlex
 
     words = ["kvprefetch", *ctx.command_path.split()[1:]]
     for param in ctx.command.params:
-        source = ctx.get_parameter_source(param.name)  # type: ignore[arg-type]
+        source = ctx.get_parameter_source(param.name)
         if source is None or source.name == "DEFAULT" or param.param_type_name != "option":
             continue
-        value = ctx.params[param.name]  # type: ignore[index]
+        value = ctx.params[param.name]
         if getattr(param, "is_flag", False):
             words.append(param.opts[0] if value else param.secondary_opts[0])
         else:

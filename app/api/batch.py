@@ -65,13 +65,16 @@ class Rejection(BaseModel):
 
 
 class IngestResponse(BaseModel):
-    """What POST /v1/events answers: every event of the batch is accepted, a duplicate, or rejected."""
+    """
+    What POST /v1/events answers: every event of the batch is accepted, a duplicate, or rejected.
+    """
 
     model_config = ConfigDict(
         json_schema_extra={
             "description": (
-                "Every event of the batch is in `accepted`, in `duplicates`, or rejected. `rejected` lists at "
-                f"most {MAX_REJECTIONS_PER_EVENT} rejections per event and {MAX_REJECTIONS_PER_ANSWER} in all; "
+                "Every event of the batch is in `accepted`, in `duplicates`, or rejected. "
+                f"`rejected` lists at most {MAX_REJECTIONS_PER_EVENT} rejections per event and "
+                f"{MAX_REJECTIONS_PER_ANSWER} in all; "
                 "a 422 also counts the rejected events and the rejections left out."
             )
         }
@@ -211,7 +214,8 @@ class BatchParser:
 
 
 def parse_batch(body: bytes, max_events: int) -> ParsedBatch:
-    """One body through a parser of its own (the service keeps one: app/api/deps.py BatchParserDep)."""
+    """One body through a parser of its own (the service keeps one: app/api/deps.py
+    BatchParserDep)."""
     return BatchParser(max_events).parse(body)
 
 

@@ -138,7 +138,8 @@ def _error_response(status: str, field: str, message: str, extra: bytes = b"") -
     body = orjson.dumps({"detail": message, "field": field})
     return (
         (
-            f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+            f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n"
             f"connection: close\r\n"
         ).encode()
         + extra
@@ -179,7 +180,8 @@ class EdgeProtocol(HttpToolsProtocol):
                 _error_response(
                     "503 Service Unavailable",
                     "connections",
-                    "too many connections (KVP_MAX_CONNECTIONS, KVP_MAX_CONNECTIONS_PER_CLIENT); retry later",
+                    "too many connections (KVP_MAX_CONNECTIONS, KVP_MAX_CONNECTIONS_PER_CLIENT); "
+                    "retry later",
                     b"retry-after: 1\r\n",
                 )
             )
@@ -243,8 +245,8 @@ class EdgeProtocol(HttpToolsProtocol):
                 _error_response(
                     "408 Request Timeout",
                     "headers",
-                    f"the request's headers did not arrive within {self.header_timeout_seconds:g} s "
-                    "(KVP_HEADER_TIMEOUT_SECONDS)",
+                    "the request's headers did not arrive within "
+                    f"{self.header_timeout_seconds:g} s (KVP_HEADER_TIMEOUT_SECONDS)",
                 )
             )
         self.transport.close()

@@ -25,10 +25,12 @@ MAX_WORKERS = 256
 
 
 def claim_worker_slot(directory: Path) -> tuple[int, IO[str]]:
-    """The first slot no live process holds, and its locked file (the lock goes with the process)."""
+    """The first slot no live process holds, and its locked file (the lock goes with the
+    process)."""
     directory.mkdir(parents=True, exist_ok=True)
     for k in range(MAX_WORKERS):
-        f = open(directory / f"worker-{k}.lock", "a")  # noqa: SIM115 - held open for the process's life
+        # Held open for the process's life: the lock goes when the process does.
+        f = open(directory / f"worker-{k}.lock", "a")  # noqa: SIM115
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

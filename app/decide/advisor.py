@@ -105,7 +105,8 @@ class Advisor:
         self.max_idle_seconds = max_idle_seconds
         if not lead_seconds <= keep_horizon_seconds <= return_horizon_seconds:
             raise ValueError(
-                "horizons must satisfy lead_seconds <= keep_horizon_seconds <= return_horizon_seconds"
+                "horizons must satisfy lead_seconds <= keep_horizon_seconds "
+                "<= return_horizon_seconds"
             )
         # Only the horizons the advice reads: each one is a model row per session per tick.
         self.horizons = (lead_seconds, keep_horizon_seconds, return_horizon_seconds)

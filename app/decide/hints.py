@@ -360,8 +360,8 @@ def _rank(
             why = f"ties {runner.instance_id} at {best.expected_seconds:.3f} s, {tie}"
         else:
             why = (
-                f"{best.expected_seconds:.3f} s to start against {runner.expected_seconds:.3f} s on "
-                f"{runner.instance_id}"
+                f"{best.expected_seconds:.3f} s to start against "
+                f"{runner.expected_seconds:.3f} s on {runner.instance_id}"
             )
     if not known:
         why = "no context known; " + why

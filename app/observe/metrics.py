@@ -176,16 +176,17 @@ class Metrics:
         )
         self.events_rejected = Counter(
             "kvprefetch_events_rejected",
-            "Events rejected by validation, by the first field named (schema field names; 'event': the event "
-            "as a whole; 'other': a field no event has).",
+            "Events rejected by validation, by the first field named (schema field names; "
+            "'event': the event as a whole; 'other': a field no event has).",
             ["field"],
             registry=r,
         )
         self.events_refused_by_time = Counter(
             "kvprefetch_events_refused",
-            "Events not taken for their ts, by reason: 'clock_skew', more than KVP_MAX_CLOCK_SKEW_SECONDS "
-            "ahead of the service clock (rejected when posted, skipped when replayed from the log); "
-            "'past_retention', a session or order event older than the session retention (rejected).",
+            "Events not taken for their ts, by reason: 'clock_skew', more than "
+            "KVP_MAX_CLOCK_SKEW_SECONDS ahead of the service clock (rejected when posted, skipped "
+            "when replayed from the log); 'past_retention', a session or order event older than "
+            "the session retention (rejected).",
             ["reason"],
             registry=r,
         )
@@ -203,8 +204,8 @@ class Metrics:
         )
         self.advice_outcomes = Counter(
             "kvprefetch_advice_outcomes",
-            "Arriving requests judged against each model's advice in force: hit (keep or prefetch), miss "
-            "(demote or lru), unscored (no advice).",
+            "Arriving requests judged against each model's advice in force: hit (keep or "
+            "prefetch), miss (demote or lru), unscored (no advice).",
             ["slot", "outcome"],
             registry=r,
         )
@@ -244,7 +245,8 @@ class Metrics:
         )
         self.prefetch_wasted_bytes = Counter(
             "kvprefetch_prefetch_wasted_bytes",
-            "Bytes of prefetches already moving when no session was likely back there: landed unused.",
+            "Bytes of prefetches already moving when no session was likely back there: "
+            "landed unused.",
             registry=r,
         )
         self.prefetch_used_bytes = Counter(
@@ -259,8 +261,8 @@ class Metrics:
         )
         self.reuse_requests = Counter(
             "kvprefetch_reuse_requests",
-            "Arriving requests with a reused context, by what they found in their instance's HBM: hit (all of "
-            "it), partial, miss (none).",
+            "Arriving requests with a reused context, by what they found in their instance's HBM: "
+            "hit (all of it), partial, miss (none).",
             ["outcome"],
             registry=r,
         )
@@ -272,14 +274,14 @@ class Metrics:
         )
         self.stall_seconds = Counter(
             "kvprefetch_stall_seconds",
-            "Estimated GPU stall incurred by arriving requests: their non-resident reused blocks loaded or "
-            "recomputed, whichever is sooner.",
+            "Estimated GPU stall incurred by arriving requests: their non-resident reused blocks "
+            "loaded or recomputed, whichever is sooner.",
             registry=r,
         )
         self.stall_avoided_seconds = Counter(
             "kvprefetch_stall_avoided_seconds",
-            "Estimated GPU stall avoided (GPU-seconds saved): the resident reused blocks' load from the pool, "
-            "or their recompute if sooner.",
+            "Estimated GPU stall avoided (GPU-seconds saved): the resident reused blocks' load "
+            "from the pool, or their recompute if sooner.",
             registry=r,
         )
         self.gpu_saved_dollars = Counter(
@@ -360,7 +362,8 @@ class Metrics:
     # -- at the source ----------------------------------------------------------------------
 
     def observe(self, events: Sequence[Event]) -> None:
-        """The ingest observer, after the ledger's and the scheduler's (it syncs what they counted)."""
+        """The ingest observer, after the ledger's and the scheduler's (it syncs what they
+        counted)."""
         if len(events) == 1:  # one at a time (a replay's engine): no tally to build
             self._ingested[events[0].type].inc()
         else:
@@ -420,7 +423,8 @@ class Metrics:
             self._sync_scheduler()
 
     def scored(self, slot: str, seconds: float) -> None:
-        """The scoring loop's timing hook (app/decide/score_loop.py), after a model's page is recorded."""
+        """The scoring loop's timing hook (app/decide/score_loop.py), after a model's page is
+        recorded."""
         self.inference_duration.labels(slot).observe(seconds)
         with self._sync_lock:
             self._sync_models()
@@ -532,7 +536,8 @@ class Metrics:
     # -- exposition ---------------------------------------------------------------------------
 
     def exposition(self) -> bytes:
-        """The text exposition: this app's registry, or every worker's files in multiprocess mode."""
+        """The text exposition: this app's registry, or every worker's files in multiprocess
+        mode."""
         self.sync()
         if self.multiprocess is None:
             return generate_latest(self.registry)

@@ -62,7 +62,7 @@ router = APIRouter(prefix="/dashboard", tags=["dashboard"])
 page = APIRouter(include_in_schema=False)
 
 
-_BAD_PARAM = {
+_BAD_PARAM: dict[int | str, dict[str, Any]] = {
     422: {"model": Error, "description": "A query parameter is out of range or not a number."}
 }
 
@@ -135,10 +135,10 @@ async def dashboard_now(
     ] = 50,
 ) -> Response:
     """Now: each model's counts and hit rate, the scheduler's totals, the prefetches landed, the
-    stall saved (and its cost at KVP_GPU_HOUR_PRICE dollars per GPU-hour), per instance its open orders, the
-    bytes on their way and its link backlog (most bytes first, up to `instances`), and the
-    `limit` sessions most likely back soonest by the serving model's latest advice (their ids
-    only with KVP_DASHBOARD_SHOW_SESSION_IDS or a valid token; else null). `store`: its last
+    stall saved (and its cost at KVP_GPU_HOUR_PRICE dollars per GPU-hour), per instance its open
+    orders, the bytes on their way and its link backlog (most bytes first, up to `instances`),
+    and the `limit` sessions most likely back soonest by the serving model's latest advice (their
+    ids only with KVP_DASHBOARD_SHOW_SESSION_IDS or a valid token; else null). `store`: its last
     probe's health and counts with their age. When the store does not answer within
     KVP_OBSERVABILITY_WAIT_SECONDS, the last figures computed, with `stale_seconds` how old."""
 

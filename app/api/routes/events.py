@@ -169,6 +169,7 @@ def check_agent_events(caller: Principal, events: list[Event]) -> None:
             raise BatchError(
                 403,
                 f"events[{i}].type",
-                f"a token with the agent scope alone may post only {', '.join(sorted(AGENT_EVENT_TYPES))} "
-                f"events, not {event.type}; nothing of the batch was accepted",
+                "a token with the agent scope alone may post only "
+                f"{', '.join(sorted(AGENT_EVENT_TYPES))} events, not {event.type}; "
+                "nothing of the batch was accepted",
             )

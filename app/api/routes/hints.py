@@ -91,7 +91,10 @@ class RouteHintResponse(BaseModel):
                             "expected_wait_seconds": 0.0,
                             "expected_seconds": 0.0,
                             "recommended": True,
-                            "reason": "14/14 blocks in HBM, ready in 0.000 s; 0 queued, 9 running, wait 0.000 s",
+                            "reason": (
+                                "14/14 blocks in HBM, ready in 0.000 s; 0 queued, 9 running, "
+                                "wait 0.000 s"
+                            ),
                         },
                         {
                             "instance_id": "gpu-1",
@@ -105,7 +108,10 @@ class RouteHintResponse(BaseModel):
                             "expected_wait_seconds": 0.0,
                             "expected_seconds": 0.187905,
                             "recommended": False,
-                            "reason": "0/14 blocks in HBM, rest by pool, ready in 0.188 s; 0 queued, 4 running, wait 0.000 s",
+                            "reason": (
+                                "0/14 blocks in HBM, rest by pool, ready in 0.188 s; 0 queued, "
+                                "4 running, wait 0.000 s"
+                            ),
                         },
                     ],
                 }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -20,11 +21,13 @@ router = APIRouter(tags=["model"])
 # active ones, the traffic it would see first.
 CHECK_SAMPLE = 256
 
-_REFUSED = {
+_REFUSED: dict[int | str, dict[str, Any]] = {
     400: {"model": Error, "description": "The body is not JSON."},
     422: {
         "model": Error,
-        "description": "The model does not load or does not fit, or the body is bad; nothing changed.",
+        "description": (
+            "The model does not load or does not fit, or the body is bad; nothing changed."
+        ),
     },
 }
 
