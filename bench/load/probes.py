@@ -57,15 +57,26 @@ def log_summary(path: Path) -> dict[str, Any]:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return {"errors": None, "warnings": None, "tail": None}
-    errors = sum(" ERROR " in ln or " CRITICAL " in ln or ln.startswith("Traceback") for ln in lines)
+    errors = sum(
+        " ERROR " in ln or " CRITICAL " in ln or ln.startswith("Traceback") for ln in lines
+    )
     warnings = sum(" WARNING " in ln for ln in lines)
-    return {"errors": errors, "warnings": warnings,
-            "tail": "\n".join(lines[-15:])[-1500:] if errors or warnings else None}
+    return {
+        "errors": errors,
+        "warnings": warnings,
+        "tail": "\n".join(lines[-15:])[-1500:] if errors or warnings else None,
+    }
 
 
 def events_ingested(metrics: dict[str, float] | None) -> int:
     """Events the service has accepted since it started, all types."""
-    return int(sum(v for k, v in (metrics or {}).items() if k.startswith("kvprefetch_events_ingested_total")))
+    return int(
+        sum(
+            v
+            for k, v in (metrics or {}).items()
+            if k.startswith("kvprefetch_events_ingested_total")
+        )
+    )
 
 
 def order_totals(metrics: dict[str, float] | None) -> dict[str, int]:
