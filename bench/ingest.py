@@ -1,4 +1,5 @@
-"""Ingest throughput: events/s through POST /v1/events over real HTTP, against the framework's ceiling.
+"""Ingest throughput: events/s through POST /v1/events over real HTTP, against the framework's
+ceiling.
 
 Two servers, each one uvicorn worker in its own process (bench/_server.py):
 - service: the real app (create_app with the memory store, the event log in a temp dir, fsync at

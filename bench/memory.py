@@ -132,7 +132,8 @@ def run(*, sessions: int = 100_000, jobs: int = 2, seed: int = 0) -> dict[str, A
         raise ValueError("sessions must be at least 1")
     plan = [(m, k) for m in ("tracemalloc", "rss") for k in (False, True)]
     info(
-        f"bench memory: {sessions:,} sessions, {len(plan)} measurements in fresh processes ({jobs} at a time)"
+        f"bench memory: {sessions:,} sessions, {len(plan)} measurements in fresh processes "
+        f"({jobs} at a time)"
     )
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         results = list(pool.map(lambda mk: _child(sessions, mk[0], mk[1], seed), plan))

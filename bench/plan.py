@@ -121,7 +121,8 @@ def run(
 
     bytes_per_block = 512 * 327_680
     info(
-        f"building the state: {sessions:,} sessions x {BLOCKS_PER_SESSION} blocks on {instances} instances"
+        f"building the state: {sessions:,} sessions x {BLOCKS_PER_SESSION} blocks "
+        f"on {instances} instances"
     )
     store = _store(sessions, instances, resident_share, bytes_per_block, seed)
     rng = random.Random(seed)

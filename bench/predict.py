@@ -104,7 +104,8 @@ def _medians_ms(fns: dict[str, Any], rounds: int) -> dict[str, float]:
 
 
 def _reference_matrix(views: list[Any], now: float, horizons: tuple[float, ...]) -> Any:
-    """feature_matrix as it was before the FeatureTable: session_features per view, rows of lists."""
+    """feature_matrix as it was before the FeatureTable: session_features per view, rows of
+    lists."""
     import numpy as np
 
     from app.predict.features import FEATURES, session_features
@@ -118,7 +119,7 @@ def _reference_matrix(views: list[Any], now: float, horizons: tuple[float, ...])
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    # Three significant digits: a fixed number of decimals rounds a small ratio (a tiny --sessions) to 0.
+    # Three significant digits: fixed decimals round a small ratio (a tiny --sessions) to 0.
     return float(f"{a / b:.3g}") if a is not None and b else None
 
 
@@ -224,6 +225,6 @@ def run(
         "met": tick <= TARGET_MS_FOR_10K if sessions == 10_000 else None,
     }
     result["rounds"] = rounds
-    # Other jobs on a shared machine inflate every figure; the ratios, measured interleaved, less so.
+    # Other jobs on a shared machine inflate every figure; the ratios, measured interleaved, less.
     result["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return {**result, **machine()}

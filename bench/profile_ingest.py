@@ -1,7 +1,8 @@
 """Where the time of POST /v1/events goes, batch of 1000 by batch of 1000.
 
     python -m bench.profile_ingest stages   [--batches 60] [--no-fsync]
-    python -m bench.profile_ingest cprofile [--batches 200] [--no-fsync] [--top 25] [--out FILE.pstats]
+    python -m bench.profile_ingest cprofile [--batches 200] [--no-fsync] [--top 25]
+                                            [--out FILE.pstats]
 
 `stages` times each step of the ingest path in-process with perf_counter, no profiler (so pure
 Python code is not inflated): parse (app.api.batch.BatchParser.parse), dedupe (the in-batch set and
@@ -193,10 +194,19 @@ _STEPS: list[tuple[str, str, str]] = [
 ]
 
 
+# (file, line, function) -> (primitive calls, calls, tottime, cumtime, callers)
+_Table = dict[tuple[str, int, str], tuple[int, int, float, float, dict[Any, Any]]]
+
+
+def _table(stats: pstats.Stats) -> _Table:
+    # typeshed's pstats stub does not declare the raw table that Stats keeps.
+    return stats.stats  # type: ignore[attr-defined]
+
+
 def _find(stats: pstats.Stats, name: str, suffix: str) -> tuple[int, float, float]:
     """(calls, tottime, cumtime) summed over the functions of that name in that file."""
     calls, tt, ct = 0, 0.0, 0.0
-    for (file, _line, func), (_cc, nc, t, c, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+    for (file, _line, func), (_cc, nc, t, c, _callers) in _table(stats).items():
         if func == name and file.replace(os.sep, "/").endswith(suffix):
             calls, tt, ct = calls + nc, tt + t, ct + c
     return calls, tt, ct
@@ -205,7 +215,7 @@ def _find(stats: pstats.Stats, name: str, suffix: str) -> tuple[int, float, floa
 def _idle(stats: pstats.Stats) -> float:
     return sum(
         t
-        for (file, _l, func), (_cc, _nc, t, _c, _callers) in stats.stats.items()  # type: ignore[attr-defined]
+        for (file, _l, func), (_cc, _nc, t, _c, _callers) in _table(stats).items()
         if file == "~" and "poll" in func and ("epoll" in func or "select" in func)
     )
 
@@ -218,7 +228,8 @@ def client_main(url: str, batches: int, concurrency: int, seed: int) -> None:
     post_all(clients, url, bodies[:10], b'"duplicates":[],"rejected":[]')  # warm-up
     elapsed = post_all(clients, url, bodies[10:], b'"duplicates":[],"rejected":[]')
     print(
-        f"client: {batches} batches of 1000 in {elapsed:.2f} s: {batches * 1000 / elapsed:,.0f} events/s "
+        f"client: {batches} batches of 1000 in {elapsed:.2f} s: "
+        f"{batches * 1000 / elapsed:,.0f} events/s "
         "(under the profiler)",
         file=sys.stderr,
     )
@@ -320,7 +331,8 @@ def _report(stats: pstats.Stats, batches: int, top: int, gc_timer: GcTimer) -> s
         )
     )
     lines.append(
-        f"{'response encode + rest of route':34s} {rest_route / n * 1e3:9.2f} {rest_route / busy * 100:6.1f}%"
+        f"{'response encode + rest of route':34s} {rest_route / n * 1e3:9.2f} "
+        f"{rest_route / busy * 100:6.1f}%"
     )
     lines.append(
         f"{'HTTP + framework (busy - route)':34s} {(busy - route) / n * 1e3:9.2f} "
@@ -329,7 +341,8 @@ def _report(stats: pstats.Stats, batches: int, top: int, gc_timer: GcTimer) -> s
     gc_s = sum(gc_timer.seconds)
     lines.append("")
     lines.append(
-        f"{'cyclic GC (inside the steps above)':34s} {gc_s / n * 1e3:9.2f} {gc_s / busy * 100:6.1f}%"
+        f"{'cyclic GC (inside the steps above)':34s} {gc_s / n * 1e3:9.2f} "
+        f"{gc_s / busy * 100:6.1f}%"
         f"  ({gc_timer.collections[2]} full collections, {gc_timer.seconds[2] * 1e3:.0f} ms)"
     )
     buf = io.StringIO()

@@ -40,7 +40,8 @@ TARGET_SECONDS = 60.0
 
 
 def all_policies() -> list[str]:
-    """Every policy but those of the trained model (`learned`, `scheduled`: `--policy` times each alone)."""
+    """Every policy but those of the trained model (`learned`, `scheduled`: `--policy` times each
+    alone)."""
     from sim.policies import POLICIES
 
     return [p for p in POLICIES if p not in ("learned", "scheduled")]
@@ -157,8 +158,10 @@ def run(
     for p in policies:
         r = results[p] = _child(path, p, router, scenario, rounds)
         info(
-            f"  {p:>10}: {r['wall_seconds']:6.2f} s median replay (+{r['trace_load_seconds']:.2f} s load), "
-            f"{r['requests_per_second']:,.0f} requests/s, peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, "
+            f"  {p:>10}: {r['wall_seconds']:6.2f} s median replay "
+            f"(+{r['trace_load_seconds']:.2f} s load), "
+            f"{r['requests_per_second']:,.0f} requests/s, "
+            f"peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, "
             f"heap peak {r['tracemalloc_peak_bytes'] / 2**20:,.0f} MiB"
         )
     slowest = max(

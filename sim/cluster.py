@@ -129,7 +129,8 @@ class Cluster:
         )
         if too_big is not None:  # it could never be admitted, and would block its queue for good
             raise ValueError(
-                f"request {too_big.index} needs {len(set(too_big.hash_ids))} blocks; an instance's HBM "
+                f"request {too_big.index} needs {len(set(too_big.hash_ids))} blocks; "
+                f"an instance's HBM "
                 f"holds {scenario.hbm_blocks} in scenario {scenario.name!r}"
             )
         policy.attach(self)
@@ -184,7 +185,8 @@ class Cluster:
                     self.totals.bytes_prefetched_unused += self.block_bytes
 
     def _check(self) -> None:
-        """The model's invariants (cheap ones; run after every event when check_invariants is set)."""
+        """The model's invariants (cheap ones; run after every event when check_invariants is
+        set)."""
         for inst in self.instances:
             assert len(inst.hbm) <= inst.hbm.capacity, f"{inst.instance_id}: HBM over capacity"
             if inst.host is not None:

@@ -1,4 +1,5 @@
-"""What `kvprefetch replay`, `kvprefetch events-from-trace` and `bench replay` do (app/cli.py parses)."""
+"""What `kvprefetch replay`, `kvprefetch events-from-trace` and `bench replay` do (app/cli.py
+parses)."""
 
 from __future__ import annotations
 

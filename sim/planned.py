@@ -97,7 +97,8 @@ class PlannedPolicy(Policy):
 class Clairvoyant:
     """A predictor that knows each session's next arrival from the trace: P(within h) is 1 or 0.
     Through the same planner it measures what a perfect model would win, so the gap from
-    `learned` to `clairvoyant` is the model's, and from `clairvoyant` to `oracle` the mechanism's."""
+    `learned` to `clairvoyant` is the model's, and from `clairvoyant` to `oracle` the
+    mechanism's."""
 
     name = "clairvoyant"
 

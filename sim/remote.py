@@ -1,9 +1,9 @@
 """Replay against a running kvprefetch service (`kvprefetch replay --via URL`).
 
 The same replay as sim.replay.replay(), but the engine is a service reached over HTTP: every
-event the cluster emits is posted with kvprefetch_client.client.KvpClient, and the policies read their
-sessions from GET /v1/sessions/{id}. Before each read the client is flushed, so the service has
-applied every event emitted so far and a policy decides on the same state as in process; an
+event the cluster emits is posted with kvprefetch_client.client.KvpClient, and the policies read
+their sessions from GET /v1/sessions/{id}. Before each read the client is flushed, so the service
+has applied every event emitted so far and a policy decides on the same state as in process; an
 over-HTTP replay therefore gives the same summary as an in-process one.
 
 One service can take many replays (`--compare` runs one per policy): each run namespaces what it
@@ -194,7 +194,8 @@ class RemoteEngine:
             self._sync()
 
     def session(self, session_id: str) -> SessionView | None:
-        """The service's view of a session, once it has every event emitted so far; None: unknown."""
+        """The service's view of a session, once it has every event emitted so far; None:
+        unknown."""
         self._sync()
         path = "/v1/sessions/" + quote(self._remote(session_id), safe="")
         try:
@@ -288,7 +289,8 @@ class RemoteEngine:
             )
 
     def _sync(self) -> None:
-        """Wait until the service has answered for every event emitted so far; raise if any failed."""
+        """Wait until the service has answered for every event emitted so far; raise if any
+        failed."""
         if self._unchecked:
             delivered = self._client.flush(self._timeout)
             self._check_delivered(delivered)
@@ -405,8 +407,10 @@ class RemoteEngine:
             return
         if view.context_bytes != view.context_tokens * bpt:
             raise RemoteEngineError(
-                f"the service at {self.url} counts {view.context_bytes / view.context_tokens:g} bytes per "
-                f"token, the scenario {bpt}: its session views would differ from an in-process replay's. "
+                f"the service at {self.url} counts "
+                f"{view.context_bytes / view.context_tokens:g} bytes per "
+                f"token, the scenario {bpt}: its session views would differ "
+                f"from an in-process replay's. "
                 f"Start it with KVP_BYTES_PER_TOKEN={bpt}"
             )
         self._bytes_per_token = None  # checked once

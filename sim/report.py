@@ -37,7 +37,8 @@ def measured_reuse(
 def byte_hit_rate_series(
     requests: Sequence[SimRequest], window_seconds: float = 60.0, measure_from_seconds: float = 0.0
 ) -> list[tuple[float, float]]:
-    """(window start in seconds, byte hit rate) per window of arrival time that holds reuse requests.
+    """(window start in seconds, byte hit rate) per window of arrival time that holds reuse
+    requests.
 
     A request belongs to window floor(arrival / window_seconds); a window's rate is
     sum(hit_blocks) / sum(reused_blocks) over its reuse requests. Windows without any are left out.

@@ -66,7 +66,8 @@ class Scenario(BaseModel):
     def _fits_a_request(self) -> Scenario:
         if self.hbm_blocks < 1:
             raise ValueError(
-                f"hbm_kv_bytes ({self.hbm_kv_bytes}) holds not even one {self.block_bytes}-byte block"
+                f"hbm_kv_bytes ({self.hbm_kv_bytes}) holds not even one "
+                f"{self.block_bytes}-byte block"
             )
         return self
 

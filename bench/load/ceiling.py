@@ -76,7 +76,8 @@ def ceiling_phase(
     load_kw: dict[str, Any],
     headers: dict[str, str],
 ) -> dict[str, Any]:
-    """The same client against the ceiling for `seconds` after `warmup`: rates, latencies, CPU, errors."""
+    """The same client against the ceiling for `seconds` after `warmup`: rates, latencies, CPU,
+    errors."""
     port = free_port()
     server = Proc(
         "ceiling",

@@ -138,7 +138,8 @@ def run(
             calibrate_sessions, store, redis_url, settings["dedupe_max_ids"], seed + 7
         )
         info(
-            f"  {calibration['bytes_per_session']:,.0f} B/session, {calibration['bytes_per_event_id']:,.0f} B/event id, "
+            f"  {calibration['bytes_per_session']:,.0f} B/session, "
+            f"{calibration['bytes_per_event_id']:,.0f} B/event id, "
             f"{calibration['bytes_per_resident_block']:,.0f} B/resident block, "
             f"{calibration['bytes_per_tombstone']:,.0f} B/tombstone, "
             f"{calibration['bytes_per_advised_session']:,.0f} B/advised session, "
@@ -182,7 +183,8 @@ def run(
             port=port,
         )
         info(
-            f"bench load: service on {service.url} (store={store}, fsync={'on' if fsync else 'off'}, "
+            f"bench load: service on {service.url} "
+            f"(store={store}, fsync={'on' if fsync else 'off'}, "
             f"session retention {settings['session_retention_seconds']:g} s), data in {workdir}"
         )
         service.wait_ready("/readyz", headers)
@@ -294,17 +296,20 @@ def _service_phase(
             break
         if service.proc.poll() is not None:
             raise BenchError(
-                f"the service exited with {service.proc.returncode} under load:\n{service.log_tail()}"
+                f"the service exited with {service.proc.returncode} under load:\n"
+                f"{service.log_tail()}"
             )
         time.sleep(min(sample_seconds - (now - t_start) % sample_seconds, end_at - now))
         s = sample(time.perf_counter() - t_start)
         points.append(s)
         w = load.window(points[-2]["perf"], s["perf"])
         info(
-            f"  t={s['t']:6.1f} s  rss {s['rss_bytes'] / 2**20:7.1f} MiB  sessions {(s['stats'] or {}).get('sessions')}, "
+            f"  t={s['t']:6.1f} s  rss {s['rss_bytes'] / 2**20:7.1f} MiB  "
+            f"sessions {(s['stats'] or {}).get('sessions')}, "
             f"{s['advised_sessions']} advised  "
             f"{w['event_batches']['events_per_second']:8,.0f} events/s  "
             f"{w['route_hints']['requests_per_second']:6,.0f} hints/s  "
-            f"p99 batch {w['event_batches']['latency_ms']['p99']} ms, hint {w['route_hints']['latency_ms']['p99']} ms"
+            f"p99 batch {w['event_batches']['latency_ms']['p99']} ms, "
+            f"hint {w['route_hints']['latency_ms']['p99']} ms"
         )
     return points, first

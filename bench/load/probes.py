@@ -17,7 +17,8 @@ def readyz(url: str, headers: dict[str, str]) -> dict[str, Any] | None:
 
 
 def scheduler(url: str, headers: dict[str, str]) -> dict[str, Any] | None:
-    """GET /v1/scheduler: what the scheduler holds (tracked sessions, open orders) and its totals."""
+    """GET /v1/scheduler: what the scheduler holds (tracked sessions, open orders) and its
+    totals."""
     import httpx
 
     try:
@@ -52,7 +53,8 @@ def metrics(url: str, headers: dict[str, str]) -> dict[str, float] | None:
 
 
 def log_summary(path: Path) -> dict[str, Any]:
-    """Problems the service logged (they need not show as HTTP errors), and its last lines if any."""
+    """Problems the service logged (they need not show as HTTP errors), and its last lines if
+    any."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:

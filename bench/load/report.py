@@ -215,9 +215,9 @@ def bound(
     growth = points[-1]["rss_bytes"] - rss0
     out = {
         "rule": (
-            "end RSS <= start RSS + sum over the counted state of (its highest count - its count at "
-            "the start) x its measured cost (the dedupe ring, once turned over: at least its measured "
-            "peak less its start) + allowance "
+            "end RSS <= start RSS + sum over the counted state of (its highest count - its count "
+            "at the start) x its measured cost (the dedupe ring, once turned over: at least its "
+            "measured peak less its start) + allowance "
             f"(max({ALLOWANCE_MIN_BYTES // 2**20} MiB, {ALLOWANCE_SHARE:.0%} of that))"
         ),
         "unit_costs": calibration,
