@@ -1,7 +1,7 @@
 """Runs one benchmark server in this process, one uvicorn worker, as `kvprefetch serve` does.
 
-    python -m bench._server service --port 8001   # create_app(Settings()): KVP_* from the environment
-    python -m bench._server ceiling --port 8002   # bench.ceiling_app
+python -m bench._server service --port 8001   # create_app(Settings()): KVP_* from the environment
+python -m bench._server ceiling --port 8002   # bench.ceiling_app
 """
 
 from __future__ import annotations
@@ -26,13 +26,18 @@ def main() -> None:
         from app.api.main import create_app
         from app.core.config import Settings
 
-        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        logging.basicConfig(
+            level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
         from app.api.edge import serve
 
         settings = Settings()
         # The same server as `kvprefetch serve`, its edge limits included.
-        serve(create_app(settings), settings.model_copy(update={"host": args.host, "port": args.port}),
-              log_level="warning")
+        serve(
+            create_app(settings),
+            settings.model_copy(update={"host": args.host, "port": args.port}),
+            log_level="warning",
+        )
         return
     from bench.ceiling_app import app
 

@@ -29,6 +29,7 @@ START_TS = 1_732_900_000.0  # a realistic unix time, in seconds
 class BenchError(KvpError):
     """A bench's server did not start, died or answered wrong (the message holds its log)."""
 
+
 def info(msg: str) -> None:
     """Progress and info go to stderr; stdout is kept for the one JSON object."""
     print(msg, file=sys.stderr, flush=True)
@@ -67,25 +68,36 @@ class ServerProcess:
 
     error: type[Exception] = RuntimeError
 
-    def __init__(self, name: str, cmd_tail: list[str], *, workdir: Path, env: dict[str, str], port: int) -> None:
+    def __init__(
+        self, name: str, cmd_tail: list[str], *, workdir: Path, env: dict[str, str], port: int
+    ) -> None:
         self.name = name
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         # cwd is the workdir so that no .env of the caller's directory leaks into Settings.
-        self.proc = subprocess.Popen([sys.executable, *cmd_tail], cwd=workdir, env=child_env(env),
-                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, *cmd_tail],
+            cwd=workdir,
+            env=child_env(env),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
 
-    def wait_ready(self, path: str = "/healthz", headers: dict[str, str] | None = None,
-                   timeout: float = 90.0) -> None:
+    def wait_ready(
+        self, path: str = "/healthz", headers: dict[str, str] | None = None, timeout: float = 90.0
+    ) -> None:
         import httpx
 
         deadline = time.monotonic() + timeout
         last = "no answer yet"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise self.error(f"the {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise self.error(
+                    f"the {self.name} exited with {self.proc.returncode}:\n{self.log_tail()}"
+                )
             try:
                 r = httpx.get(self.url + path, headers=headers, timeout=2.0)
                 if r.status_code == 200:
@@ -94,7 +106,9 @@ class ServerProcess:
             except httpx.HTTPError as exc:
                 last = repr(exc)
             time.sleep(0.05)
-        raise self.error(f"the {self.name} was not ready within {timeout:.0f} s ({last}):\n{self.log_tail()}")
+        raise self.error(
+            f"the {self.name} was not ready within {timeout:.0f} s ({last}):\n{self.log_tail()}"
+        )
 
     def log_tail(self, n: int = 4000) -> str:
         try:
@@ -118,8 +132,13 @@ class Server(ServerProcess):
 
     def __init__(self, which: str, *, workdir: Path, env: dict[str, str] | None = None) -> None:
         port = free_port()
-        super().__init__(f"{which} server", ["-m", "bench._server", which, "--port", str(port)],
-                         workdir=workdir, env=env or {}, port=port)
+        super().__init__(
+            f"{which} server",
+            ["-m", "bench._server", which, "--port", str(port)],
+            workdir=workdir,
+            env=env or {},
+            port=port,
+        )
 
 
 def _uuidish(rng: random.Random) -> str:
@@ -127,7 +146,7 @@ def _uuidish(rng: random.Random) -> str:
 
 
 class _Session:
-    __slots__ = ("session_id", "instance_id", "turns_left", "turn", "blocks")
+    __slots__ = ("blocks", "instance_id", "session_id", "turn", "turns_left")
 
     def __init__(self, session_id: str, instance_id: str, turns: int, blocks: list[int]) -> None:
         self.session_id = session_id
@@ -206,7 +225,9 @@ class Traffic:
     def _turn(self, s: _Session, *, extras: bool) -> list[dict[str, Any]]:
         rng = self.rng
         if s.turn > 0:  # the user's new message extends the context
-            s.blocks = (s.blocks + self._hashes(rng.randint(*self.blocks_per_turn)))[: self.max_blocks]
+            s.blocks = (s.blocks + self._hashes(rng.randint(*self.blocks_per_turn)))[
+                : self.max_blocks
+            ]
         s.turn += 1
         s.turns_left -= 1
         if rng.random() < 0.1:  # the router moves the session now and then
@@ -223,28 +244,64 @@ class Traffic:
         full_blocks = context_tokens // BLOCK_TOKENS
         if full_blocks > len(s.blocks):
             s.blocks = (s.blocks + self._hashes(full_blocks - len(s.blocks)))[: self.max_blocks]
-        common = {"session_id": s.session_id, "request_id": request_id, "instance_id": s.instance_id}
+        common = {
+            "session_id": s.session_id,
+            "request_id": request_id,
+            "instance_id": s.instance_id,
+        }
         out: list[dict[str, Any]] = [
-            {"event_id": self._event_id(), "ts": routed_ts, "type": "request_routed", **common,
-             "prompt_tokens": prompt_tokens, "block_hashes": prompt_blocks, "block_tokens": BLOCK_TOKENS},
+            {
+                "event_id": self._event_id(),
+                "ts": routed_ts,
+                "type": "request_routed",
+                **common,
+                "prompt_tokens": prompt_tokens,
+                "block_hashes": prompt_blocks,
+                "block_tokens": BLOCK_TOKENS,
+            },
             {"event_id": self._event_id(), "ts": started_ts, "type": "request_started", **common},
         ]
         if extras and rng.random() < self.kv_share:
             new = rng.randint(1, min(4, len(prompt_blocks)))
             parent = prompt_blocks[-new - 1] if len(prompt_blocks) > new else None
-            out.append({"event_id": self._event_id(), "ts": round(started_ts + 0.05, 6),
-                        "type": "kv_blocks_stored", "tier": "hbm", "instance_id": s.instance_id,
-                        "block_hashes": prompt_blocks[-new:], "parent_block_hash": parent,
-                        "block_tokens": BLOCK_TOKENS})
-        out.append({"event_id": self._event_id(), "ts": finished_ts, "type": "request_finished", **common,
-                    "output_tokens": output_tokens, "context_tokens": context_tokens,
-                    "block_hashes": list(s.blocks), "block_tokens": BLOCK_TOKENS})
+            out.append(
+                {
+                    "event_id": self._event_id(),
+                    "ts": round(started_ts + 0.05, 6),
+                    "type": "kv_blocks_stored",
+                    "tier": "hbm",
+                    "instance_id": s.instance_id,
+                    "block_hashes": prompt_blocks[-new:],
+                    "parent_block_hash": parent,
+                    "block_tokens": BLOCK_TOKENS,
+                }
+            )
+        out.append(
+            {
+                "event_id": self._event_id(),
+                "ts": finished_ts,
+                "type": "request_finished",
+                **common,
+                "output_tokens": output_tokens,
+                "context_tokens": context_tokens,
+                "block_hashes": list(s.blocks),
+                "block_tokens": BLOCK_TOKENS,
+            }
+        )
         if extras and rng.random() < self.status_share:
             total = 80 * 2**30
-            out.append({"event_id": self._event_id(), "ts": routed_ts, "type": "instance_status",
-                        "instance_id": rng.choice(self.instances),
-                        "free_kv_bytes": rng.randint(0, total), "total_kv_bytes": total,
-                        "queue_depth": rng.randint(0, 40), "running_requests": rng.randint(0, 256)})
+            out.append(
+                {
+                    "event_id": self._event_id(),
+                    "ts": routed_ts,
+                    "type": "instance_status",
+                    "instance_id": rng.choice(self.instances),
+                    "free_kv_bytes": rng.randint(0, total),
+                    "total_kv_bytes": total,
+                    "queue_depth": rng.randint(0, 40),
+                    "running_requests": rng.randint(0, 256),
+                }
+            )
         return out
 
     def _step(self, *, new_sessions: bool, extras: bool) -> list[dict[str, Any]] | None:
@@ -279,16 +336,17 @@ class Traffic:
         self._carry = carry
         return bodies
 
-    def session_chunks(self, sessions: int, chunk_events: int = 1_000) -> Iterator[list[dict[str, Any]]]:
+    def session_chunks(
+        self, sessions: int, chunk_events: int = 1_000
+    ) -> Iterator[list[dict[str, Any]]]:
         """Exactly `sessions` whole sessions (routed, started, finished per turn), in chunks."""
         chunk: list[dict[str, Any]] = []
         while True:
             allow_new = self.sessions_started < sessions
-            if allow_new:
-                # Start sessions one at a time so that exactly `sessions` are started.
-                if len(self._active) < self.active_target:
-                    self._active.append(self._new_session())
-                    continue
+            # Start sessions one at a time so that exactly `sessions` are started.
+            if allow_new and len(self._active) < self.active_target:
+                self._active.append(self._new_session())
+                continue
             step = self._step(new_sessions=False, extras=False)
             if step is None:
                 break

@@ -20,8 +20,8 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvprefetch_client.events import KvBlocksStored, RequestFinished, RequestRouted
 from app.decide.hints import HintConfig, route_hint
+from kvprefetch_client.events import KvBlocksStored, RequestFinished, RequestRouted
 
 
 class CountingBlocks(Sequence[Any]):
@@ -64,46 +64,75 @@ class CountingStore:
             return None
         return dataclasses.replace(c, block_hashes=CountingBlocks(c.block_hashes, self))
 
-    def held_prefixes(self, where: Sequence[Any], block_hashes: Sequence[Any],
-                      starts: Any = None) -> list[int]:
+    def held_prefixes(
+        self, where: Sequence[Any], block_hashes: Sequence[Any], starts: Any = None
+    ) -> list[int]:
         self.calls += 1
-        return self.inner.held_prefixes(where, block_hashes, starts)  # type: ignore[no-any-return]
+        return self.inner.held_prefixes(where, block_hashes, starts)
 
     def holds(self, tier: Any, instance_id: Any, block_hashes: Sequence[Any]) -> list[bool]:
         self.calls += 1
         self.blocks_looked_up += len(block_hashes)
-        return self.inner.holds(tier, instance_id, block_hashes)  # type: ignore[no-any-return]
+        return self.inner.holds(tier, instance_id, block_hashes)
 
     def present(self, tier: Any, instance_id: Any, block_hashes: Any) -> set[Any]:
         block_hashes = list(block_hashes)
         self.calls += 1
         self.blocks_looked_up += len(block_hashes)
-        return self.inner.present(tier, instance_id, block_hashes)  # type: ignore[no-any-return]
+        return self.inner.present(tier, instance_id, block_hashes)
 
     def holds_many(self, queries: Sequence[Any]) -> list[list[bool]]:
         self.calls += 1
         self.blocks_looked_up += sum(len(q[2]) for q in queries)
-        return self.inner.holds_many(queries)  # type: ignore[no-any-return]
+        return self.inner.holds_many(queries)
 
 
 def build(store: Any, blocks: int, candidates: int) -> list[str]:
     """Fill `store` with the worst case; returns the candidate ids."""
     context = list(range(1_000_000, 1_000_000 + blocks))
     events: list[Any] = [
-        RequestRouted(event_id="r", ts=1.0, session_id="s", request_id="q", instance_id="gpu-0",
-                      prompt_tokens=blocks * 16, block_hashes=context),
-        RequestFinished(event_id="f", ts=2.0, session_id="s", request_id="q", instance_id="gpu-0",
-                        output_tokens=1, block_hashes=context),
+        RequestRouted(
+            event_id="r",
+            ts=1.0,
+            session_id="s",
+            request_id="q",
+            instance_id="gpu-0",
+            prompt_tokens=blocks * 16,
+            block_hashes=context,
+        ),
+        RequestFinished(
+            event_id="f",
+            ts=2.0,
+            session_id="s",
+            request_id="q",
+            instance_id="gpu-0",
+            output_tokens=1,
+            block_hashes=context,
+        ),
         KvBlocksStored(event_id="p", ts=2.0, tier="pool", block_hashes=context),
     ]
     ids = [f"gpu-{k}" for k in range(candidates)]
     for k, iid in enumerate(ids):
-        events.append(KvBlocksStored(event_id=f"h{k}", ts=2.0, tier="hbm", instance_id=iid,
-                                     block_hashes=context[: blocks // 2]))
-        events.append(KvBlocksStored(event_id=f"o{k}", ts=2.0, tier="host", instance_id=iid,
-                                     block_hashes=context[blocks // 2: 3 * blocks // 4]))
+        events.append(
+            KvBlocksStored(
+                event_id=f"h{k}",
+                ts=2.0,
+                tier="hbm",
+                instance_id=iid,
+                block_hashes=context[: blocks // 2],
+            )
+        )
+        events.append(
+            KvBlocksStored(
+                event_id=f"o{k}",
+                ts=2.0,
+                tier="host",
+                instance_id=iid,
+                block_hashes=context[blocks // 2 : 3 * blocks // 4],
+            )
+        )
     for k in range(0, len(events), 8):
-        store.apply(events[k: k + 8])
+        store.apply(events[k : k + 8])
     return ids
 
 
@@ -116,13 +145,17 @@ def measure(store: Any, ids: list[str], repeats: int) -> dict[str, Any]:
         times.append((time.perf_counter() - t0) * 1000)
     # Counted apart: the counting wrappers would be timed too.
     counting = CountingStore(store)
-    counted = route_hint(counting, "s", ids, 10.0, config=config)  # type: ignore[arg-type]
+    counted = route_hint(counting, "s", ids, 10.0, config=config)
     assert counted == hint
     # The min too: on a shared machine it is the nearest to the hint's own cost.
-    return {"hint_ms_median": round(statistics.median(times), 3),
-            "hint_ms_min": round(min(times), 3), "hint_ms_max": round(max(times), 3),
-            "blocks_looked_up": counting.blocks_looked_up, "store_calls": counting.calls,
-            "recommended": hint.recommended}
+    return {
+        "hint_ms_median": round(statistics.median(times), 3),
+        "hint_ms_min": round(min(times), 3),
+        "hint_ms_max": round(max(times), 3),
+        "blocks_looked_up": counting.blocks_looked_up,
+        "store_calls": counting.calls,
+        "recommended": hint.recommended,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -140,13 +173,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         from app.state.redis import RedisStore
 
         url = os.environ.get("KVP_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-        store = RedisStore.from_url(url, prefix="kvp-bench-hints", bytes_per_token=1000, block_tokens=16,
-                                    timeout_seconds=30.0)
+        store = RedisStore.from_url(
+            url,
+            prefix="kvp-bench-hints",
+            bytes_per_token=1000,
+            block_tokens=16,
+            timeout_seconds=30.0,
+        )
         store.clear()
     try:
         ids = build(store, args.blocks, args.candidates)
-        out = {"store": args.store, "blocks": args.blocks, "candidates": args.candidates,
-               **measure(store, ids, args.repeats)}
+        out = {
+            "store": args.store,
+            "blocks": args.blocks,
+            "candidates": args.candidates,
+            **measure(store, ids, args.repeats),
+        }
     finally:
         if args.store == "redis":
             store.clear()

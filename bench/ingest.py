@@ -1,4 +1,5 @@
-"""Ingest throughput: events/s through POST /v1/events over real HTTP, against the framework's ceiling.
+"""Ingest throughput: events/s through POST /v1/events over real HTTP, against the framework's
+ceiling.
 
 Two servers, each one uvicorn worker in its own process (bench/_server.py):
 - service: the real app (create_app with the memory store, the event log in a temp dir, fsync at
@@ -56,7 +57,7 @@ def post_all(clients: list[Any], url: str, bodies: list[bytes], check: bytes | N
                 if r.status_code != 200 or (check is not None and check not in r.content):
                     errors.append(f"HTTP {r.status_code}: {r.content[:300]!r}")
                     return
-        except Exception as exc:  # noqa: BLE001 - reported below, the run is void
+        except Exception as exc:  # reported below, the run is void
             errors.append(f"{type(exc).__name__}: {exc}")
 
     threads = [threading.Thread(target=worker, args=(c,), daemon=True) for c in clients]
@@ -76,8 +77,9 @@ def _post_all(target: _Target, bodies: list[bytes]) -> float:
     try:
         return post_all(target.clients, target.server.url + "/v1/events", bodies, target.check)
     except BenchError as exc:
-        raise BenchError(f"{target.name}: {exc}\n--- {target.name} server log ---\n"
-                         f"{target.server.log_tail()}") from None
+        raise BenchError(
+            f"{target.name}: {exc}\n--- {target.name} server log ---\n{target.server.log_tail()}"
+        ) from None
 
 
 def new_clients(n: int) -> list[Any]:
@@ -99,8 +101,10 @@ def run(
         raise ValueError("rounds, batches and concurrency must be at least 1")
     n_batches = {size: batches or max(1, DEFAULT_EVENTS_PER_ROUND // size) for size in BATCH_SIZES}
 
-    info(f"bench ingest: {rounds} rounds, batches per round: "
-         f"{', '.join(f'{n} x {s}' for s, n in n_batches.items())}")
+    info(
+        f"bench ingest: {rounds} rounds, batches per round: "
+        f"{', '.join(f'{n} x {s}' for s, n in n_batches.items())}"
+    )
     traffic = Traffic(seed=seed)
     warmup = {size: traffic.batches(max(2, concurrency * 2), size) for size in BATCH_SIZES}
 
@@ -112,11 +116,18 @@ def run(
         "KVP_LOG_FSYNC": "true" if fsync else "false",
         "KVP_REPLICA_ID": "bench",
     }
-    samples: dict[str, dict[int, list[float]]] = {n: {s: [] for s in BATCH_SIZES} for n in ("service", "ceiling")}
+    samples: dict[str, dict[int, list[float]]] = {
+        n: {s: [] for s in BATCH_SIZES} for n in ("service", "ceiling")
+    }
     started: list[_Target] = []
     try:
-        started.append(_Target("service", Server("service", workdir=workdir, env=service_env),
-                               check=b'"duplicates":[],"rejected":[]'))
+        started.append(
+            _Target(
+                "service",
+                Server("service", workdir=workdir, env=service_env),
+                check=b'"duplicates":[],"rejected":[]',
+            )
+        )
         started.append(_Target("ceiling", Server("ceiling", workdir=workdir), check=None))
         targets = tuple(started)
         for t in targets:
@@ -134,9 +145,9 @@ def run(
                 line = []
                 for t in order:
                     elapsed = _post_all(t, round_bodies)
-                    eps = len(round_bodies) * size / elapsed
-                    samples[t.name][size].append(eps)
-                    line.append(f"{t.name} {eps:,.0f}")
+                    rate = len(round_bodies) * size / elapsed
+                    samples[t.name][size].append(rate)
+                    line.append(f"{t.name} {rate:,.0f}")
                 info(f"  round {r + 1}/{rounds} batch {size}: " + ", ".join(line) + " events/s")
     finally:
         for t in started:
@@ -157,7 +168,9 @@ def run(
         "batches_per_round": {f"batch_{s}": n for s, n in n_batches.items()},
         "concurrency": concurrency,
         "fsync": fsync,
-        "samples": {name: {f"batch_{s}": [round(x, 1) for x in xs] for s, xs in per.items()}
-                    for name, per in samples.items()},
+        "samples": {
+            name: {f"batch_{s}": [round(x, 1) for x in xs] for s, xs in per.items()}
+            for name, per in samples.items()
+        },
         **machine(),
     }

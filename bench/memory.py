@@ -36,7 +36,7 @@ TARGET_BYTES_PER_SESSION = 2048
 DEFAULT_DEDUPE_MAX_IDS = 2_000_000
 
 
-def _traffic(seed: int):  # type: ignore[no-untyped-def]
+def _traffic(seed: int):
     from bench._util import Traffic
 
     return Traffic(seed=seed, first_blocks=(15, 30), blocks_per_turn=(1, 4), max_blocks=40)
@@ -48,17 +48,22 @@ def measure(sessions: int, method: str, keep_ids: bool, seed: int = 0) -> dict[s
     import psutil
 
     from app.core.config import Settings
-    from kvprefetch_client.events import batch_adapter
     from app.state.memory import MemoryStore
+    from kvprefetch_client.events import batch_adapter
 
-    settings = Settings(_env_file=None)  # type: ignore[call-arg]
-    store = MemoryStore(bytes_per_token=settings.bytes_per_token, block_tokens=settings.block_tokens,
-                        dedupe_max_ids=DEFAULT_DEDUPE_MAX_IDS if keep_ids else 1)
+    settings = Settings(_env_file=None)
+    store = MemoryStore(
+        bytes_per_token=settings.bytes_per_token,
+        block_tokens=settings.block_tokens,
+        dedupe_max_ids=DEFAULT_DEDUPE_MAX_IDS if keep_ids else 1,
+    )
     # The bodies are serialised before the baseline (tracemalloc would slow their making 5x) and
     # kept until after the last measurement, so they weigh the same in both.
     bodies = [orjson.dumps({"events": chunk}) for chunk in _traffic(seed).session_chunks(sessions)]
     warm = MemoryStore(bytes_per_token=1, block_tokens=1)
-    warm.apply(batch_adapter.validate_json(bodies[0]).events)  # every lazy thing warm before the baseline
+    warm.apply(
+        batch_adapter.validate_json(bodies[0]).events
+    )  # every lazy thing warm before the baseline
     del warm
     proc = psutil.Process()
     if method == "tracemalloc":
@@ -101,11 +106,24 @@ def measure(sessions: int, method: str, keep_ids: bool, seed: int = 0) -> dict[s
 
 
 def _child(sessions: int, method: str, keep_ids: bool, seed: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.memory", "--worker", "--sessions", str(sessions),
-           "--method", method, "--seed", str(seed), "--keep-ids" if keep_ids else "--drop-ids"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.memory",
+        "--worker",
+        "--sessions",
+        str(sessions),
+        "--method",
+        method,
+        "--seed",
+        str(seed),
+        "--keep-ids" if keep_ids else "--drop-ids",
+    ]
     done = subprocess.run(cmd, cwd=REPO, env=child_env({}), capture_output=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[2:])} failed ({done.returncode}):\n{done.stderr.decode()[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(cmd[2:])} failed ({done.returncode}):\n{done.stderr.decode()[-3000:]}"
+        )
     return json.loads(done.stdout)
 
 
@@ -113,20 +131,27 @@ def run(*, sessions: int = 100_000, jobs: int = 2, seed: int = 0) -> dict[str, A
     if sessions < 1:
         raise ValueError("sessions must be at least 1")
     plan = [(m, k) for m in ("tracemalloc", "rss") for k in (False, True)]
-    info(f"bench memory: {sessions:,} sessions, {len(plan)} measurements in fresh processes ({jobs} at a time)")
+    info(
+        f"bench memory: {sessions:,} sessions, {len(plan)} measurements in fresh processes "
+        f"({jobs} at a time)"
+    )
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
         results = list(pool.map(lambda mk: _child(sessions, mk[0], mk[1], seed), plan))
     by = {(r["method"], r["keep_ids"]): r for r in results}
     for r in results:
-        info(f"  {r['method']:11s} ids {'kept   ' if r['keep_ids'] else 'dropped'}: "
-             f"{r['bytes'] / sessions:,.0f} bytes/session ({r['bytes'] / 2**20:,.1f} MiB)")
+        info(
+            f"  {r['method']:11s} ids {'kept   ' if r['keep_ids'] else 'dropped'}: "
+            f"{r['bytes'] / sessions:,.0f} bytes/session ({r['bytes'] / 2**20:,.1f} MiB)"
+        )
 
     def per_session(method: str, keep: bool) -> float:
         return round(by[(method, keep)]["bytes"] / sessions, 1)
 
     kept = by[("tracemalloc", True)]
     ids = kept["remembered_event_ids"]
-    id_bytes = {m: (by[(m, True)]["bytes"] - by[(m, False)]["bytes"]) for m in ("tracemalloc", "rss")}
+    id_bytes = {
+        m: (by[(m, True)]["bytes"] - by[(m, False)]["bytes"]) for m in ("tracemalloc", "rss")
+    }
     excluding = per_session("tracemalloc", False)
     return {
         "sessions": sessions,
@@ -152,7 +177,9 @@ def run(*, sessions: int = 100_000, jobs: int = 2, seed: int = 0) -> dict[str, A
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="one measurement of bench memory (see `kvprefetch bench memory`)")
+    parser = argparse.ArgumentParser(
+        description="one measurement of bench memory (see `kvprefetch bench memory`)"
+    )
     parser.add_argument("--worker", action="store_true", required=True)
     parser.add_argument("--sessions", type=int, required=True)
     parser.add_argument("--method", choices=["tracemalloc", "rss"], required=True)

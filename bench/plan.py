@@ -37,11 +37,22 @@ def _advice(rng: random.Random, i: int, instances: int, candidate_share: float) 
     p_keep = min(1.0, p_soon + rng.uniform(0.0, 0.4))
     retention = "keep" if p_keep >= 0.2 else ("demote" if p_keep <= 0.05 else "lru")
     blocks = tuple(range(i * BLOCKS_PER_SESSION, (i + 1) * BLOCKS_PER_SESSION))
-    return SessionAdvice(f"s{i}", f"gpu-{i % instances}", blocks, retention,  # type: ignore[arg-type]
-                         300.0 if retention == "keep" else 0.0, p_keep, p_soon, p_keep, p_soon >= 0.5)
+    return SessionAdvice(
+        f"s{i}",
+        f"gpu-{i % instances}",
+        blocks,
+        retention,  # type: ignore[arg-type]
+        300.0 if retention == "keep" else 0.0,
+        p_keep,
+        p_soon,
+        p_keep,
+        p_soon >= 0.5,
+    )
 
 
-def _store(sessions: int, instances: int, resident_share: float, bytes_per_block: int, seed: int) -> Any:
+def _store(
+    sessions: int, instances: int, resident_share: float, bytes_per_block: int, seed: int
+) -> Any:
     from app.state import MemoryStore
     from kvprefetch_client.events import InstanceStatus, KvBlocksStored
 
@@ -51,35 +62,68 @@ def _store(sessions: int, instances: int, resident_share: float, bytes_per_block
     chunk = 50_000
     events: list[Any] = []
     for start in range(0, total, chunk):
-        events.append(KvBlocksStored(event_id=f"pool-{start}", ts=0.0, tier="pool", instance_id=None,
-                                     block_hashes=list(range(start, min(start + chunk, total)))))
+        events.append(
+            KvBlocksStored(
+                event_id=f"pool-{start}",
+                ts=0.0,
+                tier="pool",
+                instance_id=None,
+                block_hashes=list(range(start, min(start + chunk, total))),
+            )
+        )
     resident: dict[int, list[int]] = {k: [] for k in range(instances)}
     for i in range(sessions):
         if rng.random() < resident_share:
-            resident[i % instances].extend(range(i * BLOCKS_PER_SESSION, (i + 1) * BLOCKS_PER_SESSION))
+            resident[i % instances].extend(
+                range(i * BLOCKS_PER_SESSION, (i + 1) * BLOCKS_PER_SESSION)
+            )
     for k, blocks in resident.items():
         for start in range(0, len(blocks), chunk):
-            events.append(KvBlocksStored(event_id=f"hbm-{k}-{start}", ts=0.0, tier="hbm", instance_id=f"gpu-{k}",
-                                         block_hashes=blocks[start:start + chunk]))
-        events.append(InstanceStatus(event_id=f"status-{k}", ts=0.0, instance_id=f"gpu-{k}",
-                                     free_kv_bytes=2_000 * bytes_per_block))
+            events.append(
+                KvBlocksStored(
+                    event_id=f"hbm-{k}-{start}",
+                    ts=0.0,
+                    tier="hbm",
+                    instance_id=f"gpu-{k}",
+                    block_hashes=blocks[start : start + chunk],
+                )
+            )
+        events.append(
+            InstanceStatus(
+                event_id=f"status-{k}",
+                ts=0.0,
+                instance_id=f"gpu-{k}",
+                free_kv_bytes=2_000 * bytes_per_block,
+            )
+        )
     store.apply(events)
     return store
 
 
 def _percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
-    return xs[min(int(round(q * (len(xs) - 1))), len(xs) - 1)]
+    return xs[min(round(q * (len(xs) - 1)), len(xs) - 1)]
 
 
-def run(*, sessions: int = 100_000, instances: int = 16, ticks: int = 200, page: int = 256,
-        baseline_ticks: int = 5, candidate_share: float = 0.005, resident_share: float = 0.5,
-        seed: int = 0) -> dict[str, Any]:
+def run(
+    *,
+    sessions: int = 100_000,
+    instances: int = 16,
+    ticks: int = 200,
+    page: int = 256,
+    baseline_ticks: int = 5,
+    candidate_share: float = 0.005,
+    resident_share: float = 0.5,
+    seed: int = 0,
+) -> dict[str, Any]:
     from app.decide.scheduler import Scheduler, SchedulerConfig
     from bench.predict import _sessions
 
     bytes_per_block = 512 * 327_680
-    info(f"building the state: {sessions:,} sessions x {BLOCKS_PER_SESSION} blocks on {instances} instances")
+    info(
+        f"building the state: {sessions:,} sessions x {BLOCKS_PER_SESSION} blocks "
+        f"on {instances} instances"
+    )
     store = _store(sessions, instances, resident_share, bytes_per_block, seed)
     rng = random.Random(seed)
     config = SchedulerConfig(bytes_per_block=bytes_per_block)
@@ -92,9 +136,11 @@ def run(*, sessions: int = 100_000, instances: int = 16, ticks: int = 200, page:
     info(f"{ticks} ticks of a {page}-session page")
     tick_ms, orders = [], 0
     now = 0.0
-    for t in range(ticks):
+    for _ in range(ticks):
         now += tick_seconds
-        fresh = [_advice(rng, rng.randrange(sessions), instances, candidate_share) for _ in range(page)]
+        fresh = [
+            _advice(rng, rng.randrange(sessions), instances, candidate_share) for _ in range(page)
+        ]
         started = time.perf_counter()
         sched.advise(fresh, now)
         plan = sched.plan(now)
@@ -125,7 +171,7 @@ def run(*, sessions: int = 100_000, instances: int = 16, ticks: int = 200, page:
             planner.advise(views, at)
             times.append((time.perf_counter() - started) * 1000)
         score_ms = round(sorted(times)[len(times) // 2], 3)
-    except Exception as exc:  # noqa: BLE001 - the scheduler's figures stand without it
+    except Exception as exc:  # the scheduler's figures stand without it
         info(f"scoring a page was not measured: {exc}")
 
     p50, p99 = _percentile(tick_ms, 0.5), _percentile(tick_ms, 0.99)

@@ -53,15 +53,34 @@ def _sessions(n: int, seed: int) -> list[Any]:
             arrivals.append(arrivals[-1] + g)
         last = arrivals[-1]
         prompt = rng.randint(500, 40_000)
-        out.append(SessionView(
-            session_id=f"s{i}", state="idle", turns=turns, first_seen_ts=0.0, last_activity_ts=last + 20.0,
-            closed_ts=None, instance_id=f"gpu-{i % 16}", context_tokens=prompt + 300, context_bytes=0,
-            block_hashes=list(range(prompt // 512 + 1)), block_tokens=512, recent_arrivals_ts=arrivals,
-            inter_turn_gaps_seconds=gaps,
-            last_request=RequestView(request_id=f"r{i}", instance_id=f"gpu-{i % 16}", routed_ts=last,
-                                     started_ts=last + 0.5, finished_ts=last + 20.0, prompt_tokens=prompt,
-                                     output_tokens=300, context_tokens=prompt + 300),
-            resident_blocks={}))
+        out.append(
+            SessionView(
+                session_id=f"s{i}",
+                state="idle",
+                turns=turns,
+                first_seen_ts=0.0,
+                last_activity_ts=last + 20.0,
+                closed_ts=None,
+                instance_id=f"gpu-{i % 16}",
+                context_tokens=prompt + 300,
+                context_bytes=0,
+                block_hashes=list(range(prompt // 512 + 1)),
+                block_tokens=512,
+                recent_arrivals_ts=arrivals,
+                inter_turn_gaps_seconds=gaps,
+                last_request=RequestView(
+                    request_id=f"r{i}",
+                    instance_id=f"gpu-{i % 16}",
+                    routed_ts=last,
+                    started_ts=last + 0.5,
+                    finished_ts=last + 20.0,
+                    prompt_tokens=prompt,
+                    output_tokens=300,
+                    context_tokens=prompt + 300,
+                ),
+                resident_blocks={},
+            )
+        )
     return out
 
 
@@ -85,7 +104,8 @@ def _medians_ms(fns: dict[str, Any], rounds: int) -> dict[str, float]:
 
 
 def _reference_matrix(views: list[Any], now: float, horizons: tuple[float, ...]) -> Any:
-    """feature_matrix as it was before the FeatureTable: session_features per view, rows of lists."""
+    """feature_matrix as it was before the FeatureTable: session_features per view, rows of
+    lists."""
     import numpy as np
 
     from app.predict.features import FEATURES, session_features
@@ -99,13 +119,14 @@ def _reference_matrix(views: list[Any], now: float, horizons: tuple[float, ...])
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    # Three significant digits: a fixed number of decimals rounds a small ratio (a tiny --sessions) to 0.
+    # Three significant digits: fixed decimals round a small ratio (a tiny --sessions) to 0.
     return float(f"{a / b:.3g}") if a is not None and b else None
 
 
-def _batch(model: Any, views: list[Any], now: float, horizons: tuple[float, ...], rounds: int) -> dict[str, Any]:
-    from app.predict.feature_table import FeatureTable
-    from app.predict.feature_table import feature_matrix
+def _batch(
+    model: Any, views: list[Any], now: float, horizons: tuple[float, ...], rounds: int
+) -> dict[str, Any]:
+    from app.predict.feature_table import FeatureTable, feature_matrix
 
     table = FeatureTable.from_views(views)
     x = table.matrix(now, horizons)
@@ -123,7 +144,9 @@ def _batch(model: Any, views: list[Any], now: float, horizons: tuple[float, ...]
     }
     measured = _medians_ms({k: f for k, f in fns.items() if f is not None}, rounds)
     ms: dict[str, float | None] = {k: measured.get(k) for k in fns}
-    before = measured["features_reference"] + measured["booster_1_thread"]  # the service's path until now
+    before = (
+        measured["features_reference"] + measured["booster_1_thread"]
+    )  # the service's path until now
     return {
         "horizons": list(horizons),
         "rows": int(x.shape[0]),
@@ -131,15 +154,21 @@ def _batch(model: Any, views: list[Any], now: float, horizons: tuple[float, ...]
         "ratios": {
             "table_p_within_over_target": _ratio(ms["table_p_within"], TARGET_MS_FOR_10K),
             "booster_1_thread_over_compiled": _ratio(ms["booster_1_thread"], ms["compiled"]),
-            "booster_1_thread_over_2_threads": _ratio(ms["booster_1_thread"], ms["booster_2_threads"]),
-            "features_reference_over_from_views": _ratio(ms["features_reference"], ms["features_from_views"]),
+            "booster_1_thread_over_2_threads": _ratio(
+                ms["booster_1_thread"], ms["booster_2_threads"]
+            ),
+            "features_reference_over_from_views": _ratio(
+                ms["features_reference"], ms["features_from_views"]
+            ),
             "reference_path_over_service_p_within": _ratio(before, ms["service_p_within"]),
             "reference_path_over_table_p_within": _ratio(before, ms["table_p_within"]),
         },
     }
 
 
-def run(*, sessions: int = 10_000, rounds: int = 7, model_dir: Path | None = None, seed: int = 0) -> dict[str, Any]:
+def run(
+    *, sessions: int = 10_000, rounds: int = 7, model_dir: Path | None = None, seed: int = 0
+) -> dict[str, Any]:
     from app.core.bundle import DEFAULT_MODEL_DIR
     from app.predict.feature_table import FeatureTable, feature_matrix
     from app.predict.predictors import HORIZON_GRID, LearnedPredictor
@@ -150,8 +179,14 @@ def run(*, sessions: int = 10_000, rounds: int = 7, model_dir: Path | None = Non
         info("compiling the model into an empty cache (lleaves, when installed)")
         cold = LearnedPredictor(model_dir, cache_dir=Path(cache))
         model = LearnedPredictor(model_dir, cache_dir=Path(cache))  # what a later start loads
-        load = ({"compile": round(cold.compiled.load_seconds, 3), "from_cache": round(model.compiled.load_seconds, 3)}
-                if model.compiled and cold.compiled else None)
+        load = (
+            {
+                "compile": round(cold.compiled.load_seconds, 3),
+                "from_cache": round(model.compiled.load_seconds, 3),
+            }
+            if model.compiled and cold.compiled
+            else None
+        )
         views = _sessions(sessions, seed)
         now = max(v.last_activity_ts for v in views) + 30.0
         sets = {"planner": PLANNER_HORIZONS, "grid": tuple(HORIZON_GRID)}
@@ -163,19 +198,25 @@ def run(*, sessions: int = 10_000, rounds: int = 7, model_dir: Path | None = Non
             "compiled_load_seconds": load,
         }
         for name, horizons in sets.items():
-            info(f"scoring {sessions} sessions x {len(horizons)} horizons ({name}), {rounds} rounds")
+            info(
+                f"scoring {sessions} sessions x {len(horizons)} horizons ({name}), {rounds} rounds"
+            )
             result[name] = _batch(model, views, now, horizons, rounds)
         one = views[:1]
         x_one = feature_matrix(one, now, HORIZON_GRID)
         table = FeatureTable.from_views(views)
+        compiled = model.compiled
         singles = {
             "service_p_within": lambda: model.p_within(one, now, HORIZON_GRID),
-            "compiled": (lambda: model.compiled.predict(x_one)) if model.compiled else None,
+            "compiled": (lambda: compiled.predict(x_one)) if compiled else None,
             "booster_1_thread": lambda: model.booster.predict(x_one, num_threads=1),
             "table_upsert": lambda: table.upsert(one[0]),
         }
         measured = _medians_ms({k: f for k, f in singles.items() if f is not None}, rounds * 20)
-        result["single_session_ms"] = {"horizons": len(HORIZON_GRID), **{k: measured.get(k) for k in singles}}
+        result["single_session_ms"] = {
+            "horizons": len(HORIZON_GRID),
+            **{k: measured.get(k) for k in singles},
+        }
     tick = result["planner"]["batch_ms"]["table_p_within"]
     result["target"] = {
         "ms_for_10000_sessions": TARGET_MS_FOR_10K,
@@ -184,6 +225,6 @@ def run(*, sessions: int = 10_000, rounds: int = 7, model_dir: Path | None = Non
         "met": tick <= TARGET_MS_FOR_10K if sessions == 10_000 else None,
     }
     result["rounds"] = rounds
-    # Other jobs on a shared machine inflate every figure; the ratios, measured interleaved, less so.
+    # Other jobs on a shared machine inflate every figure; the ratios, measured interleaved, less.
     result["load_average_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     return {**result, **machine()}

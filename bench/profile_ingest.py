@@ -1,7 +1,8 @@
 """Where the time of POST /v1/events goes, batch of 1000 by batch of 1000.
 
     python -m bench.profile_ingest stages   [--batches 60] [--no-fsync]
-    python -m bench.profile_ingest cprofile [--batches 200] [--no-fsync] [--top 25] [--out FILE.pstats]
+    python -m bench.profile_ingest cprofile [--batches 200] [--no-fsync] [--top 25]
+                                            [--out FILE.pstats]
 
 `stages` times each step of the ingest path in-process with perf_counter, no profiler (so pure
 Python code is not inflated): parse (app.api.batch.BatchParser.parse), dedupe (the in-batch set and
@@ -61,13 +62,16 @@ class GcTimer:
         gc.callbacks.remove(self._cb)
 
     def summary(self, batches: int) -> dict[str, Any]:
-        return {"ms_per_batch": round(sum(self.seconds) / batches * 1e3, 3),
-                "full_collections": self.collections[2],
-                "ms_in_full_collections": round(self.seconds[2] * 1e3, 1),
-                "collections_by_generation": list(self.collections)}
+        return {
+            "ms_per_batch": round(sum(self.seconds) / batches * 1e3, 3),
+            "full_collections": self.collections[2],
+            "ms_in_full_collections": round(self.seconds[2] * 1e3, 1),
+            "collections_by_generation": list(self.collections),
+        }
 
 
 # -- stages ----------------------------------------------------------------------------------
+
 
 def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
     import orjson
@@ -83,8 +87,10 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
     bodies = traffic.batches(batches, 1000)
     check_bodies = traffic.batches(batches, 1000)
     workdir = Path(tempfile.mkdtemp(prefix="kvp-bench-stages-"))
-    times: dict[str, list[float]] = {k: [] for k in (
-        "parse", "dedupe", "log_encode", "log_write", "fsync", "apply", "response_encode")}
+    times: dict[str, list[float]] = {
+        k: []
+        for k in ("parse", "dedupe", "log_encode", "log_write", "fsync", "apply", "response_encode")
+    }
     ingest_times: list[float] = []
     try:
         store = MemoryStore(bytes_per_token=327_680, block_tokens=512)
@@ -117,12 +123,23 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
             applied = store.apply(fresh)
             t6 = clock()
             accepted = [e.event_id for e, ok in zip(fresh, applied) if ok]
-            orjson.dumps({"accepted": accepted, "duplicates": duplicates,
-                          "rejected": [r.model_dump() for r in parsed.rejected]})
+            orjson.dumps(
+                {
+                    "accepted": accepted,
+                    "duplicates": duplicates,
+                    "rejected": [r.model_dump() for r in parsed.rejected],
+                }
+            )
             t7 = clock()
-            for k, a, b in (("parse", t0, t1), ("dedupe", t1, t2), ("log_encode", t2, t3),
-                            ("log_write", t3, t4), ("fsync", t4, t5), ("apply", t5, t6),
-                            ("response_encode", t6, t7)):
+            for k, a, b in (
+                ("parse", t0, t1),
+                ("dedupe", t1, t2),
+                ("log_encode", t2, t3),
+                ("log_write", t3, t4),
+                ("fsync", t4, t5),
+                ("apply", t5, t6),
+                ("response_encode", t6, t7),
+            ):
                 times[k].append(b - a)
             if len(accepted) != 1000:
                 raise RuntimeError(f"expected 1000 accepted events, got {len(accepted)}")
@@ -133,8 +150,9 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
         # Cross-check: the real Ingestor (fsync as asked) on fresh batches, parse not included.
         store2 = MemoryStore(bytes_per_token=327_680, block_tokens=512)
         log2 = EventLog(workdir / "ingestor", fsync=fsync)
-        ingestor = Ingestor(store2, log2, replica_id="bench", clock=SystemClock(),
-                            max_clock_skew_seconds=300.0)
+        ingestor = Ingestor(
+            store2, log2, replica_id="bench", clock=SystemClock(), max_clock_skew_seconds=300.0
+        )
         for body in check_bodies:
             events = parser.parse(body).events
             t0 = clock()
@@ -176,18 +194,30 @@ _STEPS: list[tuple[str, str, str]] = [
 ]
 
 
+# (file, line, function) -> (primitive calls, calls, tottime, cumtime, callers)
+_Table = dict[tuple[str, int, str], tuple[int, int, float, float, dict[Any, Any]]]
+
+
+def _table(stats: pstats.Stats) -> _Table:
+    # typeshed's pstats stub does not declare the raw table that Stats keeps.
+    return stats.stats  # type: ignore[attr-defined]
+
+
 def _find(stats: pstats.Stats, name: str, suffix: str) -> tuple[int, float, float]:
     """(calls, tottime, cumtime) summed over the functions of that name in that file."""
     calls, tt, ct = 0, 0.0, 0.0
-    for (file, _line, func), (_cc, nc, t, c, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+    for (file, _line, func), (_cc, nc, t, c, _callers) in _table(stats).items():
         if func == name and file.replace(os.sep, "/").endswith(suffix):
             calls, tt, ct = calls + nc, tt + t, ct + c
     return calls, tt, ct
 
 
 def _idle(stats: pstats.Stats) -> float:
-    return sum(t for (file, _l, func), (_cc, _nc, t, _c, _callers) in stats.stats.items()  # type: ignore[attr-defined]
-               if file == "~" and "poll" in func and ("epoll" in func or "select" in func))
+    return sum(
+        t
+        for (file, _l, func), (_cc, _nc, t, _c, _callers) in _table(stats).items()
+        if file == "~" and "poll" in func and ("epoll" in func or "select" in func)
+    )
 
 
 def client_main(url: str, batches: int, concurrency: int, seed: int) -> None:
@@ -197,8 +227,12 @@ def client_main(url: str, batches: int, concurrency: int, seed: int) -> None:
     clients = new_clients(concurrency)
     post_all(clients, url, bodies[:10], b'"duplicates":[],"rejected":[]')  # warm-up
     elapsed = post_all(clients, url, bodies[10:], b'"duplicates":[],"rejected":[]')
-    print(f"client: {batches} batches of 1000 in {elapsed:.2f} s: {batches * 1000 / elapsed:,.0f} events/s "
-          "(under the profiler)", file=sys.stderr)
+    print(
+        f"client: {batches} batches of 1000 in {elapsed:.2f} s: "
+        f"{batches * 1000 / elapsed:,.0f} events/s "
+        "(under the profiler)",
+        file=sys.stderr,
+    )
 
 
 def profile(batches: int, fsync: bool, top: int, out: Path | None, concurrency: int = 2) -> str:
@@ -210,10 +244,23 @@ def profile(batches: int, fsync: bool, top: int, out: Path | None, concurrency: 
 
     workdir = Path(tempfile.mkdtemp(prefix="kvp-bench-profile-"))
     port = free_port()
-    settings = Settings(_env_file=None, data_dir=workdir, log_fsync=fsync, replica_id="bench",  # type: ignore[call-arg]
-                        store="memory")
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port,
-                                           loop="asyncio", log_level="warning", access_log=False))
+    settings = Settings(
+        _env_file=None,
+        data_dir=workdir,
+        log_fsync=fsync,
+        replica_id="bench",
+        store="memory",
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings),
+            host="127.0.0.1",
+            port=port,
+            loop="asyncio",
+            log_level="warning",
+            access_log=False,
+        )
+    )
     url = f"http://127.0.0.1:{port}"
     done: dict[str, Any] = {}
 
@@ -226,8 +273,18 @@ def profile(batches: int, fsync: bool, top: int, out: Path | None, concurrency: 
                         break
                 except httpx.HTTPError:
                     time.sleep(0.05)
-            cmd = [sys.executable, "-m", "bench.profile_ingest", "client", "--url", url + "/v1/events",
-                   "--batches", str(batches), "--concurrency", str(concurrency)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.profile_ingest",
+                "client",
+                "--url",
+                url + "/v1/events",
+                "--batches",
+                str(batches),
+                "--concurrency",
+                str(concurrency),
+            ]
             done["rc"] = subprocess.run(cmd, cwd=REPO, env=child_env({}), check=False).returncode
         finally:
             server.should_exit = True
@@ -254,24 +311,40 @@ def _report(stats: pstats.Stats, batches: int, top: int, gc_timer: GcTimer) -> s
     idle = _idle(stats)
     busy = total - idle
     route = _find(stats, "post_events", "app/api/routes/events.py")[2]
-    lines = [f"server under cProfile: {total:.2f} s, idle in epoll {idle:.2f} s, busy {busy:.2f} s "
-             f"({batches} measured batches + 10 warm-up of 1000 events)", "",
-             f"{'step':34s} {'ms/batch':>9s} {'% busy':>7s}"]
+    lines = [
+        f"server under cProfile: {total:.2f} s, idle in epoll {idle:.2f} s, busy {busy:.2f} s "
+        f"({batches} measured batches + 10 warm-up of 1000 events)",
+        "",
+        f"{'step':34s} {'ms/batch':>9s} {'% busy':>7s}",
+    ]
     n = batches + 10
     for label, name, suffix in _STEPS:
         _calls, _tt, ct = _find(stats, name, suffix)
         lines.append(f"{label:34s} {ct / n * 1e3:9.2f} {ct / busy * 100:6.1f}%")
     # What the route does besides read/parse/ingest: build the payload, orjson.dumps, Response.
-    rest_route = route - sum(_find(stats, nm, sf)[2] for nm, sf in (
-        ("read_body", "app/api/routes/events.py"), ("parse", "app/api/batch.py"),
-        ("ingest", "app/ingest/ingestor.py")))
-    lines.append(f"{'response encode + rest of route':34s} {rest_route / n * 1e3:9.2f} {rest_route / busy * 100:6.1f}%")
-    lines.append(f"{'HTTP + framework (busy - route)':34s} {(busy - route) / n * 1e3:9.2f} "
-                 f"{(busy - route) / busy * 100:6.1f}%")
+    rest_route = route - sum(
+        _find(stats, nm, sf)[2]
+        for nm, sf in (
+            ("read_body", "app/api/routes/events.py"),
+            ("parse", "app/api/batch.py"),
+            ("ingest", "app/ingest/ingestor.py"),
+        )
+    )
+    lines.append(
+        f"{'response encode + rest of route':34s} {rest_route / n * 1e3:9.2f} "
+        f"{rest_route / busy * 100:6.1f}%"
+    )
+    lines.append(
+        f"{'HTTP + framework (busy - route)':34s} {(busy - route) / n * 1e3:9.2f} "
+        f"{(busy - route) / busy * 100:6.1f}%"
+    )
     gc_s = sum(gc_timer.seconds)
     lines.append("")
-    lines.append(f"{'cyclic GC (inside the steps above)':34s} {gc_s / n * 1e3:9.2f} {gc_s / busy * 100:6.1f}%"
-                 f"  ({gc_timer.collections[2]} full collections, {gc_timer.seconds[2] * 1e3:.0f} ms)")
+    lines.append(
+        f"{'cyclic GC (inside the steps above)':34s} {gc_s / n * 1e3:9.2f} "
+        f"{gc_s / busy * 100:6.1f}%"
+        f"  ({gc_timer.collections[2]} full collections, {gc_timer.seconds[2] * 1e3:.0f} ms)"
+    )
     buf = io.StringIO()
     stats.stream = buf  # type: ignore[attr-defined]
     stats.sort_stats("tottime").print_stats(top)
@@ -292,7 +365,9 @@ def _trim(text: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     import json
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="cmd", required=True)
     p_st = sub.add_parser("stages")
     p_st.add_argument("--batches", type=int, default=60)

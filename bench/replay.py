@@ -33,12 +33,15 @@ from typing import Any
 
 from bench._util import REPO, child_env, info, machine, median
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/mooncake_conversation_first60.jsonl"
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1].parent / "shared/traces/mooncake_conversation_first60.jsonl"
+)
 TARGET_SECONDS = 60.0
 
 
 def all_policies() -> list[str]:
-    """Every policy but those of the trained model (`learned`, `scheduled`: `--policy` times each alone)."""
+    """Every policy but those of the trained model (`learned`, `scheduled`: `--policy` times each
+    alone)."""
     from sim.policies import POLICIES
 
     return [p for p in POLICIES if p not in ("learned", "scheduled")]
@@ -91,16 +94,38 @@ def measure(trace: Path, policy: str, router: str, scenario: str, rounds: int) -
 
 
 def _child(trace: Path, policy: str, router: str, scenario: str, rounds: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "bench.replay", "--worker", "--trace", str(trace), "--policy", policy,
-           "--router", router, "--scenario", scenario, "--rounds", str(rounds)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.replay",
+        "--worker",
+        "--trace",
+        str(trace),
+        "--policy",
+        policy,
+        "--router",
+        router,
+        "--scenario",
+        scenario,
+        "--rounds",
+        str(rounds),
+    ]
     done = subprocess.run(cmd, cwd=REPO, env=child_env({}), capture_output=True, check=False)
     if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[2:])} failed ({done.returncode}):\n{done.stderr.decode()[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(cmd[2:])} failed ({done.returncode}):\n{done.stderr.decode()[-3000:]}"
+        )
     return json.loads(done.stdout)
 
 
-def run(*, trace: Path | None = None, policy: str = "none", router: str = "sticky", scenario: str = "default",
-        rounds: int = 3) -> dict[str, Any]:
+def run(
+    *,
+    trace: Path | None = None,
+    policy: str = "none",
+    router: str = "sticky",
+    scenario: str = "default",
+    rounds: int = 3,
+) -> dict[str, Any]:
     from app.core.errors import ConfigError
     from sim.policy_registry import make_policy
     from sim.routers import ROUTERS, make_router
@@ -108,8 +133,10 @@ def run(*, trace: Path | None = None, policy: str = "none", router: str = "stick
 
     path = (trace or DEFAULT_TRACE).resolve()
     if not path.is_file():
-        raise ConfigError(f"no trace at {path}: pass --trace FILE (by default the bench replays the "
-                          "shared conversation trace, ../shared/traces/ next to the repository)")
+        raise ConfigError(
+            f"no trace at {path}: pass --trace FILE (by default the bench replays the "
+            "shared conversation trace, ../shared/traces/ next to the repository)"
+        )
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
     policies = all_policies() if policy == "all" else [policy]
@@ -123,15 +150,23 @@ def run(*, trace: Path | None = None, policy: str = "none", router: str = "stick
         scenario = str(Path(scenario).resolve())
 
     started = time.perf_counter()
-    info(f"bench replay: {path.name}, {', '.join(policies)} / {router}, {rounds} round(s) each, "
-         "one fresh process per policy")
+    info(
+        f"bench replay: {path.name}, {', '.join(policies)} / {router}, {rounds} round(s) each, "
+        "one fresh process per policy"
+    )
     results: dict[str, dict[str, Any]] = {}
     for p in policies:
         r = results[p] = _child(path, p, router, scenario, rounds)
-        info(f"  {p:>10}: {r['wall_seconds']:6.2f} s median replay (+{r['trace_load_seconds']:.2f} s load), "
-             f"{r['requests_per_second']:,.0f} requests/s, peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, "
-             f"heap peak {r['tracemalloc_peak_bytes'] / 2**20:,.0f} MiB")
-    slowest = max(results, key=lambda p: results[p]["wall_seconds"] + results[p]["trace_load_seconds"])
+        info(
+            f"  {p:>10}: {r['wall_seconds']:6.2f} s median replay "
+            f"(+{r['trace_load_seconds']:.2f} s load), "
+            f"{r['requests_per_second']:,.0f} requests/s, "
+            f"peak RSS {r['peak_rss_bytes'] / 2**20:,.0f} MiB, "
+            f"heap peak {r['tracemalloc_peak_bytes'] / 2**20:,.0f} MiB"
+        )
+    slowest = max(
+        results, key=lambda p: results[p]["wall_seconds"] + results[p]["trace_load_seconds"]
+    )
     worst = results[slowest]["wall_seconds"] + results[slowest]["trace_load_seconds"]
     return {
         "trace": path.name,
@@ -151,7 +186,9 @@ def run(*, trace: Path | None = None, policy: str = "none", router: str = "stick
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="one policy of bench replay (see `kvprefetch bench replay`)")
+    parser = argparse.ArgumentParser(
+        description="one policy of bench replay (see `kvprefetch bench replay`)"
+    )
     parser.add_argument("--worker", action="store_true", required=True)
     parser.add_argument("--trace", type=Path, required=True)
     parser.add_argument("--policy", required=True)

@@ -18,7 +18,7 @@ INF = float("inf")
 
 
 class Entry:
-    __slots__ = ("pins", "keep_until", "demoted", "prefetched", "version")
+    __slots__ = ("demoted", "keep_until", "pins", "prefetched", "version")
 
     def __init__(self) -> None:
         self.pins = 0
@@ -30,7 +30,9 @@ class Entry:
 
 
 class BlockCache:
-    def __init__(self, capacity_blocks: int, *, evict_key: Callable[[int], float] | None = None) -> None:
+    def __init__(
+        self, capacity_blocks: int, *, evict_key: Callable[[int], float] | None = None
+    ) -> None:
         self.capacity = capacity_blocks
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self.evict_key = evict_key
@@ -93,7 +95,9 @@ class BlockCache:
         e = self.entries.get(block)
         return e is not None and e.pins == 0
 
-    def choose_victims(self, n: int, now: float, exclude: set[int] | frozenset[int] = frozenset()) -> list[int] | None:
+    def choose_victims(
+        self, n: int, now: float, exclude: set[int] | frozenset[int] = frozenset()
+    ) -> list[int] | None:
         """n blocks to evict, in order, or None when pinned blocks leave too little room.
 
         Blocks in `exclude` (those the caller is about to use) are never chosen.

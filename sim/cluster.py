@@ -69,7 +69,9 @@ class SimRequest:
 
 
 class Instance:
-    def __init__(self, idx: int, scenario: Scenario, evict_key: Callable[[int], float] | None) -> None:
+    def __init__(
+        self, idx: int, scenario: Scenario, evict_key: Callable[[int], float] | None
+    ) -> None:
         self.idx = idx
         self.instance_id = f"gpu-{idx}"
         self.hbm = BlockCache(scenario.hbm_blocks, evict_key=evict_key)
@@ -100,8 +102,14 @@ class Cluster:
     # Tests set this to check the model's invariants after every event (see _check).
     check_invariants = False
 
-    def __init__(self, scenario: Scenario, requests: Sequence[SimRequest], router: Router, policy: Policy,
-                 emit: Callable[[str, float, dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        requests: Sequence[SimRequest],
+        router: Router,
+        policy: Policy,
+        emit: Callable[[str, float, dict[str, Any]], None] | None = None,
+    ) -> None:
         self.scenario = scenario
         self.requests = list(requests)
         self.router = router
@@ -116,12 +124,19 @@ class Cluster:
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
         self._transfer_ids = itertools.count()
-        too_big = next((r for r in self.requests if len(set(r.hash_ids)) > scenario.hbm_blocks), None)
+        too_big = next(
+            (r for r in self.requests if len(set(r.hash_ids)) > scenario.hbm_blocks), None
+        )
         if too_big is not None:  # it could never be admitted, and would block its queue for good
-            raise ValueError(f"request {too_big.index} needs {len(set(too_big.hash_ids))} blocks; an instance's HBM "
-                             f"holds {scenario.hbm_blocks} in scenario {scenario.name!r}")
+            raise ValueError(
+                f"request {too_big.index} needs {len(set(too_big.hash_ids))} blocks; "
+                f"an instance's HBM "
+                f"holds {scenario.hbm_blocks} in scenario {scenario.name!r}"
+            )
         policy.attach(self)
-        self.instances = [Instance(i, scenario, policy.evict_key) for i in range(scenario.instances)]
+        self.instances = [
+            Instance(i, scenario, policy.evict_key) for i in range(scenario.instances)
+        ]
 
     # -- the event loop --------------------------------------------------------------------
 
@@ -170,15 +185,22 @@ class Cluster:
                     self.totals.bytes_prefetched_unused += self.block_bytes
 
     def _check(self) -> None:
-        """The model's invariants (cheap ones; run after every event when check_invariants is set)."""
+        """The model's invariants (cheap ones; run after every event when check_invariants is
+        set)."""
         for inst in self.instances:
             assert len(inst.hbm) <= inst.hbm.capacity, f"{inst.instance_id}: HBM over capacity"
             if inst.host is not None:
-                assert len(inst.host) <= inst.host.capacity, f"{inst.instance_id}: host over capacity"
-            assert 0 <= inst.running <= self.scenario.max_running_requests, f"{inst.instance_id}: running"
-            for b, t in inst.inflight.items():
+                assert len(inst.host) <= inst.host.capacity, (
+                    f"{inst.instance_id}: host over capacity"
+                )
+            assert 0 <= inst.running <= self.scenario.max_running_requests, (
+                f"{inst.instance_id}: running"
+            )
+            for b in inst.inflight:
                 e = inst.hbm.entries.get(b)
-                assert e is not None and e.pins > 0, f"{inst.instance_id}: block {b} landing but not pinned"
+                assert e is not None and e.pins > 0, (
+                    f"{inst.instance_id}: block {b} landing but not pinned"
+                )
 
     # -- requests --------------------------------------------------------------------------
 
@@ -186,10 +208,18 @@ class Cluster:
         inst = self.instances[self.router.route(r, self)]
         r.instance = inst.idx
         self.session_instance[r.session_id] = inst.idx
-        self.emit("request_routed", self.now, {
-            "session_id": r.session_id, "request_id": f"q{r.index}", "instance_id": inst.instance_id,
-            "prompt_tokens": r.input_tokens, "block_hashes": list(r.hash_ids),
-            "block_tokens": self.scenario.block_tokens})
+        self.emit(
+            "request_routed",
+            self.now,
+            {
+                "session_id": r.session_id,
+                "request_id": f"q{r.index}",
+                "instance_id": inst.instance_id,
+                "prompt_tokens": r.input_tokens,
+                "block_hashes": list(r.hash_ids),
+                "block_tokens": self.scenario.block_tokens,
+            },
+        )
         inst.queue.append(r)
         self._try_start(inst)
         self.policy.on_arrival(r, self.now)
@@ -212,7 +242,9 @@ class Cluster:
         blocks = list(dict.fromkeys(r.hash_ids))
         hbm = inst.hbm
         absent = [b for b in blocks if b not in hbm]
-        if len(absent) > hbm.free and not self._make_room(inst, len(absent) - hbm.free, set(blocks)):
+        if len(absent) > hbm.free and not self._make_room(
+            inst, len(absent) - hbm.free, set(blocks)
+        ):
             return False
         reused = self.reused_prefix(r.hash_ids)
         reused_set = set(r.hash_ids[:reused])
@@ -241,12 +273,26 @@ class Cluster:
             hbm.insert(b).pins += 1
         if missing:
             self._load_or_recompute(inst, r, missing)
-        self.emit("request_started", self.now, {
-            "session_id": r.session_id, "request_id": f"q{r.index}", "instance_id": inst.instance_id})
+        self.emit(
+            "request_started",
+            self.now,
+            {
+                "session_id": r.session_id,
+                "request_id": f"q{r.index}",
+                "instance_id": inst.instance_id,
+            },
+        )
         if new:
-            self.emit("kv_blocks_stored", self.now, {
-                "tier": "hbm", "instance_id": inst.instance_id, "block_hashes": new,
-                "block_tokens": self.scenario.block_tokens})
+            self.emit(
+                "kv_blocks_stored",
+                self.now,
+                {
+                    "tier": "hbm",
+                    "instance_id": inst.instance_id,
+                    "block_hashes": new,
+                    "block_tokens": self.scenario.block_tokens,
+                },
+            )
         if not r.waiting_on:
             self._ready(r)
         return True
@@ -255,8 +301,12 @@ class Cluster:
         from_host = [b for b in missing if inst.host is not None and b in inst.host]
         from_pool = [b for b in missing if not (inst.host is not None and b in inst.host)]
         load_seconds = max(
-            inst.host_link.estimate_seconds(len(from_host) * self.block_bytes, self.now) if from_host else 0.0,
-            inst.pool_link.estimate_seconds(len(from_pool) * self.block_bytes, self.now) if from_pool else 0.0,
+            inst.host_link.estimate_seconds(len(from_host) * self.block_bytes, self.now)
+            if from_host
+            else 0.0,
+            inst.pool_link.estimate_seconds(len(from_pool) * self.block_bytes, self.now)
+            if from_pool
+            else 0.0,
         )
         recompute_tokens = len(missing) * self.scenario.block_tokens
         recompute_seconds = self.spec.recompute_seconds(recompute_tokens)
@@ -265,8 +315,14 @@ class Cluster:
             # the blocks stay pinned and count as landing (a request that wants them meanwhile
             # waits too) until the recompute is done.
             r.recompute_tokens += recompute_tokens
-            t = Transfer(next(self._transfer_ids), inst.idx, missing, len(missing) * self.block_bytes, False,
-                         self.now)
+            t = Transfer(
+                next(self._transfer_ids),
+                inst.idx,
+                missing,
+                len(missing) * self.block_bytes,
+                False,
+                self.now,
+            )
             for b in missing:
                 inst.inflight[b] = t
                 inst.hbm.entries[b].pins += 1
@@ -284,8 +340,10 @@ class Cluster:
     def _ready(self, r: SimRequest) -> None:
         r.ready_at = self.now
         new_tokens = max(r.input_tokens - r.reused_blocks * self.scenario.block_tokens, 0)
-        r.compute_seconds += (self.spec.recompute_seconds(new_tokens)
-                              + r.output_tokens * self.scenario.decode_seconds_per_token)
+        r.compute_seconds += (
+            self.spec.recompute_seconds(new_tokens)
+            + r.output_tokens * self.scenario.decode_seconds_per_token
+        )
         self.schedule(self.now + r.compute_seconds, DONE, r)
 
     def _finish(self, r: SimRequest) -> None:
@@ -298,13 +356,29 @@ class Cluster:
                 inst.hbm.unpin(b)
                 inst.hbm.touch(b)
         self.written.update(r.hash_ids)
-        self.emit("request_finished", self.now, {
-            "session_id": r.session_id, "request_id": f"q{r.index}", "instance_id": inst.instance_id,
-            "output_tokens": r.output_tokens, "context_tokens": r.input_tokens + r.output_tokens,
-            "block_hashes": list(r.hash_ids), "block_tokens": self.scenario.block_tokens})
-        self.emit("kv_blocks_stored", self.now, {
-            "tier": "pool", "instance_id": None, "block_hashes": list(r.hash_ids),
-            "block_tokens": self.scenario.block_tokens})
+        self.emit(
+            "request_finished",
+            self.now,
+            {
+                "session_id": r.session_id,
+                "request_id": f"q{r.index}",
+                "instance_id": inst.instance_id,
+                "output_tokens": r.output_tokens,
+                "context_tokens": r.input_tokens + r.output_tokens,
+                "block_hashes": list(r.hash_ids),
+                "block_tokens": self.scenario.block_tokens,
+            },
+        )
+        self.emit(
+            "kv_blocks_stored",
+            self.now,
+            {
+                "tier": "pool",
+                "instance_id": None,
+                "block_hashes": list(r.hash_ids),
+                "block_tokens": self.scenario.block_tokens,
+            },
+        )
         self.report_status(inst)
         self.policy.on_finished(r, self.now)
         self._try_start(inst)
@@ -312,15 +386,31 @@ class Cluster:
     def report_status(self, inst: Instance) -> None:
         """The instance's room and load, as an engine reports them (here: at every finish, and when
         a policy asks), so a scheduler knows where a prefetch fits."""
-        self.emit("instance_status", self.now, {
-            "instance_id": inst.instance_id, "free_kv_bytes": inst.hbm.free * self.block_bytes,
-            "total_kv_bytes": inst.hbm.capacity * self.block_bytes, "queue_depth": len(inst.queue),
-            "running_requests": inst.running})
+        self.emit(
+            "instance_status",
+            self.now,
+            {
+                "instance_id": inst.instance_id,
+                "free_kv_bytes": inst.hbm.free * self.block_bytes,
+                "total_kv_bytes": inst.hbm.capacity * self.block_bytes,
+                "queue_depth": len(inst.queue),
+                "running_requests": inst.running,
+            },
+        )
 
     # -- transfers and room ----------------------------------------------------------------
 
-    def _transfer(self, inst: Instance, link: Link, blocks: list[int], *, prefetch: bool) -> Transfer:
-        t = Transfer(next(self._transfer_ids), inst.idx, blocks, len(blocks) * self.block_bytes, prefetch, self.now)
+    def _transfer(
+        self, inst: Instance, link: Link, blocks: list[int], *, prefetch: bool
+    ) -> Transfer:
+        t = Transfer(
+            next(self._transfer_ids),
+            inst.idx,
+            blocks,
+            len(blocks) * self.block_bytes,
+            prefetch,
+            self.now,
+        )
         for b in blocks:
             inst.inflight[b] = t
             inst.hbm.entries[b].pins += 1  # pinned while landing
@@ -355,15 +445,24 @@ class Cluster:
                     e.prefetched = True
         if t.prefetch:
             self.totals.bytes_prefetched += t.nbytes
-        self.emit("kv_blocks_stored", self.now, {
-            "tier": "hbm", "instance_id": inst.instance_id, "block_hashes": t.blocks,
-            "block_tokens": self.scenario.block_tokens})
+        self.emit(
+            "kv_blocks_stored",
+            self.now,
+            {
+                "tier": "hbm",
+                "instance_id": inst.instance_id,
+                "block_hashes": t.blocks,
+                "block_tokens": self.scenario.block_tokens,
+            },
+        )
         for r in t.waiters:
             r.waiting_on.discard(t.transfer_id)  # type: ignore[attr-defined]
             if not r.waiting_on:  # type: ignore[attr-defined]
                 self._ready(r)  # type: ignore[arg-type]
 
-    def _make_room(self, inst: Instance, n: int, keep: set[int] | frozenset[int] = frozenset()) -> bool:
+    def _make_room(
+        self, inst: Instance, n: int, keep: set[int] | frozenset[int] = frozenset()
+    ) -> bool:
         victims = inst.hbm.choose_victims(n, self.now, exclude=keep)
         if victims is None:
             return False
@@ -382,8 +481,11 @@ class Cluster:
                 else:
                     inst.host.touch(b)
         self.totals.bytes_evicted += len(victims) * self.block_bytes
-        self.emit("kv_blocks_removed", self.now, {"tier": "hbm", "instance_id": inst.instance_id,
-                                                  "block_hashes": victims})
+        self.emit(
+            "kv_blocks_removed",
+            self.now,
+            {"tier": "hbm", "instance_id": inst.instance_id, "block_hashes": victims},
+        )
         return True
 
     # -- what policies may do --------------------------------------------------------------
@@ -398,7 +500,9 @@ class Cluster:
         wanted = [b for b in dict.fromkeys(blocks) if b in self.written and b not in inst.hbm]
         if not wanted:
             return 0
-        if len(wanted) > inst.hbm.free and not self._make_room(inst, len(wanted) - inst.hbm.free, set(wanted)):
+        if len(wanted) > inst.hbm.free and not self._make_room(
+            inst, len(wanted) - inst.hbm.free, set(wanted)
+        ):
             return 0
         for b in wanted:
             inst.hbm.insert(b)

@@ -1,4 +1,5 @@
-"""What `kvprefetch replay`, `kvprefetch events-from-trace` and `bench replay` do (app/cli.py parses)."""
+"""What `kvprefetch replay`, `kvprefetch events-from-trace` and `bench replay` do (app/cli.py
+parses)."""
 
 from __future__ import annotations
 
@@ -41,13 +42,21 @@ def progress_bar(label: str, total: int, enabled: bool = True) -> Iterator[Calla
     if not enabled:
         yield lambda n: None
         return
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=stderr, transient=True) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=stderr,
+        transient=True,
+    ) as progress:
         task = progress.add_task(label, total=total)
         yield lambda n: progress.advance(task, n)
 
 
-def prepare(trace_path: Path, scenario_name: str, block_tokens: int | None) -> tuple[list[TraceRequest], Scenario]:
+def prepare(
+    trace_path: Path, scenario_name: str, block_tokens: int | None
+) -> tuple[list[TraceRequest], Scenario]:
     trace = load_trace(trace_path)
     scenario = load_scenario(scenario_name)
     if block_tokens is not None and block_tokens != scenario.block_tokens:
@@ -55,10 +64,19 @@ def prepare(trace_path: Path, scenario_name: str, block_tokens: int | None) -> t
     return trace, scenario
 
 
-def run_replays(trace: Sequence[TraceRequest], scenario: Scenario, policies: Sequence[str], router: str, *,
-                trace_name: str, model_dir: str | None = None, measure_from_seconds: float = 0.0,
-                show_progress: bool = True, via: str | None = None,
-                speed: float | None = None) -> list[ReplayResult]:
+def run_replays(
+    trace: Sequence[TraceRequest],
+    scenario: Scenario,
+    policies: Sequence[str],
+    router: str,
+    *,
+    trace_name: str,
+    model_dir: str | None = None,
+    measure_from_seconds: float = 0.0,
+    show_progress: bool = True,
+    via: str | None = None,
+    speed: float | None = None,
+) -> list[ReplayResult]:
     """Each policy in turn; with `via`, the engine is the kvprefetch service at that URL (`speed`:
     its events paced at that many times the trace's pace, stamped with wall-clock times)."""
     from sim.remote import replay_via
@@ -67,11 +85,27 @@ def run_replays(trace: Sequence[TraceRequest], scenario: Scenario, policies: Seq
     for policy in policies:
         with progress_bar(f"{policy:>10} / {router}", len(trace), show_progress) as advance:
             if via is not None:
-                result = replay_via(via, trace, scenario, policy=policy, router=router, model_dir=model_dir,
-                                    measure_from_seconds=measure_from_seconds, progress=advance, speed=speed)
+                result = replay_via(
+                    via,
+                    trace,
+                    scenario,
+                    policy=policy,
+                    router=router,
+                    model_dir=model_dir,
+                    measure_from_seconds=measure_from_seconds,
+                    progress=advance,
+                    speed=speed,
+                )
             else:
-                result = replay(trace, scenario, policy=policy, router=router, model_dir=model_dir,
-                                measure_from_seconds=measure_from_seconds, progress=advance)
+                result = replay(
+                    trace,
+                    scenario,
+                    policy=policy,
+                    router=router,
+                    model_dir=model_dir,
+                    measure_from_seconds=measure_from_seconds,
+                    progress=advance,
+                )
         result.summary["trace"] = trace_name
         results.append(result)
     return results
@@ -87,8 +121,10 @@ def render_table(summaries: Sequence[dict[str, Any]], title: str) -> Table:
 
 
 def markdown_table(summaries: Sequence[dict[str, Any]]) -> str:
-    lines = ["| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
-             "|" + "|".join("---" for _ in COLUMNS) + "|"]
+    lines = [
+        "| " + " | ".join(h for _, h, _ in COLUMNS) + " |",
+        "|" + "|".join("---" for _ in COLUMNS) + "|",
+    ]
     for s in summaries:
         lines.append("| " + " | ".join(fmt(s[key]) for key, _, fmt in COLUMNS) + " |")
     return "\n".join(lines)
@@ -101,15 +137,25 @@ def print_results(results: Sequence[ReplayResult], as_json: bool, compare: bool)
         sys.stdout.write(json.dumps(doc) + "\n")
         return
     first = summaries[0]
-    title = (f"{first['trace']}: {first['requests']:,} requests, {first['sessions']:,} sessions, "
-             f"{first['reuse_requests']:,} reuse; scenario {first['scenario']}")
+    title = (
+        f"{first['trace']}: {first['requests']:,} requests, {first['sessions']:,} sessions, "
+        f"{first['reuse_requests']:,} reuse; scenario {first['scenario']}"
+    )
     Console().print(render_table(summaries, title))
 
 
-def events_from_trace(trace_path: Path, out: Path, scenario_name: str, router: str, policy: str,
-                      block_tokens: int | None) -> int:
+def events_from_trace(
+    trace_path: Path,
+    out: Path,
+    scenario_name: str,
+    router: str,
+    policy: str,
+    block_tokens: int | None,
+) -> int:
     """Write the event log that routers and engines would have posted while the trace ran."""
     trace, scenario = prepare(trace_path, scenario_name, block_tokens)
     with progress_bar("events", len(trace)) as advance:
-        result = replay(trace, scenario, policy=policy, router=router, keep_events=True, progress=advance)
+        result = replay(
+            trace, scenario, policy=policy, router=router, keep_events=True, progress=advance
+        )
     return write_events(result, out)

@@ -18,7 +18,7 @@ class Transfer:
     transfer_id: int
     instance: int
     blocks: list[int]
-    nbytes: float
+    nbytes: int
     prefetch: bool
     started_at: float
     remaining: float = 0.0

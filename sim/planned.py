@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 class PlannedPolicy(Policy):
     tick_seconds = 20.0
 
-    def __init__(self, planner: Advisor, session_view: Callable[[str], SessionView | None], name: str) -> None:
+    def __init__(
+        self, planner: Advisor, session_view: Callable[[str], SessionView | None], name: str
+    ) -> None:
         self.planner = planner
         self.name = name
         self._session_view = session_view
@@ -66,7 +68,9 @@ class PlannedPolicy(Policy):
     def _instance_index(self, instance_id: str | None) -> int | None:
         if instance_id is None:
             return None
-        return next((inst.idx for inst in self.cluster.instances if inst.instance_id == instance_id), None)
+        return next(
+            (inst.idx for inst in self.cluster.instances if inst.instance_id == instance_id), None
+        )
 
     def _act(self, session_ids: list[str], now: float) -> None:
         views = self._views(session_ids, now)
@@ -75,20 +79,26 @@ class PlannedPolicy(Policy):
             idx = self._instance_index(a.instance_id)
             if idx is None:
                 continue
-            blocks = list(a.block_hashes)
+            # The traces' hash_ids are checked to be ints, so the advice names int blocks.
+            blocks = cast("list[int]", list(a.block_hashes))
             if a.retention == "keep":
-                cluster.keep(idx, blocks, now + a.keep_seconds)  # type: ignore[arg-type]
+                cluster.keep(idx, blocks, now + a.keep_seconds)
             elif a.retention == "demote":
-                cluster.demote(idx, blocks)  # type: ignore[arg-type]
-            if a.prefetch and a.session_id not in self._fetched:
-                if any(b not in cluster.instances[idx].hbm for b in blocks) and cluster.prefetch(idx, blocks):  # type: ignore[arg-type]
-                    self._fetched.add(a.session_id)
+                cluster.demote(idx, blocks)
+            if (
+                a.prefetch
+                and a.session_id not in self._fetched
+                and any(b not in cluster.instances[idx].hbm for b in blocks)
+                and cluster.prefetch(idx, blocks)
+            ):
+                self._fetched.add(a.session_id)
 
 
 class Clairvoyant:
     """A predictor that knows each session's next arrival from the trace: P(within h) is 1 or 0.
     Through the same planner it measures what a perfect model would win, so the gap from
-    `learned` to `clairvoyant` is the model's, and from `clairvoyant` to `oracle` the mechanism's."""
+    `learned` to `clairvoyant` is the model's, and from `clairvoyant` to `oracle` the
+    mechanism's."""
 
     name = "clairvoyant"
 
@@ -101,7 +111,9 @@ class Clairvoyant:
             arrivals.setdefault(r.session_id, []).append(r.arrival)
         self._arrivals = {s: sorted(a) for s, a in arrivals.items()}
 
-    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+    def p_within(
+        self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]
+    ) -> np.ndarray:
         out = np.zeros((len(sessions), len(horizons)))
         for i, s in enumerate(sessions):
             times = self._arrivals.get(s.session_id, [])

@@ -29,7 +29,16 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from sim.cluster import Cluster, SimRequest
 
-POLICIES = ("none", "lookahead", "belady", "oracle", "heuristic", "learned", "scheduled", "clairvoyant")
+POLICIES = (
+    "none",
+    "lookahead",
+    "belady",
+    "oracle",
+    "heuristic",
+    "learned",
+    "scheduled",
+    "clairvoyant",
+)
 INF = float("inf")
 
 
@@ -116,5 +125,8 @@ class Oracle(Belady):
         def fetch() -> None:
             reused = self.cluster.reused_prefix(r.hash_ids)
             if reused:
-                self.cluster.prefetch(self.cluster.router.route(r, self.cluster), r.hash_ids[:reused])
+                self.cluster.prefetch(
+                    self.cluster.router.route(r, self.cluster), r.hash_ids[:reused]
+                )
+
         return fetch

@@ -23,10 +23,16 @@ if TYPE_CHECKING:
     from sim.scenario import Scenario
 
 
-def make_policy(name: str, *, session_view: Callable[[str], object] | None = None,
-                model_dir: str | None = None, planner_options: dict[str, float] | None = None,
-                store: StateStore | None = None, scenario: Scenario | None = None,
-                engine: Engine | None = None) -> Policy:
+def make_policy(
+    name: str,
+    *,
+    session_view: Callable[[str], object] | None = None,
+    model_dir: str | None = None,
+    planner_options: dict[str, float] | None = None,
+    store: StateStore | None = None,
+    scenario: Scenario | None = None,
+    engine: Engine | None = None,
+) -> Policy:
     """`planner_options`: keyword arguments for app.decide.advisor.Advisor (heuristic, learned;
     the scheduled policy's engine was built with them). `engine`: the replay's in-process Engine
     (sim/replay.py sim_engine), whose loops the `scheduled` policy runs."""
@@ -40,8 +46,9 @@ def make_policy(name: str, *, session_view: Callable[[str], object] | None = Non
         return Oracle()
     if name == "scheduled":
         if session_view is None or engine is None:
-            raise ValueError("the scheduled policy runs the engine's own loops: "
-                             "it needs the in-process engine")
+            raise ValueError(
+                "the scheduled policy runs the engine's own loops: it needs the in-process engine"
+            )
         return ScheduledPolicy(engine, session_view)  # type: ignore[arg-type]
     if name == "clairvoyant":
         if session_view is None:
@@ -51,8 +58,11 @@ def make_policy(name: str, *, session_view: Callable[[str], object] | None = Non
     if name in ("heuristic", "learned"):
         if session_view is None:
             raise ValueError(f"the {name} policy reads the engine's state: pass session_view")
-        predictor = (HeuristicPredictor() if name == "heuristic"
-                     else LearnedPredictor(model_dir or DEFAULT_MODEL_DIR))
+        predictor = (
+            HeuristicPredictor()
+            if name == "heuristic"
+            else LearnedPredictor(model_dir or DEFAULT_MODEL_DIR)
+        )
         planner = Advisor(predictor, routes=SameInstanceEstimate(), **(planner_options or {}))
         return PlannedPolicy(planner, session_view, name)  # type: ignore[arg-type]
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -1,9 +1,9 @@
 """Replay against a running kvprefetch service (`kvprefetch replay --via URL`).
 
 The same replay as sim.replay.replay(), but the engine is a service reached over HTTP: every
-event the cluster emits is posted with kvprefetch_client.client.KvpClient, and the policies read their
-sessions from GET /v1/sessions/{id}. Before each read the client is flushed, so the service has
-applied every event emitted so far and a policy decides on the same state as in process; an
+event the cluster emits is posted with kvprefetch_client.client.KvpClient, and the policies read
+their sessions from GET /v1/sessions/{id}. Before each read the client is flushed, so the service
+has applied every event emitted so far and a policy decides on the same state as in process; an
 over-HTTP replay therefore gives the same summary as an in-process one.
 
 One service can take many replays (`--compare` runs one per policy): each run namespaces what it
@@ -40,10 +40,10 @@ from urllib.parse import quote
 import httpx
 import orjson
 
-from kvprefetch_client.client import KvpClient
 from app.core.errors import KvpError
-from kvprefetch_client.events import Event, event_adapter
 from app.state.base import SessionView
+from kvprefetch_client.client import KvpClient
+from kvprefetch_client.events import Event, event_adapter
 from sim.replay import ReplayResult, replay
 
 if TYPE_CHECKING:
@@ -52,8 +52,14 @@ if TYPE_CHECKING:
     from sim.scenario import Scenario
     from sim.traces import TraceRequest
 
-__all__ = ["EventsRejected", "RemoteEngine", "RemoteEngineError", "RemoteStats", "ServiceUnreachable",
-           "replay_via"]
+__all__ = [
+    "EventsRejected",
+    "RemoteEngine",
+    "RemoteEngineError",
+    "RemoteStats",
+    "ServiceUnreachable",
+    "replay_via",
+]
 
 log = logging.getLogger("kvprefetch.sim.remote")
 
@@ -110,16 +116,27 @@ class RemoteEngine:
     transport: for tests, an httpx transport both the event client and the reads go through.
     """
 
-    def __init__(self, url: str, *, run_id: str | None = None, bytes_per_token: int | None = None,
-                 keep_events: bool = False, timeout_seconds: float = 60.0,
-                 http_timeout_seconds: float = 10.0, flush_every: int = 5_000, speed: float | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        run_id: str | None = None,
+        bytes_per_token: int | None = None,
+        keep_events: bool = False,
+        timeout_seconds: float = 60.0,
+        http_timeout_seconds: float = 10.0,
+        flush_every: int = 5_000,
+        speed: float | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         if speed is not None and not 0 < speed < float("inf"):
             raise ValueError(f"speed {speed!r}: a positive number of times the trace's pace")
         self.url = url.rstrip("/")
         self.run_id = run_id or new_run_id()
         if _SEPARATOR in self.run_id or "/" in self.run_id or not 1 <= len(self.run_id) <= 64:
-            raise ValueError(f"run_id {self.run_id!r}: 1 to 64 characters, no {_SEPARATOR!r} or '/'")
+            raise ValueError(
+                f"run_id {self.run_id!r}: 1 to 64 characters, no {_SEPARATOR!r} or '/'"
+            )
         self.keep_events = keep_events
         self.events: list[Event] = []
         self._prefix = self.run_id + _SEPARATOR
@@ -132,21 +149,32 @@ class RemoteEngine:
         self._reads = 0
         self._closed = False
         self._speed = speed
-        self._clock_start: tuple[float, float, float] | None = None  # first ts, its wall time, its monotonic
-        self._http = httpx.Client(base_url=self.url, timeout=http_timeout_seconds, transport=transport)
+        self._clock_start: tuple[float, float, float] | None = (
+            None  # first ts, its wall time, its monotonic
+        )
+        self._http = httpx.Client(
+            base_url=self.url, timeout=http_timeout_seconds, transport=transport
+        )
         try:
             self._check_ready()
         except BaseException:
             self._http.close()
             raise
-        self._client = KvpClient(self.url, timeout_seconds=http_timeout_seconds, transport=transport)
+        self._client = KvpClient(
+            self.url, timeout_seconds=http_timeout_seconds, transport=transport
+        )
         log.info("replay run %s posts its events to %s", self.run_id, self.url)
 
     # -- sim.replay.Engine -----------------------------------------------------------------
 
     def emit(self, kind: str, ts: float, fields: dict[str, Any]) -> None:
         remote_ts = ts if self._speed is None else self._pace(ts)
-        doc = {"type": kind, "event_id": self._remote(str(self._emitted)), "ts": remote_ts, **fields}
+        doc = {
+            "type": kind,
+            "event_id": self._remote(str(self._emitted)),
+            "ts": remote_ts,
+            **fields,
+        }
         for key in _ID_FIELDS:
             value = doc.get(key)
             if value is not None:
@@ -154,8 +182,11 @@ class RemoteEngine:
         if doc.get("block_hashes") is not None:
             doc["block_hashes"] = [self._remote_block(h) for h in doc["block_hashes"]]
         if self.keep_events:  # as an in-process replay keeps them: the run's own ids
-            self.events.append(event_adapter.validate_python(
-                {"type": kind, "event_id": f"sim-{self._emitted}", "ts": ts, **fields}))
+            self.events.append(
+                event_adapter.validate_python(
+                    {"type": kind, "event_id": f"sim-{self._emitted}", "ts": ts, **fields}
+                )
+            )
         self._client.send(doc)
         self._emitted += 1
         self._unchecked += 1
@@ -163,13 +194,16 @@ class RemoteEngine:
             self._sync()
 
     def session(self, session_id: str) -> SessionView | None:
-        """The service's view of a session, once it has every event emitted so far; None: unknown."""
+        """The service's view of a session, once it has every event emitted so far; None:
+        unknown."""
         self._sync()
         path = "/v1/sessions/" + quote(self._remote(session_id), safe="")
         try:
             response = self._http.get(path)
         except httpx.HTTPError as exc:
-            raise ServiceUnreachable(f"GET {self.url}{path} failed: {_describe_exception(exc)}") from exc
+            raise ServiceUnreachable(
+                f"GET {self.url}{path} failed: {_describe_exception(exc)}"
+            ) from exc
         self._reads += 1
         if response.status_code == 404:
             return None
@@ -184,8 +218,13 @@ class RemoteEngine:
     @property
     def stats(self) -> RemoteStats:
         s = self._client.stats
-        return RemoteStats(url=self.url, run_id=self.run_id, events_emitted=self._emitted,
-                           events_posted=s.sent + s.duplicates, session_reads=self._reads)
+        return RemoteStats(
+            url=self.url,
+            run_id=self.run_id,
+            events_emitted=self._emitted,
+            events_posted=s.sent + s.duplicates,
+            session_reads=self._reads,
+        )
 
     def close(self) -> RemoteStats:
         """Deliver every event still queued, check the service took them all, and stop."""
@@ -197,8 +236,13 @@ class RemoteEngine:
             finally:
                 self._http.close()
             stats = self.stats
-            log.info("replay run %s: %d events posted to %s, %d session reads", self.run_id,
-                     stats.events_posted, self.url, stats.session_reads)
+            log.info(
+                "replay run %s: %d events posted to %s, %d session reads",
+                self.run_id,
+                stats.events_posted,
+                self.url,
+                stats.session_reads,
+            )
         return self.stats
 
     def abort(self) -> None:
@@ -211,8 +255,12 @@ class RemoteEngine:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         if exc is None:
             self.close()
         else:
@@ -226,17 +274,23 @@ class RemoteEngine:
         except httpx.HTTPError as exc:
             raise ServiceUnreachable(
                 f"no kvprefetch service answers at {self.url} ({_describe_exception(exc)}); "
-                "start one with `kvprefetch serve`, or check the URL") from exc
+                "start one with `kvprefetch serve`, or check the URL"
+            ) from exc
         doc = _json(response.content)
         if response.status_code == 503 and isinstance(doc, dict):
-            raise ServiceUnreachable(f"the kvprefetch service at {self.url} is not ready "
-                                     f"(status {doc.get('status')!r}, store {doc.get('store')!r})")
+            raise ServiceUnreachable(
+                f"the kvprefetch service at {self.url} is not ready "
+                f"(status {doc.get('status')!r}, store {doc.get('store')!r})"
+            )
         if response.status_code != 200 or not isinstance(doc, dict) or "store_ok" not in doc:
-            raise ServiceUnreachable(f"{self.url}/readyz answered {_describe_response(response)}: "
-                                     "is this a kvprefetch service?")
+            raise ServiceUnreachable(
+                f"{self.url}/readyz answered {_describe_response(response)}: "
+                "is this a kvprefetch service?"
+            )
 
     def _sync(self) -> None:
-        """Wait until the service has answered for every event emitted so far; raise if any failed."""
+        """Wait until the service has answered for every event emitted so far; raise if any
+        failed."""
         if self._unchecked:
             delivered = self._client.flush(self._timeout)
             self._check_delivered(delivered)
@@ -245,16 +299,22 @@ class RemoteEngine:
     def _check_delivered(self, delivered: bool) -> None:
         s = self._client.stats
         if s.rejected:
-            raise EventsRejected(f"the service at {self.url} refused {s.rejected} events of replay run "
-                                 f"{self.run_id}: {s.last_error}")
+            raise EventsRejected(
+                f"the service at {self.url} refused {s.rejected} events of replay run "
+                f"{self.run_id}: {s.last_error}"
+            )
         if not delivered or s.queued:
             why = f" (last error: {s.last_error})" if s.last_error else ""
-            raise ServiceUnreachable(f"the service at {self.url} did not take {s.queued} events of replay "
-                                     f"run {self.run_id} within {self._timeout:g}s{why}")
+            raise ServiceUnreachable(
+                f"the service at {self.url} did not take {s.queued} events of replay "
+                f"run {self.run_id} within {self._timeout:g}s{why}"
+            )
         if s.dropped:
             why = f" (last error: {s.last_error})" if s.last_error else ""
-            raise RemoteEngineError(f"{s.dropped} events of replay run {self.run_id} were dropped "
-                                    f"before reaching {self.url}{why}")
+            raise RemoteEngineError(
+                f"{s.dropped} events of replay run {self.run_id} were dropped "
+                f"before reaching {self.url}{why}"
+            )
 
     def _pace(self, ts: float) -> float:
         """Wait until the event at trace time `ts` is due; its wall-clock time."""
@@ -280,20 +340,26 @@ class RemoteEngine:
 
     def _local(self, ident: str) -> str:
         if not ident.startswith(self._prefix):
-            raise RemoteEngineError(f"the service at {self.url} named {ident!r}, which is not of replay run "
-                                    f"{self.run_id}")
-        return ident[len(self._prefix):]
+            raise RemoteEngineError(
+                f"the service at {self.url} named {ident!r}, which is not of replay run "
+                f"{self.run_id}"
+            )
+        return ident[len(self._prefix) :]
 
     def _remote_block(self, h: Any) -> int:
         if type(h) is not int or not 0 <= h <= _HASH_MASK:
-            raise RemoteEngineError(f"block hash {h!r}: a replay over HTTP namespaces int block hashes "
-                                    f"from 0 to 2**{_HASH_BITS} - 1 (the traces' hash_ids), not this")
+            raise RemoteEngineError(
+                f"block hash {h!r}: a replay over HTTP namespaces int block hashes "
+                f"from 0 to 2**{_HASH_BITS} - 1 (the traces' hash_ids), not this"
+            )
         return self._salt << _HASH_BITS | h
 
     def _local_block(self, h: Any) -> int:
         if type(h) is not int or h >> _HASH_BITS != self._salt:
-            raise RemoteEngineError(f"the service at {self.url} named block {h!r}, which is not of replay "
-                                    f"run {self.run_id}")
+            raise RemoteEngineError(
+                f"the service at {self.url} named block {h!r}, which is not of replay "
+                f"run {self.run_id}"
+            )
         return h & _HASH_MASK
 
     def _local_location(self, name: str) -> str:
@@ -314,8 +380,12 @@ class RemoteEngine:
         if self._speed is not None:
             for key in ("first_seen_ts", "last_activity_ts", "closed_ts"):
                 doc[key] = self._local_ts(doc.get(key))
-            doc["recent_arrivals_ts"] = [self._local_ts(t) for t in doc.get("recent_arrivals_ts", [])]
-            doc["inter_turn_gaps_seconds"] = [g * self._speed for g in doc.get("inter_turn_gaps_seconds", [])]
+            doc["recent_arrivals_ts"] = [
+                self._local_ts(t) for t in doc.get("recent_arrivals_ts", [])
+            ]
+            doc["inter_turn_gaps_seconds"] = [
+                g * self._speed for g in doc.get("inter_turn_gaps_seconds", [])
+            ]
             if last is not None:
                 for key in ("routed_ts", "started_ts", "finished_ts"):
                     last[key] = self._local_ts(last.get(key))
@@ -325,8 +395,10 @@ class RemoteEngine:
         untranslated = [k for k, v in doc.items() if prefix in orjson.dumps(v)]
         if untranslated:
             # SessionView grew a field naming an id, and this method does not translate it yet.
-            raise RemoteEngineError(f"session views from {self.url} name replay run {self.run_id}'s ids "
-                                    f"in {untranslated}, which sim/remote.py's _local_view leaves as they are")
+            raise RemoteEngineError(
+                f"session views from {self.url} name replay run {self.run_id}'s ids "
+                f"in {untranslated}, which sim/remote.py's _local_view leaves as they are"
+            )
         return SessionView.model_validate(doc)
 
     def _check_bytes_per_token(self, view: SessionView) -> None:
@@ -335,16 +407,29 @@ class RemoteEngine:
             return
         if view.context_bytes != view.context_tokens * bpt:
             raise RemoteEngineError(
-                f"the service at {self.url} counts {view.context_bytes / view.context_tokens:g} bytes per "
-                f"token, the scenario {bpt}: its session views would differ from an in-process replay's. "
-                f"Start it with KVP_BYTES_PER_TOKEN={bpt}")
+                f"the service at {self.url} counts "
+                f"{view.context_bytes / view.context_tokens:g} bytes per "
+                f"token, the scenario {bpt}: its session views would differ "
+                f"from an in-process replay's. "
+                f"Start it with KVP_BYTES_PER_TOKEN={bpt}"
+            )
         self._bytes_per_token = None  # checked once
 
 
-def replay_via(url: str, trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "none",
-               router: str = "sticky", model_dir: str | None = None, measure_from_seconds: float = 0.0,
-               keep_events: bool = False, progress: Callable[[int], None] | None = None,
-               run_id: str | None = None, speed: float | None = None) -> ReplayResult:
+def replay_via(
+    url: str,
+    trace: Sequence[TraceRequest],
+    scenario: Scenario,
+    *,
+    policy: str = "none",
+    router: str = "sticky",
+    model_dir: str | None = None,
+    measure_from_seconds: float = 0.0,
+    keep_events: bool = False,
+    progress: Callable[[int], None] | None = None,
+    run_id: str | None = None,
+    speed: float | None = None,
+) -> ReplayResult:
     """sim.replay.replay() with a running service at `url` as the engine.
 
     speed: post events at this many times the trace's pace, stamped with wall-clock times (see
@@ -354,12 +439,27 @@ def replay_via(url: str, trace: Sequence[TraceRequest], scenario: Scenario, *, p
     Raises ServiceUnreachable (the service is not there or not ready, or stopped taking events),
     EventsRejected, or another RemoteEngineError; all are KvpErrors.
     """
-    with RemoteEngine(url, run_id=run_id, bytes_per_token=scenario.bytes_per_token,
-                      keep_events=keep_events, speed=speed) as engine:
-        result = replay(trace, scenario, policy=policy, router=router, model_dir=model_dir,
-                        measure_from_seconds=measure_from_seconds, progress=progress, engine=engine)
+    with RemoteEngine(
+        url,
+        run_id=run_id,
+        bytes_per_token=scenario.bytes_per_token,
+        keep_events=keep_events,
+        speed=speed,
+    ) as engine:
+        result = replay(
+            trace,
+            scenario,
+            policy=policy,
+            router=router,
+            model_dir=model_dir,
+            measure_from_seconds=measure_from_seconds,
+            progress=progress,
+            engine=engine,
+        )
     stats = engine.stats
-    result.summary.update({"via": stats.url, "run_id": stats.run_id, "events_posted": stats.events_posted})
+    result.summary.update(
+        {"via": stats.url, "run_id": stats.run_id, "events_posted": stats.events_posted}
+    )
     return result
 
 

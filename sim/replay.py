@@ -101,24 +101,23 @@ def sim_engine(
     registry serves the heuristic (for a policy that never scores through the engine)."""
     # The thresholds are settings; the Advisor's other options (its return horizon, how long idle
     # a session may be) reach only the policies that build their own Advisor.
-    names = Thresholds.__slots__  # type: ignore[attr-defined]
+    names = Thresholds.__slots__
     options = {k: v for k, v in (planner_options or {}).items() if k in names}
-    settings = ReplaySettings(
-        **{
-            "bytes_per_token": scenario.bytes_per_token,
-            "block_tokens": scenario.block_tokens,
-            "pool_link_bytes_per_second": scenario.pool_link_bytes_per_second,
-            "host_link_bytes_per_second": scenario.host_link_bytes_per_second,
-            "prefill_tokens_per_second": scenario.prefill_tokens_per_second,
-            "session_retention_seconds": math.inf,
-            "model_dir": Path(model_dir or DEFAULT_MODEL_DIR),
-            "replica_id": "replay",
-            "score_interval_seconds": 0,
-            "plan_interval_seconds": 0,
-            "dashboard_sample_seconds": 0,
-            **options,
-        }
-    )
+    fields: dict[str, Any] = {
+        "bytes_per_token": scenario.bytes_per_token,
+        "block_tokens": scenario.block_tokens,
+        "pool_link_bytes_per_second": scenario.pool_link_bytes_per_second,
+        "host_link_bytes_per_second": scenario.host_link_bytes_per_second,
+        "prefill_tokens_per_second": scenario.prefill_tokens_per_second,
+        "session_retention_seconds": math.inf,
+        "model_dir": Path(model_dir or DEFAULT_MODEL_DIR),
+        "replica_id": "replay",
+        "score_interval_seconds": 0,
+        "plan_interval_seconds": 0,
+        "dashboard_sample_seconds": 0,
+        **options,
+    }
+    settings = ReplaySettings(**fields)
     store = MemoryStore(
         bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens
     )
@@ -243,7 +242,7 @@ def replay(
 def _percentile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return 0.0
-    k = min(int(round(q * (len(sorted_values) - 1))), len(sorted_values) - 1)
+    k = min(round(q * (len(sorted_values) - 1)), len(sorted_values) - 1)
     return sorted_values[k]
 
 

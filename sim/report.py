@@ -27,14 +27,18 @@ STALL_PNG = "stall_distribution.png"
 STALL_LINTHRESH = 0.01  # seconds: the symlog x axis is linear below 10 ms, logarithmic above
 
 
-def measured_reuse(requests: Sequence[SimRequest], measure_from_seconds: float = 0.0) -> list[SimRequest]:
+def measured_reuse(
+    requests: Sequence[SimRequest], measure_from_seconds: float = 0.0
+) -> list[SimRequest]:
     """The requests the summary counts as reuse requests (sim.replay.summarize)."""
     return [r for r in requests if r.arrival >= measure_from_seconds and r.reused_blocks]
 
 
-def byte_hit_rate_series(requests: Sequence[SimRequest], window_seconds: float = 60.0,
-                         measure_from_seconds: float = 0.0) -> list[tuple[float, float]]:
-    """(window start in seconds, byte hit rate) per window of arrival time that holds reuse requests.
+def byte_hit_rate_series(
+    requests: Sequence[SimRequest], window_seconds: float = 60.0, measure_from_seconds: float = 0.0
+) -> list[tuple[float, float]]:
+    """(window start in seconds, byte hit rate) per window of arrival time that holds reuse
+    requests.
 
     A request belongs to window floor(arrival / window_seconds); a window's rate is
     sum(hit_blocks) / sum(reused_blocks) over its reuse requests. Windows without any are left out.
@@ -63,7 +67,9 @@ def ecdf(values: Sequence[float]) -> list[tuple[float, float]]:
     return points
 
 
-def stall_ecdf(requests: Sequence[SimRequest], measure_from_seconds: float = 0.0) -> list[tuple[float, float]]:
+def stall_ecdf(
+    requests: Sequence[SimRequest], measure_from_seconds: float = 0.0
+) -> list[tuple[float, float]]:
     return ecdf([r.stall_seconds for r in measured_reuse(requests, measure_from_seconds)])
 
 
@@ -80,23 +86,34 @@ def _style(i: int) -> dict[str, object]:
     return {"color": f"C{i % 10}", "linestyle": linestyle, "linewidth": width}
 
 
-def _figure():  # type: ignore[no-untyped-def]
+def _figure():
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(9, 5), dpi=110, layout="constrained")
     return fig, fig.add_subplot()
 
 
-def plot_byte_hit_rate(results: Sequence[ReplayResult], path: Path, window_seconds: float = 60.0,
-                       measure_from_seconds: float = 0.0) -> None:
+def plot_byte_hit_rate(
+    results: Sequence[ReplayResult],
+    path: Path,
+    window_seconds: float = 60.0,
+    measure_from_seconds: float = 0.0,
+) -> None:
     from matplotlib.ticker import PercentFormatter
 
     fig, ax = _figure()
     for i, res in enumerate(results):
         series = byte_hit_rate_series(res.requests, window_seconds, measure_from_seconds)
-        ax.plot([(t + window_seconds / 2) / 60 for t, _ in series], [rate for _, rate in series],
-                marker=".", label=res.summary["policy"], **_style(i))
-    ax.set_xlabel(f"request arrival (minutes since trace start; one point per {window_seconds:g} s window)")
+        ax.plot(
+            [(t + window_seconds / 2) / 60 for t, _ in series],
+            [rate for _, rate in series],
+            marker=".",
+            label=res.summary["policy"],
+            **_style(i),
+        )
+    ax.set_xlabel(
+        f"request arrival (minutes since trace start; one point per {window_seconds:g} s window)"
+    )
     ax.set_ylabel("byte hit rate (reused blocks in HBM at admission)")
     ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
     ax.set_ylim(-0.02, 1.02)
@@ -106,12 +123,15 @@ def plot_byte_hit_rate(results: Sequence[ReplayResult], path: Path, window_secon
     fig.savefig(path)
 
 
-def plot_stall_distribution(results: Sequence[ReplayResult], path: Path,
-                            measure_from_seconds: float = 0.0) -> None:
+def plot_stall_distribution(
+    results: Sequence[ReplayResult], path: Path, measure_from_seconds: float = 0.0
+) -> None:
     from matplotlib.ticker import FuncFormatter, PercentFormatter
 
     fig, ax = _figure()
-    curves = [(res.summary["policy"], stall_ecdf(res.requests, measure_from_seconds)) for res in results]
+    curves = [
+        (res.summary["policy"], stall_ecdf(res.requests, measure_from_seconds)) for res in results
+    ]
     right = max((pts[-1][0] for _, pts in curves if pts), default=1.0)
     bottom = 1.0
     for i, (policy, pts) in enumerate(curves):
@@ -126,13 +146,18 @@ def plot_stall_distribution(results: Sequence[ReplayResult], path: Path,
     ax.set_xscale("symlog", linthresh=STALL_LINTHRESH)
     ax.set_xlim(left=0.0)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x:g}"))
-    ax.set_xlabel(f"stall per request (seconds; linear below {STALL_LINTHRESH:g} s, logarithmic above)")
+    ax.set_xlabel(
+        f"stall per request (seconds; linear below {STALL_LINTHRESH:g} s, logarithmic above)"
+    )
     # Most requests never stall: start the y axis a little below the lowest share that did not,
     # and say so, so the tails get the room.
     floor = max(0.0, math.floor(bottom * 20) / 20 - 0.05)
     ax.set_ylim(floor, 1.005)
     ax.yaxis.set_major_formatter(PercentFormatter(1.0, decimals=0))
-    ax.set_ylabel("share of reuse requests stalling at most x" + (f" (axis from {floor:.0%})" if floor else ""))
+    ax.set_ylabel(
+        "share of reuse requests stalling at most x"
+        + (f" (axis from {floor:.0%})" if floor else "")
+    )
     ax.set_title("Stall distribution (ECDF) of reuse requests")
     ax.grid(alpha=0.3)
     ax.legend(title="policy", loc="lower right")
@@ -142,15 +167,25 @@ def plot_stall_distribution(results: Sequence[ReplayResult], path: Path,
 # -- the report -------------------------------------------------------------------------------
 
 
-def write_report(results: Sequence[ReplayResult], out_dir: Path, *, trace_path: Path, command: str,
-                 window_seconds: float = 60.0, measure_from_seconds: float = 0.0) -> list[Path]:
+def write_report(
+    results: Sequence[ReplayResult],
+    out_dir: Path,
+    *,
+    trace_path: Path,
+    command: str,
+    window_seconds: float = 60.0,
+    measure_from_seconds: float = 0.0,
+) -> list[Path]:
     """Write report.md and the two PNGs into out_dir; returns their paths."""
     if not results:
         raise ValueError("no replay results to report")
     out_dir.mkdir(parents=True, exist_ok=True)
     first = results[0].summary
-    measured = f", counting requests that arrived at or after {measure_from_seconds:g} s" \
-        if measure_from_seconds else ""
+    measured = (
+        f", counting requests that arrived at or after {measure_from_seconds:g} s"
+        if measure_from_seconds
+        else ""
+    )
     lines = [
         f"# Replay of {first['trace']}",
         "",

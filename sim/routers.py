@@ -52,7 +52,10 @@ class Sticky:
 
     def route(self, r: SimRequest, cluster: Cluster) -> int:
         home = cluster.session_instance.get(r.session_id)
-        if home is not None and len(cluster.instances[home].queue) <= cluster.scenario.sticky_overflow_queue:
+        if (
+            home is not None
+            and len(cluster.instances[home].queue) <= cluster.scenario.sticky_overflow_queue
+        ):
             return home
         return _least_loaded(cluster, r.index)
 
@@ -84,13 +87,24 @@ class Hinted:
         n = len(cluster.instances)
         # Candidates from a rotating start, so that equal hints spread as least-loaded's ties do.
         order = [cluster.instances[(r.index + k) % n] for k in range(n)]
-        loads = {inst.instance_id: InstanceLoad(queue_depth=len(inst.queue), running_requests=inst.running)
-                 for inst in order}
+        loads = {
+            inst.instance_id: InstanceLoad(
+                queue_depth=len(inst.queue), running_requests=inst.running
+            )
+            for inst in order
+        }
         # With the `scheduled` policy, its open prefetches are on their way, as in the service.
         scheduler = getattr(cluster.policy, "scheduler", None)
         inflight = scheduler.open_orders() if scheduler is not None else ()
-        hint = route_hint(self.store, r.session_id, [inst.instance_id for inst in order], cluster.now,
-                          config=self.config, inflight=inflight, loads=loads)
+        hint = route_hint(
+            self.store,
+            r.session_id,
+            [inst.instance_id for inst in order],
+            cluster.now,
+            config=self.config,
+            inflight=inflight,
+            loads=loads,
+        )
         if not hint.context_known:
             return _least_loaded(cluster, r.index)
         return next(inst.idx for inst in order if inst.instance_id == hint.recommended)
@@ -100,11 +114,15 @@ def hint_config(scenario: Scenario) -> HintConfig:
     return HintConfig.for_cluster(scenario.cluster)
 
 
-def make_router(name: str, *, store: StateStore | None = None, scenario: Scenario | None = None) -> Router:
+def make_router(
+    name: str, *, store: StateStore | None = None, scenario: Scenario | None = None
+) -> Router:
     """`store` and `scenario`: the engine's state and the cluster's numbers, for `hinted`."""
     if name == "hinted":
         if store is None or scenario is None:
-            raise ValueError("the hinted router reads the engine's own state: it needs the in-process engine")
+            raise ValueError(
+                "the hinted router reads the engine's own state: it needs the in-process engine"
+            )
         return Hinted(store, hint_config(scenario))
     routers: dict[str, type] = {"sticky": Sticky, "least-loaded": LeastLoaded, "kv-aware": KvAware}
     try:

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from typing import cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.core.bundle import SCENARIO_DIR
-from app.core.cluster import HOST_LINK_BYTES_PER_SECOND, ClusterSpec
+from app.core.cluster import HOST_LINK_BYTES_PER_SECOND, ClusterSettings, ClusterSpec
 from app.core.errors import ConfigError
 
 
@@ -25,19 +26,29 @@ class Scenario(BaseModel):
     block_tokens: int = Field(512, gt=0)
     instances: int = Field(ge=1, le=4096)
     hbm_kv_bytes: int = Field(gt=0, description="HBM set aside for KV cache, per instance")
-    host_kv_bytes: int = Field(0, ge=0, description="host-DRAM KV tier per instance; 0: no such tier")
-    pool_link_bytes_per_second: float = Field(gt=0, description="inbound link from the shared pool, per instance")
-    host_link_bytes_per_second: float = Field(HOST_LINK_BYTES_PER_SECOND, gt=0, description="host DRAM to GPU (PCIe), per instance")
+    host_kv_bytes: int = Field(
+        0, ge=0, description="host-DRAM KV tier per instance; 0: no such tier"
+    )
+    pool_link_bytes_per_second: float = Field(
+        gt=0, description="inbound link from the shared pool, per instance"
+    )
+    host_link_bytes_per_second: float = Field(
+        HOST_LINK_BYTES_PER_SECOND, gt=0, description="host DRAM to GPU (PCIe), per instance"
+    )
     prefill_tokens_per_second: float = Field(gt=0)
     decode_seconds_per_token: float = Field(gt=0)
     max_running_requests: int = Field(ge=1, description="concurrency limit per instance")
-    sticky_overflow_queue: int = Field(8, ge=0, description="sticky router overflows past this queue length")
+    sticky_overflow_queue: int = Field(
+        8, ge=0, description="sticky router overflows past this queue length"
+    )
 
     @property
     def cluster(self) -> ClusterSpec:
         """The numbers the service's parts read (app/core/cluster.py), as the engine's settings
         would carry them."""
-        return ClusterSpec.from_settings(self)
+        # A frozen model: its fields are read-only where the ClusterSettings protocol declares
+        # settable attributes; the names and types are the same.
+        return ClusterSpec.from_settings(cast("ClusterSettings", self))
 
     @property
     def block_bytes(self) -> int:
@@ -54,7 +65,10 @@ class Scenario(BaseModel):
     @model_validator(mode="after")
     def _fits_a_request(self) -> Scenario:
         if self.hbm_blocks < 1:
-            raise ValueError(f"hbm_kv_bytes ({self.hbm_kv_bytes}) holds not even one {self.block_bytes}-byte block")
+            raise ValueError(
+                f"hbm_kv_bytes ({self.hbm_kv_bytes}) holds not even one "
+                f"{self.block_bytes}-byte block"
+            )
         return self
 
 
@@ -76,4 +90,6 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
     except ValidationError as exc:
         first = exc.errors(include_url=False)[0]
         field = ".".join(str(p) for p in first["loc"]) or "scenario"
-        raise ConfigError(f"{path}: {field}: {first['msg'].removeprefix('Value error, ')}") from None
+        raise ConfigError(
+            f"{path}: {field}: {first['msg'].removeprefix('Value error, ')}"
+        ) from None

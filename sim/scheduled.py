@@ -16,7 +16,7 @@ the session's advice.
 from __future__ import annotations
 
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from app.decide.advisor import Advisor
 from app.engine import Engine
@@ -34,7 +34,7 @@ def run_now(step: Coroutine[Any, Any, T]) -> T:
     try:
         step.send(None)
     except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
+        return done.value
     step.close()
     raise RuntimeError("the replay's planning tick waited on something: it must answer at once")
 
@@ -120,11 +120,12 @@ class ScheduledPolicy(PlannedPolicy):
         idx = self._instance_index(order.instance_id)
         if idx is None:
             return  # not an instance of this cluster
-        blocks = list(order.block_hashes)
+        # The traces' hash_ids are checked to be ints, so the orders name int blocks.
+        blocks = cast("list[int]", list(order.block_hashes))
         if order.kind == "pin":
-            cluster.keep(idx, blocks, now + (order.ttl_seconds or 0.0))  # type: ignore[arg-type]
+            cluster.keep(idx, blocks, now + (order.ttl_seconds or 0.0))
         elif order.kind == "demote":
-            cluster.demote(idx, blocks)  # type: ignore[arg-type]
+            cluster.demote(idx, blocks)
         elif order.start_by_ts > now:
             cluster.call_at(order.start_by_ts, lambda: self._start(order, idx, blocks))
         else:

@@ -38,7 +38,9 @@ class SessionAssignment:
         return len(set(self.session_ids))
 
 
-def hot_blocks(trace: Sequence[TraceRequest], share: float = DEFAULT_HOT_BLOCK_SHARE) -> frozenset[int]:
+def hot_blocks(
+    trace: Sequence[TraceRequest], share: float = DEFAULT_HOT_BLOCK_SHARE
+) -> frozenset[int]:
     counts: Counter[int] = Counter()
     for r in trace:
         counts.update(set(r.hash_ids))
@@ -47,7 +49,9 @@ def hot_blocks(trace: Sequence[TraceRequest], share: float = DEFAULT_HOT_BLOCK_S
     return frozenset(h for h, c in counts.items() if c >= threshold and c > 1)
 
 
-def derive_sessions(trace: Sequence[TraceRequest], *, hot_block_share: float = DEFAULT_HOT_BLOCK_SHARE) -> SessionAssignment:
+def derive_sessions(
+    trace: Sequence[TraceRequest], *, hot_block_share: float = DEFAULT_HOT_BLOCK_SHARE
+) -> SessionAssignment:
     hot = hot_blocks(trace, hot_block_share)
     holder: dict[int, int] = {}  # block id -> the most recent request (index) that carried it
     session_ids: list[str] = []

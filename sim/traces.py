@@ -75,7 +75,8 @@ def iter_trace(path: Path | str) -> Iterator[TraceRequest]:
             last_ts = ts
             hash_ids = doc["hash_ids"]
             if not isinstance(hash_ids, list) or not all(
-                    isinstance(h, int) and not isinstance(h, bool) for h in hash_ids):
+                isinstance(h, int) and not isinstance(h, bool) for h in hash_ids
+            ):
                 raise TraceError(path, line_no, "hash_ids must be a list of integers")
             yield TraceRequest(
                 index=index,

@@ -25,8 +25,8 @@ from typing import Any
 import orjson
 
 from bench._util import REPO, child_env
-from bench.load.processes import BenchError
 from bench.load.probes import redis_clean
+from bench.load.processes import BenchError
 from bench.load.traffic import BLOCK_TOKENS, BYTES_PER_BLOCK, Shard
 
 MODES = ("sessions", "ids", "ring", "blocks", "tombstones", "advice", "orders")
@@ -35,8 +35,9 @@ MODES = ("sessions", "ids", "ring", "blocks", "tombstones", "advice", "orders")
 _NEVER_SECONDS = 1e9
 
 
-def _worker(mode: str, sessions: int, store: str, redis_url: str, dedupe_max_ids: int | None,
-            seed: int) -> dict[str, Any]:
+def _worker(
+    mode: str, sessions: int, store: str, redis_url: str, dedupe_max_ids: int | None, seed: int
+) -> dict[str, Any]:
     """In a fresh process: the service's Engine ingests this traffic; RSS before and after, with
     what grew.
 
@@ -65,26 +66,43 @@ def _worker(mode: str, sessions: int, store: str, redis_url: str, dedupe_max_ids
     prefix = f"kvp-bench-load-cal-{uuid.uuid4().hex[:12]}"
     keep_ids = mode == "ids"
     overrides: dict[str, Any] = {
-        "store": store, "redis_url": redis_url, "redis_prefix": prefix, "data_dir": tmp, "log_fsync": False,
-        "score_interval_seconds": 0, "plan_interval_seconds": 0, "dashboard_sample_seconds": 0,
+        "store": store,
+        "redis_url": redis_url,
+        "redis_prefix": prefix,
+        "data_dir": tmp,
+        "log_fsync": False,
+        "score_interval_seconds": 0,
+        "plan_interval_seconds": 0,
+        "dashboard_sample_seconds": 0,
         "replica_id": "bench-load-calibrate",
-        "dedupe_max_ids": (dedupe_max_ids or Settings.model_fields["dedupe_max_ids"].default) if keep_ids else 1,
-        "session_retention_seconds": _NEVER_SECONDS, "reorder_window_seconds": _NEVER_SECONDS,
+        "dedupe_max_ids": (dedupe_max_ids or Settings.model_fields["dedupe_max_ids"].default)
+        if keep_ids
+        else 1,
+        "session_retention_seconds": _NEVER_SECONDS,
+        "reorder_window_seconds": _NEVER_SECONDS,
     }
-    settings = Settings(_env_file=None, **overrides)  # type: ignore[call-arg]
+    settings = Settings(_env_file=None, **overrides)
     engine = Engine.build(settings)
     proc = psutil.Process()
     # A population smaller than the sessions ingested, so most of them live and end as in the run.
     kv = mode in ("blocks", "tombstones")
-    shard = Shard(seed=seed, sessions=max(1, min(3000, sessions // 4)), instance_ids=[f"cal-{i:02d}" for i in range(16)],
-                  hbm_blocks=10 if mode == "tombstones" else 10**9, kv_events=kv, status_events=False)
+    shard = Shard(
+        seed=seed,
+        sessions=max(1, min(3000, sessions // 4)),
+        instance_ids=[f"cal-{i:02d}" for i in range(16)],
+        hbm_blocks=10 if mode == "tombstones" else 10**9,
+        kv_events=kv,
+        status_events=False,
+    )
 
     tombstones_after: list[int] = []  # the shard's count once each body was made
 
     def bodies() -> list[bytes]:
         out: list[bytes] = []
         if kv:
-            for _ in range(max(2, sessions // 10)):  # as many blocks as the sessions run has hashes, roughly
+            for _ in range(
+                max(2, sessions // 10)
+            ):  # as many blocks as the sessions run has hashes, roughly
                 for inst in shard.instances:
                     shard.store(inst, [shard.rng.getrandbits(63) for _ in range(10)])
                 out.append(orjson.dumps({"events": shard.take()}))
@@ -128,8 +146,11 @@ def _worker(mode: str, sessions: int, store: str, redis_url: str, dedupe_max_ids
             engine.score_tick()
         scheduler.plan(time.time())
         gc.collect()
-        return {"mode": mode, "bytes": proc.memory_info().rss - before,
-                "growth": {"tracked_sessions": scheduler.tracked_sessions - tracked}}
+        return {
+            "mode": mode,
+            "bytes": proc.memory_info().rss - before,
+            "growth": {"tracked_sessions": scheduler.tracked_sessions - tracked},
+        }
 
     try:
         return go()
@@ -145,12 +166,17 @@ def _orders(n: int, seed: int) -> dict[str, Any]:
     remembers each one's id too)."""
     import psutil
 
-    from kvprefetch_client.orders import Order, order_id_for
     from app.deliver._dedupe import RecentIds
     from app.deliver.pull import PullQueue
+    from kvprefetch_client.orders import Order, order_id_for
 
-    shard = Shard(seed=seed, sessions=max(1, min(3000, n // 4)), instance_ids=[f"cal-{i:02d}" for i in range(16)],
-                  hbm_blocks=10**9, status_events=False)
+    shard = Shard(
+        seed=seed,
+        sessions=max(1, min(3000, n // 4)),
+        instance_ids=[f"cal-{i:02d}" for i in range(16)],
+        hbm_blocks=10**9,
+        status_events=False,
+    )
     for _ in range(n):  # contexts of a few turns, as pins name them
         shard.step()
     shard.take()
@@ -169,14 +195,30 @@ def _orders(n: int, seed: int) -> dict[str, Any]:
     for i in range(n):
         c = convs[i % len(convs)]
         blocks = list(c.blocks)
-        sink.submit_nowait([Order(
-            order_id=order_id_for("pin", c.instance_id, "hbm", blocks, i), kind="pin", instance_id=c.instance_id,
-            block_hashes=blocks, size_bytes=len(blocks) * BYTES_PER_BLOCK, created_ts=now, start_by_ts=now,
-            needed_by_ts=now, ttl_seconds=300.0, session_ids=[c.session_id])])
+        sink.submit_nowait(
+            [
+                Order(
+                    order_id=order_id_for("pin", c.instance_id, "hbm", blocks, i),
+                    kind="pin",
+                    instance_id=c.instance_id,
+                    block_hashes=blocks,
+                    size_bytes=len(blocks) * BYTES_PER_BLOCK,
+                    created_ts=now,
+                    start_by_ts=now,
+                    needed_by_ts=now,
+                    ttl_seconds=300.0,
+                    session_ids=[c.session_id],
+                )
+            ]
+        )
     gc.collect()
     after = proc.memory_info().rss
-    return {"mode": "orders", "bytes": after - mid, "bytes_ids": mid - before,
-            "growth": {"orders": sink.held(), "order_ids": len(ids)}}
+    return {
+        "mode": "orders",
+        "bytes": after - mid,
+        "bytes_ids": mid - before,
+        "growth": {"orders": sink.held(), "order_ids": len(ids)},
+    }
 
 
 def _ring(max_ids: int) -> dict[str, Any]:
@@ -186,11 +228,14 @@ def _ring(max_ids: int) -> dict[str, Any]:
     the generation it freed: a full ring costs more than its ids at their cost in a young one."""
     import psutil
 
-    from kvprefetch_client.events import InstanceStatus
     from app.state.memory import MemoryStore
+    from kvprefetch_client.events import InstanceStatus
 
-    store = MemoryStore(bytes_per_token=BYTES_PER_BLOCK // BLOCK_TOKENS, block_tokens=BLOCK_TOKENS,
-                        dedupe_max_ids=max_ids)
+    store = MemoryStore(
+        bytes_per_token=BYTES_PER_BLOCK // BLOCK_TOKENS,
+        block_tokens=BLOCK_TOKENS,
+        dedupe_max_ids=max_ids,
+    )
     prefix = str(uuid.uuid4())[:23]
     proc = psutil.Process()
     gc.collect()
@@ -200,9 +245,21 @@ def _ring(max_ids: int) -> dict[str, Any]:
     while n < end:
         k = min(1000, end - n)
         # The cheapest event to apply: the ring is what is measured.
-        store.apply([InstanceStatus.model_construct(
-            type="instance_status", event_id=f"{prefix}-{i:012x}", ts=1.7e9 + i * 1e-5, instance_id="cal",
-            free_kv_bytes=0, total_kv_bytes=0, queue_depth=0, running_requests=0) for i in range(n, n + k)])
+        store.apply(
+            [
+                InstanceStatus.model_construct(
+                    type="instance_status",
+                    event_id=f"{prefix}-{i:012x}",
+                    ts=1.7e9 + i * 1e-5,
+                    instance_id="cal",
+                    free_kv_bytes=0,
+                    total_kv_bytes=0,
+                    queue_depth=0,
+                    running_requests=0,
+                )
+                for i in range(n, n + k)
+            ]
+        )
         n += k
         if n % 50_000 < k or n == end:
             peak = max(peak, proc.memory_info().rss - base)
@@ -214,19 +271,38 @@ def modes(store: str) -> list[str]:
     return [m for m in MODES if store == "memory" or m != "ring"]
 
 
-def calibrate(sessions: int, store: str, redis_url: str, dedupe_max_ids: int | None, seed: int) -> dict[str, Any]:
+def calibrate(
+    sessions: int, store: str, redis_url: str, dedupe_max_ids: int | None, seed: int
+) -> dict[str, Any]:
     """Bytes of RSS per unit of state, each unit measured in a fresh process."""
     results = {}
     for mode in modes(store):
-        cmd = [sys.executable, "-m", "bench.load.calibrate", "--mode", mode, "--sessions", str(sessions),
-               "--store", store, "--redis-url", redis_url, "--seed", str(seed)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.load.calibrate",
+            "--mode",
+            mode,
+            "--sessions",
+            str(sessions),
+            "--store",
+            store,
+            "--redis-url",
+            redis_url,
+            "--seed",
+            str(seed),
+        ]
         if dedupe_max_ids is not None:
             cmd += ["--dedupe-max-ids", str(dedupe_max_ids)]
         done = subprocess.run(cmd, cwd=REPO, env=child_env({}), capture_output=True, check=False)
         if done.returncode != 0:
-            raise BenchError(f"calibration {mode} failed ({done.returncode}):\n{done.stderr.decode()[-3000:]}")
+            raise BenchError(
+                f"calibration {mode} failed ({done.returncode}):\n{done.stderr.decode()[-3000:]}"
+            )
         results[mode] = json.loads(done.stdout)
-    s, i, b, t, a, o = (results[m] for m in ("sessions", "ids", "blocks", "tombstones", "advice", "orders"))
+    s, i, b, t, a, o = (
+        results[m] for m in ("sessions", "ids", "blocks", "tombstones", "advice", "orders")
+    )
     n_sessions = max(1, s["growth"]["sessions"])
     n_ids = max(1, i["growth"]["remembered_event_ids"] - s["growth"]["remembered_event_ids"])
     n_blocks = max(1, b["growth"]["resident_blocks"])
@@ -245,14 +321,22 @@ def calibrate(sessions: int, store: str, redis_url: str, dedupe_max_ids: int | N
         "bytes_per_held_order": round(max(0.0, max(0, o["bytes"]) / n_orders - per_order_id), 1),
         "bytes_per_remembered_order_id": round(per_order_id, 1),
         "dedupe_ring_peak_bytes": results["ring"]["bytes"] if "ring" in results else None,
-        "measured_on": {"sessions": n_sessions, "event_ids": n_ids, "resident_blocks": n_blocks,
-                        "tombstones": n_tombstones, "advised_sessions": n_advised, "orders": n_orders,
-                        "order_ids": n_order_ids},
+        "measured_on": {
+            "sessions": n_sessions,
+            "event_ids": n_ids,
+            "resident_blocks": n_blocks,
+            "tombstones": n_tombstones,
+            "advised_sessions": n_advised,
+            "orders": n_orders,
+            "order_ids": n_order_ids,
+        },
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="one unit of `kvprefetch bench load`'s calibration")
+    parser = argparse.ArgumentParser(
+        description="one unit of `kvprefetch bench load`'s calibration"
+    )
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--sessions", type=int, required=True)
     parser.add_argument("--store", choices=["memory", "redis"], default="memory")
@@ -260,7 +344,13 @@ def main() -> None:
     parser.add_argument("--dedupe-max-ids", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    print(json.dumps(_worker(args.mode, args.sessions, args.store, args.redis_url, args.dedupe_max_ids, args.seed)))
+    print(
+        json.dumps(
+            _worker(
+                args.mode, args.sessions, args.store, args.redis_url, args.dedupe_max_ids, args.seed
+            )
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -25,13 +25,31 @@ def _ceiling_app() -> Any:
     from app.api.routes.hints import CandidateHintModel, RouteHintRequest, RouteHintResponse
     from bench.ceiling_app import app
 
-    async def route_hint(body):  # type: ignore[no-untyped-def]
+    async def route_hint(body):
         return RouteHintResponse(
-            session_id=body.session_id, context_known=True, context_bytes=0, recommended=body.candidates[0],
-            reason="ceiling", candidates=[CandidateHintModel(
-                instance_id=c, resident_bytes=0, inflight_bytes=0, missing_bytes=0, source="none",
-                expected_load_seconds=0.0, queue_depth=0, running_requests=0, expected_wait_seconds=0.0,
-                expected_seconds=0.0, recommended=i == 0, reason="ceiling") for i, c in enumerate(body.candidates)])
+            session_id=body.session_id,
+            context_known=True,
+            context_bytes=0,
+            recommended=body.candidates[0],
+            reason="ceiling",
+            candidates=[
+                CandidateHintModel(
+                    instance_id=c,
+                    resident_bytes=0,
+                    inflight_bytes=0,
+                    missing_bytes=0,
+                    source="none",
+                    expected_load_seconds=0.0,
+                    queue_depth=0,
+                    running_requests=0,
+                    expected_wait_seconds=0.0,
+                    expected_seconds=0.0,
+                    recommended=i == 0,
+                    reason="ceiling",
+                )
+                for i, c in enumerate(body.candidates)
+            ],
+        )
 
     # Real classes, not this module's postponed (string) annotations, which FastAPI resolves in
     # the module's globals: the body is then parsed as the service parses it.
@@ -49,12 +67,25 @@ def serve(port: int) -> None:
     uvicorn.run(_ceiling_app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
-def ceiling_phase(workdir: Path, seconds: float, warmup: float, *, shards_kw: dict[str, Any],
-                  load_kw: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    """The same client against the ceiling for `seconds` after `warmup`: rates, latencies, CPU, errors."""
+def ceiling_phase(
+    workdir: Path,
+    seconds: float,
+    warmup: float,
+    *,
+    shards_kw: dict[str, Any],
+    load_kw: dict[str, Any],
+    headers: dict[str, str],
+) -> dict[str, Any]:
+    """The same client against the ceiling for `seconds` after `warmup`: rates, latencies, CPU,
+    errors."""
     port = free_port()
-    server = Proc("ceiling", ["-m", "bench.load.ceiling", "--port", str(port)], workdir=workdir, env={},
-                  port=port)
+    server = Proc(
+        "ceiling",
+        ["-m", "bench.load.ceiling", "--port", str(port)],
+        workdir=workdir,
+        env={},
+        port=port,
+    )
     try:
         server.wait_ready("/healthz", headers)
         load = Load(server.url, make_shards(**shards_kw), **load_kw)

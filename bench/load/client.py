@@ -51,15 +51,22 @@ def _retry_after(headers: Any) -> float:
         return 0.5
 
 
-def _call(client: Any, url: str, body: bytes, headers: dict[str, str], log: _Log, stop: threading.Event,
-          ok: Callable[[Any, int], bool]) -> bool:
+def _call(
+    client: Any,
+    url: str,
+    body: bytes,
+    headers: dict[str, str],
+    log: _Log,
+    stop: threading.Event,
+    ok: Callable[[Any, int], bool],
+) -> bool:
     """POSTs until answered 200 (retrying what a real client would: 429, 503, transport errors),
     logging each answer. Returns whether it got through."""
     for attempt in range(MAX_ATTEMPTS):
         t0 = time.perf_counter()
         try:
             r = client.post(url, content=body, headers=headers)
-        except Exception as exc:  # noqa: BLE001 - counted by type; the call is retried
+        except Exception as exc:  # counted by type; the call is retried
             log.errors[_error_key(None, exc)] += 1
             if stop.wait(0.5):
                 return False
@@ -86,8 +93,14 @@ def _new_client() -> Any:
     return httpx.Client(timeout=30.0, limits=httpx.Limits(max_connections=1))
 
 
-def _event_worker(url: str, shard: Shard, batch_size: int, headers: dict[str, str], log: _Log,
-                  stop: threading.Event) -> None:
+def _event_worker(
+    url: str,
+    shard: Shard,
+    batch_size: int,
+    headers: dict[str, str],
+    log: _Log,
+    stop: threading.Event,
+) -> None:
     # A generator thread makes the next bodies while this one waits for answers (the GIL is free
     # then), so generating costs the client CPU but not latency.
     bodies: queue.Queue[tuple[bytes, int, list[tuple[int, str]], Held]] = queue.Queue(maxsize=3)
@@ -125,8 +138,14 @@ def _event_worker(url: str, shard: Shard, batch_size: int, headers: dict[str, st
     gen.join(timeout=5)
 
 
-def _hint_worker(url: str, shards: Sequence[Shard], seed: int, headers: dict[str, str], log: _Log,
-                 stop: threading.Event) -> None:
+def _hint_worker(
+    url: str,
+    shards: Sequence[Shard],
+    seed: int,
+    headers: dict[str, str],
+    log: _Log,
+    stop: threading.Event,
+) -> None:
     rng = random.Random(seed)
     candidates = [orjson.dumps(s.instances) for s in shards]
 
@@ -149,8 +168,16 @@ class Load:
     """The client threads of one phase: `event_connections` routers posting batches and
     `hint_connections` asking for route hints, all closed-loop."""
 
-    def __init__(self, url: str, shards: list[Shard], *, hint_connections: int, batch_size: int,
-                 token: str | None, seed: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        shards: list[Shard],
+        *,
+        hint_connections: int,
+        batch_size: int,
+        token: str | None,
+        seed: int,
+    ) -> None:
         headers = {"content-type": "application/json"}
         if token:
             headers["authorization"] = f"Bearer {token}"
@@ -161,13 +188,25 @@ class Load:
         for i, shard in enumerate(shards):
             log = _Log()
             self.logs["event_batches"].append(log)
-            self.threads.append(threading.Thread(target=_event_worker, name=f"load-events-{i}", daemon=True,
-                                                 args=(url, shard, batch_size, headers, log, self.stop)))
+            self.threads.append(
+                threading.Thread(
+                    target=_event_worker,
+                    name=f"load-events-{i}",
+                    daemon=True,
+                    args=(url, shard, batch_size, headers, log, self.stop),
+                )
+            )
         for i in range(hint_connections):
             log = _Log()
             self.logs["route_hints"].append(log)
-            self.threads.append(threading.Thread(target=_hint_worker, name=f"load-hints-{i}", daemon=True,
-                                                 args=(url, shards, seed * 1000 + i, headers, log, self.stop)))
+            self.threads.append(
+                threading.Thread(
+                    target=_hint_worker,
+                    name=f"load-hints-{i}",
+                    daemon=True,
+                    args=(url, shards, seed * 1000 + i, headers, log, self.stop),
+                )
+            )
 
     def start(self) -> None:
         for t in self.threads:
@@ -186,11 +225,17 @@ class Load:
             events = 0
             for log in logs:
                 n = len(log.events)  # appended last: every array holds at least n entries
-                i, j = bisect.bisect_left(log.ends, t0, 0, n), bisect.bisect_left(log.ends, t1, 0, n)
+                i, j = (
+                    bisect.bisect_left(log.ends, t0, 0, n),
+                    bisect.bisect_left(log.ends, t1, 0, n),
+                )
                 lat.extend(log.latencies[i:j])
                 events += sum(log.events[i:j])
             secs = t1 - t0
-            entry: dict[str, Any] = {"requests": len(lat), "requests_per_second": round(len(lat) / secs, 1)}
+            entry: dict[str, Any] = {
+                "requests": len(lat),
+                "requests_per_second": round(len(lat) / secs, 1),
+            }
             if kind == "event_batches":
                 entry["events"] = events
                 entry["events_per_second"] = round(events / secs, 1)
@@ -210,8 +255,13 @@ class Load:
             by_kind[kind] = dict(sorted(c.items()))
             total += sum(c.values())
             rate_limited += c.get("429", 0)
-        return {"total": total, "rate_limited_429": rate_limited, "by_kind": by_kind,
-                "dropped_after_retries": dropped, "unexpected_duplicates_or_rejects": unexpected}
+        return {
+            "total": total,
+            "rate_limited_429": rate_limited,
+            "by_kind": by_kind,
+            "dropped_after_retries": dropped,
+            "unexpected_duplicates_or_rejects": unexpected,
+        }
 
 
 def percentiles(xs: list[float]) -> dict[str, float | None]:

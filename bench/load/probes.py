@@ -17,7 +17,8 @@ def readyz(url: str, headers: dict[str, str]) -> dict[str, Any] | None:
 
 
 def scheduler(url: str, headers: dict[str, str]) -> dict[str, Any] | None:
-    """GET /v1/scheduler: what the scheduler holds (tracked sessions, open orders) and its totals."""
+    """GET /v1/scheduler: what the scheduler holds (tracked sessions, open orders) and its
+    totals."""
     import httpx
 
     try:
@@ -52,20 +53,32 @@ def metrics(url: str, headers: dict[str, str]) -> dict[str, float] | None:
 
 
 def log_summary(path: Path) -> dict[str, Any]:
-    """Problems the service logged (they need not show as HTTP errors), and its last lines if any."""
+    """Problems the service logged (they need not show as HTTP errors), and its last lines if
+    any."""
     try:
         lines = path.read_text(errors="replace").splitlines()
     except OSError:
         return {"errors": None, "warnings": None, "tail": None}
-    errors = sum(" ERROR " in ln or " CRITICAL " in ln or ln.startswith("Traceback") for ln in lines)
+    errors = sum(
+        " ERROR " in ln or " CRITICAL " in ln or ln.startswith("Traceback") for ln in lines
+    )
     warnings = sum(" WARNING " in ln for ln in lines)
-    return {"errors": errors, "warnings": warnings,
-            "tail": "\n".join(lines[-15:])[-1500:] if errors or warnings else None}
+    return {
+        "errors": errors,
+        "warnings": warnings,
+        "tail": "\n".join(lines[-15:])[-1500:] if errors or warnings else None,
+    }
 
 
 def events_ingested(metrics: dict[str, float] | None) -> int:
     """Events the service has accepted since it started, all types."""
-    return int(sum(v for k, v in (metrics or {}).items() if k.startswith("kvprefetch_events_ingested_total")))
+    return int(
+        sum(
+            v
+            for k, v in (metrics or {}).items()
+            if k.startswith("kvprefetch_events_ingested_total")
+        )
+    )
 
 
 def order_totals(metrics: dict[str, float] | None) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -22,10 +23,8 @@ def rss(pid: int) -> int:
     p = psutil.Process(pid)
     total = p.memory_info().rss
     for c in p.children(recursive=True):
-        try:
+        with contextlib.suppress(psutil.Error):
             total += c.memory_info().rss
-        except psutil.Error:
-            pass
     return int(total)
 
 

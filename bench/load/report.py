@@ -111,7 +111,9 @@ def _issued_within(points: Sequence[dict[str, Any]], i: int, seconds: float, *, 
     return int(p["orders"]["issued"]) - int(base if base is not None else 0)
 
 
-def pull_sink_counts(points: Sequence[dict[str, Any]], i: int, settings: dict[str, Any]) -> dict[str, dict[str, int]]:
+def pull_sink_counts(
+    points: Sequence[dict[str, Any]], i: int, settings: dict[str, Any]
+) -> dict[str, dict[str, int]]:
     """Orders the pull sink holds at points[i], and order ids it remembers: {name: {low, high}}.
 
     Held: at most those issued within `order_hold_seconds` (older ones have expired); at least
@@ -125,22 +127,31 @@ def pull_sink_counts(points: Sequence[dict[str, Any]], i: int, settings: dict[st
     cap, window = settings["order_ids_max"], settings["order_dedupe_seconds"]
     return {
         "orders_held_by_pull_sink": {
-            "low": max(0, _issued_within(points, i, settings["order_lease_seconds"], upper=False) - ended),
-            "high": _issued_within(points, i, settings["order_hold_seconds"], upper=True)},
+            "low": max(
+                0, _issued_within(points, i, settings["order_lease_seconds"], upper=False) - ended
+            ),
+            "high": _issued_within(points, i, settings["order_hold_seconds"], upper=True),
+        },
         "order_ids_remembered_by_pull_sink": {
             "low": min(cap, _issued_within(points, i, window, upper=False)),
-            "high": min(cap, _issued_within(points, i, window, upper=True))},
+            "high": min(cap, _issued_within(points, i, window, upper=True)),
+        },
     }
 
 
-def counts(points: Sequence[dict[str, Any]], i: int, settings: dict[str, Any]) -> dict[str, dict[str, int]]:
+def counts(
+    points: Sequence[dict[str, Any]], i: int, settings: dict[str, Any]
+) -> dict[str, dict[str, int]]:
     """Every count the bound prices at points[i], as {name: {low, high}}."""
     p = points[i]
     stats = p["stats"] or {}
     out = {k: {"low": int(stats.get(k, 0)), "high": int(stats.get(k, 0))} for k in STORE_COUNTS}
     # The store's counts, but never more than its settings allow: a store that kept more (forgot
     # no session, say) would have its excess left unexplained.
-    for name, cap in (("sessions", p["sessions_within_retention"]), ("remembered_event_ids", settings["dedupe_max_ids"])):
+    for name, cap in (
+        ("sessions", p["sessions_within_retention"]),
+        ("remembered_event_ids", settings["dedupe_max_ids"]),
+    ):
         out[name] = {k: min(v, cap) for k, v in out[name].items()}
     out["tombstones"] = {"low": p["tombstones_alive"], "high": p["tombstones_held_at_most"]}
     out["advised_sessions"] = {"low": p["advised_sessions"], "high": p["advised_sessions"]}
@@ -151,10 +162,16 @@ def counts(points: Sequence[dict[str, Any]], i: int, settings: dict[str, Any]) -
 # -- the bound ----------------------------------------------------------------------------------
 
 
-def _explained(start: dict[str, dict[str, int]], high_water: dict[str, int], calibration: dict[str, Any],
-               ring_turned: bool) -> dict[str, int]:
-    out = {name: round(max(0, high_water[name] - start[name]["low"]) * calibration[cost])
-           for name, cost in UNIT_COSTS.items()}
+def _explained(
+    start: dict[str, dict[str, int]],
+    high_water: dict[str, int],
+    calibration: dict[str, Any],
+    ring_turned: bool,
+) -> dict[str, int]:
+    out = {
+        name: round(max(0, high_water[name] - start[name]["low"]) * calibration[cost])
+        for name, cost in UNIT_COSTS.items()
+    }
     peak = calibration.get("dedupe_ring_peak_bytes")
     if ring_turned and peak is not None:
         # The freed generation's table is not priced by its ids at their cost in a young ring
@@ -164,8 +181,12 @@ def _explained(start: dict[str, dict[str, int]], high_water: dict[str, int], cal
     return out
 
 
-def bound(points: Sequence[dict[str, Any]], first: int, calibration: dict[str, Any],
-          settings: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, int]]]:
+def bound(
+    points: Sequence[dict[str, Any]],
+    first: int,
+    calibration: dict[str, Any],
+    settings: dict[str, Any],
+) -> tuple[dict[str, Any], list[dict[str, int]]]:
     """The bound over points[first:] (the measured window), and each sample's explained and
     unexplained growth so far, for the series."""
     start = counts(points, first, settings)
@@ -180,21 +201,34 @@ def bound(points: Sequence[dict[str, Any]], first: int, calibration: dict[str, A
         for name, count in counts(points, i, settings).items():
             high_water[name] = max(high_water[name], count["high"])
         ring_turned = points[i]["events_ingested"] >= turned_at
-        explained = sum(_explained(start, high_water, calibration, ring_turned).values())
-        per_sample.append({"explained_bytes": explained, "unexplained_bytes": points[i]["rss_bytes"] - rss0 - explained})
+        explained_bytes = sum(_explained(start, high_water, calibration, ring_turned).values())
+        per_sample.append(
+            {
+                "explained_bytes": explained_bytes,
+                "unexplained_bytes": points[i]["rss_bytes"] - rss0 - explained_bytes,
+            }
+        )
     end = counts(points, len(points) - 1, settings)
     explained = _explained(start, high_water, calibration, ring_turned)
     explained_total = sum(explained.values())
     allowance = max(ALLOWANCE_MIN_BYTES, round(ALLOWANCE_SHARE * explained_total))
     growth = points[-1]["rss_bytes"] - rss0
     out = {
-        "rule": ("end RSS <= start RSS + sum over the counted state of (its highest count - its count at "
-                 "the start) x its measured cost (the dedupe ring, once turned over: at least its measured "
-                 "peak less its start) + allowance "
-                 f"(max({ALLOWANCE_MIN_BYTES // 2**20} MiB, {ALLOWANCE_SHARE:.0%} of that))"),
+        "rule": (
+            "end RSS <= start RSS + sum over the counted state of (its highest count - its count "
+            "at the start) x its measured cost (the dedupe ring, once turned over: at least its "
+            "measured peak less its start) + allowance "
+            f"(max({ALLOWANCE_MIN_BYTES // 2**20} MiB, {ALLOWANCE_SHARE:.0%} of that))"
+        ),
         "unit_costs": calibration,
-        "counts": {name: {"start": start[name]["low"], "high_water": high_water[name], "end": end[name]["high"]}
-                   for name in UNIT_COSTS},
+        "counts": {
+            name: {
+                "start": start[name]["low"],
+                "high_water": high_water[name],
+                "end": end[name]["high"],
+            }
+            for name in UNIT_COSTS
+        },
         "growth": {name: high_water[name] - start[name]["low"] for name in UNIT_COSTS},
         "explained_bytes": explained,
         "allowance_bytes": allowance,
@@ -208,15 +242,22 @@ def bound(points: Sequence[dict[str, Any]], first: int, calibration: dict[str, A
         "dedupe_ring_turned_over": ring_turned,
     }
     if settings["order_sink"] != "pull":
-        out["not_priced"] = f"the orders and order ids the {settings['order_sink']} sink keeps in the service"
+        out["not_priced"] = (
+            f"the orders and order ids the {settings['order_sink']} sink keeps in the service"
+        )
     return out, per_sample
 
 
 # -- the JSON -------------------------------------------------------------------------------
 
 
-def series(points: Sequence[dict[str, Any]], first: int, load: Load, settings: dict[str, Any],
-           per_sample: list[dict[str, int]] | None) -> list[dict[str, Any]]:
+def series(
+    points: Sequence[dict[str, Any]],
+    first: int,
+    load: Load,
+    settings: dict[str, Any],
+    per_sample: list[dict[str, int]] | None,
+) -> list[dict[str, Any]]:
     """One entry per sample of the measured window; rates over the interval that ends there."""
     out = []
     for k, i in enumerate(range(first, len(points))):
@@ -224,12 +265,16 @@ def series(points: Sequence[dict[str, Any]], first: int, load: Load, settings: d
         stats = s["stats"] or {}
         held = pull_sink_counts(points, i, settings)
         entry: dict[str, Any] = {
-            "t": s["t"], "rss_bytes": s["rss_bytes"],
-            "sessions": stats.get("sessions"), "sessions_within_retention": s["sessions_within_retention"],
+            "t": s["t"],
+            "rss_bytes": s["rss_bytes"],
+            "sessions": stats.get("sessions"),
+            "sessions_within_retention": s["sessions_within_retention"],
             "remembered_event_ids": stats.get("remembered_event_ids"),
             "resident_blocks": stats.get("resident_blocks"),
-            "tombstones_alive": s["tombstones_alive"], "tombstones_held_at_most": s["tombstones_held_at_most"],
-            "advised_sessions": s["advised_sessions"], "orders_issued": s["orders"]["issued"],
+            "tombstones_alive": s["tombstones_alive"],
+            "tombstones_held_at_most": s["tombstones_held_at_most"],
+            "advised_sessions": s["advised_sessions"],
+            "orders_issued": s["orders"]["issued"],
             "orders_held_at_most": held["orders_held_by_pull_sink"]["high"],
             "load_average_1m": s["load_average_1m"],
         }
@@ -239,22 +284,38 @@ def series(points: Sequence[dict[str, Any]], first: int, load: Load, settings: d
             prev = points[i - 1]
             w = load.window(prev["perf"], s["perf"])
             dt = s["perf"] - prev["perf"]
-            entry.update({
-                "events_per_second": w["event_batches"]["events_per_second"],
-                "route_hints_per_second": w["route_hints"]["requests_per_second"],
-                "event_batch_p99_ms": w["event_batches"]["latency_ms"]["p99"],
-                "route_hint_p99_ms": w["route_hints"]["latency_ms"]["p99"],
-                "service_cpu_percent": round(100 * (s["service_cpu_seconds"] - prev["service_cpu_seconds"]) / dt, 1),
-                "client_cpu_percent": round(100 * (s["client_cpu_seconds"] - prev["client_cpu_seconds"]) / dt, 1),
-            })
+            entry.update(
+                {
+                    "events_per_second": w["event_batches"]["events_per_second"],
+                    "route_hints_per_second": w["route_hints"]["requests_per_second"],
+                    "event_batch_p99_ms": w["event_batches"]["latency_ms"]["p99"],
+                    "route_hint_p99_ms": w["route_hints"]["latency_ms"]["p99"],
+                    "service_cpu_percent": round(
+                        100 * (s["service_cpu_seconds"] - prev["service_cpu_seconds"]) / dt, 1
+                    ),
+                    "client_cpu_percent": round(
+                        100 * (s["client_cpu_seconds"] - prev["client_cpu_seconds"]) / dt, 1
+                    ),
+                }
+            )
         out.append(entry)
     return out
 
 
-def result(*, points: list[dict[str, Any]], first: int, load: Load, settings: dict[str, Any],
-           calibration: dict[str, Any] | None, startup_rss: int, ceiling: list[dict[str, Any]],
-           service_end: dict[str, Any], redis: dict[str, Any] | None, config: dict[str, Any],
-           bench_seconds: float) -> dict[str, Any]:
+def result(
+    *,
+    points: list[dict[str, Any]],
+    first: int,
+    load: Load,
+    settings: dict[str, Any],
+    calibration: dict[str, Any] | None,
+    startup_rss: int,
+    ceiling: list[dict[str, Any]],
+    service_end: dict[str, Any],
+    redis: dict[str, Any] | None,
+    config: dict[str, Any],
+    bench_seconds: float,
+) -> dict[str, Any]:
     """The JSON. points[0]: the service just started; points[first]: the measured window's start
     (after the warm-up); points[-1]: its end."""
     start, end = points[first], points[-1]
@@ -269,21 +330,36 @@ def result(*, points: list[dict[str, Any]], first: int, load: Load, settings: di
         "rss_growth_bytes": end["rss_bytes"] - start["rss_bytes"],
         "store_stats_start": start["stats"] or {},
         "store_stats_end": end["stats"] or {},
-        "sessions_within_retention": {"start": start["sessions_within_retention"],
-                                      "end": end["sessions_within_retention"]},
+        "sessions_within_retention": {
+            "start": start["sessions_within_retention"],
+            "end": end["sessions_within_retention"],
+        },
         "tombstones_alive": {"start": start["tombstones_alive"], "end": end["tombstones_alive"]},
-        "tombstones_held_at_most": {"start": start["tombstones_held_at_most"], "end": end["tombstones_held_at_most"]},
-        "pull_sink": {name: {"start": c_start[name], "end": c_end[name]}
-                      for name in ("orders_held_by_pull_sink", "order_ids_remembered_by_pull_sink")},
+        "tombstones_held_at_most": {
+            "start": start["tombstones_held_at_most"],
+            "end": end["tombstones_held_at_most"],
+        },
+        "pull_sink": {
+            name: {"start": c_start[name], "end": c_end[name]}
+            for name in ("orders_held_by_pull_sink", "order_ids_remembered_by_pull_sink")
+        },
     }
     if redis is not None and redis.get("used_memory_start") is not None:
-        memory["redis_used_memory_bytes"] = {"start": redis["used_memory_start"], "end": redis["used_memory_end"],
-                                             "note": "the whole Redis server, not only this run's keys"}
+        memory["redis_used_memory_bytes"] = {
+            "start": redis["used_memory_start"],
+            "end": redis["used_memory_end"],
+            "note": "the whole Redis server, not only this run's keys",
+        }
     per_sample = None
     if calibration is not None:
         memory["bound"], per_sample = bound(points, first, calibration, settings)
-    ceilings = {kind: [c[kind][key] for c in ceiling]
-                for kind, key in (("event_batches", "events_per_second"), ("route_hints", "requests_per_second"))}
+    ceilings = {
+        kind: [c[kind][key] for c in ceiling]
+        for kind, key in (
+            ("event_batches", "events_per_second"),
+            ("route_hints", "requests_per_second"),
+        )
+    }
 
     def ratio(kind: str, key: str) -> float | None:
         xs = ceilings[kind]
@@ -300,19 +376,28 @@ def result(*, points: list[dict[str, Any]], first: int, load: Load, settings: di
     return {
         "throughput": {
             "seconds": round(secs, 2),
-            "event_batches": {k: measured["event_batches"][k]
-                              for k in ("requests", "requests_per_second", "events", "events_per_second")},
-            "route_hints": {k: measured["route_hints"][k] for k in ("requests", "requests_per_second")},
+            "event_batches": {
+                k: measured["event_batches"][k]
+                for k in ("requests", "requests_per_second", "events", "events_per_second")
+            },
+            "route_hints": {
+                k: measured["route_hints"][k] for k in ("requests", "requests_per_second")
+            },
         },
         "latency_ms": {kind: measured[kind]["latency_ms"] for kind in KINDS},
         "errors": load.errors(),
         "memory": memory,
-        "cpu_percent": {"service": cpu("service_cpu_seconds"), "client": cpu("client_cpu_seconds"),
-                        "note": "100 = one core; the client is this process (generation + HTTP)"},
+        "cpu_percent": {
+            "service": cpu("service_cpu_seconds"),
+            "client": cpu("client_cpu_seconds"),
+            "note": "100 = one core; the client is this process (generation + HTTP)",
+        },
         "ceiling": {
             "phases": ceiling,
-            "ratio_to_ceiling": {"events_per_second": ratio("event_batches", "events_per_second"),
-                                 "route_hints_per_second": ratio("route_hints", "requests_per_second")},
+            "ratio_to_ceiling": {
+                "events_per_second": ratio("event_batches", "events_per_second"),
+                "route_hints_per_second": ratio("route_hints", "requests_per_second"),
+            },
         },
         "series": series(points, first, load, settings, per_sample),
         "traffic": {
@@ -323,12 +408,17 @@ def result(*, points: list[dict[str, Any]], first: int, load: Load, settings: di
             "note": "the whole run, warm-up included",
         },
         "service_end": service_end,
-        "redis": None if redis is None else {"prefix": redis["prefix"], "keys_removed": redis["keys_removed"]},
+        "redis": None
+        if redis is None
+        else {"prefix": redis["prefix"], "keys_removed": redis["keys_removed"]},
         "config": config,
-        "environment": {**machine(),
-                        "load_average_1m": {"start": start["load_average_1m"], "end": end["load_average_1m"]},
-                        "cpu_pressure_avg60_percent": {"start": start["cpu_pressure_avg60"],
-                                                       "end": end["cpu_pressure_avg60"]}},
+        "environment": {
+            **machine(),
+            "load_average_1m": {"start": start["load_average_1m"], "end": end["load_average_1m"]},
+            "cpu_pressure_avg60_percent": {
+                "start": start["cpu_pressure_avg60"],
+                "end": end["cpu_pressure_avg60"],
+            },
+        },
         "bench_seconds": bench_seconds,
     }
-

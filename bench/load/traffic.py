@@ -29,10 +29,26 @@ BYTES_PER_BLOCK = BYTES_PER_TOKEN * BLOCK_TOKENS
 
 
 class _Conv:
-    __slots__ = ("slot", "session_id", "instance_id", "tokens", "blocks", "turns_left", "turn", "request_id")
+    __slots__ = (
+        "blocks",
+        "instance_id",
+        "request_id",
+        "session_id",
+        "slot",
+        "tokens",
+        "turn",
+        "turns_left",
+    )
 
-    def __init__(self, slot: int, session_id: str, instance_id: str, tokens: int, blocks: list[int],
-                 turns: int) -> None:
+    def __init__(
+        self,
+        slot: int,
+        session_id: str,
+        instance_id: str,
+        tokens: int,
+        blocks: list[int],
+        turns: int,
+    ) -> None:
         self.slot = slot
         self.session_id = session_id
         self.instance_id = instance_id
@@ -63,7 +79,7 @@ class Tombstones:
 
     Written by the shard's generator thread; other threads read only the lengths."""
 
-    __slots__ = ("alive", "aging", "window")
+    __slots__ = ("aging", "alive", "window")
 
     def __init__(self, window: float) -> None:
         self.alive: OrderedDict[int, float] = OrderedDict()
@@ -103,9 +119,19 @@ class Shard:
     KVP_SESSION_RETENTION_SECONDS, for the counts of what the store may hold.
     """
 
-    def __init__(self, *, seed: int, sessions: int, instance_ids: Sequence[str], hbm_blocks: int,
-                 close_share: float = 0.5, kv_events: bool = True, status_events: bool = True,
-                 reorder_window: float = math.inf, session_retention: float = math.inf) -> None:
+    def __init__(
+        self,
+        *,
+        seed: int,
+        sessions: int,
+        instance_ids: Sequence[str],
+        hbm_blocks: int,
+        close_share: float = 0.5,
+        kv_events: bool = True,
+        status_events: bool = True,
+        reorder_window: float = math.inf,
+        session_retention: float = math.inf,
+    ) -> None:
         self.rng = random.Random(seed)
         self._id_prefix = str(uuid.uuid4())[:23]  # unique per run, so no two runs' ids collide
         self._next_id = 0
@@ -118,12 +144,18 @@ class Shard:
         self._system = []
         for _ in range(50):
             tokens = self.rng.randint(600, 3000)
-            self._system.append((tokens, [self.rng.getrandbits(63) for _ in range(tokens // BLOCK_TOKENS)]))
+            self._system.append(
+                (tokens, [self.rng.getrandbits(63) for _ in range(tokens // BLOCK_TOKENS)])
+            )
         self.hbm: dict[str, OrderedDict[int, None]] = {i: OrderedDict() for i in self.instances}
-        self.tombstones: dict[str, Tombstones] = {i: Tombstones(reorder_window) for i in self.instances}
+        self.tombstones: dict[str, Tombstones] = {
+            i: Tombstones(reorder_window) for i in self.instances
+        }
         self.session_retention = session_retention
         self._begun = 0  # conversations of the population that have sent an event
-        self._ended: deque[float] = deque()  # the last event ts of each ended one, within the retention
+        self._ended: deque[float] = (
+            deque()
+        )  # the last event ts of each ended one, within the retention
         self.running_on: Counter[str] = Counter()
         self.idle: list[_Conv] = []
         self.running: deque[_Conv] = deque()
@@ -199,8 +231,16 @@ class Shard:
             return
         tomb = self.tombstones[instance_id]
         ts = self._ts()
-        self._emit({"type": "kv_blocks_stored", "ts": ts, "tier": "hbm", "instance_id": instance_id,
-                    "block_hashes": new, "block_tokens": BLOCK_TOKENS})
+        self._emit(
+            {
+                "type": "kv_blocks_stored",
+                "ts": ts,
+                "tier": "hbm",
+                "instance_id": instance_id,
+                "block_hashes": new,
+                "block_tokens": BLOCK_TOKENS,
+            }
+        )
         tomb.advance(ts)
         for h in new:
             tomb.stored(h)
@@ -208,8 +248,15 @@ class Shard:
         if over > 0:
             gone = [lru.popitem(last=False)[0] for _ in range(over)]
             ts = self._ts()
-            self._emit({"type": "kv_blocks_removed", "ts": ts, "tier": "hbm", "instance_id": instance_id,
-                        "block_hashes": gone})
+            self._emit(
+                {
+                    "type": "kv_blocks_removed",
+                    "ts": ts,
+                    "tier": "hbm",
+                    "instance_id": instance_id,
+                    "block_hashes": gone,
+                }
+            )
             tomb.advance(ts)
             tomb.removed(gone, ts)
 
@@ -221,15 +268,29 @@ class Shard:
         idle.pop()
         if conv.turn > 0 and rng.random() < 0.1:  # the router moves it now and then
             conv.instance_id = rng.choice(self.instances)
-        self._grow(conv, max(10, min(8000, int(rng.lognormvariate(5.5, 1.0)))))  # the user's message
+        self._grow(
+            conv, max(10, min(8000, int(rng.lognormvariate(5.5, 1.0))))
+        )  # the user's message
         if conv.turn == 0:  # hintable once this, its first event, is acknowledged
             self._publish.append((conv.slot, conv.session_id))
             self._begun += 1
         conv.turn += 1
         conv.request_id = f"chatcmpl-{rng.getrandbits(128):032x}"
-        common = {"session_id": conv.session_id, "request_id": conv.request_id, "instance_id": conv.instance_id}
-        self._emit({"type": "request_routed", "ts": self._ts(), **common, "prompt_tokens": conv.tokens,
-                    "block_hashes": list(conv.blocks), "block_tokens": BLOCK_TOKENS})
+        common = {
+            "session_id": conv.session_id,
+            "request_id": conv.request_id,
+            "instance_id": conv.instance_id,
+        }
+        self._emit(
+            {
+                "type": "request_routed",
+                "ts": self._ts(),
+                **common,
+                "prompt_tokens": conv.tokens,
+                "block_hashes": list(conv.blocks),
+                "block_tokens": BLOCK_TOKENS,
+            }
+        )
         self._emit({"type": "request_started", "ts": self._ts(), **common})
         self.store(conv.instance_id, conv.blocks)  # the prefill computed what was missing
         self.running.append(conv)
@@ -241,9 +302,19 @@ class Shard:
         self.running_on[conv.instance_id] -= 1
         output = max(1, min(4000, int(rng.lognormvariate(5.3, 0.9))))
         new = self._grow(conv, output)
-        self._emit({"type": "request_finished", "ts": self._ts(), "session_id": conv.session_id,
-                    "request_id": conv.request_id, "instance_id": conv.instance_id, "output_tokens": output,
-                    "context_tokens": conv.tokens, "block_hashes": list(conv.blocks), "block_tokens": BLOCK_TOKENS})
+        self._emit(
+            {
+                "type": "request_finished",
+                "ts": self._ts(),
+                "session_id": conv.session_id,
+                "request_id": conv.request_id,
+                "instance_id": conv.instance_id,
+                "output_tokens": output,
+                "context_tokens": conv.tokens,
+                "block_hashes": list(conv.blocks),
+                "block_tokens": BLOCK_TOKENS,
+            }
+        )
         if new:
             self.store(conv.instance_id, new)
         conv.turns_left -= 1
@@ -267,10 +338,17 @@ class Shard:
         inst = rng.choice(self.instances)
         used = len(self.hbm[inst])
         running = self.running_on[inst]
-        self._emit({"type": "instance_status", "ts": self._ts(), "instance_id": inst,
-                    "free_kv_bytes": max(0, self.hbm_blocks - used) * BYTES_PER_BLOCK,
-                    "total_kv_bytes": self.hbm_blocks * BYTES_PER_BLOCK,
-                    "queue_depth": max(0, running - 64), "running_requests": min(running, 64)})
+        self._emit(
+            {
+                "type": "instance_status",
+                "ts": self._ts(),
+                "instance_id": inst,
+                "free_kv_bytes": max(0, self.hbm_blocks - used) * BYTES_PER_BLOCK,
+                "total_kv_bytes": self.hbm_blocks * BYTES_PER_BLOCK,
+                "queue_depth": max(0, running - 64),
+                "running_requests": min(running, 64),
+            }
+        )
 
     def step(self) -> None:
         if len(self.running) >= self.running_target or not self.idle:
@@ -293,15 +371,25 @@ class Shard:
             self.step()
         events, self._out = self._out[:size], self._out[size:]
         publish, self._publish = self._publish, []
-        held = Held(self.sessions_within_retention, self.tombstones_alive, self.tombstones_held_at_most)
+        held = Held(
+            self.sessions_within_retention, self.tombstones_alive, self.tombstones_held_at_most
+        )
         return orjson.dumps({"events": events}), len(events), publish, held
 
 
-def make_shards(*, connections: int, sessions: int, instances: int, hbm_blocks: int, seed: int,
-                **kw: Any) -> list[Shard]:
+def make_shards(
+    *, connections: int, sessions: int, instances: int, hbm_blocks: int, seed: int, **kw: Any
+) -> list[Shard]:
     shards = []
     for c in range(connections):
         ids = [f"vllm-decode-{n:02d}" for n in range(instances) if n % connections == c]
-        shards.append(Shard(seed=seed * 1000 + c, sessions=max(1, sessions // connections), instance_ids=ids,
-                            hbm_blocks=hbm_blocks, **kw))
+        shards.append(
+            Shard(
+                seed=seed * 1000 + c,
+                sessions=max(1, sessions // connections),
+                instance_ids=ids,
+                hbm_blocks=hbm_blocks,
+                **kw,
+            )
+        )
     return shards
