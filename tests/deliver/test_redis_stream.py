@@ -49,9 +49,10 @@ def submit(url: str, prefix: str, orders: list[Order] = (), cancels: list[Cancel
     return asyncio.run(body())
 
 
-def consumer(url: str, prefix: str, name: str, instance_id: str = "gpu-0") -> RedisStreamConsumer:
+def consumer(url: str, prefix: str, name: str, instance_id: str = "gpu-0",
+             claim_idle_seconds: float = IDLE_SECONDS) -> RedisStreamConsumer:
     return RedisStreamConsumer.from_url(url, prefix, name, instance_id=instance_id,
-                                        claim_idle_seconds=IDLE_SECONDS)
+                                        claim_idle_seconds=claim_idle_seconds)
 
 
 def keys(r: redis.Redis, prefix: str) -> set[str]:
@@ -181,7 +182,9 @@ def test_a_slow_consumer_is_not_handed_its_own_entry_twice(redis_url: str, prefi
 
 
 def test_a_cancelled_order_is_skipped_whoever_read_the_cancel(redis_url: str, prefix: str) -> None:
-    one, two = consumer(redis_url, prefix, "one"), consumer(redis_url, prefix, "two")
+    # "two" must not claim "a" from "one": on a busy machine 0.1 s can pass between the polls.
+    one = consumer(redis_url, prefix, "one", claim_idle_seconds=60.0)
+    two = consumer(redis_url, prefix, "two", claim_idle_seconds=60.0)
     submit(redis_url, prefix, [order("a")])
     (held,) = one.poll(10)
     assert not one.is_cancelled("a")
