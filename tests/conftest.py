@@ -57,13 +57,16 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On an xdist worker, the groups holding slow tests first, so that no long module is left to
-    run alone at the end (the Makefile's --no-loadscope-reorder keeps this order)."""
+    """On an xdist worker, the groups holding slow tests first, the wide ones above (the longest)
+    before the modules, so that no long group is left to run by itself at the end (the Makefile's
+    --no-loadscope-reorder keeps this order)."""
     if not hasattr(config, "workerinput"):
         return  # not under xdist: the order stays as collected
     groups = {item: xdist_group_of(item.nodeid) for item in items}
     slow = {groups[item] for item in items if item.get_closest_marker("slow") is not None}
-    items.sort(key=lambda item: groups[item] not in slow)  # stable: collection order within
+    wide = set(XDIST_GROUPS.values())
+    # Stable: collection order within each rank.
+    items.sort(key=lambda item: (groups[item] not in slow, groups[item] not in wide))
 
 
 @pytest.hookimpl(wrapper=True)
