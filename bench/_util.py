@@ -17,12 +17,17 @@ from typing import Any
 
 import orjson
 
+from app.core.errors import KvpError
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Token bucket of a block: the Mooncake traces' unit (app.core.config.MOONCAKE_BLOCK_TOKENS).
 BLOCK_TOKENS = 512
 START_TS = 1_732_900_000.0  # a realistic unix time, in seconds
 
+
+class BenchError(KvpError):
+    """A bench's server did not start, died or answered wrong (the message holds its log)."""
 
 def info(msg: str) -> None:
     """Progress and info go to stderr; stdout is kept for the one JSON object."""

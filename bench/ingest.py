@@ -23,15 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench._util import Server, Traffic, info, machine, median
+from bench._util import BenchError, Server, Traffic, info, machine, median
 
 BATCH_SIZES = (100, 1000)
 DEFAULT_EVENTS_PER_ROUND = 100_000
 HEADERS = {"content-type": "application/json"}
-
-
-class BenchError(RuntimeError):
-    pass
 
 
 @dataclass

@@ -3,10 +3,10 @@
     kvprefetch bench predict [--sessions 10000] [--rounds 7] [--model DIR] [--json]
 
 Two horizon sets: what a planner tick asks (PLANNER_HORIZONS, 3) and the whole HORIZON_GRID (9,
-what `predict_many` reads). For each, medians over rounds of:
+the horizons a hint or a finish reads). For each, medians over rounds of:
 
 - `service_p_within`: `LearnedPredictor.p_within(views, now, horizons)`, the call that takes
-  SessionViews: the features in bulk (app.predict.features.feature_matrix) and the model;
+  SessionViews: the features in bulk (app.predict.feature_table.feature_matrix) and the model;
 - `table_p_within`: `LearnedPredictor.p_within_table(table, now, horizons)`, a tick of a caller that
   keeps a FeatureTable current as sessions change (so no views to convert): the 20 ms target;
 - its parts: `table_matrix` (the time-dependent columns and the horizons, numpy) and the model
@@ -16,7 +16,7 @@ what `predict_many` reads). For each, medians over rounds of:
   reference, `session_features`, what the service ran before: the same numbers);
 - `table_from_views`: building a FeatureTable from every view at once (a restart).
 
-`single_session_ms`: one session at the full grid (what `predict_one` costs on a finish) through
+`single_session_ms`: one session at the full grid (what one session costs on a finish) through
 the service, the Booster and the compiled model alone, and `table_upsert` (what a session change
 costs the table). `compiled_load_seconds`: compiling the model into an empty cache, then loading
 that cache as a later start does. `ratios` divide medians of this run; every figure's rounds are
@@ -105,7 +105,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _batch(model: Any, views: list[Any], now: float, horizons: tuple[float, ...], rounds: int) -> dict[str, Any]:
     from app.predict.feature_table import FeatureTable
-    from app.predict.features import feature_matrix
+    from app.predict.feature_table import feature_matrix
 
     table = FeatureTable.from_views(views)
     x = table.matrix(now, horizons)
@@ -141,7 +141,7 @@ def _batch(model: Any, views: list[Any], now: float, horizons: tuple[float, ...]
 
 def run(*, sessions: int = 10_000, rounds: int = 7, model_dir: Path | None = None, seed: int = 0) -> dict[str, Any]:
     from app.predict.feature_table import FeatureTable
-    from app.predict.features import feature_matrix
+    from app.predict.feature_table import feature_matrix
     from app.predict.predictors import DEFAULT_MODEL_DIR, HORIZON_GRID, LearnedPredictor
 
     model_dir = model_dir or DEFAULT_MODEL_DIR

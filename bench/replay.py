@@ -102,7 +102,7 @@ def _child(trace: Path, policy: str, router: str, scenario: str, rounds: int) ->
 def run(*, trace: Path | None = None, policy: str = "none", router: str = "sticky", scenario: str = "default",
         rounds: int = 3) -> dict[str, Any]:
     from app.core.errors import ConfigError
-    from sim.policies import make_policy
+    from sim.policy_registry import make_policy
     from sim.routers import ROUTERS, make_router
     from sim.scenario import load_scenario
 

@@ -16,6 +16,9 @@
 - `scheduled`: the learned planner's advice through the service's scheduler
   (app/decide/scheduler.py): orders within link shares and destination room, deduplicated,
   cancelled when the chance falls (sim/scheduled.py).
+
+The policies built on the service's planner live in sim/planned.py and sim/scheduled.py, on top
+of this module; `make_policy` (sim/policy_registry.py) builds any of them by name.
 """
 
 from __future__ import annotations
@@ -23,12 +26,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from app.predict.predictors import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
-
 if TYPE_CHECKING:
-    from app.state.base import StateStore
     from sim.cluster import Cluster, SimRequest
-    from sim.scenario import Scenario
 
 POLICIES = ("none", "lookahead", "belady", "oracle", "heuristic", "learned", "scheduled", "clairvoyant")
 INF = float("inf")
@@ -119,52 +118,3 @@ class Oracle(Belady):
             if reused:
                 self.cluster.prefetch(self.cluster.router.route(r, self.cluster), r.hash_ids[:reused])
         return fetch
-
-
-def make_policy(name: str, *, session_view: Callable[[str], object] | None = None,
-                model_dir: str | None = None, planner_options: dict[str, float] | None = None,
-                store: StateStore | None = None, scenario: Scenario | None = None) -> Policy:
-    """`planner_options`: keyword arguments for app.decide.advisor.Advisor (heuristic, learned,
-    scheduled). `store` and `scenario`: the engine's state and the cluster, for `scheduled`."""
-    if name == "none":
-        return NoPrefetch()
-    if name == "lookahead":
-        return Lookahead()
-    if name == "belady":
-        return Belady()
-    if name == "oracle":
-        return Oracle()
-    if name == "scheduled":
-        from app.decide.advisor import Advisor
-        from app.decide.routing import SameInstanceEstimate
-        from app.decide.scheduler import Scheduler, SchedulerConfig
-        from sim.scheduled import ScheduledPolicy
-
-        if session_view is None or store is None or scenario is None:
-            raise ValueError("the scheduled policy reads the engine's own state: it needs the in-process engine")
-        config = SchedulerConfig(bytes_per_block=scenario.block_bytes, block_tokens=scenario.block_tokens,
-                                 pool_link_bytes_per_second=scenario.pool_link_bytes_per_second,
-                                 host_link_bytes_per_second=scenario.host_link_bytes_per_second,
-                                 prefill_tokens_per_second=scenario.prefill_tokens_per_second)
-        planner = Advisor(LearnedPredictor(model_dir or DEFAULT_MODEL_DIR), routes=SameInstanceEstimate(),
-                          **(planner_options or {}))
-        return ScheduledPolicy(planner, Scheduler(store, config), session_view)  # type: ignore[arg-type]
-    if name == "clairvoyant":
-        from app.decide.advisor import Advisor
-        from sim.planned import Clairvoyant, ClairvoyantPolicy
-
-        if session_view is None:
-            raise ValueError("the clairvoyant policy reads the engine's state: pass session_view")
-        return ClairvoyantPolicy(Advisor(Clairvoyant(), **(planner_options or {})), session_view,  # type: ignore[arg-type]
-                                 "clairvoyant")
-    if name in ("heuristic", "learned"):
-        from app.decide.advisor import Advisor
-        from app.decide.routing import SameInstanceEstimate
-        from sim.planned import PlannedPolicy
-
-        if session_view is None:
-            raise ValueError(f"the {name} policy reads the engine's state: pass session_view")
-        predictor = HeuristicPredictor() if name == "heuristic" else LearnedPredictor(model_dir or DEFAULT_MODEL_DIR)
-        planner = Advisor(predictor, routes=SameInstanceEstimate(), **(planner_options or {}))
-        return PlannedPolicy(planner, session_view, name)  # type: ignore[arg-type]
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

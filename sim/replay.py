@@ -21,7 +21,7 @@ from kvprefetch_client.events import Event, event_adapter
 from app.state import MemoryStore
 from app.state.base import SessionView
 from sim.cluster import Cluster, SimRequest
-from sim.policies import make_policy
+from sim.policy_registry import make_policy
 from sim.routers import make_router
 from sim.scenario import Scenario
 from sim.sessions import derive_sessions

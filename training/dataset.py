@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -84,7 +85,7 @@ def rows_from_events(events: Sequence[Event], *, log_name: str, bytes_per_token:
     store = MemoryStore(bytes_per_token=bytes_per_token, block_tokens=block_tokens, dedupe_max_ids=len(events) + 1)
     report_every = max(len(events) // REPORTS_PER_LOG, 1)
     feats: list[list[float]] = []
-    meta: list[tuple] = []  # type: ignore[type-arg]
+    meta: list[tuple[Any, ...]] = []
     i = 0
     for decision_ts, finish_ts, session_id, checkpoint in decisions:
         if decision_ts > end:

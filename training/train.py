@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import platform
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,7 @@ def fit_booster(params: dict[str, Any], train_df: pd.DataFrame, valid_df: pd.Dat
     dtrain = lgb.Dataset(train_df[features].to_numpy(), label=train_df.label.to_numpy(), feature_name=features,
                          free_raw_data=False)
     dvalid = lgb.Dataset(valid_df[features].to_numpy(), label=valid_df.label.to_numpy(), reference=dtrain)
-    callbacks = [lgb.early_stopping(early_stopping_rounds, verbose=False)]
+    callbacks: list[Callable[..., Any]] = [lgb.early_stopping(early_stopping_rounds, verbose=False)]
     if progress is not None:
         callbacks.append(_rounds_reporter(progress, task, num_boost_round))
     booster = lgb.train(params, dtrain, num_boost_round=num_boost_round, valid_sets=[dvalid], valid_names=["valid"],
@@ -123,7 +124,7 @@ def evaluate_rows(booster: lgb.Booster, df: pd.DataFrame) -> tuple[dict[str, Any
             "brier": round(float(brier_score_loss(yh, yp)), 5),
             "auc": round(float(roc_auc_score(yh, yp)), 4) if 0 < yh.sum() < len(yh) else None}
     metrics["per_horizon"] = per_horizon
-    return metrics, calibration_table(y, p)
+    return metrics, calibration_table(y, np.asarray(p))
 
 
 def train(df: pd.DataFrame, params: dict[str, Any] | None = None, *, valid_fraction: float = 0.2, seed: int = 0,

@@ -11,29 +11,22 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import Depends, Request, Response
+from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.api.errors import Error, error_response
+from app.api.errors import Error, HttpError
 from app.core.ratelimit import RateLimiter, retry_after
 from app.core.security import LOCAL, Principal, Scope
 
 _bearer = HTTPBearer(auto_error=False, description="A token from KVP_*_TOKEN or KVP_TOKENS_FILE")
 
 
-class Refused(Exception):
-    """Answered with the service's error shape: 401, 403 or 429."""
+class Refused(HttpError):
+    """401 or 403 (field `authorization`), or 429 (field `rate_limit`)."""
 
     def __init__(self, status_code: int, message: str, headers: dict[str, str]) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.headers = headers
-
-
-def refused_response(exc: Refused) -> Response:
-    return error_response(exc.status_code, "authorization" if exc.status_code != 429 else "rate_limit",
-                          exc.message, exc.headers)
+        super().__init__(status_code, "authorization" if status_code != 429 else "rate_limit",
+                         message, headers)
 
 
 def client_key(request: Request, principal: Principal) -> str:

@@ -19,6 +19,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from app.api.errors import HttpError
 from kvprefetch_client.events import Event, event_adapter
 
 _TAGS = frozenset({
@@ -66,14 +67,8 @@ class IngestResponse(BaseModel):
                                                              "left out of `rejected`.")
 
 
-class BatchError(Exception):
+class BatchError(HttpError):
     """The body as a whole is unusable (not JSON, wrong shape, too many events)."""
-
-    def __init__(self, status_code: int, field: str, message: str) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.field = field
-        self.message = message
 
 
 @dataclass(slots=True)

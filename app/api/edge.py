@@ -234,7 +234,7 @@ def serve(app: Any, settings: Settings, *, workers: int = 1, factory: bool = Fal
     limits: the one way `kvprefetch serve` runs a server, with one worker or several."""
     config = EdgeConfig(app, limits=EdgeLimits.from_settings(settings), host=settings.host,
                         port=settings.port, workers=workers, factory=factory, log_level=log_level,
-                        access_log=False, timeout_keep_alive=settings.keepalive_timeout_seconds,  # type: ignore[arg-type]
+                        access_log=False, timeout_keep_alive=settings.keepalive_timeout_seconds,
                         limit_concurrency=None)
     server = uvicorn.Server(config)
     if workers > 1:

@@ -9,22 +9,20 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request, Response
+from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from fastapi.staticfiles import StaticFiles
-from starlette.requests import ClientDisconnect
 
 from app import __version__
-from app.api.auth import (AUTH_RESPONSES, AdminScope, AgentScope, IngestScope, ObservabilityScope, ReadScope,
-                          Refused, refused_response)
+from app.api.auth import AUTH_RESPONSES, AdminScope, AgentScope, IngestScope, ObservabilityScope, ReadScope
 from app.api.deps import drain_backlog, drain_backlog_briefly
-from app.api.errors import Error, error_response
+from app.api.errors import Error, install_error_handlers
 from app.api.routes import config, dashboard, events, health, hints, metrics, model, orders, scheduler, state
 from app.api.bodylimit import BodyLimitMiddleware
 from app.api.timeouts import TimeoutMiddleware
 from app.core.clock import Clock, SystemClock
 from app.core.config import Settings
-from app.core.errors import EventLogError, StoreError, StoreUnavailable
+from app.core.errors import StoreError
 from app.core.ratelimit import RateLimiter
 from app.core.redact import mask_url
 from app.core.security import check_bind, load_tokens
@@ -213,28 +211,7 @@ def create_app(settings: Settings | None = None, *, store: StateStore | None = N
                        request_seconds=settings.request_timeout_seconds)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
 
-    @app.exception_handler(ClientDisconnect)
-    async def _gone(_: Request, exc: ClientDisconnect) -> Response:
-        # The client left, or a limit answered for it (app/api/bodylimit.py, timeouts.py): this
-        # answer goes nowhere, and nothing of the request was accepted.
-        return Response(status_code=400)
-
-    @app.exception_handler(Refused)
-    async def _refused(_: Request, exc: Refused) -> Response:
-        return refused_response(exc)
-
-    @app.exception_handler(StoreUnavailable)
-    async def _store_unavailable(_: Request, exc: StoreUnavailable) -> Response:
-        return error_response(503, "store", f"the state store is unavailable: {exc}", {"Retry-After": "1"})
-
-    @app.exception_handler(StoreError)
-    async def _store_error(_: Request, exc: StoreError) -> Response:
-        return error_response(503, "store", f"the state store failed: {exc}", {"Retry-After": "1"})
-
-    @app.exception_handler(EventLogError)
-    async def _log_error(_: Request, exc: EventLogError) -> Response:
-        return error_response(503, "event_log", str(exc), {"Retry-After": "5"})
-
+    install_error_handlers(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
     return app
 

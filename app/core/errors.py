@@ -1,18 +1,35 @@
-"""The one exception tree. Callers catch KvpError; the API maps subclasses to status codes.
+"""The one exception tree. Callers catch KvpError; the API answers those it knows (api/errors.py).
 
-    KvpError
-    +-- ConfigError          bad settings or scenario files
-    +-- EventLogError        the durable log cannot be written or read
-    |   +-- CorruptLogError  a log line that is not a valid event (file and line named)
-    +-- StoreError           the state store failed
-        +-- StoreUnavailable the store cannot be reached (Redis down): retry later
+The root, `KvpError`, is the light client's (kvprefetch_client/errors.py), so that the client and
+the agent raise into the same tree without importing the service. The service's errors:
+
+    KvpError                     kvprefetch_client.errors
+    +-- BufferFull               kvprefetch_client.agent.tiers: no room without evicting pins
+    +-- ConfigError              bad settings or scenario files
+    +-- EventLogError            the durable log cannot be written or read (API: 503)
+    |   +-- CorruptLogError      a log line that is not a valid event (file and line named)
+    +-- StoreError               the state store failed (API: 503)
+    |   +-- StoreUnavailable     the store cannot be reached (Redis down): retry later
+    +-- ModelError               app.predict.predictors: a model that cannot serve
+    |   +-- ModelDirRefused      app.predict.registry: a model directory outside the allowed ones
+    +-- SinkError                app.deliver.base: an order sink failed
+    |   +-- SinkUnavailable, SinkRejected, SinkClosed
+    +-- HttpError                app.api.errors: answered with its own status and field
+    |   +-- Refused              app.api.auth: 401, 403, 429
+    |   +-- BatchError           app.api.batch: a POST /v1/events body unusable as a whole
+    +-- TraceError               sim.traces: a trace file that does not read
+    +-- RemoteEngineError        sim.remote: a replay through a running service failed
+    |   +-- ServiceUnreachable, EventsRejected
+    +-- MissingExtraError        training.tune: an optional dependency is not installed
+    +-- BenchError               bench._util: a bench's server did not start or died
 """
 
 from __future__ import annotations
 
+from kvprefetch_client.errors import KvpError
 
-class KvpError(Exception):
-    """Base of every error kvprefetch raises on purpose."""
+__all__ = ["ConfigError", "CorruptLogError", "EventLogError", "KvpError", "StoreError",
+           "StoreUnavailable"]
 
 
 class ConfigError(KvpError):

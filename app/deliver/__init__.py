@@ -7,8 +7,8 @@ sinks:
 - `InProcessSink` (KVP_ORDER_SINK=memory): a list, drained synchronously; the simulator's and the
   tests'.
 - `WebhookSink` (webhook): JSON batches POSTed to KVP_ORDER_WEBHOOK_URL, retried with backoff.
-- `RedisStreamSink` (redis): a Redis stream read by agents with a consumer group;
-  `RedisStreamConsumer` is the agents' side.
+- `RedisStreamSink` (redis): a Redis stream per instance, read by agents with a consumer group
+  (`kvprefetch_client.agent.StreamSource` is the agents' side).
 - `PullQueue` (pull, the default): per-instance queues in this replica, leased to agents by
   GET /v1/orders.
 """
@@ -24,9 +24,7 @@ from app.deliver.memory import InProcessSink
 from app.deliver.pull import Lease, PullQueue
 from app.deliver.redis_stream import (
     GROUP,
-    RedisStreamConsumer,
     RedisStreamSink,
-    StreamEntry,
     cancel_key,
     stream_key,
 )
@@ -43,13 +41,11 @@ __all__ = [
     "Lease",
     "OrderSink",
     "PullQueue",
-    "RedisStreamConsumer",
     "RedisStreamSink",
     "SinkClosed",
     "SinkError",
     "SinkRejected",
     "SinkUnavailable",
-    "StreamEntry",
     "WebhookSink",
     "build_sink",
     "cancel_key",

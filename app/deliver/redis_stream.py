@@ -1,4 +1,5 @@
-"""RedisStreamSink (the producer) and RedisStreamConsumer (the agents' side) of the orders streams.
+"""RedisStreamSink, the producer of the orders streams; the agents' side is
+`kvprefetch_client.agent.StreamSource` (client/kvprefetch_client/agent/consumer.py).
 
 The format, which agents read directly:
 
@@ -14,8 +15,8 @@ The format, which agents read directly:
                                      first XADD there; or the instance's first agent)
     <prefix>:order-ids:<order_id>    the order's instance_id, EX <KVP_ORDER_DEDUPE_SECONDS>: the
                                      order was added, and to which stream
-    <prefix>:cancel-ids:<order_id>   "1", same TTL: the order was cancelled (consumers check it
-                                     before handing an order out, so a cancel read by one agent
+    <prefix>:cancel-ids:<order_id>   "1", same TTL: the order was cancelled (agents check it
+                                     before starting an order, so a cancel read by one agent
                                      stops the order read by another)
 
 The service's `<prefix>` is KVP_ORDER_STREAM_PREFIX, by default `<KVP_REDIS_PREFIX>:sink`: the
@@ -46,22 +47,16 @@ for one instance's backlog.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
-from pydantic import ValidationError
 
-from kvprefetch_client.orders import Cancel, Order, from_json
+from kvprefetch_client.orders import Cancel, Order
 from app.deliver.base import SinkClosed, SinkError, SinkUnavailable
 
-log = logging.getLogger(__name__)
-
 GROUP = "kvp-agents"
-FIELD = "msg"
 # Messages per script call: keeps one call from holding Redis for long.
 _CHUNK = 500
 
@@ -138,10 +133,6 @@ def order_key(prefix: str, order_id: str) -> str:
 
 def cancel_key(prefix: str, order_id: str) -> str:
     return f"{prefix}:cancel-ids:{order_id}"
-
-
-def _busygroup(exc: redis.ResponseError) -> bool:
-    return str(exc).startswith("BUSYGROUP")
 
 
 class RedisStreamSink:
@@ -222,159 +213,3 @@ class RedisStreamSink:
     def _where(self) -> str:
         kw = self.client.connection_pool.connection_kwargs
         return f"{kw.get('host', '?')}:{kw.get('port', '?')}/{kw.get('db', 0)}"
-
-
-@dataclass(frozen=True, slots=True)
-class StreamEntry:
-    entry_id: str
-    message: Order | Cancel
-    # Taken over from a consumer that held it past claim_idle_seconds: it may have started it.
-    claimed: bool = False
-
-
-class RedisStreamConsumer:
-    """One agent's side of its instance's stream, on synchronous redis-py.
-
-    It reads `<prefix>:orders:<instance_id>` only. `poll()` first claims entries other consumers
-    (of the same instance) have held unacked past `claim_idle_seconds`, then reads new ones. It
-    hands out Orders and Cancels; an order already cancelled (its cancel key exists, whoever read
-    the Cancel) is acked and skipped, and so is an entry that is not a valid message (logged),
-    and an Order for another instance (logged, counted in stats["misrouted"]: only a writer that
-    bypassed the sink puts one there, and no consumer of its own instance reads this stream).
-    `ack()` an entry when its order is done, or at once for a Cancel (drop the order if it is
-    queued here and not started; one moving finishes). Delivery is at least once: an entry can
-    come back (claimed after this consumer stalled, or to a restarted consumer under the same
-    name after claim_idle_seconds), so run an order id once.
-    """
-
-    def __init__(self, client: redis.Redis, prefix: str, consumer: str, *, instance_id: str,
-                 claim_idle_seconds: float = 30.0, group: str = GROUP) -> None:
-        if not instance_id:
-            raise ValueError("instance_id must name the instance whose stream to read")
-        self.client = client
-        self.prefix = prefix
-        self.instance_id = instance_id
-        self.key = stream_key(prefix, instance_id)
-        self.consumer = consumer
-        self.group = group
-        self.claim_idle_ms = max(1, int(claim_idle_seconds * 1000))
-        self.stats = {"read": 0, "claimed": 0, "skipped_cancelled": 0, "malformed": 0,
-                      "misrouted": 0, "acked": 0}
-        self._claim_cursor = "0-0"
-        # Entries this consumer handed out and has not acked: a claim of one of them (this
-        # consumer was slow, not dead) must not hand it out a second time.
-        self._held: set[str] = set()
-        self._group_ready = False
-
-    @classmethod
-    def from_url(cls, url: str, prefix: str, consumer: str, *, instance_id: str,
-                 **kw: Any) -> RedisStreamConsumer:
-        return cls(redis.Redis.from_url(url), prefix, consumer, instance_id=instance_id, **kw)
-
-    def poll(self, count: int = 100, block_ms: int | None = None) -> list[StreamEntry]:
-        """Up to `count` entries; waits up to `block_ms` for new ones when none is there
-        (None: does not wait)."""
-        self._ensure_group()
-        entries = self._claim(count)
-        if len(entries) < count:
-            block = block_ms if not entries else None
-            reply = self.client.xreadgroup(self.group, self.consumer, {self.key: ">"},
-                                           count=count - len(entries), block=block)
-            for _stream, items in reply or []:
-                for entry_id, fields in items:
-                    entries.append((_text(entry_id), fields, False))
-                    self.stats["read"] += 1
-        return self._hand_out(entries)
-
-    def ack(self, entry_id: str) -> bool:
-        """Mark an entry done; False when it was already acked (by this or another consumer)."""
-        self._held.discard(entry_id)
-        done = bool(self.client.xack(self.key, self.group, entry_id))
-        self.stats["acked"] += done
-        return done
-
-    def is_cancelled(self, order_id: str) -> bool:
-        """Whether a Cancel for this order was issued (check again right before starting it)."""
-        return bool(self.client.exists(cancel_key(self.prefix, order_id)))
-
-    def pending(self) -> int:
-        """Entries of the group delivered and not acked, all consumers together."""
-        return int(self.client.xpending(self.key, self.group)["pending"])
-
-    def close(self) -> None:
-        self.client.close()
-
-    def _ensure_group(self) -> None:
-        if self._group_ready:
-            return
-        try:
-            self.client.xgroup_create(self.key, self.group, id="0", mkstream=True)
-        except redis.ResponseError as exc:
-            if not _busygroup(exc):
-                raise
-        self._group_ready = True
-
-    def _claim(self, count: int) -> list[tuple[str, Any, bool]]:
-        # Redis 7 answers [next cursor, entries, ids deleted by trimming]; the cursor walks the
-        # pending list across polls, so each poll claims a page and none rescans from the start.
-        reply = self.client.xautoclaim(self.key, self.group, self.consumer, self.claim_idle_ms,
-                                       start_id=self._claim_cursor, count=count)
-        cursor, items = reply[0], reply[1]
-        self._claim_cursor = _text(cursor)
-        claimed = []
-        for entry_id, fields in items:
-            entry_id = _text(entry_id)
-            if entry_id in self._held or fields is None:
-                continue
-            claimed.append((entry_id, fields, True))
-            self.stats["claimed"] += 1
-        return claimed
-
-    def _hand_out(self, raw: list[tuple[str, Any, bool]]) -> list[StreamEntry]:
-        entries: list[StreamEntry] = []
-        drop: list[str] = []
-        for entry_id, fields, claimed in raw:
-            data = _field(fields)
-            try:
-                if data is None:
-                    raise ValueError(f"no {FIELD!r} field")
-                message = from_json(data)
-            except (ValueError, ValidationError) as exc:
-                log.warning("stream %s entry %s is not an order or cancel, acked and skipped: %s",
-                            self.key, entry_id, exc)
-                self.stats["malformed"] += 1
-                drop.append(entry_id)
-                continue
-            if isinstance(message, Order) and message.instance_id != self.instance_id:
-                log.warning("stream %s entry %s is order %s for instance %s, not %s: acked and "
-                            "skipped (the sink writes it to %s)", self.key, entry_id,
-                            message.order_id, message.instance_id, self.instance_id,
-                            stream_key(self.prefix, message.instance_id))
-                self.stats["misrouted"] += 1
-                drop.append(entry_id)
-                continue
-            entries.append(StreamEntry(entry_id, message, claimed))
-        orders = [e for e in entries if isinstance(e.message, Order)]
-        if orders:
-            with self.client.pipeline(transaction=False) as pipe:
-                for e in orders:
-                    pipe.exists(cancel_key(self.prefix, e.message.order_id))
-                cancelled = {e.entry_id for e, hit in zip(orders, pipe.execute()) if hit}
-            if cancelled:
-                self.stats["skipped_cancelled"] += len(cancelled)
-                drop.extend(cancelled)
-                entries = [e for e in entries if e.entry_id not in cancelled]
-        if drop:
-            self.client.xack(self.key, self.group, *drop)
-        self._held.update(e.entry_id for e in entries)
-        return entries
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _field(fields: Any) -> bytes | str | None:
-    if not fields:
-        return None
-    return fields.get(FIELD.encode(), fields.get(FIELD)) if isinstance(fields, dict) else None

@@ -23,8 +23,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
-from kvprefetch_client.events import Event
+from kvprefetch_client.events import Event, RequestRouted, SessionClosed
 from app.decide.advisor import Retention, SessionAdvice
 
 SLOTS = ("live", "shadow")
@@ -132,9 +133,10 @@ class AdviceLedger:
             if kind == "request_routed":
                 if ts < self._cutoff:
                     continue  # the store ignores it too
-                entry_id: str = e.session_id  # type: ignore[union-attr]
+                routed = cast(RequestRouted, e)  # the kind says so; isinstance costs more
+                entry_id = routed.session_id
                 for s in slots:
-                    entry = s.sessions.get(e.session_id)
+                    entry = s.sessions.get(entry_id)
                     if entry is not None and entry.last_ts < self._cutoff:
                         del s.sessions[entry_id]  # forgotten, as the store has
                         entry = None
@@ -147,12 +149,13 @@ class AdviceLedger:
                             entry.last_ts = ts
                             del s.sessions[entry_id]
                             s.sessions[entry_id] = entry
-                        if entry.last_request_id != e.request_id:
-                            self._arrival(s, entry, e.request_id, ts)
+                        if entry.last_request_id != routed.request_id:
+                            self._arrival(s, entry, routed.request_id, ts)
                         # else: the same request routed again (a retry elsewhere): one outcome
             elif kind == "session_closed":
+                closed = cast(SessionClosed, e).session_id
                 for s in slots:
-                    s.sessions.pop(e.session_id, None)
+                    s.sessions.pop(closed, None)
             elif kind == "request_started" or kind == "request_finished":
                 sid: str = e.session_id  # type: ignore[union-attr]
                 for s in slots:

@@ -3,7 +3,8 @@
 Training (training/dataset.py) replays an event log through the service's own MemoryStore and
 calls `session_features` on the store's SessionView at each decision point, exactly as the
 service does on its live state. So a model never sees a feature the service computes differently
-(tests/predict/test_features.py checks the parity).
+(tests/predict/test_features.py checks the parity). Many sessions at once go through
+app/predict/feature_table.py (`feature_matrix`), which builds on the names and the reference here.
 
 Every feature is relative (seconds since, ratios, counts): nothing depends on the wall-clock date
 or on one trace's time of day, so a model trained on one trace can be judged on another.
@@ -13,9 +14,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Sequence
-
-import numpy as np
 
 from app.state.base import SessionView
 
@@ -74,26 +72,3 @@ def session_features(view: SessionView, now: float) -> list[float]:
         float(last.output_tokens) if last is not None and last.output_tokens is not None else NAN,
         service,
     ]
-
-
-# Below this many sessions the per-session reference is quicker than numpy's fixed costs
-# (they crossed between 32 and 64 sessions on the 2-core development machine).
-VECTORISE_FROM_SESSIONS = 48
-
-
-def feature_matrix(views: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
-    """One row per (session, horizon), sessions outer: rows[i * len(horizons) + j].
-
-    Equal to `session_features` row by row; many sessions go through the columnar FeatureTable
-    (app/predict/feature_table.py), which computes the same numbers with numpy.
-    """
-    if len(views) >= VECTORISE_FROM_SESSIONS:
-        from app.predict.feature_table import FeatureTable  # it imports this module
-
-        return FeatureTable.from_views(views).matrix(now, horizons)
-    rows = []
-    for view in views:
-        base = session_features(view, now)
-        for h in horizons:
-            rows.append([*base, float(h)])
-    return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(FEATURES))

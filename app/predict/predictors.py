@@ -1,7 +1,7 @@
 """Predictors of each live session's next request: how likely within a horizon, and when.
 
-`predict_one` / `predict_many` in the style of river, plus `p_within`, the matrix the planner
-uses: for each session and each horizon h, P(the next request arrives within h seconds).
+`p_within` is the matrix the planner uses: for each session and each horizon h, P(the next
+request arrives within h seconds).
 The heuristic needs no model: it reads the session's own history. The learned predictor is a
 LightGBM model over app.predict.features, trained from event logs (training/), evaluated by the
 Booster or, when lleaves is installed, by the same model compiled to machine code
@@ -15,7 +15,6 @@ import json
 import logging
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -23,8 +22,8 @@ import numpy as np
 
 from app.core.errors import KvpError
 from app.predict import compiled
-from app.predict.feature_table import FeatureTable
-from app.predict.features import FEATURES, HORIZON_FEATURE, feature_matrix
+from app.predict.feature_table import FeatureTable, feature_matrix
+from app.predict.features import FEATURES, HORIZON_FEATURE
 from app.state.base import SessionView
 
 log = logging.getLogger(__name__)
@@ -41,29 +40,8 @@ HORIZON_GRID: tuple[float, ...] = (5.0, 15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 6
 Backend = Literal["auto", "compiled", "booster"]
 
 
-# What a session that does not come back within the grid costs in expected wait: about an hour,
-# so the chance of a return at all dominates the retention rank.
-NO_SHOW_WAIT_SECONDS = 3600.0
-
-
 class ModelError(KvpError):
     """A model that cannot serve: missing files, or features that differ from the service's."""
-
-
-@dataclass(frozen=True, slots=True)
-class ArrivalPrediction:
-    session_id: str
-    # P(next request within h) for h in HORIZON_GRID, non-decreasing.
-    p_within: tuple[float, ...]
-    # When the next request is expected, if it comes (the conditional median, same clock as ts).
-    expected_arrival_ts: float
-    # Expected seconds until the next request, a no-show counting as NO_SHOW_WAIT_SECONDS past the
-    # grid: the retention rank (smaller: keep longer), Belady's next use in expectation.
-    expected_wait_seconds: float
-
-    @property
-    def p_return(self) -> float:
-        return self.p_within[-1]
 
 
 class Predictor(Protocol):
@@ -74,31 +52,7 @@ class Predictor(Protocol):
         ...
 
 
-def predictions_from_matrix(sessions: Sequence[SessionView], now: float, p: np.ndarray,
-                            horizons: Sequence[float] = HORIZON_GRID) -> list[ArrivalPrediction]:
-    p = np.maximum.accumulate(np.clip(p, 0.0, 1.0), axis=1)  # a longer wait can only add returns
-    widths = np.diff(np.asarray([0.0, *horizons]))
-    waits = ((1.0 - p) * widths).sum(axis=1) + (1.0 - p[:, -1]) * NO_SHOW_WAIT_SECONDS
-    out = []
-    for view, row, wait in zip(sessions, p, waits):
-        half = row[-1] / 2.0
-        k = int(np.searchsorted(row, half)) if row[-1] > 0 else len(horizons) - 1
-        out.append(ArrivalPrediction(view.session_id, tuple(float(x) for x in row),
-                                     now + horizons[min(k, len(horizons) - 1)], float(wait)))
-    return out
-
-
-class _PredictMixin:
-    def predict_many(self, sessions: Sequence[SessionView], now: float) -> list[ArrivalPrediction]:
-        if not sessions:
-            return []
-        return predictions_from_matrix(sessions, now, self.p_within(sessions, now, HORIZON_GRID))  # type: ignore[attr-defined]
-
-    def predict_one(self, session: SessionView, now: float) -> ArrivalPrediction:
-        return self.predict_many([session], now)[0]
-
-
-class HeuristicPredictor(_PredictMixin):
+class HeuristicPredictor:
     """The session's median recent gap between turns, else a prior; a fixed chance of return,
     until the session is `give_up_gaps` gaps late, when it counts as gone."""
 
@@ -124,7 +78,7 @@ class HeuristicPredictor(_PredictMixin):
         return out
 
 
-class LearnedPredictor(_PredictMixin):
+class LearnedPredictor:
     """A LightGBM model of P(next request within horizon), from models/<version>/."""
 
     name = "learned"

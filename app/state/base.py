@@ -1,6 +1,6 @@
 """What a state store is: the views it returns and the interface both backends implement.
 
-The rules every backend follows, so that state is a function of the *set* of events, whatever
+The rules every backend follows (in code: app/state/rules.py), so that state is a function of the *set* of events, whatever
 order they arrive in (tests/state/test_store_contract.py checks them on every backend):
 
 - Request lifecycle: each request keeps the greatest `ts` seen for routed, started and finished.
@@ -35,12 +35,8 @@ from typing import Iterable, Literal, Protocol, Sequence
 
 from pydantic import BaseModel, ConfigDict
 
+from app.state.rules import SessionStateName
 from kvprefetch_client.events import BlockHash, Event, Tier
-
-RECENT_REQUESTS = 3
-RECENT_ARRIVALS = 16
-
-SessionStateName = Literal["queued", "running", "idle", "closed"]
 
 
 def location_name(tier: str, instance_id: str | None) -> str:

@@ -1,7 +1,8 @@
 """The embedded in-memory store: one process, rebuilt from the event log on restart.
 
-Kept small on purpose (at most 2 KB per tracked session): slotted records, floats rather than
-optional objects, block hashes packed in an array.
+Kept small on purpose (at most 2 KB per tracked session): the session records and what each
+event does to them are the session rules' (app/state/rules.py); this module keeps them indexed,
+deduplicates events and forgets what retention drops.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import bisect
 import math
 from array import array
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 from kvprefetch_client.events import (
     BlockHash,
@@ -28,8 +28,6 @@ from kvprefetch_client.events import (
     VllmKvEvents,
 )
 from app.state.base import (
-    RECENT_ARRIVALS,
-    RECENT_REQUESTS,
     InstanceView,
     LocationView,
     LogPosition,
@@ -42,85 +40,20 @@ from app.state.base import (
     SessionView,
     location_name,
 )
+from app.state.rules import (
+    NONE,
+    RequestRecord,
+    SessionRecord,
+    latest_context_tokens,
+    retention_cutoff,
+    tombstone_floor,
+)
 
-_NONE = -1.0  # "no timestamp": every real ts is >= 0
 _ORDER_RANK = {"accepted": 0, "completed": 1, "failed": 1}
 # An order's record: (rank, status ts, status, bytes, seconds, reason, last activity ts); the
 # first three decide which progress event wins, the last when the order is forgotten.
 _OrderRecord = tuple[int, float, str, "int | None", "float | None", "str | None", float]
 _INSTANCE_TIERS = ("hbm", "host", "disk")
-
-
-class _Request:
-    __slots__ = ("request_id", "instance_id", "instance_ts", "routed_ts", "started_ts",
-                 "finished_ts", "prompt_tokens", "output_tokens", "context_tokens")
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self.instance_id: str | None = None
-        self.instance_ts = _NONE
-        self.routed_ts = _NONE
-        self.started_ts = _NONE
-        self.finished_ts = _NONE
-        self.prompt_tokens = -1
-        self.output_tokens = -1
-        self.context_tokens = -1
-
-    def rank(self) -> float:
-        """Which request is the latest: routed time, else the earliest other time seen."""
-        if self.routed_ts >= 0:
-            return self.routed_ts
-        known = [t for t in (self.started_ts, self.finished_ts) if t >= 0]
-        return min(known) if known else _NONE
-
-    def view(self) -> RequestView:
-        def opt(x: float) -> float | None:
-            return x if x >= 0 else None
-
-        def opt_int(x: int) -> int | None:
-            return x if x >= 0 else None
-
-        return RequestView(
-            request_id=self.request_id, instance_id=self.instance_id,
-            routed_ts=opt(self.routed_ts), started_ts=opt(self.started_ts),
-            finished_ts=opt(self.finished_ts), prompt_tokens=opt_int(self.prompt_tokens),
-            output_tokens=opt_int(self.output_tokens), context_tokens=opt_int(self.context_tokens))
-
-
-class _Session:
-    __slots__ = ("turns", "first_ts", "last_ts", "closed_ts", "instance_id", "instance_ts",
-                 "blocks", "blocks_ts", "block_tokens", "arrivals", "requests")
-
-    def __init__(self, ts: float) -> None:
-        self.turns = 0
-        self.first_ts = ts
-        self.last_ts = ts
-        self.closed_ts = _NONE
-        self.instance_id: str | None = None
-        self.instance_ts = _NONE
-        self.blocks: array[int] | tuple[BlockHash, ...] = ()
-        self.blocks_ts = _NONE
-        self.block_tokens = 0
-        self.arrivals: list[float] = []
-        self.requests: list[_Request] = []
-
-    def touch(self, ts: float) -> None:
-        if ts < self.first_ts:
-            self.first_ts = ts
-        if ts > self.last_ts:
-            self.last_ts = ts
-
-    def trim_requests(self) -> None:
-        if len(self.requests) > RECENT_REQUESTS:
-            self.requests.sort(key=_Request.rank)
-            del self.requests[: len(self.requests) - RECENT_REQUESTS]
-
-    def set_blocks(self, block_hashes: list[BlockHash] | None, block_tokens: int, ts: float) -> None:
-        if block_hashes is not None and ts >= self.blocks_ts:
-            self.blocks, self.blocks_ts, self.block_tokens = _pack(block_hashes), ts, block_tokens
-
-    def latest(self) -> _Request | None:
-        return max(self.requests, key=_Request.rank) if self.requests else None
 
 
 class _Location:
@@ -146,14 +79,14 @@ class _Location:
         self.old_bound = -math.inf  # no tombstone of removed_old is newer
         self.newest = -math.inf  # the newest ts of an event at this location
         self.window = window
-        self.cleared_ts = _NONE
+        self.cleared_ts = NONE
         self.block_tokens = block_tokens
 
     def advance(self, ts: float) -> None:
         if ts <= self.newest:
             return
         previous, self.newest = self.newest, ts
-        cutoff = ts - self.window
+        cutoff = tombstone_floor(ts, self.window)
         if self.old_bound < cutoff:
             # Every tombstone so far is at most `previous` (a tombstone is never newer than the
             # location's newest event), so both generations may be dead.
@@ -168,7 +101,7 @@ class _Location:
         if ts <= self.cleared_ts:
             return
         present, removed, removed_old = self.present, self.removed, self.removed_old
-        cutoff = self.newest - self.window
+        cutoff = tombstone_floor(self.newest, self.window)
         for h in block_hashes:
             t = removed.get(h)
             if t is None and removed_old:
@@ -178,14 +111,14 @@ class _Location:
                     continue
                 removed.pop(h, None)
                 removed_old.pop(h, None)
-            if ts > present.get(h, _NONE):
+            if ts > present.get(h, NONE):
                 present[h] = ts
 
     def remove(self, block_hashes: Sequence[BlockHash], ts: float) -> None:
         self.advance(ts)
         present, removed, removed_old = self.present, self.removed, self.removed_old
         # A tombstone dead on arrival would never be consulted: don't keep it.
-        keep = ts >= self.newest - self.window
+        keep = ts >= tombstone_floor(self.newest, self.window)
         for h in block_hashes:
             stored = present.get(h)
             if stored is not None:
@@ -222,7 +155,7 @@ class _Instance:
 
     def __init__(self, ts: float) -> None:
         self.last_seen_ts = ts
-        self.status_ts = _NONE
+        self.status_ts = NONE
         self.free_kv_bytes: int | None = None
         self.total_kv_bytes: int | None = None
         self.queue_depth: int | None = None
@@ -251,7 +184,7 @@ class MemoryStore:
         # before the cutoff is forgotten.
         self._newest = -math.inf
         self._cutoff = -math.inf
-        self._sessions: dict[str, _Session] = {}
+        self._sessions: dict[str, SessionRecord] = {}
         # Sessions by the whole second of their last activity, and those seconds in order: what
         # live_sessions() reads newest first. A session moves only when its activity crosses into
         # another second, so most events cost the index one int() and a comparison.
@@ -299,7 +232,8 @@ class MemoryStore:
                 continue
             ts = e.ts
             if ts > self._newest:
-                self._newest, self._cutoff = ts, ts - self.session_retention_seconds
+                self._newest = ts
+                self._cutoff = retention_cutoff(ts, self.session_retention_seconds)
             apply_one[e.type](e)
             seen.add(eid)
             out.append(True)
@@ -361,7 +295,7 @@ class MemoryStore:
                 del sessions[session_id]
         del seconds[:n]
 
-    def _live(self, session_id: str) -> _Session | None:
+    def _live(self, session_id: str) -> SessionRecord | None:
         """The session unless it is unknown or forgotten (idle since before the cutoff)."""
         s = self._sessions.get(session_id)
         return s if s is not None and s.last_ts >= self._cutoff else None
@@ -375,7 +309,7 @@ class MemoryStore:
             del self._by_second[second]
             del self._seconds[bisect.bisect_left(self._seconds, second)]
 
-    def _session(self, session_id: str, ts: float) -> _Session | None:
+    def _session(self, session_id: str, ts: float) -> SessionRecord | None:
         """The session an event at `ts` updates; None when the event is itself older than the
         cutoff (it is about a past the store has forgotten, or is about to)."""
         if ts < self._cutoff:
@@ -385,7 +319,7 @@ class MemoryStore:
             self._forget(session_id)  # forgotten: a new event starts it afresh
             s = None
         if s is None:
-            s = self._sessions[session_id] = _Session(ts)
+            s = self._sessions[session_id] = SessionRecord(ts)
             self._index(session_id, None, ts)
         else:
             if ts > s.last_ts and int(ts) != int(s.last_ts):
@@ -424,100 +358,55 @@ class MemoryStore:
             i.last_seen_ts = ts
         return i
 
-    def _request_event(self, e: RequestRouted | RequestStarted | RequestFinished) -> tuple[_Session, _Request] | None:
-        """What every request event does: touch its session and instance, find its request.
-        None: the event is about a forgotten session (see _session); only the instance is touched.
+    def _request_event(self, e: RequestRouted | RequestStarted | RequestFinished,
+                       ) -> tuple[SessionRecord, RequestRecord] | None:
+        """What every request event does: touch its session and instance, find its request
+        (SessionRecord.request). None: the event is about a forgotten session (see _session);
+        only the instance is touched.
 
-        Inlined rather than split into helpers: this runs for most events on the ingest path.
+        The session's touch is inlined for a live session: this runs for most events on the
+        ingest path.
         """
         ts = e.ts
-        s = self._sessions.get(e.session_id)
-        if s is None or s.last_ts < self._cutoff or ts < self._cutoff:
-            instance = self._instances.get(e.instance_id)
-            if instance is None:
-                self._new_instance(e.instance_id, ts)
-            elif ts > instance.last_seen_ts:
-                instance.last_seen_ts = ts
-            s = self._session(e.session_id, ts)
-            if s is None:
-                return None
-            s.instance_id, s.instance_ts = e.instance_id, ts
-            r = _Request(e.request_id)
-            r.instance_id, r.instance_ts = e.instance_id, ts
-            s.requests.append(r)
-            return s, r
-        if ts > s.last_ts:
-            if int(ts) != int(s.last_ts):
-                self._index(e.session_id, s.last_ts, ts)
-            s.last_ts = ts
-        elif ts < s.first_ts:
-            s.first_ts = ts
         instance = self._instances.get(e.instance_id)
         if instance is None:
             self._new_instance(e.instance_id, ts)
         elif ts > instance.last_seen_ts:
             instance.last_seen_ts = ts
-        if ts >= s.instance_ts:
-            s.instance_id, s.instance_ts = e.instance_id, ts
-        for r in s.requests:
-            if r.request_id == e.request_id:
-                break
-        else:
-            r = _Request(e.request_id)
-            s.requests.append(r)
-        if ts >= r.instance_ts:
-            r.instance_id, r.instance_ts = e.instance_id, ts
-        return s, r
+        s = self._sessions.get(e.session_id)
+        if s is None or s.last_ts < self._cutoff or ts < self._cutoff:
+            s = self._session(e.session_id, ts)
+            if s is None:
+                return None
+        elif ts > s.last_ts:
+            if int(ts) != int(s.last_ts):
+                self._index(e.session_id, s.last_ts, ts)
+            s.last_ts = ts
+        elif ts < s.first_ts:
+            s.first_ts = ts
+        return s, s.request(e.request_id, e.instance_id, ts)
 
     def _routed(self, e: RequestRouted) -> None:
         sr = self._request_event(e)
-        if sr is None:
-            return
-        s, r = sr
-        ts = e.ts
-        s.turns += 1
-        arrivals = s.arrivals
-        if not arrivals or ts >= arrivals[-1]:
-            arrivals.append(ts)
-        else:
-            bisect.insort(arrivals, ts)
-        if len(arrivals) > RECENT_ARRIVALS:
-            del arrivals[0]
-        if e.block_hashes is not None:
-            s.set_blocks(e.block_hashes, e.block_tokens or self.block_tokens, ts)
-        if ts >= r.routed_ts:
-            r.routed_ts, r.prompt_tokens = ts, e.prompt_tokens
-        if len(s.requests) > RECENT_REQUESTS:
-            s.trim_requests()
+        if sr is not None:
+            sr[0].routed(sr[1], e.ts, e.prompt_tokens, e.block_hashes,
+                         e.block_tokens or self.block_tokens)
 
     def _started(self, e: RequestStarted) -> None:
         sr = self._request_event(e)
-        if sr is None:
-            return
-        s, r = sr
-        if e.ts > r.started_ts:
-            r.started_ts = e.ts
-        if len(s.requests) > RECENT_REQUESTS:
-            s.trim_requests()
+        if sr is not None:
+            sr[0].started(sr[1], e.ts)
 
     def _finished(self, e: RequestFinished) -> None:
         sr = self._request_event(e)
-        if sr is None:
-            return
-        s, r = sr
-        ts = e.ts
-        if e.block_hashes is not None:
-            s.set_blocks(e.block_hashes, e.block_tokens or self.block_tokens, ts)
-        if ts >= r.finished_ts:
-            r.finished_ts, r.output_tokens = ts, e.output_tokens
-            r.context_tokens = e.context_tokens if e.context_tokens is not None else -1
-        if len(s.requests) > RECENT_REQUESTS:
-            s.trim_requests()
+        if sr is not None:
+            sr[0].finished(sr[1], e.ts, e.output_tokens, e.context_tokens, e.block_hashes,
+                           e.block_tokens or self.block_tokens)
 
     def _closed(self, e: SessionClosed) -> None:
         s = self._session(e.session_id, e.ts)
-        if s is not None and e.ts > s.closed_ts:
-            s.closed_ts = e.ts
+        if s is not None:
+            s.closed(e.ts)
 
     def _location(self, tier: str, instance_id: str | None, block_tokens: int | None) -> _Location:
         key = (tier, instance_id)
@@ -592,8 +481,9 @@ class MemoryStore:
         if s is None:
             return None
         # s.blocks is replaced, never changed in place: handing it out is safe.
+        context_bytes = latest_context_tokens(s.latest()) * self.bytes_per_token
         return SessionContext(session_id=session_id, instance_id=s.instance_id,
-                              context_bytes=_context_tokens(s.latest()) * self.bytes_per_token,
+                              context_bytes=context_bytes,
                               block_hashes=s.blocks, block_tokens=s.block_tokens or self.block_tokens)
 
     def session(self, session_id: str) -> SessionView | None:
@@ -601,7 +491,7 @@ class MemoryStore:
         if s is None:
             return None
         latest = s.latest()
-        context_tokens = _context_tokens(latest)
+        context_tokens = latest_context_tokens(latest)
         resident: dict[str, int] = {}
         if s.blocks:
             for (tier, instance_id), loc in self._locations.items():
@@ -611,7 +501,7 @@ class MemoryStore:
         arrivals = list(s.arrivals)
         return SessionView(
             session_id=session_id,
-            state=_state(s, latest),
+            state=s.state(latest),
             turns=s.turns,
             first_seen_ts=s.first_ts,
             last_activity_ts=s.last_ts,
@@ -623,7 +513,7 @@ class MemoryStore:
             block_tokens=s.block_tokens or self.block_tokens,
             recent_arrivals_ts=arrivals,
             inter_turn_gaps_seconds=[b - a for a, b in zip(arrivals, arrivals[1:])],
-            last_request=latest.view() if latest is not None else None,
+            last_request=_request_view(latest) if latest is not None else None,
             resident_blocks=resident,
         )
 
@@ -632,7 +522,7 @@ class MemoryStore:
         if limit <= 0:
             return []
         sessions, seconds = self._sessions, self._seconds
-        since = max(active_since_ts if active_since_ts is not None else _NONE, self._cutoff)
+        since = max(active_since_ts if active_since_ts is not None else NONE, self._cutoff)
         # Whole seconds, newest first, from the cursor's down to the first one that may hold
         # activity at `since`; within a second, sessions in (last activity, id) order.
         i = bisect.bisect_right(seconds, int(before[0])) if before is not None else len(seconds)
@@ -649,7 +539,7 @@ class MemoryStore:
                 if before is not None and key >= before:
                     continue
                 s = sessions[key[1]]
-                if s.closed_ts >= 0 and _state(s, s.latest()) == "closed":
+                if s.closed_ts >= 0 and s.state(s.latest()) == "closed":
                     continue
                 found.append(key[1])
                 if len(found) == limit:
@@ -800,32 +690,15 @@ class MemoryStore:
         return None
 
 
-def _context_tokens(latest: _Request | None) -> int:
-    if latest is None:
-        return 0
-    if latest.finished_ts >= 0 and latest.context_tokens >= 0:
-        return latest.context_tokens
-    if latest.finished_ts >= 0 and latest.prompt_tokens >= 0:
-        return latest.prompt_tokens + latest.output_tokens
-    return max(latest.prompt_tokens, 0)
+def _request_view(r: RequestRecord) -> RequestView:
+    def opt(x: float) -> float | None:
+        return x if x >= 0 else None
 
+    def opt_int(x: int) -> int | None:
+        return x if x >= 0 else None
 
-def _state(s: _Session, latest: _Request | None) -> Any:
-    latest_routed = latest.routed_ts if latest is not None else _NONE
-    if s.closed_ts >= 0 and s.closed_ts >= latest_routed:
-        return "closed"
-    if latest is None or latest.finished_ts >= 0:
-        return "idle"
-    if latest.started_ts >= 0:
-        return "running"
-    return "queued"
-
-
-def _pack(block_hashes: list[BlockHash]) -> array[int] | tuple[BlockHash, ...]:
-    """Block hashes in 8 bytes each when they are 64-bit ints (a tuple of ints costs ~36)."""
-    for code in ("q", "Q"):
-        try:
-            return array(code, block_hashes)  # type: ignore[arg-type]
-        except (OverflowError, TypeError):
-            continue
-    return tuple(block_hashes)
+    return RequestView(
+        request_id=r.request_id, instance_id=r.instance_id,
+        routed_ts=opt(r.routed_ts), started_ts=opt(r.started_ts),
+        finished_ts=opt(r.finished_ts), prompt_tokens=opt_int(r.prompt_tokens),
+        output_tokens=opt_int(r.output_tokens), context_tokens=opt_int(r.context_tokens))

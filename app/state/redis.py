@@ -18,11 +18,13 @@ as they are. So if a call ever failed half way (an out-of-memory Redis refuses i
 `#!lua` shebang makes it a script that declares writes), its ids stay unmarked, and applying
 the chunk again counts nothing twice.
 
-The semantic rules are those of app/state/base.py and the code follows MemoryStore line
-for line (the Lua names the MemoryStore method each part mirrors), including the order-dependent
-corners MemoryStore has: exact timestamp ties of `>=` registers (the later applied wins), the
+The semantic rules are those of app/state/base.py, in code in app/state/rules.py: the reads
+here call rules.py; the apply script is its server-side copy, and follows it and MemoryStore line
+for line (the Lua names the function of rules.py or memory.py each part mirrors), including the
+order-dependent corners: exact timestamp ties of `>=` registers (the later applied wins), the
 request cap, and the "last non-null block_tokens wins" rule of locations. Apply the same events
-in the same order to both and every view is equal (tests/state/test_redis_store.py).
+in the same order to both and every view is equal (tests/state/test_redis_store.py,
+tests/state/test_store_contract.py).
 
 Values are kept exactly: timestamps travel as `repr(float)` strings and Lua stores those very
 strings (it never formats a number it computed, which would lose digits); it compares them with
@@ -119,8 +121,6 @@ from kvprefetch_client.events import (
     VllmKvEvents,
 )
 from app.state.base import (
-    RECENT_ARRIVALS,
-    RECENT_REQUESTS,
     InstanceView,
     LocationView,
     LogPosition,
@@ -132,6 +132,16 @@ from app.state.base import (
     SessionCursor,
     SessionView,
     location_name,
+)
+from app.state.rules import (
+    NONE,
+    RECENT_ARRIVALS,
+    RECENT_REQUESTS,
+    SessionStateName,
+    context_tokens,
+    request_rank,
+    retention_cutoff,
+    session_state,
 )
 
 def _lua(name: str) -> str:
@@ -282,7 +292,8 @@ class RedisStore:
 
     def _cutoff(self, newest: str | None) -> float:
         """Sessions last active before this are forgotten (the apply script's `cutoff`)."""
-        return -math.inf if newest is None else float(newest) - self.session_retention_seconds
+        return -math.inf if newest is None else retention_cutoff(float(newest),
+                                                                 self.session_retention_seconds)
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
@@ -494,7 +505,7 @@ class RedisStore:
                         continue
                     reqs: list[list[str]] = json.loads(h["r"]) if "r" in h else []
                     latest = max(reqs, key=_rank) if reqs else None
-                    if _state(float(h["c"]) if "c" in h else -1.0, latest) == "closed":
+                    if _state(float(h["c"]) if "c" in h else NONE, latest) == "closed":
                         continue
                     found.append((session_id, h, json.loads(h["b"]) if "b" in h else []))
                 cursor = rows[-1]
@@ -531,7 +542,7 @@ class RedisStore:
         reqs: list[list[str]] = json.loads(h["r"]) if "r" in h else []
         latest = max(reqs, key=_rank) if reqs else None
         context_tokens = _context_tokens(latest)
-        closed_ts = float(h["c"]) if "c" in h else -1.0
+        closed_ts = float(h["c"]) if "c" in h else NONE
         arrivals = [float(t) for t in json.loads(h["a"])] if "a" in h else []
         return SessionView(
             session_id=session_id,
@@ -761,12 +772,8 @@ class RedisStore:
 
 
 def _rank(r: list[str]) -> float:
-    """_Request.rank on a stored record."""
-    routed = float(r[_REQ_ROUTED])
-    if routed >= 0:
-        return routed
-    known = [t for t in (float(r[_REQ_STARTED]), float(r[_REQ_FINISHED])) if t >= 0]
-    return min(known) if known else -1.0
+    """rules.request_rank of a stored record."""
+    return request_rank(float(r[_REQ_ROUTED]), float(r[_REQ_STARTED]), float(r[_REQ_FINISHED]))
 
 
 def _request_view(r: list[str]) -> RequestView:
@@ -786,25 +793,16 @@ def _request_view(r: list[str]) -> RequestView:
 
 
 def _context_tokens(latest: list[str] | None) -> int:
-    """memory._context_tokens on a stored record."""
+    """rules.context_tokens of a stored latest record."""
     if latest is None:
         return 0
-    finished = float(latest[_REQ_FINISHED]) >= 0
-    ctx, prompt = int(latest[_REQ_CONTEXT]), int(latest[_REQ_PROMPT])
-    if finished and ctx >= 0:
-        return ctx
-    if finished and prompt >= 0:
-        return prompt + int(latest[_REQ_OUTPUT])
-    return max(prompt, 0)
+    return context_tokens(float(latest[_REQ_FINISHED]), int(latest[_REQ_PROMPT]),
+                          int(latest[_REQ_OUTPUT]), int(latest[_REQ_CONTEXT]))
 
 
-def _state(closed_ts: float, latest: list[str] | None) -> Any:
-    """memory._state on a stored record."""
-    latest_routed = float(latest[_REQ_ROUTED]) if latest is not None else -1.0
-    if closed_ts >= 0 and closed_ts >= latest_routed:
-        return "closed"
-    if latest is None or float(latest[_REQ_FINISHED]) >= 0:
-        return "idle"
-    if float(latest[_REQ_STARTED]) >= 0:
-        return "running"
-    return "queued"
+def _state(closed_ts: float, latest: list[str] | None) -> SessionStateName:
+    """rules.session_state of a stored record."""
+    if latest is None:
+        return session_state(closed_ts, None)
+    return session_state(closed_ts, (float(latest[_REQ_ROUTED]), float(latest[_REQ_STARTED]),
+                                     float(latest[_REQ_FINISHED])))

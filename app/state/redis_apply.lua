@@ -1,4 +1,8 @@
 #!lua
+-- RedisStore's apply script (app/state/redis.py documents its arguments and keys). It is the
+-- server-side copy of the session rules of app/state/rules.py and of MemoryStore's bookkeeping
+-- (app/state/memory.py): each part names what it mirrors there, and
+-- tests/state/test_store_contract.py runs every case on both stores.
 local argv = ARGV
 local nargv = #argv
 local P = argv[1]
@@ -24,7 +28,8 @@ local function fmt(x)
   return string.format('%.17g', x)
 end
 
--- MemoryStore._newest / _cutoff: the newest event ts applied, and the sessions' cutoff
+-- MemoryStore._newest / _cutoff, rules.retention_cutoff: the newest event ts applied, and the
+-- sessions' cutoff
 local newest_s = redis.call('GET', NEWEST)
 local newest = newest_s and tonumber(newest_s) or -math.huge
 local newest_moved = false
@@ -37,8 +42,8 @@ local function see(ts_s, ts)
   end
 end
 
--- _Location.advance: the location's newest event ts; drops the tombstones it makes dead
--- (ts < newest - WINDOW) and returns that bound
+-- memory._Location.advance, rules.tombstone_floor: the location's newest event ts; drops the
+-- tombstones it makes dead (ts < newest - WINDOW) and returns that bound
 local hws, hw_order = {}, {}
 local function advance(name, ts_s, ts)
   local hw = hws[name]
@@ -65,7 +70,7 @@ end
 local sessions, session_order = {}, {}
 local SESSION_FIELDS = {'f', 'l', 'c', 'i', 'it', 'bts', 'k', 't', 'r', 'a'}
 
--- MemoryStore._session / _Session.touch; nil: the event is older than the cutoff
+-- MemoryStore._session, rules.SessionRecord.touch; nil: the event is older than the cutoff
 local function touch_session(sid, ts_s, ts)
   if ts < cutoff then return nil end
   local s = sessions[sid]
@@ -110,17 +115,17 @@ local function touch_instance(iid, ts_s, ts)
   return inst
 end
 
--- _Session.name_instance
+-- rules.SessionRecord.request: the newest request event names the session's instance
 local function name_session(s, iid, ts_s, ts)
   if ts >= num(s.it) then s.i, s.it = iid, ts_s end
 end
 
--- _Session.set_blocks
+-- rules.SessionRecord.set_blocks
 local function set_blocks(s, blocks, bt, ts_s, ts)
   if blocks ~= '' and ts >= num(s.bts) then s.b, s.bts, s.k = blocks, ts_s, bt end
 end
 
--- _Request.rank
+-- rules.request_rank
 local function rank(r)
   local routed = tonumber(r[4])
   if routed >= 0 then return routed end
@@ -131,7 +136,7 @@ local function rank(r)
   return -1
 end
 
--- _Session.request
+-- rules.SessionRecord.request: the request, added when the session has not seen it
 local function find_request(s, rid)
   if not s.reqs then s.reqs = s.r and cjson.decode(s.r) or {} end
   local reqs = s.reqs
@@ -143,12 +148,12 @@ local function find_request(s, rid)
   return r
 end
 
--- _Request.name_instance
+-- rules.SessionRecord.request: the newest event of the request names its instance
 local function name_request(r, iid, ts_s, ts)
   if ts >= tonumber(r[3]) then r[2], r[3] = iid, ts_s end
 end
 
--- _Session.trim_requests: a stable sort by rank (like list.sort), then drop the oldest
+-- rules.SessionRecord.trim_requests: a stable sort by rank (like list.sort), then drop the oldest
 local function trim_requests(s)
   local reqs = s.reqs
   local n = #reqs
@@ -168,7 +173,7 @@ local function trim_requests(s)
   s.reqs = keep
 end
 
--- bisect.insort of a routed ts into the sorted arrivals, keeping the last RECENT_ARRIVALS
+-- rules.add_arrival: a routed ts into the sorted arrivals, keeping the last RECENT_ARRIVALS
 local function add_arrival(s, ts_s, ts)
   if not s.arr then s.arr = s.a and cjson.decode(s.a) or {} end
   local arr = s.arr
@@ -191,7 +196,7 @@ local function apply_ops(i, last)
   while i <= last do
     local op = argv[i]
     if op == 'R' then
-      -- MemoryStore._routed
+      -- MemoryStore._routed, rules.SessionRecord.routed
       local sid, rid, iid, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
       local prompt, blocks, bt = argv[i + 5], argv[i + 6], argv[i + 7]
       i = i + 8
@@ -210,7 +215,7 @@ local function apply_ops(i, last)
         trim_requests(s)
       end
     elseif op == 'S' then
-      -- MemoryStore._started
+      -- MemoryStore._started, rules.SessionRecord.started
       local sid, rid, iid, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
       i = i + 5
       local ts = tonumber(ts_s)
@@ -225,7 +230,7 @@ local function apply_ops(i, last)
         trim_requests(s)
       end
     elseif op == 'F' then
-      -- MemoryStore._finished
+      -- MemoryStore._finished, rules.SessionRecord.finished
       local sid, rid, iid, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
       local output, context, blocks, bt = argv[i + 5], argv[i + 6], argv[i + 7], argv[i + 8]
       i = i + 9
@@ -242,7 +247,7 @@ local function apply_ops(i, last)
         trim_requests(s)
       end
     elseif op == 'C' then
-      -- MemoryStore._closed
+      -- MemoryStore._closed, rules.SessionRecord.closed
       local sid, ts_s = argv[i + 1], argv[i + 2]
       i = i + 3
       local ts = tonumber(ts_s)
@@ -250,7 +255,7 @@ local function apply_ops(i, last)
       local s = touch_session(sid, ts_s, ts)
       if s and ts > num(s.c) then s.c = ts_s end
     elseif op == 'K' then
-      -- MemoryStore._stored, _Location.store
+      -- MemoryStore._stored, memory._Location.store
       local iid, name, meta, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
       local bt_new, bt_update, n = argv[i + 5], argv[i + 6], tonumber(argv[i + 7])
       local first = i + 8
@@ -275,7 +280,7 @@ local function apply_ops(i, last)
         end
       end
     elseif op == 'X' then
-      -- MemoryStore._removed, _Location.remove
+      -- MemoryStore._removed, memory._Location.remove
       local iid, name, meta, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
       local bt_new, n = argv[i + 5], tonumber(argv[i + 6])
       local first = i + 7
@@ -300,7 +305,7 @@ local function apply_ops(i, last)
         end
       end
     elseif op == 'Z' then
-      -- MemoryStore._cleared, _Location.clear
+      -- MemoryStore._cleared, memory._Location.clear
       local iid, name, meta, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
       local bt_new = argv[i + 5]
       i = i + 6

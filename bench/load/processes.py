@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from bench._util import ServerProcess
+from bench._util import BenchError, ServerProcess
 
-
-class BenchError(RuntimeError):
-    """The service (or the ceiling, or a calibration) did not start or died: the message holds its log."""
+__all__ = ["BenchError", "Proc", "cpu_pressure", "cpu_seconds", "load_average", "rss"]
 
 
 class Proc(ServerProcess):

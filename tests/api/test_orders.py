@@ -19,11 +19,11 @@ from kvprefetch_client.orders import Cancel, Order
 from app.deliver import (
     InProcessSink,
     PullQueue,
-    RedisStreamConsumer,
     RedisStreamSink,
     SinkClosed,
     WebhookSink,
 )
+from kvprefetch_client.agent import StreamSource
 from tests.api.conftest import routed
 from tests.deliver.conftest import _receiver_server, order, receiver  # noqa: F401 (fixtures)
 
@@ -193,9 +193,10 @@ def test_the_sink_is_built_from_settings_on_the_apps_loop(kind: str, tmp_path: P
     if kind == "webhook":
         assert receiver.take() == [order("a")]
     if kind == "redis":
-        consumer = RedisStreamConsumer.from_url(settings.redis_url.get_secret_value(),
-                                                settings.stream_prefix, "agent", instance_id="gpu-0")
-        assert [e.message for e in consumer.poll(10)] == [order("a")]
+        consumer = StreamSource.from_url(settings.redis_url.get_secret_value(),
+                                         prefix=settings.stream_prefix, consumer="agent",
+                                         instance_id="gpu-0")
+        assert [d.message for d in consumer.poll(0)] == [order("a")]
         consumer.close()
     with pytest.raises(SinkClosed):
         asyncio.run(sink.submit([order("b")]))

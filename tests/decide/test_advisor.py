@@ -16,7 +16,6 @@ from app.predict.predictors import (
     HeuristicPredictor,
     LearnedPredictor,
     ModelError,
-    predictions_from_matrix,
 )
 from app.decide.routing import SameInstanceEstimate
 from app.state.base import SessionView
@@ -107,17 +106,6 @@ def test_heuristic_expects_the_median_gap_and_gives_up_three_gaps_late() -> None
     assert h.p_within([closed], 100.0, [600.0]).tolist() == [[0.0]]
 
 
-def test_predictions_are_monotone_and_rank_by_expected_wait() -> None:
-    sessions = [view("a"), view("b")]
-    raw = np.array([[0.5, 0.4, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6, 0.6],
-                    [0.0, 0.0, 0.0, 0.0, 0.1, 0.1, 0.2, 0.2, 0.2]])
-    a, b = predictions_from_matrix(sessions, 100.0, raw, HORIZON_GRID)
-    assert list(a.p_within) == sorted(a.p_within)
-    assert a.p_return == 0.6 and b.p_return == 0.2
-    assert a.expected_wait_seconds < b.expected_wait_seconds
-    assert a.expected_arrival_ts == 105.0  # half of its returns come within 5 s
-
-
 def test_the_bundled_model_loads_and_answers_for_every_horizon() -> None:
     model = LearnedPredictor(DEFAULT_MODEL_DIR)
     assert model.version == "default" and model.card["features"] == list(FEATURES)
@@ -125,7 +113,6 @@ def test_the_bundled_model_loads_and_answers_for_every_horizon() -> None:
     p = model.p_within(sessions, 130.0, HORIZON_GRID)
     assert p.shape == (3, len(HORIZON_GRID))
     assert ((p >= 0) & (p <= 1)).all() and p[2].tolist() == [0.0] * len(HORIZON_GRID)
-    assert [x.session_id for x in model.predict_many(sessions, 130.0)] == ["a", "b", "c"]
 
 
 def test_a_model_that_is_missing_or_computes_other_features_is_refused(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
-"""The Redis stream sink and its consumers, on the real server: the format agents read (one stream
-per instance), claims from a consumer that died, cancels seen across consumers and routed to
-their order's stream, the length bound."""
+"""The Redis stream sink on the real server: the format agents read (one stream per instance),
+cancels seen across consumers and routed to their order's stream, the length bound. What is
+written is read back by the agents' own consumer, `kvprefetch_client.agent.StreamSource`; its
+claims, acks and skips are tested with the agent (tests/client/agent/)."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from kvprefetch_client.orders import Cancel, Order
 from app.deliver import (
     GROUP,
-    RedisStreamConsumer,
     RedisStreamSink,
     SinkError,
     SinkUnavailable,
     stream_key,
 )
+from kvprefetch_client.agent import StreamSource
+from kvprefetch_client.orders import Cancel, Order
 from tests.deliver.conftest import order
 
 IDLE_SECONDS = 0.1
@@ -49,10 +50,18 @@ def submit(url: str, prefix: str, orders: list[Order] = (), cancels: list[Cancel
     return asyncio.run(body())
 
 
-def consumer(url: str, prefix: str, name: str, instance_id: str = "gpu-0",
-             claim_idle_seconds: float = IDLE_SECONDS) -> RedisStreamConsumer:
-    return RedisStreamConsumer.from_url(url, prefix, name, instance_id=instance_id,
-                                        claim_idle_seconds=claim_idle_seconds)
+def consumer(url: str, prefix: str, name: str, instance_id: str = "gpu-0") -> StreamSource:
+    return StreamSource.from_url(url, prefix=prefix, consumer=name, instance_id=instance_id,
+                                 claim_idle_seconds=IDLE_SECONDS)
+
+
+def messages(source: StreamSource) -> list[Order | Cancel | None]:
+    """What one poll hands out (it waits for nothing)."""
+    return [d.message for d in source.poll(0)]
+
+
+def pending(r: redis.Redis, prefix: str, instance_id: str) -> int:
+    return int(r.xpending(stream_key(prefix, instance_id), GROUP)["pending"])
 
 
 def keys(r: redis.Redis, prefix: str) -> set[str]:
@@ -79,21 +88,21 @@ def test_orders_for_two_instances_land_in_two_streams(redis_url: str, prefix: st
     for instance, expected in (("gpu-0", ["a", "c"]), ("gpu-1", ["b"]), (odd, ["d"])):
         key = stream_key(prefix, instance)
         c = consumer(redis_url, prefix, "x", instance)
-        assert [e.message.order_id for e in c.poll(10)] == expected
+        assert [m.order_id for m in messages(c)] == expected
         c.close()
         assert [g["name"] for g in r.xinfo_groups(key)] == [b"kvp-agents"]
         assert [r.get(f"{prefix}:order-ids:{o}").decode() for o in expected] == [instance] * len(expected)
 
 
-def test_a_consumer_of_one_instance_never_sees_anothers_orders(redis_url: str, prefix: str) -> None:
+def test_a_consumer_of_one_instance_never_sees_anothers_orders(redis_url: str, prefix: str,
+                                                              r: redis.Redis) -> None:
     gpu0, gpu1 = consumer(redis_url, prefix, "a", "gpu-0"), consumer(redis_url, prefix, "b", "gpu-1")
     submit(redis_url, prefix, [order("x", "gpu-1"), order("y", "gpu-1")])
-    assert gpu0.poll(10) == []
-    held = gpu1.poll(10)
-    assert [e.message.order_id for e in held] == ["x", "y"]
+    assert messages(gpu0) == []
+    assert [m.order_id for m in messages(gpu1)] == ["x", "y"]
     time.sleep(IDLE_SECONDS * 1.5)  # idle long enough to claim: only within gpu-1's stream
-    assert gpu0.poll(10) == [] and gpu0.stats["claimed"] == 0 and gpu0.pending() == 0
-    assert gpu1.pending() == 2
+    assert messages(gpu0) == [] and pending(r, prefix, "gpu-0") == 0
+    assert pending(r, prefix, "gpu-1") == 2
     gpu0.close()
     gpu1.close()
 
@@ -109,8 +118,7 @@ def test_a_cancel_goes_to_the_stream_of_its_orders_instance(redis_url: str, pref
     r.delete(f"{prefix}:orders:gpu-0")
     assert submit(redis_url, prefix, [], [Cancel(order_id="a")]) == ([], ["a"])
     c = consumer(redis_url, prefix, "x", "gpu-0")
-    (entry,) = c.poll(10)
-    assert entry.message == Cancel(order_id="a")
+    assert messages(c) == [Cancel(order_id="a")]
     c.close()
 
 
@@ -119,10 +127,10 @@ def test_a_cancel_of_an_unknown_order_sets_only_the_cancel_key(redis_url: str, p
     assert submit(redis_url, prefix, [], [Cancel(order_id="never-seen")]) == ([], ["never-seen"])
     assert keys(r, prefix) == {"cancel-ids:never-seen"}
     assert submit(redis_url, prefix, [], [Cancel(order_id="never-seen")]) == ([], [])
-    # Should the order come after all, agents skip it.
+    # Should the order come after all, the agent that reads it finds it cancelled.
     assert submit(redis_url, prefix, [order("never-seen")]) == (["never-seen"], [])
     c = consumer(redis_url, prefix, "x")
-    assert c.poll(10) == [] and c.stats["skipped_cancelled"] == 1
+    assert messages(c) == [order("never-seen")] and c.is_cancelled("never-seen")
     c.close()
 
 
@@ -136,9 +144,9 @@ def test_a_key_that_is_not_a_stream_fails_the_submit_and_marks_nothing(redis_url
 
 def test_a_group_a_consumer_made_first_is_the_one_the_sink_adds_to(redis_url: str, prefix: str) -> None:
     c = consumer(redis_url, prefix, "early")
-    assert c.poll(10) == []
+    assert messages(c) == []
     submit(redis_url, prefix, [order("a")])
-    assert [e.message for e in c.poll(10)] == [order("a")]
+    assert messages(c) == [order("a")]
     c.close()
 
 
@@ -150,73 +158,20 @@ def test_resubmits_from_another_replica_or_after_a_restart_add_nothing(redis_url
     assert r.xlen(f"{prefix}:orders:gpu-0") == 4
 
 
-def test_an_entry_a_dead_consumer_held_is_claimed_after_the_idle_time_and_acked_once(
-        redis_url: str, prefix: str) -> None:
-    submit(redis_url, prefix, [order("a"), order("b")])
-    dead, alive = consumer(redis_url, prefix, "dead"), consumer(redis_url, prefix, "alive")
-    taken = dead.poll(1)
-    assert [e.message.order_id for e in taken] == ["a"]
-    (b,) = alive.poll(10)  # "a" is not idle long enough to claim yet
-    assert (b.message.order_id, b.claimed) == ("b", False)
-    assert alive.ack(b.entry_id)
-    time.sleep(IDLE_SECONDS * 1.5)
-    (claimed,) = alive.poll(10)
-    assert (claimed.entry_id, claimed.message, claimed.claimed) == (taken[0].entry_id, order("a"), True)
-    assert alive.ack(claimed.entry_id) is True
-    assert dead.ack(claimed.entry_id) is False  # it comes back to life late: the order is done already
-    assert alive.pending() == 0
-    assert alive.poll(10) == []
-    assert alive.stats["claimed"] == 1 and alive.stats["acked"] == 2
-    dead.close()
-    alive.close()
-
-
-def test_a_slow_consumer_is_not_handed_its_own_entry_twice(redis_url: str, prefix: str) -> None:
+def test_a_cancel_is_seen_by_every_consumer_of_the_instance(redis_url: str, prefix: str,
+                                                            r: redis.Redis) -> None:
+    one, two = consumer(redis_url, prefix, "one"), consumer(redis_url, prefix, "two")
     submit(redis_url, prefix, [order("a")])
-    c = consumer(redis_url, prefix, "slow")
-    (entry,) = c.poll(10)
-    time.sleep(IDLE_SECONDS * 1.5)
-    assert c.poll(10) == []
-    assert c.ack(entry.entry_id) and c.pending() == 0
-    c.close()
-
-
-def test_a_cancelled_order_is_skipped_whoever_read_the_cancel(redis_url: str, prefix: str) -> None:
-    # "two" must not claim "a" from "one": on a busy machine 0.1 s can pass between the polls.
-    one = consumer(redis_url, prefix, "one", claim_idle_seconds=60.0)
-    two = consumer(redis_url, prefix, "two", claim_idle_seconds=60.0)
-    submit(redis_url, prefix, [order("a")])
-    (held,) = one.poll(10)
+    assert messages(one) == [order("a")]
     assert not one.is_cancelled("a")
     submit(redis_url, prefix, [order("b")], [Cancel(order_id="a"), Cancel(order_id="b")])
-    assert [type(e.message).__name__ + ":" + e.message.order_id for e in two.poll(10)] == ["Cancel:a", "Cancel:b"]
+    assert [f"{type(m).__name__}:{m.order_id}" for m in messages(two)] == [
+        "Order:b", "Cancel:a", "Cancel:b"]
     assert one.is_cancelled("a")  # "one" checks before starting what it holds
-    assert two.stats["skipped_cancelled"] == 1  # "b": acked and never handed out
-    assert two.pending() == 3  # "a" with one, the two cancels with two
+    assert two.is_cancelled("b")
+    assert pending(r, prefix, "gpu-0") == 4  # "a" with one; "b" and the two cancels with two
     one.close()
     two.close()
-
-
-def test_a_malformed_entry_is_acked_and_skipped(redis_url: str, prefix: str, r: redis.Redis) -> None:
-    c = consumer(redis_url, prefix, "c")
-    c.poll(1)
-    r.xadd(f"{prefix}:orders:gpu-0", {"msg": b"{not json"})
-    r.xadd(f"{prefix}:orders:gpu-0", {"other": b"1"})
-    submit(redis_url, prefix, [order("a")])
-    assert [e.message.order_id for e in c.poll(10)] == ["a"]
-    assert c.stats["malformed"] == 2 and c.pending() == 1
-    c.close()
-
-
-def test_an_order_for_another_instance_in_the_stream_is_acked_and_skipped(
-        redis_url: str, prefix: str, r: redis.Redis) -> None:
-    c = consumer(redis_url, prefix, "c")
-    c.poll(1)
-    r.xadd(f"{prefix}:orders:gpu-0", {"msg": order("stray", "gpu-1").to_json()})  # not the sink's doing
-    submit(redis_url, prefix, [order("a")])
-    assert [e.message.order_id for e in c.poll(10)] == ["a"]
-    assert c.stats["misrouted"] == 1 and c.pending() == 1
-    c.close()
 
 
 def test_each_stream_is_bounded_by_maxlen(redis_url: str, prefix: str, r: redis.Redis) -> None:

@@ -17,11 +17,11 @@ from app.deliver import (
     InProcessSink,
     OrderSink,
     PullQueue,
-    RedisStreamConsumer,
     RedisStreamSink,
     SinkClosed,
     WebhookSink,
 )
+from kvprefetch_client.agent import StreamSource
 from tests.deliver.conftest import order
 
 INSTANCES = ("gpu-0", "gpu-1")
@@ -88,15 +88,15 @@ def _case(request: pytest.FixtureRequest, name: str) -> Case:
         return Case(open=lambda: WebhookSink(url, max_attempts=1), read=lambda _: receiver.take())
     url = request.getfixturevalue("redis_url")
     prefix = request.getfixturevalue("clean_redis")
-    consumers = {i: RedisStreamConsumer.from_url(url, prefix, f"contract-{i}", instance_id=i)
+    consumers = {i: StreamSource.from_url(url, prefix=prefix, consumer=f"contract-{i}",
+                                          instance_id=i, batch=1000)
                  for i in INSTANCES}
 
     def read_instance(_: OrderSink, instance: str) -> list[Order | Cancel]:
         consumer = consumers[instance]
-        entries = consumer.poll(1000)
-        for e in entries:
-            consumer.ack(e.entry_id)
-        return [e.message for e in entries]
+        deliveries = consumer.poll(0)
+        consumer.ack(deliveries)
+        return [d.message for d in deliveries if d.message is not None]
 
     def close() -> None:
         for c in consumers.values():

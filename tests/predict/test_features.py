@@ -14,8 +14,8 @@ from fastapi.testclient import TestClient
 from app.api.main import create_app
 from app.core.config import Settings
 from app.ingest.eventlog import encode_events
-from app.predict.feature_table import FeatureTable
-from app.predict.features import FEATURES, SESSION_FEATURES, feature_matrix, session_features
+from app.predict.feature_table import FeatureTable, feature_matrix
+from app.predict.features import FEATURES, SESSION_FEATURES, session_features
 from app.state.base import RequestView, SessionView
 from sim.replay import replay
 from sim.scenario import load_scenario

@@ -15,7 +15,8 @@ import pytest
 
 from app.predict import compiled
 from app.predict.feature_table import FeatureTable
-from app.predict.features import FEATURES, feature_matrix
+from app.predict.feature_table import feature_matrix
+from app.predict.features import FEATURES
 from app.predict.predictors import DEFAULT_MODEL_DIR, HORIZON_GRID, LearnedPredictor, ModelError, probe_rows
 from tests.predict.test_features import START_TS, random_view
 
@@ -52,8 +53,7 @@ def test_booster_backend_keeps_the_public_api(booster_model: LearnedPredictor) -
     x = feature_matrix(views, now, HORIZON_GRID)
     np.testing.assert_array_equal(booster_model.p_from_matrix(x), booster_model.booster.predict(x, num_threads=1))
     assert booster_model.p_from_matrix(np.zeros((0, len(FEATURES)))).shape == (0,)
-    prediction = booster_model.predict_one(views[0], now)
-    assert len(prediction.p_within) == len(HORIZON_GRID)
+    assert booster_model.p_within(views[:1], now, HORIZON_GRID).shape == (1, len(HORIZON_GRID))
 
 
 @pytest.mark.parametrize("horizons", [(30.0, 300.0, 900.0), HORIZON_GRID])

@@ -14,7 +14,8 @@ from app.decide.scheduler import Scheduler, SchedulerConfig
 from app.state import MemoryStore
 from app.state.base import SessionView
 from sim.cluster import Cluster, SimRequest
-from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy, make_policy
+from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy
+from sim.policy_registry import make_policy
 from sim.replay import EngineFeed
 from sim.scheduled import ScheduledPolicy
 from tests.sim.test_cluster import (

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from kvprefetch_client.events import Event, event_adapter
 from app.state import MemoryStore, StateStore, cursor_of
-from app.state.base import RECENT_REQUESTS
+from app.state.rules import RECENT_REQUESTS
 
 BPT = 327_680
 BLOCK = 512

@@ -1,15 +1,25 @@
-"""One contract suite, run against every store backend (memory, and Redis on the real server)."""
+"""One contract suite, run against every store backend (memory, and Redis on the real server).
+
+The session rules live in app/state/rules.py, which MemoryStore applies; RedisStore applies them
+through its Lua copy (app/state/redis_apply.lua): every case here runs on both, so a rule that
+differs between the two fails one of them.
+"""
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import app.state.memory
 from kvprefetch_client.events import Event, event_adapter
 from app.state import LogPosition, MemoryStore, StateStore, cursor_of
+from app.state.rules import RECENT_REQUESTS
 
 BPT = 327_680
 BLOCK = 512
@@ -162,6 +172,64 @@ def test_close_and_reopen(store: StateStore) -> None:
     # A close that happened before the last turn does not close it.
     store.apply([ev("session_closed", 3.5, session_id="s")])
     assert store.session("s").state == "queued"
+
+
+# -- the corners of the session rules (app/state/rules.py) ----------------------------------------
+
+
+def test_a_close_at_the_time_of_the_latest_routing_closes(store: StateStore) -> None:
+    store.apply([routed("s", "r1", 5.0), ev("session_closed", 5.0, session_id="s")])
+    assert store.session("s").state == "closed"
+
+
+def test_a_request_seen_without_its_routing_ranks_by_its_earliest_event(store: StateStore) -> None:
+    # r2's routing never came: its rank is min(started, finished) = 18, after r1's routing at 10.
+    store.apply([routed("s", "r1", 10.0, prompt=700), finished("s", "r2", 22.0, output=5),
+                 started("s", "r2", 18.0)])
+    v = store.session("s")
+    assert v.last_request.request_id == "r2"
+    assert (v.state, v.context_tokens, v.turns) == ("idle", 0, 1)  # no prompt known: no context
+    # A routing of r2 older than r1's makes r1 the latest again.
+    store.apply([routed("s", "r2", 9.0, prompt=300)])
+    v = store.session("s")
+    assert (v.last_request.request_id, v.state) == ("r1", "queued")
+
+
+def test_a_session_keeps_its_latest_requests_whatever_the_order(store: StateStore) -> None:
+    # One more request than kept, the oldest arriving last: it is the one dropped, and an event
+    # for it afterwards does not displace a newer one.
+    n = RECENT_REQUESTS + 1
+    store.apply([routed("s", f"r{i}", 10.0 * i, prompt=100 * i) for i in range(2, n + 1)])
+    store.apply([routed("s", "r1", 10.0, prompt=100)])
+    store.apply([finished("s", "r1", 11.0, output=1)])
+    v = store.session("s")
+    assert (v.turns, v.last_request.request_id, v.context_tokens) == (n, f"r{n}", 100 * n)
+    assert v.recent_arrivals_ts == [10.0 * i for i in range(1, n + 1)]
+
+
+def test_a_tie_between_request_events_goes_to_the_later_applied(store: StateStore) -> None:
+    store.apply([routed("s", "r1", 10.0, instance="gpu-0")])
+    store.apply([started("s", "r1", 10.0, instance="gpu-1")])
+    v = store.session("s")
+    assert (v.instance_id, v.last_request.instance_id, v.state) == ("gpu-1", "gpu-1", "running")
+
+
+def test_the_lua_names_real_functions() -> None:
+    # Each part of the apply script names what it mirrors in Python: those names must exist.
+    lua = (Path(app.state.memory.__file__).parent / "redis_apply.lua").read_text()
+    cited = set(re.findall(r"\b(rules|memory|MemoryStore)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)",
+                           "\n".join(line for line in lua.splitlines() if "--" in line)))
+    assert len(cited) > 15
+    owners = {"rules": importlib.import_module("app.state.rules"), "memory": app.state.memory,
+              "MemoryStore": MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK)}
+    missing = []
+    for owner, path in sorted(cited - {("rules", "py"), ("memory", "py")}):  # the files' names
+        target: Any = owners[owner]
+        for part in path.split("."):
+            target = getattr(target, part, None)
+        if target is None:
+            missing.append(f"{owner}.{path}")
+    assert not missing, missing
 
 
 def test_block_hash_types_are_kept(store: StateStore) -> None:

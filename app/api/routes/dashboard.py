@@ -23,7 +23,7 @@ from app.api.deps import (
     StoreHealthDep,
     StoreThreadDep,
 )
-from app.api.errors import Error, error_response, field_error_route
+from app.api.errors import Error, error_response
 from app.core.config import Settings
 from app.observe.ledger import AdviceLedger
 from app.predict.registry import ModelRegistry
@@ -42,8 +42,8 @@ _RULES = {
 }
 
 
-def _query_error(request: Request, error: dict[str, Any]) -> Response:
-    """A bad query parameter, named, with what it takes."""
+def validation_error(request: Request, error: dict[str, Any]) -> Response:
+    """A bad query parameter, named, with what it takes (app/api/errors.py answers with it)."""
     name = str(error["loc"][-1])
     got = request.query_params.get(name)
     rule = _RULES.get(name)
@@ -52,7 +52,7 @@ def _query_error(request: Request, error: dict[str, Any]) -> Response:
     return error_response(422, name, message)
 
 
-router = APIRouter(prefix="/dashboard", tags=["dashboard"], route_class=field_error_route(_query_error))
+router = APIRouter(prefix="/dashboard", tags=["dashboard"])
 page = APIRouter(include_in_schema=False)
 
 

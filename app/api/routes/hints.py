@@ -7,7 +7,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from app.api.deps import ClockDep, SettingsDep, StoreDep
-from app.api.errors import Error, body_error, field_error_route
+from app.api.errors import Error
 from app.core.config import Settings
 from kvprefetch_client.events import Ident
 from app.decide.hints import HintConfig, route_hint
@@ -17,7 +17,7 @@ from app.decide.hints import HintConfig, route_hint
 # so this bounds the time one hint holds the event loop.
 MAX_CANDIDATES = 64
 
-router = APIRouter(tags=["routing"], route_class=field_error_route(body_error))
+router = APIRouter(tags=["routing"])
 
 
 class RouteHintRequest(BaseModel):

@@ -9,12 +9,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.auth import AdminScope, ReadScope
 from app.api.deps import ClockDep, LedgerDep, ModelsDep, SettingsDep, StoreDep, StoreThreadDep
-from app.api.errors import Error, body_error, error_response, field_error_route
+from app.api.errors import Error, error_response
 from app.observe.ledger import AdviceLedger
 from app.predict.registry import Serving, resolve_model_dir
 from app.predict.predictors import ModelError
 
-router = APIRouter(tags=["model"], route_class=field_error_route(body_error))
+router = APIRouter(tags=["model"])
 
 # Live sessions a new model must answer for before it serves (or shadows): the most recently
 # active ones, the traffic it would see first.

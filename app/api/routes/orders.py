@@ -9,7 +9,7 @@ from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from app.api.deps import ClockDep, OrderSinkDep, SettingsDep
-from app.api.errors import Error, body_error, error_response, field_error_route
+from app.api.errors import Error, body_error, error_response
 from kvprefetch_client.events import Ident
 from kvprefetch_client.orders import Order
 from app.deliver import PullQueue
@@ -17,8 +17,8 @@ from app.deliver import PullQueue
 MAX_LIMIT = 1000
 
 
-def _query_error(request: Request, error: dict[str, Any]) -> Response:
-    """A bad query parameter, or body field, named."""
+def validation_error(request: Request, error: dict[str, Any]) -> Response:
+    """A bad query parameter, or body field, named (app/api/errors.py answers with it)."""
     if error["loc"] and error["loc"][0] == "body":
         return body_error(request, error)
     name = str(error["loc"][-1])
@@ -27,7 +27,7 @@ def _query_error(request: Request, error: dict[str, Any]) -> Response:
     return error_response(422, name, message)
 
 
-router = APIRouter(tags=["orders"], route_class=field_error_route(_query_error))
+router = APIRouter(tags=["orders"])
 
 
 class OrdersResponse(BaseModel):

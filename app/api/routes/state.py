@@ -13,17 +13,17 @@ from fastapi import APIRouter, Path, Query, Request, Response
 from pydantic import BaseModel, Field
 
 from app.api.deps import StoreDep, StoreThreadDep
-from app.api.errors import Error, error_response, field_error_route
+from app.api.errors import Error, error_response
 from app.state.base import InstanceView, LocationView, SessionView
 
 
-def _param_error(request: Request, error: dict[str, Any]) -> Response:
-    """A bad path or query parameter, named."""
+def validation_error(request: Request, error: dict[str, Any]) -> Response:
+    """A bad path or query parameter, named (app/api/errors.py answers with it)."""
     name = str(error["loc"][-1])
     return error_response(422, name, f"the {error['loc'][0]} parameter {name}: {error['msg']}")
 
 
-router = APIRouter(tags=["state"], route_class=field_error_route(_param_error))
+router = APIRouter(tags=["state"])
 
 # The most instances one page of GET /v1/instances answers: a page costs its own instances only.
 MAX_INSTANCES_PAGE = 1000

@@ -84,9 +84,11 @@ def parse(token: str, raw: bytes | str | None) -> Delivery:
     try:
         return Delivery(token, from_json(data), data)
     except ValidationError as exc:
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())) or "message"
-        return Delivery(token, None, data, f"{where}: {first.get('msg', str(exc))}")
+        errors = exc.errors()
+        if not errors:
+            return Delivery(token, None, data, f"message: {exc}")
+        where = ".".join(str(p) for p in errors[0]["loc"]) or "message"
+        return Delivery(token, None, data, f"{where}: {errors[0]['msg']}")
 
 
 class OrderSource(Protocol):
@@ -201,7 +203,8 @@ class StreamSource:
         if not reply:
             return []
         # RESP2 (the client from_url makes): [[stream, [(entry_id, {field: value}), ...]]].
-        return [d for _, entries in reply for d in self._deliveries(entries)]
+        streams: list[Any] = reply  # type: ignore[assignment]  # redis-py types it as any reply
+        return [d for _, entries in streams for d in self._deliveries(entries)]
 
     def _claim(self) -> list[Delivery]:
         reply = self._r.xautoclaim(self._stream(), GROUP, self.consumer, self._claim_idle_ms,
@@ -250,7 +253,7 @@ class StreamSource:
         key = self._stream()
         pending = self._r.xpending_range(key, GROUP, min="-", max="+",
                                          count=max(len(held) * 2, 100), consumername=self.consumer)
-        ours = [p["message_id"] for p in pending
+        ours: list[Any] = [p["message_id"] for p in pending
                 if (p["message_id"].decode() if isinstance(p["message_id"], bytes)
                     else p["message_id"]) in held]
         if ours:

@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvprefetch_client.errors import KvpError
 from kvprefetch_client.events import BlockHash
 
 # A string hash made only of these is used as a file name as it is; anything else (a '/', '..',
@@ -66,7 +67,7 @@ class PoolDir:
         return path
 
 
-class BufferFull(Exception):
+class BufferFull(KvpError):
     """The buffer cannot take a block without evicting pinned or protected blocks."""
 
 
@@ -107,10 +108,6 @@ class HbmBuffer:
             return None
         self._blocks.move_to_end(block_hash)
         return block.data
-
-    def size_of(self, block_hash: BlockHash) -> int:
-        block = self._blocks.get(block_hash)
-        return 0 if block is None else len(block.data)
 
     def is_pinned(self, block_hash: BlockHash, now: float) -> bool:
         block = self._blocks.get(block_hash)

@@ -1,0 +1,63 @@
+"""Every replay policy by name: `make_policy`, for the replay and the bench.
+
+Its own module because it builds the planner's policies (sim/planned.py, sim/scheduled.py), which
+build on sim/policies.py: in policies.py it made that module and planned.py import each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from app.decide.advisor import Advisor
+from app.decide.routing import SameInstanceEstimate
+from app.decide.scheduler import Scheduler, SchedulerConfig
+from app.predict.predictors import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
+from sim.planned import Clairvoyant, ClairvoyantPolicy, PlannedPolicy
+from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy
+from sim.scheduled import ScheduledPolicy
+
+if TYPE_CHECKING:
+    from app.state.base import StateStore
+    from sim.scenario import Scenario
+
+
+def make_policy(name: str, *, session_view: Callable[[str], object] | None = None,
+                model_dir: str | None = None, planner_options: dict[str, float] | None = None,
+                store: StateStore | None = None, scenario: Scenario | None = None) -> Policy:
+    """`planner_options`: keyword arguments for app.decide.advisor.Advisor (heuristic, learned,
+    scheduled). `store` and `scenario`: the engine's state and the cluster, for `scheduled`."""
+    if name == "none":
+        return NoPrefetch()
+    if name == "lookahead":
+        return Lookahead()
+    if name == "belady":
+        return Belady()
+    if name == "oracle":
+        return Oracle()
+    if name == "scheduled":
+        if session_view is None or store is None or scenario is None:
+            raise ValueError("the scheduled policy reads the engine's own state: "
+                             "it needs the in-process engine")
+        config = SchedulerConfig(bytes_per_block=scenario.block_bytes,
+                                 block_tokens=scenario.block_tokens,
+                                 pool_link_bytes_per_second=scenario.pool_link_bytes_per_second,
+                                 host_link_bytes_per_second=scenario.host_link_bytes_per_second,
+                                 prefill_tokens_per_second=scenario.prefill_tokens_per_second)
+        planner = Advisor(LearnedPredictor(model_dir or DEFAULT_MODEL_DIR),
+                          routes=SameInstanceEstimate(), **(planner_options or {}))
+        scheduler = Scheduler(store, config)
+        return ScheduledPolicy(planner, scheduler, session_view)  # type: ignore[arg-type]
+    if name == "clairvoyant":
+        if session_view is None:
+            raise ValueError("the clairvoyant policy reads the engine's state: pass session_view")
+        advisor = Advisor(Clairvoyant(), **(planner_options or {}))  # type: ignore[arg-type]
+        return ClairvoyantPolicy(advisor, session_view, "clairvoyant")  # type: ignore[arg-type]
+    if name in ("heuristic", "learned"):
+        if session_view is None:
+            raise ValueError(f"the {name} policy reads the engine's state: pass session_view")
+        predictor = (HeuristicPredictor() if name == "heuristic"
+                     else LearnedPredictor(model_dir or DEFAULT_MODEL_DIR))
+        planner = Advisor(predictor, routes=SameInstanceEstimate(), **(planner_options or {}))
+        return PlannedPolicy(planner, session_view, name)  # type: ignore[arg-type]
+    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
