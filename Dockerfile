@@ -1,6 +1,9 @@
-FROM python:3.11-slim
-WORKDIR /srv/kvprefetch
-COPY pyproject.toml README.md ./
+# The service installed from its wheels: they carry the bundled model and the shipped scenarios
+# (setup.py copies models/default and data/scenarios into the package), so the image needs no
+# source tree.
+FROM python:3.11-slim AS wheels
+WORKDIR /src
+COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY client ./client
 COPY app ./app
 COPY sim ./sim
@@ -8,8 +11,15 @@ COPY bench ./bench
 COPY training ./training
 COPY models ./models
 COPY data ./data
-# Editable: the scenarios (data/) and the bundled model (models/) are read from the source tree.
-RUN pip install --no-cache-dir -e ./client -e '.[fast]'
+RUN pip wheel --no-cache-dir --no-deps . ./client -w /wheels
+
+FROM python:3.11-slim
+COPY --from=wheels /wheels /tmp/wheels
+# The fast extra: the arrival model compiled with lleaves.
+RUN pip install --no-cache-dir /tmp/wheels/kvprefetch_client-*.whl \
+        "$(ls /tmp/wheels/kvprefetch-[0-9]*.whl)[fast]" \
+    && rm -rf /tmp/wheels
+WORKDIR /srv/kvprefetch
 # 0.0.0.0 needs tokens (KVP_TOKENS_FILE or KVP_*_TOKEN): without any the service refuses to start.
 ENV KVP_HOST=0.0.0.0 KVP_DATA_DIR=/var/lib/kvprefetch
 VOLUME /var/lib/kvprefetch

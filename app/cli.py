@@ -377,55 +377,23 @@ def train(
                    f"(base rate {m['brier_of_base_rate']}), {model.data['rows_train']:,} training rows")
 
 
-@cli.command()
-def agent(
-    instance_id: Annotated[str, typer.Option(help="The instance whose tier this agent fills (orders name it).")],
-    pool_dir: Annotated[Path, typer.Option(help="The pool: one file per block hash (see README).")],
-    capacity_bytes: Annotated[int, typer.Option(min=1, help="Bytes the in-memory instance tier holds.")],
-    service_url: Annotated[str, typer.Option(help="Where progress and residency events go.")] = "http://127.0.0.1:8000",
-    source: Annotated[str, typer.Option(help="stream (the Redis Stream) or pull (GET /v1/orders).")] = "stream",
-    redis_url: Annotated[str | None, typer.Option(help="The orders stream's Redis (KVP_REDIS_URL).")] = None,
-    stream_prefix: Annotated[str | None, typer.Option(
-        help="The service's KVP_ORDER_STREAM_PREFIX (default <KVP_REDIS_PREFIX>:sink); "
-        "the streams are <prefix>:orders:<instance_id>.")] = None,
-    claim_idle_seconds: Annotated[float | None, typer.Option(
-        min=0.01, help="Take over stream entries another agent has held this long without a heartbeat "
-        "(KVP_ORDER_CLAIM_IDLE_SECONDS).")] = None,
-    consumer_name: Annotated[str | None, typer.Option(
-        help="This agent's name in the consumer group (default: instance@host:pid).")] = None,
-    start_margin_seconds: Annotated[float, typer.Option(
-        min=0.0, help="Start an early order this long before its start_by.")] = 0.05,
-    poll_seconds: Annotated[float, typer.Option(min=0.01, help="Longest wait for new orders.")] = 0.5,
-    status_file: Annotated[Path | None, typer.Option(help="Keep the agent's status here as JSON.")] = None,
-    token: Annotated[str | None, typer.Option(
-        envvar="KVP_AGENT_TOKEN", show_default=False,
-        help="A bearer token with the agent scope, for the service's reports and pulls (KVP_AGENT_TOKEN).")] = None,
-) -> None:
-    """Run the reference transfer agent: carry out orders, pool directory -> in-memory buffer."""
-    import signal
-    import threading
+@cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             add_help_option=False)
+def agent(ctx: typer.Context) -> None:
+    """Run the reference transfer agent: carry out orders, pool directory -> in-memory buffer.
 
-    from kvprefetch_client.agent import PullSource, StreamSource, default_consumer_name, run_agent
+    The light package's `kvprefetch-agent` (its options: --help), its stream defaulting to the
+    service's settings (KVP_REDIS_URL, KVP_ORDER_STREAM_PREFIX, .env included)."""
+    from kvprefetch_client.agent.cli import StreamDefaults
+    from kvprefetch_client.agent.cli import main as agent_main
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per report is noise
-    if source == "stream":
+    def from_settings() -> StreamDefaults:
         settings = Settings()
-        orders = StreamSource.from_url(redis_url or settings.redis_url.get_secret_value(),
-                                       prefix=stream_prefix or settings.stream_prefix,
-                                       consumer=consumer_name or default_consumer_name(instance_id),
-                                       claim_idle_seconds=claim_idle_seconds or settings.order_claim_idle_seconds,
-                                       instance_id=instance_id)
-    elif source == "pull":
-        orders = PullSource(service_url, instance_id, token=token)
-    else:
-        raise typer.BadParameter("stream or pull", param_hint="'--source'")
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    run_agent(instance_id=instance_id, source=orders, service_url=service_url, pool_dir=pool_dir,
-              capacity_bytes=capacity_bytes, stop=stop, status_file=status_file,
-              start_margin_seconds=start_margin_seconds, poll_seconds=poll_seconds, token=token)
+        return StreamDefaults(redis_url=settings.redis_url.get_secret_value(),
+                              stream_prefix=settings.stream_prefix,
+                              claim_idle_seconds=settings.order_claim_idle_seconds)
+
+    raise typer.Exit(agent_main(ctx.args, prog="kvprefetch agent", stream_defaults=from_settings))
 
 
 def main() -> None:

@@ -42,8 +42,8 @@ def _advice(rng: random.Random, i: int, instances: int, candidate_share: float) 
 
 
 def _store(sessions: int, instances: int, resident_share: float, bytes_per_block: int, seed: int) -> Any:
-    from kvprefetch_client.events import InstanceStatus, KvBlocksStored
     from app.state import MemoryStore
+    from kvprefetch_client.events import InstanceStatus, KvBlocksStored
 
     rng = random.Random(seed)
     store = MemoryStore(bytes_per_token=bytes_per_block // 512, block_tokens=512, dedupe_max_ids=1)
@@ -112,8 +112,9 @@ def run(*, sessions: int = 100_000, instances: int = 16, ticks: int = 200, page:
 
     score_ms = None
     try:
+        from app.core.bundle import DEFAULT_MODEL_DIR
         from app.decide.advisor import Advisor
-        from app.predict.predictors import DEFAULT_MODEL_DIR, LearnedPredictor
+        from app.predict.predictors import LearnedPredictor
 
         planner = Advisor(LearnedPredictor(DEFAULT_MODEL_DIR))
         views = _sessions(page, seed)

@@ -140,9 +140,9 @@ def _batch(model: Any, views: list[Any], now: float, horizons: tuple[float, ...]
 
 
 def run(*, sessions: int = 10_000, rounds: int = 7, model_dir: Path | None = None, seed: int = 0) -> dict[str, Any]:
-    from app.predict.feature_table import FeatureTable
-    from app.predict.feature_table import feature_matrix
-    from app.predict.predictors import DEFAULT_MODEL_DIR, HORIZON_GRID, LearnedPredictor
+    from app.core.bundle import DEFAULT_MODEL_DIR
+    from app.predict.feature_table import FeatureTable, feature_matrix
+    from app.predict.predictors import HORIZON_GRID, LearnedPredictor
 
     model_dir = model_dir or DEFAULT_MODEL_DIR
     load_before = os.getloadavg()[0]

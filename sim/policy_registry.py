@@ -9,10 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.decide.advisor import Advisor
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler, SchedulerConfig
-from app.predict.predictors import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
+from app.predict.predictors import HeuristicPredictor, LearnedPredictor
 from sim.planned import Clairvoyant, ClairvoyantPolicy, PlannedPolicy
 from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy
 from sim.scheduled import ScheduledPolicy

@@ -10,9 +10,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from app.core.bundle import SCENARIO_DIR
 from app.core.errors import ConfigError
-
-SCENARIO_DIR = Path(__file__).resolve().parent.parent / "data" / "scenarios"
 
 
 class Scenario(BaseModel):
@@ -71,7 +70,3 @@ def load_scenario(name_or_path: str | Path) -> Scenario:
         first = exc.errors(include_url=False)[0]
         field = ".".join(str(p) for p in first["loc"]) or "scenario"
         raise ConfigError(f"{path}: {field}: {first['msg'].removeprefix('Value error, ')}") from None
-
-
-def shipped_scenarios() -> list[str]:
-    return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))

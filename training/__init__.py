@@ -1,6 +1,6 @@
 """Training the arrival model from the service's event logs. For notebooks (run from the repo root;
-make an event log first: `kvprefetch events-from-trace --trace ../shared/traces/mooncake_synthetic.jsonl
---out var/synthetic.events.jsonl`):
+make an event log first: `kvprefetch events-from-trace
+--trace ../shared/traces/mooncake_synthetic.jsonl --out var/synthetic.events.jsonl`):
 
     from pathlib import Path
     from training import build_dataset, evaluate, save_model, train
@@ -9,14 +9,17 @@ make an event log first: `kvprefetch events-from-trace --trace ../shared/traces/
     model = train(df, {"num_leaves": 63}, seed=0)       # time split inside: the last 20% validates
     print(model.metrics["brier"], model.metrics["auc"], model.importance)
     save_model(model, Path("models/mine"))              # models/mine/{model.txt, card.json}
-    evaluate("models/mine", "../shared/traces/mooncake_synthetic.jsonl")  # replay: learned vs baselines
+    # replay: learned vs baselines
+    evaluate("models/mine", "../shared/traces/mooncake_synthetic.jsonl")
 
-- build_dataset(logs) -> DataFrame: app.predict.features.FEATURES (the last is horizon_seconds), then
-  training.dataset.META_COLUMNS: `label` (the next request came within the horizon) and
-  `time_fraction` (where the row lies in its log's time span: the split is by time, never at random).
-- train(df, params=None, *, valid_fraction=0.2, seed=0, num_boost_round=1000, progress=None)
-  -> TrainedModel: booster, metrics (validation Brier, log loss, AUC, per horizon), calibration,
-  gain importance, params, data. `params` override training.train.DEFAULT_PARAMS.
+- build_dataset(logs) -> DataFrame: app.predict.features.FEATURES (the last is horizon_seconds),
+  then training.dataset.META_COLUMNS: `label` (the next request came within the horizon) and
+  `time_fraction` (where the row lies in its log's time span: the split is by time, never at
+  random).
+- train(df, params=None, *, valid_fraction=0.2, seed=0, num_boost_round=1000,
+  progress=None) -> TrainedModel: booster, metrics (validation Brier, log loss, AUC, per
+  horizon), calibration, gain importance, params, data. `params` override
+  training.train.DEFAULT_PARAMS.
 - save_model(model, out_dir, extra=None): model.txt and card.json (with `extra` merged in).
 - evaluate(model_dir, trace, scenario="default", train_fraction=0.7): replays the trace under the
   learned policy and the baselines, counting only requests after `train_fraction` of its span; for

@@ -26,7 +26,9 @@ SHARED_TRACES = REPO.parent / "shared" / "traces"
 TRACE_FILES = ("mooncake_conversation_first60.jsonl", "mooncake_synthetic.jsonl")
 
 
-def build(out: Path, traces_dir: Path = SHARED_TRACES, train_fraction: float = 0.7, seed: int = 0) -> Path:
+def build(
+    out: Path, traces_dir: Path = SHARED_TRACES, train_fraction: float = 0.7, seed: int = 0
+) -> Path:
     scenario = load_scenario("default")
     with tempfile.TemporaryDirectory() as tmp:
         logs = []
@@ -39,12 +41,24 @@ def build(out: Path, traces_dir: Path = SHARED_TRACES, train_fraction: float = 0
             log.write_bytes(encode_events(result.events))
             logs.append(log)
         model = train(build_dataset(logs), seed=seed)
-    return save_model(model, out, extra={"trained_on": {"traces": list(TRACE_FILES), "train_fraction": train_fraction,
-                                                        "scenario": scenario.name, "router": "sticky"}})
+    return save_model(
+        model,
+        out,
+        extra={
+            "trained_on": {
+                "traces": list(TRACE_FILES),
+                "train_fraction": train_fraction,
+                "scenario": scenario.name,
+                "router": "sticky",
+            }
+        },
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, default=REPO / "models" / "default")
     parser.add_argument("--traces", type=Path, default=SHARED_TRACES)
     parser.add_argument("--train-fraction", type=float, default=0.7)

@@ -15,17 +15,17 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
 from app.core.errors import EventLogError
 from app.ingest.eventlog import read_events
-from kvprefetch_client.events import Event, RequestFinished, RequestRouted
 from app.predict.features import FEATURES, HORIZON_FEATURE, session_features
 from app.state import MemoryStore
+from kvprefetch_client.events import Event, RequestFinished, RequestRouted
 
 # Seconds after a finish at which the question is asked again while the session is idle. They
 # span the whole range over which the service scores idle sessions (up to MAX_IDLE_SECONDS), or a
@@ -43,8 +43,17 @@ REPORTS_PER_LOG = 200
 # progress(task, done, total): total is None while unknown (training/progress.py draws it).
 Progress = Callable[[str, int, "int | None"], None]
 
-META_COLUMNS = ("log", "session_id", "decision_ts", "time_fraction", "checkpoint_seconds",
-                "time_to_next_seconds", "instance_id", "next_instance_id", "label")
+META_COLUMNS = (
+    "log",
+    "session_id",
+    "decision_ts",
+    "time_fraction",
+    "checkpoint_seconds",
+    "time_to_next_seconds",
+    "instance_id",
+    "next_instance_id",
+    "label",
+)
 
 
 def load_events(path: Path) -> list[Event]:
@@ -61,10 +70,16 @@ def load_events(path: Path) -> list[Event]:
     return events
 
 
-def rows_from_events(events: Sequence[Event], *, log_name: str, bytes_per_token: int = 327_680,
-                     block_tokens: int = 512, checkpoints: Sequence[float] = CHECKPOINTS,
-                     horizons: Sequence[float] = HORIZONS,
-                     applied: Callable[[int], None] | None = None) -> pd.DataFrame:
+def rows_from_events(
+    events: Sequence[Event],
+    *,
+    log_name: str,
+    bytes_per_token: int = 327_680,
+    block_tokens: int = 512,
+    checkpoints: Sequence[float] = CHECKPOINTS,
+    horizons: Sequence[float] = HORIZONS,
+    applied: Callable[[int], None] | None = None,
+) -> pd.DataFrame:
     """`applied(n)`, when given, hears now and then how many events the replay has applied."""
     arrivals: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for e in events:
@@ -75,14 +90,18 @@ def rows_from_events(events: Sequence[Event], *, log_name: str, bytes_per_token:
     start, end = events[0].ts, events[-1].ts
     span = max(end - start, 1e-9)
 
-    decisions: list[tuple[float, float, str, float]] = []  # (decision ts, finish ts, session, checkpoint)
+    decisions: list[
+        tuple[float, float, str, float]
+    ] = []  # (decision ts, finish ts, session, checkpoint)
     for e in events:
         if isinstance(e, RequestFinished):
             for c in checkpoints:
                 decisions.append((e.ts + c, e.ts, e.session_id, c))
     decisions.sort()
 
-    store = MemoryStore(bytes_per_token=bytes_per_token, block_tokens=block_tokens, dedupe_max_ids=len(events) + 1)
+    store = MemoryStore(
+        bytes_per_token=bytes_per_token, block_tokens=block_tokens, dedupe_max_ids=len(events) + 1
+    )
     report_every = max(len(events) // REPORTS_PER_LOG, 1)
     feats: list[list[float]] = []
     meta: list[tuple[Any, ...]] = []
@@ -100,7 +119,11 @@ def rows_from_events(events: Sequence[Event], *, log_name: str, bytes_per_token:
             continue
         times = [t for t, _ in arrivals[session_id]]
         # Asked only while idle since that finish: a request after it starts a new story.
-        if times and times[-1] > finish_ts and bisect.bisect_right(times, finish_ts) < bisect.bisect_right(times, decision_ts):
+        if (
+            times
+            and times[-1] > finish_ts
+            and bisect.bisect_right(times, finish_ts) < bisect.bisect_right(times, decision_ts)
+        ):
             continue
         k = bisect.bisect_right(times, decision_ts)
         time_to_next = times[k] - decision_ts if k < len(times) else float("inf")
@@ -110,15 +133,31 @@ def rows_from_events(events: Sequence[Event], *, log_name: str, bytes_per_token:
             if decision_ts + h > end:
                 continue  # censored: the log ends before the answer is known
             feats.append([*base, float(h)])
-            meta.append((log_name, session_id, decision_ts, (decision_ts - start) / span, checkpoint,
-                         time_to_next, view.instance_id, next_instance, int(time_to_next <= h)))
-    frame = pd.DataFrame(np.asarray(feats, dtype=np.float64).reshape(len(feats), len(FEATURES)), columns=list(FEATURES))
+            meta.append(
+                (
+                    log_name,
+                    session_id,
+                    decision_ts,
+                    (decision_ts - start) / span,
+                    checkpoint,
+                    time_to_next,
+                    view.instance_id,
+                    next_instance,
+                    int(time_to_next <= h),
+                )
+            )
+    frame = pd.DataFrame(
+        np.asarray(feats, dtype=np.float64).reshape(len(feats), len(FEATURES)),
+        columns=list(FEATURES),
+    )
     for name, column in zip(META_COLUMNS, zip(*meta) if meta else [[]] * len(META_COLUMNS)):
         frame[name] = list(column)
     return frame
 
 
-def build_dataset(logs: Iterable[Path | str], progress: Progress | None = None, **kwargs: object) -> pd.DataFrame:
+def build_dataset(
+    logs: Iterable[Path | str], progress: Progress | None = None, **kwargs: object
+) -> pd.DataFrame:
     """Training rows from one or more event logs (files or log directories), each replayed alone.
 
     Columns: app.predict.features.FEATURES, then META_COLUMNS (`label` is the target,
@@ -132,8 +171,19 @@ def build_dataset(logs: Iterable[Path | str], progress: Progress | None = None, 
         if progress is not None:
             progress(task, 0, None)  # reading: the event count is not known yet
         events = load_events(path)
-        report = (lambda done, task=task, total=len(events): progress(task, done, total)) if progress else None
-        frames.append(rows_from_events(events, log_name=path.name, applied=report, **kwargs))  # type: ignore[arg-type]
+        report = (
+            (lambda done, task=task, total=len(events): progress(task, done, total))
+            if progress
+            else None
+        )
+        frames.append(
+            rows_from_events(
+                events,
+                log_name=path.name,
+                applied=report,
+                **kwargs,  # type: ignore[arg-type]
+            )
+        )
         if progress is not None:
             progress(task, len(events), len(events))
     if not frames:
@@ -144,5 +194,12 @@ def build_dataset(logs: Iterable[Path | str], progress: Progress | None = None, 
     return data
 
 
-__all__ = ["CHECKPOINTS", "HORIZONS", "HORIZON_FEATURE", "META_COLUMNS", "build_dataset", "load_events",
-           "rows_from_events"]
+__all__ = [
+    "CHECKPOINTS",
+    "HORIZONS",
+    "HORIZON_FEATURE",
+    "META_COLUMNS",
+    "build_dataset",
+    "load_events",
+    "rows_from_events",
+]

@@ -18,13 +18,27 @@ from training.dataset import Progress
 def rich_bars(console: Any = None) -> Iterator[Progress]:
     """A `Progress` drawn as rich progress bars (one per task) on `console` (default: stderr)."""
     from rich.console import Console
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress as Bars, TaskID, TextColumn,
-                               TimeElapsedColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        TaskID,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+    from rich.progress import (
+        Progress as Bars,
+    )
 
     console = console if console is not None else Console(stderr=True)
     # Transient, as the replay command's bars (sim/commands.py): the result line is what stays.
-    with Bars(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-              console=console, transient=True) as bars:
+    with Bars(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as bars:
         tasks: dict[str, TaskID] = {}
 
         def report(task: str, done: int, total: int | None) -> None:
@@ -36,7 +50,8 @@ def rich_bars(console: Any = None) -> Iterator[Progress]:
 
 
 def stderr_is_terminal() -> bool:
-    """Whether bars on stderr would be seen (rich's test: a TTY, or TTY_COMPATIBLE=1 / FORCE_COLOR)."""
+    """Whether bars on stderr would be seen (rich's test: a TTY, or TTY_COMPATIBLE=1 /
+    FORCE_COLOR)."""
     from rich.console import Console
 
     return Console(stderr=True).is_terminal

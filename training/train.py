@@ -32,7 +32,7 @@ DEFAULT_PARAMS: dict[str, Any] = {
     "bagging_fraction": 0.8,
     "bagging_freq": 1,
     "lambda_l2": 1.0,
-    # The model's chance must rise with the horizon: asking about a longer wait can only add returns.
+    # The chance must rise with the horizon: asking about a longer wait can only add returns.
     "monotone_constraints": [1 if f == "horizon_seconds" else 0 for f in FEATURES],
     "monotone_constraints_method": "advanced",
     "num_threads": 2,
@@ -57,27 +57,47 @@ def split_by_time(df: pd.DataFrame, valid_fraction: float) -> tuple[pd.DataFrame
     return df[df.time_fraction < cut], df[df.time_fraction >= cut]
 
 
-def split_inner(train_df: pd.DataFrame, valid_fraction: float, inner_valid_fraction: float
-                ) -> tuple[pd.DataFrame, pd.DataFrame]:
+def split_inner(
+    train_df: pd.DataFrame, valid_fraction: float, inner_valid_fraction: float
+) -> tuple[pd.DataFrame, pd.DataFrame]:
     """The training part of split_by_time(df, valid_fraction), split again by time: its last
     `inner_valid_fraction` scores tuning trials, so the validation part stays unseen."""
     cut = (1.0 - valid_fraction) * (1.0 - inner_valid_fraction)
     return train_df[train_df.time_fraction < cut], train_df[train_df.time_fraction >= cut]
 
 
-def fit_booster(params: dict[str, Any], train_df: pd.DataFrame, valid_df: pd.DataFrame, *,
-                num_boost_round: int = 1000, early_stopping_rounds: int = 50,
-                progress: Progress | None = None, task: str = "boosting rounds") -> lgb.Booster:
+def fit_booster(
+    params: dict[str, Any],
+    train_df: pd.DataFrame,
+    valid_df: pd.DataFrame,
+    *,
+    num_boost_round: int = 1000,
+    early_stopping_rounds: int = 50,
+    progress: Progress | None = None,
+    task: str = "boosting rounds",
+) -> lgb.Booster:
     """LightGBM on `train_df`, stopped early on `valid_df` (binary log loss)."""
     features = list(FEATURES)
-    dtrain = lgb.Dataset(train_df[features].to_numpy(), label=train_df.label.to_numpy(), feature_name=features,
-                         free_raw_data=False)
-    dvalid = lgb.Dataset(valid_df[features].to_numpy(), label=valid_df.label.to_numpy(), reference=dtrain)
+    dtrain = lgb.Dataset(
+        train_df[features].to_numpy(),
+        label=train_df.label.to_numpy(),
+        feature_name=features,
+        free_raw_data=False,
+    )
+    dvalid = lgb.Dataset(
+        valid_df[features].to_numpy(), label=valid_df.label.to_numpy(), reference=dtrain
+    )
     callbacks: list[Callable[..., Any]] = [lgb.early_stopping(early_stopping_rounds, verbose=False)]
     if progress is not None:
         callbacks.append(_rounds_reporter(progress, task, num_boost_round))
-    booster = lgb.train(params, dtrain, num_boost_round=num_boost_round, valid_sets=[dvalid], valid_names=["valid"],
-                        callbacks=callbacks)
+    booster = lgb.train(
+        params,
+        dtrain,
+        num_boost_round=num_boost_round,
+        valid_sets=[dvalid],
+        valid_names=["valid"],
+        callbacks=callbacks,
+    )
     if progress is not None:
         # Early stopping ends the bar short of num_boost_round: close it where training stopped.
         progress(task, booster.current_iteration(), booster.current_iteration())
@@ -88,7 +108,8 @@ def _rounds_reporter(progress: Progress, task: str, total: int) -> Any:
     def report(env: Any) -> None:
         progress(task, env.iteration + 1, total)
 
-    report.order = 40  # type: ignore[attr-defined]  # after early stopping (30), which may end the run
+    # After early stopping (30), which may end the run.
+    report.order = 40  # type: ignore[attr-defined]
     return report
 
 
@@ -98,17 +119,25 @@ def calibration_table(y: np.ndarray, p: np.ndarray, bins: int = 10) -> list[dict
     for lo, hi in zip(edges[:-1], edges[1:]):
         mask = (p >= lo) & ((p < hi) if hi < 1.0 else (p <= hi))
         if mask.any():
-            table.append({"bin_low": round(float(lo), 2), "bin_high": round(float(hi), 2), "rows": int(mask.sum()),
-                          "mean_predicted": round(float(p[mask].mean()), 4),
-                          "observed_rate": round(float(y[mask].mean()), 4)})
+            table.append(
+                {
+                    "bin_low": round(float(lo), 2),
+                    "bin_high": round(float(hi), 2),
+                    "rows": int(mask.sum()),
+                    "mean_predicted": round(float(p[mask].mean()), 4),
+                    "observed_rate": round(float(y[mask].mean()), 4),
+                }
+            )
     return table
 
 
-def evaluate_rows(booster: lgb.Booster, df: pd.DataFrame) -> tuple[dict[str, Any], list[dict[str, float]]]:
+def evaluate_rows(
+    booster: lgb.Booster, df: pd.DataFrame
+) -> tuple[dict[str, Any], list[dict[str, float]]]:
     y = df.label.to_numpy()
     p = booster.predict(df[list(FEATURES)].to_numpy(), num_iteration=booster.best_iteration or None)
     metrics: dict[str, Any] = {
-        "rows": int(len(df)),
+        "rows": len(df),
         "positive_rate": round(float(y.mean()), 4),
         "brier": round(float(brier_score_loss(y, p)), 5),
         "brier_of_base_rate": round(float(brier_score_loss(y, np.full_like(p, y.mean()))), 5),
@@ -117,19 +146,30 @@ def evaluate_rows(booster: lgb.Booster, df: pd.DataFrame) -> tuple[dict[str, Any
     }
     per_horizon = {}
     for h, part in df.groupby("horizon_seconds"):
-        yp = booster.predict(part[list(FEATURES)].to_numpy(), num_iteration=booster.best_iteration or None)
+        yp = booster.predict(
+            part[list(FEATURES)].to_numpy(), num_iteration=booster.best_iteration or None
+        )
         yh = part.label.to_numpy()
         per_horizon[str(int(h))] = {
-            "rows": int(len(part)), "positive_rate": round(float(yh.mean()), 4),
+            "rows": len(part),
+            "positive_rate": round(float(yh.mean()), 4),
             "brier": round(float(brier_score_loss(yh, yp)), 5),
-            "auc": round(float(roc_auc_score(yh, yp)), 4) if 0 < yh.sum() < len(yh) else None}
+            "auc": round(float(roc_auc_score(yh, yp)), 4) if 0 < yh.sum() < len(yh) else None,
+        }
     metrics["per_horizon"] = per_horizon
     return metrics, calibration_table(y, np.asarray(p))
 
 
-def train(df: pd.DataFrame, params: dict[str, Any] | None = None, *, valid_fraction: float = 0.2, seed: int = 0,
-          num_boost_round: int = 1000, early_stopping_rounds: int = 50,
-          progress: Progress | None = None) -> TrainedModel:
+def train(
+    df: pd.DataFrame,
+    params: dict[str, Any] | None = None,
+    *,
+    valid_fraction: float = 0.2,
+    seed: int = 0,
+    num_boost_round: int = 1000,
+    early_stopping_rounds: int = 50,
+    progress: Progress | None = None,
+) -> TrainedModel:
     """Fit on the earlier part of each log, stop early on the later part. `progress`, when given,
     hears of each boosting round (training/progress.py); without it nothing is printed."""
     if df.empty:
@@ -137,24 +177,44 @@ def train(df: pd.DataFrame, params: dict[str, Any] | None = None, *, valid_fract
     merged = {**DEFAULT_PARAMS, **(params or {}), "seed": seed}
     train_df, valid_df = split_by_time(df, valid_fraction)
     if train_df.empty or valid_df.empty:
-        raise ValueError(f"splitting {len(df)} rows at {1 - valid_fraction:.0%} of the time span leaves a side empty")
+        raise ValueError(
+            f"splitting {len(df)} rows at {1 - valid_fraction:.0%} of the time span leaves a "
+            "side empty"
+        )
     features = list(FEATURES)
-    booster = fit_booster(merged, train_df, valid_df, num_boost_round=num_boost_round,
-                          early_stopping_rounds=early_stopping_rounds, progress=progress)
+    booster = fit_booster(
+        merged,
+        train_df,
+        valid_df,
+        num_boost_round=num_boost_round,
+        early_stopping_rounds=early_stopping_rounds,
+        progress=progress,
+    )
     metrics, calibration = evaluate_rows(booster, valid_df)
     metrics["best_iteration"] = int(booster.best_iteration)
     gain = booster.feature_importance(importance_type="gain")
     total = float(gain.sum()) or 1.0
-    importance = {f: round(float(g) / total, 4) for f, g in sorted(zip(features, gain), key=lambda kv: -kv[1])}
-    data = {"rows_train": int(len(train_df)), "rows_valid": int(len(valid_df)),
-            "logs": sorted(df.log.unique().tolist()), "valid_fraction": valid_fraction}
+    importance = {
+        f: round(float(g) / total, 4) for f, g in sorted(zip(features, gain), key=lambda kv: -kv[1])
+    }
+    data = {
+        "rows_train": len(train_df),
+        "rows_valid": len(valid_df),
+        "logs": sorted(df.log.unique().tolist()),
+        "valid_fraction": valid_fraction,
+    }
     return TrainedModel(booster, metrics, calibration, importance, merged, data)
 
 
 def _git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        )
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -163,18 +223,24 @@ def _git_commit() -> str | None:
 def save_model(model: TrainedModel, out_dir: Path, *, extra: dict[str, Any] | None = None) -> Path:
     """Write model.txt (LightGBM's text format) and card.json beside it."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    model.booster.save_model(str(out_dir / "model.txt"), num_iteration=model.booster.best_iteration or None)
+    model.booster.save_model(
+        str(out_dir / "model.txt"), num_iteration=model.booster.best_iteration or None
+    )
     card = {
         "name": out_dir.name,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "task": "P(next request of a session within horizon_seconds)",
         "features": list(FEATURES),
         "data": model.data,
         "metrics_valid": model.metrics,
         "calibration_valid": model.calibration,
         "feature_importance_gain": model.importance,
-        "params": {k: v for k, v in model.params.items()},
-        "versions": {"lightgbm": lgb.__version__, "python": platform.python_version(), "numpy": np.__version__},
+        "params": dict(model.params.items()),
+        "versions": {
+            "lightgbm": lgb.__version__,
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+        },
         "git_commit": _git_commit(),
         **(extra or {}),
     }

@@ -35,8 +35,12 @@ class TuningResult:
 
     def card(self) -> dict[str, Any]:
         """What card.json records under "tuning"."""
-        return {"sampler": "optuna TPE", "metric": "binary log loss on the inner time split",
-                "n_trials": len(self.trials), **asdict(self)}
+        return {
+            "sampler": "optuna TPE",
+            "metric": "binary log loss on the inner time split",
+            "n_trials": len(self.trials),
+            **asdict(self),
+        }
 
 
 def require_optuna() -> Any:
@@ -44,8 +48,9 @@ def require_optuna() -> Any:
     try:
         import optuna
     except ImportError:
-        raise MissingExtraError("tuning needs Optuna, which is in the 'tune' extra: "
-                                "pip install 'kvprefetch[tune]'") from None
+        raise MissingExtraError(
+            "tuning needs Optuna, which is in the 'tune' extra: pip install 'kvprefetch[tune]'"
+        ) from None
     return optuna
 
 
@@ -60,9 +65,17 @@ def search_space(trial: Any) -> dict[str, Any]:
     }
 
 
-def tune(df: pd.DataFrame, n_trials: int, *, valid_fraction: float = 0.2, seed: int = 0,
-         inner_valid_fraction: float = INNER_VALID_FRACTION, num_boost_round: int = 1000,
-         early_stopping_rounds: int = 50, progress: Progress | None = None) -> TuningResult:
+def tune(
+    df: pd.DataFrame,
+    n_trials: int,
+    *,
+    valid_fraction: float = 0.2,
+    seed: int = 0,
+    inner_valid_fraction: float = INNER_VALID_FRACTION,
+    num_boost_round: int = 1000,
+    early_stopping_rounds: int = 50,
+    progress: Progress | None = None,
+) -> TuningResult:
     """Run `n_trials` Optuna trials on the training part of `df`; returns the best parameters
     (to pass to training.train) and every trial's score."""
     if n_trials < 1:
@@ -71,17 +84,30 @@ def tune(df: pd.DataFrame, n_trials: int, *, valid_fraction: float = 0.2, seed: 
     train_df, _ = split_by_time(df, valid_fraction)  # the validation part is never looked at here
     fit_df, score_df = split_inner(train_df, valid_fraction, inner_valid_fraction)
     if fit_df.empty or score_df.empty or score_df.label.nunique() < 2:
-        raise ValueError(f"the inner time split of {len(train_df)} training rows leaves too little to score "
-                         "trials on: use longer logs or no --tune")
+        raise ValueError(
+            f"the inner time split of {len(train_df)} training rows leaves too little to score "
+            "trials on: use longer logs or no --tune"
+        )
     history: list[dict[str, Any]] = []
 
     def objective(trial: Any) -> float:
         params = {**DEFAULT_PARAMS, **search_space(trial), "seed": seed}
-        booster = fit_booster(params, fit_df, score_df, num_boost_round=num_boost_round,
-                              early_stopping_rounds=early_stopping_rounds)
+        booster = fit_booster(
+            params,
+            fit_df,
+            score_df,
+            num_boost_round=num_boost_round,
+            early_stopping_rounds=early_stopping_rounds,
+        )
         loss = float(booster.best_score["valid"]["binary_logloss"])
-        history.append({"number": trial.number, "params": dict(trial.params), "inner_log_loss": round(loss, 6),
-                        "best_iteration": int(booster.best_iteration)})
+        history.append(
+            {
+                "number": trial.number,
+                "params": dict(trial.params),
+                "inner_log_loss": round(loss, 6),
+                "best_iteration": int(booster.best_iteration),
+            }
+        )
         if progress is not None:
             progress("tuning trials", trial.number + 1, n_trials)
         return loss
@@ -91,12 +117,26 @@ def tune(df: pd.DataFrame, n_trials: int, *, valid_fraction: float = 0.2, seed: 
     verbosity = optuna.logging.get_verbosity()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        study = optuna.create_study(direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed))
+        study = optuna.create_study(
+            direction="minimize", sampler=optuna.samplers.TPESampler(seed=seed)
+        )
         study.optimize(objective, n_trials=n_trials)
     finally:
         optuna.logging.set_verbosity(verbosity)
-    return TuningResult(best_params=dict(study.best_params), best_inner_log_loss=round(study.best_value, 6),
-                        trials=history, seed=seed, inner_valid_fraction=inner_valid_fraction)
+    return TuningResult(
+        best_params=dict(study.best_params),
+        best_inner_log_loss=round(study.best_value, 6),
+        trials=history,
+        seed=seed,
+        inner_valid_fraction=inner_valid_fraction,
+    )
 
 
-__all__ = ["INNER_VALID_FRACTION", "MissingExtraError", "TuningResult", "require_optuna", "search_space", "tune"]
+__all__ = [
+    "INNER_VALID_FRACTION",
+    "MissingExtraError",
+    "TuningResult",
+    "require_optuna",
+    "search_space",
+    "tune",
+]

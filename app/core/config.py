@@ -9,6 +9,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from app.core.bundle import DEFAULT_MODEL_DIR
+
 # Llama-3.1-70B bf16: 2 x 80 layers x 8 kv heads x 128 x 2 bytes (REFERENCE.md, "KV bytes per token").
 LLAMA_70B_BF16_BYTES_PER_TOKEN = 327_680
 # The Mooncake traces' block unit (shared/traces/README.md).
@@ -114,7 +116,7 @@ class Settings(BaseSettings):
     max_clock_skew_seconds: float = Field(300.0, gt=0)
 
     # The arrival model served at startup; when it is missing or does not load, the heuristic serves.
-    model_dir: Path = Path(__file__).resolve().parent.parent.parent / "models" / "default"
+    model_dir: Path = DEFAULT_MODEL_DIR
     # The only directory POST /v1/model/reload and PUT /v1/model/shadow load from (names relative
     # to it, or absolute paths inside it); defaults to the one holding model_dir.
     models_root: Path | None = None

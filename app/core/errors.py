@@ -28,8 +28,14 @@ from __future__ import annotations
 
 from kvprefetch_client.errors import KvpError
 
-__all__ = ["ConfigError", "CorruptLogError", "EventLogError", "KvpError", "StoreError",
-           "StoreUnavailable"]
+__all__ = [
+    "ConfigError",
+    "CorruptLogError",
+    "EventLogError",
+    "KvpError",
+    "StoreError",
+    "StoreUnavailable",
+]
 
 
 class ConfigError(KvpError):

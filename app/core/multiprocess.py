@@ -13,7 +13,9 @@ from pathlib import Path
 def multiprocess_dir() -> Path | None:
     """PROMETHEUS_MULTIPROC_DIR, as prometheus-client reads it: once, when its values module is
     first imported, so it must be set before that."""
-    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get("prometheus_multiproc_dir")
+    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.environ.get(
+        "prometheus_multiproc_dir"  # noqa: SIM112 - the old name prometheus-client still reads
+    )
     return Path(path) if path else None
 
 

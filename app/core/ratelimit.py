@@ -1,4 +1,5 @@
-"""Per-client token buckets: a client may spend `rate` units a second, `burst_seconds` of them at once."""
+"""Per-client token buckets: a client may spend `rate` units a second, `burst_seconds` of them
+at once."""
 
 from __future__ import annotations
 
@@ -20,8 +21,14 @@ class _Bucket:
 
 
 class RateLimiter:
-    def __init__(self, rate_per_second: float, burst_seconds: float, *,
-                 monotonic: Callable[[], float] = time.monotonic, max_clients: int = MAX_CLIENTS) -> None:
+    def __init__(
+        self,
+        rate_per_second: float,
+        burst_seconds: float,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        max_clients: int = MAX_CLIENTS,
+    ) -> None:
         self.rate = rate_per_second
         self.capacity = max(1.0, rate_per_second * burst_seconds)
         self._now = monotonic
@@ -59,5 +66,6 @@ class RateLimiter:
 
 
 def retry_after(wait_seconds: float) -> str:
-    """Retry-After in whole seconds, never 0 (a client told 0 retries at once, and is refused again)."""
+    """Retry-After in whole seconds, never 0 (a client told 0 retries at once, and is refused
+    again)."""
     return str(max(1, math.ceil(wait_seconds)))

@@ -7,7 +7,7 @@ A token grants one or more scopes:
   read    the state, scheduler and model views; every token has it
 
 Tokens come from KVP_INGEST_TOKEN / KVP_AGENT_TOKEN / KVP_ADMIN_TOKEN and from KVP_TOKENS_FILE
-(TOML, see README "Security"). Only SHA-256 digests are kept once loaded, so a token never
+(TOML, see docs/operators/security.md). Only SHA-256 digests are kept once loaded, so a token never
 reaches a log, a repr or a dump of the settings. With no token at all, authentication is off and
 the service must listen on loopback only (`check_bind`).
 """
@@ -72,8 +72,14 @@ class TokenTable:
     def __len__(self) -> int:
         return len(self._by_digest)
 
-    def add(self, name: str, scopes: Iterable[Scope], *, token: str | None = None,
-            sha256: str | None = None) -> None:
+    def add(
+        self,
+        name: str,
+        scopes: Iterable[Scope],
+        *,
+        token: str | None = None,
+        sha256: str | None = None,
+    ) -> None:
         if (token is None) == (sha256 is None):
             raise ConfigError(f"token {name!r}: give exactly one of token and sha256")
         if token is not None and len(token) < MIN_TOKEN_CHARS:
@@ -98,8 +104,11 @@ class TokenTable:
 
 def load_tokens(settings: Settings) -> TokenTable:
     table = TokenTable()
-    for scope, secret in ((Scope.INGEST, settings.ingest_token), (Scope.AGENT, settings.agent_token),
-                          (Scope.ADMIN, settings.admin_token)):
+    for scope, secret in (
+        (Scope.INGEST, settings.ingest_token),
+        (Scope.AGENT, settings.agent_token),
+        (Scope.ADMIN, settings.admin_token),
+    ):
         if secret is not None:
             table.add(f"env:{scope}", [scope], token=secret.get_secret_value())
     if settings.tokens_file is not None:
@@ -126,11 +135,15 @@ def _load_file(table: TokenTable, path: Path) -> None:
         if not isinstance(name, str) or not name:
             raise ConfigError(f"{where}: name is required")
         if not isinstance(scopes, list) or not scopes:
-            raise ConfigError(f"{where} ({name}): scopes is required, a list of ingest, agent, admin")
+            raise ConfigError(
+                f"{where} ({name}): scopes is required, a list of ingest, agent, admin"
+            )
         try:
             parsed = [Scope(s) for s in scopes]
         except ValueError:
-            raise ConfigError(f"{where} ({name}): scopes must be among ingest, agent, admin, read") from None
+            raise ConfigError(
+                f"{where} ({name}): scopes must be among ingest, agent, admin, read"
+            ) from None
         try:
             table.add(name, parsed, token=entry.get("token"), sha256=entry.get("sha256"))
         except ConfigError as exc:
@@ -152,6 +165,8 @@ def check_bind(host: str, tokens: TokenTable) -> str:
         return f"authentication on: {len(tokens)} token(s)"
     if not is_loopback(host):
         raise ConfigError(
-            f"no tokens are configured, so the service may listen on 127.0.0.1 only, not {host}: set "
-            "KVP_INGEST_TOKEN / KVP_AGENT_TOKEN / KVP_ADMIN_TOKEN or KVP_TOKENS_FILE (README, Security)")
+            "no tokens are configured, so the service may listen on 127.0.0.1 only, "
+            f"not {host}: set KVP_INGEST_TOKEN / KVP_AGENT_TOKEN / KVP_ADMIN_TOKEN or "
+            "KVP_TOKENS_FILE (docs/operators/security.md)"
+        )
     return f"authentication off (no tokens configured): listening on {host} only"

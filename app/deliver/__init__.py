@@ -53,7 +53,9 @@ __all__ = [
 ]
 
 
-def build_sink(settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None) -> OrderSink:
+def build_sink(
+    settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None
+) -> OrderSink:
     """The sink KVP_ORDER_SINK names; call it on the event loop that will use it (the Redis and
     webhook sinks' clients belong to that loop). `transport` is the webhook's, for tests."""
     kind = settings.order_sink
@@ -66,19 +68,30 @@ def build_sink(settings: Settings, *, transport: httpx.AsyncBaseTransport | None
         secret = settings.order_webhook_url
         url = secret.get_secret_value() if secret is not None else ""
         if not url:
-            raise ConfigError("KVP_ORDER_SINK=webhook needs KVP_ORDER_WEBHOOK_URL, the URL the orders "
-                              "are POSTed to")
+            raise ConfigError(
+                "KVP_ORDER_SINK=webhook needs KVP_ORDER_WEBHOOK_URL, the URL the orders "
+                "are POSTed to"
+            )
         if not url.startswith(("http://", "https://")):
-            raise ConfigError(f"KVP_ORDER_WEBHOOK_URL must be an http:// or https:// URL, not "
-                              f"{mask_url(url, keep_path=False)!r}")
-        return WebhookSink(url, timeout_seconds=settings.order_webhook_timeout_seconds,
-                           max_attempts=settings.order_webhook_max_attempts,
-                           backoff_seconds=settings.order_webhook_backoff_seconds,
-                           max_backoff_seconds=settings.order_webhook_max_backoff_seconds,
-                           dedupe_seconds=dedupe, transport=transport)
+            raise ConfigError(
+                f"KVP_ORDER_WEBHOOK_URL must be an http:// or https:// URL, not "
+                f"{mask_url(url, keep_path=False)!r}"
+            )
+        return WebhookSink(
+            url,
+            timeout_seconds=settings.order_webhook_timeout_seconds,
+            max_attempts=settings.order_webhook_max_attempts,
+            backoff_seconds=settings.order_webhook_backoff_seconds,
+            max_backoff_seconds=settings.order_webhook_max_backoff_seconds,
+            dedupe_seconds=dedupe,
+            transport=transport,
+        )
     if kind == "redis":
-        return RedisStreamSink.from_url(settings.redis_url.get_secret_value(),
-                                        settings.stream_prefix,
-                                        timeout_seconds=settings.redis_timeout_seconds,
-                                        maxlen=settings.order_stream_maxlen, dedupe_seconds=dedupe)
+        return RedisStreamSink.from_url(
+            settings.redis_url.get_secret_value(),
+            settings.stream_prefix,
+            timeout_seconds=settings.redis_timeout_seconds,
+            maxlen=settings.order_stream_maxlen,
+            dedupe_seconds=dedupe,
+        )
     raise ConfigError(f"KVP_ORDER_SINK={kind!r} is not one of memory, webhook, redis, pull")

@@ -15,8 +15,13 @@ class RecentIds:
     """Ids added in the last `window_seconds`; one window for all ids, so insertion order is
     expiry order and pruning only ever looks at the front."""
 
-    def __init__(self, window_seconds: float, *, max_ids: int = MAX_REMEMBERED_IDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        window_seconds: float,
+        *,
+        max_ids: int = MAX_REMEMBERED_IDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.window_seconds = window_seconds
         self.max_ids = max_ids
         self._clock = clock

@@ -10,7 +10,8 @@ each one):
 - **At least once past the sink.** The transports may hand the same message over again (a webhook
   retry whose first try did land, a stream entry claimed from a consumer that died, a pull lease
   that expired). Consumers recognise a repeat by its `order_id` (and the webhook's
-  `Idempotency-Key`): executing an id twice is the same as once (client/kvprefetch_client/orders.py).
+  `Idempotency-Key`): executing an id twice is the same as once
+  (client/kvprefetch_client/orders.py).
 - **A failed submit leaves what it did not deliver unmarked.** When `submit` raises, the ids it
   had not delivered yet are not remembered (those of batches that went before are), so
   submitting them again retries them.

@@ -6,9 +6,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from kvprefetch_client.orders import Cancel, Order
 from app.deliver._dedupe import RecentIds
 from app.deliver.base import SinkClosed
+from kvprefetch_client.orders import Cancel, Order
 
 DEFAULT_DEDUPE_SECONDS = 3600.0
 
@@ -20,8 +20,12 @@ class InProcessSink:
     synchronous callers such as the simulator.
     """
 
-    def __init__(self, *, dedupe_seconds: float = DEFAULT_DEDUPE_SECONDS,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        dedupe_seconds: float = DEFAULT_DEDUPE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._messages: list[Order | Cancel] = []
         self._orders = RecentIds(dedupe_seconds, clock=clock)
         self._cancels = RecentIds(dedupe_seconds, clock=clock)
@@ -49,7 +53,8 @@ class InProcessSink:
         return [c.order_id for c in fresh]
 
     def drain(self) -> list[Order | Cancel]:
-        """Everything delivered since the last drain, orders and cancels interleaved as they came."""
+        """Everything delivered since the last drain, orders and cancels interleaved as they
+        came."""
         messages, self._messages = self._messages, []
         return messages
 

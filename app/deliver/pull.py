@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 
 import orjson
 
-from kvprefetch_client.events import Event, OrderProgress
-from kvprefetch_client.orders import Cancel, Order
 from app.deliver._dedupe import RecentIds
 from app.deliver.base import SinkClosed
+from kvprefetch_client.events import Event, OrderProgress
+from kvprefetch_client.orders import Cancel, Order
 
 DEFAULT_LEASE_SECONDS = 30.0
 
@@ -64,7 +64,8 @@ class _Held:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """What one pull hands an agent: orders to run, and ids of orders withdrawn since its last pull."""
+    """What one pull hands an agent: orders to run, and ids of orders withdrawn since its last
+    pull."""
 
     orders: list[Order] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
@@ -73,17 +74,32 @@ class Lease:
     def to_json(self) -> bytes:
         """`{"orders": [...], "cancelled": [...], "lease_seconds": s}`, each order exactly its
         `Order.to_json()` (no `lease_seconds` where None)."""
-        tail = b',"lease_seconds":' + orjson.dumps(self.lease_seconds) if self.lease_seconds is not None else b""
-        return (b'{"orders":[' + b",".join(o.to_json() for o in self.orders) + b'],"cancelled":'
-                + orjson.dumps(self.cancelled) + tail + b"}")
+        tail = (
+            b',"lease_seconds":' + orjson.dumps(self.lease_seconds)
+            if self.lease_seconds is not None
+            else b""
+        )
+        return (
+            b'{"orders":['
+            + b",".join(o.to_json() for o in self.orders)
+            + b'],"cancelled":'
+            + orjson.dumps(self.cancelled)
+            + tail
+            + b"}"
+        )
 
 
 class PullQueue:
     """All methods are synchronous and meant for one thread (the service's event loop); `submit`
     and `cancel` are the OrderSink coroutines over `submit_nowait` and `cancel_nowait`."""
 
-    def __init__(self, *, lease_seconds: float = DEFAULT_LEASE_SECONDS, dedupe_seconds: float = 3600.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        *,
+        lease_seconds: float = DEFAULT_LEASE_SECONDS,
+        dedupe_seconds: float = 3600.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.lease_seconds = lease_seconds
         self._by_instance: dict[str, dict[str, _Held]] = {}
         self._instance_of: dict[str, str] = {}
@@ -97,8 +113,16 @@ class PullQueue:
         self._orders = RecentIds(dedupe_seconds, clock=clock)
         self._seq = 0
         self._closed = False
-        self.stats = {"submitted": 0, "leased": 0, "renewed": 0, "lost": 0, "cancelled": 0, "started": 0,
-                      "done": 0, "expired": 0}
+        self.stats = {
+            "submitted": 0,
+            "leased": 0,
+            "renewed": 0,
+            "lost": 0,
+            "cancelled": 0,
+            "started": 0,
+            "done": 0,
+            "expired": 0,
+        }
 
     async def submit(self, orders: Sequence[Order]) -> list[str]:
         return self.submit_nowait(orders)
@@ -118,10 +142,19 @@ class PullQueue:
             if not self._orders.add(order.order_id):
                 continue
             self._seq += 1
-            self._by_instance.setdefault(order.instance_id, {})[order.order_id] = _Held(order, self._seq)
+            self._by_instance.setdefault(order.instance_id, {})[order.order_id] = _Held(
+                order, self._seq
+            )
             self._instance_of[order.order_id] = order.instance_id
-            heapq.heappush(self._expiries, (order.needed_by_ts + self.lease_seconds, self._seq,
-                                            order.order_id, order.instance_id))
+            heapq.heappush(
+                self._expiries,
+                (
+                    order.needed_by_ts + self.lease_seconds,
+                    self._seq,
+                    order.order_id,
+                    order.instance_id,
+                ),
+            )
             added.append(order.order_id)
         self.stats["submitted"] += len(added)
         # At most a few expiries per order submitted (each order expires once, so this keeps up)
@@ -140,7 +173,9 @@ class PullQueue:
             instance = held.order.instance_id
             if not held.started:
                 self._forget(c.order_id)
-            self._to_report.setdefault(instance, {})[c.order_id] = held.order.needed_by_ts + self.lease_seconds
+            self._to_report.setdefault(instance, {})[c.order_id] = (
+                held.order.needed_by_ts + self.lease_seconds
+            )
             done.append(c.order_id)
         self.stats["cancelled"] += len(done)
         return done
@@ -152,16 +187,27 @@ class PullQueue:
         self._check_open()
         self._expire(now)
         queue = self._by_instance.get(instance_id, {})
-        free = [h for h in queue.values()
-                if not h.started and not h.cancelled and (h.leased_until is None or h.leased_until <= now)]
+        free = [
+            h
+            for h in queue.values()
+            if not h.started
+            and not h.cancelled
+            and (h.leased_until is None or h.leased_until <= now)
+        ]
         free.sort(key=lambda h: (-h.order.priority, h.order.start_by_ts, h.seq))
         chosen = free[:limit]
         for h in chosen:
             h.leased_until, h.holder = now + self.lease_seconds, agent
         self.stats["leased"] += len(chosen)
-        return Lease([h.order for h in chosen], list(self._to_report.pop(instance_id, {})), self.lease_seconds)
+        return Lease(
+            [h.order for h in chosen],
+            list(self._to_report.pop(instance_id, {})),
+            self.lease_seconds,
+        )
 
-    def renew(self, instance_id: str, agent: str, order_ids: Sequence[str], now: float) -> tuple[list[str], list[str]]:
+    def renew(
+        self, instance_id: str, agent: str, order_ids: Sequence[str], now: float
+    ) -> tuple[list[str], list[str]]:
         """Extend `agent`'s leases of `order_ids` to `now + lease_seconds`: (renewed, lost).
 
         Renewed: still this agent's (its lease may have run out, if nobody leased it since), or
@@ -227,7 +273,11 @@ class PullQueue:
         if len(expiries) > self._compact_at:
             # Rebuild from the orders held and the reports pending; amortised, since at least as
             # many entries as were kept must be pushed before the next rebuild.
-            kept = [e for e in expiries if self._holds(e[2], e[1]) or e[2] in self._to_report.get(e[3], ())]
+            kept = [
+                e
+                for e in expiries
+                if self._holds(e[2], e[1]) or e[2] in self._to_report.get(e[3], ())
+            ]
             heapq.heapify(kept)
             self._expiries = kept
             self._compact_at = 2 * len(kept) + 1024

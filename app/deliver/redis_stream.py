@@ -8,8 +8,8 @@ The format, which agents read directly:
                                      `instance_id`, as is: Redis keys take any bytes, so no
                                      escaping); one entry per message, a single field `msg`: the
                                      Order or Cancel JSON (`Order.to_json()`, `Cancel.to_json()`;
-                                     `kvprefetch_client.orders.from_json` reads it); each stream trimmed
-                                     with XADD MAXLEN ~ <KVP_ORDER_STREAM_MAXLEN>
+                                     `kvprefetch_client.orders.from_json` reads it); each stream
+                                     trimmed with XADD MAXLEN ~ <KVP_ORDER_STREAM_MAXLEN>
     group   kvp-agents               on every stream, created at id 0 with MKSTREAM by whichever
                                      side comes first (the sink, in the same Lua call as its
                                      first XADD there; or the instance's first agent)
@@ -53,8 +53,8 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from kvprefetch_client.orders import Cancel, Order
 from app.deliver.base import SinkClosed, SinkError, SinkUnavailable
+from kvprefetch_client.orders import Cancel, Order
 
 GROUP = "kvp-agents"
 # Messages per script call: keeps one call from holding Redis for long.
@@ -83,7 +83,9 @@ end
 # KEYS: per message, its stream then its order id key; ARGV[1] maxlen, ARGV[2] ttl seconds,
 # ARGV[3] the group, then per message its instance id then its JSON. Returns the 1-based
 # positions of the messages added.
-_SUBMIT = _ENSURE_GROUP + """
+_SUBMIT = (
+    _ENSURE_GROUP
+    + """
 local added = {}
 for i = 1, #KEYS / 2 do
   local stream = KEYS[2 * i - 1]
@@ -96,12 +98,15 @@ for i = 1, #KEYS / 2 do
 end
 return added
 """
+)
 
 # KEYS: per message, its cancel key then its order id key; ARGV[1] maxlen, ARGV[2] ttl seconds,
 # ARGV[3] the group, ARGV[4] the streams' key up to the instance id, then per message its JSON.
 # The stream is the one the order id key names (none when it is gone: the cancel key alone).
 # Returns the 1-based positions of the messages whose cancel key it set.
-_CANCEL = _ENSURE_GROUP + """
+_CANCEL = (
+    _ENSURE_GROUP
+    + """
 local added = {}
 for i = 1, #KEYS / 2 do
   local instance = redis.call('GET', KEYS[2 * i])
@@ -120,6 +125,7 @@ for i = 1, #KEYS / 2 do
 end
 return added
 """
+)
 
 
 def stream_key(prefix: str, instance_id: str) -> str:
@@ -138,8 +144,15 @@ def cancel_key(prefix: str, order_id: str) -> str:
 class RedisStreamSink:
     """The producer, on redis.asyncio: it runs on the service's event loop."""
 
-    def __init__(self, client: aredis.Redis, prefix: str, *, maxlen: int = 100_000,
-                 dedupe_seconds: int = 3600, owns_client: bool = True) -> None:
+    def __init__(
+        self,
+        client: aredis.Redis,
+        prefix: str,
+        *,
+        maxlen: int = 100_000,
+        dedupe_seconds: int = 3600,
+        owns_client: bool = True,
+    ) -> None:
         self.client = client
         self.prefix = prefix
         self.maxlen = maxlen
@@ -150,9 +163,12 @@ class RedisStreamSink:
         self._closed = False
 
     @classmethod
-    def from_url(cls, url: str, prefix: str, *, timeout_seconds: float = 2.0, **kw: Any) -> RedisStreamSink:
-        client = aredis.Redis.from_url(url, socket_timeout=timeout_seconds,
-                                       socket_connect_timeout=timeout_seconds)
+    def from_url(
+        cls, url: str, prefix: str, *, timeout_seconds: float = 2.0, **kw: Any
+    ) -> RedisStreamSink:
+        client = aredis.Redis.from_url(
+            url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds
+        )
         return cls(client, prefix, **kw)
 
     def stream_key(self, instance_id: str) -> str:
@@ -174,8 +190,13 @@ class RedisStreamSink:
             keys: list[Any] = []
             for c in chunk:
                 keys += [cancel_key(self.prefix, c.order_id), order_key(self.prefix, c.order_id)]
-            args = [self.maxlen, self.dedupe_seconds, GROUP, self.stream_key(""),
-                    *(c.to_json() for c in chunk)]
+            args = [
+                self.maxlen,
+                self.dedupe_seconds,
+                GROUP,
+                self.stream_key(""),
+                *(c.to_json() for c in chunk),
+            ]
             return keys, args
 
         return await self._add(cancels, self._cancel, call)
@@ -199,15 +220,17 @@ class RedisStreamSink:
         added: list[str] = []
         try:
             for start in range(0, len(unique), _CHUNK):
-                chunk = unique[start:start + _CHUNK]
+                chunk = unique[start : start + _CHUNK]
                 keys, args = call(chunk)
                 positions = await script(keys=keys, args=args)
                 added.extend(chunk[int(p) - 1].order_id for p in positions)
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise SinkUnavailable(f"Redis at {self._where()} did not answer: {exc}") from exc
         except redis.RedisError as exc:
-            raise SinkError(f"Redis at {self._where()} failed adding to the streams "
-                            f"{self.stream_key('*')}: {exc}") from exc
+            raise SinkError(
+                f"Redis at {self._where()} failed adding to the streams "
+                f"{self.stream_key('*')}: {exc}"
+            ) from exc
         return added
 
     def _where(self) -> str:

@@ -1,10 +1,10 @@
 """WebhookSink: orders and cancels POSTed as JSON batches to one URL.
 
 Body: `{"messages": [...]}`, each message an Order or Cancel in its JSON form (`type` tells them
-apart; `kvprefetch_client.orders.message_adapter` reads one). Header `Idempotency-Key`: a digest of the
-batch's messages (type and order id), the same on every retry of that batch, so a receiver that
-saw the first try can answer the retry without acting twice; per message, the order id is the
-key.
+apart; `kvprefetch_client.orders.message_adapter` reads one). Header `Idempotency-Key`: a digest
+of the batch's messages (type and order id), the same on every retry of that batch, so a
+receiver that saw the first try can answer the retry without acting twice; per message, the
+order id is the key.
 
 Retries: a connection error, a timeout, a 5xx or a 429 is tried again, up to
 `max_attempts` tries, after an exponential backoff with jitter (`backoff_seconds` doubling, capped
@@ -26,9 +26,9 @@ from email.utils import parsedate_to_datetime
 import httpx
 
 from app.core.redact import mask_url
-from kvprefetch_client.orders import Cancel, Order
 from app.deliver._dedupe import RecentIds
 from app.deliver.base import SinkClosed, SinkRejected, SinkUnavailable
+from kvprefetch_client.orders import Cancel, Order
 
 # Messages per POST: about 1 KB each with a few dozen blocks, so a batch stays well under the
 # request limits receivers commonly set (1-10 MB).
@@ -36,14 +36,22 @@ BATCH_MESSAGES = 500
 
 
 class WebhookSink:
-    def __init__(self, url: str, *, timeout_seconds: float = 5.0, max_attempts: int = 5,
-                 backoff_seconds: float = 0.2, max_backoff_seconds: float = 5.0,
-                 dedupe_seconds: float = 3600.0, batch_messages: int = BATCH_MESSAGES,
-                 headers: dict[str, str] | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 jitter: Callable[[], float] = random.random,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_seconds: float = 5.0,
+        max_attempts: int = 5,
+        backoff_seconds: float = 0.2,
+        max_backoff_seconds: float = 5.0,
+        dedupe_seconds: float = 3600.0,
+        batch_messages: int = BATCH_MESSAGES,
+        headers: dict[str, str] | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        jitter: Callable[[], float] = random.random,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
         self.url = url
@@ -54,8 +62,11 @@ class WebhookSink:
         self.max_backoff_seconds = max_backoff_seconds
         self.batch_messages = batch_messages
         self.last_error: str | None = None
-        self._http = httpx.AsyncClient(transport=transport, timeout=timeout_seconds,
-                                       headers={"content-type": "application/json", **(headers or {})})
+        self._http = httpx.AsyncClient(
+            transport=transport,
+            timeout=timeout_seconds,
+            headers={"content-type": "application/json", **(headers or {})},
+        )
         # Seams for the tests: retries are timed without waiting.
         self._sleep = sleep
         self._jitter = jitter
@@ -82,7 +93,7 @@ class WebhookSink:
         fresh = [m for m in messages if seen.add(m.order_id)]
         sent: list[str] = []
         for start in range(0, len(fresh), self.batch_messages):
-            batch = fresh[start:start + self.batch_messages]
+            batch = fresh[start : start + self.batch_messages]
             try:
                 await self._post(batch)
             except BaseException:
@@ -108,24 +119,29 @@ class WebhookSink:
                     self.last_error = None
                     return
                 if status != 429 and status < 500:
-                    self.last_error = (f"{self.shown_url} refused {len(batch)} messages: "
-                                       f"HTTP {status}: {response.text[:200]}")
+                    self.last_error = (
+                        f"{self.shown_url} refused {len(batch)} messages: "
+                        f"HTTP {status}: {response.text[:200]}"
+                    )
                     raise SinkRejected(self.last_error, status)
                 problem = f"HTTP {status}"
                 retry_after = parse_retry_after(response.headers.get("retry-after"))
                 if retry_after is not None:
                     if retry_after > self.max_backoff_seconds:
-                        self.last_error = (f"{self.shown_url} answered {problem} with Retry-After "
-                                           f"{retry_after:g} s, longer than "
-                                           f"KVP_ORDER_WEBHOOK_MAX_BACKOFF_SECONDS "
-                                           f"({self.max_backoff_seconds:g} s): giving up after {attempt} "
-                                           f"attempt(s)")
+                        self.last_error = (
+                            f"{self.shown_url} answered {problem} with Retry-After "
+                            f"{retry_after:g} s, longer than "
+                            f"KVP_ORDER_WEBHOOK_MAX_BACKOFF_SECONDS "
+                            f"({self.max_backoff_seconds:g} s): giving up after {attempt} "
+                            f"attempt(s)"
+                        )
                         raise SinkUnavailable(self.last_error)
                     wait = retry_after
             if attempt < self.max_attempts:
                 await self._sleep(wait)
-        self.last_error = (f"{self.shown_url}: gave up after {self.max_attempts} attempt(s); "
-                           f"last: {problem}")
+        self.last_error = (
+            f"{self.shown_url}: gave up after {self.max_attempts} attempt(s); last: {problem}"
+        )
         raise SinkUnavailable(self.last_error)
 
     def _backoff(self, attempt: int) -> float:

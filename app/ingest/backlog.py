@@ -20,9 +20,9 @@ import logging
 from collections import deque
 from collections.abc import Sequence
 
-from kvprefetch_client.events import Event
 from app.ingest.ingestor import Observer
 from app.state.storethread import Offload
+from kvprefetch_client.events import Event
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ rewritten. Training converts to a DataFrame once (training/).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -25,8 +26,8 @@ from pydantic import ValidationError
 from pydantic_core import from_json
 
 from app.core.errors import CorruptLogError, EventLogError
-from kvprefetch_client.events import Event, batch_adapter, event_adapter
 from app.state.base import LogPosition
+from kvprefetch_client.events import Event, batch_adapter, event_adapter
 
 _SEGMENT = re.compile(r"^events-(\d{8})\.jsonl$")
 
@@ -64,14 +65,18 @@ def encode_events(events: Sequence[Event]) -> bytes:
 class EventLog:
     """Appends batches of events; one writer per directory (one per service replica)."""
 
-    def __init__(self, directory: Path, *, segment_bytes: int = 64 * 1024 * 1024, fsync: bool = True) -> None:
+    def __init__(
+        self, directory: Path, *, segment_bytes: int = 64 * 1024 * 1024, fsync: bool = True
+    ) -> None:
         self.directory = Path(directory)
         self.segment_bytes = segment_bytes
         self.fsync = fsync
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
-            raise EventLogError(f"cannot create the event log directory {self.directory}: {exc}") from exc
+            raise EventLogError(
+                f"cannot create the event log directory {self.directory}: {exc}"
+            ) from exc
         segments = list_segments(self.directory)
         self._number = segments[-1][0] if segments else 1
         path = segment_path(self.directory, self._number)
@@ -125,17 +130,18 @@ class EventLog:
                 os.fsync(self._file.fileno())
         except OSError as exc:
             self._undo_partial_write()
-            raise EventLogError(f"cannot append to the event log in {self.directory}: {exc}") from exc
+            raise EventLogError(
+                f"cannot append to the event log in {self.directory}: {exc}"
+            ) from exc
         self._size += len(data)
         return LogPosition(self._number, self._size)
 
     def _undo_partial_write(self) -> None:
         """Cut what a failed append left behind, so the next append starts on a whole line."""
         path = segment_path(self.directory, self._number)
-        try:
+        # The buffered bytes are what we are throwing away.
+        with contextlib.suppress(OSError):
             self._file.close()
-        except OSError:
-            pass  # the buffered bytes are what we are throwing away
         try:
             with open(path, "rb+") as f:
                 f.truncate(self._size)
@@ -154,7 +160,9 @@ class EventLog:
             self._file.close()
 
 
-def iter_log(directory: Path, after: LogPosition | None = None) -> Iterator[tuple[LogPosition, Event]]:
+def iter_log(
+    directory: Path, after: LogPosition | None = None
+) -> Iterator[tuple[LogPosition, Event]]:
     """Every event in the log after `after`, with the position just past its line.
 
     A line that does not parse as an event raises CorruptLogError naming the file and line. A
@@ -233,7 +241,9 @@ def _with_legacy_session_ids(doc: Any, exc: ValidationError) -> list[Event] | No
     schema now refuses ('/', '.', control characters): validated with a stand-in id, then given
     their own back. None when the line has other faults."""
     errors = exc.errors()
-    if not all(e["type"] == "string_pattern_mismatch" and e["loc"][-1] == "session_id" for e in errors):
+    if not all(
+        e["type"] == "string_pattern_mismatch" and e["loc"][-1] == "session_id" for e in errors
+    ):
         return None
     batch = isinstance(doc, dict) and "type" not in doc and "events" in doc
     originals: dict[int, str] = {}

@@ -21,11 +21,12 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from app.core.clock import Clock
 from app.ingest.eventlog import EventLog, encode_batch, encode_events, iter_log
-from kvprefetch_client.events import Event, VllmKvEvents
 from app.state.base import StateStore
+from kvprefetch_client.events import Event, VllmKvEvents
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +35,9 @@ _TS = operator.attrgetter("ts")
 # The events a store ignores once they are older than its session retention.
 # What the stores forget past the retention (sessions and order records): an event of these older
 # than the cutoff would be ignored, so it is rejected instead.
-RETAINED_EVENT_TYPES = frozenset({"request_routed", "request_started", "request_finished", "session_closed",
-                                  "order_progress"})
+RETAINED_EVENT_TYPES = frozenset(
+    {"request_routed", "request_started", "request_finished", "session_closed", "order_progress"}
+)
 # Why an event was refused for its time (the label of kvprefetch_events_refused_total).
 CLOCK_SKEW, PAST_RETENTION = "clock_skew", "past_retention"
 
@@ -64,9 +66,17 @@ RefusedHook = Callable[[str, int], None]
 
 
 class Ingestor:
-    def __init__(self, store: StateStore, event_log: EventLog, *, replica_id: str, clock: Clock,
-                 max_clock_skew_seconds: float, observer: Observer | None = None,
-                 refused: RefusedHook | None = None) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        event_log: EventLog,
+        *,
+        replica_id: str,
+        clock: Clock,
+        max_clock_skew_seconds: float,
+        observer: Observer | None = None,
+        refused: RefusedHook | None = None,
+    ) -> None:
         if not max_clock_skew_seconds > 0:
             raise ValueError("max_clock_skew_seconds must be positive")
         self.store = store
@@ -113,7 +123,9 @@ class Ingestor:
             seen, newest = self.store.seen_and_newest(ids)
             if any(seen):
                 fresh = [e for e, was_seen in zip(unique, seen) if not was_seen]
-                result.duplicates.extend(e.event_id for e, was_seen in zip(unique, seen) if was_seen)
+                result.duplicates.extend(
+                    e.event_id for e, was_seen in zip(unique, seen) if was_seen
+                )
             else:
                 fresh = unique
             retention = self.store.session_retention_seconds
@@ -127,9 +139,15 @@ class Ingestor:
             if fresh:
                 # A batch is logged as posted only when that is exactly what was validated:
                 # every event of it taken, none in vLLM's encoding (arrays, fields we drop).
-                whole = (body is not None and len(fresh) == len(given)
-                         and VllmKvEvents not in map(type, fresh))
-                position = self.event_log.append(encode_batch(body) if whole else encode_events(fresh))  # type: ignore[arg-type]
+                whole = (
+                    body is not None
+                    and len(fresh) == len(given)
+                    and VllmKvEvents not in map(type, fresh)
+                )
+                # `whole` implies a body.
+                position = self.event_log.append(
+                    encode_batch(cast(bytes, body)) if whole else encode_events(fresh)
+                )
                 try:
                     applied = self.store.apply(fresh)
                     self.store.set_checkpoint(self.replica_id, position)
@@ -149,22 +167,35 @@ class Ingestor:
                 self._count_refused(result.rejected)
         return result
 
-    def _reject_from_the_future(self, events: Sequence[Event], latest_ts: float,
-                                result: IngestResult) -> list[Event]:
+    def _reject_from_the_future(
+        self, events: Sequence[Event], latest_ts: float, result: IngestResult
+    ) -> list[Event]:
         kept = []
         for i, e in enumerate(events):
             if e.ts > latest_ts:
                 ahead = e.ts - (latest_ts - self.max_clock_skew_seconds)
-                result.rejected.append(TimeRejection(
-                    i, e.event_id, CLOCK_SKEW,
-                    f"ts {e.ts!r} is {ahead:.0f} s ahead of the service clock; at most "
-                    f"{self.max_clock_skew_seconds:g} s is accepted (KVP_MAX_CLOCK_SKEW_SECONDS)"))
+                result.rejected.append(
+                    TimeRejection(
+                        i,
+                        e.event_id,
+                        CLOCK_SKEW,
+                        f"ts {e.ts!r} is {ahead:.0f} s ahead of the service clock; at most "
+                        f"{self.max_clock_skew_seconds:g} s is accepted "
+                        "(KVP_MAX_CLOCK_SKEW_SECONDS)",
+                    )
+                )
             else:
                 kept.append(e)
         return kept
 
-    def _reject_past_retention(self, fresh: list[Event], newest: float, retention: float,
-                               given: Sequence[Event], result: IngestResult) -> list[Event]:
+    def _reject_past_retention(
+        self,
+        fresh: list[Event],
+        newest: float,
+        retention: float,
+        given: Sequence[Event],
+        result: IngestResult,
+    ) -> list[Event]:
         """The store's cutoff moves as it applies the batch in order: walk it the same way."""
         kept, refused = [], []
         for e in fresh:
@@ -181,11 +212,17 @@ class Ingestor:
             if i not in taken and e.event_id not in index:
                 index[e.event_id] = i
         for e, newest_then in refused:
-            result.rejected.append(TimeRejection(
-                index[e.event_id], e.event_id, PAST_RETENTION,
-                f"ts {e.ts!r} is older than the session retention: the store has taken events up "
-                f"to ts {newest_then!r} and forgets sessions and order records idle for "
-                f"{retention:g} s (KVP_SESSION_RETENTION_SECONDS), so this event would be ignored"))
+            result.rejected.append(
+                TimeRejection(
+                    index[e.event_id],
+                    e.event_id,
+                    PAST_RETENTION,
+                    f"ts {e.ts!r} is older than the session retention: the store has taken "
+                    f"events up to ts {newest_then!r} and forgets sessions and order records "
+                    f"idle for {retention:g} s (KVP_SESSION_RETENTION_SECONDS), so this event "
+                    "would be ignored",
+                )
+            )
         result.rejected.sort(key=lambda r: r.index)
         return kept
 
@@ -208,7 +245,9 @@ class Ingestor:
         with self._lock:
             replayed = self._replay_tail()
         if replayed:
-            log.info("replayed %d events from the event log in %s", replayed, self.event_log.directory)
+            log.info(
+                "replayed %d events from the event log in %s", replayed, self.event_log.directory
+            )
         return replayed
 
     def _replay_tail(self) -> int:
@@ -235,9 +274,13 @@ class Ingestor:
             self.store.set_checkpoint(self.replica_id, position)
         self._behind_log = False
         if skipped:
-            log.warning("skipped %d events of the event log in %s stamped more than %g s ahead of "
-                        "the clock (KVP_MAX_CLOCK_SKEW_SECONDS)", skipped, self.event_log.directory,
-                        self.max_clock_skew_seconds)
+            log.warning(
+                "skipped %d events of the event log in %s stamped more than %g s ahead of "
+                "the clock (KVP_MAX_CLOCK_SKEW_SECONDS)",
+                skipped,
+                self.event_log.directory,
+                self.max_clock_skew_seconds,
+            )
             if self.refused is not None:
                 self.refused(CLOCK_SKEW, skipped)
         return replayed

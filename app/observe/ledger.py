@@ -25,8 +25,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from kvprefetch_client.events import Event, RequestRouted, SessionClosed
 from app.decide.advisor import Retention, SessionAdvice
+from kvprefetch_client.events import Event, RequestRouted, SessionClosed
 
 SLOTS = ("live", "shadow")
 # Advice records kept per session and model: enough to find the advice in force when a
@@ -76,7 +76,7 @@ class _Entry:
 
 
 class _Slot:
-    __slots__ = ("sessions", "predictions", "keep_predictions", "hits", "misses", "unscored")
+    __slots__ = ("hits", "keep_predictions", "misses", "predictions", "sessions", "unscored")
 
     def __init__(self) -> None:
         self.sessions: dict[str, _Entry] = {}
@@ -87,7 +87,9 @@ class AdviceLedger:
     """Counts per model slot; a slot exists from start() to stop(), so with no shadow set the
     ingest path pays for one model only."""
 
-    def __init__(self, *, max_sessions: int = MAX_SESSIONS, retention_seconds: float = math.inf) -> None:
+    def __init__(
+        self, *, max_sessions: int = MAX_SESSIONS, retention_seconds: float = math.inf
+    ) -> None:
         if retention_seconds <= 0:
             raise ValueError("retention_seconds must be positive")
         self.max_sessions = max_sessions
@@ -97,7 +99,8 @@ class AdviceLedger:
         self._cutoff = -math.inf
 
     def record(self, slot: str, advice: Iterable[SessionAdvice], made_ts: float) -> None:
-        """The advice a model gave at `made_ts` (the scoring loop's clock); the slot must be started."""
+        """The advice a model gave at `made_ts` (the scoring loop's clock); the slot must be
+        started."""
         s = self._slots[slot]
         for a in advice:
             rec = AdviceRecord(made_ts, a.retention, a.prefetch, a.p_keep)

@@ -36,12 +36,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from app.core.clock import Clock
-from app.observe.ledger import AdviceLedger
-from kvprefetch_client.events import Event, OrderProgress
-from app.predict.registry import ModelRegistry
-from app.observe.outcomes import RequestOutcome
 from app.decide.scheduler import Scheduler
+from app.observe.ledger import AdviceLedger
+from app.observe.outcomes import RequestOutcome
+from app.predict.registry import ModelRegistry
 from app.state.base import StateStore
+from kvprefetch_client.events import Event, OrderProgress
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +166,17 @@ class LandedPrefetches:
 
 
 class Timeline:
-    def __init__(self, ledger: AdviceLedger, scheduler: Scheduler, models: ModelRegistry, clock: Clock, *,
-                 landed: LandedPrefetches | None = None, stall: StallSource | None = None,
-                 capacity: int = DEFAULT_CAPACITY) -> None:
+    def __init__(
+        self,
+        ledger: AdviceLedger,
+        scheduler: Scheduler,
+        models: ModelRegistry,
+        clock: Clock,
+        *,
+        landed: LandedPrefetches | None = None,
+        stall: StallSource | None = None,
+        capacity: int = DEFAULT_CAPACITY,
+    ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be at least 1, not {capacity}")
         self.ledger = ledger
@@ -190,30 +198,59 @@ class Timeline:
         last = self._snapshots[-1] if self._snapshots else None
         serving, shadow = self.models.serving, self.models.shadow
         live = self._slot("live", serving.version, last.live if last else None)
-        shadow_snap = (self._slot("shadow", shadow.version, last.shadow if last else None)
-                       if shadow is not None else None)
+        shadow_snap = (
+            self._slot("shadow", shadow.version, last.shadow if last else None)
+            if shadow is not None
+            else None
+        )
         t = self.scheduler.totals
         open_orders = self.scheduler.open_orders()
         stall = self.stall()
         snap = Snapshot(
-            ts=now, live=live, shadow=shadow_snap, orders_prefetch=t.orders.get("prefetch", 0),
-            orders_pin=t.orders.get("pin", 0), orders_demote=t.orders.get("demote", 0),
-            bytes_ordered=t.bytes_ordered, completed=t.completed, failed=t.failed, cancelled=t.cancelled,
-            bytes_wasted=t.bytes_wasted, open_orders=len(open_orders),
+            ts=now,
+            live=live,
+            shadow=shadow_snap,
+            orders_prefetch=t.orders.get("prefetch", 0),
+            orders_pin=t.orders.get("pin", 0),
+            orders_demote=t.orders.get("demote", 0),
+            bytes_ordered=t.bytes_ordered,
+            completed=t.completed,
+            failed=t.failed,
+            cancelled=t.cancelled,
+            bytes_wasted=t.bytes_wasted,
+            open_orders=len(open_orders),
             inflight_bytes=sum(o.size_bytes for o in open_orders if o.kind == "prefetch"),
-            landed_prefetches=self.landed.orders, landed_bytes=self.landed.bytes,
-            transfer_seconds=self.landed.transfer_seconds, expected_stall_seconds=self.landed.expected_stall_seconds,
-            stall_seconds_saved=stall.seconds_saved, stall_seconds_incurred=stall.seconds_incurred,
-            stall_basis=stall.basis)
+            landed_prefetches=self.landed.orders,
+            landed_bytes=self.landed.bytes,
+            transfer_seconds=self.landed.transfer_seconds,
+            expected_stall_seconds=self.landed.expected_stall_seconds,
+            stall_seconds_saved=stall.seconds_saved,
+            stall_seconds_incurred=stall.seconds_incurred,
+            stall_basis=stall.basis,
+        )
         self._snapshots.append(snap)
         return snap
 
     def _slot(self, slot: str, version: str | None, last: SlotSnapshot | None) -> SlotSnapshot:
         s = self.ledger.stats(slot)
         counts = (s.predictions, s.keep_predictions, s.hits, s.misses, s.unscored)
-        if last is None or last.version != version or any(
-                now < before for now, before in zip(counts, (last.predictions, last.keep_predictions,
-                                                             last.hits, last.misses, last.unscored))):
+        if (
+            last is None
+            or last.version != version
+            or any(
+                now < before
+                for now, before in zip(
+                    counts,
+                    (
+                        last.predictions,
+                        last.keep_predictions,
+                        last.hits,
+                        last.misses,
+                        last.unscored,
+                    ),
+                )
+            )
+        ):
             self._epochs[slot] += 1  # a new model in the slot (or the slot restarted): count afresh
         return SlotSnapshot(version, self._epochs[slot], *counts)
 
@@ -256,7 +293,9 @@ def _recent(points: Sequence[Snapshot], slot: str, window: float) -> list[float 
             continue
         while base + 1 <= i and points[base + 1].ts <= p.ts - window:
             base += 1
-        ref: SlotSnapshot | None = getattr(points[base], slot) if points[base].ts <= p.ts - window else None
+        ref: SlotSnapshot | None = (
+            getattr(points[base], slot) if points[base].ts <= p.ts - window else None
+        )
         if ref is None or ref.epoch != cur.epoch:
             out.append(_rate(cur.hits, cur.misses))  # the model came in within the window
         else:
@@ -264,15 +303,34 @@ def _recent(points: Sequence[Snapshot], slot: str, window: float) -> list[float 
     return out
 
 
-SERIES_FIELDS = ("orders_prefetch", "orders_pin", "orders_demote", "bytes_ordered", "completed", "failed",
-                 "cancelled", "bytes_wasted", "open_orders", "inflight_bytes", "landed_prefetches",
-                 "landed_bytes", "transfer_seconds", "expected_stall_seconds", "stall_seconds_saved",
-                 "stall_seconds_incurred")
+SERIES_FIELDS = (
+    "orders_prefetch",
+    "orders_pin",
+    "orders_demote",
+    "bytes_ordered",
+    "completed",
+    "failed",
+    "cancelled",
+    "bytes_wasted",
+    "open_orders",
+    "inflight_bytes",
+    "landed_prefetches",
+    "landed_bytes",
+    "transfer_seconds",
+    "expected_stall_seconds",
+    "stall_seconds_saved",
+    "stall_seconds_incurred",
+)
 SLOT_FIELDS = ("predictions", "keep_predictions", "hits", "misses", "unscored")
 
 
-def series(timeline: Timeline, since_seconds: float, *, window: float = RECENT_SECONDS,
-           gpu_hour_price: float | None = None) -> dict[str, Any]:
+def series(
+    timeline: Timeline,
+    since_seconds: float,
+    *,
+    window: float = RECENT_SECONDS,
+    gpu_hour_price: float | None = None,
+) -> dict[str, Any]:
     """The snapshots of the last `since_seconds` as columns: `ts`, and under `series` one list per
     figure, each as long as `ts` (null where a figure has no value, e.g. the shadow's when none
     was set, or a hit rate before the first scored request)."""
@@ -281,16 +339,23 @@ def series(timeline: Timeline, since_seconds: float, *, window: float = RECENT_S
     wide = timeline.since(now - since_seconds - window)
     first = next((i for i, p in enumerate(wide) if p.ts >= now - since_seconds), len(wide))
     points = wide[first:]
-    cols: dict[str, list[Any]] = {name: [getattr(p, name) for p in points] for name in SERIES_FIELDS}
+    cols: dict[str, list[Any]] = {
+        name: [getattr(p, name) for p in points] for name in SERIES_FIELDS
+    }
     for slot in ("live", "shadow"):
         snaps: list[SlotSnapshot | None] = [getattr(p, slot) for p in points]
         for name in SLOT_FIELDS:
             cols[f"{slot}_{name}"] = [getattr(s, name) if s is not None else None for s in snaps]
         cols[f"{slot}_version"] = [s.version if s is not None else None for s in snaps]
-        cols[f"{slot}_hit_rate"] = [_rate(s.hits, s.misses) if s is not None else None for s in snaps]
+        cols[f"{slot}_hit_rate"] = [
+            _rate(s.hits, s.misses) if s is not None else None for s in snaps
+        ]
         cols[f"{slot}_recent_hit_rate"] = _recent(wide, slot, window)[first:]
-    cols["stall_cost_saved"] = ([s * gpu_hour_price / 3600.0 for s in cols["stall_seconds_saved"]]
-                                if gpu_hour_price is not None else [None] * len(points))
+    cols["stall_cost_saved"] = (
+        [s * gpu_hour_price / 3600.0 for s in cols["stall_seconds_saved"]]
+        if gpu_hour_price is not None
+        else [None] * len(points)
+    )
     return {
         "now": now,
         "since_seconds": since_seconds,
@@ -302,19 +367,34 @@ def series(timeline: Timeline, since_seconds: float, *, window: float = RECENT_S
     }
 
 
-def top_sessions(scheduler: Scheduler, limit: int, now: float, bytes_per_block: int) -> list[dict[str, Any]]:
+def top_sessions(
+    scheduler: Scheduler, limit: int, now: float, bytes_per_block: int
+) -> list[dict[str, Any]]:
     """The `limit` sessions most likely back soonest, by the serving model's latest advice:
     highest P(back within the 30 s lead) first, then P(within 300 s), then the session id."""
     advice: Iterable[tuple[Any, float]] = scheduler.latest_advice()
-    best = heapq.nsmallest(limit, advice, key=lambda item: (-item[0].p_soon, -item[0].p_keep, item[0].session_id))
-    return [{
-        "session_id": a.session_id, "instance_id": a.instance_id, "p_soon": a.p_soon, "p_keep": a.p_keep,
-        "p_return": a.p_return, "retention": a.retention, "prefetch": a.prefetch,
-        "context_bytes": len(a.block_hashes) * bytes_per_block, "advised_seconds_ago": max(now - made, 0.0),
-    } for a, made in best]
+    best = heapq.nsmallest(
+        limit, advice, key=lambda item: (-item[0].p_soon, -item[0].p_keep, item[0].session_id)
+    )
+    return [
+        {
+            "session_id": a.session_id,
+            "instance_id": a.instance_id,
+            "p_soon": a.p_soon,
+            "p_keep": a.p_keep,
+            "p_return": a.p_return,
+            "retention": a.retention,
+            "prefetch": a.prefetch,
+            "context_bytes": len(a.block_hashes) * bytes_per_block,
+            "advised_seconds_ago": max(now - made, 0.0),
+        }
+        for a, made in best
+    ]
 
 
-def instance_queues(scheduler: Scheduler, store: StateStore, limit: int) -> tuple[list[dict[str, Any]], int]:
+def instance_queues(
+    scheduler: Scheduler, store: StateStore, limit: int
+) -> tuple[list[dict[str, Any]], int]:
     """Per instance (every one that reported, and any with open orders): its open orders by kind,
     the prefetch bytes on their way, and how long its links' prefetch share is booked for them
     (`link_backlog_seconds`: each open prefetch's bytes at its source link's prefetch rate);
@@ -327,16 +407,27 @@ def instance_queues(scheduler: Scheduler, store: StateStore, limit: int) -> tupl
         r = rows.get(instance_id)
         if r is None:
             r = rows[instance_id] = {
-                "instance_id": instance_id, "open_orders": {"prefetch": 0, "pin": 0, "demote": 0},
-                "inflight_bytes": 0, "link_backlog_seconds": 0.0, "free_kv_bytes": None, "total_kv_bytes": None,
-                "hbm_bytes": 0, "queue_depth": None, "running_requests": None}
+                "instance_id": instance_id,
+                "open_orders": {"prefetch": 0, "pin": 0, "demote": 0},
+                "inflight_bytes": 0,
+                "link_backlog_seconds": 0.0,
+                "free_kv_bytes": None,
+                "total_kv_bytes": None,
+                "hbm_bytes": 0,
+                "queue_depth": None,
+                "running_requests": None,
+            }
         return r
 
     for view in store.instances():
         r = row(view.instance_id)
-        r.update(free_kv_bytes=view.free_kv_bytes, total_kv_bytes=view.total_kv_bytes,
-                 hbm_bytes=view.resident_bytes.get("hbm", 0), queue_depth=view.queue_depth,
-                 running_requests=view.running_requests)
+        r.update(
+            free_kv_bytes=view.free_kv_bytes,
+            total_kv_bytes=view.total_kv_bytes,
+            hbm_bytes=view.resident_bytes.get("hbm", 0),
+            queue_depth=view.queue_depth,
+            running_requests=view.running_requests,
+        )
     for o in scheduler.open_orders():
         r = row(o.instance_id)
         r["open_orders"][o.kind] += 1
@@ -344,6 +435,8 @@ def instance_queues(scheduler: Scheduler, store: StateStore, limit: int) -> tupl
             r["inflight_bytes"] += o.size_bytes
             rate = cfg.link_bytes_per_second(o.source_tier or "pool") * cfg.link_share
             r["link_backlog_seconds"] += o.size_bytes / rate
-    ranked = sorted(rows.values(), key=lambda r: (-r["inflight_bytes"], -sum(r["open_orders"].values()),
-                                                  r["instance_id"]))
+    ranked = sorted(
+        rows.values(),
+        key=lambda r: (-r["inflight_bytes"], -sum(r["open_orders"].values()), r["instance_id"]),
+    )
     return ranked[:limit], len(ranked)

@@ -75,8 +75,9 @@ def cache_key(model_file: Path) -> str:
     return h.hexdigest()[:32]
 
 
-def compile_model(model_file: Path, probe: np.ndarray, expected: np.ndarray,
-                  cache_dir: Path | None = None) -> CompiledModel:
+def compile_model(
+    model_file: Path, probe: np.ndarray, expected: np.ndarray, cache_dir: Path | None = None
+) -> CompiledModel:
     """Compile (or load from the cache) and check against the Booster's answers on `probe`.
 
     Raises ImportError without lleaves, ValueError when the outputs differ, and whatever lleaves

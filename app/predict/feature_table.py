@@ -24,6 +24,7 @@ import math
 from collections.abc import Iterable, Sequence
 from itertools import chain
 from operator import attrgetter
+from typing import cast
 
 import numpy as np
 
@@ -35,8 +36,10 @@ _VIEW_FIELDS = attrgetter("turns", "state", "context_tokens", "last_activity_ts"
 _REQUEST_FIELDS = attrgetter("prompt_tokens", "output_tokens", "routed_ts", "finished_ts")
 RUNNING_STATES = ("queued", "running")
 # The decayed-arrival features and their time constants, as session_features computes them.
-DECAYED_FEATURES: tuple[tuple[str, float], ...] = (("arrivals_decayed_60s", 60.0),
-                                                   ("arrivals_decayed_600s", 600.0))
+DECAYED_FEATURES: tuple[tuple[str, float], ...] = (
+    ("arrivals_decayed_60s", 60.0),
+    ("arrivals_decayed_600s", 600.0),
+)
 
 _COL = {name: i for i, name in enumerate(SESSION_FEATURES)}
 _IDLE = _COL["idle_seconds"]
@@ -44,9 +47,22 @@ _SINCE_ARRIVAL = _COL["since_arrival_seconds"]
 _GAP_MEDIAN = _COL["gap_median_seconds"]
 _IDLE_OVER_MEDIAN = _COL["idle_over_gap_median"]
 # Columns filled per session change, in the order _static_row returns them.
-_STATIC_COLUMNS = tuple(_COL[name] for name in (
-    "turns", "running", "gap_last_seconds", "gap_prev_seconds", "gap_median_seconds", "gap_min_seconds",
-    "gap_max_seconds", "context_tokens", "last_prompt_tokens", "last_output_tokens", "last_service_seconds"))
+_STATIC_COLUMNS = tuple(
+    _COL[name]
+    for name in (
+        "turns",
+        "running",
+        "gap_last_seconds",
+        "gap_prev_seconds",
+        "gap_median_seconds",
+        "gap_min_seconds",
+        "gap_max_seconds",
+        "context_tokens",
+        "last_prompt_tokens",
+        "last_output_tokens",
+        "last_service_seconds",
+    )
+)
 # Per-row clock references (the second list _static_row returns), by position:
 # last activity, last arrival (NaN: none), newest arrival (-inf: none, so every decayed sum
 # scales to 0 without a special case), then each decayed sum as of the newest arrival.
@@ -84,8 +100,12 @@ def _static_row(view: SessionView) -> tuple[list[float], list[float], bool]:
     ]
     if arrivals:
         ref = max(arrivals)
-        aux = [view.last_activity_ts, arrivals[-1], ref,
-               *(sum(math.exp(-(ref - a) / tau) for a in arrivals) for _, tau in DECAYED_FEATURES)]
+        aux = [
+            view.last_activity_ts,
+            arrivals[-1],
+            ref,
+            *(sum(math.exp(-(ref - a) / tau) for a in arrivals) for _, tau in DECAYED_FEATURES),
+        ]
     else:
         aux = [view.last_activity_ts, NAN, -math.inf, *(0.0 for _ in DECAYED_FEATURES)]
     return static, aux, view.state == "closed"
@@ -154,19 +174,20 @@ class FeatureTable:
                 self.upsert(view)
             return
         ids = [v.session_id for v in views]
-        rows = list(map(self._row.get, ids))
-        new = [i for i, row in enumerate(rows) if row is None]
+        found = list(map(self._row.get, ids))
+        new = [i for i, row in enumerate(found) if row is None]
         first = len(self._ids)
         if first + len(new) > len(self._static):
             self._grow(max(2 * len(self._static), first + len(new)))
         for k, i in enumerate(new):
-            rows[i] = first + k
+            found[i] = first + k
+        rows = cast(list[int], found)  # every None was just given its new row
         self._ids.extend(ids[i] for i in new)
         self._row.update((ids[i], first + k) for k, i in enumerate(new))
         self._arrivals.extend(views[i].recent_arrivals_ts for i in new)
         for view, row in zip(views, rows):
-            if row < first:  # type: ignore[operator]
-                self._arrivals[row] = view.recent_arrivals_ts  # type: ignore[index]
+            if row < first:
+                self._arrivals[row] = view.recent_arrivals_ts
         static, aux, closed = _static_columns(views)
         self._static[np.ix_(rows, _STATIC_COLUMNS)] = static
         self._aux[rows] = aux
@@ -200,22 +221,27 @@ class FeatureTable:
         x[:, _IDLE] = idle
         x[:, _SINCE_ARRIVAL] = np.maximum(now - aux[:, _LAST_ARRIVAL], 0.0)  # NaN stays NaN
         median = x[:, _GAP_MEDIAN]
-        x[:, _IDLE_OVER_MEDIAN] = np.divide(idle, median, out=np.full(len(x), NAN), where=median > 0)
+        x[:, _IDLE_OVER_MEDIAN] = np.divide(
+            idle, median, out=np.full(len(x), NAN), where=median > 0
+        )
         ref = aux[:, _DECAY_REF]
         age = np.maximum(now - ref, 0.0)  # inf for no arrivals: the scale is 0
         for k, (name, tau) in enumerate(DECAYED_FEATURES):
             x[:, _COL[name]] = np.exp(-age / tau) * aux[:, _DECAY_SUMS + k]
         late = np.flatnonzero(ref > now)
         if len(late):
-            taken = np.arange(n) if rows is None else take
+            taken = np.arange(n) if rows is None else cast(np.ndarray, take)  # rows: an array
             for i, row in zip(late, taken[late]):
                 arrivals = self._arrivals[row]
                 for name, tau in DECAYED_FEATURES:
                     x[i, _COL[name]] = sum(math.exp(-max(now - a, 0.0) / tau) for a in arrivals)
         return x
 
-    def matrix(self, now: float, horizons: Sequence[float], rows: np.ndarray | None = None) -> np.ndarray:
-        """FEATURES at `now`: one row per (session, horizon), sessions outer, as `feature_matrix`."""
+    def matrix(
+        self, now: float, horizons: Sequence[float], rows: np.ndarray | None = None
+    ) -> np.ndarray:
+        """FEATURES at `now`: one row per (session, horizon), sessions outer, as
+        `feature_matrix`."""
         base = self.session_matrix(now, rows)
         h = np.asarray(horizons, dtype=np.float64)
         out = np.empty((len(base), len(h), len(FEATURES)))
@@ -248,8 +274,9 @@ class FeatureTable:
 VECTORISE_FROM_SESSIONS = 48
 
 
-def feature_matrix(views: Sequence[SessionView], now: float,
-                   horizons: Sequence[float]) -> np.ndarray:
+def feature_matrix(
+    views: Sequence[SessionView], now: float, horizons: Sequence[float]
+) -> np.ndarray:
     """One row per (session, horizon), sessions outer: rows[i * len(horizons) + j].
 
     Equal to `session_features` row by row; many sessions go through the columnar FeatureTable,
@@ -265,7 +292,9 @@ def feature_matrix(views: Sequence[SessionView], now: float,
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(FEATURES))
 
 
-def _segments(lists: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _segments(
+    lists: Sequence[Sequence[float]],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Flattened values, each list's start and length, and which lists are non-empty."""
     lengths = np.fromiter(map(len, lists), dtype=np.intp, count=len(lists))
     flat = np.fromiter(chain.from_iterable(lists), dtype=np.float64, count=int(lengths.sum()))
@@ -287,7 +316,9 @@ def _static_columns(views: Sequence[SessionView]) -> tuple[np.ndarray, np.ndarra
     closed = np.array([s == "closed" for s in states], dtype=bool)
     with_last = [i for i, r in enumerate(lasts) if r is not None]
     if with_last:
-        fields = np.array([_REQUEST_FIELDS(lasts[i]) for i in with_last], dtype=np.float64)  # None -> NaN
+        fields = np.array(
+            [_REQUEST_FIELDS(lasts[i]) for i in with_last], dtype=np.float64
+        )  # None -> NaN
         static[with_last, 8] = fields[:, 0]
         static[with_last, 9] = fields[:, 1]
         static[with_last, 10] = np.maximum(fields[:, 3] - fields[:, 2], 0.0)  # NaN stays NaN

@@ -23,22 +23,22 @@ NAN = float("nan")
 HORIZON_FEATURE = "horizon_seconds"
 
 SESSION_FEATURES: tuple[str, ...] = (
-    "idle_seconds",             # since the session's last event (a finish, usually)
-    "since_arrival_seconds",    # since its last request arrived
+    "idle_seconds",  # since the session's last event (a finish, usually)
+    "since_arrival_seconds",  # since its last request arrived
     "turns",
-    "running",                  # 1 while its latest request is queued or running
-    "gap_last_seconds",         # the latest gap between two of its arrivals
+    "running",  # 1 while its latest request is queued or running
+    "gap_last_seconds",  # the latest gap between two of its arrivals
     "gap_prev_seconds",
     "gap_median_seconds",
     "gap_min_seconds",
     "gap_max_seconds",
-    "idle_over_gap_median",     # how late it is against its own habit
-    "arrivals_decayed_60s",     # arrivals weighted exp(-age / 60 s)
+    "idle_over_gap_median",  # how late it is against its own habit
+    "arrivals_decayed_60s",  # arrivals weighted exp(-age / 60 s)
     "arrivals_decayed_600s",
     "context_tokens",
     "last_prompt_tokens",
     "last_output_tokens",
-    "last_service_seconds",     # routed to finished of the latest request
+    "last_service_seconds",  # routed to finished of the latest request
 )
 FEATURES: tuple[str, ...] = (*SESSION_FEATURES, HORIZON_FEATURE)
 

@@ -31,8 +31,6 @@ log = logging.getLogger(__name__)
 # REFERENCE.md ("What real traffic looks like"): the gap to a conversation's next turn has a
 # median of ~78-126 s; this is the prior for a session with no gap of its own yet.
 PRIOR_GAP_SECONDS = 100.0
-# The bundled model (`make model` rebuilds it); the service and `replay --policy learned` default to it.
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent.parent / "models" / "default"
 # The horizons a prediction is read at; beyond the last, a session counts as not returning.
 HORIZON_GRID: tuple[float, ...] = (5.0, 15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 900.0)
 # What evaluates the trees: "auto" is the compiled model when lleaves is installed and compiles
@@ -47,7 +45,9 @@ class ModelError(KvpError):
 class Predictor(Protocol):
     name: str
 
-    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+    def p_within(
+        self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]
+    ) -> np.ndarray:
         """Shape (len(sessions), len(horizons))."""
         ...
 
@@ -58,11 +58,15 @@ class HeuristicPredictor:
 
     name = "heuristic"
 
-    def __init__(self, prior_gap_seconds: float = PRIOR_GAP_SECONDS, give_up_gaps: float = 3.0) -> None:
+    def __init__(
+        self, prior_gap_seconds: float = PRIOR_GAP_SECONDS, give_up_gaps: float = 3.0
+    ) -> None:
         self.prior_gap_seconds = prior_gap_seconds
         self.give_up_gaps = give_up_gaps
 
-    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+    def p_within(
+        self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]
+    ) -> np.ndarray:
         out = np.zeros((len(sessions), len(horizons)))
         for i, s in enumerate(sessions):
             if s.state == "closed":
@@ -83,7 +87,9 @@ class LearnedPredictor:
 
     name = "learned"
 
-    def __init__(self, model_dir: Path | str, *, backend: Backend = "auto", cache_dir: Path | None = None) -> None:
+    def __init__(
+        self, model_dir: Path | str, *, backend: Backend = "auto", cache_dir: Path | None = None
+    ) -> None:
         import lightgbm as lgb
 
         self.model_dir = Path(model_dir)
@@ -100,8 +106,10 @@ class LearnedPredictor:
             raise ModelError(f"{model_file} does not load: {exc}") from None
         names = tuple(self.booster.feature_name())
         if names != FEATURES:
-            raise ModelError(f"{model_file} was trained on features {list(names)}; this service computes "
-                             f"{list(FEATURES)}")
+            raise ModelError(
+                f"{model_file} was trained on features {list(names)}; this service computes "
+                f"{list(FEATURES)}"
+            )
         card_file = self.model_dir / "card.json"
         try:
             self.card = json.loads(card_file.read_text()) if card_file.is_file() else {}
@@ -112,11 +120,15 @@ class LearnedPredictor:
         if backend == "compiled" or (backend == "auto" and compiled.available()):
             probe = probe_rows()
             try:
-                self.compiled = compiled.compile_model(model_file, probe, self._booster_predict(probe), cache_dir)
+                self.compiled = compiled.compile_model(
+                    model_file, probe, self._booster_predict(probe), cache_dir
+                )
             except Exception as exc:  # lleaves is optional: any failure leaves the Booster serving
                 if backend == "compiled":
                     raise ModelError(f"{model_file} does not compile: {exc}") from None
-                log.warning("scoring with the LightGBM Booster: %s does not compile: %s", model_file, exc)
+                log.warning(
+                    "scoring with the LightGBM Booster: %s does not compile: %s", model_file, exc
+                )
 
     @property
     def backend(self) -> str:
@@ -124,23 +136,33 @@ class LearnedPredictor:
         return "lleaves" if self.compiled is not None else "booster"
 
     def p_from_matrix(self, x: np.ndarray) -> np.ndarray:
-        """P(within the row's horizon) for each row of a FEATURES matrix (feature_matrix's layout)."""
+        """P(within the row's horizon) for each row of a FEATURES matrix (feature_matrix's
+        layout)."""
         if len(x) == 0:
             return np.zeros(0)
         if self.compiled is not None:
             return self.compiled.predict(x)
         return self._booster_predict(x)
 
-    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+    def p_within(
+        self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]
+    ) -> np.ndarray:
         if not sessions:
             return np.zeros((0, len(horizons)))
-        out = self.p_from_matrix(feature_matrix(sessions, now, horizons)).reshape(len(sessions), len(horizons))
+        out = self.p_from_matrix(feature_matrix(sessions, now, horizons)).reshape(
+            len(sessions), len(horizons)
+        )
         closed = np.array([s.state == "closed" for s in sessions])
         out[closed] = 0.0
         return out
 
-    def p_within_table(self, table: FeatureTable, now: float, horizons: Sequence[float],
-                       rows: np.ndarray | None = None) -> np.ndarray:
+    def p_within_table(
+        self,
+        table: FeatureTable,
+        now: float,
+        horizons: Sequence[float],
+        rows: np.ndarray | None = None,
+    ) -> np.ndarray:
         """`p_within` for the table's sessions (all rows, or `rows`), shape (sessions, horizons)."""
         n = len(table) if rows is None else len(rows)
         out = self.p_from_matrix(table.matrix(now, horizons, rows)).reshape(n, len(horizons))

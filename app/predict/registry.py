@@ -23,14 +23,28 @@ class Serving:
 
 
 def _probe_session() -> SessionView:
-    return SessionView(session_id="probe", state="idle", turns=2, first_seen_ts=0.0, last_activity_ts=60.0,
-                       closed_ts=None, instance_id="probe", context_tokens=8000, context_bytes=0,
-                       block_hashes=[1], block_tokens=512, recent_arrivals_ts=[0.0, 50.0],
-                       inter_turn_gaps_seconds=[50.0], last_request=None, resident_blocks={})
+    return SessionView(
+        session_id="probe",
+        state="idle",
+        turns=2,
+        first_seen_ts=0.0,
+        last_activity_ts=60.0,
+        closed_ts=None,
+        instance_id="probe",
+        context_tokens=8000,
+        context_bytes=0,
+        block_hashes=[1],
+        block_tokens=512,
+        recent_arrivals_ts=[0.0, 50.0],
+        inter_turn_gaps_seconds=[50.0],
+        last_request=None,
+        resident_blocks={},
+    )
 
 
-def load_checked(model_dir: Path, sample: Sequence[SessionView] = (),
-                 now: float | None = None) -> LearnedPredictor:
+def load_checked(
+    model_dir: Path, sample: Sequence[SessionView] = (), now: float | None = None
+) -> LearnedPredictor:
     """Load a model and make it answer for a sample of sessions before it may serve.
 
     `sample` is live sessions from the store (the probe session when there are none), scored at
@@ -40,7 +54,10 @@ def load_checked(model_dir: Path, sample: Sequence[SessionView] = (),
     """
     model = LearnedPredictor(model_dir)
     if sample:
-        sessions, what = list(sample), f"{len(sample)} live session{'s' if len(sample) != 1 else ''}"
+        sessions, what = (
+            list(sample),
+            f"{len(sample)} live session{'s' if len(sample) != 1 else ''}",
+        )
     else:
         sessions, what = [_probe_session()], "the probe session"
     if now is None:
@@ -56,8 +73,10 @@ def load_checked(model_dir: Path, sample: Sequence[SessionView] = (),
 
 # Whatever a refused name was, outside the models root: one answer, so that it tells nothing of
 # what exists there.
-OUTSIDE_ROOT = ("model_dir must name a directory inside the models directory (KVP_MODELS_ROOT): "
-                "a name relative to it, or an absolute path under it, with no '..'")
+OUTSIDE_ROOT = (
+    "model_dir must name a directory inside the models directory (KVP_MODELS_ROOT): "
+    "a name relative to it, or an absolute path under it, with no '..'"
+)
 
 
 class ModelDirRefused(ModelError):
@@ -122,8 +141,14 @@ class ModelRegistry:
     (descriptions, errors) names model directories relative to `models_root` (default: the one
     holding `model_dir`), never by their path."""
 
-    def __init__(self, model_dir: Path, shadow_dir: Path | None = None, *,
-                 ledger: AdviceLedger | None = None, models_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        shadow_dir: Path | None = None,
+        *,
+        ledger: AdviceLedger | None = None,
+        models_root: Path | None = None,
+    ) -> None:
         self.ledger = ledger if ledger is not None else AdviceLedger()
         self.models_root = models_root if models_root is not None else model_dir.parent
         try:
@@ -143,23 +168,26 @@ class ModelRegistry:
                 log.warning("no shadow model: %s (%s)", exc, shadow_dir)
                 self.shadow_problem = str(exc)
 
-    def _load(self, model_dir: Path, sample: Sequence[SessionView] = (),
-              now: float | None = None) -> LearnedPredictor:
+    def _load(
+        self, model_dir: Path, sample: Sequence[SessionView] = (), now: float | None = None
+    ) -> LearnedPredictor:
         try:
             return load_checked(model_dir, sample, now)
         except ModelError as exc:
             raise public_error(exc, model_dir, self.models_root) from None
 
-    def reload(self, model_dir: Path, sample: Sequence[SessionView] = (),
-               now: float | None = None) -> Serving:
+    def reload(
+        self, model_dir: Path, sample: Sequence[SessionView] = (), now: float | None = None
+    ) -> Serving:
         model = self._load(model_dir, sample, now)  # raises before anything changes
         self.serving = Serving(model, f"learned ({model.version})", model.version)
         self.ledger.start("live")
         log.info("now serving model %s from %s", model.version, model_dir)
         return self.serving
 
-    def set_shadow(self, model_dir: Path, sample: Sequence[SessionView] = (),
-                   now: float | None = None) -> Serving:
+    def set_shadow(
+        self, model_dir: Path, sample: Sequence[SessionView] = (), now: float | None = None
+    ) -> Serving:
         model = self._load(model_dir, sample, now)
         self.shadow = Serving(model, f"learned ({model.version})", model.version)
         self.shadow_problem = None

@@ -1,7 +1,8 @@
 """What a state store is: the views it returns and the interface both backends implement.
 
-The rules every backend follows (in code: app/state/rules.py), so that state is a function of the *set* of events, whatever
-order they arrive in (tests/state/test_store_contract.py checks them on every backend):
+The rules every backend follows (in code: app/state/rules.py), so that state is a function of the
+*set* of events, whatever order they arrive in (tests/state/test_store_contract.py checks them on
+every backend):
 
 - Request lifecycle: each request keeps the greatest `ts` seen for routed, started and finished.
   A session's *latest request* is the one routed last (by `ts`); its state (queued, running,
@@ -30,8 +31,9 @@ order they arrive in (tests/state/test_store_contract.py checks them on every ba
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Literal, Protocol, Sequence
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
@@ -171,8 +173,13 @@ class StateStore(Protocol):
         read, whatever the length of the context."""
         ...
 
-    def live_sessions(self, limit: int, *, before: SessionCursor | None = None,
-                      active_since_ts: float | None = None) -> list[SessionView]:
+    def live_sessions(
+        self,
+        limit: int,
+        *,
+        before: SessionCursor | None = None,
+        active_since_ts: float | None = None,
+    ) -> list[SessionView]:
         """Up to `limit` sessions that are not closed, most recently active first.
 
         Ordered by (last_activity_ts, session_id) descending; only sessions after `before` in that
@@ -182,8 +189,13 @@ class StateStore(Protocol):
         """
         ...
 
-    def instances(self, *, after: str | None = None, limit: int | None = None,
-                  ids: Sequence[str] | None = None) -> list[InstanceView]:
+    def instances(
+        self,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
+        ids: Sequence[str] | None = None,
+    ) -> list[InstanceView]:
         """Instances by id: all of them, or up to `limit` whose id is greater than `after` (a
         page: pass the last id of the previous one), or those of `ids` the store knows. A page
         costs its own instances, not the fleet's."""
@@ -191,7 +203,9 @@ class StateStore(Protocol):
 
     def locations(self) -> list[LocationView]: ...
 
-    def holds(self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]) -> list[bool]:
+    def holds(
+        self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]
+    ) -> list[bool]:
         """For each block, whether the location holds it now."""
         ...
 
@@ -199,8 +213,12 @@ class StateStore(Protocol):
         """`holds` for each query, in one round trip."""
         ...
 
-    def held_prefixes(self, where: Sequence[Location], block_hashes: Sequence[BlockHash],
-                      starts: Sequence[int] | None = None) -> list[int]:
+    def held_prefixes(
+        self,
+        where: Sequence[Location],
+        block_hashes: Sequence[BlockHash],
+        starts: Sequence[int] | None = None,
+    ) -> list[int]:
         """For each location, where the run of `block_hashes` it holds from its start (default 0)
         ends: from 0, the length of the longest prefix it holds.
 
@@ -216,7 +234,9 @@ class StateStore(Protocol):
         last `instance_status` said (None: never said); costs those instances only."""
         ...
 
-    def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
+    def present(
+        self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]
+    ) -> set[BlockHash]:
         """The blocks of `block_hashes` the location holds now (`holds` as a set, for callers that
         ask about many blocks at once: the arrival judging on the ingest path)."""
         ...

@@ -10,8 +10,30 @@ from __future__ import annotations
 import bisect
 import math
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
+from app.state.base import (
+    HoldsQuery,
+    InstanceView,
+    Location,
+    LocationView,
+    LogPosition,
+    OrderView,
+    RequestView,
+    SessionContext,
+    SessionCursor,
+    SessionView,
+    location_name,
+)
+from app.state.rules import (
+    NONE,
+    RequestRecord,
+    SessionRecord,
+    latest_context_tokens,
+    retention_cutoff,
+    tombstone_floor,
+)
 from kvprefetch_client.events import (
     BlockHash,
     Event,
@@ -26,27 +48,6 @@ from kvprefetch_client.events import (
     SessionClosed,
     Tier,
     VllmKvEvents,
-)
-from app.state.base import (
-    InstanceView,
-    LocationView,
-    LogPosition,
-    OrderView,
-    HoldsQuery,
-    Location,
-    RequestView,
-    SessionContext,
-    SessionCursor,
-    SessionView,
-    location_name,
-)
-from app.state.rules import (
-    NONE,
-    RequestRecord,
-    SessionRecord,
-    latest_context_tokens,
-    retention_cutoff,
-    tombstone_floor,
 )
 
 _ORDER_RANK = {"accepted": 0, "completed": 1, "failed": 1}
@@ -69,8 +70,16 @@ class _Location:
     windows of this location's event time.
     """
 
-    __slots__ = ("present", "removed", "removed_old", "old_bound", "newest", "window", "cleared_ts",
-                 "block_tokens")
+    __slots__ = (
+        "block_tokens",
+        "cleared_ts",
+        "newest",
+        "old_bound",
+        "present",
+        "removed",
+        "removed_old",
+        "window",
+    )
 
     def __init__(self, block_tokens: int, window: float) -> None:
         self.present: dict[BlockHash, float] = {}
@@ -150,8 +159,14 @@ class _Location:
 
 
 class _Instance:
-    __slots__ = ("last_seen_ts", "status_ts", "free_kv_bytes", "total_kv_bytes", "queue_depth",
-                 "running_requests")
+    __slots__ = (
+        "free_kv_bytes",
+        "last_seen_ts",
+        "queue_depth",
+        "running_requests",
+        "status_ts",
+        "total_kv_bytes",
+    )
 
     def __init__(self, ts: float) -> None:
         self.last_seen_ts = ts
@@ -163,8 +178,15 @@ class _Instance:
 
 
 class MemoryStore:
-    def __init__(self, *, bytes_per_token: int, block_tokens: int, dedupe_max_ids: int = 2_000_000,
-                 reorder_window_seconds: float = math.inf, session_retention_seconds: float = math.inf) -> None:
+    def __init__(
+        self,
+        *,
+        bytes_per_token: int,
+        block_tokens: int,
+        dedupe_max_ids: int = 2_000_000,
+        reorder_window_seconds: float = math.inf,
+        session_retention_seconds: float = math.inf,
+    ) -> None:
         if dedupe_max_ids < 1 or reorder_window_seconds <= 0 or session_retention_seconds <= 0:
             raise ValueError("dedupe_max_ids and both windows must be positive")
         self.bytes_per_token = bytes_per_token
@@ -200,7 +222,8 @@ class MemoryStore:
         # Instance ids in order, for the pages of instances().
         self._instance_ids: list[str] = []
         self._checkpoints: dict[str, LogPosition] = {}
-        self._apply_one = {
+        # Each handler takes its own event type; the dispatch on `type` is what narrows.
+        self._apply_one: dict[str, Callable[[Any], None]] = {
             "request_routed": self._routed,
             "request_started": self._started,
             "request_finished": self._finished,
@@ -269,6 +292,7 @@ class MemoryStore:
     def _index_order(self, order_id: str, old_ts: float | None, ts: float) -> None:
         """Move an order to the second of its new last activity."""
         by_second, seconds = self._orders_by_second, self._order_seconds
+        members: set[str] | None
         if old_ts is not None:
             old = int(old_ts)
             if old == int(ts):
@@ -330,6 +354,7 @@ class MemoryStore:
     def _index(self, session_id: str, old_ts: float | None, ts: float) -> None:
         """Move a session to the second of its new last activity (every ts is >= 0: int floors)."""
         by_second = self._by_second
+        members: set[str] | None
         if old_ts is not None:
             old = int(old_ts)
             members = by_second[old]
@@ -358,8 +383,10 @@ class MemoryStore:
             i.last_seen_ts = ts
         return i
 
-    def _request_event(self, e: RequestRouted | RequestStarted | RequestFinished,
-                       ) -> tuple[SessionRecord, RequestRecord] | None:
+    def _request_event(
+        self,
+        e: RequestRouted | RequestStarted | RequestFinished,
+    ) -> tuple[SessionRecord, RequestRecord] | None:
         """What every request event does: touch its session and instance, find its request
         (SessionRecord.request). None: the event is about a forgotten session (see _session);
         only the instance is touched.
@@ -389,8 +416,9 @@ class MemoryStore:
     def _routed(self, e: RequestRouted) -> None:
         sr = self._request_event(e)
         if sr is not None:
-            sr[0].routed(sr[1], e.ts, e.prompt_tokens, e.block_hashes,
-                         e.block_tokens or self.block_tokens)
+            sr[0].routed(
+                sr[1], e.ts, e.prompt_tokens, e.block_hashes, e.block_tokens or self.block_tokens
+            )
 
     def _started(self, e: RequestStarted) -> None:
         sr = self._request_event(e)
@@ -400,8 +428,14 @@ class MemoryStore:
     def _finished(self, e: RequestFinished) -> None:
         sr = self._request_event(e)
         if sr is not None:
-            sr[0].finished(sr[1], e.ts, e.output_tokens, e.context_tokens, e.block_hashes,
-                           e.block_tokens or self.block_tokens)
+            sr[0].finished(
+                sr[1],
+                e.ts,
+                e.output_tokens,
+                e.context_tokens,
+                e.block_hashes,
+                e.block_tokens or self.block_tokens,
+            )
 
     def _closed(self, e: SessionClosed) -> None:
         s = self._session(e.session_id, e.ts)
@@ -412,7 +446,9 @@ class MemoryStore:
         key = (tier, instance_id)
         loc = self._locations.get(key)
         if loc is None:
-            loc = self._locations[key] = _Location(block_tokens or self.block_tokens, self.reorder_window_seconds)
+            loc = self._locations[key] = _Location(
+                block_tokens or self.block_tokens, self.reorder_window_seconds
+            )
         elif block_tokens:
             loc.block_tokens = block_tokens
         return loc
@@ -453,11 +489,27 @@ class MemoryStore:
             self._forget_order(order_id, old[6])  # forgotten: this event starts it afresh
             old = None
         if old is None:
-            orders[order_id] = (_ORDER_RANK[e.status], ts, e.status, e.bytes, e.seconds, e.reason, ts)
+            orders[order_id] = (
+                _ORDER_RANK[e.status],
+                ts,
+                e.status,
+                e.bytes,
+                e.seconds,
+                e.reason,
+                ts,
+            )
             self._index_order(order_id, None, ts)
             return
         last = ts if ts > old[6] else old[6]
-        new: _OrderRecord = (_ORDER_RANK[e.status], ts, e.status, e.bytes, e.seconds, e.reason, last)
+        new: _OrderRecord = (
+            _ORDER_RANK[e.status],
+            ts,
+            e.status,
+            e.bytes,
+            e.seconds,
+            e.reason,
+            last,
+        )
         if new[:3] > old[:3]:
             orders[order_id] = new
         elif last != old[6]:
@@ -482,9 +534,13 @@ class MemoryStore:
             return None
         # s.blocks is replaced, never changed in place: handing it out is safe.
         context_bytes = latest_context_tokens(s.latest()) * self.bytes_per_token
-        return SessionContext(session_id=session_id, instance_id=s.instance_id,
-                              context_bytes=context_bytes,
-                              block_hashes=s.blocks, block_tokens=s.block_tokens or self.block_tokens)
+        return SessionContext(
+            session_id=session_id,
+            instance_id=s.instance_id,
+            context_bytes=context_bytes,
+            block_hashes=s.blocks,
+            block_tokens=s.block_tokens or self.block_tokens,
+        )
 
     def session(self, session_id: str) -> SessionView | None:
         s = self._live(session_id)
@@ -517,8 +573,13 @@ class MemoryStore:
             resident_blocks=resident,
         )
 
-    def live_sessions(self, limit: int, *, before: SessionCursor | None = None,
-                      active_since_ts: float | None = None) -> list[SessionView]:
+    def live_sessions(
+        self,
+        limit: int,
+        *,
+        before: SessionCursor | None = None,
+        active_since_ts: float | None = None,
+    ) -> list[SessionView]:
         if limit <= 0:
             return []
         sessions, seconds = self._sessions, self._seconds
@@ -546,14 +607,19 @@ class MemoryStore:
                     break
         return [self.session(session_id) for session_id in found]  # type: ignore[misc]
 
-    def instances(self, *, after: str | None = None, limit: int | None = None,
-                  ids: Sequence[str] | None = None) -> list[InstanceView]:
+    def instances(
+        self,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
+        ids: Sequence[str] | None = None,
+    ) -> list[InstanceView]:
         if ids is not None:
             chosen = sorted({i for i in ids if i in self._instances})
         else:
             known = self._instance_ids
             start = bisect.bisect_right(known, after) if after is not None else 0
-            chosen = known[start: start + limit] if limit is not None else known[start:]
+            chosen = known[start : start + limit] if limit is not None else known[start:]
         locations, bytes_per_token = self._locations, self.bytes_per_token
         out = []
         for instance_id in chosen:
@@ -565,26 +631,42 @@ class MemoryStore:
                 if loc is not None:
                     blocks[tier] = len(loc.present)
                     nbytes[tier] = len(loc.present) * loc.block_tokens * bytes_per_token
-            out.append(InstanceView(
-                instance_id=instance_id, last_seen_ts=i.last_seen_ts,
-                status_ts=i.status_ts if i.status_ts >= 0 else None,
-                free_kv_bytes=i.free_kv_bytes, total_kv_bytes=i.total_kv_bytes,
-                queue_depth=i.queue_depth, running_requests=i.running_requests,
-                resident_blocks=blocks, resident_bytes=nbytes))
+            out.append(
+                InstanceView(
+                    instance_id=instance_id,
+                    last_seen_ts=i.last_seen_ts,
+                    status_ts=i.status_ts if i.status_ts >= 0 else None,
+                    free_kv_bytes=i.free_kv_bytes,
+                    total_kv_bytes=i.total_kv_bytes,
+                    queue_depth=i.queue_depth,
+                    running_requests=i.running_requests,
+                    resident_blocks=blocks,
+                    resident_bytes=nbytes,
+                )
+            )
         return out
 
     def locations(self) -> list[LocationView]:
         out = []
-        for (tier, instance_id), loc in sorted(self._locations.items(), key=lambda kv: location_name(*kv[0])):
-            out.append(LocationView(
-                location=location_name(tier, instance_id), tier=tier, instance_id=instance_id,  # type: ignore[arg-type]
-                blocks=len(loc.present),
-                bytes=len(loc.present) * loc.block_tokens * self.bytes_per_token,
-                block_tokens=loc.block_tokens,
-                cleared_ts=loc.cleared_ts if loc.cleared_ts >= 0 else None))
+        for (tier, instance_id), loc in sorted(
+            self._locations.items(), key=lambda kv: location_name(*kv[0])
+        ):
+            out.append(
+                LocationView(
+                    location=location_name(tier, instance_id),
+                    tier=tier,
+                    instance_id=instance_id,
+                    blocks=len(loc.present),
+                    bytes=len(loc.present) * loc.block_tokens * self.bytes_per_token,
+                    block_tokens=loc.block_tokens,
+                    cleared_ts=loc.cleared_ts if loc.cleared_ts >= 0 else None,
+                )
+            )
         return out
 
-    def holds(self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]) -> list[bool]:
+    def holds(
+        self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]
+    ) -> list[bool]:
         loc = self._locations.get((tier, instance_id))
         if loc is None:
             return [False] * len(block_hashes)
@@ -603,8 +685,12 @@ class MemoryStore:
                 out.append([h in present for h in block_hashes])
         return out
 
-    def held_prefixes(self, where: Sequence[Location], block_hashes: Sequence[BlockHash],
-                      starts: Sequence[int] | None = None) -> list[int]:
+    def held_prefixes(
+        self,
+        where: Sequence[Location],
+        block_hashes: Sequence[BlockHash],
+        starts: Sequence[int] | None = None,
+    ) -> list[int]:
         # A route hint's whole residency cost (~2,000 probes for 129 locations of a 65,536-block
         # context). Packed hashes are searched by bisect in C, backwards (where the held run is
         # misses then hits, what bisect wants): the very probes of the loop below, in its order.
@@ -632,10 +718,15 @@ class MemoryStore:
 
     def instance_loads(self, ids: Sequence[str]) -> dict[str, tuple[int | None, int | None]]:
         instances = self._instances
-        return {i: (r.queue_depth, r.running_requests)
-                for i in ids if (r := instances.get(i)) is not None}
+        return {
+            i: (r.queue_depth, r.running_requests)
+            for i in ids
+            if (r := instances.get(i)) is not None
+        }
 
-    def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
+    def present(
+        self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]
+    ) -> set[BlockHash]:
         loc = self._locations.get((tier, instance_id))
         return loc.present.keys() & block_hashes if loc is not None else set()
 
@@ -644,16 +735,36 @@ class MemoryStore:
         if o is None or o[6] < self._cutoff:
             return None
         _, ts, status, nbytes, seconds, reason, _ = o
-        return OrderView(order_id=order_id, status=status, status_ts=ts,  # type: ignore[arg-type]
-                         bytes=nbytes, seconds=seconds, reason=reason)
+        return OrderView(
+            order_id=order_id,
+            status=status,
+            status_ts=ts,
+            bytes=nbytes,
+            seconds=seconds,
+            reason=reason,
+        )
 
     def stats(self) -> dict[str, int]:
         # Only the second holding the cutoff can still hold forgotten sessions (_expire_sessions).
         cutoff = self._cutoff
-        forgotten = sum(1 for session_id in self._by_second.get(math.floor(cutoff), ())
-                        if self._sessions[session_id].last_ts < cutoff) if cutoff > -math.inf else 0
-        forgotten_orders = sum(1 for order_id in self._orders_by_second.get(math.floor(cutoff), ())
-                               if self._orders[order_id][6] < cutoff) if cutoff > -math.inf else 0
+        forgotten = (
+            sum(
+                1
+                for session_id in self._by_second.get(math.floor(cutoff), ())
+                if self._sessions[session_id].last_ts < cutoff
+            )
+            if cutoff > -math.inf
+            else 0
+        )
+        forgotten_orders = (
+            sum(
+                1
+                for order_id in self._orders_by_second.get(math.floor(cutoff), ())
+                if self._orders[order_id][6] < cutoff
+            )
+            if cutoff > -math.inf
+            else 0
+        )
         return {
             "sessions": len(self._sessions) - forgotten,
             "instances": len(self._instances),
@@ -698,7 +809,12 @@ def _request_view(r: RequestRecord) -> RequestView:
         return x if x >= 0 else None
 
     return RequestView(
-        request_id=r.request_id, instance_id=r.instance_id,
-        routed_ts=opt(r.routed_ts), started_ts=opt(r.started_ts),
-        finished_ts=opt(r.finished_ts), prompt_tokens=opt_int(r.prompt_tokens),
-        output_tokens=opt_int(r.output_tokens), context_tokens=opt_int(r.context_tokens))
+        request_id=r.request_id,
+        instance_id=r.instance_id,
+        routed_ts=opt(r.routed_ts),
+        started_ts=opt(r.started_ts),
+        finished_ts=opt(r.finished_ts),
+        prompt_tokens=opt_int(r.prompt_tokens),
+        output_tokens=opt_int(r.output_tokens),
+        context_tokens=opt_int(r.context_tokens),
+    )

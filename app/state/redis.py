@@ -93,7 +93,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -105,28 +105,13 @@ from redis.exceptions import NoScriptError
 from redis.retry import Retry
 
 from app.core.errors import StoreError, StoreUnavailable
-from kvprefetch_client.events import (
-    BlockHash,
-    Event,
-    InstanceStatus,
-    KvBlocksCleared,
-    KvBlocksRemoved,
-    KvBlocksStored,
-    OrderProgress,
-    RequestFinished,
-    RequestRouted,
-    RequestStarted,
-    SessionClosed,
-    Tier,
-    VllmKvEvents,
-)
 from app.state.base import (
+    HoldsQuery,
     InstanceView,
+    Location,
     LocationView,
     LogPosition,
     OrderView,
-    HoldsQuery,
-    Location,
     RequestView,
     SessionContext,
     SessionCursor,
@@ -143,6 +128,22 @@ from app.state.rules import (
     retention_cutoff,
     session_state,
 )
+from kvprefetch_client.events import (
+    BlockHash,
+    Event,
+    InstanceStatus,
+    KvBlocksCleared,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    OrderProgress,
+    RequestFinished,
+    RequestRouted,
+    RequestStarted,
+    SessionClosed,
+    Tier,
+    VllmKvEvents,
+)
+
 
 def _lua(name: str) -> str:
     """A Lua script shipped beside this module."""
@@ -178,11 +179,14 @@ _REQ_PROMPT, _REQ_OUTPUT, _REQ_CONTEXT = 6, 7, 8
 # A vllm_kv_events event is several K/X/Z operations under its one event id.
 # Returns one 1 (applied) or 0 (duplicate) per event. See the module docstring for why the
 # sessions and instances are written back at the end and the ids marked last.
-_APPLY_LUA = _lua("redis_apply.lua").replace("__RECENT_REQUESTS__", str(RECENT_REQUESTS)).replace(
-    "__RECENT_ARRIVALS__", str(RECENT_ARRIVALS))
+_APPLY_LUA = (
+    _lua("redis_apply.lua")
+    .replace("__RECENT_REQUESTS__", str(RECENT_REQUESTS))
+    .replace("__RECENT_ARRIVALS__", str(RECENT_ARRIVALS))
+)
 
-# ARGV: prefix, ttl seconds, bucket seconds, session retention. Returns sessions, instances, locations,
-# resident blocks, orders, remembered event ids.
+# ARGV: prefix, ttl seconds, bucket seconds, session retention. Returns sessions, instances,
+# locations, resident blocks, orders, remembered event ids.
 _STATS_LUA = _lua("redis_stats.lua")
 # ARGV: prefix, then per query: location name, n, n members. Returns 1/0 per member.
 _HOLDS_LUA = _lua("redis_holds.lua")
@@ -233,9 +237,17 @@ def _glob_escape(s: str) -> str:
 
 
 class RedisStore:
-    def __init__(self, client: redis.Redis, *, prefix: str, bytes_per_token: int, block_tokens: int,
-                 dedupe_ttl_seconds: int = 24 * 3600, reorder_window_seconds: float = math.inf,
-                 session_retention_seconds: float = math.inf) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        prefix: str,
+        bytes_per_token: int,
+        block_tokens: int,
+        dedupe_ttl_seconds: int = 24 * 3600,
+        reorder_window_seconds: float = math.inf,
+        session_retention_seconds: float = math.inf,
+    ) -> None:
         if not prefix:
             raise ValueError("prefix must not be empty")
         if reorder_window_seconds <= 0 or session_retention_seconds <= 0:
@@ -257,7 +269,8 @@ class RedisStore:
         self._k_order_activity = f"{p}:order-activity"
         self._k_locs, self._k_locbt, self._k_loccl = f"{p}:locs", f"{p}:locbt", f"{p}:loccl"
         self._k_newest = f"{p}:newest"
-        self._encode = {
+        # Each encoder takes its own event type; the dispatch on `type` is what narrows.
+        self._encode: dict[str, Callable[[Any, list[str]], None]] = {
             "request_routed": self._enc_routed,
             "request_started": self._enc_started,
             "request_finished": self._enc_finished,
@@ -271,29 +284,55 @@ class RedisStore:
         }
 
     @classmethod
-    def from_url(cls, url: str, *, prefix: str = "kvp", bytes_per_token: int, block_tokens: int,
-                 dedupe_ttl_seconds: int = 24 * 3600, reorder_window_seconds: float = math.inf,
-                 session_retention_seconds: float = math.inf, timeout_seconds: float = 2.0) -> RedisStore:
+    def from_url(
+        cls,
+        url: str,
+        *,
+        prefix: str = "kvp",
+        bytes_per_token: int,
+        block_tokens: int,
+        dedupe_ttl_seconds: int = 24 * 3600,
+        reorder_window_seconds: float = math.inf,
+        session_retention_seconds: float = math.inf,
+        timeout_seconds: float = 2.0,
+    ) -> RedisStore:
         # No automatic retries: a script call resent after a timeout may already have run, and
         # would then report its event as a duplicate. Callers retry whole batches; the event-id
         # dedupe makes that safe. (A pooled connection the server closed is replaced on checkout.)
         client = redis.Redis.from_url(
-            url, socket_timeout=timeout_seconds, socket_connect_timeout=timeout_seconds,
-            decode_responses=True, retry=Retry(NoBackoff(), 0))
-        return cls(client, prefix=prefix, bytes_per_token=bytes_per_token,
-                   block_tokens=block_tokens, dedupe_ttl_seconds=dedupe_ttl_seconds,
-                   reorder_window_seconds=reorder_window_seconds,
-                   session_retention_seconds=session_retention_seconds)
+            url,
+            socket_timeout=timeout_seconds,
+            socket_connect_timeout=timeout_seconds,
+            decode_responses=True,
+            retry=Retry(NoBackoff(), 0),
+        )
+        return cls(
+            client,
+            prefix=prefix,
+            bytes_per_token=bytes_per_token,
+            block_tokens=block_tokens,
+            dedupe_ttl_seconds=dedupe_ttl_seconds,
+            reorder_window_seconds=reorder_window_seconds,
+            session_retention_seconds=session_retention_seconds,
+        )
 
     def _head(self) -> list[str]:
         """The apply script's first arguments, before the events."""
-        return [self.prefix, str(self.dedupe_ttl_seconds), str(self._bucket_seconds),
-                _ts(self.reorder_window_seconds), _ts(self.session_retention_seconds)]
+        return [
+            self.prefix,
+            str(self.dedupe_ttl_seconds),
+            str(self._bucket_seconds),
+            _ts(self.reorder_window_seconds),
+            _ts(self.session_retention_seconds),
+        ]
 
     def _cutoff(self, newest: str | None) -> float:
         """Sessions last active before this are forgotten (the apply script's `cutoff`)."""
-        return -math.inf if newest is None else retention_cutoff(float(newest),
-                                                                 self.session_retention_seconds)
+        return (
+            -math.inf
+            if newest is None
+            else retention_cutoff(float(newest), self.session_retention_seconds)
+        )
 
     @contextmanager
     def _errors(self) -> Iterator[None]:
@@ -374,16 +413,32 @@ class RedisStore:
         return out
 
     def _enc_routed(self, e: RequestRouted, ops: list[str]) -> None:
-        ops += ("R", e.session_id, e.request_id, e.instance_id, _ts(e.ts), str(e.prompt_tokens),
-                self._blocks_json(e.block_hashes), str(e.block_tokens or self.block_tokens))
+        ops += (
+            "R",
+            e.session_id,
+            e.request_id,
+            e.instance_id,
+            _ts(e.ts),
+            str(e.prompt_tokens),
+            self._blocks_json(e.block_hashes),
+            str(e.block_tokens or self.block_tokens),
+        )
 
     def _enc_started(self, e: RequestStarted, ops: list[str]) -> None:
         ops += ("S", e.session_id, e.request_id, e.instance_id, _ts(e.ts))
 
     def _enc_finished(self, e: RequestFinished, ops: list[str]) -> None:
-        ops += ("F", e.session_id, e.request_id, e.instance_id, _ts(e.ts), str(e.output_tokens),
-                str(e.context_tokens) if e.context_tokens is not None else "-1",
-                self._blocks_json(e.block_hashes), str(e.block_tokens or self.block_tokens))
+        ops += (
+            "F",
+            e.session_id,
+            e.request_id,
+            e.instance_id,
+            _ts(e.ts),
+            str(e.output_tokens),
+            str(e.context_tokens) if e.context_tokens is not None else "-1",
+            self._blocks_json(e.block_hashes),
+            str(e.block_tokens or self.block_tokens),
+        )
 
     def _enc_closed(self, e: SessionClosed, ops: list[str]) -> None:
         ops += ("C", e.session_id, _ts(e.ts))
@@ -395,12 +450,21 @@ class RedisStore:
         return "[" + ",".join(_enc_blocks(hs)) + "]"
 
     def _where(self, e: KvBlocksStored | KvBlocksRemoved | KvBlocksCleared) -> tuple[str, str, str]:
-        return (e.instance_id or "", location_name(e.tier, e.instance_id),
-                json.dumps([e.tier, e.instance_id]))
+        return (
+            e.instance_id or "",
+            location_name(e.tier, e.instance_id),
+            json.dumps([e.tier, e.instance_id]),
+        )
 
     def _enc_stored(self, e: KvBlocksStored, ops: list[str]) -> None:
-        ops += ("K", *self._where(e), _ts(e.ts), str(e.block_tokens or self.block_tokens),
-                _opt(e.block_tokens or None), str(len(e.block_hashes)))
+        ops += (
+            "K",
+            *self._where(e),
+            _ts(e.ts),
+            str(e.block_tokens or self.block_tokens),
+            _opt(e.block_tokens or None),
+            str(len(e.block_hashes)),
+        )
         ops += _enc_blocks(e.block_hashes)
 
     def _enc_removed(self, e: KvBlocksRemoved, ops: list[str]) -> None:
@@ -416,12 +480,27 @@ class RedisStore:
             self._encode[sub.type](sub, ops)
 
     def _enc_status(self, e: InstanceStatus, ops: list[str]) -> None:
-        ops += ("I", e.instance_id, _ts(e.ts), str(e.free_kv_bytes), _opt(e.total_kv_bytes),
-                str(e.queue_depth), str(e.running_requests))
+        ops += (
+            "I",
+            e.instance_id,
+            _ts(e.ts),
+            str(e.free_kv_bytes),
+            _opt(e.total_kv_bytes),
+            str(e.queue_depth),
+            str(e.running_requests),
+        )
 
     def _enc_order(self, e: OrderProgress, ops: list[str]) -> None:
-        ops += ("O", e.order_id, str(_ORDER_RANK[e.status]), _ts(e.ts), e.status, _opt(e.bytes),
-                _ts(e.seconds) if e.seconds is not None else "", json.dumps(e.reason))
+        ops += (
+            "O",
+            e.order_id,
+            str(_ORDER_RANK[e.status]),
+            _ts(e.ts),
+            e.status,
+            _opt(e.bytes),
+            _ts(e.seconds) if e.seconds is not None else "",
+            json.dumps(e.reason),
+        )
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -458,13 +537,21 @@ class RedisStore:
             return None
         reqs: list[list[str]] = json.loads(reqs_json) if reqs_json else []
         latest = max(reqs, key=_rank) if reqs else None
-        return SessionContext(session_id=session_id, instance_id=instance_id,
-                              context_bytes=_context_tokens(latest) * self.bytes_per_token,
-                              block_hashes=orjson.loads(blocks_json) if blocks_json else [],
-                              block_tokens=int(bt or 0) or self.block_tokens)
+        return SessionContext(
+            session_id=session_id,
+            instance_id=instance_id,
+            context_bytes=_context_tokens(latest) * self.bytes_per_token,
+            block_hashes=orjson.loads(blocks_json) if blocks_json else [],
+            block_tokens=int(bt or 0) or self.block_tokens,
+        )
 
-    def live_sessions(self, limit: int, *, before: SessionCursor | None = None,
-                      active_since_ts: float | None = None) -> list[SessionView]:
+    def live_sessions(
+        self,
+        limit: int,
+        *,
+        before: SessionCursor | None = None,
+        active_since_ts: float | None = None,
+    ) -> list[SessionView]:
         if limit <= 0:
             return []
         p = self.prefix
@@ -473,8 +560,11 @@ class RedisStore:
         found: list[tuple[str, dict[str, str], list[BlockHash]]] = []
         with self._errors():
             # Forgotten sessions not deleted yet are below the cutoff: start there at the lowest.
-            since = max(-math.inf if active_since_ts is None else active_since_ts,
-                        self._cutoff(self._r.get(self._k_newest)))
+            since = max(
+                -math.inf if active_since_ts is None else active_since_ts,
+                # decode_responses=True, which redis-py's types do not follow: replies are str.
+                self._cutoff(self._r.get(self._k_newest)),  # type: ignore[arg-type]
+            )
             low = _ts(since) if since > -math.inf else "-inf"
             # Pages down the activity index (its score is the session's last activity ts), each
             # page read with one pipeline, until `limit` open sessions are found. What comes after
@@ -487,12 +577,15 @@ class RedisStore:
                 if cursor is not None:
                     pipe.zrange(key, _ts(cursor[0]), _ts(cursor[0]), byscore=True)
                 high = "(" + _ts(cursor[0]) if cursor is not None else "+inf"
-                pipe.zrange(key, high, low, desc=True, byscore=True, offset=0, num=want, withscores=True)
+                pipe.zrange(
+                    key, high, low, desc=True, byscore=True, offset=0, num=want, withscores=True
+                )
                 replies = pipe.execute()
                 rows: list[tuple[float, str]] = []
-                if cursor is not None:
-                    if cursor[0] >= since:
-                        rows = [(cursor[0], m) for m in sorted(replies[0], reverse=True) if m < cursor[1]]
+                if cursor is not None and cursor[0] >= since:
+                    rows = [
+                        (cursor[0], m) for m in sorted(replies[0], reverse=True) if m < cursor[1]
+                    ]
                 rows += [(float(score), m) for m, score in replies[-1]]
                 rows = rows[:want]
                 if not rows:
@@ -510,8 +603,10 @@ class RedisStore:
                     found.append((session_id, h, json.loads(h["b"]) if "b" in h else []))
                 cursor = rows[-1]
             resident = self._resident_many([blocks for _, _, blocks in found])
-        return [self._session_view(session_id, h, blocks, res)
-                for (session_id, h, blocks), res in zip(found, resident)]
+        return [
+            self._session_view(session_id, h, blocks, res)
+            for (session_id, h, blocks), res in zip(found, resident)
+        ]
 
     def _resident_many(self, block_lists: list[list[BlockHash]]) -> list[dict[str, int]]:
         """session()'s resident_blocks for many sessions: one ZMSCORE per location, of every
@@ -521,7 +616,8 @@ class RedisStore:
         union = sorted({m for members in encoded for m in members})
         if not union:
             return out
-        loc_names = self._r.hkeys(self._k_locs)
+        # decode_responses=True, which redis-py's types do not follow: replies are str.
+        loc_names: list[str] = self._r.hkeys(self._k_locs)  # type: ignore[assignment]
         if not loc_names:
             return out
         pipe = self._r.pipeline(transaction=False)
@@ -537,8 +633,9 @@ class RedisStore:
                     res[name] = n
         return out
 
-    def _session_view(self, session_id: str, h: dict[str, str], blocks: list[BlockHash],
-                      resident: dict[str, int]) -> SessionView:
+    def _session_view(
+        self, session_id: str, h: dict[str, str], blocks: list[BlockHash], resident: dict[str, int]
+    ) -> SessionView:
         reqs: list[list[str]] = json.loads(h["r"]) if "r" in h else []
         latest = max(reqs, key=_rank) if reqs else None
         context_tokens = _context_tokens(latest)
@@ -583,8 +680,13 @@ class RedisStore:
             out.append((name, tier, instance_id, bt, cl, int(n)))
         return out
 
-    def instances(self, *, after: str | None = None, limit: int | None = None,
-                  ids: Sequence[str] | None = None) -> list[InstanceView]:
+    def instances(
+        self,
+        *,
+        after: str | None = None,
+        limit: int | None = None,
+        ids: Sequence[str] | None = None,
+    ) -> list[InstanceView]:
         p = self.prefix
         with self._errors():
             if ids is not None:
@@ -595,10 +697,15 @@ class RedisStore:
                 # The index's scores are all 0, so it is in id order (bytes: for UTF-8, Python's
                 # string order, as MemoryStore pages).
                 low = "(" + after if after is not None else "-"
+                # decode_responses=True, which redis-py's types do not follow: replies are str.
                 if limit is not None:
-                    chosen = self._r.zrange(self._k_instances, low, "+", bylex=True, offset=0, num=limit)
+                    chosen = self._r.zrange(  # type: ignore[assignment]
+                        self._k_instances, low, "+", bylex=True, offset=0, num=limit
+                    )
                 else:
-                    chosen = self._r.zrange(self._k_instances, low, "+", bylex=True)
+                    chosen = self._r.zrange(  # type: ignore[assignment]
+                        self._k_instances, low, "+", bylex=True
+                    )
             pipe = self._r.pipeline(transaction=False)
             for instance_id in chosen:
                 names = [location_name(tier, instance_id) for tier in _INSTANCE_TIERS]
@@ -611,7 +718,7 @@ class RedisStore:
         out = []
         per = 3 + len(_INSTANCE_TIERS)
         for k, instance_id in enumerate(chosen):
-            h, metas, bts, *counts = replies[k * per: (k + 1) * per]
+            h, metas, bts, *counts = replies[k * per : (k + 1) * per]
             if not h:  # unknown (ids), or cleared between the two reads
                 continue
             blocks: dict[str, int] = {}
@@ -619,29 +726,46 @@ class RedisStore:
             for tier, meta, bt, n in zip(_INSTANCE_TIERS, metas, bts, counts):
                 if meta is not None:
                     blocks[tier] = int(n)
-                    nbytes[tier] = int(n) * (int(bt) if bt is not None else self.block_tokens) * self.bytes_per_token
+                    nbytes[tier] = (
+                        int(n)
+                        * (int(bt) if bt is not None else self.block_tokens)
+                        * self.bytes_per_token
+                    )
             has_status = "st" in h
-            out.append(InstanceView(
-                instance_id=instance_id, last_seen_ts=float(h["l"]),
-                status_ts=float(h["st"]) if has_status else None,
-                free_kv_bytes=int(h["free"]) if has_status else None,
-                total_kv_bytes=int(h["total"]) if has_status and h["total"] else None,
-                queue_depth=int(h["qd"]) if has_status else None,
-                running_requests=int(h["rr"]) if has_status else None,
-                resident_blocks=blocks, resident_bytes=nbytes))
+            out.append(
+                InstanceView(
+                    instance_id=instance_id,
+                    last_seen_ts=float(h["l"]),
+                    status_ts=float(h["st"]) if has_status else None,
+                    free_kv_bytes=int(h["free"]) if has_status else None,
+                    total_kv_bytes=int(h["total"]) if has_status and h["total"] else None,
+                    queue_depth=int(h["qd"]) if has_status else None,
+                    running_requests=int(h["rr"]) if has_status else None,
+                    resident_blocks=blocks,
+                    resident_bytes=nbytes,
+                )
+            )
         return out
 
     def locations(self) -> list[LocationView]:
         with self._errors():
             locs = self._location_table()
         return [
-            LocationView(location=name, tier=tier, instance_id=instance_id,  # type: ignore[arg-type]
-                         blocks=n, bytes=n * bt * self.bytes_per_token, block_tokens=bt,
-                         cleared_ts=cl)
+            LocationView(
+                location=name,
+                tier=tier,
+                instance_id=instance_id,
+                blocks=n,
+                bytes=n * bt * self.bytes_per_token,
+                block_tokens=bt,
+                cleared_ts=cl,
+            )
             for name, tier, instance_id, bt, cl, n in locs
         ]
 
-    def holds(self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]) -> list[bool]:
+    def holds(
+        self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]
+    ) -> list[bool]:
         if not block_hashes:
             return []
         key = f"{self.prefix}:loc:{location_name(tier, instance_id)}"
@@ -664,12 +788,16 @@ class RedisStore:
         out: list[list[bool]] = []
         at = 0
         for _, _, block_hashes in queries:
-            out.append([f == 1 for f in flags[at: at + len(block_hashes)]])
+            out.append([f == 1 for f in flags[at : at + len(block_hashes)]])
             at += len(block_hashes)
         return out
 
-    def held_prefixes(self, where: Sequence[Location], block_hashes: Sequence[BlockHash],
-                      starts: Sequence[int] | None = None) -> list[int]:
+    def held_prefixes(
+        self,
+        where: Sequence[Location],
+        block_hashes: Sequence[BlockHash],
+        starts: Sequence[int] | None = None,
+    ) -> list[int]:
         # A round trip costs far more than a probe, so each call walks _HELD_LEVELS levels of
         # every search in the script; the client sends each level's candidate probes.
         n, k = len(block_hashes), _HELD_LEVELS
@@ -692,7 +820,8 @@ class RedisStore:
                 args += (names[x], str(tree))
             with self._errors():
                 stops = self._held_script(
-                    args=[self.prefix, str(k), str(len(trees)), *members, *args])
+                    args=[self.prefix, str(k), str(len(trees)), *members, *args]
+                )
             for x, node in zip(active, stops):
                 a, b = lo[x], hi[x]
                 for bit in bin(int(node))[3:]:  # the path from the root: 1 held (right), 0 not
@@ -709,10 +838,15 @@ class RedisStore:
             for instance_id in chosen:
                 pipe.hmget(f"{self.prefix}:i:{instance_id}", "l", "st", "qd", "rr")
             replies = pipe.execute()
-        return {instance_id: ((int(qd), int(rr)) if st is not None else (None, None))
-                for instance_id, (last, st, qd, rr) in zip(chosen, replies) if last is not None}
+        return {
+            instance_id: ((int(qd), int(rr)) if st is not None else (None, None))
+            for instance_id, (last, st, qd, rr) in zip(chosen, replies)
+            if last is not None
+        }
 
-    def present(self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
+    def present(
+        self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]
+    ) -> set[BlockHash]:
         blocks = list(dict.fromkeys(block_hashes))
         return {h for h, held in zip(blocks, self.holds(tier, instance_id, blocks)) if held}
 
@@ -726,23 +860,40 @@ class RedisStore:
         if not h or float(h.get("l", h["ts"])) < self._cutoff(newest):
             return None
         return OrderView(
-            order_id=order_id, status=h["status"], status_ts=float(h["ts"]),  # type: ignore[arg-type]
+            order_id=order_id,
+            status=h["status"],
+            status_ts=float(h["ts"]),
             bytes=int(h["bytes"]) if h["bytes"] else None,
             seconds=float(h["seconds"]) if h["seconds"] else None,
-            reason=json.loads(h["reason"]))
+            reason=json.loads(h["reason"]),
+        )
 
     def stats(self) -> dict[str, int]:
         with self._errors():
             counts = self._stats_script(
-                args=[self.prefix, self.dedupe_ttl_seconds, self._bucket_seconds,
-                      _ts(self.session_retention_seconds)])
-        keys = ("sessions", "instances", "locations", "resident_blocks", "orders",
-                "remembered_event_ids")
+                args=[
+                    self.prefix,
+                    self.dedupe_ttl_seconds,
+                    self._bucket_seconds,
+                    _ts(self.session_retention_seconds),
+                ]
+            )
+        keys = (
+            "sessions",
+            "instances",
+            "locations",
+            "resident_blocks",
+            "orders",
+            "remembered_event_ids",
+        )
         return {k: int(v) for k, v in zip(keys, counts)}
 
     def checkpoint(self, replica_id: str) -> LogPosition | None:
         with self._errors():
-            raw = self._r.get(f"{self.prefix}:ckpt:{replica_id}")
+            # decode_responses=True, which redis-py's types do not follow: replies are str.
+            raw: str | None = self._r.get(  # type: ignore[assignment]
+                f"{self.prefix}:ckpt:{replica_id}"
+            )
         if raw is None:
             return None
         segment, offset = raw.split(":")
@@ -786,23 +937,34 @@ def _request_view(r: list[str]) -> RequestView:
         return v if v >= 0 else None
 
     return RequestView(
-        request_id=r[_REQ_ID], instance_id=r[_REQ_INSTANCE] or None,
-        routed_ts=opt(r[_REQ_ROUTED]), started_ts=opt(r[_REQ_STARTED]),
-        finished_ts=opt(r[_REQ_FINISHED]), prompt_tokens=opt_int(r[_REQ_PROMPT]),
-        output_tokens=opt_int(r[_REQ_OUTPUT]), context_tokens=opt_int(r[_REQ_CONTEXT]))
+        request_id=r[_REQ_ID],
+        instance_id=r[_REQ_INSTANCE] or None,
+        routed_ts=opt(r[_REQ_ROUTED]),
+        started_ts=opt(r[_REQ_STARTED]),
+        finished_ts=opt(r[_REQ_FINISHED]),
+        prompt_tokens=opt_int(r[_REQ_PROMPT]),
+        output_tokens=opt_int(r[_REQ_OUTPUT]),
+        context_tokens=opt_int(r[_REQ_CONTEXT]),
+    )
 
 
 def _context_tokens(latest: list[str] | None) -> int:
     """rules.context_tokens of a stored latest record."""
     if latest is None:
         return 0
-    return context_tokens(float(latest[_REQ_FINISHED]), int(latest[_REQ_PROMPT]),
-                          int(latest[_REQ_OUTPUT]), int(latest[_REQ_CONTEXT]))
+    return context_tokens(
+        float(latest[_REQ_FINISHED]),
+        int(latest[_REQ_PROMPT]),
+        int(latest[_REQ_OUTPUT]),
+        int(latest[_REQ_CONTEXT]),
+    )
 
 
 def _state(closed_ts: float, latest: list[str] | None) -> SessionStateName:
     """rules.session_state of a stored record."""
     if latest is None:
         return session_state(closed_ts, None)
-    return session_state(closed_ts, (float(latest[_REQ_ROUTED]), float(latest[_REQ_STARTED]),
-                                     float(latest[_REQ_FINISHED])))
+    return session_state(
+        closed_ts,
+        (float(latest[_REQ_ROUTED]), float(latest[_REQ_STARTED]), float(latest[_REQ_FINISHED])),
+    )

@@ -32,6 +32,7 @@ SessionStateName = Literal["queued", "running", "idle", "closed"]
 
 # -- the two windows ------------------------------------------------------------------------------
 
+
 def retention_cutoff(newest_ts: float, session_retention_seconds: float) -> float:
     """A session or an order last active before this is forgotten, and an event older than it
     ignored; `newest_ts` is the newest event ts the store has applied."""
@@ -46,6 +47,7 @@ def tombstone_floor(location_newest_ts: float, reorder_window_seconds: float) ->
 
 # -- reads ----------------------------------------------------------------------------------------
 
+
 def request_rank(routed_ts: float, started_ts: float, finished_ts: float) -> float:
     """Which request is the latest: the greatest rank. Its routed time, else the earliest other
     time seen (a started or finished that came before its routed)."""
@@ -56,8 +58,9 @@ def request_rank(routed_ts: float, started_ts: float, finished_ts: float) -> flo
     return started_ts if started_ts >= 0 else finished_ts if finished_ts >= 0 else NONE
 
 
-def context_tokens(finished_ts: float, prompt_tokens: int, output_tokens: int,
-                   context_tokens: int) -> int:
+def context_tokens(
+    finished_ts: float, prompt_tokens: int, output_tokens: int, context_tokens: int
+) -> int:
     """A session's context, from its latest request: what the engine said it was when the
     request finished (else prompt + output), its prompt before that."""
     if finished_ts >= 0 and context_tokens >= 0:
@@ -67,8 +70,7 @@ def context_tokens(finished_ts: float, prompt_tokens: int, output_tokens: int,
     return max(prompt_tokens, 0)
 
 
-def session_state(closed_ts: float,
-                  latest: tuple[float, float, float] | None) -> SessionStateName:
+def session_state(closed_ts: float, latest: tuple[float, float, float] | None) -> SessionStateName:
     """From the session's newest close and its latest request's (routed, started, finished):
     closed when the close is not older than the latest routing, else that request's stage."""
     latest_routed = latest[0] if latest is not None else NONE
@@ -83,12 +85,22 @@ def session_state(closed_ts: float,
 
 # -- the records and what each event does to them -------------------------------------------
 
+
 class RequestRecord:
     """One request of a session: the greatest ts seen of each stage, and the instance named by
     its newest event."""
 
-    __slots__ = ("request_id", "instance_id", "instance_ts", "routed_ts", "started_ts",
-                 "finished_ts", "prompt_tokens", "output_tokens", "context_tokens")
+    __slots__ = (
+        "context_tokens",
+        "finished_ts",
+        "instance_id",
+        "instance_ts",
+        "output_tokens",
+        "prompt_tokens",
+        "request_id",
+        "routed_ts",
+        "started_ts",
+    )
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -112,8 +124,19 @@ class SessionRecord:
     """One session, as the events so far made it. Kept small (slotted, floats rather than
     optional objects, block hashes packed in an array): a store holds millions."""
 
-    __slots__ = ("turns", "first_ts", "last_ts", "closed_ts", "instance_id", "instance_ts",
-                 "blocks", "blocks_ts", "block_tokens", "arrivals", "requests")
+    __slots__ = (
+        "arrivals",
+        "block_tokens",
+        "blocks",
+        "blocks_ts",
+        "closed_ts",
+        "first_ts",
+        "instance_id",
+        "instance_ts",
+        "last_ts",
+        "requests",
+        "turns",
+    )
 
     def __init__(self, ts: float) -> None:
         self.turns = 0
@@ -151,8 +174,14 @@ class SessionRecord:
             r.instance_id, r.instance_ts = instance_id, ts
         return r
 
-    def routed(self, r: RequestRecord, ts: float, prompt_tokens: int,
-               block_hashes: list[BlockHash] | None, block_tokens: int) -> None:
+    def routed(
+        self,
+        r: RequestRecord,
+        ts: float,
+        prompt_tokens: int,
+        block_hashes: list[BlockHash] | None,
+        block_tokens: int,
+    ) -> None:
         """request_routed: one more turn and arrival; the prompt of the newest routing."""
         self.turns += 1
         add_arrival(self.arrivals, ts)
@@ -167,8 +196,15 @@ class SessionRecord:
             r.started_ts = ts
         self.trim_requests()
 
-    def finished(self, r: RequestRecord, ts: float, output_tokens: int, context_tokens: int | None,
-                 block_hashes: list[BlockHash] | None, block_tokens: int) -> None:
+    def finished(
+        self,
+        r: RequestRecord,
+        ts: float,
+        output_tokens: int,
+        context_tokens: int | None,
+        block_hashes: list[BlockHash] | None,
+        block_tokens: int,
+    ) -> None:
         """request_finished: the output and context of the newest finish."""
         self.set_blocks(block_hashes, block_tokens, ts)
         if ts >= r.finished_ts:
@@ -181,8 +217,9 @@ class SessionRecord:
         if ts > self.closed_ts:
             self.closed_ts = ts
 
-    def set_blocks(self, block_hashes: list[BlockHash] | None, block_tokens: int,
-                   ts: float) -> None:
+    def set_blocks(
+        self, block_hashes: list[BlockHash] | None, block_tokens: int, ts: float
+    ) -> None:
         """The context's blocks are those of the newest event that carried any (a tie: the
         later applied wins)."""
         if block_hashes is not None and ts >= self.blocks_ts:
@@ -204,8 +241,9 @@ class SessionRecord:
 def latest_context_tokens(latest: RequestRecord | None) -> int:
     if latest is None:
         return 0
-    return context_tokens(latest.finished_ts, latest.prompt_tokens, latest.output_tokens,
-                          latest.context_tokens)
+    return context_tokens(
+        latest.finished_ts, latest.prompt_tokens, latest.output_tokens, latest.context_tokens
+    )
 
 
 def add_arrival(arrivals: list[float], ts: float) -> None:

@@ -11,5 +11,12 @@ from kvprefetch_client._version import __version__
 from kvprefetch_client.client import Answer, AnswerCallback, AsyncKvpClient, ClientStats, KvpClient
 from kvprefetch_client.errors import KvpError
 
-__all__ = ["Answer", "AnswerCallback", "AsyncKvpClient", "ClientStats", "KvpClient", "KvpError",
-           "__version__"]
+__all__ = [
+    "Answer",
+    "AnswerCallback",
+    "AsyncKvpClient",
+    "ClientStats",
+    "KvpClient",
+    "KvpError",
+    "__version__",
+]

@@ -8,7 +8,7 @@ order (see app/state/).
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -44,15 +44,17 @@ Ident = Annotated[str, StringConstraints(min_length=1, max_length=256)]
 # pattern (Rust regex, inside pydantic-core) costs nothing measurable; a Python validator cost
 # a third of the parse of 1000 ids.
 SESSION_ID_PATTERN = r"^(?:[^/.\p{Cc}]|\.[^/.\p{Cc}]|\.\.[^/\p{Cc}])[^/\p{Cc}]*$"
-SessionId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=SESSION_ID_PATTERN)]
+SessionId = Annotated[
+    str, StringConstraints(min_length=1, max_length=256, pattern=SESSION_ID_PATTERN)
+]
 Timestamp = Annotated[StrictFloat, Field(ge=0, le=MAX_TS_SECONDS, allow_inf_nan=False)]
 Tokens = Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS)]
 BlockTokens = Annotated[StrictInt, Field(ge=1, le=1_048_576)]
 # vLLM's ExternalBlockHash is bytes or int; over JSON that is an int or a (hex) string.
-BlockHash = Union[
-    Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)],
-    Annotated[str, StringConstraints(min_length=1, max_length=128)],
-]
+BlockHash = (
+    Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]
+    | Annotated[str, StringConstraints(min_length=1, max_length=128)]
+)
 BlockHashes = Annotated[list[BlockHash], Field(max_length=MAX_BLOCKS_PER_EVENT)]
 
 # Where KV can live: a GPU's HBM, its host's DRAM, its local disk, or the shared pool
@@ -146,9 +148,19 @@ class KvBlocksCleared(_Located):
 # vLLM's own KV event structs (vllm/distributed/kv_events.py), field names kept as they are.
 # msgspec encodes them tagged by class name; older releases encoded them as arrays.
 _VLLM_FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
-                    "kv_cache_spec_sliding_window"),
+    "BlockStored": (
+        "block_hashes",
+        "parent_block_hash",
+        "token_ids",
+        "block_size",
+        "lora_id",
+        "medium",
+        "lora_name",
+        "extra_keys",
+        "group_idx",
+        "kv_cache_spec_kind",
+        "kv_cache_spec_sliding_window",
+    ),
     "BlockRemoved": ("block_hashes", "medium", "group_idx"),
     "AllBlocksCleared": (),
 }
@@ -202,7 +214,9 @@ class VllmAllBlocksCleared(_VllmEvent):
 
 
 VllmKvEvent = Annotated[
-    Annotated[Union[VllmBlockStored, VllmBlockRemoved, VllmAllBlocksCleared], Field(discriminator="type")],
+    Annotated[
+        VllmBlockStored | VllmBlockRemoved | VllmAllBlocksCleared, Field(discriminator="type")
+    ],
     BeforeValidator(_vllm_from_array),
 ]
 
@@ -223,18 +237,34 @@ class VllmKvEvents(_Event):
         for i, e in enumerate(self.events):
             sub_id = f"{self.event_id}#{i}"
             if isinstance(e, VllmBlockStored):
-                out.append(KvBlocksStored(
-                    event_id=sub_id, ts=self.ts, tier=_tier_of_medium(e.medium),
-                    instance_id=self.instance_id, block_hashes=e.block_hashes,
-                    parent_block_hash=e.parent_block_hash, block_tokens=e.block_size))
+                out.append(
+                    KvBlocksStored(
+                        event_id=sub_id,
+                        ts=self.ts,
+                        tier=_tier_of_medium(e.medium),
+                        instance_id=self.instance_id,
+                        block_hashes=e.block_hashes,
+                        parent_block_hash=e.parent_block_hash,
+                        block_tokens=e.block_size,
+                    )
+                )
             elif isinstance(e, VllmBlockRemoved):
-                out.append(KvBlocksRemoved(
-                    event_id=sub_id, ts=self.ts, tier=_tier_of_medium(e.medium),
-                    instance_id=self.instance_id, block_hashes=e.block_hashes))
+                out.append(
+                    KvBlocksRemoved(
+                        event_id=sub_id,
+                        ts=self.ts,
+                        tier=_tier_of_medium(e.medium),
+                        instance_id=self.instance_id,
+                        block_hashes=e.block_hashes,
+                    )
+                )
             else:
                 # vLLM clears its GPU prefix cache; other tiers are reported by their owners.
-                out.append(KvBlocksCleared(
-                    event_id=sub_id, ts=self.ts, tier="hbm", instance_id=self.instance_id))
+                out.append(
+                    KvBlocksCleared(
+                        event_id=sub_id, ts=self.ts, tier="hbm", instance_id=self.instance_id
+                    )
+                )
         return out
 
 
@@ -283,25 +313,30 @@ class OrderProgress(_Event):
 
 
 Event = Annotated[
-    Union[
-        RequestRouted,
-        RequestStarted,
-        RequestFinished,
-        SessionClosed,
-        KvBlocksStored,
-        KvBlocksRemoved,
-        KvBlocksCleared,
-        VllmKvEvents,
-        InstanceStatus,
-        OrderProgress,
-    ],
+    RequestRouted
+    | RequestStarted
+    | RequestFinished
+    | SessionClosed
+    | KvBlocksStored
+    | KvBlocksRemoved
+    | KvBlocksCleared
+    | VllmKvEvents
+    | InstanceStatus
+    | OrderProgress,
     Field(discriminator="type"),
 ]
 
 EVENT_TYPES: tuple[str, ...] = (
-    "request_routed", "request_started", "request_finished", "session_closed",
-    "kv_blocks_stored", "kv_blocks_removed", "kv_blocks_cleared", "vllm_kv_events",
-    "instance_status", "order_progress",
+    "request_routed",
+    "request_started",
+    "request_finished",
+    "session_closed",
+    "kv_blocks_stored",
+    "kv_blocks_removed",
+    "kv_blocks_cleared",
+    "vllm_kv_events",
+    "instance_status",
+    "order_progress",
 )
 
 

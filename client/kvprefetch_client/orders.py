@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
@@ -83,7 +83,7 @@ class Cancel(BaseModel):
         return self.model_dump_json().encode()
 
 
-Message = Annotated[Union[Order, Cancel], Field(discriminator="type")]
+Message = Annotated[Order | Cancel, Field(discriminator="type")]
 message_adapter: TypeAdapter[Order | Cancel] = TypeAdapter(Message)
 
 
@@ -92,8 +92,9 @@ def from_json(data: bytes | str) -> Order | Cancel:
     return message_adapter.validate_json(data)
 
 
-def order_id_for(kind: OrderKind, instance_id: str, tier: str, block_hashes: Sequence[BlockHash],
-                 generation: int) -> str:
+def order_id_for(
+    kind: OrderKind, instance_id: str, tier: str, block_hashes: Sequence[BlockHash], generation: int
+) -> str:
     """A deterministic id: the same plan for the same blocks gets the same id, so a retry (by
     the scheduler or a sink) is recognisably the same order. `generation` tells apart a later
     order for the same blocks after the earlier one ended."""

@@ -15,11 +15,11 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.api.main import create_app
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.core.clock import ManualClock
 from app.core.config import Settings
-from app.observe.metrics import prepare_multiprocess_dir, rejection_field
 from app.decide.advisor import SessionAdvice
-from app.predict.predictors import DEFAULT_MODEL_DIR
+from app.observe.metrics import prepare_multiprocess_dir, rejection_field
 from tests.api.conftest import routed, settle
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -12,11 +12,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.api.main import create_app
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.core.clock import ManualClock
 from app.core.config import Settings
-from app.predict.features import FEATURES
 from app.decide.advisor import Advisor
-from app.predict.predictors import DEFAULT_MODEL_DIR, HeuristicPredictor, LearnedPredictor
+from app.predict.features import FEATURES
+from app.predict.predictors import HeuristicPredictor, LearnedPredictor
 from tests.api.conftest import routed, settle
 
 NO_SCORES = {"predictions": 0, "keep_predictions": 0, "hits": 0, "misses": 0, "unscored": 0, "hit_rate": None}

@@ -8,16 +8,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app.predict.features import FEATURES
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.decide.advisor import Advisor
+from app.decide.routing import SameInstanceEstimate
+from app.predict.features import FEATURES
 from app.predict.predictors import (
-    DEFAULT_MODEL_DIR,
     HORIZON_GRID,
     HeuristicPredictor,
     LearnedPredictor,
     ModelError,
 )
-from app.decide.routing import SameInstanceEstimate
 from app.state.base import SessionView
 
 

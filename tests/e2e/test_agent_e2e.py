@@ -85,7 +85,8 @@ class AgentProcess:
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-        env["PYTHONPATH"] = str(REPO)
+        # The checkout's client too (as pytest's pythonpath has it), not an installed one.
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "client")])
         env.update(self.env)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.args, cwd=self.work, env=env, stdin=subprocess.DEVNULL,

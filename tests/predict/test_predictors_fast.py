@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.predict import compiled
-from app.predict.feature_table import FeatureTable
-from app.predict.feature_table import feature_matrix
+from app.predict.feature_table import FeatureTable, feature_matrix
 from app.predict.features import FEATURES
-from app.predict.predictors import DEFAULT_MODEL_DIR, HORIZON_GRID, LearnedPredictor, ModelError, probe_rows
+from app.predict.predictors import HORIZON_GRID, LearnedPredictor, ModelError, probe_rows
 from tests.predict.test_features import START_TS, random_view
 
 needs_lleaves = pytest.mark.skipif(not compiled.available(), reason="lleaves is not installed (the fast extra)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.predict.predictors import DEFAULT_MODEL_DIR
+from app.core.bundle import DEFAULT_MODEL_DIR
 from tests.conftest import trace_slice
 from training import evaluate
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.predict.predictors import DEFAULT_MODEL_DIR
+from app.core.bundle import DEFAULT_MODEL_DIR
 from tests.conftest import trace_slice
 from training.thresholds import compare_settings, main
 

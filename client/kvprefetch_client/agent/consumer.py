@@ -34,7 +34,9 @@ import httpx
 import orjson
 from pydantic import ValidationError
 
-if TYPE_CHECKING:  # the Redis source needs the `redis` extra: pip install 'kvprefetch-client[redis]'
+if (
+    TYPE_CHECKING
+):  # the Redis source needs the `redis` extra: pip install 'kvprefetch-client[redis]'
     import redis
 
 from kvprefetch_client.orders import Cancel, Order, from_json
@@ -120,9 +122,17 @@ class StreamSource:
     agent does, with its own `instance_id`, before the first poll).
     """
 
-    def __init__(self, client: redis.Redis, *, prefix: str, consumer: str,
-                 instance_id: str | None = None, claim_idle_seconds: float = 10.0, batch: int = 64,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        prefix: str,
+        consumer: str,
+        instance_id: str | None = None,
+        claim_idle_seconds: float = 10.0,
+        batch: int = 64,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         if claim_idle_seconds <= 0:
             raise ValueError("claim_idle_seconds must be positive")
         self._r = client
@@ -142,13 +152,14 @@ class StreamSource:
             self.bind(instance_id)
         # Heartbeat well inside the idle limit, so one late beat does not cost an order.
         self._beat_seconds = claim_idle_seconds / 3
-        self._heartbeat = threading.Thread(target=self._beat, name="kvprefetch-agent-heartbeat",
-                                           daemon=True)
+        self._heartbeat = threading.Thread(
+            target=self._beat, name="kvprefetch-agent-heartbeat", daemon=True
+        )
         self._heartbeat.start()
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> StreamSource:
-        import redis  # noqa: PLC0415 - the `redis` extra, needed by this source only
+        import redis
 
         # The socket timeout must outlast the longest XREADGROUP BLOCK the runner asks for.
         client = redis.Redis.from_url(url, socket_timeout=30.0, socket_connect_timeout=5.0)
@@ -157,13 +168,15 @@ class StreamSource:
     def bind(self, instance_id: str) -> None:
         if self.instance_id is not None:
             if instance_id != self.instance_id:
-                raise ValueError(f"this stream source reads instance {self.instance_id!r}'s "
-                                 f"stream, not {instance_id!r}'s")
+                raise ValueError(
+                    f"this stream source reads instance {self.instance_id!r}'s "
+                    f"stream, not {instance_id!r}'s"
+                )
             return
         if not instance_id:
             raise ValueError("instance_id must name the instance whose stream to read")
         key = stream_key(self.prefix, instance_id)
-        import redis  # noqa: PLC0415
+        import redis
 
         try:
             self._r.xgroup_create(key, GROUP, id="0", mkstream=True)
@@ -174,8 +187,9 @@ class StreamSource:
 
     def _stream(self) -> str:
         if self.key is None:
-            raise RuntimeError("the stream source is not bound to an instance yet (pass "
-                               "instance_id, or bind it)")
+            raise RuntimeError(
+                "the stream source is not bound to an instance yet (pass instance_id, or bind it)"
+            )
         return self.key
 
     def _deliveries(self, entries: Sequence[Any]) -> list[Delivery]:
@@ -198,8 +212,13 @@ class StreamSource:
             if claimed:
                 return claimed
         block_ms = int(max_wait_seconds * 1000)
-        reply = self._r.xreadgroup(GROUP, self.consumer, {key: ">"}, count=self._batch,
-                                   block=block_ms if block_ms > 0 else None)
+        reply = self._r.xreadgroup(
+            GROUP,
+            self.consumer,
+            {key: ">"},
+            count=self._batch,
+            block=block_ms if block_ms > 0 else None,
+        )
         if not reply:
             return []
         # RESP2 (the client from_url makes): [[stream, [(entry_id, {field: value}), ...]]].
@@ -207,15 +226,24 @@ class StreamSource:
         return [d for _, entries in streams for d in self._deliveries(entries)]
 
     def _claim(self) -> list[Delivery]:
-        reply = self._r.xautoclaim(self._stream(), GROUP, self.consumer, self._claim_idle_ms,
-                                   start_id=self._claim_cursor, count=self._batch)
+        reply = self._r.xautoclaim(
+            self._stream(),
+            GROUP,
+            self.consumer,
+            self._claim_idle_ms,
+            start_id=self._claim_cursor,
+            count=self._batch,
+        )
         cursor, entries = reply[0], reply[1]
         self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else str(cursor)
         # Entries deleted from the stream while pending come back without fields: nothing to do.
         live = [(i, f) for i, f in entries if f]
         if live:
-            log.info("claimed %d orders stream entries left idle for %.1f s by another agent",
-                     len(live), self._claim_idle_ms / 1000)
+            log.info(
+                "claimed %d orders stream entries left idle for %.1f s by another agent",
+                len(live),
+                self._claim_idle_ms / 1000,
+            )
         return self._deliveries(live)
 
     def ack(self, deliveries: Sequence[Delivery]) -> None:
@@ -234,14 +262,14 @@ class StreamSource:
             return sorted(self._held)
 
     def _beat(self) -> None:
-        import redis  # noqa: PLC0415
+        import redis
 
         while not self._stop.wait(self._beat_seconds):
             try:
                 self.renew()
             except redis.RedisError as exc:
                 log.warning("could not renew held orders stream entries: %s", exc)
-            except Exception:  # noqa: BLE001 - the heartbeat must outlive anything
+            except Exception:
                 log.exception("orders stream heartbeat failed")
 
     def renew(self) -> None:
@@ -251,11 +279,15 @@ class StreamSource:
         if not held:
             return
         key = self._stream()
-        pending = self._r.xpending_range(key, GROUP, min="-", max="+",
-                                         count=max(len(held) * 2, 100), consumername=self.consumer)
-        ours: list[Any] = [p["message_id"] for p in pending
-                if (p["message_id"].decode() if isinstance(p["message_id"], bytes)
-                    else p["message_id"]) in held]
+        pending = self._r.xpending_range(
+            key, GROUP, min="-", max="+", count=max(len(held) * 2, 100), consumername=self.consumer
+        )
+        ours: list[Any] = [
+            p["message_id"]
+            for p in pending
+            if (p["message_id"].decode() if isinstance(p["message_id"], bytes) else p["message_id"])
+            in held
+        ]
         if ours:
             self._r.xclaim(key, GROUP, self.consumer, 0, ours, justid=True)
 
@@ -277,18 +309,30 @@ class PullSource:
     is lost (leased to another agent, cancelled, gone) is not started.
     """
 
-    def __init__(self, service_url: str, instance_id: str, *, limit: int = 100,
-                 timeout_seconds: float = 5.0, transport: httpx.BaseTransport | None = None,
-                 sleep: Callable[[float], None] = time.sleep, token: str | None = None,
-                 agent: str | None = None, renew_seconds: float | None = None) -> None:
+    def __init__(
+        self,
+        service_url: str,
+        instance_id: str,
+        *,
+        limit: int = 100,
+        timeout_seconds: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
+        sleep: Callable[[float], None] = time.sleep,
+        token: str | None = None,
+        agent: str | None = None,
+        renew_seconds: float | None = None,
+    ) -> None:
         self.instance_id = instance_id
         # The name the leases are under: unique per process, like a stream consumer's.
         self.agent = agent or default_consumer_name(instance_id)
         self._limit = limit
         self._sleep = sleep
-        self._http = httpx.Client(base_url=service_url.rstrip("/"), timeout=timeout_seconds,
-                                  transport=transport,
-                                  headers={"authorization": f"Bearer {token}"} if token else None)
+        self._http = httpx.Client(
+            base_url=service_url.rstrip("/"),
+            timeout=timeout_seconds,
+            transport=transport,
+            headers={"authorization": f"Bearer {token}"} if token else None,
+        )
         self._http_lock = threading.Lock()  # the heartbeat and the loop share the client
         self._failing = False
         # None: a third of the lease the service states (10 s until it has).
@@ -298,14 +342,17 @@ class PullSource:
         self._held: set[str] = set()  # order ids delivered, not acked
         self._stop = threading.Event()
         self._wake = threading.Event()  # the lease changed (or stop): wait anew
-        self._heartbeat = threading.Thread(target=self._beat, name="kvprefetch-agent-lease-renewal",
-                                           daemon=True)
+        self._heartbeat = threading.Thread(
+            target=self._beat, name="kvprefetch-agent-lease-renewal", daemon=True
+        )
         self._heartbeat.start()
 
     def bind(self, instance_id: str) -> None:
         if instance_id != self.instance_id:
-            raise ValueError(f"this pull source asks for instance {self.instance_id!r}'s orders, "
-                             f"not {instance_id!r}'s")
+            raise ValueError(
+                f"this pull source asks for instance {self.instance_id!r}'s orders, "
+                f"not {instance_id!r}'s"
+            )
 
     def poll(self, max_wait_seconds: float) -> list[Delivery]:
         out = self._fetch()
@@ -316,14 +363,20 @@ class PullSource:
     def _fetch(self) -> list[Delivery]:
         try:
             with self._http_lock:
-                r = self._http.get("/v1/orders", params={"instance_id": self.instance_id,
-                                                          "limit": self._limit, "agent": self.agent})
+                r = self._http.get(
+                    "/v1/orders",
+                    params={
+                        "instance_id": self.instance_id,
+                        "limit": self._limit,
+                        "agent": self.agent,
+                    },
+                )
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
             doc = orjson.loads(r.content)
             orders, cancelled = doc.get("orders", []), doc.get("cancelled", [])
             if not isinstance(orders, list) or not isinstance(cancelled, list):
-                raise RuntimeError("answer is not {\"orders\": [...], \"cancelled\": [...]}")
+                raise RuntimeError('answer is not {"orders": [...], "cancelled": [...]}')
         except (httpx.HTTPError, RuntimeError, orjson.JSONDecodeError, AttributeError) as exc:
             if not self._failing:
                 log.warning("cannot pull orders from the service: %s", exc)
@@ -333,7 +386,11 @@ class PullSource:
             log.info("pulling orders from the service again")
             self._failing = False
         lease_seconds = doc.get("lease_seconds")
-        if isinstance(lease_seconds, (int, float)) and lease_seconds > 0 and lease_seconds != self._lease_seconds:
+        if (
+            isinstance(lease_seconds, (int, float))
+            and lease_seconds > 0
+            and lease_seconds != self._lease_seconds
+        ):
             self._lease_seconds = float(lease_seconds)
             self._wake.set()
         out = [parse("", orjson.dumps(o)) for o in orders]
@@ -363,24 +420,34 @@ class PullSource:
         lost: list[str] = []
         for start in range(0, len(order_ids), 1000):  # the service's most per call
             with self._http_lock:
-                r = self._http.post("/v1/orders/renew", json={
-                    "instance_id": self.instance_id, "agent": self.agent,
-                    "order_ids": list(order_ids[start:start + 1000])})
+                r = self._http.post(
+                    "/v1/orders/renew",
+                    json={
+                        "instance_id": self.instance_id,
+                        "agent": self.agent,
+                        "order_ids": list(order_ids[start : start + 1000]),
+                    },
+                )
             if r.status_code != 200:
                 raise RuntimeError(f"renewing leases: HTTP {r.status_code}: {r.text[:200]}")
             doc = orjson.loads(r.content)
             if not isinstance(doc, dict) or not isinstance(doc.get("lost"), list):
-                raise RuntimeError("renewing leases: answer is not {\"renewed\": [...], \"lost\": [...]}")
+                raise RuntimeError(
+                    'renewing leases: answer is not {"renewed": [...], "lost": [...]}'
+                )
             lost += [str(x) for x in doc["lost"]]
         if lost:
             with self._lock:
                 self._held.difference_update(lost)
-            log.warning("%d pulled orders lost their lease (leased to another agent, or gone): "
-                        "not starting them: %s", len(lost), ", ".join(lost[:5]))
+            log.warning(
+                "%d pulled orders lost their lease (leased to another agent, or gone): "
+                "not starting them: %s",
+                len(lost),
+                ", ".join(lost[:5]),
+            )
         return lost
 
     def _beat(self) -> None:
-        import redis  # noqa: PLC0415
 
         while not self._stop.is_set():
             self._wake.wait(self._beat_seconds())
@@ -389,7 +456,7 @@ class PullSource:
                 continue
             try:
                 self.renew()
-            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive anything
+            except Exception as exc:
                 log.warning("could not renew the leases of pulled orders: %s", exc)
 
     def _beat_seconds(self) -> float:

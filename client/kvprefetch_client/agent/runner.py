@@ -37,7 +37,13 @@ from pydantic import BaseModel
 
 from kvprefetch_client.agent.consumer import Delivery, OrderSource
 from kvprefetch_client.agent.tiers import BufferFull, HbmBuffer, PoolDir
-from kvprefetch_client.events import BlockHash, KvBlocksCleared, KvBlocksRemoved, KvBlocksStored, OrderProgress
+from kvprefetch_client.events import (
+    BlockHash,
+    KvBlocksCleared,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    OrderProgress,
+)
 from kvprefetch_client.orders import Cancel, Order
 
 log = logging.getLogger("kvprefetch.agent")
@@ -123,12 +129,22 @@ class _BoundedSet:
 class Agent:
     """A transfer agent for one instance: PoolDir -> HbmBuffer, reporting to the service."""
 
-    def __init__(self, *, instance_id: str, source: OrderSource, pool: PoolDir, buffer: HbmBuffer,
-                 reporter: Reporter, clock: Callable[[], float] = time.time,
-                 timer: Callable[[], float] = time.perf_counter,
-                 start_margin_seconds: float = 0.05, poll_seconds: float = 0.5,
-                 flush_timeout_seconds: float = 2.0, done_capacity: int = 100_000,
-                 on_change: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        instance_id: str,
+        source: OrderSource,
+        pool: PoolDir,
+        buffer: HbmBuffer,
+        reporter: Reporter,
+        clock: Callable[[], float] = time.time,
+        timer: Callable[[], float] = time.perf_counter,
+        start_margin_seconds: float = 0.05,
+        poll_seconds: float = 0.5,
+        flush_timeout_seconds: float = 2.0,
+        done_capacity: int = 100_000,
+        on_change: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.instance_id = instance_id
         source.bind(instance_id)  # a stream source reads this instance's stream
         self.source = source
@@ -155,8 +171,14 @@ class Agent:
 
     def start(self) -> None:
         """Say the instance tier is empty: this buffer starts so, whatever an earlier agent left."""
-        self._send(KvBlocksCleared(event_id=f"agent-{uuid.uuid4().hex}", ts=self._clock(),
-                                   tier="hbm", instance_id=self.instance_id))
+        self._send(
+            KvBlocksCleared(
+                event_id=f"agent-{uuid.uuid4().hex}",
+                ts=self._clock(),
+                tier="hbm",
+                instance_id=self.instance_id,
+            )
+        )
         self._changed()
         self._publish()
 
@@ -166,7 +188,7 @@ class Agent:
         while not stop.is_set():
             try:
                 self.run_once()
-            except Exception as exc:  # noqa: BLE001 - a source outage must not end the agent
+            except Exception as exc:
                 # One traceback per outage, not one per poll.
                 if not failing:
                     log.exception("agent loop failed (trying again every %.2f s)", self._poll)
@@ -180,7 +202,7 @@ class Agent:
                 failing = False
         try:
             self._settle()  # what is reported by now need not be redone by another agent
-        except Exception as exc:  # noqa: BLE001 - stopping anyway; unacked entries get claimed
+        except Exception as exc:
             log.warning("could not ack on the way out (%s): another agent will redo them", exc)
         self._publish()
 
@@ -218,9 +240,13 @@ class Agent:
     def _take(self, d: Delivery) -> None:
         if d.message is None:
             self.stats.malformed += 1
-            log.warning("malformed orders message %s (%s): acked and dropped, since it would "
-                        "fail the same way every time; it was %r", d.token or "(pulled)", d.error,
-                        d.raw[:200])
+            log.warning(
+                "malformed orders message %s (%s): acked and dropped, since it would "
+                "fail the same way every time; it was %r",
+                d.token or "(pulled)",
+                d.error,
+                d.raw[:200],
+            )
             self._to_ack.append(d)
         elif isinstance(d.message, Cancel):
             self._take_cancel(d, d.message)
@@ -243,8 +269,11 @@ class Agent:
         self.stats.withdrawn += 1
         self._done.add(order.order_id, "withdrawn")
         self._to_ack.extend(deliveries)
-        log.info("order %s withdrawn before it started%s", order.order_id,
-                 f" ({reason})" if reason else "")
+        log.info(
+            "order %s withdrawn before it started%s",
+            order.order_id,
+            f" ({reason})" if reason else "",
+        )
 
     def _take_order(self, d: Delivery, order: Order) -> None:
         order_id = order.order_id
@@ -259,8 +288,12 @@ class Agent:
             self.stats.foreign += 1
             if order_id not in self._foreign_logged:
                 self._foreign_logged.add(order_id)
-                log.warning("order %s is for instance %s, not %s: misrouted, acked and dropped",
-                            order_id, order.instance_id, self.instance_id)
+                log.warning(
+                    "order %s is for instance %s, not %s: misrouted, acked and dropped",
+                    order_id,
+                    order.instance_id,
+                    self.instance_id,
+                )
             self._to_ack.append(d)
         elif order_id in self._cancelled:
             self._withdraw(order, [d], "cancelled before it arrived")
@@ -269,7 +302,9 @@ class Agent:
             self._pending[order_id].deliveries.append(d)
         else:
             self._seq += 1
-            self._pending[order_id] = _Pending(order, order.start_by_ts - self._margin, self._seq, [d])
+            self._pending[order_id] = _Pending(
+                order, order.start_by_ts - self._margin, self._seq, [d]
+            )
 
     # -- running orders -----------------------------------------------------------------------
 
@@ -290,8 +325,10 @@ class Agent:
     def _cancelled_elsewhere(self, order_id: str) -> bool:
         try:
             return self.source.is_cancelled(order_id)
-        except Exception as exc:  # noqa: BLE001 - unsure: do it (wasted bytes beat a lost prefetch)
-            log.warning("could not check whether order %s was cancelled (%s): starting it", order_id, exc)
+        except Exception as exc:
+            log.warning(
+                "could not check whether order %s was cancelled (%s): starting it", order_id, exc
+            )
             return False
 
     def _execute(self, p: _Pending) -> None:
@@ -302,11 +339,17 @@ class Agent:
             self._withdraw(order, p.deliveries, "cancelled")
             self._changed()
             return
-        self._send(OrderProgress(event_id=progress_event_id(order.order_id, "accepted"),
-                                 ts=self._clock(), order_id=order.order_id, status="accepted"))
+        self._send(
+            OrderProgress(
+                event_id=progress_event_id(order.order_id, "accepted"),
+                ts=self._clock(),
+                order_id=order.order_id,
+                status="accepted",
+            )
+        )
         try:
             outcome = self._perform(order)
-        except Exception as exc:  # noqa: BLE001 - an order may fail; the agent goes on
+        except Exception as exc:
             log.exception("order %s failed unexpectedly", order.order_id)
             outcome = Outcome("failed", reason=f"agent error: {type(exc).__name__}: {exc}")
         if outcome.status == "completed":
@@ -314,18 +357,37 @@ class Agent:
             self.stats.bytes_moved += outcome.bytes
             self.stats.last_ttlb_seconds = outcome.seconds
             self.stats.last_bytes = outcome.bytes
-            self._send(OrderProgress(event_id=progress_event_id(order.order_id, "completed"),
-                                     ts=self._clock(), order_id=order.order_id, status="completed",
-                                     bytes=outcome.bytes, seconds=outcome.seconds))
+            self._send(
+                OrderProgress(
+                    event_id=progress_event_id(order.order_id, "completed"),
+                    ts=self._clock(),
+                    order_id=order.order_id,
+                    status="completed",
+                    bytes=outcome.bytes,
+                    seconds=outcome.seconds,
+                )
+            )
             rate = outcome.bytes / outcome.seconds / 1e9 if outcome.seconds > 0 else 0.0
-            log.info("order %s (%s, %d blocks) completed: %d bytes in %.4f s (%.2f GB/s)",
-                     order.order_id, order.kind, len(order.block_hashes), outcome.bytes,
-                     outcome.seconds, rate)
+            log.info(
+                "order %s (%s, %d blocks) completed: %d bytes in %.4f s (%.2f GB/s)",
+                order.order_id,
+                order.kind,
+                len(order.block_hashes),
+                outcome.bytes,
+                outcome.seconds,
+                rate,
+            )
         else:
             self.stats.failed += 1
-            self._send(OrderProgress(event_id=progress_event_id(order.order_id, "failed"),
-                                     ts=self._clock(), order_id=order.order_id, status="failed",
-                                     reason=outcome.reason))
+            self._send(
+                OrderProgress(
+                    event_id=progress_event_id(order.order_id, "failed"),
+                    ts=self._clock(),
+                    order_id=order.order_id,
+                    status="failed",
+                    reason=outcome.reason,
+                )
+            )
             log.warning("order %s (%s) failed: %s", order.order_id, order.kind, outcome.reason)
         self._done.add(order.order_id, outcome.status)
         self._to_ack.extend(p.deliveries)
@@ -340,8 +402,9 @@ class Agent:
         if order.kind == "pin":
             missing = self.buffer.missing(order.block_hashes)
             if missing:
-                return Outcome("failed", reason=f"cannot pin: block {_name_blocks(missing)} "
-                                                f"not in {where}")
+                return Outcome(
+                    "failed", reason=f"cannot pin: block {_name_blocks(missing)} not in {where}"
+                )
             t0 = self._timer()
             assert order.ttl_seconds is not None  # the Order model requires it for a pin
             pinned = self.buffer.pin(order.block_hashes, self._clock() + order.ttl_seconds)
@@ -357,8 +420,10 @@ class Agent:
         to_move = self.buffer.missing(wanted)
         absent = [h for h in to_move if not self.pool.has(h)]
         if absent:
-            return Outcome("failed", reason=f"block {_name_blocks(absent)} not in the pool "
-                                            f"({self.pool.directory})")
+            return Outcome(
+                "failed",
+                reason=f"block {_name_blocks(absent)} not in the pool ({self.pool.directory})",
+            )
         protect = set(wanted)
         landed: list[BlockHash] = []
         evicted: list[BlockHash] = []
@@ -392,11 +457,25 @@ class Agent:
     def _report_residency(self, landed: list[BlockHash], evicted: list[BlockHash]) -> None:
         ts = self._clock()
         if evicted:
-            self._send(KvBlocksRemoved(event_id=f"agent-{uuid.uuid4().hex}", ts=ts, tier="hbm",
-                                       instance_id=self.instance_id, block_hashes=evicted))
+            self._send(
+                KvBlocksRemoved(
+                    event_id=f"agent-{uuid.uuid4().hex}",
+                    ts=ts,
+                    tier="hbm",
+                    instance_id=self.instance_id,
+                    block_hashes=evicted,
+                )
+            )
         if landed:
-            self._send(KvBlocksStored(event_id=f"agent-{uuid.uuid4().hex}", ts=ts, tier="hbm",
-                                      instance_id=self.instance_id, block_hashes=landed))
+            self._send(
+                KvBlocksStored(
+                    event_id=f"agent-{uuid.uuid4().hex}",
+                    ts=ts,
+                    tier="hbm",
+                    instance_id=self.instance_id,
+                    block_hashes=landed,
+                )
+            )
 
     # -- reporting and acking -----------------------------------------------------------------
 
@@ -409,8 +488,11 @@ class Agent:
             return
         if not self.reporter.flush(timeout=self._flush_timeout):
             if not self._settle_failing:
-                log.warning("the service has not answered for %d messages' reports yet: they stay "
-                            "unacked (and held) until it does", len(self._to_ack))
+                log.warning(
+                    "the service has not answered for %d messages' reports yet: they stay "
+                    "unacked (and held) until it does",
+                    len(self._to_ack),
+                )
             self._settle_failing = True
             return
         self._settle_failing = False
@@ -444,21 +526,37 @@ def write_status_file(path: Path) -> Callable[[dict[str, Any]], None]:
     return write
 
 
-def run_agent(*, instance_id: str, source: OrderSource, service_url: str, pool_dir: Path,
-              capacity_bytes: int, stop: threading.Event, status_file: Path | None = None,
-              start_margin_seconds: float = 0.05, poll_seconds: float = 0.5,
-              token: str | None = None) -> AgentStats:
-    """Run an agent until `stop` is set; closes the source and flushes the reports on the way out."""
+def run_agent(
+    *,
+    instance_id: str,
+    source: OrderSource,
+    service_url: str,
+    pool_dir: Path,
+    capacity_bytes: int,
+    stop: threading.Event,
+    status_file: Path | None = None,
+    start_margin_seconds: float = 0.05,
+    poll_seconds: float = 0.5,
+    token: str | None = None,
+) -> AgentStats:
+    """Run an agent until `stop` is set; closes the source and flushes the reports on the way
+    out."""
     from kvprefetch_client.client import KvpClient
 
     # Small linger: an agent's reports are few, and an ack waits on them.
     reporter = KvpClient(service_url, batch_size=100, flush_interval_seconds=0.005, token=token)
     try:
         # Inside: binding the source to the instance can fail (Redis away), and both still close.
-        agent = Agent(instance_id=instance_id, source=source, pool=PoolDir(pool_dir),
-                      buffer=HbmBuffer(capacity_bytes), reporter=reporter,
-                      start_margin_seconds=start_margin_seconds, poll_seconds=poll_seconds,
-                      on_change=write_status_file(status_file) if status_file else None)
+        agent = Agent(
+            instance_id=instance_id,
+            source=source,
+            pool=PoolDir(pool_dir),
+            buffer=HbmBuffer(capacity_bytes),
+            reporter=reporter,
+            start_margin_seconds=start_margin_seconds,
+            poll_seconds=poll_seconds,
+            on_change=write_status_file(status_file) if status_file else None,
+        )
         log.info("agent for %s: pool %s, buffer %d bytes", instance_id, pool_dir, capacity_bytes)
         agent.run(stop)
     finally:

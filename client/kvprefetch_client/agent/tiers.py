@@ -111,14 +111,20 @@ class HbmBuffer:
 
     def is_pinned(self, block_hash: BlockHash, now: float) -> bool:
         block = self._blocks.get(block_hash)
-        return block is not None and block.pinned_until_ts is not None and block.pinned_until_ts > now
+        return (
+            block is not None and block.pinned_until_ts is not None and block.pinned_until_ts > now
+        )
 
     def pinned_bytes(self, now: float) -> int:
-        return sum(len(b.data) for b in self._blocks.values()
-                   if b.pinned_until_ts is not None and b.pinned_until_ts > now)
+        return sum(
+            len(b.data)
+            for b in self._blocks.values()
+            if b.pinned_until_ts is not None and b.pinned_until_ts > now
+        )
 
-    def put(self, block_hash: BlockHash, data: bytes, now: float,
-            protect: Collection[BlockHash] = ()) -> list[BlockHash]:
+    def put(
+        self, block_hash: BlockHash, data: bytes, now: float, protect: Collection[BlockHash] = ()
+    ) -> list[BlockHash]:
         """Hold the block (the last to go); returns the blocks evicted to make room.
 
         Pinned blocks and those in `protect` (the rest of the order being landed) are never
@@ -142,7 +148,8 @@ class HbmBuffer:
                 raise BufferFull(
                     f"block {block_hash!r} needs {len(data)} bytes; the buffer holds "
                     f"{self.capacity_bytes} bytes, {self.used_bytes} in use, "
-                    f"{self.pinned_bytes(now)} of them pinned")
+                    f"{self.pinned_bytes(now)} of them pinned"
+                )
         for h in victims:
             self.used_bytes -= len(self._blocks.pop(h).data)
         if old is not None:

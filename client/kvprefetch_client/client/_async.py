@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from types import TracebackType
@@ -38,18 +38,27 @@ class AsyncKvpClient(_EventHelpers):
     be called from the loop's thread (use KvpClient from other threads).
     """
 
-    def __init__(self, base_url: str, *, batch_size: int = 500,
-                 flush_interval_seconds: float = 0.05, max_queue_events: int = 100_000,
-                 timeout_seconds: float = 5.0, max_backoff_seconds: float = 5.0,
-                 headers: Mapping[str, str] | None = None,
-                 token: str | None = None,
-                 on_answer: AnswerCallback | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self._pipeline = _Pipeline(batch_size=batch_size,
-                                   flush_interval_seconds=flush_interval_seconds,
-                                   max_queue_events=max_queue_events,
-                                   max_backoff_seconds=max_backoff_seconds,
-                                   keep_answers=on_answer is not None)
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        batch_size: int = 500,
+        flush_interval_seconds: float = 0.05,
+        max_queue_events: int = 100_000,
+        timeout_seconds: float = 5.0,
+        max_backoff_seconds: float = 5.0,
+        headers: Mapping[str, str] | None = None,
+        token: str | None = None,
+        on_answer: AnswerCallback | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._pipeline = _Pipeline(
+            batch_size=batch_size,
+            flush_interval_seconds=flush_interval_seconds,
+            max_queue_events=max_queue_events,
+            max_backoff_seconds=max_backoff_seconds,
+            keep_answers=on_answer is not None,
+        )
         self._on_answer = on_answer
         self._url, options = _http_options(base_url, timeout_seconds, headers, token)
         self._http = httpx.AsyncClient(transport=transport, **options)
@@ -120,8 +129,12 @@ class AsyncKvpClient(_EventHelpers):
         self._ensure_started()
         return self
 
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         await self.aclose()
 
     def _ensure_started(self) -> None:
@@ -130,8 +143,9 @@ class AsyncKvpClient(_EventHelpers):
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
-            raise RuntimeError("AsyncKvpClient needs a running event loop; "
-                               "use KvpClient from threads") from None
+            raise RuntimeError(
+                "AsyncKvpClient needs a running event loop; use KvpClient from threads"
+            ) from None
         self._task = loop.create_task(self._run(), name="kvprefetch-client")
         # Called once the task is done, so woken flush() waiters see it done and stop waiting.
         self._task.add_done_callback(lambda _: self._notify_progress())
@@ -156,7 +170,7 @@ class AsyncKvpClient(_EventHelpers):
     async def _attempt(self, batch: _Batch) -> _Outcome:
         try:
             response = await self._http.post(self._url, content=batch.body())
-        except Exception as exc:  # noqa: BLE001 - the sender outlives any transport error
+        except Exception as exc:
             return _judge_exception(exc)
         return _judge_response(response.status_code, response.headers, response.content, len(batch))
 

@@ -165,7 +165,8 @@ def _describe_error(status: int, doc: Any, content: bytes) -> str:
 def _describe_rejections(rejections: list[dict[str, Any]], events: int) -> str:
     named = "; ".join(
         f"{r.get('field', '?')}: {r.get('message', '?')} (event_id {r.get('event_id')!r})"
-        for r in rejections[:_LOGGED_REJECTIONS])
+        for r in rejections[:_LOGGED_REJECTIONS]
+    )
     more = len(rejections) - _LOGGED_REJECTIONS
     tail = f"; and {more} more errors" if more > 0 else ""
     return f"the service rejected {events} invalid events, dropped: {named}{tail}"
@@ -188,8 +189,9 @@ def _retry_after_seconds(value: str | None) -> float | None:
     return seconds if seconds > 0 else 0.0  # also maps NaN to 0
 
 
-def _backoff_seconds(failures: int, *, cap: float, retry_after: float | None,
-                     rng: random.Random) -> float:
+def _backoff_seconds(
+    failures: int, *, cap: float, retry_after: float | None, rng: random.Random
+) -> float:
     """Exponential backoff with jitter, so a fleet of routers does not retry in lockstep.
 
     The cap bounds every wait, Retry-After included: a misconfigured proxy asking for an hour
@@ -209,8 +211,9 @@ def _duplicate_ids(doc: Any) -> tuple[str, ...]:
     return tuple(d for d in duplicates if isinstance(d, str))
 
 
-def _judge_response(status: int, headers: Mapping[str, str], content: bytes,
-                    batch_len: int) -> _Outcome:
+def _judge_response(
+    status: int, headers: Mapping[str, str], content: bytes, batch_len: int
+) -> _Outcome:
     """Map an answer of POST /v1/events (app/api/routes/events.py) to what becomes of the batch."""
     if 200 <= status < 300:
         return _Outcome("done", duplicate_ids=_duplicate_ids(_json(content)))
@@ -219,20 +222,31 @@ def _judge_response(status: int, headers: Mapping[str, str], content: bytes,
         # Per-event errors: the valid events were accepted, the others would fail again.
         rejections = [r for r in doc["rejected"] if isinstance(r, dict)]
         # One event can fail on several fields; count events, not errors.
-        keys = dict.fromkeys(k for r in rejections
-                             if isinstance(k := r.get("index", r.get("event_id")), (int, str)))
+        keys = dict.fromkeys(
+            k for r in rejections if isinstance(k := r.get("index", r.get("event_id")), (int, str))
+        )
         omitted = doc.get("rejections_omitted")
         accepted = doc.get("accepted")
-        accepted_ids = (tuple(a for a in accepted if isinstance(a, str))
-                        if isinstance(omitted, int) and omitted > 0 and isinstance(accepted, list) else None)
+        accepted_ids = (
+            tuple(a for a in accepted if isinstance(a, str))
+            if isinstance(omitted, int) and omitted > 0 and isinstance(accepted, list)
+            else None
+        )
         events = doc.get("rejected_events")
-        return _Outcome("done", duplicate_ids=_duplicate_ids(doc), rejections=tuple(keys),
-                        accepted_ids=accepted_ids,
-                        error=_describe_rejections(rejections, events if isinstance(events, int) else len(keys)))
+        return _Outcome(
+            "done",
+            duplicate_ids=_duplicate_ids(doc),
+            rejections=tuple(keys),
+            accepted_ids=accepted_ids,
+            error=_describe_rejections(
+                rejections, events if isinstance(events, int) else len(keys)
+            ),
+        )
     error = _describe_error(status, doc, content)
     if status in _RETRY_STATUSES or status >= 500:
-        return _Outcome("retry", retry_after=_retry_after_seconds(headers.get("retry-after")),
-                        error=error)
+        return _Outcome(
+            "retry", retry_after=_retry_after_seconds(headers.get("retry-after")), error=error
+        )
     if status == 413 and batch_len > 1:
         return _Outcome("split", error=error)
     return _Outcome("reject", error=error)
@@ -251,7 +265,9 @@ def _partition(batch: _Batch, outcome: _Outcome) -> Answer:
             if 0 <= key < len(items):
                 refused[key] = True
         else:
-            at = next((i for i, it in enumerate(items) if it.event_id == key and not refused[i]), None)
+            at = next(
+                (i for i, it in enumerate(items) if it.event_id == key and not refused[i]), None
+            )
             if at is not None:
                 refused[at] = True
     # The service keeps the first of a repeated id and lists the later ones as duplicates, so
@@ -310,9 +326,16 @@ class _Pipeline:
     resending, not counted against max_queue_events) until the service has answered for it.
     """
 
-    def __init__(self, *, batch_size: int, flush_interval_seconds: float, max_queue_events: int,
-                 max_backoff_seconds: float, rng: random.Random | None = None,
-                 keep_answers: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        flush_interval_seconds: float,
+        max_queue_events: int,
+        max_backoff_seconds: float,
+        rng: random.Random | None = None,
+        keep_answers: bool = False,
+    ) -> None:
         if batch_size < 1:
             raise ValueError("batch_size must be at least 1")
         if max_queue_events < 1:
@@ -349,8 +372,10 @@ class _Pipeline:
             if not self._dropping:
                 self._dropping = True
                 why = f" (last error: {self._last_error})" if self._failures else ""
-                note = (f"kvprefetch client queue is full ({self._max_queue} events): dropping "
-                        f"the oldest events until the service catches up{why}")
+                note = (
+                    f"kvprefetch client queue is full ({self._max_queue} events): dropping "
+                    f"the oldest events until the service catches up{why}"
+                )
         self._queue.append(_Item(self._next_seq, event_id, data, now))
         self._next_seq += 1
         n = len(self._queue)
@@ -400,28 +425,41 @@ class _Pipeline:
             self._failures += 1
             self._retries += 1
             self._last_error = outcome.error
-            delay = _backoff_seconds(self._failures, cap=self._max_backoff,
-                                     retry_after=outcome.retry_after, rng=self._rng)
+            delay = _backoff_seconds(
+                self._failures,
+                cap=self._max_backoff,
+                retry_after=outcome.retry_after,
+                rng=self._rng,
+            )
             self._retry_at = now + delay
             # One warning per outage, not one per attempt.
             level = logging.WARNING if self._failures == 1 else logging.DEBUG
-            return level, (f"cannot deliver {len(batch)} events to kvprefetch ({outcome.error}); "
-                           f"retry {self._failures} in {delay:.2f}s with the same event ids")
+            return level, (
+                f"cannot deliver {len(batch)} events to kvprefetch ({outcome.error}); "
+                f"retry {self._failures} in {delay:.2f}s with the same event ids"
+            )
         failures, self._failures = self._failures, 0
         if outcome.action == "split":
             half = len(batch) // 2
             self._inflight[0:1] = [_Batch(batch.items[:half]), _Batch(batch.items[half:])]
             self._retry_at = now
-            return logging.INFO, (f"kvprefetch refused a batch of {len(batch)} events as too "
-                                  f"large ({outcome.error}); sending it in halves")
+            return logging.INFO, (
+                f"kvprefetch refused a batch of {len(batch)} events as too "
+                f"large ({outcome.error}); sending it in halves"
+            )
         self._inflight.pop(0)
         note: tuple[int, str] | None = None
         if outcome.action == "reject":
             answer = Answer((), (), tuple(batch.event_ids))
             self._last_error = outcome.error
-            note = logging.ERROR, (f"kvprefetch refused a batch of {len(batch)} events; they are "
-                                   f"dropped, since sending them again would fail again: "
-                                   f"{outcome.error}")
+            note = (
+                logging.ERROR,
+                (
+                    f"kvprefetch refused a batch of {len(batch)} events; they are "
+                    f"dropped, since sending them again would fail again: "
+                    f"{outcome.error}"
+                ),
+            )
         else:
             answer = _partition(batch, outcome)
             if answer.rejected:
@@ -441,9 +479,15 @@ class _Pipeline:
         return answers
 
     def stats(self) -> ClientStats:
-        return ClientStats(queued=self.pending, sent=self._sent, duplicates=self._duplicates,
-                           rejected=self._rejected, dropped=self._dropped, retries=self._retries,
-                           last_error=self._last_error)
+        return ClientStats(
+            queued=self.pending,
+            sent=self._sent,
+            duplicates=self._duplicates,
+            rejected=self._rejected,
+            dropped=self._dropped,
+            retries=self._retries,
+            last_error=self._last_error,
+        )
 
 
 class _EventHelpers:
@@ -453,47 +497,98 @@ class _EventHelpers:
         raise NotImplementedError
 
     def _emit(self, model: type[_M], ts: float | None, event_id: str | None, **fields: Any) -> _M:
-        event = model(event_id=event_id or uuid.uuid4().hex,
-                      ts=time.time() if ts is None else ts, **fields)
+        event = model(
+            event_id=event_id or uuid.uuid4().hex, ts=time.time() if ts is None else ts, **fields
+        )
         self.send(event)
         return event
 
-    def request_routed(self, *, session_id: str, request_id: str, instance_id: str,
-                       prompt_tokens: int, block_hashes: Sequence[BlockHash] | None = None,
-                       block_tokens: int | None = None, ts: float | None = None,
-                       event_id: str | None = None) -> RequestRouted:
-        return self._emit(RequestRouted, ts, event_id, session_id=session_id,
-                          request_id=request_id, instance_id=instance_id,
-                          prompt_tokens=prompt_tokens, block_hashes=block_hashes,
-                          block_tokens=block_tokens)
+    def request_routed(
+        self,
+        *,
+        session_id: str,
+        request_id: str,
+        instance_id: str,
+        prompt_tokens: int,
+        block_hashes: Sequence[BlockHash] | None = None,
+        block_tokens: int | None = None,
+        ts: float | None = None,
+        event_id: str | None = None,
+    ) -> RequestRouted:
+        return self._emit(
+            RequestRouted,
+            ts,
+            event_id,
+            session_id=session_id,
+            request_id=request_id,
+            instance_id=instance_id,
+            prompt_tokens=prompt_tokens,
+            block_hashes=block_hashes,
+            block_tokens=block_tokens,
+        )
 
-    def request_started(self, *, session_id: str, request_id: str, instance_id: str,
-                        ts: float | None = None, event_id: str | None = None) -> RequestStarted:
-        return self._emit(RequestStarted, ts, event_id, session_id=session_id,
-                          request_id=request_id, instance_id=instance_id)
+    def request_started(
+        self,
+        *,
+        session_id: str,
+        request_id: str,
+        instance_id: str,
+        ts: float | None = None,
+        event_id: str | None = None,
+    ) -> RequestStarted:
+        return self._emit(
+            RequestStarted,
+            ts,
+            event_id,
+            session_id=session_id,
+            request_id=request_id,
+            instance_id=instance_id,
+        )
 
-    def request_finished(self, *, session_id: str, request_id: str, instance_id: str,
-                         output_tokens: int, context_tokens: int | None = None,
-                         block_hashes: Sequence[BlockHash] | None = None,
-                         block_tokens: int | None = None, ts: float | None = None,
-                         event_id: str | None = None) -> RequestFinished:
-        return self._emit(RequestFinished, ts, event_id, session_id=session_id,
-                          request_id=request_id, instance_id=instance_id,
-                          output_tokens=output_tokens, context_tokens=context_tokens,
-                          block_hashes=block_hashes, block_tokens=block_tokens)
+    def request_finished(
+        self,
+        *,
+        session_id: str,
+        request_id: str,
+        instance_id: str,
+        output_tokens: int,
+        context_tokens: int | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
+        block_tokens: int | None = None,
+        ts: float | None = None,
+        event_id: str | None = None,
+    ) -> RequestFinished:
+        return self._emit(
+            RequestFinished,
+            ts,
+            event_id,
+            session_id=session_id,
+            request_id=request_id,
+            instance_id=instance_id,
+            output_tokens=output_tokens,
+            context_tokens=context_tokens,
+            block_hashes=block_hashes,
+            block_tokens=block_tokens,
+        )
 
-    def session_closed(self, *, session_id: str, ts: float | None = None,
-                       event_id: str | None = None) -> SessionClosed:
+    def session_closed(
+        self, *, session_id: str, ts: float | None = None, event_id: str | None = None
+    ) -> SessionClosed:
         return self._emit(SessionClosed, ts, event_id, session_id=session_id)
 
 
-def _http_options(base_url: str, timeout_seconds: float,
-                  headers: Mapping[str, str] | None, token: str | None = None) -> tuple[str, dict[str, Any]]:
+def _http_options(
+    base_url: str,
+    timeout_seconds: float,
+    headers: Mapping[str, str] | None,
+    token: str | None = None,
+) -> tuple[str, dict[str, Any]]:
     if timeout_seconds <= 0:
         raise ValueError("timeout_seconds must be positive")
     all_headers = {"user-agent": f"kvprefetch-client/{__version__}"}
     all_headers.update(headers or {})
-    if token is not None:  # the ingest scope, or agent for an agent's reports (README, Security)
+    # The ingest scope, or agent for an agent's reports (docs/operators/security.md).
+    if token is not None:
         all_headers["authorization"] = f"Bearer {token}"
     all_headers["content-type"] = "application/json"
     return base_url.rstrip("/") + "/v1/events", {"timeout": timeout_seconds, "headers": all_headers}
@@ -510,5 +605,3 @@ def _announce(callback: AnswerCallback, answers: list[Answer]) -> None:
 def _log_unsent(pending: int) -> None:
     if pending:
         log.warning("kvprefetch client closed with %d events undelivered", pending)
-
-

@@ -38,18 +38,27 @@ class KvpClient(_EventHelpers):
     send() costs an encode and an append whatever the service is doing.
     """
 
-    def __init__(self, base_url: str, *, batch_size: int = 500,
-                 flush_interval_seconds: float = 0.05, max_queue_events: int = 100_000,
-                 timeout_seconds: float = 5.0, max_backoff_seconds: float = 5.0,
-                 headers: Mapping[str, str] | None = None,
-                 token: str | None = None,
-                 on_answer: AnswerCallback | None = None,
-                 transport: httpx.BaseTransport | None = None) -> None:
-        self._pipeline = _Pipeline(batch_size=batch_size,
-                                   flush_interval_seconds=flush_interval_seconds,
-                                   max_queue_events=max_queue_events,
-                                   max_backoff_seconds=max_backoff_seconds,
-                                   keep_answers=on_answer is not None)
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        batch_size: int = 500,
+        flush_interval_seconds: float = 0.05,
+        max_queue_events: int = 100_000,
+        timeout_seconds: float = 5.0,
+        max_backoff_seconds: float = 5.0,
+        headers: Mapping[str, str] | None = None,
+        token: str | None = None,
+        on_answer: AnswerCallback | None = None,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self._pipeline = _Pipeline(
+            batch_size=batch_size,
+            flush_interval_seconds=flush_interval_seconds,
+            max_queue_events=max_queue_events,
+            max_backoff_seconds=max_backoff_seconds,
+            keep_answers=on_answer is not None,
+        )
         self._on_answer = on_answer
         self._url, options = _http_options(base_url, timeout_seconds, headers, token)
         self._http = httpx.Client(transport=transport, **options)
@@ -133,8 +142,12 @@ class KvpClient(_EventHelpers):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close()
 
     def _next_batch(self) -> _Batch | None:
@@ -149,7 +162,7 @@ class KvpClient(_EventHelpers):
     def _attempt(self, batch: _Batch) -> _Outcome:
         try:
             response = self._http.post(self._url, content=batch.body())
-        except Exception as exc:  # noqa: BLE001 - the sender outlives any transport error
+        except Exception as exc:
             return _judge_exception(exc)
         return _judge_response(response.status_code, response.headers, response.content, len(batch))
 
@@ -178,5 +191,3 @@ class KvpClient(_EventHelpers):
             with self._lock:
                 self._announcing = False
                 self._progress.notify_all()  # flush() waiters see the thread is gone
-
-
