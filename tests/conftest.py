@@ -8,6 +8,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -53,6 +54,14 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
         def _split_scope(self, nodeid: str) -> str:
             return xdist_group_of(nodeid)
 
+        def schedule(self) -> None:
+            # xdist hands out tests by id: of several tests with one id only the first would run.
+            collection = next(iter(self.registered_collections.values()), [])
+            twice = sorted(n for n, count in Counter(collection).items() if count > 1)
+            if twice:
+                raise pytest.UsageError(f"tests sharing an id would not all run under xdist: {twice}")
+            super().schedule()
+
     return GroupScheduling(config, log)
 
 
@@ -60,6 +69,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """On an xdist worker, the groups holding slow tests first, the wide ones above (the longest)
     before the modules, so that no long group is left to run by itself at the end (the Makefile's
     --no-loadscope-reorder keeps this order)."""
+    # Schemathesis names each operation's test "name[GET /path]", but pytest 9.2 builds the id
+    # from the function's name alone, so tests/api/test_fuzz.py's 18 tests share one id (and
+    # xdist would run one of them): each gets the id its name says.
+    ids = Counter(item.nodeid for item in items)
+    for item in items:
+        if ids[item.nodeid] > 1 and item.parent is not None:
+            item._id = item.parent.id.child(item.name)  # type: ignore[attr-defined]
     if not hasattr(config, "workerinput"):
         return  # not under xdist: the order stays as collected
     groups = {item: xdist_group_of(item.nodeid) for item in items}
