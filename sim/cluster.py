@@ -108,7 +108,8 @@ class Cluster:
         self.policy = policy
         self.emit = emit or (lambda kind, ts, fields: None)
         self.now = 0.0
-        self.block_bytes = scenario.block_bytes
+        self.spec = scenario.cluster  # the numbers the service's parts read too
+        self.block_bytes = self.spec.bytes_per_block
         self.written: set[int] = set()  # blocks in the pool: every block ever computed
         self.session_instance: dict[str, int] = {}
         self.totals = Totals()
@@ -258,7 +259,7 @@ class Cluster:
             inst.pool_link.estimate_seconds(len(from_pool) * self.block_bytes, self.now) if from_pool else 0.0,
         )
         recompute_tokens = len(missing) * self.scenario.block_tokens
-        recompute_seconds = recompute_tokens / self.scenario.prefill_tokens_per_second
+        recompute_seconds = self.spec.recompute_seconds(recompute_tokens)
         if recompute_seconds < load_seconds:
             # The request stalls while its context is recomputed, as it would while loading it;
             # the blocks stay pinned and count as landing (a request that wants them meanwhile
@@ -283,7 +284,7 @@ class Cluster:
     def _ready(self, r: SimRequest) -> None:
         r.ready_at = self.now
         new_tokens = max(r.input_tokens - r.reused_blocks * self.scenario.block_tokens, 0)
-        r.compute_seconds += (new_tokens / self.scenario.prefill_tokens_per_second
+        r.compute_seconds += (self.spec.recompute_seconds(new_tokens)
                               + r.output_tokens * self.scenario.decode_seconds_per_token)
         self.schedule(self.now + r.compute_seconds, DONE, r)
 

@@ -108,7 +108,7 @@ class Oracle(Belady):
         seen: set[int] = set()
         for r in cluster.requests:
             if r.hash_ids and r.hash_ids[0] in seen:  # it may reuse something
-                lead = len(r.hash_ids) * cluster.block_bytes / cluster.scenario.pool_link_bytes_per_second
+                lead = cluster.spec.load_seconds(len(r.hash_ids) * cluster.block_bytes, "pool")
                 cluster.call_at(r.arrival - lead - self.margin_seconds, self._fetch_for(r))
             seen.update(r.hash_ids)
 

@@ -12,22 +12,24 @@ from typing import TYPE_CHECKING
 from app.core.bundle import DEFAULT_MODEL_DIR
 from app.decide.advisor import Advisor
 from app.decide.routing import SameInstanceEstimate
-from app.decide.scheduler import Scheduler, SchedulerConfig
 from app.predict.predictors import HeuristicPredictor, LearnedPredictor
 from sim.planned import Clairvoyant, ClairvoyantPolicy, PlannedPolicy
 from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy
 from sim.scheduled import ScheduledPolicy
 
 if TYPE_CHECKING:
+    from app.engine import Engine
     from app.state.base import StateStore
     from sim.scenario import Scenario
 
 
 def make_policy(name: str, *, session_view: Callable[[str], object] | None = None,
                 model_dir: str | None = None, planner_options: dict[str, float] | None = None,
-                store: StateStore | None = None, scenario: Scenario | None = None) -> Policy:
-    """`planner_options`: keyword arguments for app.decide.advisor.Advisor (heuristic, learned,
-    scheduled). `store` and `scenario`: the engine's state and the cluster, for `scheduled`."""
+                store: StateStore | None = None, scenario: Scenario | None = None,
+                engine: Engine | None = None) -> Policy:
+    """`planner_options`: keyword arguments for app.decide.advisor.Advisor (heuristic, learned;
+    the scheduled policy's engine was built with them). `engine`: the replay's in-process Engine
+    (sim/replay.py sim_engine), whose loops the `scheduled` policy runs."""
     if name == "none":
         return NoPrefetch()
     if name == "lookahead":
@@ -37,18 +39,10 @@ def make_policy(name: str, *, session_view: Callable[[str], object] | None = Non
     if name == "oracle":
         return Oracle()
     if name == "scheduled":
-        if session_view is None or store is None or scenario is None:
-            raise ValueError("the scheduled policy reads the engine's own state: "
+        if session_view is None or engine is None:
+            raise ValueError("the scheduled policy runs the engine's own loops: "
                              "it needs the in-process engine")
-        config = SchedulerConfig(bytes_per_block=scenario.block_bytes,
-                                 block_tokens=scenario.block_tokens,
-                                 pool_link_bytes_per_second=scenario.pool_link_bytes_per_second,
-                                 host_link_bytes_per_second=scenario.host_link_bytes_per_second,
-                                 prefill_tokens_per_second=scenario.prefill_tokens_per_second)
-        planner = Advisor(LearnedPredictor(model_dir or DEFAULT_MODEL_DIR),
-                          routes=SameInstanceEstimate(), **(planner_options or {}))
-        scheduler = Scheduler(store, config)
-        return ScheduledPolicy(planner, scheduler, session_view)  # type: ignore[arg-type]
+        return ScheduledPolicy(engine, session_view)  # type: ignore[arg-type]
     if name == "clairvoyant":
         if session_view is None:
             raise ValueError("the clairvoyant policy reads the engine's state: pass session_view")

@@ -1,13 +1,16 @@
 """Replay a trace through the cluster model and the real engine, and measure what was saved.
 
-The engine here is the service's own: its MemoryStore takes every event the cluster emits
-(through the same event models the HTTP API validates), under a simulated clock, and the
-heuristic and learned policies read their sessions from it.
+The engine here is the service's own (app/engine.py): every event the cluster emits goes through
+its ingest (the same event models the HTTP API validates, dedupe, its MemoryStore, its
+observers), under a simulated clock; the heuristic and learned policies read their sessions from
+its store, and the scheduled policy runs its scoring and planning ticks (sim/scheduled.py).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -15,15 +18,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from pydantic_settings import BaseSettings
+
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.core.clock import ManualClock
+from app.core.config import Settings
+from app.decide.advisor import Thresholds
+from app.engine import Engine as AppEngine
+from app.engine import NullEventLog
 from app.ingest.eventlog import encode_events
-from kvprefetch_client.events import Event, event_adapter
 from app.state import MemoryStore
 from app.state.base import SessionView
+from kvprefetch_client.events import Event, event_adapter
 from sim.cluster import Cluster, SimRequest
 from sim.policy_registry import make_policy
 from sim.routers import make_router
 from sim.scenario import Scenario
+from sim.scheduled import ClusterSink
 from sim.sessions import derive_sessions
 from sim.traces import TraceRequest
 
@@ -37,9 +48,17 @@ class ReplayResult:
 
 def build_requests(trace: Sequence[TraceRequest]) -> list[SimRequest]:
     sessions = derive_sessions(trace)
-    return [SimRequest(index=r.index, session_id=sid, arrival=r.arrival_seconds, input_tokens=r.input_tokens,
-                       output_tokens=r.output_tokens, hash_ids=r.hash_ids)
-            for r, sid in zip(trace, sessions.session_ids)]
+    return [
+        SimRequest(
+            index=r.index,
+            session_id=sid,
+            arrival=r.arrival_seconds,
+            input_tokens=r.input_tokens,
+            output_tokens=r.output_tokens,
+            hash_ids=r.hash_ids,
+        )
+        for r, sid in zip(trace, sessions.session_ids)
+    ]
 
 
 class Engine(Protocol):
@@ -56,22 +75,91 @@ class Engine(Protocol):
     def session(self, session_id: str) -> SessionView | None: ...
 
 
-class EngineFeed:
-    """Turns the cluster's happenings into events and applies them to the engine's store."""
+class ReplaySettings(Settings):
+    """Settings from what the replay passes alone: no KVP_ environment, no .env file."""
 
-    def __init__(self, store: MemoryStore, clock: ManualClock, keep_events: bool = False) -> None:
-        self.store = store
-        self.clock = clock
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: Any, *sources: Any, **named: Any
+    ) -> tuple[Any, ...]:
+        return (init_settings,)
+
+
+def sim_engine(
+    scenario: Scenario,
+    *,
+    model_dir: str | None = None,
+    planner_options: dict[str, float] | None = None,
+    load_model: bool = True,
+) -> AppEngine:
+    """The service's Engine for a replay: a MemoryStore of the scenario's geometry keeping every
+    session (no retention: a trace's own time is the only clock), a simulated clock from 0, the
+    cluster's numbers, the model (`model_dir`, default the bundled one), the planner's thresholds
+    (`planner_options`, by their Settings names), no event log (nothing lands in the data dir),
+    and the cluster model as the order sink (sim/scheduled.py). Built from defaults alone: the
+    environment's KVP_ settings do not change a replay. `load_model` False: the engine's
+    registry serves the heuristic (for a policy that never scores through the engine)."""
+    # The thresholds are settings; the Advisor's other options (its return horizon, how long idle
+    # a session may be) reach only the policies that build their own Advisor.
+    names = Thresholds.__slots__  # type: ignore[attr-defined]
+    options = {k: v for k, v in (planner_options or {}).items() if k in names}
+    settings = ReplaySettings(
+        **{
+            "bytes_per_token": scenario.bytes_per_token,
+            "block_tokens": scenario.block_tokens,
+            "pool_link_bytes_per_second": scenario.pool_link_bytes_per_second,
+            "host_link_bytes_per_second": scenario.host_link_bytes_per_second,
+            "prefill_tokens_per_second": scenario.prefill_tokens_per_second,
+            "session_retention_seconds": math.inf,
+            "model_dir": Path(model_dir or DEFAULT_MODEL_DIR),
+            "replica_id": "replay",
+            "score_interval_seconds": 0,
+            "plan_interval_seconds": 0,
+            "dashboard_sample_seconds": 0,
+            **options,
+        }
+    )
+    store = MemoryStore(
+        bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens
+    )
+    return AppEngine(
+        settings,
+        store=store,
+        clock=ManualClock(0.0),
+        order_sink=ClusterSink(),
+        event_log=NullEventLog(),
+        recover=False,
+        load_model=load_model,
+    )
+
+
+class EngineFeed:
+    """Turns the cluster's happenings into events and hands them to the engine's ingest (the
+    service's: validation, dedupe, the store, the observers), under its simulated clock."""
+
+    def __init__(
+        self, engine: AppEngine, keep_events: bool = False, drain_each: bool = False
+    ) -> None:
+        """`drain_each`: tell the engine's observers of each event at once, rather than before the
+        engine's next tick: for a policy whose scheduler a router reads between ticks (`hinted`
+        asks it for the orders on their way)."""
+        self.engine = engine
+        self.drain_each = drain_each
+        self.store = engine.store
+        self.clock = engine.clock
         self.keep_events = keep_events
         self.events: list[Event] = []
         self._ids = itertools.count()
 
     def __call__(self, kind: str, ts: float, fields: dict[str, Any]) -> None:
         if ts > self.clock.now():
-            self.clock.set(ts)
-        event = event_adapter.validate_python({"type": kind, "event_id": f"sim-{next(self._ids)}", "ts": ts,
-                                               **fields})
-        self.store.apply([event])
+            self.clock.set(ts)  # type: ignore[attr-defined]
+        event = event_adapter.validate_python(
+            {"type": kind, "event_id": f"sim-{next(self._ids)}", "ts": ts, **fields}
+        )
+        self.engine.ingest([event])
+        if self.drain_each:
+            self.engine.drain()
         if self.keep_events:
             self.events.append(event)
 
@@ -81,28 +169,74 @@ class EngineFeed:
         return self.store.session(session_id)
 
 
-def replay(trace: Sequence[TraceRequest], scenario: Scenario, *, policy: str = "none", router: str = "sticky",
-           model_dir: str | None = None, measure_from_seconds: float = 0.0, keep_events: bool = False,
-           progress: Callable[[int], None] | None = None, engine: Engine | None = None,
-           planner_options: dict[str, float] | None = None) -> ReplayResult:
-    """`engine`: where events go and sessions come from; default a fresh in-process EngineFeed.
-    `planner_options`: the planner's thresholds, for the heuristic and learned policies.
+def replay(
+    trace: Sequence[TraceRequest],
+    scenario: Scenario,
+    *,
+    policy: str = "none",
+    router: str = "sticky",
+    model_dir: str | None = None,
+    measure_from_seconds: float = 0.0,
+    keep_events: bool = False,
+    progress: Callable[[int], None] | None = None,
+    engine: Engine | None = None,
+    planner_options: dict[str, float] | None = None,
+) -> ReplayResult:
+    """`engine`: where events go and sessions come from; default a fresh in-process EngineFeed
+    over sim_engine(). `planner_options`: the planner's thresholds (Settings names), for the
+    heuristic, learned and scheduled policies.
 
-    An injected engine keeps events if it was built to (`keep_events` only builds the default).
+    An injected engine keeps events if it was built to (`keep_events` only builds the default),
+    and is its caller's to close.
     """
     started = time.perf_counter()
     requests = build_requests(trace)
+    built = engine is None
     if engine is None:
-        store = MemoryStore(bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens)
-        engine = EngineFeed(store, ManualClock(0.0), keep_events=keep_events)
-    pol = make_policy(policy, session_view=engine.session, model_dir=model_dir, planner_options=planner_options,
-                      store=getattr(engine, "store", None), scenario=scenario)
+        # Only the scheduled policy scores through the engine's model: the others' replays do
+        # not pay for loading it.
+        engine = EngineFeed(
+            sim_engine(
+                scenario,
+                model_dir=model_dir,
+                planner_options=planner_options,
+                load_model=policy == "scheduled",
+            ),
+            keep_events=keep_events,
+            drain_each=policy == "scheduled" and router == "hinted",
+        )
+    app_engine = getattr(engine, "engine", None)
+    pol = make_policy(
+        policy,
+        session_view=engine.session,
+        model_dir=model_dir,
+        planner_options=planner_options,
+        store=getattr(engine, "store", None),
+        scenario=scenario,
+        engine=app_engine,
+    )
     rtr = make_router(router, store=getattr(engine, "store", None), scenario=scenario)
     cluster = Cluster(scenario, requests, rtr, pol, emit=engine.emit)
-    cluster.run(progress=progress)
+    try:
+        cluster.run(progress=progress)
+    finally:
+        closing = getattr(pol, "close", None)
+        if closing is not None:
+            closing()
+        if app_engine is not None:
+            if built:
+                asyncio.run(app_engine.close())
+            else:  # the caller's to close; what its observers derive is caught up
+                app_engine.drain()
     summary = summarize(cluster, requests, measure_from_seconds)
-    summary.update({"policy": policy, "router": router, "scenario": scenario.name,
-                    "wall_seconds": round(time.perf_counter() - started, 3)})
+    summary.update(
+        {
+            "policy": policy,
+            "router": router,
+            "scenario": scenario.name,
+            "wall_seconds": round(time.perf_counter() - started, 3),
+        }
+    )
     return ReplayResult(summary=summary, requests=requests, events=engine.events)
 
 
@@ -113,7 +247,9 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[k]
 
 
-def summarize(cluster: Cluster, requests: Sequence[SimRequest], measure_from_seconds: float = 0.0) -> dict[str, Any]:
+def summarize(
+    cluster: Cluster, requests: Sequence[SimRequest], measure_from_seconds: float = 0.0
+) -> dict[str, Any]:
     measured = [r for r in requests if r.arrival >= measure_from_seconds]
     reuse = [r for r in measured if r.reused_blocks]
     reused_blocks = sum(r.reused_blocks for r in reuse)
@@ -126,7 +262,9 @@ def summarize(cluster: Cluster, requests: Sequence[SimRequest], measure_from_sec
         "requests": len(measured),
         "sessions": len({r.session_id for r in measured}),
         "reuse_requests": len(reuse),
-        "hit_rate": round(sum(r.hit_blocks == r.reused_blocks for r in reuse) / len(reuse), 4) if reuse else 0.0,
+        "hit_rate": round(sum(r.hit_blocks == r.reused_blocks for r in reuse) / len(reuse), 4)
+        if reuse
+        else 0.0,
         "byte_hit_rate": round(hit_blocks / reused_blocks, 4) if reused_blocks else 0.0,
         "reused_bytes": reused_blocks * block_bytes,
         "stall_seconds_total": round(stall_total, 3),
@@ -137,7 +275,9 @@ def summarize(cluster: Cluster, requests: Sequence[SimRequest], measure_from_sec
         "bytes_prefetched_unused": int(cluster.totals.bytes_prefetched_unused),
         "recompute_tokens": sum(r.recompute_tokens for r in measured),
         "gpu_wait_fraction": round(stall_total / busy, 4) if busy else 0.0,
-        "simulated_seconds": round(max((r.finished_at or 0.0) for r in requests), 3) if requests else 0.0,
+        "simulated_seconds": round(max((r.finished_at or 0.0) for r in requests), 3)
+        if requests
+        else 0.0,
     }
 
 

@@ -97,10 +97,7 @@ class Hinted:
 
 
 def hint_config(scenario: Scenario) -> HintConfig:
-    return HintConfig(bytes_per_token=scenario.bytes_per_token,
-                      pool_link_bytes_per_second=scenario.pool_link_bytes_per_second,
-                      host_link_bytes_per_second=scenario.host_link_bytes_per_second,
-                      prefill_tokens_per_second=scenario.prefill_tokens_per_second)
+    return HintConfig.for_cluster(scenario.cluster)
 
 
 def make_router(name: str, *, store: StateStore | None = None, scenario: Scenario | None = None) -> Router:

@@ -11,6 +11,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from app.core.bundle import SCENARIO_DIR
+from app.core.cluster import HOST_LINK_BYTES_PER_SECOND, ClusterSpec
 from app.core.errors import ConfigError
 
 
@@ -26,11 +27,17 @@ class Scenario(BaseModel):
     hbm_kv_bytes: int = Field(gt=0, description="HBM set aside for KV cache, per instance")
     host_kv_bytes: int = Field(0, ge=0, description="host-DRAM KV tier per instance; 0: no such tier")
     pool_link_bytes_per_second: float = Field(gt=0, description="inbound link from the shared pool, per instance")
-    host_link_bytes_per_second: float = Field(50e9, gt=0, description="host DRAM to GPU (PCIe), per instance")
+    host_link_bytes_per_second: float = Field(HOST_LINK_BYTES_PER_SECOND, gt=0, description="host DRAM to GPU (PCIe), per instance")
     prefill_tokens_per_second: float = Field(gt=0)
     decode_seconds_per_token: float = Field(gt=0)
     max_running_requests: int = Field(ge=1, description="concurrency limit per instance")
     sticky_overflow_queue: int = Field(8, ge=0, description="sticky router overflows past this queue length")
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        """The numbers the service's parts read (app/core/cluster.py), as the engine's settings
+        would carry them."""
+        return ClusterSpec.from_settings(self)
 
     @property
     def block_bytes(self) -> int:

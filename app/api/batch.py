@@ -186,7 +186,7 @@ class BatchParser:
 
 
 def parse_batch(body: bytes, max_events: int) -> ParsedBatch:
-    """One body through a parser of its own (the service keeps one: app.state.batch_parser)."""
+    """One body through a parser of its own (the service keeps one: app/api/deps.py BatchParserDep)."""
     return BatchParser(max_events).parse(body)
 
 

@@ -10,6 +10,8 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.core.bundle import DEFAULT_MODEL_DIR
+from app.core.cluster import (HOST_LINK_BYTES_PER_SECOND, LINK_SHARE, POOL_LINK_BYTES_PER_SECOND,
+                              PREFILL_TOKENS_PER_SECOND)
 
 # Llama-3.1-70B bf16: 2 x 80 layers x 8 kv heads x 128 x 2 bytes (REFERENCE.md, "KV bytes per token").
 LLAMA_70B_BF16_BYTES_PER_TOKEN = 327_680
@@ -88,9 +90,9 @@ class Settings(BaseSettings):
     block_tokens: int = Field(MOONCAKE_BLOCK_TOKENS, gt=0)
     # What moving or recomputing a context costs (REFERENCE.md, "Links and tiers"): a 100 Gb/s
     # NIC from the shared pool, PCIe 5 from host DRAM, 70B prefill on one GPU.
-    pool_link_bytes_per_second: float = Field(12.5e9, gt=0)
-    host_link_bytes_per_second: float = Field(50e9, gt=0)
-    prefill_tokens_per_second: float = Field(20_000.0, gt=0)
+    pool_link_bytes_per_second: float = Field(POOL_LINK_BYTES_PER_SECOND, gt=0)
+    host_link_bytes_per_second: float = Field(HOST_LINK_BYTES_PER_SECOND, gt=0)
+    prefill_tokens_per_second: float = Field(PREFILL_TOKENS_PER_SECOND, gt=0)
     # Dollars per GPU-hour, for the metrics' cost of the GPU-seconds saved (kvprefetch_gpu_saved_
     # dollars_total): roughly an on-demand H100-class GPU in a public cloud; set your own. For an
     # instance spanning several GPUs, their price together.
@@ -132,7 +134,22 @@ class Settings(BaseSettings):
     # turns planning off (tests drive it one tick at a time).
     plan_interval_seconds: float = Field(0.1, ge=0)
     # The share of each link prefetch may book, so demand loads are never starved.
-    prefetch_link_share: float = Field(0.5, gt=0, le=1)
+    prefetch_link_share: float = Field(LINK_SHARE, gt=0, le=1)
+    # The planner's thresholds (app/decide/advisor.py Thresholds), read by the advisor and the
+    # scheduler alike. lead <= keep horizon <= the return horizon (900 s).
+    keep_horizon_seconds: float = Field(300.0, gt=0, description=(
+        "Keep a context resident for this long when its session is likely back within it."))
+    keep_min_p: float = Field(0.2, ge=0, le=1, description=(
+        "Keep (pin with TTL) a context when P(back within the keep horizon) is at least this."))
+    demote_max_p: float = Field(0.1, ge=0, le=1, description=(
+        "Demote (evict first) a context when P(back within 900 s) is at most this."))
+    lead_seconds: float = Field(30.0, gt=0, description=(
+        "Prefetch a context when its session is likely back within this long."))
+    prefetch_min_p: float = Field(0.5, ge=0, le=1, description=(
+        "Prefetch when P(back within the lead) is at least this."))
+    cancel_below_p: float = Field(0.25, ge=0, le=1, description=(
+        "Cancel an open prefetch not yet started when its chance falls below this (hysteresis "
+        "under KVP_PREFETCH_MIN_P)."))
     # How often the dashboard's timeline samples the counters (app/observe/timeline.py; an hour
     # of samples is kept at 2 s); 0 turns sampling off (tests drive it one sample at a time).
     dashboard_sample_seconds: float = Field(2.0, ge=0)
@@ -170,6 +187,14 @@ class Settings(BaseSettings):
         if self.max_batch_events > self.backlog_max_events:
             raise ValueError(f"max_batch_events ({self.max_batch_events}) must not exceed "
                              f"backlog_max_events ({self.backlog_max_events})")
+        return self
+
+    @model_validator(mode="after")
+    def _horizons_in_order(self) -> Settings:
+        # The advisor's return horizon (app/decide/advisor.py RETURN_HORIZON_SECONDS).
+        if not self.lead_seconds <= self.keep_horizon_seconds <= 900.0:
+            raise ValueError(f"lead_seconds ({self.lead_seconds:g}) <= keep_horizon_seconds "
+                             f"({self.keep_horizon_seconds:g}) <= 900 must hold")
         return self
 
     @property

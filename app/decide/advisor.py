@@ -45,9 +45,39 @@ class SessionAdvice:
     prefetch: bool
 
 
+@dataclass(frozen=True, slots=True)
+class Thresholds:
+    """The planner's thresholds, set once (Settings: KVP_KEEP_HORIZON_SECONDS and the rest) and
+    read by both the Advisor (keep, demote, prefetch) and the scheduler (lead, prefetch, cancel),
+    so the two never disagree. The defaults are the settings' defaults."""
+
+    keep_horizon_seconds: float = 300.0
+    keep_min_p: float = 0.2
+    demote_max_p: float = 0.1
+    lead_seconds: float = 30.0
+    prefetch_min_p: float = 0.5
+    # Hysteresis: an open order survives a small dip in its chance (app/decide/scheduler.py).
+    cancel_below_p: float = 0.25
+
+    @classmethod
+    def from_settings(cls, settings: object) -> Thresholds:
+        """From anything carrying these names (app.core.config.Settings)."""
+        return cls(**{name: getattr(settings, name) for name in cls.__slots__})
+
+    def advisor_options(self) -> dict[str, float]:
+        """The Advisor's keyword arguments."""
+        return {"keep_horizon_seconds": self.keep_horizon_seconds, "keep_min_p": self.keep_min_p,
+                "demote_max_p": self.demote_max_p, "lead_seconds": self.lead_seconds,
+                "prefetch_min_p": self.prefetch_min_p}
+
+
+_DEFAULT = Thresholds()
+
+
 class Advisor:
-    def __init__(self, predictor: Predictor, *, keep_horizon_seconds: float = 300.0, keep_min_p: float = 0.2,
-                 demote_max_p: float = 0.1, lead_seconds: float = 30.0, prefetch_min_p: float = 0.5,
+    def __init__(self, predictor: Predictor, *, keep_horizon_seconds: float = _DEFAULT.keep_horizon_seconds,
+                 keep_min_p: float = _DEFAULT.keep_min_p, demote_max_p: float = _DEFAULT.demote_max_p,
+                 lead_seconds: float = _DEFAULT.lead_seconds, prefetch_min_p: float = _DEFAULT.prefetch_min_p,
                  return_horizon_seconds: float = RETURN_HORIZON_SECONDS,
                  max_idle_seconds: float = MAX_IDLE_SECONDS, routes: SameInstanceEstimate | None = None) -> None:
         self.predictor = predictor

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from app.core.cluster import ClusterSpec
 from kvprefetch_client.events import BlockHash
 from kvprefetch_client.orders import Order
 from app.state.base import Location, StateStore
@@ -47,14 +48,17 @@ DEFAULT_REQUEST_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
-class HintConfig:
-    """The cluster's numbers a hint is computed with (the same ones SchedulerConfig carries)."""
+class HintConfig(ClusterSpec):
+    """The cluster's numbers a hint is computed with (app/core/cluster.py: the ones the scheduler
+    and outcomes use), and a typical request's time in a slot."""
 
-    bytes_per_token: int
-    pool_link_bytes_per_second: float = 12.5e9
-    host_link_bytes_per_second: float = 50e9
-    prefill_tokens_per_second: float = 20_000.0
     request_seconds: float = DEFAULT_REQUEST_SECONDS
+
+    @classmethod
+    def for_cluster(cls, cluster: ClusterSpec,
+                    request_seconds: float = DEFAULT_REQUEST_SECONDS) -> HintConfig:
+        return cls(**{f: getattr(cluster, f) for f in ClusterSpec.__slots__},
+                   request_seconds=request_seconds)
 
     def __post_init__(self) -> None:
         for name in ("bytes_per_token", "pool_link_bytes_per_second", "host_link_bytes_per_second",
@@ -197,11 +201,11 @@ def _candidate(instance_id: str, total: int, resident_n: int, ready: int, due: M
     host_n = host_end - ready
     pool_n = max(0, pool_end - max(ready, host_end))
     nowhere_n = missing_n - host_n - pool_n
-    recompute_seconds = missing_n * block_tokens / config.prefill_tokens_per_second
+    recompute_seconds = config.recompute_seconds(missing_n * block_tokens)
     # The two links run side by side; blocks held nowhere are recomputed meanwhile.
-    load_seconds = max(host_n * block_bytes / config.host_link_bytes_per_second,
-                       pool_n * block_bytes / config.pool_link_bytes_per_second,
-                       nowhere_n * block_tokens / config.prefill_tokens_per_second)
+    load_seconds = max(config.load_seconds(host_n * block_bytes, "host"),
+                       config.load_seconds(pool_n * block_bytes, "pool"),
+                       config.recompute_seconds(nowhere_n * block_tokens))
     if not missing_n:
         source = "none"
     elif recompute_seconds < load_seconds or nowhere_n == missing_n:

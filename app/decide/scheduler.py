@@ -44,24 +44,30 @@ from dataclasses import dataclass, field
 
 from kvprefetch_client.events import BlockHash, Tier
 from kvprefetch_client.orders import Cancel, Order, OrderKind, order_id_for
-from app.decide.advisor import SessionAdvice
+from app.core.cluster import (BLOCK_TOKENS, HOST_LINK_BYTES_PER_SECOND, LINK_SHARE, POOL_LINK_BYTES_PER_SECOND,
+                              PREFILL_TOKENS_PER_SECOND, ClusterSpec)
+from app.decide.advisor import SessionAdvice, Thresholds
 from app.state.base import StateStore
+
+
+# The thresholds' defaults (the settings' too: KVP_LEAD_SECONDS and the rest).
+_THRESHOLDS = Thresholds()
 
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     bytes_per_block: int
-    lead_seconds: float = 30.0
+    lead_seconds: float = _THRESHOLDS.lead_seconds
     needed_within_fraction: float = 0.1
-    prefetch_min_p: float = 0.5
+    prefetch_min_p: float = _THRESHOLDS.prefetch_min_p
     # Hysteresis: an open order survives a small dip in its chance.
-    cancel_below_p: float = 0.25
+    cancel_below_p: float = _THRESHOLDS.cancel_below_p
     # The share of each link prefetch may use, so demand loads are never starved.
-    link_share: float = 0.5
-    pool_link_bytes_per_second: float = 12.5e9
-    host_link_bytes_per_second: float = 50e9
-    prefill_tokens_per_second: float = 20_000.0
-    block_tokens: int = 512
+    link_share: float = LINK_SHARE
+    pool_link_bytes_per_second: float = POOL_LINK_BYTES_PER_SECOND
+    host_link_bytes_per_second: float = HOST_LINK_BYTES_PER_SECOND
+    prefill_tokens_per_second: float = PREFILL_TOKENS_PER_SECOND
+    block_tokens: int = BLOCK_TOKENS
     margin_seconds: float = 0.25
     # Re-pin when the current pin lapses within this long.
     repin_before_seconds: float = 5.0
@@ -69,6 +75,17 @@ class SchedulerConfig:
     # long enough for a dead agent's order to be taken over and finished (a stream entry is
     # claimed after 30 s by default), short enough that its room is not held for good.
     overdue_seconds: float = 60.0
+
+    @classmethod
+    def from_cluster(cls, cluster: ClusterSpec, thresholds: Thresholds | None = None,
+                     **kw: float) -> SchedulerConfig:
+        """The cluster's numbers and the planner's thresholds (the ones the advisor reads)."""
+        t = thresholds or Thresholds()
+        return cls(bytes_per_block=cluster.bytes_per_block, block_tokens=cluster.block_tokens,
+                   link_share=cluster.link_share, pool_link_bytes_per_second=cluster.pool_link_bytes_per_second,
+                   host_link_bytes_per_second=cluster.host_link_bytes_per_second,
+                   prefill_tokens_per_second=cluster.prefill_tokens_per_second, lead_seconds=t.lead_seconds,
+                   prefetch_min_p=t.prefetch_min_p, cancel_below_p=t.cancel_below_p, **kw)
 
     def link_bytes_per_second(self, source: Tier) -> float:
         return self.host_link_bytes_per_second if source == "host" else self.pool_link_bytes_per_second

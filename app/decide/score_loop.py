@@ -21,11 +21,12 @@ from app.core.clock import Clock
 from app.core.errors import StoreError
 from app.observe.ledger import AdviceLedger
 from kvprefetch_client.events import Event, RequestFinished
+from app.predict.predictors import Predictor
 from app.predict.registry import ModelRegistry
-from app.decide.advisor import MAX_IDLE_SECONDS, Advisor
+from app.decide.advisor import MAX_IDLE_SECONDS, Advisor, Thresholds
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler
-from app.state.base import SessionCursor, StateStore, cursor_of
+from app.state.base import SessionCursor, SessionView, StateStore, cursor_of
 from app.state.storethread import Offload
 
 log = logging.getLogger(__name__)
@@ -37,13 +38,15 @@ class Scorer:
     """`scheduler`, when given, takes the serving model's advice too (the shadow's never);
     `routes` weighs the advice by where returns land (app/decide/routing.py); `observe_seconds`,
     when given, is told each model's time to score the page (slot, seconds), after its advice is
-    recorded (the metrics' latency histogram)."""
+    recorded (the metrics' latency histogram); `thresholds`, the advisor's (the settings')."""
 
     def __init__(self, store: StateStore, models: ModelRegistry, ledger: AdviceLedger, clock: Clock, *,
                  sessions_per_tick: int = 256, scheduler: Scheduler | None = None,
                  routes: SameInstanceEstimate | None = None,
-                 observe_seconds: Callable[[str, float], None] | None = None) -> None:
+                 observe_seconds: Callable[[str, float], None] | None = None,
+                 thresholds: Thresholds | None = None) -> None:
         self.store = store
+        self.thresholds = thresholds or Thresholds()
         self.models = models
         self.ledger = ledger
         self.clock = clock
@@ -62,24 +65,27 @@ class Scorer:
             if isinstance(e, RequestFinished) and len(self._finished) < MAX_FINISHED_QUEUE:
                 self._finished[e.session_id] = None
 
-    def tick(self) -> int:
-        """Score one page of live sessions now (by the injected clock); returns how many were read."""
+    def _advisor(self, predictor: Predictor) -> Advisor:
+        return Advisor(predictor, routes=self.routes, **self.thresholds.advisor_options())
+
+    def tick(self, session_ids: Sequence[str] | None = None, *,
+             views: Sequence[SessionView] | None = None) -> int:
+        """Score one page of live sessions now (by the injected clock); returns how many were read.
+        `session_ids`: score exactly these, in this order, instead (the page and the finished
+        queue are left as they are): for a driver that decides which, like the replay; `views`:
+        those sessions as the driver just read them (not read again)."""
         now = self.clock.now()
-        # Sessions idle longer than the planner looks at are not read at all.
-        page = self.store.live_sessions(self.sessions_per_tick, before=self._cursor,
-                                        active_since_ts=now - MAX_IDLE_SECONDS)
-        self._cursor = cursor_of(page[-1]) if len(page) == self.sessions_per_tick else None
-        finished = list(self._finished)[: self.sessions_per_tick]
-        for session_id in finished:
-            del self._finished[session_id]
-        in_page = {v.session_id for v in page}
-        fresh = [v for v in (self.store.session(s) for s in finished if s not in in_page) if v is not None]
-        page = fresh + page
+        if views is not None:
+            page = list(views)
+        elif session_ids is not None:
+            page = [v for v in (self.store.session(s) for s in session_ids) if v is not None]
+        else:
+            page = self._page(now)
         if not page:
             return 0
         live = self.models.serving
         started = time.perf_counter()
-        advice = Advisor(live.predictor, routes=self.routes).advise(page, now)
+        advice = self._advisor(live.predictor).advise(page, now)
         seconds = time.perf_counter() - started
         self.ledger.record("live", advice, now)
         if self.scheduler is not None:
@@ -90,7 +96,7 @@ class Scorer:
         if shadow is not None:
             started = time.perf_counter()
             try:
-                advice = Advisor(shadow.predictor, routes=self.routes).advise(page, now)
+                advice = self._advisor(shadow.predictor).advise(page, now)
             except Exception:  # a broken shadow must never cost the serving model its scoring
                 log.exception("the shadow model %s failed to score %d sessions", shadow.version, len(page))
             else:
@@ -99,6 +105,18 @@ class Scorer:
                 if self.observe_seconds is not None:
                     self.observe_seconds("shadow", seconds)
         return len(page)
+
+    def _page(self, now: float) -> list[SessionView]:
+        # Sessions idle longer than the planner looks at are not read at all.
+        page = self.store.live_sessions(self.sessions_per_tick, before=self._cursor,
+                                        active_since_ts=now - MAX_IDLE_SECONDS)
+        self._cursor = cursor_of(page[-1]) if len(page) == self.sessions_per_tick else None
+        finished = list(self._finished)[: self.sessions_per_tick]
+        for session_id in finished:
+            del self._finished[session_id]
+        in_page = {v.session_id for v in page}
+        fresh = [v for v in (self.store.session(s) for s in finished if s not in in_page) if v is not None]
+        return fresh + page
 
     async def run(self, interval_seconds: float, offload: Offload | None = None) -> None:
         """Tick every `interval_seconds` until cancelled; `offload`, when given, runs each tick

@@ -81,6 +81,7 @@ class Ingestor:
             raise ValueError("max_clock_skew_seconds must be positive")
         self.store = store
         self.event_log = event_log
+        self._encodes = getattr(event_log, "keeps_events", True)
         self.replica_id = replica_id
         # The store's windows count from the newest event ts applied: an event is taken only
         # when it is at most this far ahead of the clock, so the windows never run ahead of it.
@@ -144,10 +145,12 @@ class Ingestor:
                     and len(fresh) == len(given)
                     and VllmKvEvents not in map(type, fresh)
                 )
-                # `whole` implies a body.
-                position = self.event_log.append(
-                    encode_batch(cast(bytes, body)) if whole else encode_events(fresh)
-                )
+                if not self._encodes:  # a log that keeps nothing (a replay's): nothing to encode
+                    position = self.event_log.append(b"")
+                else:  # `whole` implies a body.
+                    position = self.event_log.append(
+                        encode_batch(cast(bytes, body)) if whole else encode_events(fresh)
+                    )
                 try:
                     applied = self.store.apply(fresh)
                     self.store.set_checkpoint(self.replica_id, position)

@@ -243,6 +243,8 @@ class Metrics:
         # sync() runs on the store thread (ingest, ticks) and on the loop (a scrape).
         self._sync_lock = threading.RLock()
         self._seen: dict[object, int] = {}  # a source total -> its value at the last sync
+        self._children: dict[object, Counter] = {}  # a source total -> its series
+        self._scheduler_seen: tuple[object, ...] | None = None
         self._ledger_seen: dict[str, tuple[Serving, LedgerStats]] = {}
         self._versions: dict[str, str | None] = {}
 
@@ -255,8 +257,11 @@ class Metrics:
 
     def observe(self, events: Sequence[Event]) -> None:
         """The ingest observer, after the ledger's and the scheduler's (it syncs what they counted)."""
-        for event_type, n in collections.Counter(e.type for e in events).items():
-            self._ingested[event_type].inc(n)
+        if len(events) == 1:  # one at a time (a replay's engine): no tally to build
+            self._ingested[events[0].type].inc()
+        else:
+            for event_type, n in collections.Counter(e.type for e in events).items():
+                self._ingested[event_type].inc(n)
         self.sync()
 
     def record_outcomes(self, outcomes: Iterable[RequestOutcome]) -> None:
@@ -330,22 +335,32 @@ class Metrics:
             self._sync_scheduler()
             self._sync_models()
 
-    def _advance(self, key: object, counter: Counter, current: int) -> None:
+    def _advance(self, key: object, counter: Counter, current: int, *labels: str) -> None:
+        # Each series labelled once (at the first sync, so it shows from the start), then kept:
+        # this runs for every batch ingested.
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = counter.labels(*labels) if labels else counter
         last = self._seen.get(key, 0)
         delta = current - last if current >= last else current  # gone down: its owner started afresh
         if delta:
-            counter.inc(delta)
+            child.inc(delta)
         self._seen[key] = current
 
     def _sync_scheduler(self) -> None:
         if self._scheduler is None:
             return
         t = self._scheduler.totals
+        totals = (tuple(t.orders.items()), t.completed, t.failed, t.cancelled, t.bytes_ordered, t.bytes_wasted,
+                  t.bytes_used, t.bytes_unused)
+        if totals == self._scheduler_seen:
+            return  # nothing moved (the common case: this runs for every batch ingested)
+        self._scheduler_seen = totals
         for kind, n in list(t.orders.items()):
-            self._advance(("issued", kind), self.orders_issued.labels(kind), n)
-        self._advance("completed", self.orders_completed.labels("prefetch"), t.completed)
-        self._advance("failed", self.orders_failed.labels("prefetch"), t.failed)
-        self._advance("cancelled", self.orders_cancelled.labels("prefetch"), t.cancelled)
+            self._advance(("issued", kind), self.orders_issued, n, kind)
+        self._advance("completed", self.orders_completed, t.completed, "prefetch")
+        self._advance("failed", self.orders_failed, t.failed, "prefetch")
+        self._advance("cancelled", self.orders_cancelled, t.cancelled, "prefetch")
         self._advance("ordered_bytes", self.prefetch_ordered_bytes, t.bytes_ordered)
         self._advance("wasted_bytes", self.prefetch_wasted_bytes, t.bytes_wasted)
         self._advance("used_bytes", self.prefetch_used_bytes, t.bytes_used)
@@ -365,6 +380,8 @@ class Metrics:
                 # A model just swapped into the slot: the ledger counts it from zero.
                 seen = (serving, LedgerStats(0, 0, 0, 0, 0))
                 self._slot_started(slot)
+            elif self._ledger.stats(slot) == seen[1]:
+                continue  # nothing new to count (the common case: this runs for every batch)
             last, now = seen[1], self._ledger.stats(slot)
             for counter, was, is_ in (
                     (self.predictions.labels(slot), last.predictions, now.predictions),

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from app.core.cluster import ClusterSpec
 from kvprefetch_client.events import BlockHash, Event, KvBlocksStored, RequestRouted
 from app.ingest.ingestor import Observer
 from app.state.base import StateStore
@@ -43,15 +44,8 @@ Outcome = Literal["hit", "partial", "miss"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "partial", "miss")
 
 
-@dataclass(frozen=True, slots=True)
-class OutcomeConfig:
-    """The cluster's numbers (the settings the scheduler and route hints use)."""
-
-    bytes_per_token: int
-    block_tokens: int
-    pool_link_bytes_per_second: float = 12.5e9
-    host_link_bytes_per_second: float = 50e9
-    prefill_tokens_per_second: float = 20_000.0
+# The cluster's numbers (app/core/cluster.py), the ones the scheduler and route hints use.
+OutcomeConfig = ClusterSpec
 
 
 @dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs twice as much, per request

@@ -143,20 +143,27 @@ class ModelRegistry:
 
     def __init__(
         self,
-        model_dir: Path,
+        model_dir: Path | None,
         shadow_dir: Path | None = None,
         *,
         ledger: AdviceLedger | None = None,
         models_root: Path | None = None,
     ) -> None:
+        """`model_dir` None: serve the heuristic, loading nothing (a replay whose policy never
+        scores through the engine)."""
         self.ledger = ledger if ledger is not None else AdviceLedger()
-        self.models_root = models_root if models_root is not None else model_dir.parent
-        try:
-            model = self._load(model_dir)
-            self.serving = Serving(model, f"learned ({model.version})", model.version)
-        except ModelError as exc:
-            log.warning("serving the heuristic: %s (%s)", exc, model_dir)
-            self.serving = Serving(HeuristicPredictor(), f"heuristic ({exc})", None)
+        if models_root is None:
+            models_root = model_dir.parent if model_dir is not None else Path(".")
+        self.models_root = models_root
+        if model_dir is None:
+            self.serving = Serving(HeuristicPredictor(), "heuristic (no model loaded)", None)
+        else:
+            try:
+                model = self._load(model_dir)
+                self.serving = Serving(model, f"learned ({model.version})", model.version)
+            except ModelError as exc:
+                log.warning("serving the heuristic: %s (%s)", exc, model_dir)
+                self.serving = Serving(HeuristicPredictor(), f"heuristic ({exc})", None)
         # The shadow is scored beside the serving model and never advises anyone.
         self.shadow: Serving | None = None
         # Why the configured shadow is not there; a shadow that fails never stops the service.

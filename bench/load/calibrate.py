@@ -1,7 +1,7 @@
 """What each unit of the service's state costs in RSS, measured on the bench's own traffic.
 
 `calibrate()` runs one fresh process per unit (`python -m bench.load.calibrate --mode M`): each
-builds the service's app (create_app, its lifespan, every ingest observer; no loops, no HTTP),
+builds the service's Engine (app/engine.py: every ingest observer; no loops, no HTTP),
 ingests this traffic, and reports RSS before and after with the store's counts. The units: a
 tracked session, a remembered event id, a resident block, a removal tombstone, a session the
 scheduler tracks with its advice, and, for the pull sink, an order it holds and an order id it
@@ -37,7 +37,7 @@ _NEVER_SECONDS = 1e9
 
 def _worker(mode: str, sessions: int, store: str, redis_url: str, dedupe_max_ids: int | None,
             seed: int) -> dict[str, Any]:
-    """In a fresh process: the service's app ingests this traffic; RSS before and after, with
+    """In a fresh process: the service's Engine ingests this traffic; RSS before and after, with
     what grew.
 
     modes: `sessions` (request and close events, one remembered id), `ids` (the same, ids
@@ -58,7 +58,7 @@ def _worker(mode: str, sessions: int, store: str, redis_url: str, dedupe_max_ids
     if mode == "ring":
         return _ring(dedupe_max_ids or Settings.model_fields["dedupe_max_ids"].default)
 
-    from app.api.main import create_app
+    from app.engine import Engine
     from kvprefetch_client.events import batch_adapter
 
     tmp = Path(tempfile.mkdtemp(prefix="kvp-bench-load-cal-"))
@@ -72,7 +72,7 @@ def _worker(mode: str, sessions: int, store: str, redis_url: str, dedupe_max_ids
         "session_retention_seconds": _NEVER_SECONDS, "reorder_window_seconds": _NEVER_SECONDS,
     }
     settings = Settings(_env_file=None, **overrides)  # type: ignore[call-arg]
-    app = create_app(settings)
+    engine = Engine.build(settings)
     proc = psutil.Process()
     # A population smaller than the sessions ingested, so most of them live and end as in the run.
     kv = mode in ("blocks", "tombstones")
@@ -94,49 +94,47 @@ def _worker(mode: str, sessions: int, store: str, redis_url: str, dedupe_max_ids
             out.append(shard.batch(1000)[0])
         return out
 
-    async def go() -> dict[str, Any]:
-        async with app.router.lifespan_context(app):
-            ingestor, store_ = app.state.ingestor, app.state.store
-            # Where the planning side runs off the request (a backlog), hand it each batch at once,
-            # as the service's loop does between requests.
-            backlog = getattr(app.state, "backlog", None)
-            drain = backlog.drain if backlog is not None else (lambda: None)
-            # Made before the baseline and kept until after, so they weigh in both.
-            made = bodies()
-            warm = made[0]
-            ingestor.ingest(batch_adapter.validate_json(warm).events, warm)
-            drain()
-            gc.collect()
-            before_stats = store_.stats()
-            before = proc.memory_info().rss
-            for body in made[1:]:
-                ingestor.ingest(batch_adapter.validate_json(body).events, body)
-                drain()
-            if mode == "advice":
-                return advise(int(store_.stats()["sessions"]))
-            gc.collect()
-            after = proc.memory_info().rss
-            after_stats = store_.stats()
-            growth = {k: after_stats[k] - before_stats.get(k, 0) for k in after_stats}
-            growth["tombstones"] = tombstones_after[-1] - tombstones_after[0] if tombstones_after else 0
-            return {"mode": mode, "bytes": after - before, "growth": growth}
+    def go() -> dict[str, Any]:
+        store_ = engine.store
+        # The planning side runs off the request (a backlog): hand it each batch at once, as the
+        # service's loop does between requests.
+        # Made before the baseline and kept until after, so they weigh in both.
+        made = bodies()
+        warm = made[0]
+        engine.ingest(batch_adapter.validate_json(warm).events, warm)
+        engine.drain()
+        gc.collect()
+        before_stats = store_.stats()
+        before = proc.memory_info().rss
+        for body in made[1:]:
+            engine.ingest(batch_adapter.validate_json(body).events, body)
+            engine.drain()
+        if mode == "advice":
+            return advise(int(store_.stats()["sessions"]))
+        gc.collect()
+        after = proc.memory_info().rss
+        after_stats = store_.stats()
+        growth = {k: after_stats[k] - before_stats.get(k, 0) for k in after_stats}
+        growth["tombstones"] = tombstones_after[-1] - tombstones_after[0] if tombstones_after else 0
+        return {"mode": mode, "bytes": after - before, "growth": growth}
 
     def advise(sessions: int) -> dict[str, Any]:
         """Every live session scored a page at a time, then one plan: the scheduler's latest
         advice and pins, the ledger's entries."""
-        scorer, scheduler = app.state.scorer, app.state.scheduler
+        scheduler = engine.scheduler
         gc.collect()
         before, tracked = proc.memory_info().rss, scheduler.tracked_sessions
-        for _ in range(2 + sessions // scorer.sessions_per_tick):
-            scorer.tick()
+        for _ in range(2 + sessions // engine.scorer.sessions_per_tick):
+            engine.score_tick()
         scheduler.plan(time.time())
         gc.collect()
         return {"mode": mode, "bytes": proc.memory_info().rss - before,
                 "growth": {"tracked_sessions": scheduler.tracked_sessions - tracked}}
 
     try:
-        return asyncio.run(go())
+        return go()
     finally:
+        asyncio.run(engine.close())
         shutil.rmtree(tmp, ignore_errors=True)
         if store == "redis":
             redis_clean(redis_url, prefix)

@@ -29,7 +29,7 @@ def settle(client: TestClient) -> None:
 
 
 async def _drain(app: Any) -> None:
-    app.state.backlog.drain()
+    app.state.engine.backlog.drain()
 
 
 def routed(event_id: str, session_id: str = "s1", ts: float = 1.0, **kw: object) -> dict[str, object]:

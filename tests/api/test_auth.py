@@ -228,15 +228,15 @@ def test_a_full_backlog_refuses_with_503_before_logging_and_a_read_drains_it(tmp
                                       "retry later", "field": "backlog"}
         assert r.headers["retry-after"] == "1"
         assert c.get("/v1/sessions/s2").status_code == 404  # refused before the log and the store
-        assert app.state.backlog.events == 2  # type: ignore[attr-defined]
+        assert app.state.engine.backlog.events == 2  # type: ignore[attr-defined]
         assert c.get("/v1/scheduler").status_code == 200  # a derived read drains first
-        assert app.state.backlog.events == 0  # type: ignore[attr-defined]
+        assert app.state.engine.backlog.events == 0  # type: ignore[attr-defined]
         assert post_events(c, [routed("e3", "s2"), routed("e4", "s2")], None).status_code == 200
         assert 'kvprefetch_event_batches_refused_total{code="503"} 1.0' in c.get("/metrics").text
 
 
 async def _stop_draining(app: Any) -> None:
-    app.state.backlog_task.cancel()
+    app.state.engine.backlog_task.cancel()
     await asyncio.sleep(0)
 
 

@@ -88,13 +88,13 @@ def cluster(now: float, sessions: int = 4, blocks: int = 4) -> list[dict[str, An
 
 
 def tick(client: TestClient) -> None:
-    state = client.app.state  # type: ignore[attr-defined]
+    state = client.app.state.engine  # type: ignore[attr-defined]
     state.scorer.tick()
     asyncio.run(state.dispatcher.tick())
 
 
 def sample(client: TestClient) -> None:
-    client.app.state.timeline.sample()  # type: ignore[attr-defined]
+    client.app.state.engine.timeline.sample()  # type: ignore[attr-defined]
 
 
 # -- an empty service --------------------------------------------------------------------------
@@ -322,12 +322,12 @@ def test_the_sampler_runs_in_the_lifespan_when_configured(settings: Settings) ->
             assert time.monotonic() < deadline, "the sampler did not sample"
             time.sleep(0.02)
         assert client.get("/v1/dashboard/series").json()["interval_seconds"] == 0.02
-        task = client.app.state.sampling_task  # type: ignore[attr-defined]
+        task = client.app.state.engine.sampling_task  # type: ignore[attr-defined]
     assert task.cancelled() or task.done()
 
 
 def test_sampling_off_starts_no_task(client: TestClient) -> None:
-    assert client.app.state.sampling_task is None  # type: ignore[attr-defined]
+    assert client.app.state.engine.sampling_task is None  # type: ignore[attr-defined]
 
 
 def test_session_ids_are_hidden_unless_the_operator_opts_in(client: TestClient,

@@ -82,7 +82,7 @@ def test_open_orders_of_the_apps_scheduler_count_as_on_their_way(client: TestCli
         def open_orders(self) -> list[Order]:
             return [order]
 
-    client.app.state.scheduler = Scheduler()  # type: ignore[attr-defined]
+    client.app.state.engine.scheduler = Scheduler()  # type: ignore[attr-defined]
     body = hint(client, {"session_id": "s1", "candidates": ["gpu-0", "gpu-1"]})
     zero, one = body["candidates"]
     assert (one["inflight_bytes"], one["missing_bytes"], one["expected_load_seconds"]) == (

@@ -84,7 +84,7 @@ def promtool() -> str:
 def one_of_everything(c: TestClient) -> None:
     """Traffic that puts a sample in every family: events of each kind, a duplicate, rejections, a
     refused body, reuse outcomes, a scoring tick with a shadow, a planning tick with orders."""
-    state = c.app.state  # type: ignore[attr-defined]
+    state = c.app.state.engine  # type: ignore[attr-defined]
     assert c.put("/v1/model/shadow", json={"model_dir": str(DEFAULT_MODEL_DIR)}).status_code == 200
     post(c, [stored("h", "hbm", [1, 2]), stored("p", "pool", [1, 2, 3, 50, 51]),
              {"type": "instance_status", "event_id": "st", "ts": 10.0, "instance_id": "gpu-0",
@@ -186,7 +186,7 @@ def test_what_arriving_requests_found_bytes_stall_and_cost(make_client: Callable
 
 def test_orders_follow_the_schedulers_totals(make_client: Callable[..., TestClient]) -> None:
     c = make_client(bytes_per_token=1000, block_tokens=100)
-    state = c.app.state  # type: ignore[attr-defined]
+    state = c.app.state.engine  # type: ignore[attr-defined]
     blocks = {s: list(range(100 * i, 100 * i + 20)) for i, s in enumerate(("s9", "s8", "s7", "s6", "s5", "s4"), 1)}
     post(c, [stored("pool", "pool", [b for s in ("s9", "s8", "s7", "s6") for b in blocks[s]]),
              stored("hbm", "hbm", blocks["s5"] + blocks["s4"]),
@@ -235,7 +235,7 @@ def test_predictions_would_be_hits_and_model_versions(tmp_path: Path, make_clien
     # The heuristic serves (no model there), the bundled model shadows.
     c = make_client(model_dir=tmp_path / "none", shadow_model_dir=DEFAULT_MODEL_DIR,
                     models_root=DEFAULT_MODEL_DIR.parent)
-    state = c.app.state  # type: ignore[attr-defined]
+    state = c.app.state.engine  # type: ignore[attr-defined]
     turns = []
     for session, ts in (("a", 900.0), ("b", 400.0)):
         turns += [routed(f"{session}0", session, ts, block_hashes=[1]),
@@ -274,7 +274,7 @@ def test_predictions_would_be_hits_and_model_versions(tmp_path: Path, make_clien
 def test_no_session_request_order_or_instance_id_reaches_the_exposition(
         make_client: Callable[..., TestClient]) -> None:
     c = make_client()
-    state = c.app.state  # type: ignore[attr-defined]
+    state = c.app.state.engine  # type: ignore[attr-defined]
     secret = "zq7secret"
     common = {"session_id": f"{secret}-session", "request_id": f"{secret}-request",
               "instance_id": f"{secret}-gpu"}
@@ -311,7 +311,7 @@ def test_the_stores_last_probe_is_exported_with_its_age(
     c = make_client()
     events = [routed("e1"), routed("e2", "s2")]
     assert c.post("/v1/events", json={"events": events}).status_code == 200
-    c.portal.call(c.app.state.store_health.refresh, None)  # type: ignore[union-attr]
+    c.portal.call(c.app.state.engine.store_health.refresh, None)  # type: ignore[union-attr]
     m = scrape(c)
     assert value(m, "kvprefetch_store_up") == 1
     assert value(m, "kvprefetch_store_objects", kind="sessions") == 2

@@ -216,8 +216,8 @@ def test_hit_rates_of_live_and_shadow(tmp_path: Path, clock: ManualClock) -> Non
         session_with_turns(c, "b", 1, start_ts=300.0)  # one turn, silent since 305
         app = c.app
         settle(c)
-        assert app.state.scorer.tick() == 2  # type: ignore[attr-defined]
-        views = [app.state.store.session("a"), app.state.store.session("b")]  # type: ignore[attr-defined]
+        assert app.state.engine.scorer.tick() == 2  # type: ignore[attr-defined]
+        views = [app.state.engine.store.session("a"), app.state.engine.store.session("b")]  # type: ignore[attr-defined]
         # What the production planner advises at 900 is what each model is judged on.
         predictors = {"live": HeuristicPredictor(), "shadow": LearnedPredictor(DEFAULT_MODEL_DIR)}
         kept = {name: [a.retention == "keep" or a.prefetch for a in Advisor(p).advise(views, 900.0)]
@@ -251,7 +251,7 @@ def test_advice_made_after_a_late_arrival_does_not_score_it(scored: TestClient, 
     clock.set(900.0)  # the events below are then in the service's past, as they are live
     session_with_turns(c, "a", 2, start_ts=800.0)
     settle(c)
-    assert c.app.state.scorer.tick() == 1  # type: ignore[attr-defined]
+    assert c.app.state.engine.scorer.tick() == 1  # type: ignore[attr-defined]
     before = c.get("/v1/model").json()["live"]
     assert (before["predictions"], before["unscored"]) == (1, 2)  # the two turns that built a
     # The request came at 890, before that advice, but was posted only now.
@@ -264,12 +264,12 @@ def test_the_scoring_loop_runs_with_the_service(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path / "data", log_fsync=False, score_interval_seconds=60.0)
     app = create_app(settings)
     with TestClient(app):
-        task = app.state.scoring_task
+        task = app.state.engine.scoring_task
         assert task is not None and not task.done()
     assert task.cancelled()
     off = create_app(Settings(data_dir=tmp_path / "off", log_fsync=False, score_interval_seconds=0))
     with TestClient(off):
-        assert off.state.scoring_task is None
+        assert off.state.engine.scoring_task is None
 
 
 # -- the models root (KVP_MODELS_ROOT) ----------------------------------------------------------

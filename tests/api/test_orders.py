@@ -40,7 +40,7 @@ def client(settings: Settings, clock: ManualClock) -> Iterator[TestClient]:
 
 
 def queue_of(client: TestClient) -> PullQueue:
-    sink = client.app.state.order_sink  # type: ignore[attr-defined]
+    sink = client.app.state.engine.order_sink  # type: ignore[attr-defined]
     assert isinstance(sink, PullQueue)
     return sink
 
@@ -113,7 +113,7 @@ def test_bad_parameters_are_422_naming_the_field(client: TestClient, params: dic
 def test_another_sink_is_409(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path, log_fsync=False, order_sink="memory")
     with TestClient(create_app(settings)) as c:
-        assert isinstance(c.app.state.order_sink, InProcessSink)  # type: ignore[attr-defined]
+        assert isinstance(c.app.state.engine.order_sink, InProcessSink)  # type: ignore[attr-defined]
         r = c.get("/v1/orders", params={"instance_id": "gpu-0"})
     assert (r.status_code, r.json()) == (409, {
         "detail": "orders go to the memory sink (KVP_ORDER_SINK); GET /v1/orders serves only the pull sink "
@@ -135,7 +135,7 @@ def test_the_sink_is_closed_at_shutdown_unless_it_was_injected(settings: Setting
         built.submit_nowait([order("a")])
     injected = PullQueue()
     with TestClient(create_app(settings, order_sink=injected)) as c:
-        assert c.app.state.order_sink is injected  # type: ignore[attr-defined]
+        assert c.app.state.engine.order_sink is injected  # type: ignore[attr-defined]
     assert injected.submit_nowait([order("a")]) == ["a"]
 
 
@@ -187,7 +187,7 @@ def test_the_sink_is_built_from_settings_on_the_apps_loop(kind: str, tmp_path: P
                      redis_prefix=request.getfixturevalue("clean_redis"))
     settings = Settings(data_dir=tmp_path, log_fsync=False, order_sink=kind, **extra)
     with TestClient(create_app(settings)) as c:
-        sink = c.app.state.order_sink  # type: ignore[attr-defined]
+        sink = c.app.state.engine.order_sink  # type: ignore[attr-defined]
         assert type(sink) is {"memory": InProcessSink, "webhook": WebhookSink, "redis": RedisStreamSink}[kind]
         assert c.portal.call(sink.submit, [order("a")]) == ["a"]  # type: ignore[union-attr]
     if kind == "webhook":

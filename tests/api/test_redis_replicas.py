@@ -38,7 +38,7 @@ def test_a_restarted_replica_replays_only_its_log_tail(tmp_path: Path, redis_url
     # Restart: the Redis store already holds everything up to its checkpoint.
     with replica(tmp_path, "a", redis_url, clean_redis) as a:
         assert a.get("/v1/sessions/s1").json()["turns"] == 5
-        assert a.app.state.ingestor.recover() == 0
+        assert a.app.state.engine.ingestor.recover() == 0
 
 
 def test_a_service_whose_redis_is_unreachable_does_not_start(tmp_path: Path) -> None:

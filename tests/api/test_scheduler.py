@@ -47,7 +47,7 @@ def post(client: TestClient, events: list[dict[str, object]]) -> None:
 
 
 def tick(client: TestClient) -> None:
-    state = client.app.state  # type: ignore[attr-defined]
+    state = client.app.state.engine  # type: ignore[attr-defined]
     state.scorer.tick()
     asyncio.run(state.dispatcher.tick())
 
@@ -75,7 +75,7 @@ def test_a_likely_return_gets_its_context_pinned_and_the_agent_reports_back(clie
 
 
 def test_order_progress_reaches_the_scheduler(client: TestClient) -> None:
-    scheduler = client.app.state.scheduler  # type: ignore[attr-defined]
+    scheduler = client.app.state.engine.scheduler  # type: ignore[attr-defined]
     post(client, [{"type": "kv_blocks_stored", "event_id": "pool", "ts": 900.0, "tier": "pool",
                    "instance_id": None, "block_hashes": BLOCKS},
                   {"type": "instance_status", "event_id": "st", "ts": 900.0, "instance_id": "gpu-0",
@@ -83,7 +83,7 @@ def test_order_progress_reaches_the_scheduler(client: TestClient) -> None:
     from app.decide.advisor import SessionAdvice
 
     scheduler.advise([SessionAdvice("s9", "gpu-0", tuple(BLOCKS), "lru", 0.0, 0.9, 0.9, 0.9, True)], 1000.0)
-    asyncio.run(client.app.state.dispatcher.tick())  # type: ignore[attr-defined]
+    asyncio.run(client.app.state.engine.dispatcher.tick())  # type: ignore[attr-defined]
     (order,) = client.get("/v1/orders", params={"instance_id": "gpu-0"}).json()["orders"]
     assert order["kind"] == "prefetch" and order["source_tier"] == "pool"
     post(client, [{"type": "order_progress", "event_id": "p1", "ts": 1001.0, "order_id": order["order_id"],

@@ -110,6 +110,6 @@ def test_a_log_written_by_a_lenient_version_still_replays(settings: Settings) ->
     with TestClient(create_app(settings)) as c:
         view = c.get("/v1/sessions/s1").json()
         assert (view["last_activity_ts"], view["last_request"]["prompt_tokens"]) == (5.0, 10)
-        store = c.app.state.store  # type: ignore[attr-defined]
+        store = c.app.state.engine.store  # type: ignore[attr-defined]
         assert store.session("a/b").last_request.prompt_tokens == 7
         assert store.session("..") is not None

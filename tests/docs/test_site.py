@@ -179,3 +179,15 @@ def test_paths_named_in_the_docs_exist() -> None:
         for path in missing
     }
     assert not missing, f"named in the docs but not in the checkout: {where}"
+
+
+def test_every_setting_has_a_row_in_the_configuration_page() -> None:
+    from app.core.config import Settings
+
+    page = (DOCS / "operators" / "configuration.md").read_text()
+    # A table row names the variable in backticks, alone or beside its siblings.
+    rows = "\n".join(line for line in page.splitlines() if line.startswith("| `"))
+    names = [f"KVP_{field.upper()}" for field in Settings.model_fields]
+    assert len(names) > 40
+    missing = [name for name in names if not re.search(r"`" + re.escape(name) + r"`", rows)]
+    assert not missing, f"settings without a row in docs/operators/configuration.md: {missing}"

@@ -8,15 +8,13 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
-from app.core.clock import ManualClock
-from app.decide.advisor import Advisor
-from app.decide.scheduler import Scheduler, SchedulerConfig
-from app.state import MemoryStore
+from app.predict.registry import Serving
+from kvprefetch_client.orders import Order
 from app.state.base import SessionView
 from sim.cluster import Cluster, SimRequest
 from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy
 from sim.policy_registry import make_policy
-from sim.replay import EngineFeed
+from sim.replay import EngineFeed, sim_engine
 from sim.scheduled import ScheduledPolicy
 from tests.sim.test_cluster import (
     BLOCK_BYTES,
@@ -240,11 +238,18 @@ def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
     scen = scenario(prefill=100.0, instances=1, hbm_blocks=8)
     a, b, c = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4)), request(2, 20.0, context(20, 4))
     d = request(3, 45.0, [*context(0, 4), 99], session="s0")
-    store = MemoryStore(bytes_per_token=scen.bytes_per_token, block_tokens=scen.block_tokens)
-    engine = EngineFeed(store, ManualClock(0.0))
-    config = SchedulerConfig(bytes_per_block=scen.block_bytes, block_tokens=scen.block_tokens,
-                             pool_link_bytes_per_second=POOL, prefill_tokens_per_second=100.0)
-    policy = ScheduledPolicy(Advisor(Chances({"s0": (0.9, 30.0)})), Scheduler(store, config), engine.session)
+    app_engine = sim_engine(scen, load_model=False)
+    app_engine.models.serving = Serving(Chances({"s0": (0.9, 30.0)}), "chances", None)  # type: ignore[arg-type]
+    engine = EngineFeed(app_engine)
+    policy = ScheduledPolicy(app_engine, engine.session)
+    submitted: list[Order] = []
+    carry_out = policy.carry_out
+
+    def spy(order: Order) -> None:  # what reached the engine's order sink
+        submitted.append(order)
+        carry_out(order)
+
+    policy.carry_out = spy  # type: ignore[method-assign]
     cluster = CheckedCluster(scen, [a, b, c, d], Placed([0] * 4), policy, emit=engine.emit)
     cluster.run()
     assert d.hit_blocks == 4 and d.stall_seconds == 0.0
@@ -252,6 +257,13 @@ def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
     assert policy.scheduler.totals.orders["prefetch"] == 1 and policy.scheduler.totals.orders["demote"] >= 1
     landed = cluster.instances[0].hbm.entries
     assert all(b not in landed or landed[b].keep_until >= 40.0 for b in context(0, 4))  # held on landing
+    # Through the engine's own loop: its ledger recorded the advice, and the order's progress came
+    # back as an agent's order_progress event, through its ingest to the store and the scheduler.
+    app_engine.drain()
+    assert app_engine.ledger.stats("live").predictions > 0
+    (prefetch,) = [o for o in submitted if o.kind == "prefetch"]
+    view = app_engine.store.order(prefetch.order_id)
+    assert view is not None and view.status == "accepted"
 
 
 def test_scheduled_policy_without_the_in_process_engine_is_refused() -> None:
@@ -264,8 +276,7 @@ def test_clairvoyant_keeps_what_comes_back_through_the_same_planner() -> None:
     a, b, c = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4)), request(2, 20.0, context(20, 4))
     d = request(3, 30.0, [*context(0, 4), 99], session="s0")
     scen = scenario(prefill=100.0, instances=1, hbm_blocks=8)
-    store = MemoryStore(bytes_per_token=scen.bytes_per_token, block_tokens=scen.block_tokens)
-    engine = EngineFeed(store, ManualClock(0.0))
+    engine = EngineFeed(sim_engine(scen, load_model=False))
     policy = make_policy("clairvoyant", session_view=engine.session)
     CheckedCluster(scen, [a, b, c, d], Placed([0] * 4), policy, emit=engine.emit).run()
     assert d.hit_blocks == 4 and d.stall_seconds == 0.0

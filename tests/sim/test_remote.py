@@ -19,12 +19,10 @@ import orjson
 import pytest
 
 from app.api.main import create_app
-from app.core.clock import ManualClock
 from app.core.config import Settings
-from app.state import MemoryStore
 from app.state.base import SessionView
 from sim.remote import EventsRejected, RemoteEngine, RemoteEngineError, ServiceUnreachable, replay_via
-from sim.replay import EngineFeed, ReplayResult, replay
+from sim.replay import EngineFeed, ReplayResult, replay, sim_engine
 from sim.scenario import Scenario, load_scenario
 from sim.traces import TraceRequest, load_trace
 from tests.conftest import TRACES, live_server
@@ -71,8 +69,7 @@ class CountingFeed(EngineFeed):
 
 def in_process(trace: list[TraceRequest], scenario: Scenario,
                policy: str) -> tuple[ReplayResult, CountingFeed]:
-    store = MemoryStore(bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens)
-    feed = CountingFeed(store, ManualClock(0.0), keep_events=True)
+    feed = CountingFeed(sim_engine(scenario, load_model=policy == "scheduled"), keep_events=True)
     return replay(trace, scenario, policy=policy, engine=feed), feed
 
 

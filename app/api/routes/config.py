@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
-from app.api.deps import SettingsDep
+from app.api.deps import SettingsDep, TokensDep
 from app.core.redact import mask_url
 
 router = APIRouter(tags=["admin"])
@@ -22,11 +22,11 @@ class ConfigView(BaseModel):
 
 
 @router.get("/config", response_model=ConfigView, summary="The running configuration")
-async def get_config(request: Request, settings: SettingsDep) -> ConfigView:
+async def get_config(settings: SettingsDep, tokens: TokensDep) -> ConfigView:
     """The effective settings (environment, .env and defaults resolved), secrets masked."""
     shown = settings.model_dump(mode="json")
     shown["redis_url"] = mask_url(settings.redis_url.get_secret_value())
     if settings.order_webhook_url is not None:
         webhook = settings.order_webhook_url.get_secret_value()
         shown["order_webhook_url"] = mask_url(webhook, keep_path=False)
-    return ConfigView(settings=shown, tokens=request.app.state.tokens.names())
+    return ConfigView(settings=shown, tokens=tokens.names())

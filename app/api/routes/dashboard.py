@@ -22,9 +22,12 @@ from app.api.deps import (
     StoreDep,
     StoreHealthDep,
     StoreThreadDep,
+    TimelineDep,
+    TokensDep,
 )
 from app.api.errors import Error, error_response
 from app.core.config import Settings
+from app.core.security import TokenTable
 from app.observe.ledger import AdviceLedger
 from app.predict.registry import ModelRegistry
 from app.decide.scheduler import Scheduler
@@ -57,13 +60,6 @@ page = APIRouter(include_in_schema=False)
 
 
 _BAD_PARAM = {422: {"model": Error, "description": "A query parameter is out of range or not a number."}}
-
-
-async def get_timeline(request: Request) -> Timeline:
-    return request.app.state.timeline
-
-
-TimelineDep = Annotated[Timeline, Depends(get_timeline)]
 
 
 def _json(body: dict[str, Any]) -> Response:
@@ -114,6 +110,7 @@ async def dashboard_now(
     store: StoreDep,
     store_thread: StoreThreadDep,
     health: StoreHealthDep,
+    tokens: TokensDep,
     limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="The most sessions in top_sessions")] = 20,
     instances: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="The most instances listed")] = 50,
 ) -> Response:
@@ -147,17 +144,16 @@ async def dashboard_now(
     known = health.last
     body = {**body, "store": {"ok": known.ok, "stats": known.stats,
                               "stats_age_seconds": known.stats_age_seconds(health.monotonic())}}
-    if not shows_session_ids(request, settings):
+    if not shows_session_ids(request, settings, tokens):
         body["top_sessions"] = [{**row, "session_id": None} for row in body["top_sessions"]]
     return _json(body)
 
 
-def shows_session_ids(request: Request, settings: Settings) -> bool:
+def shows_session_ids(request: Request, settings: Settings, tokens: TokenTable) -> bool:
     """Session ids may be user identities: shown when the operator opted in
     (KVP_DASHBOARD_SHOW_SESSION_IDS) or to a caller presenting a valid token."""
     if settings.dashboard_show_session_ids:
         return True
-    tokens = request.app.state.tokens
     scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
     return (tokens.enabled and scheme.lower() == "bearer"
             and tokens.authenticate(credentials.strip()) is not None)

@@ -8,8 +8,8 @@ import orjson
 from fastapi import APIRouter, Request, Response
 
 from app.api.auth import EventsCaller, Refused, charge
-from app.api.batch import BatchError, BatchParser, IngestResponse
-from app.api.deps import BacklogDep, IngestorDep, MetricsDep, SettingsDep, StoreThreadDep
+from app.api.batch import BatchError, IngestResponse
+from app.api.deps import BacklogDep, BatchParserDep, EngineDep, EventLimiterDep, MetricsDep, SettingsDep, StoreThreadDep
 from app.api.errors import Error, error_response
 from app.core.errors import EventLogError, StoreError
 from app.core.security import Principal, Scope
@@ -60,9 +60,9 @@ async def read_body(request: Request, limit: int) -> bytes:
         "application/json": {"schema": {"$ref": "#/components/schemas/EventBatch"}}}}},
     summary="Post a batch of events",
 )
-async def post_events(request: Request, caller: EventsCaller, ingestor: IngestorDep, settings: SettingsDep,
-                      metrics: MetricsDep, backlog: BacklogDep,
-                      store_thread: StoreThreadDep) -> Response:
+async def post_events(request: Request, caller: EventsCaller, engine: EngineDep, settings: SettingsDep,
+                      metrics: MetricsDep, backlog: BacklogDep, store_thread: StoreThreadDep,
+                      parser: BatchParserDep, limiter: EventLimiterDep) -> Response:
     """Accept a batch of events. Valid events are logged durably and applied before the answer.
 
     A batch with some invalid events is answered 422, and its valid events are still accepted:
@@ -74,13 +74,13 @@ async def post_events(request: Request, caller: EventsCaller, ingestor: Ingestor
         return error_response(415, "content-type", "send the batch as application/json")
     try:
         body = await read_body(request, settings.max_body_bytes)
-        parsed = batch_parser(request, settings.max_batch_events).parse(body)
+        parsed = parser.parse(body)
         check_agent_events(caller, parsed.events)
     except BatchError as exc:
         metrics.batch_refused(exc.status_code)
         return error_response(exc.status_code, exc.field, exc.message)
     try:
-        charge(request, caller, request.app.state.event_limiter, "events", len(parsed.events))
+        charge(request, caller, limiter, "events", len(parsed.events))
     except Refused:
         metrics.batch_refused(429)
         raise
@@ -90,7 +90,7 @@ async def post_events(request: Request, caller: EventsCaller, ingestor: Ingestor
         # is filled and drained too: the room asked for is the room there.
         if not backlog.has_room(len(parsed.events)):
             return None
-        return ingestor.ingest(parsed.events, body if not parsed.rejected else None)
+        return engine.ingest(parsed.events, body if not parsed.rejected else None)
 
     try:
         result = await store_thread.run(admit_and_ingest)
@@ -119,14 +119,6 @@ async def post_events(request: Request, caller: EventsCaller, ingestor: Ingestor
         payload["rejections_omitted"] = parsed.rejections_omitted
     return Response(orjson.dumps(payload), status_code=422 if parsed.rejected_first else 200,
                     media_type="application/json")
-
-
-def batch_parser(request: Request, max_events: int) -> BatchParser:
-    """The app's parser, made on first use (its pydantic model is built for the limit)."""
-    parser: BatchParser | None = getattr(request.app.state, "batch_parser", None)
-    if parser is None or parser.max_events != max_events:
-        parser = request.app.state.batch_parser = BatchParser(max_events)
-    return parser
 
 
 def check_agent_events(caller: Principal, events: list[Event]) -> None:

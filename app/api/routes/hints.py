@@ -3,14 +3,13 @@ which one to send its next request to (app/decide/hints.py does the work)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from app.api.deps import ClockDep, SettingsDep, StoreDep
+from app.api.deps import ClockDep, HintConfigDep, SchedulerDep, StoreDep, StoreThreadDep
 from app.api.errors import Error
-from app.core.config import Settings
 from kvprefetch_client.events import Ident
-from app.decide.hints import HintConfig, route_hint
+from app.decide.hints import route_hint
 
 # A router asks about the instances it could pick; a fleet larger than this is asked in parts.
 # A hint costs about log2(context blocks) residency lookups per candidate (app/decide/hints.py),
@@ -77,13 +76,6 @@ class RouteHintResponse(BaseModel):
     candidates: list[CandidateHintModel] = Field(description="In the order asked for")
 
 
-def hint_config(settings: Settings) -> HintConfig:
-    return HintConfig(bytes_per_token=settings.bytes_per_token,
-                      pool_link_bytes_per_second=settings.pool_link_bytes_per_second,
-                      host_link_bytes_per_second=settings.host_link_bytes_per_second,
-                      prefill_tokens_per_second=settings.prefill_tokens_per_second)
-
-
 @router.post(
     "/route-hint",
     response_model=RouteHintResponse,
@@ -92,20 +84,19 @@ def hint_config(settings: Settings) -> HintConfig:
                                                     "twice, more than 64, an id out of bounds."}},
     summary="Which candidate instance to route a session's next request to",
 )
-async def post_route_hint(body: RouteHintRequest, request: Request, store: StoreDep, settings: SettingsDep,
-                          clock: ClockDep) -> RouteHintResponse:
+async def post_route_hint(body: RouteHintRequest, store: StoreDep, config: HintConfigDep, clock: ClockDep,
+                          scheduler: SchedulerDep, store_thread: StoreThreadDep) -> RouteHintResponse:
     """For each candidate: the session's context bytes resident in its HBM, on their way there
     (open prefetch orders), and missing; where the missing bytes would come from and how long
     until all of it is there; its queue and running requests (last `instance_status`) and the
     wait they mean. The candidate with the least load + wait is recommended, ties to the less
     loaded. A session the service does not know is answered, not refused: `context_known` is
     false and the least loaded candidate is recommended."""
-    scheduler = getattr(request.app.state, "scheduler", None)
-    inflight = scheduler.open_orders() if scheduler is not None else ()
+    inflight = scheduler.open_orders()
     # Off the loop with the Redis store (app/state/storethread.py): a hung Redis stalls this alone.
-    hint = await request.app.state.store_thread.read(
+    hint = await store_thread.read(
         lambda: route_hint(store, body.session_id, body.candidates, clock.now(),
-                           config=hint_config(settings), inflight=inflight))
+                           config=config, inflight=inflight))
     return RouteHintResponse(
         session_id=hint.session_id, context_known=hint.context_known, context_bytes=hint.context_bytes,
         recommended=hint.recommended, reason=hint.reason,

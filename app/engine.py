@@ -1,0 +1,372 @@
+"""The engine: the service's parts, built once, wired in order, and the loops that run them.
+
+Two drivers run the very same Engine: the HTTP service (app/api/main.py, a thin layer of routes
+over these parts) and the replay simulator (sim/replay.py, under a simulated clock, calling
+`ingest`, `score_tick` and `plan_tick` itself instead of starting the loops). The benches build
+one too. What belongs to HTTP callers alone (tokens, rate limits, the batch parser) stays in
+the HTTP layer.
+
+Ingestion: an accepted event is logged and applied by the Ingestor, queued in the Backlog, and
+told to the observers (in this order: the advice ledger, the scorer, the landed prefetches, the
+scheduler's feedback, the pull queue, the outcomes, the metrics) by the backlog's loop; without
+the loops, before a tick reads what they derive (`drain`, as the routes drain theirs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from app.core.clock import Clock, SystemClock
+from app.core.cluster import ClusterSpec
+from app.core.config import Settings
+from app.core.errors import StoreError
+from app.decide.advisor import Thresholds
+from app.decide.hints import HintConfig
+from app.decide.plan_loop import Dispatcher, feedback_observer
+from app.decide.routing import RouteTracker
+from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
+from app.decide.score_loop import Scorer
+from app.deliver import OrderSink, PullQueue, build_sink
+from app.ingest.backlog import Backlog
+from app.ingest.eventlog import EventLog
+from app.ingest.ingestor import Ingestor, IngestResult, Observer
+from app.observe.ledger import AdviceLedger
+from app.observe.metrics import Metrics, multiprocess_dir
+from app.observe.outcomes import RequestOutcome, outcome_observer
+from app.observe.timeline import LandedPrefetches, MeasuredStall, Timeline, capacity_for
+from app.predict.registry import ModelRegistry
+from app.state import MemoryStore, StateStore, build_store
+from app.state.base import LogPosition, SessionView
+from app.state.storethread import StoreHealth, StoreThread
+from kvprefetch_client.events import Event
+
+log = logging.getLogger("kvprefetch")
+
+# Without the loops, the backlog is handed over once it holds this many events (or before a
+# tick): enough to spread each batch's cost (the metrics' sync), few enough that judging a
+# batch's outcomes (app/observe/outcomes.py: each request against the blocks landed after it in
+# the batch) stays cheap.
+DRAIN_EVENTS = 256
+
+
+class NullEventLog:
+    """An event log that keeps nothing: for a replay, whose events are the trace's and must not
+    land in the user's data dir. Nothing is logged, so there is nothing to recover."""
+
+    directory: Path | None = None
+    keeps_events = False  # the Ingestor does not encode what it would append
+
+    def __init__(self) -> None:
+        self._lines = 0
+
+    def append(self, data: bytes) -> LogPosition:
+        self._lines += 1
+        return LogPosition(0, self._lines)
+
+    def close(self) -> None:
+        pass
+
+
+class Engine:
+    """The parts, as typed attributes. `store`, `clock`, `order_sink` and `event_log`, when
+    given, are the caller's: the engine uses them and never closes them; what it built, it
+    closes (`close`). `recover`: replay the event log past the store's checkpoint (the service
+    does; a replay with a NullEventLog has nothing to replay). `load_model` False: serve the
+    heuristic without loading KVP_MODEL_DIR (a replay whose policy never scores through it)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        store: StateStore | None = None,
+        clock: Clock | None = None,
+        order_sink: OrderSink | None = None,
+        event_log: EventLog | NullEventLog | None = None,
+        recover: bool = True,
+        load_model: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.clock: Clock = clock or SystemClock()
+        # First: a sink misconfigured (webhook without a URL) stops startup before anything opens.
+        self.order_sink: OrderSink = order_sink if order_sink is not None else build_sink(settings)
+        self._owns_sink = order_sink is None
+        self.store: StateStore = store if store is not None else build_store(settings)
+        self._owns_store = store is None
+        # A blocking store (Redis) is called off the loop, one job at a time (decisions.md, 16).
+        self.offload = not isinstance(self.store, MemoryStore)
+        self.store_thread = StoreThread(offload=self.offload)
+        self.store_health = StoreHealth(self.store, offload=self.offload)
+        self.event_log: EventLog | NullEventLog = (
+            event_log
+            if event_log is not None
+            else EventLog(
+                settings.event_log_dir,
+                segment_bytes=settings.log_segment_bytes,
+                fsync=settings.log_fsync,
+            )
+        )
+        self._owns_log = event_log is None
+        # Both keep per-session maps, forgotten with the store's sessions (by event time).
+        self.ledger = AdviceLedger(retention_seconds=settings.session_retention_seconds)
+        # Each set once: the cluster's numbers (read by the scheduler, route hints and outcomes)
+        # and the planner's thresholds (read by the scorer's advisor and the scheduler alike).
+        self.cluster = ClusterSpec.from_settings(settings)
+        self.hint_config = HintConfig.for_cluster(self.cluster)
+        self.thresholds = Thresholds.from_settings(settings)
+        self.scheduler = Scheduler(
+            self.store, SchedulerConfig.from_cluster(self.cluster, self.thresholds)
+        )
+        self.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)
+        self.models = ModelRegistry(
+            settings.model_dir if load_model else None,
+            settings.shadow_model_dir,
+            ledger=self.ledger,
+            models_root=settings.models_root_dir,
+        )
+        self.metrics = Metrics(
+            gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir()
+        )
+        self.metrics.bind(scheduler=self.scheduler, ledger=self.ledger, models=self.models)
+        self.scorer = Scorer(
+            self.store,
+            self.models,
+            self.ledger,
+            self.clock,
+            sessions_per_tick=settings.score_sessions_per_tick,
+            scheduler=self.scheduler,
+            routes=self.routes.estimate,
+            observe_seconds=self.metrics.scored,
+            thresholds=self.thresholds,
+        )
+        self.dispatcher = Dispatcher(
+            self.scheduler,
+            self.order_sink,
+            self.clock,
+            observe_seconds=self.metrics.planned,
+            offload=self.store_thread.run,
+        )
+        landed, self._measured = LandedPrefetches(self.scheduler), MeasuredStall()
+        self.timeline = Timeline(
+            self.ledger,
+            self.scheduler,
+            self.models,
+            self.clock,
+            landed=landed,
+            stall=self._measured.stall,
+            capacity=capacity_for(settings.dashboard_sample_seconds),
+        )
+        # landed before the scheduler's feedback, which forgets a completed order.
+        observers: list[Observer] = [
+            self.ledger.observe,
+            self.scorer.observe,
+            landed.observe,
+            feedback_observer(self.scheduler, self.routes),
+        ]
+        if isinstance(self.order_sink, PullQueue):
+            # order_progress: started, done. The queue is the loop's (GET /v1/orders, the
+            # planning loop's delivery), so a store thread's drain hands it over there.
+            observers.append(
+                self._on_loop(self.order_sink.observe) if self.offload else self.order_sink.observe
+            )
+        observers.append(outcome_observer(self.store, self.cluster, self._record_outcomes))
+        # Last: it syncs the counters with what the ledger and the scheduler counted just now.
+        observers.append(self.metrics.observe)
+        self.backlog = Backlog(compose_observers(observers), settings.backlog_max_events)
+        self.ingestor = Ingestor(
+            self.store,
+            self.event_log,  # type: ignore[arg-type]  # a NullEventLog appends like one
+            replica_id=settings.replica_id,
+            clock=self.clock,
+            max_clock_skew_seconds=settings.max_clock_skew_seconds,
+            observer=self.backlog.put,
+            refused=self.metrics.events_refused,
+        )
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.probe_task: asyncio.Task[None] | None = None
+        self.backlog_task: asyncio.Task[None] | None = None
+        self.scoring_task: asyncio.Task[None] | None = None
+        self.planning_task: asyncio.Task[None] | None = None
+        self.sampling_task: asyncio.Task[None] | None = None
+        self.running = False
+        self.closed = False
+        self.replayed = self.ingestor.recover() if recover else 0
+        self._check_clock()
+
+    @classmethod
+    def build(
+        cls,
+        settings: Settings | None = None,
+        *,
+        store: StateStore | None = None,
+        clock: Clock | None = None,
+        order_sink: OrderSink | None = None,
+        event_log: EventLog | NullEventLog | None = None,
+        recover: bool = True,
+        load_model: bool = True,
+    ) -> Engine:
+        return cls(
+            settings or Settings(),
+            store=store,
+            clock=clock,
+            order_sink=order_sink,
+            event_log=event_log,
+            recover=recover,
+            load_model=load_model,
+        )
+
+    def _check_clock(self) -> None:
+        try:
+            ahead = self.ingestor.newest_ahead_of_clock()
+        except StoreError:  # a diagnostic: the store's health is reported by its probe
+            ahead = None
+        if ahead is not None:
+            log.error(
+                "the store has taken an event stamped %r, more than KVP_MAX_CLOCK_SKEW_SECONDS "
+                "ahead of the clock, before such events were refused: its session retention "
+                "and reorder windows count from there. Clear the store (its keys under "
+                "KVP_REDIS_PREFIX) and restart: the log is replayed without such events.",
+                ahead,
+            )
+
+    def _record_outcomes(
+        self, outcomes: Sequence[RequestOutcome]
+    ) -> None:  # /metrics, the dashboard
+        self.metrics.record_outcomes(outcomes)
+        self._measured.record_outcomes(outcomes)
+
+    def _on_loop(self, observer: Observer) -> Observer:
+        """`observer`, told on the engine's loop (in order) once it runs; before, at once."""
+
+        def observe(events: Sequence[Event]) -> None:
+            loop = self._loop
+            if loop is None:
+                observer(events)
+            else:
+                loop.call_soon_threadsafe(observer, events)
+
+        return observe
+
+    # -- what the drivers call -----------------------------------------------------------------
+
+    def ingest(self, events: Sequence[Event], body: bytes | None = None) -> IngestResult:
+        """Validate, dedupe, log and apply `events` (the Ingestor); `body`: the posted batch they
+        were parsed from. The observers hear of them from the backlog: its loop's, when the
+        loops run; else `drain` (the ticks drain first), or this once the backlog holds a chunk."""
+        result = self.ingestor.ingest(events, body)
+        if not self.running and self.backlog.events >= DRAIN_EVENTS:
+            self.backlog.drain()
+        return result
+
+    def drain(self) -> int:
+        """Tell the observers what the backlog holds, now (without the loops: a driver reading
+        what the planning side derives, as the routes do with theirs); returns how many."""
+        return self.backlog.drain()
+
+    def score_tick(
+        self,
+        session_ids: Sequence[str] | None = None,
+        *,
+        views: Sequence[SessionView] | None = None,
+    ) -> int:
+        """One scoring tick now (by the engine's clock): a page of live sessions, or exactly
+        `session_ids` in that order (a driver that decides which, like the replay's policy), or
+        `views`, those sessions as the driver just read them from the store."""
+        if not self.running:
+            self.backlog.drain()
+        return self.scorer.tick(session_ids, views=views)
+
+    async def plan_tick(self) -> Plan:
+        """One planning tick now: the scheduler's plan, delivered to the order sink."""
+        if not self.running:
+            self.backlog.drain()
+        return await self.dispatcher.tick()
+
+    async def start(self) -> None:
+        """Probe the store once, then run the loops (backlog, store probe, scoring, planning,
+        dashboard sampling) on the running event loop until `close`."""
+        if self.running or self.closed:
+            return
+        self._loop = asyncio.get_running_loop()
+        settings = self.settings
+        await self.store_health.refresh(settings.redis_timeout_seconds)
+        self.running = True
+        self.probe_task = asyncio.create_task(
+            self.store_health.run(settings.store_probe_interval_seconds)
+        )
+        self.backlog_task = asyncio.create_task(self.backlog.run(self.store_thread.run))
+        self.scoring_task = (
+            asyncio.create_task(
+                self.scorer.run(settings.score_interval_seconds, self.store_thread.run)
+            )
+            if settings.score_interval_seconds > 0
+            else None
+        )
+        self.planning_task = (
+            asyncio.create_task(self.dispatcher.run(settings.plan_interval_seconds))
+            if settings.plan_interval_seconds > 0
+            else None
+        )
+        self.sampling_task = (
+            asyncio.create_task(self.timeline.run(settings.dashboard_sample_seconds))
+            if settings.dashboard_sample_seconds > 0
+            else None
+        )
+        self._tasks = [
+            t
+            for t in (
+                self.scoring_task,
+                self.planning_task,
+                self.sampling_task,
+                self.backlog_task,
+                self.probe_task,
+            )
+            if t is not None
+        ]
+
+    async def close(self) -> None:
+        """Stop the loops, hand the backlog to the observers, and close what the engine built.
+        A second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        await self.store_thread.run(self.backlog.drain, fail_fast=False)
+        self.running = False
+        self.store_thread.close()
+        self.store_health.close()
+        await asyncio.sleep(0)  # what the drain handed to the loop (_on_loop)
+        if self._owns_log:
+            self.event_log.close()
+        self.metrics.close()
+        if self._owns_store:
+            self.store.close()
+        if self._owns_sink:
+            await self.order_sink.close()
+
+
+def compose_observers(observers: Sequence[Observer]) -> Observer:
+    """One ingest observer telling each of `observers` in turn; one failing does not keep the
+    events from the others."""
+    if len(observers) == 1:
+        return observers[0]
+
+    def observe(events: Sequence[Event]) -> None:
+        for observer in observers:
+            try:
+                observer(events)
+            except Exception:
+                log.exception("ingest observer %r failed on %d events", observer, len(events))
+
+    return observe
+
+
+__all__ = ["Engine", "NullEventLog", "compose_observers"]

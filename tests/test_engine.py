@@ -1,0 +1,265 @@
+"""The Engine (app/engine.py) driven by hand, as the replay drives it: ingest, a scoring tick, a
+planning tick, close; and the HTTP driver around a prebuilt one."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.api.main import create_app
+from app.core.clock import ManualClock
+from app.core.cluster import ClusterSpec
+from app.core.config import Settings
+from app.decide.advisor import Thresholds
+from app.deliver import InProcessSink
+from app.engine import Engine, NullEventLog
+from app.predict.registry import Serving
+from app.state import MemoryStore
+from kvprefetch_client.events import Event, event_adapter
+from kvprefetch_client.orders import Order
+from tests.decide.test_score_loop import Fixed
+
+BYTES_PER_TOKEN, BLOCK_TOKENS = 1000, 16
+BLOCK_BYTES = BYTES_PER_TOKEN * BLOCK_TOKENS
+_ids = itertools.count()
+
+
+def ev(type_: str, ts: float, **fields: object) -> Event:
+    return event_adapter.validate_python(
+        {"type": type_, "event_id": f"e{next(_ids)}", "ts": ts, **fields}
+    )
+
+
+def settings(tmp_path: Path, **kw: object) -> Settings:
+    return Settings(
+        data_dir=tmp_path,
+        log_fsync=False,
+        replica_id="test-engine",
+        bytes_per_token=BYTES_PER_TOKEN,
+        block_tokens=BLOCK_TOKENS,
+        score_interval_seconds=0,
+        plan_interval_seconds=0,
+        dashboard_sample_seconds=0,
+        model_dir=tmp_path / "no-model",
+        **kw,
+    )  # type: ignore[arg-type]
+
+
+def engine(
+    tmp_path: Path, p_back: float = 0.9, **kw: object
+) -> tuple[Engine, MemoryStore, InProcessSink]:
+    store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
+    sink = InProcessSink()
+    built = Engine.build(
+        settings(tmp_path, **kw), store=store, clock=ManualClock(0.0), order_sink=sink
+    )
+    built.models.serving = Serving(Fixed(p_back), "fixed", None)  # type: ignore[arg-type]
+    return built, store, sink
+
+
+def a_finished_turn_whose_context_is_in_the_pool(ts: float = 1.0) -> list[Event]:
+    """s1's turn on gpu-0, done; its two blocks are in the pool, not in gpu-0's HBM (which has
+    room)."""
+    return [
+        ev(
+            "request_routed",
+            ts,
+            session_id="s1",
+            request_id="r1",
+            instance_id="gpu-0",
+            prompt_tokens=32,
+            block_hashes=[1, 2],
+            block_tokens=BLOCK_TOKENS,
+        ),
+        ev(
+            "request_finished",
+            ts + 1,
+            session_id="s1",
+            request_id="r1",
+            instance_id="gpu-0",
+            output_tokens=1,
+        ),
+        ev("kv_blocks_stored", ts + 1, tier="pool", instance_id=None, block_hashes=[1, 2]),
+        ev(
+            "instance_status",
+            ts + 1,
+            instance_id="gpu-0",
+            free_kv_bytes=100 * BLOCK_BYTES,
+            total_kv_bytes=100 * BLOCK_BYTES,
+            queue_depth=0,
+            running_requests=0,
+        ),
+    ]
+
+
+def test_an_ingested_session_is_scored_and_its_prefetch_reaches_the_sink(tmp_path: Path) -> None:
+    built, store, sink = engine(tmp_path)
+    result = built.ingest(a_finished_turn_whose_context_is_in_the_pool())
+    assert len(result.accepted) == 4 and store.session("s1") is not None
+    built.clock.set(10.0)  # type: ignore[attr-defined]
+    assert built.score_tick() == 1
+    # The scoring tick drained the backlog first: the ledger heard of the turn and holds the advice.
+    assert built.ledger.stats("live").predictions == 1
+    assert built.ledger.latest("live", "s1").prefetch  # type: ignore[union-attr]
+    plan = asyncio.run(built.plan_tick())
+    (order,) = [o for o in plan.orders if o.kind == "prefetch"]
+    assert (order.instance_id, list(order.block_hashes), order.session_ids) == (
+        "gpu-0",
+        [1, 2],
+        ["s1"],
+    )
+    assert [m.order_id for m in sink.drain() if isinstance(m, Order)] == [
+        o.order_id for o in plan.orders
+    ]
+    # The agent's report comes back through ingest to the scheduler (its feedback observer).
+    built.ingest([ev("order_progress", 11.0, order_id=order.order_id, status="accepted")])
+    built.drain()
+    assert store.order(order.order_id).status == "accepted"  # type: ignore[union-attr]
+    assert (
+        built.scheduler.open_orders() and not asyncio.run(built.plan_tick()).orders
+    )  # not ordered twice
+    asyncio.run(built.close())
+
+
+def test_score_tick_given_session_ids_scores_exactly_those(tmp_path: Path) -> None:
+    built, _, _ = engine(tmp_path)
+    built.ingest(
+        [
+            *a_finished_turn_whose_context_is_in_the_pool(),
+            ev(
+                "request_routed",
+                1.0,
+                session_id="s2",
+                request_id="r2",
+                instance_id="gpu-0",
+                prompt_tokens=16,
+                block_hashes=[7],
+            ),
+            ev(
+                "request_finished",
+                2.0,
+                session_id="s2",
+                request_id="r2",
+                instance_id="gpu-0",
+                output_tokens=1,
+            ),
+        ]
+    )
+    built.clock.set(10.0)  # type: ignore[attr-defined]
+    assert built.score_tick(["s2", "nobody"]) == 1
+    assert (
+        built.ledger.latest("live", "s2") is not None and built.ledger.latest("live", "s1") is None
+    )
+    asyncio.run(built.close())
+
+
+def test_the_thresholds_are_set_once_for_advisor_and_scheduler(tmp_path: Path) -> None:
+    # A chance of 0.6 is a prefetch by default (0.5) and none at KVP_PREFETCH_MIN_P=0.7.
+    for min_p, prefetches in ((0.5, True), (0.7, False)):
+        built, _, _ = engine(
+            tmp_path / str(min_p), p_back=0.6, prefetch_min_p=min_p, lead_seconds=20.0
+        )
+        assert built.thresholds == Thresholds(prefetch_min_p=min_p, lead_seconds=20.0)
+        assert (built.scheduler.config.prefetch_min_p, built.scheduler.config.lead_seconds) == (
+            min_p,
+            20.0,
+        )
+        built.ingest(a_finished_turn_whose_context_is_in_the_pool())
+        built.clock.set(10.0)  # type: ignore[attr-defined]
+        built.score_tick()
+        assert built.ledger.latest("live", "s1").prefetch is prefetches  # type: ignore[union-attr]
+        assert (
+            any(o.kind == "prefetch" for o in asyncio.run(built.plan_tick()).orders) is prefetches
+        )
+        asyncio.run(built.close())
+
+
+def test_horizons_out_of_order_are_refused_as_settings(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="lead_seconds"):
+        settings(tmp_path, lead_seconds=400.0)
+
+
+def test_the_cluster_is_described_once(tmp_path: Path) -> None:
+    built, _, _ = engine(tmp_path, pool_link_bytes_per_second=1e6, prefetch_link_share=0.25)
+    spec = built.cluster
+    assert spec == ClusterSpec(
+        bytes_per_token=BYTES_PER_TOKEN,
+        block_tokens=BLOCK_TOKENS,
+        pool_link_bytes_per_second=1e6,
+        link_share=0.25,
+    )
+    assert spec.bytes_per_block == BLOCK_BYTES and spec.load_seconds(1e6, "pool") == 1.0
+    assert spec.recompute_seconds(20_000) == 1.0
+    config = built.scheduler.config
+    assert (config.bytes_per_block, config.pool_link_bytes_per_second, config.link_share) == (
+        BLOCK_BYTES,
+        1e6,
+        0.25,
+    )
+    assert built.hint_config.pool_link_bytes_per_second == 1e6
+    asyncio.run(built.close())
+
+
+def test_close_is_idempotent_and_closes_only_what_it_built(tmp_path: Path) -> None:
+    built, store, sink = engine(tmp_path)
+    built.ingest(a_finished_turn_whose_context_is_in_the_pool())
+    asyncio.run(built.close())
+    asyncio.run(built.close())  # a second call does nothing
+    assert built.closed and not built.running
+    # The injected store and sink are the caller's: still open.
+    assert store.session("s1") is not None
+    assert sink.submit_nowait([]) == []
+    # The backlog was drained on the way: the ledger heard of the routed request.
+    assert built.backlog.events == 0 and built.ledger.stats("live").unscored == 1
+
+
+def test_a_replay_engine_writes_nothing_to_the_data_dir(tmp_path: Path) -> None:
+    store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
+    built = Engine(
+        settings(tmp_path / "data"),
+        store=store,
+        clock=ManualClock(0.0),
+        order_sink=InProcessSink(),
+        event_log=NullEventLog(),
+        recover=False,
+        load_model=False,
+    )
+    built.ingest(a_finished_turn_whose_context_is_in_the_pool())
+    asyncio.run(built.close())
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").rglob("*.jsonl*"))
+    assert built.models.serving.version is None  # the heuristic, nothing loaded
+
+
+def test_create_app_runs_a_prebuilt_engine(tmp_path: Path) -> None:
+    built, store, _ = engine(tmp_path)
+    with TestClient(create_app(built)) as client:
+        assert client.app.state.engine is built  # type: ignore[attr-defined]
+        body = {
+            "events": [
+                e.model_dump(mode="json") for e in a_finished_turn_whose_context_is_in_the_pool()
+            ]
+        }
+        assert client.post("/v1/events", json=body).status_code == 200
+        assert built.running
+    assert built.closed and store.session("s1") is not None
+    with pytest.raises(ValueError, match=r"Engine\.build"):
+        create_app(built, store=store)
+
+
+def test_a_replay_engine_takes_no_setting_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from sim.replay import sim_engine
+    from sim.scenario import load_scenario
+
+    monkeypatch.setenv("KVP_PREFETCH_MIN_P", "0.9")
+    monkeypatch.setenv("KVP_POOL_LINK_BYTES_PER_SECOND", "1")
+    scenario = load_scenario("default")
+    replay_engine = sim_engine(scenario, load_model=False, planner_options={"keep_min_p": 0.3})
+    assert replay_engine.thresholds == Thresholds(keep_min_p=0.3)
+    assert replay_engine.cluster == scenario.cluster
+    asyncio.run(replay_engine.close())
