@@ -4,19 +4,27 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from app.core.config import Settings
 from app.core.errors import KvpError
 
-cli = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False, help="Predictive KV-cache prefetching for LLM serving fleets.")
-bench_cli = typer.Typer(no_args_is_help=True, pretty_exceptions_show_locals=False, help="Benchmarks, each printing one JSON object with --json.")
+cli = typer.Typer(
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="Predictive KV-cache prefetching for LLM serving fleets.",
+)
+bench_cli = typer.Typer(
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="Benchmarks, each printing one JSON object with --json.",
+)
 cli.add_typer(bench_cli, name="bench")
 
 
-def _print_result(result: dict, as_json: bool) -> None:  # type: ignore[type-arg]
+def _print_result(result: dict[str, Any], as_json: bool) -> None:
     """One JSON object on stdout with --json; otherwise the same, indented for people."""
     import json
 
@@ -25,32 +33,68 @@ def _print_result(result: dict, as_json: bool) -> None:  # type: ignore[type-arg
 
 @bench_cli.command("ingest")
 def bench_ingest(
-    rounds: Annotated[int, typer.Option(min=1, help="Rounds; each posts to the service and the ceiling.")] = 5,
-    batches: Annotated[int | None, typer.Option(
-        min=1, help="Batches per round and batch size (default: 100,000 events' worth).")] = None,
-    concurrency: Annotated[int, typer.Option(min=1, help="Client connections, one thread each.")] = 3,
-    fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync the event log per batch "
-                                        "(the service's default, KVP_LOG_FSYNC).")] = True,
-    data_dir: Annotated[Path | None, typer.Option(
-        help="Where the temporary event log goes (default: the system's temp dir).")] = None,
+    rounds: Annotated[
+        int, typer.Option(min=1, help="Rounds; each posts to the service and the ceiling.")
+    ] = 5,
+    batches: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Batches per round and batch size (default: 100,000 events' worth)."
+        ),
+    ] = None,
+    concurrency: Annotated[
+        int, typer.Option(min=1, help="Client connections, one thread each.")
+    ] = 3,
+    fsync: Annotated[
+        bool,
+        typer.Option(
+            "--fsync/--no-fsync",
+            help="fsync the event log per batch (the service's default, KVP_LOG_FSYNC).",
+        ),
+    ] = True,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where the temporary event log goes (default: the system's temp dir)."),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the generated traffic.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
 ) -> None:
-    """Events/s through POST /v1/events over HTTP (one uvicorn worker) against a bare FastAPI ceiling."""
+    """
+    Events/s through POST /v1/events over HTTP (one uvicorn worker) against a bare FastAPI ceiling.
+    """
     from bench.ingest import run
 
-    _print_result(run(rounds=rounds, batches=batches, concurrency=concurrency, fsync=fsync,
-                      data_dir=data_dir, seed=seed), as_json)
+    _print_result(
+        run(
+            rounds=rounds,
+            batches=batches,
+            concurrency=concurrency,
+            fsync=fsync,
+            data_dir=data_dir,
+            seed=seed,
+        ),
+        as_json,
+    )
 
 
 @bench_cli.command("memory")
 def bench_memory(
-    sessions: Annotated[int, typer.Option(min=1, help="Sessions loaded into the MemoryStore.")] = 100_000,
-    jobs: Annotated[int, typer.Option(min=1, help="Measurements run at once (each a fresh process).")] = 2,
+    sessions: Annotated[
+        int, typer.Option(min=1, help="Sessions loaded into the MemoryStore.")
+    ] = 100_000,
+    jobs: Annotated[
+        int, typer.Option(min=1, help="Measurements run at once (each a fresh process).")
+    ] = 2,
     seed: Annotated[int, typer.Option(help="Seed of the generated sessions.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
 ) -> None:
-    """Bytes per tracked session in the MemoryStore, excluding and including remembered event ids."""
+    """
+    Bytes per tracked session in the MemoryStore, excluding and including remembered event ids.
+    """
     from bench.memory import run
 
     _print_result(run(sessions=sessions, jobs=jobs, seed=seed), as_json)
@@ -58,14 +102,31 @@ def bench_memory(
 
 @bench_cli.command("replay")
 def bench_replay(
-    trace: Annotated[Path | None, typer.Option(
-        help="A Mooncake-format trace (default: ../shared/traces/mooncake_conversation_first60.jsonl).")] = None,
-    policy: Annotated[str, typer.Option(
-        help="A policy, or all (every policy but learned), each in a fresh process.")] = "none",
-    router: Annotated[str, typer.Option(help="sticky, least-loaded, kv-aware or hinted.")] = "sticky",
-    scenario: Annotated[str, typer.Option(help="A shipped scenario name or a TOML file.")] = "default",
-    rounds: Annotated[int, typer.Option(min=1, help="Timed replays per policy (the median is reported).")] = 3,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    trace: Annotated[
+        Path | None,
+        typer.Option(
+            help=(
+                "A Mooncake-format trace "
+                "(default: ../shared/traces/mooncake_conversation_first60.jsonl)."
+            )
+        ),
+    ] = None,
+    policy: Annotated[
+        str,
+        typer.Option(help="A policy, or all (every policy but learned), each in a fresh process."),
+    ] = "none",
+    router: Annotated[
+        str, typer.Option(help="sticky, least-loaded, kv-aware or hinted.")
+    ] = "sticky",
+    scenario: Annotated[
+        str, typer.Option(help="A shipped scenario name or a TOML file.")
+    ] = "default",
+    rounds: Annotated[
+        int, typer.Option(min=1, help="Timed replays per policy (the median is reported).")
+    ] = 3,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
 ) -> None:
     """Simulated requests per wall second, wall seconds and peak memory of a full trace replay."""
     from bench.replay import run
@@ -81,7 +142,9 @@ def bench_replay(
 def bench_predict(
     sessions: Annotated[int, typer.Option(min=1, help="How many live sessions to score.")] = 10_000,
     rounds: Annotated[int, typer.Option(min=1, help="Rounds per figure (medians).")] = 7,
-    model: Annotated[Path | None, typer.Option(help="Model directory (default: the bundled one).")] = None,
+    model: Annotated[
+        Path | None, typer.Option(help="Model directory (default: the bundled one).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Scoring latency of the learned predictor beside the raw LightGBM Booster."""
@@ -92,7 +155,9 @@ def bench_predict(
 
 @bench_cli.command("plan")
 def bench_plan(
-    sessions: Annotated[int, typer.Option(min=1, help="Sessions whose advice the scheduler holds.")] = 100_000,
+    sessions: Annotated[
+        int, typer.Option(min=1, help="Sessions whose advice the scheduler holds.")
+    ] = 100_000,
     instances: Annotated[int, typer.Option(min=1, help="Serving instances.")] = 16,
     ticks: Annotated[int, typer.Option(min=1, help="Ticks measured (p50, p99).")] = 200,
     page: Annotated[int, typer.Option(min=1, help="Sessions re-advised per tick.")] = 256,
@@ -106,32 +171,84 @@ def bench_plan(
 
 @bench_cli.command("load")
 def bench_load(
-    duration_seconds: Annotated[float, typer.Option(min=0.1, help="Measured seconds of sustained load.")] = 120.0,
-    warmup_seconds: Annotated[float, typer.Option(min=0, help="Load before the start RSS is taken.")] = 10.0,
-    sessions: Annotated[int, typer.Option(min=1, help="Live conversations (ended ones are replaced).")] = 3000,
-    instances: Annotated[int, typer.Option(min=1, help="Serving instances, split among the event connections.")] = 16,
-    hbm_blocks: Annotated[int, typer.Option(min=1, help="KV blocks an instance's HBM holds (LRU).")] = 2000,
+    duration_seconds: Annotated[
+        float, typer.Option(min=0.1, help="Measured seconds of sustained load.")
+    ] = 120.0,
+    warmup_seconds: Annotated[
+        float, typer.Option(min=0, help="Load before the start RSS is taken.")
+    ] = 10.0,
+    sessions: Annotated[
+        int, typer.Option(min=1, help="Live conversations (ended ones are replaced).")
+    ] = 3000,
+    instances: Annotated[
+        int, typer.Option(min=1, help="Serving instances, split among the event connections.")
+    ] = 16,
+    hbm_blocks: Annotated[
+        int, typer.Option(min=1, help="KV blocks an instance's HBM holds (LRU).")
+    ] = 2000,
     batch_size: Annotated[int, typer.Option(min=1, help="Events per POST /v1/events.")] = 200,
-    event_connections: Annotated[int, typer.Option(min=1, help="Routers posting batches, one connection each.")] = 2,
-    hint_connections: Annotated[int, typer.Option(min=0, help="Connections asking for route hints.")] = 2,
-    store: Annotated[str, typer.Option(help="memory, or redis (at KVP_REDIS_URL, under a prefix removed afterwards).")] = "memory",
-    fsync: Annotated[bool, typer.Option("--fsync/--no-fsync", help="fsync the event log per batch (the default).")] = True,
-    dedupe_max_ids: Annotated[int | None, typer.Option(min=1, help="The service's KVP_DEDUPE_MAX_IDS (default: its own).")] = None,
+    event_connections: Annotated[
+        int, typer.Option(min=1, help="Routers posting batches, one connection each.")
+    ] = 2,
+    hint_connections: Annotated[
+        int, typer.Option(min=0, help="Connections asking for route hints.")
+    ] = 2,
+    store: Annotated[
+        str,
+        typer.Option(
+            help="memory, or redis (at KVP_REDIS_URL, under a prefix removed afterwards)."
+        ),
+    ] = "memory",
+    fsync: Annotated[
+        bool,
+        typer.Option("--fsync/--no-fsync", help="fsync the event log per batch (the default)."),
+    ] = True,
+    dedupe_max_ids: Annotated[
+        int | None, typer.Option(min=1, help="The service's KVP_DEDUPE_MAX_IDS (default: its own).")
+    ] = None,
     # The bench's users answer in about a second, real ones in minutes: an hour of retention at a
     # human pace is about a minute at the bench's.
-    session_retention_seconds: Annotated[float, typer.Option(
-        min=0.001, help="The service's KVP_SESSION_RETENTION_SECONDS, scaled to the bench's think times.")] = 60.0,
-    sample_seconds: Annotated[float, typer.Option(min=0.1, help="How often RSS and the store's counts are sampled.")] = 5.0,
-    ceiling_seconds: Annotated[float, typer.Option(min=0, help="Each of the two ceiling phases (0: none).")] = 10.0,
-    calibrate_sessions: Annotated[int, typer.Option(
-        min=0, help="Sessions ingested to price each unit of state the bound counts (0: no bound).")] = 10_000,
-    token: Annotated[str | None, typer.Option(
-        envvar="KVP_BENCH_TOKEN", help="Sent as Authorization: Bearer (default: KVP_BENCH_TOKEN).")] = None,
-    service_env: Annotated[list[str] | None, typer.Option(
-        metavar="KVP_X=V", help="A setting for the service process (repeat), e.g. KVP_INGEST_TOKEN=...")] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="Where the temporary data dir goes.")] = None,
+    session_retention_seconds: Annotated[
+        float,
+        typer.Option(
+            min=0.001,
+            help="The service's KVP_SESSION_RETENTION_SECONDS, scaled to the bench's think times.",
+        ),
+    ] = 60.0,
+    sample_seconds: Annotated[
+        float, typer.Option(min=0.1, help="How often RSS and the store's counts are sampled.")
+    ] = 5.0,
+    ceiling_seconds: Annotated[
+        float, typer.Option(min=0, help="Each of the two ceiling phases (0: none).")
+    ] = 10.0,
+    calibrate_sessions: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Sessions ingested to price each unit of state the bound counts (0: no bound).",
+        ),
+    ] = 10_000,
+    token: Annotated[
+        str | None,
+        typer.Option(
+            envvar="KVP_BENCH_TOKEN",
+            help="Sent as Authorization: Bearer (default: KVP_BENCH_TOKEN).",
+        ),
+    ] = None,
+    service_env: Annotated[
+        list[str] | None,
+        typer.Option(
+            metavar="KVP_X=V",
+            help="A setting for the service process (repeat), e.g. KVP_INGEST_TOKEN=...",
+        ),
+    ] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="Where the temporary data dir goes.")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the generated traffic.")] = 0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
 ) -> None:
     """Sustained event batches and route hints against the service in its own process: throughput,
     latency, errors, and its RSS against a bound computed from the run's configuration."""
@@ -144,13 +261,27 @@ def bench_load(
             raise typer.BadParameter(f"{item!r}: KVP_NAME=VALUE", param_hint="'--service-env'")
         env[key] = value
     try:
-        result = run(duration_seconds=duration_seconds, warmup_seconds=warmup_seconds, sessions=sessions,
-                     instances=instances, hbm_blocks=hbm_blocks, batch_size=batch_size,
-                     event_connections=event_connections, hint_connections=hint_connections, store=store,
-                     fsync=fsync, dedupe_max_ids=dedupe_max_ids, session_retention_seconds=session_retention_seconds,
-                     sample_seconds=sample_seconds,
-                     ceiling_seconds=ceiling_seconds, calibrate_sessions=calibrate_sessions, token=token,
-                     service_env=env, data_dir=data_dir, seed=seed)
+        result = run(
+            duration_seconds=duration_seconds,
+            warmup_seconds=warmup_seconds,
+            sessions=sessions,
+            instances=instances,
+            hbm_blocks=hbm_blocks,
+            batch_size=batch_size,
+            event_connections=event_connections,
+            hint_connections=hint_connections,
+            store=store,
+            fsync=fsync,
+            dedupe_max_ids=dedupe_max_ids,
+            session_retention_seconds=session_retention_seconds,
+            sample_seconds=sample_seconds,
+            ceiling_seconds=ceiling_seconds,
+            calibrate_sessions=calibrate_sessions,
+            token=token,
+            service_env=env,
+            data_dir=data_dir,
+            seed=seed,
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     except BenchError as exc:  # the service did not start or died: its log says why
@@ -169,12 +300,17 @@ def serve(
     """Run the service."""
     import os
 
-    overrides = {k: v for k, v in {"host": host, "port": port, "store": store}.items() if v is not None}
+    # Settings' own field names: it validates each value.
+    overrides: dict[str, Any] = {
+        k: v for k, v in {"host": host, "port": port, "store": store}.items() if v is not None
+    }
     settings = Settings(**overrides)
     if workers < 1:
         raise typer.BadParameter("at least 1", param_hint="'--workers'")
     if workers != 1 and settings.store == "memory":
-        raise typer.BadParameter("the memory store lives in one process: use --store redis for several workers")
+        raise typer.BadParameter(
+            "the memory store lives in one process: use --store redis for several workers"
+        )
     from app.core.security import check_bind, load_tokens
 
     try:
@@ -182,14 +318,18 @@ def serve(
     except KvpError as exc:
         typer.echo(f"kvprefetch serve: {exc}", err=True)
         raise typer.Exit(2) from None
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("kvprefetch").info("%s", access)
     if workers > 1:
         # Worker processes read their settings from the environment (app/api/worker.py), and
         # /metrics must sum them all: prometheus-client's multiprocess mode, set before any
         # process imports it.
         os.environ.update({f"KVP_{k.upper()}": str(v) for k, v in overrides.items()})
-        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str((settings.data_dir / "prometheus").resolve()))
+        os.environ.setdefault(
+            "PROMETHEUS_MULTIPROC_DIR", str((settings.data_dir / "prometheus").resolve())
+        )
     from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
 
     metrics_dir = multiprocess_dir()
@@ -210,7 +350,9 @@ def serve(
 
 @cli.command()
 def token(
-    name: Annotated[str, typer.Option(help="Who holds it: shown in 403s, rate limits and GET /v1/config.")],
+    name: Annotated[
+        str, typer.Option(help="Who holds it: shown in 403s, rate limits and GET /v1/config.")
+    ],
     scope: Annotated[list[str], typer.Option(help="ingest, agent or admin; repeat for several.")],
 ) -> None:
     """Make a bearer token: the token for its holder on stdout, its KVP_TOKENS_FILE entry (a digest,
@@ -230,7 +372,10 @@ def token(
         raise typer.BadParameter("at least one of ingest, agent, admin", param_hint="'--scope'")
     value = secrets.token_urlsafe(32)
     scope_list = ", ".join(f'"{s}"' for s in scopes)
-    typer.echo(f'[[tokens]]\nname = "{name}"\nscopes = [{scope_list}]\nsha256 = "{token_digest(value)}"', err=True)
+    typer.echo(
+        f'[[tokens]]\nname = "{name}"\nscopes = [{scope_list}]\nsha256 = "{token_digest(value)}"',
+        err=True,
+    )
     typer.echo(value)
 
 
@@ -238,56 +383,102 @@ def token(
 def replay(
     ctx: typer.Context,
     trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],
-    policy: Annotated[str, typer.Option(help="none, lookahead, belady, oracle, heuristic or learned.")] = "none",
-    scenario: Annotated[str, typer.Option(help="A shipped scenario name or a TOML file.")] = "default",
-    router: Annotated[str, typer.Option(help="sticky, least-loaded, kv-aware or hinted.")] = "sticky",
-    block_tokens: Annotated[int | None, typer.Option(help="Tokens per trace block (default: the scenario's).")] = None,
-    model: Annotated[str | None, typer.Option(help="Model directory for the learned policy.")] = None,
-    compare: Annotated[str | None, typer.Option(help="Several policies, comma-separated, side by side.")] = None,
-    measure_from: Annotated[float, typer.Option(help="Count only requests arriving after this many seconds.")] = 0.0,
+    policy: Annotated[
+        str, typer.Option(help="none, lookahead, belady, oracle, heuristic or learned.")
+    ] = "none",
+    scenario: Annotated[
+        str, typer.Option(help="A shipped scenario name or a TOML file.")
+    ] = "default",
+    router: Annotated[
+        str, typer.Option(help="sticky, least-loaded, kv-aware or hinted.")
+    ] = "sticky",
+    block_tokens: Annotated[
+        int | None, typer.Option(help="Tokens per trace block (default: the scenario's).")
+    ] = None,
+    model: Annotated[
+        str | None, typer.Option(help="Model directory for the learned policy.")
+    ] = None,
+    compare: Annotated[
+        str | None, typer.Option(help="Several policies, comma-separated, side by side.")
+    ] = None,
+    measure_from: Annotated[
+        float, typer.Option(help="Count only requests arriving after this many seconds.")
+    ] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
-    report: Annotated[Path | None, typer.Option(
-        metavar="DIR", help="Also write DIR/report.md and plots of hit rate over time and stalls.")] = None,
-    via: Annotated[str | None, typer.Option(
-        metavar="URL", help="Use a running kvprefetch service as the engine, over HTTP.")] = None,
-    speed: Annotated[float | None, typer.Option(
-        metavar="X", help="With --via: post events at X times the trace's pace, stamped with wall-clock "
-        "times, so the service sees live traffic (default: as fast as possible, trace times).")] = None,
+    report: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="Also write DIR/report.md and plots of hit rate over time and stalls.",
+        ),
+    ] = None,
+    via: Annotated[
+        str | None,
+        typer.Option(
+            metavar="URL", help="Use a running kvprefetch service as the engine, over HTTP."
+        ),
+    ] = None,
+    speed: Annotated[
+        float | None,
+        typer.Option(
+            metavar="X",
+            help="With --via: post events at X times the trace's pace, stamped with wall-clock "
+            "times, so the service sees live traffic (default: as fast as possible, trace times).",
+        ),
+    ] = None,
 ) -> None:
     """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
     from sim.commands import prepare, print_results, run_replays
 
     if speed is not None and via is None:
-        raise typer.BadParameter("paces a replay over HTTP: use it with --via URL", param_hint="'--speed'")
+        raise typer.BadParameter(
+            "paces a replay over HTTP: use it with --via URL", param_hint="'--speed'"
+        )
     if speed is not None and not 0 < speed < float("inf"):
-        raise typer.BadParameter(f"{speed:g}: a positive number of times the trace's pace",
-                                 param_hint="'--speed'")
+        raise typer.BadParameter(
+            f"{speed:g}: a positive number of times the trace's pace", param_hint="'--speed'"
+        )
     try:
         trace_requests, scen = prepare(trace, scenario, block_tokens)
         policies = [p.strip() for p in compare.split(",")] if compare else [policy]
-        results = run_replays(trace_requests, scen, policies, router, trace_name=trace.name, model_dir=model,
-                              measure_from_seconds=measure_from, via=via, speed=speed)
+        results = run_replays(
+            trace_requests,
+            scen,
+            policies,
+            router,
+            trace_name=trace.name,
+            model_dir=model,
+            measure_from_seconds=measure_from,
+            via=via,
+            speed=speed,
+        )
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     print_results(results, as_json, compare=bool(compare))
     if report is not None:
         from sim.report import write_report
 
-        write_report(results, report, trace_path=trace, command=_command_line(ctx),
-                     measure_from_seconds=measure_from)
+        write_report(
+            results,
+            report,
+            trace_path=trace,
+            command=_command_line(ctx),
+            measure_from_seconds=measure_from,
+        )
         typer.echo(f"wrote {report / 'report.md'} and its plots", err=True)
 
 
 def _command_line(ctx: typer.Context) -> str:
-    """The running command as typed (options in declaration order; those left at their defaults omitted)."""
+    """The running command as typed (options in declaration order; those left at their defaults
+    omitted)."""
     import shlex
 
     words = ["kvprefetch", *ctx.command_path.split()[1:]]
     for param in ctx.command.params:
-        source = ctx.get_parameter_source(param.name)  # type: ignore[arg-type]
+        source = ctx.get_parameter_source(param.name)
         if source is None or source.name == "DEFAULT" or param.param_type_name != "option":
             continue
-        value = ctx.params[param.name]  # type: ignore[index]
+        value = ctx.params[param.name]
         if getattr(param, "is_flag", False):
             words.append(param.opts[0] if value else param.secondary_opts[0])
         else:
@@ -299,9 +490,15 @@ def _command_line(ctx: typer.Context) -> str:
 def events_from_trace(
     trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],
     out: Annotated[Path, typer.Option(help="Where to write the event log (JSON Lines).")],
-    scenario: Annotated[str, typer.Option(help="A shipped scenario name or a TOML file.")] = "default",
-    router: Annotated[str, typer.Option(help="sticky, least-loaded, kv-aware or hinted.")] = "sticky",
-    policy: Annotated[str, typer.Option(help="The policy the cluster ran under while the events happened.")] = "none",
+    scenario: Annotated[
+        str, typer.Option(help="A shipped scenario name or a TOML file.")
+    ] = "default",
+    router: Annotated[
+        str, typer.Option(help="sticky, least-loaded, kv-aware or hinted.")
+    ] = "sticky",
+    policy: Annotated[
+        str, typer.Option(help="The policy the cluster ran under while the events happened.")
+    ] = "none",
     block_tokens: Annotated[int | None, typer.Option(help="Tokens per trace block.")] = None,
 ) -> None:
     """Write the event log routers and engines would have posted while the trace ran."""
@@ -316,17 +513,39 @@ def events_from_trace(
 
 @cli.command()
 def train(
-    events: Annotated[list[Path], typer.Option(help="Event logs: JSON Lines files or log directories (repeat).")],
+    events: Annotated[
+        list[Path], typer.Option(help="Event logs: JSON Lines files or log directories (repeat).")
+    ],
     out: Annotated[Path, typer.Option(help="The model directory to write (model.txt, card.json).")],
-    valid_fraction: Annotated[float, typer.Option(help="The last share of each log's time span that validates.")] = 0.2,
-    seed: Annotated[int, typer.Option(help="LightGBM's and the tuner's seed (deterministic for a seed).")] = 0,
-    tune: Annotated[int, typer.Option(
-        min=0, metavar="N", help="First run N Optuna trials on an inner time split of the training part "
-        "(needs the 'tune' extra); train with the best parameters.")] = 0,
-    max_rounds: Annotated[int, typer.Option(
-        min=1, metavar="N", help="Most boosting rounds per model (early stopping usually ends sooner).")] = 1000,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars or messages on stderr.")] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the validation metrics as one JSON object.")] = False,
+    valid_fraction: Annotated[
+        float, typer.Option(help="The last share of each log's time span that validates.")
+    ] = 0.2,
+    seed: Annotated[
+        int, typer.Option(help="LightGBM's and the tuner's seed (deterministic for a seed).")
+    ] = 0,
+    tune: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            metavar="N",
+            help="First run N Optuna trials on an inner time split of the training part "
+            "(needs the 'tune' extra); train with the best parameters.",
+        ),
+    ] = 0,
+    max_rounds: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            metavar="N",
+            help="Most boosting rounds per model (early stopping usually ends sooner).",
+        ),
+    ] = 1000,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="No progress bars or messages on stderr.")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the validation metrics as one JSON object.")
+    ] = False,
 ) -> None:
     """Train the arrival model from event logs, split by time; write model.txt and card.json.
 
@@ -354,18 +573,30 @@ def train(
     say = (lambda _: None) if quiet or as_json or bars else (lambda msg: typer.echo(msg, err=True))
     extra: dict[str, object] = {}
     try:
-        with (rich_bars() if bars else nullcontext(None)) as progress:
+        with rich_bars() if bars else nullcontext(None) as progress:
             say(f"building rows from {len(events)} log(s)")
             rows = build_dataset(events, progress)
             params = None
             if tune:
                 say(f"{len(rows):,} rows; {tune} tuning trial(s)")
-                tuning = search(rows, tune, valid_fraction=valid_fraction, seed=seed, num_boost_round=max_rounds,
-                                progress=progress)
+                tuning = search(
+                    rows,
+                    tune,
+                    valid_fraction=valid_fraction,
+                    seed=seed,
+                    num_boost_round=max_rounds,
+                    progress=progress,
+                )
                 params, extra = tuning.best_params, {"tuning": tuning.card()}
             say(f"{len(rows):,} rows; training")
-            model = fit(rows, params, valid_fraction=valid_fraction, seed=seed, num_boost_round=max_rounds,
-                        progress=progress)
+            model = fit(
+                rows,
+                params,
+                valid_fraction=valid_fraction,
+                seed=seed,
+                num_boost_round=max_rounds,
+                progress=progress,
+            )
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     save_model(model, out, extra=extra)
@@ -373,12 +604,16 @@ def train(
         typer.echo(json.dumps(model.metrics))
     else:
         m = model.metrics
-        typer.echo(f"wrote {out}: validation AUC {m['auc']}, Brier {m['brier']} "
-                   f"(base rate {m['brier_of_base_rate']}), {model.data['rows_train']:,} training rows")
+        typer.echo(
+            f"wrote {out}: validation AUC {m['auc']}, Brier {m['brier']} "
+            f"(base rate {m['brier_of_base_rate']}), {model.data['rows_train']:,} training rows"
+        )
 
 
-@cli.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             add_help_option=False)
+@cli.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
 def agent(ctx: typer.Context) -> None:
     """Run the reference transfer agent: carry out orders, pool directory -> in-memory buffer.
 
@@ -389,9 +624,11 @@ def agent(ctx: typer.Context) -> None:
 
     def from_settings() -> StreamDefaults:
         settings = Settings()
-        return StreamDefaults(redis_url=settings.redis_url.get_secret_value(),
-                              stream_prefix=settings.stream_prefix,
-                              claim_idle_seconds=settings.order_claim_idle_seconds)
+        return StreamDefaults(
+            redis_url=settings.redis_url.get_secret_value(),
+            stream_prefix=settings.stream_prefix,
+            claim_idle_seconds=settings.order_claim_idle_seconds,
+        )
 
     raise typer.Exit(agent_main(ctx.args, prog="kvprefetch agent", stream_defaults=from_settings))
 

@@ -25,8 +25,9 @@ class Refused(HttpError):
     """401 or 403 (field `authorization`), or 429 (field `rate_limit`)."""
 
     def __init__(self, status_code: int, message: str, headers: dict[str, str]) -> None:
-        super().__init__(status_code, "authorization" if status_code != 429 else "rate_limit",
-                         message, headers)
+        super().__init__(
+            status_code, "authorization" if status_code != 429 else "rate_limit", message, headers
+        )
 
 
 def client_key(request: Request, principal: Principal) -> str:
@@ -36,47 +37,64 @@ def client_key(request: Request, principal: Principal) -> str:
     return f"addr:{request.client.host if request.client else 'unknown'}"
 
 
-def charge(request: Request, principal: Principal, limiter: RateLimiter, what: str, cost: float) -> None:
+def charge(
+    request: Request, principal: Principal, limiter: RateLimiter, what: str, cost: float
+) -> None:
     """Spend `cost` of the caller's `what` (requests, events) or refuse with 429."""
     wait = limiter.take(client_key(request, principal), cost)
     if wait > 0:
-        raise Refused(429, f"over this client's rate of {what} "
-                           f"(KVP_RATE_LIMIT_{what.upper()}_PER_SECOND); retry after the wait",
-                      {"Retry-After": retry_after(wait)})
+        raise Refused(
+            429,
+            f"over this client's rate of {what} "
+            f"(KVP_RATE_LIMIT_{what.upper()}_PER_SECOND); retry after the wait",
+            {"Retry-After": retry_after(wait)},
+        )
 
 
 def requires(*scopes: Scope) -> Callable[..., Awaitable[Principal]]:
-    async def authorize(request: Request,
-                        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal:
+    async def authorize(
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> Principal:
         tokens = request.app.state.tokens
         if not tokens.enabled:
             principal = LOCAL
         else:
             challenge = {"WWW-Authenticate": 'Bearer realm="kvprefetch"'}
             if credentials is None:
-                raise Refused(401, "a bearer token is required: Authorization: Bearer <token>", challenge)
+                raise Refused(
+                    401, "a bearer token is required: Authorization: Bearer <token>", challenge
+                )
             found = tokens.authenticate(credentials.credentials)
             if found is None:
                 raise Refused(401, "the bearer token is not valid", challenge)
             if not found.allows(scopes):
                 needed = " or ".join(str(s) for s in scopes)
-                raise Refused(403, f"this endpoint needs the {needed} scope; token {found.name!r} has "
-                                   f"{', '.join(sorted(found.scopes))}",
-                              {"WWW-Authenticate": f'Bearer realm="kvprefetch", error="insufficient_scope", '
-                                                   f'scope="{" ".join(str(s) for s in scopes)}"'})
+                raise Refused(
+                    403,
+                    f"this endpoint needs the {needed} scope; token {found.name!r} has "
+                    f"{', '.join(sorted(found.scopes))}",
+                    {
+                        "WWW-Authenticate": 'Bearer realm="kvprefetch", '
+                        'error="insufficient_scope", '
+                        f'scope="{" ".join(str(s) for s in scopes)}"'
+                    },
+                )
             principal = found
         charge(request, principal, request.app.state.request_limiter, "requests", 1.0)
         return principal
 
-    authorize.scopes = frozenset(scopes)  # type: ignore[attr-defined]  # read by the route audit test
+    # Read by the route audit test; a function object takes the attribute, its type does not say so.
+    authorize.scopes = frozenset(scopes)  # type: ignore[attr-defined]
     return authorize
 
 
 _read = requires(Scope.READ)
 
 
-async def _observability(request: Request,
-                         credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> Principal | None:
+async def _observability(
+    request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> Principal | None:
     """Open unless KVP_PROTECT_OBSERVABILITY: then any token (the read scope)."""
     if not request.app.state.settings.protect_observability:
         return None

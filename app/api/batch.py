@@ -22,11 +22,23 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from app.api.errors import HttpError
 from kvprefetch_client.events import Event, event_adapter
 
-_TAGS = frozenset({
-    "request_routed", "request_started", "request_finished", "session_closed",
-    "kv_blocks_stored", "kv_blocks_removed", "kv_blocks_cleared", "vllm_kv_events",
-    "instance_status", "order_progress", "BlockStored", "BlockRemoved", "AllBlocksCleared",
-})
+_TAGS = frozenset(
+    {
+        "request_routed",
+        "request_started",
+        "request_finished",
+        "session_closed",
+        "kv_blocks_stored",
+        "kv_blocks_removed",
+        "kv_blocks_cleared",
+        "vllm_kv_events",
+        "instance_status",
+        "order_progress",
+        "BlockStored",
+        "BlockRemoved",
+        "AllBlocksCleared",
+    }
+)
 # Names pydantic puts in an error's location for the member of a union that failed.
 _UNION_MEMBERS = frozenset({"int", "str", "constrained-int", "constrained-str", "list[str]"})
 
@@ -44,27 +56,39 @@ MAX_MESSAGE_CHARS = 400  # pydantic's messages may quote what was sent (an unkno
 
 class Rejection(BaseModel):
     index: int
-    event_id: str | None = Field(description="The event's id when it is a valid id (a string of 1 to 128 "
-                                             "characters); otherwise null.")
+    event_id: str | None = Field(
+        description="The event's id when it is a valid id (a string of 1 to 128 "
+        "characters); otherwise null."
+    )
     field: str
     message: str
 
 
 class IngestResponse(BaseModel):
-    """What POST /v1/events answers: every event of the batch is accepted, a duplicate, or rejected."""
+    """
+    What POST /v1/events answers: every event of the batch is accepted, a duplicate, or rejected.
+    """
 
-    model_config = ConfigDict(json_schema_extra={"description": (
-        "Every event of the batch is in `accepted`, in `duplicates`, or rejected. `rejected` lists at "
-        f"most {MAX_REJECTIONS_PER_EVENT} rejections per event and {MAX_REJECTIONS_PER_ANSWER} in all; "
-        "a 422 also counts the rejected events and the rejections left out.")})
+    model_config = ConfigDict(
+        json_schema_extra={
+            "description": (
+                "Every event of the batch is in `accepted`, in `duplicates`, or rejected. "
+                f"`rejected` lists at most {MAX_REJECTIONS_PER_EVENT} rejections per event and "
+                f"{MAX_REJECTIONS_PER_ANSWER} in all; "
+                "a 422 also counts the rejected events and the rejections left out."
+            )
+        }
+    )
 
     accepted: list[str]
     duplicates: list[str]
     rejected: list[Rejection]
-    rejected_events: int | None = Field(None, description="In a 422: how many events were rejected, "
-                                                          "listed in `rejected` or not.")
-    rejections_omitted: int | None = Field(None, description="In a 422: how many rejections the caps "
-                                                             "left out of `rejected`.")
+    rejected_events: int | None = Field(
+        None, description="In a 422: how many events were rejected, listed in `rejected` or not."
+    )
+    rejections_omitted: int | None = Field(
+        None, description="In a 422: how many rejections the caps left out of `rejected`."
+    )
 
 
 class BatchError(HttpError):
@@ -87,7 +111,9 @@ class ParsedBatch:
         the answer has room."""
         self.rejected_first.append((index, field))
         if len(self.rejected) < MAX_REJECTIONS_PER_ANSWER:
-            self.rejected.append(Rejection(index=index, event_id=event_id, field=field, message=message))
+            self.rejected.append(
+                Rejection(index=index, event_id=event_id, field=field, message=message)
+            )
         else:
             self.rejections_omitted += 1
 
@@ -127,7 +153,7 @@ def count_events(body: bytes, stop_above: int) -> int:
         body = body.replace(b"\\\\", b"").replace(b'\\"', b"")
     inside_string = depth = commas = 0
     for start in range(0, len(body), _COUNT_CHUNK_BYTES):
-        chunk = body[start:start + _COUNT_CHUNK_BYTES]
+        chunk = body[start : start + _COUNT_CHUNK_BYTES]
         # The low bit of the running quote count: 1 inside a string (uint8 wraps, keeping it).
         outside = np.cumsum(np.frombuffer(chunk.translate(_QUOTE), dtype=np.uint8), dtype=np.uint8)
         outside += inside_string + 1
@@ -176,7 +202,9 @@ class BatchParser:
             for err in exc.errors(include_url=False, include_input=False):
                 if err["type"] == "too_long" and tuple(err["loc"]) == ("events",):
                     actual = (err.get("ctx") or {}).get("actual_length")
-                    raise _too_many(max_events, str(actual) if actual else f"more than {max_events}") from None
+                    raise _too_many(
+                        max_events, str(actual) if actual else f"more than {max_events}"
+                    ) from None
             if not counted and count_events(body, max_events) > max_events:
                 raise _too_many(max_events, f"more than {max_events}") from None
             return _parse_slowly(body, max_events)
@@ -186,7 +214,8 @@ class BatchParser:
 
 
 def parse_batch(body: bytes, max_events: int) -> ParsedBatch:
-    """One body through a parser of its own (the service keeps one: app/api/deps.py BatchParserDep)."""
+    """One body through a parser of its own (the service keeps one: app/api/deps.py
+    BatchParserDep)."""
     return BatchParser(max_events).parse(body)
 
 
@@ -199,10 +228,16 @@ def _parse_slowly(body: bytes, max_events: int) -> ParsedBatch:
         raise BatchError(422, "body", 'the body must be a JSON object: {"events": [...]}')
     extra = sorted(set(doc) - {"events"})
     if extra:
-        raise BatchError(422, _clip(extra[0], MAX_FIELD_PATH_CHARS), "unknown field: a batch has only 'events'")
+        raise BatchError(
+            422, _clip(extra[0], MAX_FIELD_PATH_CHARS), "unknown field: a batch has only 'events'"
+        )
     raw_events = doc.get("events")
     if not isinstance(raw_events, list):
-        raise BatchError(422, "events", "'events' must be a list of events" if "events" in doc else "'events' is required")
+        raise BatchError(
+            422,
+            "events",
+            "'events' must be a list of events" if "events" in doc else "'events' is required",
+        )
     if not raw_events:
         raise BatchError(422, "events", "a batch holds at least one event")
     if len(raw_events) > max_events:
@@ -233,12 +268,18 @@ def _reject(parsed: ParsedBatch, index: int, raw: object, exc: ValidationError) 
             parsed.rejected_first.append((index, path))
         fields_named.add(path)
         if listed < MAX_REJECTIONS_PER_EVENT and len(parsed.rejected) < MAX_REJECTIONS_PER_ANSWER:
-            parsed.rejected.append(Rejection(index=index, event_id=event_id, field=path,
-                                             message=_clip(clean_message(err["msg"]), MAX_MESSAGE_CHARS)))
+            parsed.rejected.append(
+                Rejection(
+                    index=index,
+                    event_id=event_id,
+                    field=path,
+                    message=_clip(clean_message(err["msg"]), MAX_MESSAGE_CHARS),
+                )
+            )
             listed += 1
         else:
             parsed.rejections_omitted += 1
 
 
 def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."

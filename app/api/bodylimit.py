@@ -30,8 +30,12 @@ class BodyLimitMiddleware:
         headers = dict(scope["headers"])
         encoding = headers.get(b"content-encoding", b"").strip().lower()
         if encoding not in (b"", b"identity"):
-            await _refuse(send, "send the body uncompressed: no Content-Encoding (or identity)",
-                          status=415, field="content-encoding")
+            await _refuse(
+                send,
+                "send the body uncompressed: no Content-Encoding (or identity)",
+                status=415,
+                field="content-encoding",
+            )
             return
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -58,7 +62,15 @@ class BodyLimitMiddleware:
 
 async def _refuse(send: Send, message: str, *, status: int = 413, field: str = "body") -> None:
     body = orjson.dumps({"detail": message, "field": field})
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})

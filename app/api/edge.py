@@ -44,9 +44,11 @@ class EdgeLimits:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EdgeLimits:
-        return cls(header_timeout_seconds=settings.header_timeout_seconds,
-                   max_connections=settings.max_connections,
-                   max_connections_per_client=settings.max_connections_per_client)
+        return cls(
+            header_timeout_seconds=settings.header_timeout_seconds,
+            max_connections=settings.max_connections,
+            max_connections_per_client=settings.max_connections_per_client,
+        )
 
 
 class EdgeConfig(uvicorn.Config):
@@ -134,15 +136,28 @@ class ConnectionRegistry:
 
 def _error_response(status: str, field: str, message: str, extra: bytes = b"") -> bytes:
     body = orjson.dumps({"detail": message, "field": field})
-    return (f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"connection: close\r\n").encode() + extra + b"\r\n" + body
+    return (
+        (
+            f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n"
+            f"connection: close\r\n"
+        ).encode()
+        + extra
+        + b"\r\n"
+        + body
+    )
 
 
 class EdgeProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header timeout and the server's connection limits."""
 
-    def __init__(self, config: uvicorn.Config, server_state: ServerState, app_state: dict[str, Any],
-                 _loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         limits: EdgeLimits = getattr(config, "edge_limits")  # noqa: B009 - set by EdgeConfig
         self.registry = ConnectionRegistry.of(server_state, limits)
@@ -161,10 +176,15 @@ class EdgeProtocol(HttpToolsProtocol):
         self.client_key = self.client[0] if self.client else ""
         if not self.registry.admit(self):
             self.connections.discard(self)
-            transport.write(_error_response(
-                "503 Service Unavailable", "connections",
-                "too many connections (KVP_MAX_CONNECTIONS, KVP_MAX_CONNECTIONS_PER_CLIENT); retry later",
-                b"retry-after: 1\r\n"))
+            transport.write(
+                _error_response(
+                    "503 Service Unavailable",
+                    "connections",
+                    "too many connections (KVP_MAX_CONNECTIONS, KVP_MAX_CONNECTIONS_PER_CLIENT); "
+                    "retry later",
+                    b"retry-after: 1\r\n",
+                )
+            )
             transport.close()
             return
         self._arm_header_timer()
@@ -221,21 +241,39 @@ class EdgeProtocol(HttpToolsProtocol):
         if self.transport.is_closing():
             return
         if self.request_begun:  # part of a request came: say why it ends
-            self.transport.write(_error_response(
-                "408 Request Timeout", "headers",
-                f"the request's headers did not arrive within {self.header_timeout_seconds:g} s "
-                "(KVP_HEADER_TIMEOUT_SECONDS)"))
+            self.transport.write(
+                _error_response(
+                    "408 Request Timeout",
+                    "headers",
+                    "the request's headers did not arrive within "
+                    f"{self.header_timeout_seconds:g} s (KVP_HEADER_TIMEOUT_SECONDS)",
+                )
+            )
         self.transport.close()
 
 
-def serve(app: Any, settings: Settings, *, workers: int = 1, factory: bool = False,
-          log_level: str = "info") -> None:
+def serve(
+    app: Any,
+    settings: Settings,
+    *,
+    workers: int = 1,
+    factory: bool = False,
+    log_level: str = "info",
+) -> None:
     """Run `app` (an ASGI app, or an import string with `factory` or `workers`) behind the edge's
     limits: the one way `kvprefetch serve` runs a server, with one worker or several."""
-    config = EdgeConfig(app, limits=EdgeLimits.from_settings(settings), host=settings.host,
-                        port=settings.port, workers=workers, factory=factory, log_level=log_level,
-                        access_log=False, timeout_keep_alive=settings.keepalive_timeout_seconds,
-                        limit_concurrency=None)
+    config = EdgeConfig(
+        app,
+        limits=EdgeLimits.from_settings(settings),
+        host=settings.host,
+        port=settings.port,
+        workers=workers,
+        factory=factory,
+        log_level=log_level,
+        access_log=False,
+        timeout_keep_alive=settings.keepalive_timeout_seconds,
+        limit_concurrency=None,
+    )
     server = uvicorn.Server(config)
     if workers > 1:
         sock = config.bind_socket()

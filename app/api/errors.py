@@ -28,10 +28,15 @@ from starlette.requests import ClientDisconnect
 from app.core.errors import EventLogError, KvpError, StoreError, StoreUnavailable
 
 
-def error_response(status_code: int, field: str, message: str,
-                   headers: dict[str, str] | None = None) -> Response:
-    return Response(orjson.dumps({"detail": message, "field": field}), status_code=status_code,
-                    media_type="application/json", headers=headers)
+def error_response(
+    status_code: int, field: str, message: str, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        orjson.dumps({"detail": message, "field": field}),
+        status_code=status_code,
+        media_type="application/json",
+        headers=headers,
+    )
 
 
 class Error(BaseModel):
@@ -44,8 +49,9 @@ class Error(BaseModel):
 class HttpError(KvpError):
     """An error the API answers as it is: `status_code`, `field`, `message` and `headers`."""
 
-    def __init__(self, status_code: int, field: str, message: str,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, status_code: int, field: str, message: str, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.field = field
@@ -96,9 +102,16 @@ async def answer_error(request: Request, exc: Exception) -> Response:
         # FastAPI's own 400 for a body it cannot decode (not UTF-8) is a JSON error too, as it
         # words one itself for a body that decodes but does not parse.
         if exc.status_code == 400 and isinstance(exc.__cause__, ValueError):
-            return _renderer(request)(request, {
-                "type": "json_invalid", "loc": ("body", 0), "msg": "JSON decode error",
-                "input": {}, "ctx": {"error": str(exc.__cause__)}})
+            return _renderer(request)(
+                request,
+                {
+                    "type": "json_invalid",
+                    "loc": ("body", 0),
+                    "msg": "JSON decode error",
+                    "input": {},
+                    "ctx": {"error": str(exc.__cause__)},
+                },
+            )
         return await http_exception_handler(request, exc)
     if isinstance(exc, HttpError):
         return error_response(exc.status_code, exc.field, exc.message, exc.headers)
@@ -115,7 +128,11 @@ async def _client_gone(_: Request, exc: Exception) -> Response:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    for kind in (RequestValidationError, HTTPException, HttpError,
-                 *(kind for kind, *_ in _ENGINE_ERRORS)):
+    for kind in (
+        RequestValidationError,
+        HTTPException,
+        HttpError,
+        *(kind for kind, *_ in _ENGINE_ERRORS),
+    ):
         app.add_exception_handler(kind, answer_error)
     app.add_exception_handler(ClientDisconnect, _client_gone)

@@ -22,8 +22,10 @@ def _error(status: int, field: str, message: str) -> tuple[Message, Message]:
         headers.append((b"retry-after", b"1"))
     if status == 408:
         headers.append((b"connection", b"close"))
-    return ({"type": "http.response.start", "status": status, "headers": headers},
-            {"type": "http.response.body", "body": body})
+    return (
+        {"type": "http.response.start", "status": status, "headers": headers},
+        {"type": "http.response.body", "body": body},
+    )
 
 
 class TimeoutMiddleware:
@@ -55,8 +57,12 @@ class TimeoutMiddleware:
             except TimeoutError:
                 if not silence.expired():
                     raise
-                await answer(408, "body", f"the body stopped arriving for {self.body_seconds:g} s "
-                                          "(KVP_BODY_TIMEOUT_SECONDS)")
+                await answer(
+                    408,
+                    "body",
+                    f"the body stopped arriving for {self.body_seconds:g} s "
+                    "(KVP_BODY_TIMEOUT_SECONDS)",
+                )
                 return {"type": "http.disconnect"}
             if message["type"] != "http.request" or not message.get("more_body", False):
                 state["body_done"] = True
@@ -76,5 +82,8 @@ class TimeoutMiddleware:
         except TimeoutError:
             if not deadline.expired():
                 raise  # the route's own timeout, not ours
-            await answer(503, "request", f"the request took over {self.request_seconds:g} s "
-                                         "(KVP_REQUEST_TIMEOUT_SECONDS)")
+            await answer(
+                503,
+                "request",
+                f"the request took over {self.request_seconds:g} s (KVP_REQUEST_TIMEOUT_SECONDS)",
+            )

@@ -25,10 +25,12 @@ MAX_WORKERS = 256
 
 
 def claim_worker_slot(directory: Path) -> tuple[int, IO[str]]:
-    """The first slot no live process holds, and its locked file (the lock goes with the process)."""
+    """The first slot no live process holds, and its locked file (the lock goes with the
+    process)."""
     directory.mkdir(parents=True, exist_ok=True)
     for k in range(MAX_WORKERS):
-        f = open(directory / f"worker-{k}.lock", "a")  # noqa: SIM115 - held open for the process's life
+        # Held open for the process's life: the lock goes when the process does.
+        f = open(directory / f"worker-{k}.lock", "a")  # noqa: SIM115
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -41,8 +43,12 @@ def claim_worker_slot(directory: Path) -> tuple[int, IO[str]]:
 def create_worker_app() -> FastAPI:
     settings = Settings()  # `serve` put its options in the environment
     slot, lock = claim_worker_slot(settings.event_log_dir)
-    settings = settings.model_copy(update={"log_dir": settings.event_log_dir / f"worker-{slot}",
-                                           "replica_id": f"{settings.replica_id}-worker-{slot}"})
+    settings = settings.model_copy(
+        update={
+            "log_dir": settings.event_log_dir / f"worker-{slot}",
+            "replica_id": f"{settings.replica_id}-worker-{slot}",
+        }
+    )
     tune_gc()
     app = create_app(settings)
     app.state.worker_slot_lock = lock

@@ -10,10 +10,15 @@ from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.core.bundle import DEFAULT_MODEL_DIR
-from app.core.cluster import (HOST_LINK_BYTES_PER_SECOND, LINK_SHARE, POOL_LINK_BYTES_PER_SECOND,
-                              PREFILL_TOKENS_PER_SECOND)
+from app.core.cluster import (
+    HOST_LINK_BYTES_PER_SECOND,
+    LINK_SHARE,
+    POOL_LINK_BYTES_PER_SECOND,
+    PREFILL_TOKENS_PER_SECOND,
+)
 
-# Llama-3.1-70B bf16: 2 x 80 layers x 8 kv heads x 128 x 2 bytes (REFERENCE.md, "KV bytes per token").
+# Llama-3.1-70B bf16: 2 x 80 layers x 8 kv heads x 128 x 2 bytes
+# (REFERENCE.md, "KV bytes per token").
 LLAMA_70B_BF16_BYTES_PER_TOKEN = 327_680
 # The Mooncake traces' block unit (shared/traces/README.md).
 MOONCAKE_BLOCK_TOKENS = 512
@@ -117,7 +122,7 @@ class Settings(BaseSettings):
     # (422 on events[i].ts), and skipped when replayed from the log.
     max_clock_skew_seconds: float = Field(300.0, gt=0)
 
-    # The arrival model served at startup; when it is missing or does not load, the heuristic serves.
+    # The arrival model served at startup; if it is missing or does not load, the heuristic serves.
     model_dir: Path = DEFAULT_MODEL_DIR
     # The only directory POST /v1/model/reload and PUT /v1/model/shadow load from (names relative
     # to it, or absolute paths inside it); defaults to the one holding model_dir.
@@ -137,19 +142,44 @@ class Settings(BaseSettings):
     prefetch_link_share: float = Field(LINK_SHARE, gt=0, le=1)
     # The planner's thresholds (app/decide/advisor.py Thresholds), read by the advisor and the
     # scheduler alike. lead <= keep horizon <= the return horizon (900 s).
-    keep_horizon_seconds: float = Field(300.0, gt=0, description=(
-        "Keep a context resident for this long when its session is likely back within it."))
-    keep_min_p: float = Field(0.2, ge=0, le=1, description=(
-        "Keep (pin with TTL) a context when P(back within the keep horizon) is at least this."))
-    demote_max_p: float = Field(0.1, ge=0, le=1, description=(
-        "Demote (evict first) a context when P(back within 900 s) is at most this."))
-    lead_seconds: float = Field(30.0, gt=0, description=(
-        "Prefetch a context when its session is likely back within this long."))
-    prefetch_min_p: float = Field(0.5, ge=0, le=1, description=(
-        "Prefetch when P(back within the lead) is at least this."))
-    cancel_below_p: float = Field(0.25, ge=0, le=1, description=(
-        "Cancel an open prefetch not yet started when its chance falls below this (hysteresis "
-        "under KVP_PREFETCH_MIN_P)."))
+    keep_horizon_seconds: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Keep a context resident for this long when its session is likely back within it."
+        ),
+    )
+    keep_min_p: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description=(
+            "Keep (pin with TTL) a context when P(back within the keep horizon) is at least this."
+        ),
+    )
+    demote_max_p: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description=("Demote (evict first) a context when P(back within 900 s) is at most this."),
+    )
+    lead_seconds: float = Field(
+        30.0,
+        gt=0,
+        description=("Prefetch a context when its session is likely back within this long."),
+    )
+    prefetch_min_p: float = Field(
+        0.5, ge=0, le=1, description=("Prefetch when P(back within the lead) is at least this.")
+    )
+    cancel_below_p: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description=(
+            "Cancel an open prefetch not yet started when its chance falls below this (hysteresis "
+            "under KVP_PREFETCH_MIN_P)."
+        ),
+    )
     # How often the dashboard's timeline samples the counters (app/observe/timeline.py; an hour
     # of samples is kept at 2 s); 0 turns sampling off (tests drive it one sample at a time).
     dashboard_sample_seconds: float = Field(2.0, ge=0)
@@ -185,16 +215,20 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _batch_fits_the_backlog(self) -> Settings:
         if self.max_batch_events > self.backlog_max_events:
-            raise ValueError(f"max_batch_events ({self.max_batch_events}) must not exceed "
-                             f"backlog_max_events ({self.backlog_max_events})")
+            raise ValueError(
+                f"max_batch_events ({self.max_batch_events}) must not exceed "
+                f"backlog_max_events ({self.backlog_max_events})"
+            )
         return self
 
     @model_validator(mode="after")
     def _horizons_in_order(self) -> Settings:
         # The advisor's return horizon (app/decide/advisor.py RETURN_HORIZON_SECONDS).
         if not self.lead_seconds <= self.keep_horizon_seconds <= 900.0:
-            raise ValueError(f"lead_seconds ({self.lead_seconds:g}) <= keep_horizon_seconds "
-                             f"({self.keep_horizon_seconds:g}) <= 900 must hold")
+            raise ValueError(
+                f"lead_seconds ({self.lead_seconds:g}) <= keep_horizon_seconds "
+                f"({self.keep_horizon_seconds:g}) <= 900 must hold"
+            )
         return self
 
     @property
@@ -207,4 +241,8 @@ class Settings(BaseSettings):
 
     @property
     def stream_prefix(self) -> str:
-        return self.order_stream_prefix if self.order_stream_prefix is not None else f"{self.redis_prefix}:sink"
+        return (
+            self.order_stream_prefix
+            if self.order_stream_prefix is not None
+            else f"{self.redis_prefix}:sink"
+        )

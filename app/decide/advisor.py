@@ -16,10 +16,10 @@ from typing import Literal
 
 import numpy as np
 
-from kvprefetch_client.events import BlockHash
-from app.predict.predictors import Predictor
 from app.decide.routing import SameInstanceEstimate
+from app.predict.predictors import Predictor
 from app.state.base import SessionView
+from kvprefetch_client.events import BlockHash
 
 # Sessions idle longer than this are not scored: their contexts go by plain LRU.
 MAX_IDLE_SECONDS = 1800.0
@@ -66,20 +66,32 @@ class Thresholds:
 
     def advisor_options(self) -> dict[str, float]:
         """The Advisor's keyword arguments."""
-        return {"keep_horizon_seconds": self.keep_horizon_seconds, "keep_min_p": self.keep_min_p,
-                "demote_max_p": self.demote_max_p, "lead_seconds": self.lead_seconds,
-                "prefetch_min_p": self.prefetch_min_p}
+        return {
+            "keep_horizon_seconds": self.keep_horizon_seconds,
+            "keep_min_p": self.keep_min_p,
+            "demote_max_p": self.demote_max_p,
+            "lead_seconds": self.lead_seconds,
+            "prefetch_min_p": self.prefetch_min_p,
+        }
 
 
 _DEFAULT = Thresholds()
 
 
 class Advisor:
-    def __init__(self, predictor: Predictor, *, keep_horizon_seconds: float = _DEFAULT.keep_horizon_seconds,
-                 keep_min_p: float = _DEFAULT.keep_min_p, demote_max_p: float = _DEFAULT.demote_max_p,
-                 lead_seconds: float = _DEFAULT.lead_seconds, prefetch_min_p: float = _DEFAULT.prefetch_min_p,
-                 return_horizon_seconds: float = RETURN_HORIZON_SECONDS,
-                 max_idle_seconds: float = MAX_IDLE_SECONDS, routes: SameInstanceEstimate | None = None) -> None:
+    def __init__(
+        self,
+        predictor: Predictor,
+        *,
+        keep_horizon_seconds: float = _DEFAULT.keep_horizon_seconds,
+        keep_min_p: float = _DEFAULT.keep_min_p,
+        demote_max_p: float = _DEFAULT.demote_max_p,
+        lead_seconds: float = _DEFAULT.lead_seconds,
+        prefetch_min_p: float = _DEFAULT.prefetch_min_p,
+        return_horizon_seconds: float = RETURN_HORIZON_SECONDS,
+        max_idle_seconds: float = MAX_IDLE_SECONDS,
+        routes: SameInstanceEstimate | None = None,
+    ) -> None:
         self.predictor = predictor
         # None: every return lands where the context is (a sticky router).
         self.routes = routes
@@ -92,24 +104,49 @@ class Advisor:
         self.prefetch_min_p = prefetch_min_p
         self.max_idle_seconds = max_idle_seconds
         if not lead_seconds <= keep_horizon_seconds <= return_horizon_seconds:
-            raise ValueError("horizons must satisfy lead_seconds <= keep_horizon_seconds <= return_horizon_seconds")
+            raise ValueError(
+                "horizons must satisfy lead_seconds <= keep_horizon_seconds "
+                "<= return_horizon_seconds"
+            )
         # Only the horizons the advice reads: each one is a model row per session per tick.
         self.horizons = (lead_seconds, keep_horizon_seconds, return_horizon_seconds)
 
     def advise(self, sessions: Sequence[SessionView], now: float) -> list[SessionAdvice]:
-        live = [s for s in sessions if s.state == "idle" and now - s.last_activity_ts <= self.max_idle_seconds
-                and s.block_hashes]
+        live = [
+            s
+            for s in sessions
+            if s.state == "idle"
+            and now - s.last_activity_ts <= self.max_idle_seconds
+            and s.block_hashes
+        ]
         if not live:
             return []
-        p = np.maximum.accumulate(np.clip(self.predictor.p_within(live, now, self.horizons), 0.0, 1.0), axis=1)
+        p = np.maximum.accumulate(
+            np.clip(self.predictor.p_within(live, now, self.horizons), 0.0, 1.0), axis=1
+        )
         if self.routes is not None:
             p *= self.routes.p_same
         out = []
         for view, row in zip(live, p):
             p_soon, p_keep, p_return = float(row[0]), float(row[1]), float(row[2])
-            retention: Retention = ("keep" if p_keep >= self.keep_min_p
-                                    else "demote" if p_return <= self.demote_max_p else "lru")
-            out.append(SessionAdvice(view.session_id, view.instance_id, tuple(view.block_hashes), retention,
-                                     self.keep_horizon_seconds if retention == "keep" else 0.0,
-                                     p_keep, p_soon, p_return, p_soon >= self.prefetch_min_p))
+            retention: Retention = (
+                "keep"
+                if p_keep >= self.keep_min_p
+                else "demote"
+                if p_return <= self.demote_max_p
+                else "lru"
+            )
+            out.append(
+                SessionAdvice(
+                    view.session_id,
+                    view.instance_id,
+                    tuple(view.block_hashes),
+                    retention,
+                    self.keep_horizon_seconds if retention == "keep" else 0.0,
+                    p_keep,
+                    p_soon,
+                    p_return,
+                    p_soon >= self.prefetch_min_p,
+                )
+            )
         return out

@@ -35,12 +35,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from app.core.cluster import ClusterSpec
+from app.state.base import Location, StateStore
 from kvprefetch_client.events import BlockHash
 from kvprefetch_client.orders import Order
-from app.state.base import Location, StateStore
 
-__all__ = ["DEFAULT_REQUEST_SECONDS", "CandidateHint", "HintConfig", "InstanceLoad", "RouteHint",
-           "prefix_lookups", "route_hint"]
+__all__ = [
+    "DEFAULT_REQUEST_SECONDS",
+    "CandidateHint",
+    "HintConfig",
+    "InstanceLoad",
+    "RouteHint",
+    "prefix_lookups",
+    "route_hint",
+]
 
 # A typical request's time in a slot: ~350 output tokens at 30 ms each plus its prefill, the
 # mean of the shared conversation trace in the default scenario. Only the wait estimate uses it.
@@ -55,14 +62,22 @@ class HintConfig(ClusterSpec):
     request_seconds: float = DEFAULT_REQUEST_SECONDS
 
     @classmethod
-    def for_cluster(cls, cluster: ClusterSpec,
-                    request_seconds: float = DEFAULT_REQUEST_SECONDS) -> HintConfig:
-        return cls(**{f: getattr(cluster, f) for f in ClusterSpec.__slots__},
-                   request_seconds=request_seconds)
+    def for_cluster(
+        cls, cluster: ClusterSpec, request_seconds: float = DEFAULT_REQUEST_SECONDS
+    ) -> HintConfig:
+        return cls(
+            **{f: getattr(cluster, f) for f in ClusterSpec.__slots__},
+            request_seconds=request_seconds,
+        )
 
     def __post_init__(self) -> None:
-        for name in ("bytes_per_token", "pool_link_bytes_per_second", "host_link_bytes_per_second",
-                     "prefill_tokens_per_second", "request_seconds"):
+        for name in (
+            "bytes_per_token",
+            "pool_link_bytes_per_second",
+            "host_link_bytes_per_second",
+            "prefill_tokens_per_second",
+            "request_seconds",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive")
 
@@ -114,9 +129,16 @@ class RouteHint:
     candidates: list[CandidateHint]
 
 
-def route_hint(store: StateStore, session_id: str, candidates: Sequence[str], now: float, *,
-               config: HintConfig, inflight: Iterable[Order] = (),
-               loads: Mapping[str, InstanceLoad] | None = None) -> RouteHint:
+def route_hint(
+    store: StateStore,
+    session_id: str,
+    candidates: Sequence[str],
+    now: float,
+    *,
+    config: HintConfig,
+    inflight: Iterable[Order] = (),
+    loads: Mapping[str, InstanceLoad] | None = None,
+) -> RouteHint:
     """Rank `candidates` (distinct instance ids, at least one) for `session_id`'s next request.
 
     `inflight`: open orders (the scheduler's `open_orders()`); only prefetches to a candidate's
@@ -137,8 +159,13 @@ def route_hint(store: StateStore, session_id: str, candidates: Sequence[str], no
     context = store.context(session_id)
     blocks = context.block_hashes if context is not None else ()
     if not blocks:
-        return _rank(session_id, False, context.context_bytes if context is not None else 0, None,
-                     [_no_context(c, loads.get(c, InstanceLoad()), config) for c in candidates])
+        return _rank(
+            session_id,
+            False,
+            context.context_bytes if context is not None else 0,
+            None,
+            [_no_context(c, loads.get(c, InstanceLoad()), config) for c in candidates],
+        )
     assert context is not None
     block_bytes = context.block_tokens * config.bytes_per_token
     # When each block on its way to a candidate's HBM is due; the earliest order carrying it counts.
@@ -155,9 +182,24 @@ def route_hint(store: StateStore, session_id: str, candidates: Sequence[str], no
     pool_end, hbm_end = held[0], held[1:]
     ready = [h + _run(blocks, h, due[c]) for c, h in zip(candidates, hbm_end)]
     host_end = store.held_prefixes([("host", c) for c in candidates], blocks, ready)
-    hints = [_candidate(c, len(blocks), hbm_end[k], ready[k], due[c], blocks, host_end[k], pool_end,
-                        context.block_tokens, block_bytes, now, loads.get(c, _UNKNOWN_LOAD), config)
-             for k, c in enumerate(candidates)]
+    hints = [
+        _candidate(
+            c,
+            len(blocks),
+            hbm_end[k],
+            ready[k],
+            due[c],
+            blocks,
+            host_end[k],
+            pool_end,
+            context.block_tokens,
+            block_bytes,
+            now,
+            loads.get(c, _UNKNOWN_LOAD),
+            config,
+        )
+        for k, c in enumerate(candidates)
+    ]
     return _rank(session_id, True, context.context_bytes, context.instance_id, hints)
 
 
@@ -191,9 +233,21 @@ def _wait_seconds(load: InstanceLoad, config: HintConfig) -> float:
     return load.queue_depth * config.request_seconds / max(load.running_requests or 0, 1)
 
 
-def _candidate(instance_id: str, total: int, resident_n: int, ready: int, due: Mapping[BlockHash, float],
-               blocks: Sequence[BlockHash], host_end: int, pool_end: int, block_tokens: int,
-               block_bytes: int, now: float, load: InstanceLoad, config: HintConfig) -> CandidateHint:
+def _candidate(
+    instance_id: str,
+    total: int,
+    resident_n: int,
+    ready: int,
+    due: Mapping[BlockHash, float],
+    blocks: Sequence[BlockHash],
+    host_end: int,
+    pool_end: int,
+    block_tokens: int,
+    block_bytes: int,
+    now: float,
+    load: InstanceLoad,
+    config: HintConfig,
+) -> CandidateHint:
     # The context loads in order: HBM's prefix, then what is on its way, then the host's run
     # from there, then the pool's prefix beyond it; from the first block held nowhere, recomputed.
     coming_n = ready - resident_n
@@ -203,9 +257,11 @@ def _candidate(instance_id: str, total: int, resident_n: int, ready: int, due: M
     nowhere_n = missing_n - host_n - pool_n
     recompute_seconds = config.recompute_seconds(missing_n * block_tokens)
     # The two links run side by side; blocks held nowhere are recomputed meanwhile.
-    load_seconds = max(config.load_seconds(host_n * block_bytes, "host"),
-                       config.load_seconds(pool_n * block_bytes, "pool"),
-                       config.recompute_seconds(nowhere_n * block_tokens))
+    load_seconds = max(
+        config.load_seconds(host_n * block_bytes, "host"),
+        config.load_seconds(pool_n * block_bytes, "pool"),
+        config.recompute_seconds(nowhere_n * block_tokens),
+    )
     if not missing_n:
         source = "none"
     elif recompute_seconds < load_seconds or nowhere_n == missing_n:
@@ -213,28 +269,54 @@ def _candidate(instance_id: str, total: int, resident_n: int, ready: int, due: M
     else:
         source = ("host+pool" if pool_n else "host") if host_n else "pool"
     # The run on its way is at most the blocks of the open orders: bounded by them, not the context.
-    landing_seconds = max((due[blocks[i]] - now for i in range(resident_n, ready)), default=0.0) \
-        if coming_n else 0.0
+    landing_seconds = (
+        max((due[blocks[i]] - now for i in range(resident_n, ready)), default=0.0)
+        if coming_n
+        else 0.0
+    )
     expected_load = max(load_seconds, landing_seconds, 0.0)
     wait = _wait_seconds(load, config)
     return CandidateHint(
-        instance_id=instance_id, resident_bytes=resident_n * block_bytes,
-        inflight_bytes=coming_n * block_bytes, missing_bytes=missing_n * block_bytes, source=source,
-        expected_load_seconds=expected_load, queue_depth=load.queue_depth, running_requests=load.running_requests,
-        expected_wait_seconds=wait, recommended=False,
-        reason=_describe(total, resident_n, coming_n, source, expected_load, load, wait))
+        instance_id=instance_id,
+        resident_bytes=resident_n * block_bytes,
+        inflight_bytes=coming_n * block_bytes,
+        missing_bytes=missing_n * block_bytes,
+        source=source,
+        expected_load_seconds=expected_load,
+        queue_depth=load.queue_depth,
+        running_requests=load.running_requests,
+        expected_wait_seconds=wait,
+        recommended=False,
+        reason=_describe(total, resident_n, coming_n, source, expected_load, load, wait),
+    )
 
 
 def _no_context(instance_id: str, load: InstanceLoad, config: HintConfig) -> CandidateHint:
     wait = _wait_seconds(load, config)
     return CandidateHint(
-        instance_id=instance_id, resident_bytes=0, inflight_bytes=0, missing_bytes=0, source="none",
-        expected_load_seconds=0.0, queue_depth=load.queue_depth, running_requests=load.running_requests,
-        expected_wait_seconds=wait, recommended=False, reason="no context known; " + _describe_load(load, wait))
+        instance_id=instance_id,
+        resident_bytes=0,
+        inflight_bytes=0,
+        missing_bytes=0,
+        source="none",
+        expected_load_seconds=0.0,
+        queue_depth=load.queue_depth,
+        running_requests=load.running_requests,
+        expected_wait_seconds=wait,
+        recommended=False,
+        reason="no context known; " + _describe_load(load, wait),
+    )
 
 
-def _describe(total: int, resident: int, coming: int, source: str, load_seconds: float, load: InstanceLoad,
-              wait: float) -> str:
+def _describe(
+    total: int,
+    resident: int,
+    coming: int,
+    source: str,
+    load_seconds: float,
+    load: InstanceLoad,
+    wait: float,
+) -> str:
     parts = [f"{resident}/{total} blocks in HBM"]
     if coming:
         parts.append(f"{coming} on their way")
@@ -247,14 +329,24 @@ def _describe(total: int, resident: int, coming: int, source: str, load_seconds:
 def _describe_load(load: InstanceLoad, wait: float) -> str:
     if load.queue_depth is None and load.running_requests is None:
         return "load unknown"
-    return f"{load.queue_depth or 0} queued, {load.running_requests or 0} running, wait {wait:.3f} s"
+    return (
+        f"{load.queue_depth or 0} queued, {load.running_requests or 0} running, wait {wait:.3f} s"
+    )
 
 
-def _rank(session_id: str, known: bool, context_bytes: int, home: str | None,
-          hints: list[CandidateHint]) -> RouteHint:
+def _rank(
+    session_id: str, known: bool, context_bytes: int, home: str | None, hints: list[CandidateHint]
+) -> RouteHint:
     # Rounded so that float noise does not beat the tie-breaks.
-    keys = sorted((round(h.expected_load_seconds + h.expected_wait_seconds, 9),
-                   h.instance_id != home, _load_of(h), k) for k, h in enumerate(hints))
+    keys = sorted(
+        (
+            round(h.expected_load_seconds + h.expected_wait_seconds, 9),
+            h.instance_id != home,
+            _load_of(h),
+            k,
+        )
+        for k, h in enumerate(hints)
+    )
     order = [key[3] for key in keys]
     best_k = order[0]
     best = hints[best_k]
@@ -267,14 +359,21 @@ def _rank(session_id: str, known: bool, context_bytes: int, home: str | None,
             tie = "its last instance" if best.instance_id == home else "less loaded"
             why = f"ties {runner.instance_id} at {best.expected_seconds:.3f} s, {tie}"
         else:
-            why = f"{best.expected_seconds:.3f} s to start against {runner.expected_seconds:.3f} s on " \
-                  f"{runner.instance_id}"
+            why = (
+                f"{best.expected_seconds:.3f} s to start against "
+                f"{runner.expected_seconds:.3f} s on {runner.instance_id}"
+            )
     if not known:
         why = "no context known; " + why
-    return RouteHint(session_id=session_id, context_known=known, context_bytes=context_bytes,
-                     recommended=best.instance_id, reason=f"{best.instance_id}: {why}", candidates=hints)
+    return RouteHint(
+        session_id=session_id,
+        context_known=known,
+        context_bytes=context_bytes,
+        recommended=best.instance_id,
+        reason=f"{best.instance_id}: {why}",
+        candidates=hints,
+    )
 
 
 def _load_of(h: CandidateHint) -> int:
     return (h.queue_depth or 0) + (h.running_requests or 0)
-

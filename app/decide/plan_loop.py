@@ -22,13 +22,19 @@ from typing import Any
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
-from kvprefetch_client.events import (Event, OrderProgress, RequestFinished, RequestRouted, RequestStarted,
-                               SessionClosed)
-from app.ingest.ingestor import Observer
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler
 from app.deliver import OrderSink, SinkError
+from app.ingest.ingestor import Observer
 from app.state.storethread import Offload
+from kvprefetch_client.events import (
+    Event,
+    OrderProgress,
+    RequestFinished,
+    RequestRouted,
+    RequestStarted,
+    SessionClosed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +45,15 @@ class Dispatcher:
     when given, runs what touches the scheduler (on the store thread, app/state/storethread.py);
     delivery stays on the loop."""
 
-    def __init__(self, scheduler: Scheduler, sink: OrderSink, clock: Clock, *,
-                 observe_seconds: Callable[[float], None] | None = None,
-                 offload: Offload | None = None) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        sink: OrderSink,
+        clock: Clock,
+        *,
+        observe_seconds: Callable[[float], None] | None = None,
+        offload: Offload | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.sink = sink
         self.clock = clock
@@ -71,14 +83,18 @@ class Dispatcher:
         if plan.cancels:
             try:
                 await self.sink.cancel(plan.cancels)
-            except SinkError as exc:  # the agent may still start it; the scheduler counts it as cancelled
+            except (
+                SinkError
+            ) as exc:  # the agent may still start it; the scheduler counts it as cancelled
                 log.warning("%d cancels not delivered: %s", len(plan.cancels), exc)
         if plan.orders:
             try:
                 await self.sink.submit(plan.orders)
             except SinkError as exc:
                 self.undelivered += len(plan.orders)
-                log.warning("%d orders not delivered (planned again next tick): %s", len(plan.orders), exc)
+                log.warning(
+                    "%d orders not delivered (planned again next tick): %s", len(plan.orders), exc
+                )
                 await self._run(self._failed, plan, fail_fast=False)  # needs no store
         return plan
 

@@ -16,7 +16,9 @@ class SameInstanceEstimate:
     """P(a returning session is routed to the instance of its previous request), as an
     exponentially decayed share of recent returns, starting from a prior worth a few returns."""
 
-    def __init__(self, *, prior: float = 1.0, prior_weight: float = 5.0, half_life_returns: float = 500.0) -> None:
+    def __init__(
+        self, *, prior: float = 1.0, prior_weight: float = 5.0, half_life_returns: float = 500.0
+    ) -> None:
         if not 0.0 <= prior <= 1.0:
             raise ValueError("prior must be within [0, 1]")
         self._decay = math.exp(math.log(0.5) / half_life_returns)
@@ -44,8 +46,13 @@ class RouteTracker:
     is ignored. The most recently active `max_sessions` are kept in any case.
     """
 
-    def __init__(self, estimate: SameInstanceEstimate | None = None, *, max_sessions: int = 200_000,
-                 retention_seconds: float = math.inf) -> None:
+    def __init__(
+        self,
+        estimate: SameInstanceEstimate | None = None,
+        *,
+        max_sessions: int = 200_000,
+        retention_seconds: float = math.inf,
+    ) -> None:
         if retention_seconds <= 0:
             raise ValueError("retention_seconds must be positive")
         self.estimate = estimate or SameInstanceEstimate()

@@ -42,13 +42,18 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from kvprefetch_client.events import BlockHash, Tier
-from kvprefetch_client.orders import Cancel, Order, OrderKind, order_id_for
-from app.core.cluster import (BLOCK_TOKENS, HOST_LINK_BYTES_PER_SECOND, LINK_SHARE, POOL_LINK_BYTES_PER_SECOND,
-                              PREFILL_TOKENS_PER_SECOND, ClusterSpec)
+from app.core.cluster import (
+    BLOCK_TOKENS,
+    HOST_LINK_BYTES_PER_SECOND,
+    LINK_SHARE,
+    POOL_LINK_BYTES_PER_SECOND,
+    PREFILL_TOKENS_PER_SECOND,
+    ClusterSpec,
+)
 from app.decide.advisor import SessionAdvice, Thresholds
 from app.state.base import StateStore
-
+from kvprefetch_client.events import BlockHash, Tier
+from kvprefetch_client.orders import Cancel, Order, OrderKind, order_id_for
 
 # The thresholds' defaults (the settings' too: KVP_LEAD_SECONDS and the rest).
 _THRESHOLDS = Thresholds()
@@ -77,18 +82,28 @@ class SchedulerConfig:
     overdue_seconds: float = 60.0
 
     @classmethod
-    def from_cluster(cls, cluster: ClusterSpec, thresholds: Thresholds | None = None,
-                     **kw: float) -> SchedulerConfig:
+    def from_cluster(
+        cls, cluster: ClusterSpec, thresholds: Thresholds | None = None, **kw: float
+    ) -> SchedulerConfig:
         """The cluster's numbers and the planner's thresholds (the ones the advisor reads)."""
         t = thresholds or Thresholds()
-        return cls(bytes_per_block=cluster.bytes_per_block, block_tokens=cluster.block_tokens,
-                   link_share=cluster.link_share, pool_link_bytes_per_second=cluster.pool_link_bytes_per_second,
-                   host_link_bytes_per_second=cluster.host_link_bytes_per_second,
-                   prefill_tokens_per_second=cluster.prefill_tokens_per_second, lead_seconds=t.lead_seconds,
-                   prefetch_min_p=t.prefetch_min_p, cancel_below_p=t.cancel_below_p, **kw)
+        return cls(
+            bytes_per_block=cluster.bytes_per_block,
+            block_tokens=cluster.block_tokens,
+            link_share=cluster.link_share,
+            pool_link_bytes_per_second=cluster.pool_link_bytes_per_second,
+            host_link_bytes_per_second=cluster.host_link_bytes_per_second,
+            prefill_tokens_per_second=cluster.prefill_tokens_per_second,
+            lead_seconds=t.lead_seconds,
+            prefetch_min_p=t.prefetch_min_p,
+            cancel_below_p=t.cancel_below_p,
+            **kw,
+        )
 
     def link_bytes_per_second(self, source: Tier) -> float:
-        return self.host_link_bytes_per_second if source == "host" else self.pool_link_bytes_per_second
+        return (
+            self.host_link_bytes_per_second if source == "host" else self.pool_link_bytes_per_second
+        )
 
 
 # One idle spell of one session's context on one instance: (instance, session, blocks, last block).
@@ -143,7 +158,9 @@ class Scheduler:
     advice per session is kept, so a tick costs the candidates and the open orders, not every
     session tracked; advice not refreshed within `advice_ttl_seconds` is dropped."""
 
-    def __init__(self, store: StateStore, config: SchedulerConfig, *, advice_ttl_seconds: float = 120.0) -> None:
+    def __init__(
+        self, store: StateStore, config: SchedulerConfig, *, advice_ttl_seconds: float = 120.0
+    ) -> None:
         self.store = store
         self.config = config
         self.advice_ttl_seconds = advice_ttl_seconds
@@ -151,10 +168,14 @@ class Scheduler:
         self._open: dict[str, _Open] = {}
         # (instance, source tier) -> the intervals its prefetch share is booked for.
         self._link_booked: dict[tuple[str, Tier], list[tuple[float, float]]] = {}
-        self._booking: dict[str, tuple[tuple[str, Tier], tuple[float, float]]] = {}  # order -> its slot
+        self._booking: dict[
+            str, tuple[tuple[str, Tier], tuple[float, float]]
+        ] = {}  # order -> its slot
         self._latest: dict[str, tuple[SessionAdvice, float]] = {}  # oldest update first
         self._candidates: dict[str, SessionAdvice] = {}
-        self._fresh: dict[str, SessionAdvice] = {}  # advised since the last plan: retention to decide
+        self._fresh: dict[
+            str, SessionAdvice
+        ] = {}  # advised since the last plan: retention to decide
         self._pinned: dict[str, tuple[_Spell, float]] = {}  # session -> its pinned spell, until
         self._demoted: dict[str, _Spell] = {}
         self._landed: dict[str, _Landed] = {}  # landed prefetches waiting for a session's return
@@ -230,8 +251,11 @@ class Scheduler:
         return list(self._latest.values())
 
     def inflight_bytes(self, instance_id: str) -> int:
-        return sum(e.order.size_bytes for e in self._open.values()
-                   if e.order.kind == "prefetch" and e.order.instance_id == instance_id)
+        return sum(
+            e.order.size_bytes
+            for e in self._open.values()
+            if e.order.kind == "prefetch" and e.order.instance_id == instance_id
+        )
 
     @property
     def tracked_sessions(self) -> int:
@@ -257,7 +281,9 @@ class Scheduler:
             self._carried = (cancels, orders + list(moving.values()))
             raise
 
-    def _plan(self, now: float, cancels: list[Cancel], orders: list[Order], moving: dict[str, Order]) -> Plan:
+    def _plan(
+        self, now: float, cancels: list[Cancel], orders: list[Order], moving: dict[str, Order]
+    ) -> Plan:
         """plan(), adding to `cancels`, `orders` (pins, demotes) and `moving` as it goes."""
         cfg = self.config
         self._generation += 1
@@ -275,7 +301,9 @@ class Scheduler:
         inflight_blocks = self._inflight_blocks()
         ordered_now: dict[tuple[str, BlockHash], str] = {}
         claimed: set[_Spell] = set()
-        displaceable: dict[str, list[SessionAdvice]] = {}  # per destination, built when first needed
+        displaceable: dict[
+            str, list[SessionAdvice]
+        ] = {}  # per destination, built when first needed
         # A destination whose room or link ran out for one candidate has none for the less likely
         # ones after it (they may displace less): skipping them keeps a tick's cost to the
         # candidates that can still be served.
@@ -286,8 +314,12 @@ class Scheduler:
                 continue  # out of room, or it never reported its room
             blocks = list(dict.fromkeys(cand.block_hashes))
             here = self.store.holds("hbm", dest, blocks)
-            missing = [b for b, h in zip(blocks, here) if not h and b not in inflight_blocks.get(dest, ())]
-            for order_id in dict.fromkeys(ordered_now[(dest, b)] for b in missing if (dest, b) in ordered_now):
+            missing = [
+                b for b, h in zip(blocks, here) if not h and b not in inflight_blocks.get(dest, ())
+            ]
+            for order_id in dict.fromkeys(
+                ordered_now[(dest, b)] for b in missing if (dest, b) in ordered_now
+            ):
                 moving[order_id] = self._serve_too(moving[order_id], cand)
             missing = [b for b in missing if (dest, b) not in ordered_now]
             for source, part in self._sources(dest, missing):
@@ -296,9 +328,16 @@ class Scheduler:
                 if room < nbytes:
                     if dest not in displaceable:
                         displaceable[dest] = sorted(
-                            (a for a, _ in self._latest.values() if a.instance_id == dest and a.retention != "keep"),
-                            key=lambda a: (a.p_keep, a.session_id))
-                    room += self._make_room(dest, nbytes - room, cand, displaceable[dest], orders, now, claimed)
+                            (
+                                a
+                                for a, _ in self._latest.values()
+                                if a.instance_id == dest and a.retention != "keep"
+                            ),
+                            key=lambda a: (a.p_keep, a.session_id),
+                        )
+                    room += self._make_room(
+                        dest, nbytes - room, cand, displaceable[dest], orders, now, claimed
+                    )
                     if room < nbytes:
                         exhausted.add(dest)
                         break
@@ -338,7 +377,9 @@ class Scheduler:
     def _retire_landed(self) -> None:
         for order_id, e in list(self._open.items()):
             o = e.order
-            if o.kind == "prefetch" and all(self.store.holds(o.tier, o.instance_id, o.block_hashes)):
+            if o.kind == "prefetch" and all(
+                self.store.holds(o.tier, o.instance_id, o.block_hashes)
+            ):
                 del self._open[order_id]
                 self._booking.pop(order_id, None)
                 self._has_landed(order_id, e)
@@ -383,8 +424,11 @@ class Scheduler:
             still = set()
             for s in e.sessions:
                 latest = self._latest.get(s)
-                if latest is not None and latest[0].instance_id == e.order.instance_id \
-                        and latest[0].p_soon >= self.config.cancel_below_p:
+                if (
+                    latest is not None
+                    and latest[0].instance_id == e.order.instance_id
+                    and latest[0].p_soon >= self.config.cancel_below_p
+                ):
                     still.add(s)
             e.sessions = still
             if still:
@@ -392,15 +436,21 @@ class Scheduler:
             if e.started:
                 if not e.used and not e.wasted:
                     e.wasted = True
-                    self.totals.bytes_wasted += e.order.size_bytes  # moving already: it lands unused
+                    self.totals.bytes_wasted += (
+                        e.order.size_bytes
+                    )  # moving already: it lands unused
                 continue
             del self._open[order_id]
             self._release(order_id)
             self.totals.cancelled += 1
-            cancels.append(Cancel(order_id=order_id, reason="no session is likely back there in time"))
+            cancels.append(
+                Cancel(order_id=order_id, reason="no session is likely back there in time")
+            )
         return cancels
 
-    def _pins_and_demotes(self, advice: Sequence[SessionAdvice], now: float, out: list[Order]) -> None:
+    def _pins_and_demotes(
+        self, advice: Sequence[SessionAdvice], now: float, out: list[Order]
+    ) -> None:
         """Adds to `out` as it goes, so a store failure half way keeps what was decided."""
         for a in advice:
             if a.instance_id is None or not a.block_hashes:
@@ -408,7 +458,11 @@ class Scheduler:
             spell = _spell(a)
             pinned = self._pinned.get(a.session_id)
             if a.retention == "keep":
-                if pinned is None or pinned[0] != spell or pinned[1] - self.config.repin_before_seconds <= now:
+                if (
+                    pinned is None
+                    or pinned[0] != spell
+                    or pinned[1] - self.config.repin_before_seconds <= now
+                ):
                     resident = self._resident(a)
                     if resident:
                         out.append(self._order("pin", a, resident, now, ttl_seconds=a.keep_seconds))
@@ -421,8 +475,16 @@ class Scheduler:
                     self._demoted[a.session_id] = spell
                     self._pinned.pop(a.session_id, None)
 
-    def _make_room(self, dest: str, need_bytes: int, cand: SessionAdvice, displaceable: list[SessionAdvice],
-                   orders: list[Order], now: float, claimed: set[_Spell]) -> int:
+    def _make_room(
+        self,
+        dest: str,
+        need_bytes: int,
+        cand: SessionAdvice,
+        displaceable: list[SessionAdvice],
+        orders: list[Order],
+        now: float,
+        claimed: set[_Spell],
+    ) -> int:
         """Demote contexts at `dest` less likely back than `cand`; returns the bytes freed. A
         context counted as room once this tick (`claimed`) is not counted again."""
         freed = 0
@@ -438,15 +500,24 @@ class Scheduler:
             if key in claimed:
                 continue
             claimed.add(key)
-            if self._demoted.get(a.session_id) != key:  # one demoted already goes first: no new order
+            if (
+                self._demoted.get(a.session_id) != key
+            ):  # one demoted already goes first: no new order
                 orders.append(self._order("demote", a, resident, now))
                 self._demoted[a.session_id] = key
                 self._pinned.pop(a.session_id, None)
             freed += len(resident) * self.config.bytes_per_block
         return freed
 
-    def _book(self, cand: SessionAdvice, dest: str, source: Tier, blocks: list[BlockHash], nbytes: int,
-              now: float) -> Order | None:
+    def _book(
+        self,
+        cand: SessionAdvice,
+        dest: str,
+        source: Tier,
+        blocks: list[BlockHash],
+        nbytes: int,
+        now: float,
+    ) -> Order | None:
         cfg = self.config
         rate = cfg.link_bytes_per_second(source) * cfg.link_share
         transfer_seconds = nbytes / rate
@@ -457,15 +528,28 @@ class Scheduler:
             return None  # the link's share is booked: it would land too late to matter
         # Held as long as it would be kept, and at least through the lead it was fetched for.
         hold_seconds = max(cand.keep_seconds, cfg.lead_seconds)
-        order = self._order("prefetch", cand, blocks, now, source=source, nbytes=nbytes, start_by=start_by,
-                            needed_by=needed_by, ttl_seconds=hold_seconds,
-                            priority=cand.p_soon * self._stall_avoided(source, len(blocks), nbytes))
-        self._open[order.order_id] = _Open(order, sessions={cand.session_id}, served={cand.session_id})
+        order = self._order(
+            "prefetch",
+            cand,
+            blocks,
+            now,
+            source=source,
+            nbytes=nbytes,
+            start_by=start_by,
+            needed_by=needed_by,
+            ttl_seconds=hold_seconds,
+            priority=cand.p_soon * self._stall_avoided(source, len(blocks), nbytes),
+        )
+        self._open[order.order_id] = _Open(
+            order, sessions={cand.session_id}, served={cand.session_id}
+        )
         self._served_by.setdefault(cand.session_id, set()).add(order.order_id)
         self._booking[order.order_id] = (link, (start_by, start_by + transfer_seconds))
         return order
 
-    def _book_link(self, link: tuple[str, Tier], seconds: float, land_by: float, now: float) -> float | None:
+    def _book_link(
+        self, link: tuple[str, Tier], seconds: float, land_by: float, now: float
+    ) -> float | None:
         """The latest start in [now, land_by - seconds] when the link's share is free for `seconds`,
         booked; None when there is none. Latest, so what is booked later with an earlier deadline
         still finds room before it."""
@@ -473,8 +557,9 @@ class Scheduler:
         for start in sorted({land_by - seconds, *(s - seconds for s, _ in booked)}, reverse=True):
             if start < now - 1e-9:
                 break
-            if start + seconds <= land_by + 1e-9 and all(start >= e - 1e-9 or start + seconds <= s + 1e-9
-                                                         for s, e in booked):
+            if start + seconds <= land_by + 1e-9 and all(
+                start >= e - 1e-9 or start + seconds <= s + 1e-9 for s, e in booked
+            ):
                 booked.append((start, start + seconds))
                 self._link_booked[link] = booked
                 return start
@@ -492,9 +577,15 @@ class Scheduler:
     def _serve_too(self, order: Order, cand: SessionAdvice) -> Order:
         """`cand` needs blocks `order` already moves this tick: the order serves it too, and is
         worth its chance of the same stall more."""
-        stall = self._stall_avoided(order.source_tier or "pool", len(order.block_hashes), order.size_bytes)
-        grown = order.model_copy(update={"session_ids": [*order.session_ids, cand.session_id],
-                                         "priority": order.priority + cand.p_soon * stall})
+        stall = self._stall_avoided(
+            order.source_tier or "pool", len(order.block_hashes), order.size_bytes
+        )
+        grown = order.model_copy(
+            update={
+                "session_ids": [*order.session_ids, cand.session_id],
+                "priority": order.priority + cand.p_soon * stall,
+            }
+        )
         e = self._open[order.order_id]
         e.order = grown
         e.sessions.add(cand.session_id)
@@ -506,9 +597,14 @@ class Scheduler:
         """What a miss of these blocks would cost: their load at full link speed, or their
         recompute if that is sooner (what the engine would do)."""
         cfg = self.config
-        return min(nbytes / cfg.link_bytes_per_second(source), blocks * cfg.block_tokens / cfg.prefill_tokens_per_second)
+        return min(
+            nbytes / cfg.link_bytes_per_second(source),
+            blocks * cfg.block_tokens / cfg.prefill_tokens_per_second,
+        )
 
-    def _sources(self, dest: str, blocks: list[BlockHash]) -> Iterable[tuple[Tier, list[BlockHash]]]:
+    def _sources(
+        self, dest: str, blocks: list[BlockHash]
+    ) -> Iterable[tuple[Tier, list[BlockHash]]]:
         on_host = self.store.holds("host", dest, blocks)
         host = [b for b, h in zip(blocks, on_host) if h]
         rest = [b for b, h in zip(blocks, on_host) if not h]
@@ -524,16 +620,36 @@ class Scheduler:
         blocks = list(dict.fromkeys(a.block_hashes))
         return [b for b, h in zip(blocks, self.store.holds("hbm", a.instance_id, blocks)) if h]
 
-    def _order(self, kind: OrderKind, a: SessionAdvice, blocks: list[BlockHash], now: float, *,
-               source: Tier | None = None, nbytes: int | None = None, start_by: float | None = None,
-               needed_by: float | None = None, priority: float = 0.0, ttl_seconds: float | None = None) -> Order:
+    def _order(
+        self,
+        kind: OrderKind,
+        a: SessionAdvice,
+        blocks: list[BlockHash],
+        now: float,
+        *,
+        source: Tier | None = None,
+        nbytes: int | None = None,
+        start_by: float | None = None,
+        needed_by: float | None = None,
+        priority: float = 0.0,
+        ttl_seconds: float | None = None,
+    ) -> Order:
         dest: str = a.instance_id  # type: ignore[assignment]
-        return Order(order_id=order_id_for(kind, dest, "hbm", blocks, self._generation), kind=kind,
-                     instance_id=dest, tier="hbm", source_tier=source, block_hashes=blocks,
-                     size_bytes=nbytes if nbytes is not None else len(blocks) * self.config.bytes_per_block,
-                     created_ts=now, start_by_ts=now if start_by is None else start_by,
-                     needed_by_ts=now if needed_by is None else needed_by, ttl_seconds=ttl_seconds,
-                     priority=priority, session_ids=[a.session_id])
+        return Order(
+            order_id=order_id_for(kind, dest, "hbm", blocks, self._generation),
+            kind=kind,
+            instance_id=dest,
+            tier="hbm",
+            source_tier=source,
+            block_hashes=blocks,
+            size_bytes=nbytes if nbytes is not None else len(blocks) * self.config.bytes_per_block,
+            created_ts=now,
+            start_by_ts=now if start_by is None else start_by,
+            needed_by_ts=now if needed_by is None else needed_by,
+            ttl_seconds=ttl_seconds,
+            priority=priority,
+            session_ids=[a.session_id],
+        )
 
     def _inflight_by_instance(self) -> dict[str, int]:
         out: dict[str, int] = {}

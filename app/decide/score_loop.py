@@ -19,15 +19,15 @@ from collections.abc import Callable, Sequence
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
-from app.observe.ledger import AdviceLedger
-from kvprefetch_client.events import Event, RequestFinished
-from app.predict.predictors import Predictor
-from app.predict.registry import ModelRegistry
 from app.decide.advisor import MAX_IDLE_SECONDS, Advisor, Thresholds
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler
+from app.observe.ledger import AdviceLedger
+from app.predict.predictors import Predictor
+from app.predict.registry import ModelRegistry
 from app.state.base import SessionCursor, SessionView, StateStore, cursor_of
 from app.state.storethread import Offload
+from kvprefetch_client.events import Event, RequestFinished
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +40,19 @@ class Scorer:
     when given, is told each model's time to score the page (slot, seconds), after its advice is
     recorded (the metrics' latency histogram); `thresholds`, the advisor's (the settings')."""
 
-    def __init__(self, store: StateStore, models: ModelRegistry, ledger: AdviceLedger, clock: Clock, *,
-                 sessions_per_tick: int = 256, scheduler: Scheduler | None = None,
-                 routes: SameInstanceEstimate | None = None,
-                 observe_seconds: Callable[[str, float], None] | None = None,
-                 thresholds: Thresholds | None = None) -> None:
+    def __init__(
+        self,
+        store: StateStore,
+        models: ModelRegistry,
+        ledger: AdviceLedger,
+        clock: Clock,
+        *,
+        sessions_per_tick: int = 256,
+        scheduler: Scheduler | None = None,
+        routes: SameInstanceEstimate | None = None,
+        observe_seconds: Callable[[str, float], None] | None = None,
+        thresholds: Thresholds | None = None,
+    ) -> None:
         self.store = store
         self.thresholds = thresholds or Thresholds()
         self.models = models
@@ -68,8 +76,12 @@ class Scorer:
     def _advisor(self, predictor: Predictor) -> Advisor:
         return Advisor(predictor, routes=self.routes, **self.thresholds.advisor_options())
 
-    def tick(self, session_ids: Sequence[str] | None = None, *,
-             views: Sequence[SessionView] | None = None) -> int:
+    def tick(
+        self,
+        session_ids: Sequence[str] | None = None,
+        *,
+        views: Sequence[SessionView] | None = None,
+    ) -> int:
         """Score one page of live sessions now (by the injected clock); returns how many were read.
         `session_ids`: score exactly these, in this order, instead (the page and the finished
         queue are left as they are): for a driver that decides which, like the replay; `views`:
@@ -98,7 +110,9 @@ class Scorer:
             try:
                 advice = self._advisor(shadow.predictor).advise(page, now)
             except Exception:  # a broken shadow must never cost the serving model its scoring
-                log.exception("the shadow model %s failed to score %d sessions", shadow.version, len(page))
+                log.exception(
+                    "the shadow model %s failed to score %d sessions", shadow.version, len(page)
+                )
             else:
                 seconds = time.perf_counter() - started
                 self.ledger.record("shadow", advice, now)
@@ -108,14 +122,19 @@ class Scorer:
 
     def _page(self, now: float) -> list[SessionView]:
         # Sessions idle longer than the planner looks at are not read at all.
-        page = self.store.live_sessions(self.sessions_per_tick, before=self._cursor,
-                                        active_since_ts=now - MAX_IDLE_SECONDS)
+        page = self.store.live_sessions(
+            self.sessions_per_tick, before=self._cursor, active_since_ts=now - MAX_IDLE_SECONDS
+        )
         self._cursor = cursor_of(page[-1]) if len(page) == self.sessions_per_tick else None
         finished = list(self._finished)[: self.sessions_per_tick]
         for session_id in finished:
             del self._finished[session_id]
         in_page = {v.session_id for v in page}
-        fresh = [v for v in (self.store.session(s) for s in finished if s not in in_page) if v is not None]
+        fresh = [
+            v
+            for v in (self.store.session(s) for s in finished if s not in in_page)
+            if v is not None
+        ]
         return fresh + page
 
     async def run(self, interval_seconds: float, offload: Offload | None = None) -> None:

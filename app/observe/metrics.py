@@ -51,17 +51,29 @@ from prometheus_client import (
 )
 
 from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
-from app.observe.ledger import SLOTS, LedgerStats
-from kvprefetch_client.events import EVENT_TYPES, Event, VllmAllBlocksCleared, VllmBlockRemoved, VllmBlockStored
 from app.ingest.ingestor import CLOCK_SKEW, PAST_RETENTION
+from app.observe.ledger import SLOTS, LedgerStats
 from app.observe.outcomes import OUTCOMES, RequestOutcome
+from kvprefetch_client.events import (
+    EVENT_TYPES,
+    Event,
+    VllmAllBlocksCleared,
+    VllmBlockRemoved,
+    VllmBlockStored,
+)
 
-__all__ = ["CONTENT_TYPE", "Metrics", "multiprocess_dir", "prepare_multiprocess_dir", "rejection_field"]
+__all__ = [
+    "CONTENT_TYPE",
+    "Metrics",
+    "multiprocess_dir",
+    "prepare_multiprocess_dir",
+    "rejection_field",
+]
 
 if TYPE_CHECKING:
+    from app.decide.scheduler import Scheduler
     from app.observe.ledger import AdviceLedger
     from app.predict.registry import ModelRegistry, Serving
-    from app.decide.scheduler import Scheduler
     from app.state.storethread import StoreSnapshot
 
 # Text format 0.0.4: every name here is a classic one, so every Prometheus (2.x, 3.x) and
@@ -71,7 +83,21 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
 # A planning tick takes ~1-50 ms and a scoring page of 256 sessions 10-30 ms per model (README,
 # KVP_SCORE_SESSIONS_PER_TICK): buckets from 0.5 ms to 1 s, finer where the ticks fall, and
 # room above for a tick that holds the event loop too long.
-PLAN_BUCKETS_SECONDS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+PLAN_BUCKETS_SECONDS = (
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+)
 INFERENCE_BUCKETS_SECONDS = PLAN_BUCKETS_SECONDS
 
 ORDER_KINDS = ("prefetch", "pin", "demote")
@@ -79,8 +105,14 @@ ORDER_KINDS = ("prefetch", "pin", "demote")
 REFUSED_CODES = (400, 413, 415, 422)
 ADVICE_OUTCOMES = ("hit", "miss", "unscored")
 # The store's counts (StateStore.stats()) exported as kvprefetch_store_objects{kind}.
-STORE_KINDS = ("sessions", "instances", "locations", "resident_blocks", "orders",
-               "remembered_event_ids")
+STORE_KINDS = (
+    "sessions",
+    "instances",
+    "locations",
+    "resident_blocks",
+    "orders",
+    "remembered_event_ids",
+)
 # A rejected event whose error is about the event as a whole (not an object, no or an unknown
 # type, fields that do not fit together), or about a field no event schema has (a typo: its
 # name is the client's, so it is not a label value).
@@ -132,94 +164,166 @@ class Metrics:
             prometheus_client.GCCollector(registry=r)
 
         self.events_ingested = Counter(
-            "kvprefetch_events_ingested", "Events accepted (durable and applied), by event type.",
-            ["type"], registry=r)
+            "kvprefetch_events_ingested",
+            "Events accepted (durable and applied), by event type.",
+            ["type"],
+            registry=r,
+        )
         self.events_duplicate = Counter(
-            "kvprefetch_events_duplicate", "Events acknowledged as duplicates of an event id already accepted.",
-            registry=r)
+            "kvprefetch_events_duplicate",
+            "Events acknowledged as duplicates of an event id already accepted.",
+            registry=r,
+        )
         self.events_rejected = Counter(
             "kvprefetch_events_rejected",
-            "Events rejected by validation, by the first field named (schema field names; 'event': the event "
-            "as a whole; 'other': a field no event has).", ["field"], registry=r)
+            "Events rejected by validation, by the first field named (schema field names; "
+            "'event': the event as a whole; 'other': a field no event has).",
+            ["field"],
+            registry=r,
+        )
         self.events_refused_by_time = Counter(
             "kvprefetch_events_refused",
-            "Events not taken for their ts, by reason: 'clock_skew', more than KVP_MAX_CLOCK_SKEW_SECONDS "
-            "ahead of the service clock (rejected when posted, skipped when replayed from the log); "
-            "'past_retention', a session or order event older than the session retention (rejected).",
-            ["reason"], registry=r)
+            "Events not taken for their ts, by reason: 'clock_skew', more than "
+            "KVP_MAX_CLOCK_SKEW_SECONDS ahead of the service clock (rejected when posted, skipped "
+            "when replayed from the log); 'past_retention', a session or order event older than "
+            "the session retention (rejected).",
+            ["reason"],
+            registry=r,
+        )
         self.batches_refused = Counter(
             "kvprefetch_event_batches_refused",
-            "POST /v1/events bodies refused whole (nothing accepted), by HTTP status code.", ["code"], registry=r)
+            "POST /v1/events bodies refused whole (nothing accepted), by HTTP status code.",
+            ["code"],
+            registry=r,
+        )
         self.predictions = Counter(
-            "kvprefetch_predictions", "Sessions scored (advice records made) by the model in each slot.",
-            ["slot"], registry=r)
+            "kvprefetch_predictions",
+            "Sessions scored (advice records made) by the model in each slot.",
+            ["slot"],
+            registry=r,
+        )
         self.advice_outcomes = Counter(
             "kvprefetch_advice_outcomes",
-            "Arriving requests judged against each model's advice in force: hit (keep or prefetch), miss "
-            "(demote or lru), unscored (no advice).", ["slot", "outcome"], registry=r)
+            "Arriving requests judged against each model's advice in force: hit (keep or "
+            "prefetch), miss (demote or lru), unscored (no advice).",
+            ["slot", "outcome"],
+            registry=r,
+        )
         self.model_info = Gauge(
-            "kvprefetch_model_info", "The model serving in each slot (1); version 'heuristic' when no model loads.",
-            ["slot", "version"], registry=r, multiprocess_mode="livemax")
+            "kvprefetch_model_info",
+            "The model serving in each slot (1); version 'heuristic' when no model loads.",
+            ["slot", "version"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.orders_issued = Counter(
-            "kvprefetch_orders_issued", "Orders the scheduler issued, by kind.", ["kind"], registry=r)
+            "kvprefetch_orders_issued",
+            "Orders the scheduler issued, by kind.",
+            ["kind"],
+            registry=r,
+        )
         self.orders_completed = Counter(
-            "kvprefetch_orders_completed", "Orders completed (reported, or their blocks seen at the destination).",
-            ["kind"], registry=r)
+            "kvprefetch_orders_completed",
+            "Orders completed (reported, or their blocks seen at the destination).",
+            ["kind"],
+            registry=r,
+        )
         self.orders_failed = Counter(
-            "kvprefetch_orders_failed", "Orders failed (reported by the agent, or not taken by the sink).",
-            ["kind"], registry=r)
+            "kvprefetch_orders_failed",
+            "Orders failed (reported by the agent, or not taken by the sink).",
+            ["kind"],
+            registry=r,
+        )
         self.orders_cancelled = Counter(
-            "kvprefetch_orders_cancelled", "Orders cancelled before they started.", ["kind"], registry=r)
+            "kvprefetch_orders_cancelled",
+            "Orders cancelled before they started.",
+            ["kind"],
+            registry=r,
+        )
         self.prefetch_ordered_bytes = Counter(
-            "kvprefetch_prefetch_ordered_bytes", "Bytes in the prefetch orders issued.", registry=r)
+            "kvprefetch_prefetch_ordered_bytes", "Bytes in the prefetch orders issued.", registry=r
+        )
         self.prefetch_wasted_bytes = Counter(
             "kvprefetch_prefetch_wasted_bytes",
-            "Bytes of prefetches already moving when no session was likely back there: landed unused.", registry=r)
+            "Bytes of prefetches already moving when no session was likely back there: "
+            "landed unused.",
+            registry=r,
+        )
         self.prefetch_used_bytes = Counter(
             "kvprefetch_prefetch_used_bytes",
-            "Bytes of landed prefetches a session they served came back to use on their instance.", registry=r)
+            "Bytes of landed prefetches a session they served came back to use on their instance.",
+            registry=r,
+        )
         self.prefetch_unused_bytes = Counter(
             "kvprefetch_prefetch_unused_bytes",
-            "Bytes of landed prefetches no session they served came back to use there.", registry=r)
+            "Bytes of landed prefetches no session they served came back to use there.",
+            registry=r,
+        )
         self.reuse_requests = Counter(
             "kvprefetch_reuse_requests",
-            "Arriving requests with a reused context, by what they found in their instance's HBM: hit (all of "
-            "it), partial, miss (none).", ["outcome"], registry=r)
+            "Arriving requests with a reused context, by what they found in their instance's HBM: "
+            "hit (all of it), partial, miss (none).",
+            ["outcome"],
+            registry=r,
+        )
         self.reused_bytes = Counter(
-            "kvprefetch_reused_bytes", "Bytes of arriving requests' reused contexts, resident in the instance's HBM "
-            "or not.", ["resident"], registry=r)
+            "kvprefetch_reused_bytes",
+            "Bytes of arriving requests' reused contexts, resident in the instance's HBM or not.",
+            ["resident"],
+            registry=r,
+        )
         self.stall_seconds = Counter(
             "kvprefetch_stall_seconds",
-            "Estimated GPU stall incurred by arriving requests: their non-resident reused blocks loaded or "
-            "recomputed, whichever is sooner.", registry=r)
+            "Estimated GPU stall incurred by arriving requests: their non-resident reused blocks "
+            "loaded or recomputed, whichever is sooner.",
+            registry=r,
+        )
         self.stall_avoided_seconds = Counter(
             "kvprefetch_stall_avoided_seconds",
-            "Estimated GPU stall avoided (GPU-seconds saved): the resident reused blocks' load from the pool, "
-            "or their recompute if sooner.", registry=r)
+            "Estimated GPU stall avoided (GPU-seconds saved): the resident reused blocks' load "
+            "from the pool, or their recompute if sooner.",
+            registry=r,
+        )
         self.gpu_saved_dollars = Counter(
-            "kvprefetch_gpu_saved_dollars", "The GPU-seconds saved at KVP_GPU_HOUR_PRICE dollars per GPU-hour.",
-            registry=r)
+            "kvprefetch_gpu_saved_dollars",
+            "The GPU-seconds saved at KVP_GPU_HOUR_PRICE dollars per GPU-hour.",
+            registry=r,
+        )
         self.plan_duration = Histogram(
-            "kvprefetch_plan_duration_seconds", "Time of one planning tick (the scheduler's plan).",
-            registry=r, buckets=PLAN_BUCKETS_SECONDS)
+            "kvprefetch_plan_duration_seconds",
+            "Time of one planning tick (the scheduler's plan).",
+            registry=r,
+            buckets=PLAN_BUCKETS_SECONDS,
+        )
         # From the store's last background probe (app/state/storethread.py): /metrics never
         # waits on the store. In multiprocess mode the worst worker's view wins.
         self.store_up = Gauge(
-            "kvprefetch_store_up", "1 when the state store answered its last probe, else 0.",
-            registry=r, multiprocess_mode="livemin")
+            "kvprefetch_store_up",
+            "1 when the state store answered its last probe, else 0.",
+            registry=r,
+            multiprocess_mode="livemin",
+        )
         self.store_stats_age = Gauge(
             "kvprefetch_store_stats_age_seconds",
             "Seconds since kvprefetch_store_objects was read from the store (probed every "
-            "KVP_STORE_PROBE_INTERVAL_SECONDS; grows while the store does not answer).", registry=r,
-            multiprocess_mode="livemax")
+            "KVP_STORE_PROBE_INTERVAL_SECONDS; grows while the store does not answer).",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.store_objects = Gauge(
             "kvprefetch_store_objects",
-            "The state store's counts at its last answered probe, by kind.", ["kind"], registry=r,
-            multiprocess_mode="livemax")
+            "The state store's counts at its last answered probe, by kind.",
+            ["kind"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.inference_duration = Histogram(
             "kvprefetch_inference_duration_seconds",
             "Time to score one page of sessions with a model (features, model, planner rules).",
-            ["slot"], registry=r, buckets=INFERENCE_BUCKETS_SECONDS)
+            ["slot"],
+            registry=r,
+            buckets=INFERENCE_BUCKETS_SECONDS,
+        )
 
         # Children made once: a labelled counter's lookup costs more than its increment, and the
         # bounded label sets show as 0 from the first scrape rather than appearing later.
@@ -234,7 +338,9 @@ class Metrics:
         for kind in ORDER_KINDS:
             self.orders_issued.labels(kind)
         for family in (self.orders_completed, self.orders_failed, self.orders_cancelled):
-            family.labels("prefetch")  # the scheduler follows prefetches to their end; pins and demotes not
+            family.labels(
+                "prefetch"
+            )  # the scheduler follows prefetches to their end; pins and demotes not
         self._slot_started("live")
 
         self._scheduler: Scheduler | None = None
@@ -256,7 +362,8 @@ class Metrics:
     # -- at the source ----------------------------------------------------------------------
 
     def observe(self, events: Sequence[Event]) -> None:
-        """The ingest observer, after the ledger's and the scheduler's (it syncs what they counted)."""
+        """The ingest observer, after the ledger's and the scheduler's (it syncs what they
+        counted)."""
         if len(events) == 1:  # one at a time (a replay's engine): no tally to build
             self._ingested[events[0].type].inc()
         else:
@@ -289,7 +396,9 @@ class Metrics:
             self.stall_avoided_seconds.inc(avoided)
             self.gpu_saved_dollars.inc(avoided / 3600.0 * self.gpu_hour_price_dollars)
 
-    def batch_answered(self, *, duplicates: int, rejected_fields: Sequence[tuple[int, str]]) -> None:
+    def batch_answered(
+        self, *, duplicates: int, rejected_fields: Sequence[tuple[int, str]]
+    ) -> None:
         """A POST /v1/events answered with its lists: `rejected_fields` are (index, field path) of
         each rejection, several per event possible; an event counts once, under its first field."""
         if duplicates:
@@ -314,7 +423,8 @@ class Metrics:
             self._sync_scheduler()
 
     def scored(self, slot: str, seconds: float) -> None:
-        """The scoring loop's timing hook (app/decide/score_loop.py), after a model's page is recorded."""
+        """The scoring loop's timing hook (app/decide/score_loop.py), after a model's page is
+        recorded."""
         self.inference_duration.labels(slot).observe(seconds)
         with self._sync_lock:
             self._sync_models()
@@ -342,7 +452,9 @@ class Metrics:
         if child is None:
             child = self._children[key] = counter.labels(*labels) if labels else counter
         last = self._seen.get(key, 0)
-        delta = current - last if current >= last else current  # gone down: its owner started afresh
+        delta = (
+            current - last if current >= last else current
+        )  # gone down: its owner started afresh
         if delta:
             child.inc(delta)
         self._seen[key] = current
@@ -351,8 +463,16 @@ class Metrics:
         if self._scheduler is None:
             return
         t = self._scheduler.totals
-        totals = (tuple(t.orders.items()), t.completed, t.failed, t.cancelled, t.bytes_ordered, t.bytes_wasted,
-                  t.bytes_used, t.bytes_unused)
+        totals = (
+            tuple(t.orders.items()),
+            t.completed,
+            t.failed,
+            t.cancelled,
+            t.bytes_ordered,
+            t.bytes_wasted,
+            t.bytes_used,
+            t.bytes_unused,
+        )
         if totals == self._scheduler_seen:
             return  # nothing moved (the common case: this runs for every batch ingested)
         self._scheduler_seen = totals
@@ -384,10 +504,11 @@ class Metrics:
                 continue  # nothing new to count (the common case: this runs for every batch)
             last, now = seen[1], self._ledger.stats(slot)
             for counter, was, is_ in (
-                    (self.predictions.labels(slot), last.predictions, now.predictions),
-                    (self.advice_outcomes.labels(slot, "hit"), last.hits, now.hits),
-                    (self.advice_outcomes.labels(slot, "miss"), last.misses, now.misses),
-                    (self.advice_outcomes.labels(slot, "unscored"), last.unscored, now.unscored)):
+                (self.predictions.labels(slot), last.predictions, now.predictions),
+                (self.advice_outcomes.labels(slot, "hit"), last.hits, now.hits),
+                (self.advice_outcomes.labels(slot, "miss"), last.misses, now.misses),
+                (self.advice_outcomes.labels(slot, "unscored"), last.unscored, now.unscored),
+            ):
                 delta = is_ - was if is_ >= was else is_
                 if delta:
                     counter.inc(delta)
@@ -415,7 +536,8 @@ class Metrics:
     # -- exposition ---------------------------------------------------------------------------
 
     def exposition(self) -> bytes:
-        """The text exposition: this app's registry, or every worker's files in multiprocess mode."""
+        """The text exposition: this app's registry, or every worker's files in multiprocess
+        mode."""
         self.sync()
         if self.multiprocess is None:
             return generate_latest(self.registry)

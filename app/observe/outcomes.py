@@ -33,12 +33,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 from app.core.cluster import ClusterSpec
-from kvprefetch_client.events import BlockHash, Event, KvBlocksStored, RequestRouted
 from app.ingest.ingestor import Observer
 from app.state.base import StateStore
+from kvprefetch_client.events import (
+    BlockHash,
+    Event,
+    KvBlocksStored,
+    RequestRouted,
+    VllmKvEvents,
+)
 
 Outcome = Literal["hit", "partial", "miss"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "partial", "miss")
@@ -61,7 +67,9 @@ class RequestOutcome:
     stall_avoided_seconds: float
 
 
-def judge(store: StateStore, events: Sequence[Event], config: OutcomeConfig) -> list[RequestOutcome]:
+def judge(
+    store: StateStore, events: Sequence[Event], config: OutcomeConfig
+) -> list[RequestOutcome]:
     """The outcome of every `request_routed` in `events` with a reused block, in order.
 
     Three store lookups per instance per call (HBM, host, then the pool for what is in neither),
@@ -74,7 +82,8 @@ def judge(store: StateStore, events: Sequence[Event], config: OutcomeConfig) -> 
         return []
     wanted: dict[str, set[BlockHash]] = {}  # instance -> the blocks its requests name
     for e in routed:
-        wanted.setdefault(e.instance_id, set()).update(e.block_hashes)  # type: ignore[arg-type]
+        # _scan keeps only the requests that name blocks.
+        wanted.setdefault(e.instance_id, set()).update(cast("list[BlockHash]", e.block_hashes))
     # Sets of what is held, built from the lookups: the per-block work below is then set
     # operations in C, which is what keeps this a fraction of applying the batch.
     in_hbm: dict[str, set[BlockHash]] = {}
@@ -89,32 +98,36 @@ def judge(store: StateStore, events: Sequence[Event], config: OutcomeConfig) -> 
         on_host[inst] = host = store.present("host", inst, rest) if rest else set()
         pool_ask |= rest - host
     in_pool = store.present("pool", None, pool_ask) if pool_ask else set()
-    held = {inst: in_hbm[inst] | on_host[inst] | (blocks & in_pool) for inst, blocks in wanted.items()}
-    landed_any = {inst: set().union(*(stored for _, stored in stores)) for inst, stores in landed.items()}
+    held = {
+        inst: in_hbm[inst] | on_host[inst] | (blocks & in_pool) for inst, blocks in wanted.items()
+    }
+    landed_any = {
+        inst: set().union(*(stored for _, stored in stores)) for inst, stores in landed.items()
+    }
 
     pool_bps, host_bps = config.pool_link_bytes_per_second, config.host_link_bytes_per_second
     prefill = config.prefill_tokens_per_second
     out = []
     for e in routed:
         inst = e.instance_id
-        blocks: Sequence[BlockHash] = e.block_hashes  # type: ignore[assignment]
+        named = cast("list[BlockHash]", e.block_hashes)
         here, host, known = in_hbm[inst], on_host[inst], held[inst]
         stores = landed.get(inst)
-        if stores and not landed_any[inst].isdisjoint(blocks):
+        if stores and not landed_any[inst].isdisjoint(named):
             late: set[BlockHash] = set()
             for ts, stored in stores:
                 if ts > e.ts:
                     late.update(stored)
-            late.intersection_update(blocks)
+            late.intersection_update(named)
             if late:
                 here = here - late
                 known = known - (late - host - in_pool)
-        if known.isdisjoint(blocks):
+        if known.isdisjoint(named):
             continue  # nothing reused: a first turn, or a context gone from every place looked at
-        last = len(blocks) - 1
-        while blocks[last] not in known:  # the new tail: a few blocks at most
+        last = len(named) - 1
+        while named[last] not in known:  # the new tail: a few blocks at most
             last -= 1
-        reused = blocks[: last + 1]
+        reused = named[: last + 1]
         # Counted as sets, so a block named twice counts once.
         resident = len(here.intersection(reused))
         block_tokens = e.block_tokens or config.block_tokens
@@ -129,40 +142,61 @@ def judge(store: StateStore, events: Sequence[Event], config: OutcomeConfig) -> 
             host_n = len(from_host)
             # The host and pool links run side by side, and blocks held nowhere are recomputed
             # meanwhile; or all of it is recomputed, when that is sooner.
-            stall = min(max(host_n * block_bytes / host_bps, pool_n * block_bytes / pool_bps,
-                            (missing - host_n - pool_n) * block_tokens / prefill),
-                        missing * block_tokens / prefill)
-        out.append(RequestOutcome(
-            request_id=e.request_id, instance_id=inst,
-            outcome="hit" if not missing else "miss" if not resident else "partial",
-            reused_blocks=resident + missing, resident_blocks=resident, resident_bytes=resident * block_bytes,
-            missing_bytes=missing * block_bytes, stall_seconds=stall,
-            stall_avoided_seconds=min(resident * block_bytes / pool_bps, resident * block_tokens / prefill)))
+            stall = min(
+                max(
+                    host_n * block_bytes / host_bps,
+                    pool_n * block_bytes / pool_bps,
+                    (missing - host_n - pool_n) * block_tokens / prefill,
+                ),
+                missing * block_tokens / prefill,
+            )
+        out.append(
+            RequestOutcome(
+                request_id=e.request_id,
+                instance_id=inst,
+                outcome="hit" if not missing else "miss" if not resident else "partial",
+                reused_blocks=resident + missing,
+                resident_blocks=resident,
+                resident_bytes=resident * block_bytes,
+                missing_bytes=missing * block_bytes,
+                stall_seconds=stall,
+                stall_avoided_seconds=min(
+                    resident * block_bytes / pool_bps, resident * block_tokens / prefill
+                ),
+            )
+        )
     return out
 
 
-def _scan(events: Sequence[Event]) -> tuple[list[RequestRouted], dict[str, list[tuple[float, Sequence[BlockHash]]]]]:
+def _scan(
+    events: Sequence[Event],
+) -> tuple[list[RequestRouted], dict[str, list[tuple[float, Sequence[BlockHash]]]]]:
     """The batch's requests that name blocks, and the blocks each instance's HBM took in it with
     when (ts, blocks), in one pass (by type name: cheaper than isinstance on the ingest path)."""
     routed: list[RequestRouted] = []
     landed: dict[str, list[tuple[float, Sequence[BlockHash]]]] = {}
     for e in events:
-        kind = e.type
+        kind = e.type  # the type name says the class: the casts below narrow by it
         if kind == "request_routed":
-            if e.block_hashes:  # type: ignore[union-attr]
-                routed.append(e)  # type: ignore[arg-type]
+            routed_event = cast(RequestRouted, e)
+            if routed_event.block_hashes:
+                routed.append(routed_event)
         elif kind == "kv_blocks_stored":
-            if e.tier == "hbm" and e.instance_id is not None:  # type: ignore[union-attr]
-                landed.setdefault(e.instance_id, []).append((e.ts, e.block_hashes))  # type: ignore[union-attr]
+            stored = cast(KvBlocksStored, e)
+            if stored.tier == "hbm" and stored.instance_id is not None:
+                landed.setdefault(stored.instance_id, []).append((stored.ts, stored.block_hashes))
         elif kind == "vllm_kv_events":
-            for sub in e.expand():  # type: ignore[union-attr]
+            batch = cast(VllmKvEvents, e)
+            for sub in batch.expand():
                 if isinstance(sub, KvBlocksStored) and sub.tier == "hbm":
-                    landed.setdefault(sub.instance_id, []).append((sub.ts, sub.block_hashes))  # type: ignore[arg-type]
+                    # Every event expand() makes is at the batch's instance.
+                    landed.setdefault(batch.instance_id, []).append((sub.ts, sub.block_hashes))
     return routed, landed
 
 
-def outcome_observer(store: StateStore, config: OutcomeConfig,
-                     record: Callable[[Sequence[RequestOutcome]], None]) -> Observer:
+def outcome_observer(
+    store: StateStore, config: OutcomeConfig, record: Callable[[Sequence[RequestOutcome]], None]
+) -> Observer:
     """The ingest observer: judges each batch's arriving requests and hands `record` their
     outcomes, a batch at a time (none: not called)."""
 

@@ -16,9 +16,11 @@ router = APIRouter(tags=["admin"])
 class ConfigView(BaseModel):
     settings: dict[str, Any] = Field(
         description="Every KVP_ setting, by its field name; tokens shown as '**********' when set, "
-                    "URLs without their password, query or (the webhook's) path")
-    tokens: dict[str, list[str]] = Field(description="Each configured token's name and scopes (never the "
-                                                     "token or its digest)")
+        "URLs without their password, query or (the webhook's) path"
+    )
+    tokens: dict[str, list[str]] = Field(
+        description="Each configured token's name and scopes (never the token or its digest)"
+    )
 
 
 @router.get("/config", response_model=ConfigView, summary="The running configuration")

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import orjson
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import FileResponse
 
 from app.api.deps import (
@@ -28,11 +28,11 @@ from app.api.deps import (
 from app.api.errors import Error, error_response
 from app.core.config import Settings
 from app.core.security import TokenTable
-from app.observe.ledger import AdviceLedger
-from app.predict.registry import ModelRegistry
 from app.decide.scheduler import Scheduler
-from app.state.base import StateStore
+from app.observe.ledger import AdviceLedger
 from app.observe.timeline import HISTORY_SECONDS, Timeline, instance_queues, series, top_sessions
+from app.predict.registry import ModelRegistry
+from app.state.base import StateStore
 
 STATIC_DIR = Path(__file__).resolve().parent.parent.parent / "static"
 MAX_LIMIT = 1000
@@ -50,8 +50,11 @@ def validation_error(request: Request, error: dict[str, Any]) -> Response:
     name = str(error["loc"][-1])
     got = request.query_params.get(name)
     rule = _RULES.get(name)
-    message = (f"the query parameter {name} must be {rule}, not {got!r}" if rule is not None
-               else f"{name}: {error['msg']}")
+    message = (
+        f"the query parameter {name} must be {rule}, not {got!r}"
+        if rule is not None
+        else f"{name}: {error['msg']}"
+    )
     return error_response(422, name, message)
 
 
@@ -59,26 +62,32 @@ router = APIRouter(prefix="/dashboard", tags=["dashboard"])
 page = APIRouter(include_in_schema=False)
 
 
-_BAD_PARAM = {422: {"model": Error, "description": "A query parameter is out of range or not a number."}}
+_BAD_PARAM: dict[int | str, dict[str, Any]] = {
+    422: {"model": Error, "description": "A query parameter is out of range or not a number."}
+}
 
 
 def _json(body: dict[str, Any]) -> Response:
-    return Response(orjson.dumps(body), media_type="application/json", headers={"Cache-Control": "no-store"})
+    return Response(
+        orjson.dumps(body), media_type="application/json", headers={"Cache-Control": "no-store"}
+    )
 
 
 @page.get("/dashboard")
 async def dashboard_page() -> FileResponse:
     """The dashboard (app/static/dashboard.html, which polls the JSON below)."""
-    return FileResponse(STATIC_DIR / "dashboard.html", media_type="text/html",
-                        headers={"Cache-Control": "no-cache"})
+    return FileResponse(
+        STATIC_DIR / "dashboard.html", media_type="text/html", headers={"Cache-Control": "no-cache"}
+    )
 
 
 @router.get("/series", responses=_BAD_PARAM, summary="The dashboard's time series")
 async def dashboard_series(
     timeline: TimelineDep,
     settings: SettingsDep,
-    since_seconds: Annotated[float, Query(gt=0, le=HISTORY_SECONDS,
-                                          description="How far back, in seconds")] = 600.0,
+    since_seconds: Annotated[
+        float, Query(gt=0, le=HISTORY_SECONDS, description="How far back, in seconds")
+    ] = 600.0,
 ) -> Response:
     """The snapshots sampled in the last `since_seconds` (every KVP_DASHBOARD_SAMPLE_SECONDS), as
     columns: `ts` and, under `series`, one list per figure, each as long as `ts`. Running totals
@@ -93,9 +102,16 @@ async def dashboard_series(
 
 def _slot(ledger: AdviceLedger, slot: str, predictor: str, version: str | None) -> dict[str, Any]:
     s = ledger.stats(slot)
-    return {"predictor": predictor, "version": version, "predictions": s.predictions,
-            "keep_predictions": s.keep_predictions, "hits": s.hits, "misses": s.misses, "unscored": s.unscored,
-            "hit_rate": s.hit_rate}
+    return {
+        "predictor": predictor,
+        "version": version,
+        "predictions": s.predictions,
+        "keep_predictions": s.keep_predictions,
+        "hits": s.hits,
+        "misses": s.misses,
+        "unscored": s.unscored,
+        "hit_rate": s.hit_rate,
+    }
 
 
 @router.get("/now", responses=_BAD_PARAM, summary="The dashboard's current figures")
@@ -111,26 +127,35 @@ async def dashboard_now(
     store_thread: StoreThreadDep,
     health: StoreHealthDep,
     tokens: TokensDep,
-    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="The most sessions in top_sessions")] = 20,
-    instances: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="The most instances listed")] = 50,
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_LIMIT, description="The most sessions in top_sessions")
+    ] = 20,
+    instances: Annotated[
+        int, Query(ge=1, le=MAX_LIMIT, description="The most instances listed")
+    ] = 50,
 ) -> Response:
     """Now: each model's counts and hit rate, the scheduler's totals, the prefetches landed, the
-    stall saved (and its cost at KVP_GPU_HOUR_PRICE dollars per GPU-hour), per instance its open orders, the
-    bytes on their way and its link backlog (most bytes first, up to `instances`), and the
-    `limit` sessions most likely back soonest by the serving model's latest advice (their ids
-    only with KVP_DASHBOARD_SHOW_SESSION_IDS or a valid token; else null). `store`: its last
+    stall saved (and its cost at KVP_GPU_HOUR_PRICE dollars per GPU-hour), per instance its open
+    orders, the bytes on their way and its link backlog (most bytes first, up to `instances`),
+    and the `limit` sessions most likely back soonest by the serving model's latest advice (their
+    ids only with KVP_DASHBOARD_SHOW_SESSION_IDS or a valid token; else null). `store`: its last
     probe's health and counts with their age. When the store does not answer within
     KVP_OBSERVABILITY_WAIT_SECONDS, the last figures computed, with `stale_seconds` how old."""
 
     def figures() -> dict[str, Any]:
         # On the store thread with the Redis store: it reads what the store thread changes.
-        return now_figures(timeline, settings, clock.now(), ledger, models, scheduler, store, limit,
-                           instances)
+        return now_figures(
+            timeline, settings, clock.now(), ledger, models, scheduler, store, limit, instances
+        )
 
     wait = settings.observability_wait_seconds
-    done, body = ((True, figures()) if not store_thread.offload
-                  else (False, None) if store_thread.stuck_seconds() > wait
-                  else await store_thread.run_within(wait, figures))
+    done, body = (
+        (True, figures())
+        if not store_thread.offload
+        else (False, None)
+        if store_thread.stuck_seconds() > wait
+        else await store_thread.run_within(wait, figures)
+    )
     state = request.app.state
     if done:
         assert body is not None
@@ -138,12 +163,22 @@ async def dashboard_now(
     else:
         last = getattr(state, "dashboard_last", None)
         if last is None or last[1:3] != (limit, instances):
-            return error_response(503, "store", "the state store is not answering; the dashboard's "
-                                  "figures come back when it does", {"Retry-After": "1"})
+            return error_response(
+                503,
+                "store",
+                "the state store is not answering; the dashboard's figures come back when it does",
+                {"Retry-After": "1"},
+            )
         body = {**last[3], "stale_seconds": health.monotonic() - last[0]}
     known = health.last
-    body = {**body, "store": {"ok": known.ok, "stats": known.stats,
-                              "stats_age_seconds": known.stats_age_seconds(health.monotonic())}}
+    body = {
+        **body,
+        "store": {
+            "ok": known.ok,
+            "stats": known.stats,
+            "stats_age_seconds": known.stats_age_seconds(health.monotonic()),
+        },
+    }
     if not shows_session_ids(request, settings, tokens):
         body["top_sessions"] = [{**row, "session_id": None} for row in body["top_sessions"]]
     return _json(body)
@@ -155,13 +190,24 @@ def shows_session_ids(request: Request, settings: Settings, tokens: TokenTable) 
     if settings.dashboard_show_session_ids:
         return True
     scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
-    return (tokens.enabled and scheme.lower() == "bearer"
-            and tokens.authenticate(credentials.strip()) is not None)
+    return (
+        tokens.enabled
+        and scheme.lower() == "bearer"
+        and tokens.authenticate(credentials.strip()) is not None
+    )
 
 
-def now_figures(timeline: Timeline, settings: Settings, now: float, ledger: AdviceLedger,
-                models: ModelRegistry, scheduler: Scheduler, store: StateStore, limit: int,
-                instances: int) -> dict[str, Any]:
+def now_figures(
+    timeline: Timeline,
+    settings: Settings,
+    now: float,
+    ledger: AdviceLedger,
+    models: ModelRegistry,
+    scheduler: Scheduler,
+    store: StateStore,
+    limit: int,
+    instances: int,
+) -> dict[str, Any]:
     serving, shadow = models.serving, models.shadow
     t = scheduler.totals
     open_orders = scheduler.open_orders()
@@ -175,21 +221,35 @@ def now_figures(timeline: Timeline, settings: Settings, now: float, ledger: Advi
         "samples": len(timeline),
         "models": {
             "live": _slot(ledger, "live", serving.description, serving.version),
-            "shadow": _slot(ledger, "shadow", shadow.description, shadow.version) if shadow is not None else None,
+            "shadow": _slot(ledger, "shadow", shadow.description, shadow.version)
+            if shadow is not None
+            else None,
         },
         "scheduler": {
-            "tracked_sessions": scheduler.tracked_sessions, "candidates": scheduler.candidates,
+            "tracked_sessions": scheduler.tracked_sessions,
+            "candidates": scheduler.candidates,
             "open_orders": len(open_orders),
             "inflight_bytes": sum(o.size_bytes for o in open_orders if o.kind == "prefetch"),
-            "orders": dict(t.orders), "bytes_ordered": t.bytes_ordered, "completed": t.completed,
-            "failed": t.failed, "cancelled": t.cancelled, "bytes_wasted": t.bytes_wasted,
+            "orders": dict(t.orders),
+            "bytes_ordered": t.bytes_ordered,
+            "completed": t.completed,
+            "failed": t.failed,
+            "cancelled": t.cancelled,
+            "bytes_wasted": t.bytes_wasted,
         },
-        "prefetch": {"landed": landed.orders, "landed_bytes": landed.bytes,
-                     "transfer_seconds": landed.transfer_seconds},
-        "stall": {"seconds_saved": stall.seconds_saved, "basis": stall.basis,
-                  "seconds_incurred": stall.seconds_incurred,
-                  "expected_seconds_saved": landed.expected_stall_seconds, "gpu_hour_price": price,
-                  "cost_saved": stall.seconds_saved * price / 3600.0},
+        "prefetch": {
+            "landed": landed.orders,
+            "landed_bytes": landed.bytes,
+            "transfer_seconds": landed.transfer_seconds,
+        },
+        "stall": {
+            "seconds_saved": stall.seconds_saved,
+            "basis": stall.basis,
+            "seconds_incurred": stall.seconds_incurred,
+            "expected_seconds_saved": landed.expected_stall_seconds,
+            "gpu_hour_price": price,
+            "cost_saved": stall.seconds_saved * price / 3600.0,
+        },
         "instances": rows,
         "instances_total": total,
         "top_sessions": top_sessions(scheduler, limit, now, scheduler.config.bytes_per_block),

@@ -9,33 +9,52 @@ from fastapi import APIRouter, Request, Response
 
 from app.api.auth import EventsCaller, Refused, charge
 from app.api.batch import BatchError, IngestResponse
-from app.api.deps import BacklogDep, BatchParserDep, EngineDep, EventLimiterDep, MetricsDep, SettingsDep, StoreThreadDep
+from app.api.deps import (
+    BacklogDep,
+    BatchParserDep,
+    EngineDep,
+    EventLimiterDep,
+    MetricsDep,
+    SettingsDep,
+    StoreThreadDep,
+)
 from app.api.errors import Error, error_response
 from app.core.errors import EventLogError, StoreError
 from app.core.security import Principal, Scope
-from kvprefetch_client.events import Event
 from app.ingest.ingestor import IngestResult
+from kvprefetch_client.events import Event
 
 router = APIRouter(tags=["events"])
 
 # What a token with the agent scope alone may post: its orders' progress and what it moved.
-AGENT_EVENT_TYPES = frozenset({"order_progress", "kv_blocks_stored", "kv_blocks_removed", "kv_blocks_cleared"})
+AGENT_EVENT_TYPES = frozenset(
+    {"order_progress", "kv_blocks_stored", "kv_blocks_removed", "kv_blocks_cleared"}
+)
 
 _RESPONSES: dict[int | str, dict[str, Any]] = {
     200: {"model": IngestResponse, "description": "Every event was accepted or was a duplicate."},
     400: {"model": Error, "description": "The body is not JSON."},
-    403: {"model": Error,
-          "description": "An agent-scope token posted an event type only the ingest scope may post."},
+    403: {
+        "model": Error,
+        "description": "An agent-scope token posted an event type only the ingest scope may post.",
+    },
     413: {"model": Error, "description": "The body or the batch is too large."},
-    415: {"model": Error, "description": "The body is not application/json, or is compressed "
-                                         "(Content-Encoding)."},
+    415: {
+        "model": Error,
+        "description": "The body is not application/json, or is compressed (Content-Encoding).",
+    },
     # Two shapes (docs/decisions.md, 2): a batch with bad events lists them, and its valid ones
     # were accepted; a body that is no batch at all (not an object, no events) is an Error.
-    422: {"model": IngestResponse | Error,
-          "description": "Some events were rejected and the valid ones of the batch were accepted "
-                         "(IngestResponse); or the body is not a batch of events, and nothing was (Error)."},
-    503: {"model": Error, "description": "The store, the event log or the planning backlog is unavailable or "
-                                         "full; retry later."},
+    422: {
+        "model": IngestResponse | Error,
+        "description": "Some events were rejected and the valid ones of the batch were accepted "
+        "(IngestResponse); or the body is not a batch of events, and nothing was (Error).",
+    },
+    503: {
+        "model": Error,
+        "description": "The store, the event log or the planning backlog is unavailable or "
+        "full; retry later.",
+    },
 }
 
 
@@ -56,13 +75,27 @@ async def read_body(request: Request, limit: int) -> bytes:
 @router.post(
     "/events",
     responses=_RESPONSES,
-    openapi_extra={"requestBody": {"required": True, "content": {
-        "application/json": {"schema": {"$ref": "#/components/schemas/EventBatch"}}}}},
+    openapi_extra={
+        "requestBody": {
+            "required": True,
+            "content": {
+                "application/json": {"schema": {"$ref": "#/components/schemas/EventBatch"}}
+            },
+        }
+    },
     summary="Post a batch of events",
 )
-async def post_events(request: Request, caller: EventsCaller, engine: EngineDep, settings: SettingsDep,
-                      metrics: MetricsDep, backlog: BacklogDep, store_thread: StoreThreadDep,
-                      parser: BatchParserDep, limiter: EventLimiterDep) -> Response:
+async def post_events(
+    request: Request,
+    caller: EventsCaller,
+    engine: EngineDep,
+    settings: SettingsDep,
+    metrics: MetricsDep,
+    backlog: BacklogDep,
+    store_thread: StoreThreadDep,
+    parser: BatchParserDep,
+    limiter: EventLimiterDep,
+) -> Response:
     """Accept a batch of events. Valid events are logged durably and applied before the answer.
 
     A batch with some invalid events is answered 422, and its valid events are still accepted:
@@ -99,9 +132,13 @@ async def post_events(request: Request, caller: EventsCaller, engine: EngineDep,
         raise
     if result is None:
         metrics.batch_refused(503)
-        return error_response(503, "backlog", f"the planning side is behind: {backlog.events} events wait "
-                              f"(KVP_BACKLOG_MAX_EVENTS {backlog.max_events}); retry later",
-                              {"Retry-After": "1"})
+        return error_response(
+            503,
+            "backlog",
+            f"the planning side is behind: {backlog.events} events wait "
+            f"(KVP_BACKLOG_MAX_EVENTS {backlog.max_events}); retry later",
+            {"Retry-After": "1"},
+        )
     for refused in result.rejected:  # the ingestor's refusals of `ts`, indexed as posted
         index = parsed.indices[refused.index] if parsed.indices is not None else refused.index
         parsed.reject(index, refused.event_id, f"events[{index}].ts", refused.message)
@@ -117,8 +154,11 @@ async def post_events(request: Request, caller: EventsCaller, engine: EngineDep,
     if parsed.rejected_first:
         payload["rejected_events"] = len(parsed.rejected_first)
         payload["rejections_omitted"] = parsed.rejections_omitted
-    return Response(orjson.dumps(payload), status_code=422 if parsed.rejected_first else 200,
-                    media_type="application/json")
+    return Response(
+        orjson.dumps(payload),
+        status_code=422 if parsed.rejected_first else 200,
+        media_type="application/json",
+    )
 
 
 def check_agent_events(caller: Principal, events: list[Event]) -> None:
@@ -126,6 +166,10 @@ def check_agent_events(caller: Principal, events: list[Event]) -> None:
         return
     for i, event in enumerate(events):
         if event.type not in AGENT_EVENT_TYPES:
-            raise BatchError(403, f"events[{i}].type",
-                             f"a token with the agent scope alone may post only {', '.join(sorted(AGENT_EVENT_TYPES))} "
-                             f"events, not {event.type}; nothing of the batch was accepted")
+            raise BatchError(
+                403,
+                f"events[{i}].type",
+                "a token with the agent scope alone may post only "
+                f"{', '.join(sorted(AGENT_EVENT_TYPES))} events, not {event.type}; "
+                "nothing of the batch was accepted",
+            )

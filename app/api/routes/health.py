@@ -35,8 +35,9 @@ async def healthz() -> Health:
 
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
-async def readyz(response: Response, settings: SettingsDep, health: StoreHealthDep,
-                 models: ModelsDep) -> Readiness:
+async def readyz(
+    response: Response, settings: SettingsDep, health: StoreHealthDep, models: ModelsDep
+) -> Readiness:
     """The service can take events: its store answered a probe within KVP_OBSERVABILITY_WAIT_SECONDS
     (probed on a thread of its own, never waited for longer)."""
     fresh = await health.refresh(settings.observability_wait_seconds)
@@ -44,8 +45,13 @@ async def readyz(response: Response, settings: SettingsDep, health: StoreHealthD
     if not store_ok:
         response.status_code = 503
     known = fresh if fresh is not None else health.last
-    shadow = (models.shadow.description if models.shadow is not None
-              else f"none ({models.shadow_problem})" if models.shadow_problem else None)
+    shadow = (
+        models.shadow.description
+        if models.shadow is not None
+        else f"none ({models.shadow_problem})"
+        if models.shadow_problem
+        else None
+    )
     return Readiness(
         status="ready" if store_ok else "unavailable",
         store=settings.store,

@@ -10,8 +10,12 @@ from app.observe.metrics import CONTENT_TYPE
 router = APIRouter(tags=["health"])
 
 
-@router.get("/metrics", response_class=Response, summary="Prometheus metrics",
-            responses={200: {"content": {CONTENT_TYPE: {}}, "description": "The text exposition format."}})
+@router.get(
+    "/metrics",
+    response_class=Response,
+    summary="Prometheus metrics",
+    responses={200: {"content": {CONTENT_TYPE: {}}, "description": "The text exposition format."}},
+)
 async def metrics(metrics: MetricsDep, health: StoreHealthDep) -> Response:
     """Every `kvprefetch_*` metric in Prometheus's text format; open, like /healthz. With several
     workers (PROMETHEUS_MULTIPROC_DIR) it sums them all, whichever worker answers. The store's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
@@ -11,8 +12,8 @@ from app.api.auth import AdminScope, ReadScope
 from app.api.deps import ClockDep, LedgerDep, ModelsDep, SettingsDep, StoreDep, StoreThreadDep
 from app.api.errors import Error, error_response
 from app.observe.ledger import AdviceLedger
-from app.predict.registry import Serving, resolve_model_dir
 from app.predict.predictors import ModelError
+from app.predict.registry import Serving, resolve_model_dir
 
 router = APIRouter(tags=["model"])
 
@@ -20,9 +21,15 @@ router = APIRouter(tags=["model"])
 # active ones, the traffic it would see first.
 CHECK_SAMPLE = 256
 
-_REFUSED = {400: {"model": Error, "description": "The body is not JSON."},
-            422: {"model": Error,
-                  "description": "The model does not load or does not fit, or the body is bad; nothing changed."}}
+_REFUSED: dict[int | str, dict[str, Any]] = {
+    400: {"model": Error, "description": "The body is not JSON."},
+    422: {
+        "model": Error,
+        "description": (
+            "The model does not load or does not fit, or the body is bad; nothing changed."
+        ),
+    },
+}
 
 
 class ModelInfo(BaseModel):
@@ -31,14 +38,17 @@ class ModelInfo(BaseModel):
 
 
 class ModelScore(ModelInfo):
-    predictions: int = Field(description="Advice records made (each live idle session, at every pass "
-                                          "of the scoring loop)")
+    predictions: int = Field(
+        description="Advice records made (each live idle session, at every pass "
+        "of the scoring loop)"
+    )
     keep_predictions: int = Field(description="Of those, how many said keep or prefetch")
     hits: int = Field(description="Requests whose latest advice before them said keep or prefetch")
     misses: int = Field(description="Requests whose latest advice before them said demote or lru")
     unscored: int = Field(description="Requests of sessions with no advice before them")
-    hit_rate: float | None = Field(description="hits / (hits + misses); null before the first scored "
-                                               "request")
+    hit_rate: float | None = Field(
+        description="hits / (hits + misses); null before the first scored request"
+    )
 
 
 class ModelStatus(ModelInfo):
@@ -51,31 +61,52 @@ class ModelStatus(ModelInfo):
 class ModelDirRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_dir: str = Field(min_length=1, max_length=4096,
-                           description="A directory with model.txt and card.json inside the "
-                                       "models directory (KVP_MODELS_ROOT): its name relative to "
-                                       "it, or its absolute path")
+    model_dir: str = Field(
+        min_length=1,
+        max_length=4096,
+        description="A directory with model.txt and card.json inside the "
+        "models directory (KVP_MODELS_ROOT): its name relative to "
+        "it, or its absolute path",
+    )
 
 
 def _score(serving: Serving, ledger: AdviceLedger, slot: str) -> ModelScore:
     s = ledger.stats(slot)
-    return ModelScore(predictor=serving.description, version=serving.version, predictions=s.predictions,
-                      keep_predictions=s.keep_predictions, hits=s.hits, misses=s.misses, unscored=s.unscored,
-                      hit_rate=s.hit_rate)
+    return ModelScore(
+        predictor=serving.description,
+        version=serving.version,
+        predictions=s.predictions,
+        keep_predictions=s.keep_predictions,
+        hits=s.hits,
+        misses=s.misses,
+        unscored=s.unscored,
+        hit_rate=s.hit_rate,
+    )
 
 
 @router.get("/model", dependencies=[ReadScope], response_model=ModelStatus)
 async def get_model(models: ModelsDep, ledger: LedgerDep) -> ModelStatus:
     """The serving model and the shadow, each with its hit rate since it was put in place."""
     serving, shadow = models.serving, models.shadow
-    return ModelStatus(predictor=serving.description, version=serving.version,
-                       live=_score(serving, ledger, "live"),
-                       shadow=_score(shadow, ledger, "shadow") if shadow is not None else None)
+    return ModelStatus(
+        predictor=serving.description,
+        version=serving.version,
+        live=_score(serving, ledger, "live"),
+        shadow=_score(shadow, ledger, "shadow") if shadow is not None else None,
+    )
 
 
-@router.post("/model/reload", dependencies=[AdminScope], response_model=ModelInfo, responses=_REFUSED)
-async def reload_model(body: ModelDirRequest, models: ModelsDep, store: StoreDep, clock: ClockDep,
-                       settings: SettingsDep, store_thread: StoreThreadDep) -> ModelInfo | Response:
+@router.post(
+    "/model/reload", dependencies=[AdminScope], response_model=ModelInfo, responses=_REFUSED
+)
+async def reload_model(
+    body: ModelDirRequest,
+    models: ModelsDep,
+    store: StoreDep,
+    clock: ClockDep,
+    settings: SettingsDep,
+    store_thread: StoreThreadDep,
+) -> ModelInfo | Response:
     """Load a model from the models directory (KVP_MODELS_ROOT), check it on live sessions, and
     swap it in atomically; on failure nothing changes."""
     try:
@@ -88,9 +119,17 @@ async def reload_model(body: ModelDirRequest, models: ModelsDep, store: StoreDep
     return ModelInfo(predictor=serving.description, version=serving.version)
 
 
-@router.put("/model/shadow", dependencies=[AdminScope], response_model=ModelInfo, responses=_REFUSED)
-async def set_shadow(body: ModelDirRequest, models: ModelsDep, store: StoreDep, clock: ClockDep,
-                     settings: SettingsDep, store_thread: StoreThreadDep) -> ModelInfo | Response:
+@router.put(
+    "/model/shadow", dependencies=[AdminScope], response_model=ModelInfo, responses=_REFUSED
+)
+async def set_shadow(
+    body: ModelDirRequest,
+    models: ModelsDep,
+    store: StoreDep,
+    clock: ClockDep,
+    settings: SettingsDep,
+    store_thread: StoreThreadDep,
+) -> ModelInfo | Response:
     """Put a model from the models directory beside the serving one, checked as a reload is; it
     is scored and never advises."""
     try:

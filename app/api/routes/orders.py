@@ -10,9 +10,9 @@ from pydantic import BaseModel, Field
 
 from app.api.deps import ClockDep, OrderSinkDep, SettingsDep
 from app.api.errors import Error, body_error, error_response
+from app.deliver import PullQueue
 from kvprefetch_client.events import Ident
 from kvprefetch_client.orders import Order
-from app.deliver import PullQueue
 
 MAX_LIMIT = 1000
 
@@ -22,8 +22,11 @@ def validation_error(request: Request, error: dict[str, Any]) -> Response:
     if error["loc"] and error["loc"][0] == "body":
         return body_error(request, error)
     name = str(error["loc"][-1])
-    message = (f"the query parameter {name} is required" if error["type"] == "missing"
-               else f"{name}: {error['msg']}")
+    message = (
+        f"the query parameter {name} is required"
+        if error["type"] == "missing"
+        else f"{name}: {error['msg']}"
+    )
     return error_response(422, name, message)
 
 
@@ -33,8 +36,10 @@ router = APIRouter(tags=["orders"])
 class OrdersResponse(BaseModel):
     orders: list[Order]
     cancelled: list[str]
-    lease_seconds: float = Field(description="How long the orders are leased: renew well within it "
-                                             "(POST /v1/orders/renew) while holding them")
+    lease_seconds: float = Field(
+        description="How long the orders are leased: renew well within it "
+        "(POST /v1/orders/renew) while holding them"
+    )
 
 
 class RenewRequest(BaseModel):
@@ -42,7 +47,9 @@ class RenewRequest(BaseModel):
 
     instance_id: Ident
     agent: Ident = Field(description="The name the agent leased them under (GET /v1/orders?agent=)")
-    order_ids: list[Ident] = Field(max_length=MAX_LIMIT, description="Orders the agent holds, not finished")
+    order_ids: list[Ident] = Field(
+        max_length=MAX_LIMIT, description="Orders the agent holds, not finished"
+    )
 
 
 class RenewResponse(BaseModel):
@@ -52,27 +59,39 @@ class RenewResponse(BaseModel):
 
 
 def _not_pull(settings: SettingsDep, route: str) -> Response:
-    return error_response(409, "order_sink",
-                          f"orders go to the {settings.order_sink} sink (KVP_ORDER_SINK); "
-                          f"{route} serves only the pull sink (KVP_ORDER_SINK=pull)")
+    return error_response(
+        409,
+        "order_sink",
+        f"orders go to the {settings.order_sink} sink (KVP_ORDER_SINK); "
+        f"{route} serves only the pull sink (KVP_ORDER_SINK=pull)",
+    )
 
 
 @router.get(
     "/orders",
     response_model=OrdersResponse,
-    responses={409: {"model": Error, "description": "The configured order sink is not the pull queue."},
-               422: {"model": Error, "description": "A query parameter is missing or out of range."}},
+    responses={
+        409: {"model": Error, "description": "The configured order sink is not the pull queue."},
+        422: {"model": Error, "description": "A query parameter is missing or out of range."},
+    },
     summary="Lease an instance's pending orders",
 )
 async def get_orders(
     sink: OrderSinkDep,
     settings: SettingsDep,
     clock: ClockDep,
-    instance_id: Annotated[str, Query(min_length=1, max_length=256,
-                                      description="The instance whose orders to lease")],
-    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="The most orders to hand out")] = 100,
-    agent: Annotated[str | None, Query(min_length=1, max_length=256,
-                                       description="The agent's name, to renew the leases under")] = None,
+    instance_id: Annotated[
+        str, Query(min_length=1, max_length=256, description="The instance whose orders to lease")
+    ],
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_LIMIT, description="The most orders to hand out")
+    ] = 100,
+    agent: Annotated[
+        str | None,
+        Query(
+            min_length=1, max_length=256, description="The agent's name, to renew the leases under"
+        ),
+    ] = None,
 ) -> Response:
     """Orders for the instance not leased yet or whose lease ran out (leased now for
     KVP_ORDER_LEASE_SECONDS, to `agent`: renew them while holding them, and report
@@ -87,12 +106,16 @@ async def get_orders(
 @router.post(
     "/orders/renew",
     response_model=RenewResponse,
-    responses={400: {"model": Error, "description": "The body is not JSON."},
-               409: {"model": Error, "description": "The configured order sink is not the pull queue."},
-               422: {"model": Error, "description": "A body field is missing or out of range."}},
+    responses={
+        400: {"model": Error, "description": "The body is not JSON."},
+        409: {"model": Error, "description": "The configured order sink is not the pull queue."},
+        422: {"model": Error, "description": "A body field is missing or out of range."},
+    },
     summary="Keep the leases of orders an agent holds",
 )
-async def renew_orders(body: RenewRequest, sink: OrderSinkDep, settings: SettingsDep, clock: ClockDep) -> Response:
+async def renew_orders(
+    body: RenewRequest, sink: OrderSinkDep, settings: SettingsDep, clock: ClockDep
+) -> Response:
     """For each order: leased to `agent` for KVP_ORDER_LEASE_SECONDS more (`renewed`; a started
     order needs no lease and is renewed as it is), or `lost` (done, cancelled, expired, unknown,
     or leased to another agent after this one's lease ran out): the agent must not start a lost
@@ -101,5 +124,9 @@ async def renew_orders(body: RenewRequest, sink: OrderSinkDep, settings: Setting
     if not isinstance(sink, PullQueue):
         return _not_pull(settings, "POST /v1/orders/renew")
     renewed, lost = sink.renew(body.instance_id, body.agent, body.order_ids, clock.now())
-    return Response(RenewResponse(renewed=renewed, lost=lost, lease_seconds=sink.lease_seconds)
-                    .model_dump_json(), media_type="application/json")
+    return Response(
+        RenewResponse(
+            renewed=renewed, lost=lost, lease_seconds=sink.lease_seconds
+        ).model_dump_json(),
+        media_type="application/json",
+    )

@@ -26,9 +26,12 @@ class SchedulerStatus(BaseModel):
     bytes_unused: int
 
 
-@router.get("/scheduler", response_model=SchedulerStatus, summary="The scheduler's state and totals")
-async def scheduler_status(scheduler: SchedulerDep,
-                           store_thread: StoreThreadDep) -> SchedulerStatus:
+@router.get(
+    "/scheduler", response_model=SchedulerStatus, summary="The scheduler's state and totals"
+)
+async def scheduler_status(
+    scheduler: SchedulerDep, store_thread: StoreThreadDep
+) -> SchedulerStatus:
     # Where the planning side runs (app/state/storethread.py): one consistent view of it.
     return await store_thread.run(_status, scheduler, fail_fast=False)
 
@@ -37,7 +40,16 @@ def _status(scheduler: Scheduler) -> SchedulerStatus:
     t = scheduler.totals
     open_orders = scheduler.open_orders()
     return SchedulerStatus(
-        tracked_sessions=scheduler.tracked_sessions, candidates=scheduler.candidates, open_orders=len(open_orders),
-        inflight_bytes=sum(o.size_bytes for o in open_orders if o.kind == "prefetch"), orders=dict(t.orders),
-        bytes_ordered=t.bytes_ordered, completed=t.completed, failed=t.failed, cancelled=t.cancelled,
-        bytes_wasted=t.bytes_wasted, bytes_used=t.bytes_used, bytes_unused=t.bytes_unused)
+        tracked_sessions=scheduler.tracked_sessions,
+        candidates=scheduler.candidates,
+        open_orders=len(open_orders),
+        inflight_bytes=sum(o.size_bytes for o in open_orders if o.kind == "prefetch"),
+        orders=dict(t.orders),
+        bytes_ordered=t.bytes_ordered,
+        completed=t.completed,
+        failed=t.failed,
+        cancelled=t.cancelled,
+        bytes_wasted=t.bytes_wasted,
+        bytes_used=t.bytes_used,
+        bytes_unused=t.bytes_unused,
+    )

@@ -31,32 +31,49 @@ MAX_INSTANCES_PAGE = 1000
 
 class InstancesResponse(BaseModel):
     instances: list[InstanceView] = Field(description="Up to `limit` instances, by id")
-    next_cursor: str | None = Field(description="Pass as `cursor` for the next page; null: this was the last")
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` for the next page; null: this was the last"
+    )
 
 
 class LocationsResponse(BaseModel):
     locations: list[LocationView]
 
 
-@router.get("/sessions/{session_id}", response_model=SessionView,
-            responses={404: {"model": Error, "description": "No event has named this session."},
-                       422: {"model": Error, "description": "The session id is longer than 256 characters."}})
-async def get_session(session_id: Annotated[str, Path(min_length=1, max_length=256)],
-                      store: StoreDep, store_thread: StoreThreadDep) -> SessionView | Response:
+@router.get(
+    "/sessions/{session_id}",
+    response_model=SessionView,
+    responses={
+        404: {"model": Error, "description": "No event has named this session."},
+        422: {"model": Error, "description": "The session id is longer than 256 characters."},
+    },
+)
+async def get_session(
+    session_id: Annotated[str, Path(min_length=1, max_length=256)],
+    store: StoreDep,
+    store_thread: StoreThreadDep,
+) -> SessionView | Response:
     view = await store_thread.read(store.session, session_id)
     if view is None:
         return error_response(404, "session_id", f"session {session_id!r} is not known")
     return view
 
 
-@router.get("/instances", response_model=InstancesResponse,
-            responses={422: {"model": Error, "description": "`limit` or `cursor` is out of range."}})
+@router.get(
+    "/instances",
+    response_model=InstancesResponse,
+    responses={422: {"model": Error, "description": "`limit` or `cursor` is out of range."}},
+)
 async def get_instances(
     store: StoreDep,
     store_thread: StoreThreadDep,
-    limit: Annotated[int, Query(ge=1, le=MAX_INSTANCES_PAGE, description="The most instances to answer")] = 100,
-    cursor: Annotated[str | None, Query(min_length=1, max_length=256,
-                                        description="The previous page's `next_cursor`")] = None,
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_INSTANCES_PAGE, description="The most instances to answer")
+    ] = 100,
+    cursor: Annotated[
+        str | None,
+        Query(min_length=1, max_length=256, description="The previous page's `next_cursor`"),
+    ] = None,
 ) -> InstancesResponse:
     """Instances by id, a page at a time: each one's last status and the blocks and bytes it holds
     per tier. Follow `next_cursor` until it is null."""
