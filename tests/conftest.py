@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,9 +16,109 @@ from typing import Any
 
 import pytest
 
+# LightGBM trains on OpenMP threads, which spin while they wait for work. With more busy threads
+# than cores (two xdist workers on two cores, or any other load) the spinning took tests/training
+# from 4 s to 40 s; passive threads sleep instead. It changes no result, and it is set before
+# anything loads LightGBM (the service and bench processes the tests start inherit it).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 REDIS_URL = os.environ.get("KVP_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 REPO = Path(__file__).resolve().parent.parent
 TRACES = REPO.parent / "shared" / "traces"
+
+# Under `make test` (pytest-xdist, --dist loadgroup) each test module keeps to one worker, so its
+# module-scoped fixtures (a live service, a fuzzed app, a fetched tool) are built once, not once
+# per worker. These paths share a group wider than their module:
+XDIST_GROUPS = {
+    # Real service processes whose latencies and stalls are measured: one at a time, so two never
+    # fight over the two cores (the other worker runs the in-process tests meanwhile).
+    "tests/e2e/": "e2e",
+    # test_policies' bounds reuse test_cluster's cached replays (checked_replay).
+    "tests/sim/test_cluster.py": "sim-replays",
+    "tests/sim/test_policies.py": "sim-replays",
+}
+
+
+def xdist_group_of(nodeid: str) -> str:
+    """The group a test runs in under xdist: its module's, or a wider one from XDIST_GROUPS."""
+    module = nodeid.split("::", 1)[0]
+    for prefix, group in XDIST_GROUPS.items():
+        if module.startswith(prefix):
+            return group
+    return module
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent with -p no:xdist
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadgroup by the groups above. xdist's own loadgroup reads xdist_group marks into
+    each test's id, which pytest 9.2's ids no longer take, so every test went its own way."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_group_of(nodeid)
+
+        def schedule(self) -> None:
+            # xdist hands out tests by id: of several tests with one id only the first would run.
+            collection = next(iter(self.registered_collections.values()), [])
+            twice = sorted(n for n, count in Counter(collection).items() if count > 1)
+            if twice:
+                raise pytest.UsageError(f"tests sharing an id would not all run under xdist: {twice}")
+            super().schedule()
+
+    return GroupScheduling(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On an xdist worker, the groups holding slow tests first, the wide ones above (the longest)
+    before the modules, so that no long group is left to run by itself at the end (the Makefile's
+    --no-loadscope-reorder keeps this order)."""
+    # Schemathesis names each operation's test "name[GET /path]", but pytest 9.2 builds the id
+    # from the function's name alone, so tests/api/test_fuzz.py's 18 tests share one id (and
+    # xdist would run one of them): each gets the id its name says.
+    ids = Counter(item.nodeid for item in items)
+    for item in items:
+        if ids[item.nodeid] > 1 and item.parent is not None:
+            item._id = item.parent.id.child(item.name)  # type: ignore[attr-defined]
+    if not hasattr(config, "workerinput"):
+        return  # not under xdist: the order stays as collected
+    groups = {item: xdist_group_of(item.nodeid) for item in items}
+    slow = {groups[item] for item in items if item.get_closest_marker("slow") is not None}
+    wide = set(XDIST_GROUPS.values())
+    # Stable: collection order within each rank.
+    items.sort(key=lambda item: (groups[item] not in slow, groups[item] not in wide))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under xdist, a test marked `alone` runs while no other worker runs a test (what it asserts
+    needs the machine's throughput); the others run side by side. Two file locks shared by the
+    run's workers: the gate queues an `alone` test ahead of the tests that come after it."""
+    workerinput = getattr(item.config, "workerinput", None)
+    if workerinput is None:
+        return (yield)
+    import fcntl
+
+    # The run's temp dir, which holds each worker's own (and which pytest cleans up later).
+    basetemp = item.config.option.basetemp
+    lock_dir = Path(basetemp).parent if basetemp else Path(tempfile.gettempdir())
+    run = workerinput["testrunuid"]
+    alone = item.get_closest_marker("alone") is not None
+    with open(lock_dir / f"kvp-xdist-{run}.gate", "a") as gate, \
+            open(lock_dir / f"kvp-xdist-{run}.run", "a") as running:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        finally:
+            if not alone:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            return (yield)
+        finally:
+            fcntl.flock(running, fcntl.LOCK_UN)
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")

@@ -18,12 +18,15 @@ from sim.scenario import load_scenario
 from sim.traces import load_trace
 from tests.conftest import TRACES, trace_slice
 
+ROUNDS = ["--max-rounds", "30"]  # a short run: these tests are about the command, not the model
+
 
 def test_train_writes_a_model_the_service_can_load(tmp_path: Path) -> None:
     trace = load_trace(TRACES / "mooncake_synthetic.jsonl")[:1500]
     log = tmp_path / "events.jsonl"
     log.write_bytes(encode_events(replay(trace, load_scenario("default"), keep_events=True).events))
-    result = CliRunner().invoke(cli, ["train", "--events", str(log), "--out", str(tmp_path / "m"), "--json"])
+    args = ["train", "--events", str(log), "--json", *ROUNDS]
+    result = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "m")])
     assert result.exit_code == 0, result.output
     metrics = json.loads(result.stdout)
     assert 0 < metrics["brier"] < 1 and metrics["rows"] > 0
@@ -31,7 +34,7 @@ def test_train_writes_a_model_the_service_can_load(tmp_path: Path) -> None:
     assert card["data"]["logs"] == ["events.jsonl"] and card["calibration_valid"]
     assert LearnedPredictor(tmp_path / "m").version == "m"
     # The same data and seed give the same model.
-    again = CliRunner().invoke(cli, ["train", "--events", str(log), "--out", str(tmp_path / "m2"), "--json"])
+    again = CliRunner().invoke(cli, [*args, "--out", str(tmp_path / "m2")])
     assert (tmp_path / "m" / "model.txt").read_text() == (tmp_path / "m2" / "model.txt").read_text()
     assert json.loads(again.stdout) == metrics
 
@@ -63,7 +66,6 @@ def tiny_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # rich draws bars when it believes stderr is an interactive terminal; these say it is.
 TERMINAL = {"TTY_COMPATIBLE": "1", "TTY_INTERACTIVE": "1"}
-ROUNDS = ["--max-rounds", "30"]  # a short run: these tests are about the command, not the model
 
 
 def test_bars_go_to_stderr_and_leave_json_alone(tiny_log: Path, tmp_path: Path) -> None:

@@ -7,9 +7,10 @@ differed from the in-process ones would show in its summary.
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,18 @@ def in_process(trace: list[TraceRequest], scenario: Scenario,
     return replay(trace, scenario, policy=policy, engine=feed), feed
 
 
+@pytest.fixture(scope="module")
+def local_run(trace: list[TraceRequest],
+              scenario: Scenario) -> Callable[..., tuple[ReplayResult, CountingFeed]]:
+    """in_process() on the trace's first `n` requests, run once per (policy, n) for the module:
+    the tests only read what it returns (the summary, the feed's events, store and read count)."""
+    @functools.cache
+    def run(policy: str, n: int = REQUESTS) -> tuple[ReplayResult, CountingFeed]:
+        return in_process(trace[:n], scenario, policy)
+
+    return run
+
+
 def compared(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in summary.items() if k not in NOT_COMPARED}
 
@@ -82,8 +95,8 @@ def sessions_of(trace_result: ReplayResult) -> list[str]:
 
 @pytest.mark.parametrize("policy", ["heuristic", "none"])
 def test_over_http_matches_in_process(policy: str, trace: list[TraceRequest], scenario: Scenario,
-                                      service_url: str) -> None:
-    local, feed = in_process(trace, scenario, policy)
+                                      service_url: str, local_run: Callable[..., Any]) -> None:
+    local, feed = local_run(policy)
     # Injecting the in-process engine is the default path.
     assert compared(replay(trace, scenario, policy=policy).summary) == compared(local.summary)
 
@@ -115,10 +128,11 @@ def test_over_http_matches_in_process(policy: str, trace: list[TraceRequest], sc
 
 
 def test_the_heuristic_decides_on_sessions_read_over_http(trace: list[TraceRequest], scenario: Scenario,
-                                                          service_url: str) -> None:
+                                                          service_url: str,
+                                                          local_run: Callable[..., Any]) -> None:
     """The slice is one where session views matter, and over HTTP the policy reads every one."""
-    heuristic, feed = in_process(trace, scenario, "heuristic")
-    none, _ = in_process(trace, scenario, "none")
+    heuristic, feed = local_run("heuristic")
+    none, _ = local_run("none")
     assert compared(heuristic.summary) | {"policy": "-"} != compared(none.summary) | {"policy": "-"}, (
         "on this slice the heuristic decides as `none` does: pick one where session views matter")
 
@@ -131,8 +145,9 @@ def test_the_heuristic_decides_on_sessions_read_over_http(trace: list[TraceReque
 
 
 def test_a_second_run_against_the_same_service_sees_only_its_own_state(
-        trace: list[TraceRequest], scenario: Scenario, service_url: str) -> None:
-    local, _ = in_process(trace, scenario, "heuristic")
+        trace: list[TraceRequest], scenario: Scenario, service_url: str,
+        local_run: Callable[..., Any]) -> None:
+    local, _ = local_run("heuristic")
     first = replay_via(service_url, trace, scenario, policy="heuristic")
     second = replay_via(service_url, trace, scenario, policy="heuristic")
     assert first.summary["run_id"] != second.summary["run_id"]
@@ -141,8 +156,9 @@ def test_a_second_run_against_the_same_service_sees_only_its_own_state(
 
 
 def test_keep_events_keeps_what_an_in_process_replay_keeps(trace: list[TraceRequest], scenario: Scenario,
-                                                           service_url: str) -> None:
-    _, feed = in_process(trace[:40], scenario, "none")
+                                                           service_url: str,
+                                                          local_run: Callable[..., Any]) -> None:
+    _, feed = local_run("none", 40)
     remote = replay_via(service_url, trace[:40], scenario, policy="none", keep_events=True)
     assert remote.events == feed.events
 
@@ -292,10 +308,11 @@ def test_speed_must_be_a_positive_number(speed: float) -> None:
 
 
 def test_a_paced_heuristic_replay_reads_views_in_trace_time(trace: list[TraceRequest], scenario: Scenario,
-                                                            service_url: str) -> None:
+                                                            service_url: str,
+                                                          local_run: Callable[..., Any]) -> None:
     """Paced, the service holds wall-clock times; the policy still sees the in-process views."""
     small = trace[:40]
-    local, feed = in_process(small, scenario, "heuristic")
+    local, feed = local_run("heuristic", len(small))
     span = max(r.finished_at or 0.0 for r in local.requests) - min(r.arrival for r in local.requests)
     speed = span / 0.5  # the run takes about half a second
     started = time.time()
