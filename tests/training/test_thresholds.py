@@ -14,9 +14,9 @@ from training.thresholds import compare_settings, main
 
 def test_rows_per_setting_with_none_first(tmp_path: Path) -> None:
     trace = trace_slice(tmp_path, "conversation_first60", 400)
-    rows = compare_settings(DEFAULT_MODEL_DIR, [trace], [{}, {"keep_min_p": 1.01}], window=(0.5, 1.0))
+    rows = compare_settings(DEFAULT_MODEL_DIR, [trace], [{}, {"keep_min_p": 0.9}], window=(0.5, 1.0))
     assert [(r["policy"], r["setting"]) for r in rows] == [("none", None), ("learned", {}),
-                                                          ("learned", {"keep_min_p": 1.01})]
+                                                          ("learned", {"keep_min_p": 0.9})]
     for row in rows:
         cell = row["traces"][trace.name]
         assert 0.0 <= cell["byte_hit_rate"] <= 1.0
