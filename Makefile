@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test bench model install clean demo compose-check
+.PHONY: run test lint bench model install clean demo compose-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,10 +25,16 @@ TEST_WORKERS ?= 2
 
 # The dashboard's browser test needs Debian's chromium, the /metrics test promtool (Debian's
 # prometheus package): each installed first when missing (needs root), a failure where it can't be.
-test: $(STAMP)
+test: $(STAMP) lint
 	bash .ci/ensure-chromium
 	bash .ci/ensure-promtool
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
+# Style, lint (the 100 columns included) and types: each fails make test.
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # The service plus a shared trace replayed against it over HTTP at 20x: open the printed
 # dashboard URL and watch it fill. Ctrl-C stops both. DEMO_SPEED, DEMO_TRACE: see deploy/demo.sh.
