@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests.bench.conftest import positive, run_bench
-
 
 pytestmark = pytest.mark.slow
 
