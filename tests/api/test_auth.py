@@ -236,9 +236,11 @@ def test_without_tokens_the_service_says_so_and_refuses_a_public_address(
     ):
         assert c.post("/v1/model/reload", json={"model_dir": "/nonexistent"}).status_code == 422
     assert "authentication off (no tokens configured): listening on 127.0.0.1 only" in caplog.text
-    with pytest.raises(ConfigError, match="may listen on 127.0.0.1 only, not 0.0.0.0"):
-        with TestClient(create_app(Settings(data_dir=tmp_path, host="0.0.0.0"))):
-            pass
+    with (
+        pytest.raises(ConfigError, match=r"may listen on 127\.0\.0\.1 only, not 0\.0\.0\.0"),
+        TestClient(create_app(Settings(data_dir=tmp_path, host="0.0.0.0"))),
+    ):
+        pass
 
 
 # -- limits -------------------------------------------------------------------------------------

@@ -415,7 +415,7 @@ def test_the_page_and_its_files_are_served_by_the_service_itself(client: TestCli
     refs = re.findall(r'(?:src|href)="([^"]+)"', html)
     assert "/static/dashboard.js" in refs and "/static/vendor/uplot/uPlot.iife.min.js" in refs
     # No CDN: every script, style sheet and icon comes from this service.
-    assert all(ref.startswith("/") or ref.startswith("data:") for ref in refs), refs
+    assert all(ref.startswith(("/", "data:")) for ref in refs), refs
     for ref in (x for x in refs if x.startswith("/static/")):
         assert client.get(ref).status_code == 200, ref
     js = client.get("/static/dashboard.js").text

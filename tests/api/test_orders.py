@@ -170,7 +170,7 @@ def test_a_webhook_sink_without_a_url_stops_startup(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path, log_fsync=False, order_sink="webhook")
     with (
         pytest.raises(
-            ConfigError, match="^KVP_ORDER_SINK=webhook needs KVP_ORDER_WEBHOOK_URL, the URL"
+            ConfigError, match=r"^KVP_ORDER_SINK=webhook needs KVP_ORDER_WEBHOOK_URL, the URL"
         ),
         TestClient(create_app(settings)),
     ):

@@ -124,7 +124,7 @@ def test_loopback_hosts(host: str) -> None:
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.5", "::", "example.com"])
 def test_an_unauthenticated_service_may_not_bind_a_public_address(host: str) -> None:
     assert not is_loopback(host)
-    with pytest.raises(ConfigError, match="127.0.0.1 only"):
+    with pytest.raises(ConfigError, match=r"127\.0\.0\.1 only"):
         check_bind(host, TokenTable())
     table = TokenTable()
     table.add("a", [Scope.INGEST], token=INGEST)

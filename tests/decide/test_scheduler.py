@@ -154,7 +154,7 @@ def test_a_links_prefetch_share_is_never_exceeded() -> None:
     # Half the lead (needed_by = now + 2 s) at 50 MB/s is room for 5 orders of 20 MB.
     assert len(orders) == 5
     windows = sorted((o.start_by_ts, o.start_by_ts + o.size_bytes / 50e6) for o in orders)
-    for (s1, e1), (s2, _) in zip(windows, windows[1:]):
+    for (_, e1), (s2, _) in zip(windows, windows[1:]):
         assert s2 >= e1 - 1e-9  # back to back: never two at once at the share's rate
     assert all(
         end <= o.needed_by_ts + 1e-9

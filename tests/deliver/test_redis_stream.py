@@ -224,7 +224,7 @@ def test_redis_away_is_sink_unavailable() -> None:
         sink = RedisStreamSink.from_url(
             "redis://127.0.0.1:1/0", "kvptest-away", timeout_seconds=0.5
         )
-        with pytest.raises(SinkUnavailable, match="Redis at 127.0.0.1:1/0 did not answer"):
+        with pytest.raises(SinkUnavailable, match=r"Redis at 127\.0\.0\.1:1/0 did not answer"):
             await sink.submit([order("a")])
         await sink.close()
 

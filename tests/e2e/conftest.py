@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -207,10 +207,8 @@ class ServiceProcess:
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait(timeout=10)
 
     def restart(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:

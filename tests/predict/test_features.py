@@ -214,7 +214,7 @@ def test_feature_table_follows_upserts_and_removals() -> None:
     now = START_TS
     table = FeatureTable(capacity=4)
     current: dict[str, SessionView] = {}
-    for step in range(3000):
+    for _ in range(3000):
         i = rng.randrange(200)
         sid = f"s{i}"
         if sid in current and rng.random() < 0.3:

@@ -96,7 +96,7 @@ def test_report_writes_markdown_and_two_pngs(
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)  # --json still prints exactly one object on stdout
-    summaries = doc["compare"] if "compare" in doc else [doc]
+    summaries = doc.get("compare", [doc])
     policies = [s["policy"] for s in summaries]
     assert policies == (["none", "lookahead", "oracle"] if "--compare" in how else ["belady"])
 
