@@ -1,4 +1,5 @@
-"""Shared fixtures. Redis tests use the real server; a missing server fails them with a clear message."""
+"""Shared fixtures. Redis tests use the real server; a missing server fails them with a clear
+message."""
 
 from __future__ import annotations
 
@@ -167,7 +168,8 @@ def clean_redis(redis_url: str, redis_prefix: str) -> Iterator[str]:
 
 @contextmanager
 def live_server(app: Any, hang_guard_seconds: float = 30.0) -> Iterator[str]:
-    """Serve `app` with uvicorn in a thread, on a port bound before it starts (no race); yields its URL."""
+    """Serve `app` with uvicorn in a thread, on a port bound before it starts (no race); yields
+    its URL."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -191,7 +193,8 @@ def live_server(app: Any, hang_guard_seconds: float = 30.0) -> Iterator[str]:
 
 
 def trace_slice(tmp_path: Path, trace_name: str, requests: int) -> Path:
-    """The first `requests` lines of a shared trace, as a file of its own (named e.g. synthetic300.jsonl)."""
+    """The first `requests` lines of a shared trace, as a file of its own (named e.g.
+    synthetic300.jsonl)."""
     lines = (
         (TRACES / f"mooncake_{trace_name}.jsonl").read_text().splitlines(keepends=True)[:requests]
     )

@@ -226,11 +226,11 @@ def test_a_layer_rule_is_enforced() -> None:
         }
     ) == [
         (
-            "app.state.memory imports app.api.deps: the engine's layers know nothing of their HTTP and "
-            "command-line drivers"
+            "app.state.memory imports app.api.deps: "
+            "the engine's layers know nothing of their HTTP and command-line drivers"
         ),
         (
-            "kvprefetch_client.client._sync imports app.core.errors: the light client installs without "
-            "the server"
+            "kvprefetch_client.client._sync imports app.core.errors: "
+            "the light client installs without the server"
         ),
     ]

@@ -53,7 +53,8 @@ def test_bad_logs_are_named_with_their_line(tmp_path: Path) -> None:
     assert result.exit_code != 0 and "empty.jsonl:thelogholdsnoevents" in flat(result.output)
     bad = tmp_path / "bad.jsonl"
     bad.write_text(
-        '{"type": "session_closed", "event_id": "a", "ts": 1, "session_id": "s"}\n{"type": "session_closed"}\n'
+        '{"type": "session_closed", "event_id": "a", "ts": 1, "session_id": "s"}\n'
+        '{"type": "session_closed"}\n'
     )
     result = CliRunner().invoke(cli, ["train", "--events", str(bad), "--out", str(tmp_path / "m")])
     assert result.exit_code != 0 and "bad.jsonl:2:" in flat(result.output)

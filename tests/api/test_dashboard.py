@@ -1,4 +1,5 @@
-"""The dashboard's page and JSON: GET /dashboard, /static, /v1/dashboard/series and /v1/dashboard/now.
+"""The dashboard's page and JSON: GET /dashboard, /static, /v1/dashboard/series and
+/v1/dashboard/now.
 
 The loops are off (interval 0) and the clock is manual: each test drives scoring, planning and
 sampling one tick at a time.
@@ -100,7 +101,8 @@ def turns(
 
 
 def cluster(now: float, sessions: int = 4, blocks: int = 4) -> list[dict[str, Any]]:
-    """Two instances with room, `sessions` sessions with a steady rhythm, their contexts in the pool."""
+    """Two instances with room, `sessions` sessions with a steady rhythm, their contexts in the
+    pool."""
     events: list[dict[str, Any]] = [
         {
             "type": "instance_status",
@@ -317,7 +319,8 @@ def test_the_series_follows_what_the_service_did(client: TestClient, clock: Manu
     ]
     assert s["live_version"] == [None, None, None]  # the heuristic has no version
     assert s["shadow_hit_rate"] == [None, None, None]
-    # The stall: measured on chat-0's arrival (its 4 blocks resident: their pool load, 4 x 13.4 ms)...
+    # The stall: measured on chat-0's arrival (its 4 blocks resident: their pool load,
+    # 4 x 13.4 ms)...
     assert body["stall_basis"] == "measured"
     assert s["stall_seconds_saved"][-1] == pytest.approx(4 * BLOCK_BYTES / 12.5e9)
     assert s["stall_cost_saved"][-1] == pytest.approx(s["stall_seconds_saved"][-1] * 2.5 / 3600)

@@ -62,7 +62,8 @@ def test_with_every_connection_busy_a_new_one_is_refused() -> None:
 def test_a_client_at_its_limit_makes_room_among_its_own() -> None:
     reg = registry(total=10, per_client=2)
     other = FakeConnection("10.0.0.9")
-    assert reg.admit(other)  # type: ignore[arg-type]  # the longest idle of all, but not its address
+    # The longest idle of all, but not its address.
+    assert reg.admit(other)  # type: ignore[arg-type]
     mine = [FakeConnection("10.0.0.1") for _ in range(3)]
     for conn in mine:
         assert reg.admit(conn)  # type: ignore[arg-type]

@@ -82,7 +82,8 @@ def test_mixed_batch_accepts_the_valid_and_names_each_bad_field(
             "index": 3,
             "event_id": "bad3",
             "field": "events[3]",
-            "message": "Input tag 'no_such_type' found using 'type' does not match any of the expected tags: "
+            "message": "Input tag 'no_such_type' found using 'type' "
+            "does not match any of the expected tags: "
             "'request_routed', 'request_started', 'request_finished', 'session_closed', "
             "'kv_blocks_stored', 'kv_blocks_removed', 'kv_blocks_cleared', 'vllm_kv_events', "
             "'instance_status', 'order_progress'",
@@ -277,7 +278,10 @@ def test_oversized_chunked_body_is_413(client: TestClient) -> None:
     def chunks():  # type: ignore[no-untyped-def]
         yield b'{"events": ['
         for _ in range(2000):
-            yield b'{"type": "session_closed", "event_id": "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "ts": 1},'
+            yield (
+                b'{"type": "session_closed", '
+                b'"event_id": "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa", "ts": 1},'
+            )
         yield b"]}"
 
     r = client.post("/v1/events", content=chunks(), headers={"content-type": "application/json"})

@@ -24,7 +24,8 @@ from tests.api.conftest import routed, settle
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
-# Round numbers for the reuse test: a block is 100 kB, 0.1 s over the pool link, 0.01 s to recompute.
+# Round numbers for the reuse test: a block is 100 kB, 0.1 s over the pool link, 0.01 s to
+# recompute.
 ROUND = {
     "bytes_per_token": 1000,
     "block_tokens": 100,
@@ -100,7 +101,8 @@ def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
         pytest.fail(
-            "promtool is required to check the exposition and is not on PATH: run .ci/ensure-promtool "
+            "promtool is required to check the exposition and is not on PATH: "
+            "run .ci/ensure-promtool "
             "(installs Debian's prometheus package; `make test` runs it)",
             pytrace=False,
         )
@@ -228,7 +230,8 @@ def test_events_accepted_duplicate_rejected_and_refused_are_counted_exactly(
         "vllm_kv_events": 0,
     }
     assert value(m, "kvprefetch_events_duplicate_total") == 2
-    # Each under its first field only, in the schema's order: bad1's instance_id, not its prompt_tokens;
+    # Each under its first field only, in the schema's order: bad1's instance_id, not its
+    # prompt_tokens;
     # bad2's first missing field, not its typo.
     assert {
         labels[0][1]: v

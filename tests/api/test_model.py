@@ -170,7 +170,8 @@ def test_a_model_dir_the_file_system_refuses_is_refused_too(client: TestClient) 
     assert (r.status_code, r.json()) == (
         400,
         {
-            "detail": "the body is not JSON: 'utf-8' codec can't decode byte 0xff in position 0: invalid start byte",
+            "detail": "the body is not JSON: 'utf-8' codec can't decode byte 0xff in position 0: "
+            "invalid start byte",
             "field": "body",
         },
     )
@@ -287,7 +288,8 @@ def test_hit_rates_of_live_and_shadow(tmp_path: Path, clock: ManualClock) -> Non
         app = c.app
         settle(c)
         assert app.state.engine.scorer.tick() == 2  # type: ignore[attr-defined]
-        views = [app.state.engine.store.session("a"), app.state.engine.store.session("b")]  # type: ignore[attr-defined]
+        store = app.state.engine.store  # type: ignore[attr-defined]
+        views = [store.session("a"), store.session("b")]
         # What the production planner advises at 900 is what each model is judged on.
         predictors = {"live": HeuristicPredictor(), "shadow": LearnedPredictor(DEFAULT_MODEL_DIR)}
         kept = {

@@ -154,13 +154,14 @@ def test_bad_parameters_are_422_naming_the_field(
 def test_another_sink_is_409(tmp_path: Path) -> None:
     settings = Settings(data_dir=tmp_path, log_fsync=False, order_sink="memory")
     with TestClient(create_app(settings)) as c:
-        assert isinstance(c.app.state.engine.order_sink, InProcessSink)  # type: ignore[attr-defined]
+        engine = c.app.state.engine  # type: ignore[attr-defined]
+        assert isinstance(engine.order_sink, InProcessSink)
         r = c.get("/v1/orders", params={"instance_id": "gpu-0"})
     assert (r.status_code, r.json()) == (
         409,
         {
-            "detail": "orders go to the memory sink (KVP_ORDER_SINK); GET /v1/orders serves only the pull sink "
-            "(KVP_ORDER_SINK=pull)",
+            "detail": "orders go to the memory sink (KVP_ORDER_SINK); "
+            "GET /v1/orders serves only the pull sink (KVP_ORDER_SINK=pull)",
             "field": "order_sink",
         },
     )

@@ -288,7 +288,8 @@ def test_bench_load_sends_its_token_and_counts_refusals() -> None:
     assert r["config"]["token"] == "set" and r["config"]["service_env"]["KVP_INGEST_TOKEN"] == "set"
     assert positive(r["throughput"]["event_batches"]["events_per_second"])
 
-    # Refused batches are counted by status, not retried; no session is acknowledged, so no hint is asked.
+    # Refused batches are counted by status, not retried; no session is acknowledged, so no hint
+    # is asked.
     refused = _run(*quick, "--token", "wrong", env={})
     by_kind = refused["errors"]["by_kind"]
     assert refused["errors"]["total"] > 0 and refused["errors"]["dropped_after_retries"] > 0

@@ -1,4 +1,5 @@
-"""The benchmarks run end to end at tiny sizes and print the documented JSON (no timing thresholds)."""
+"""The benchmarks run end to end at tiny sizes and print the documented JSON (no timing
+thresholds)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Predictors and the planner: advice in the transfer layers' vocabulary (keep, demote, prefetch)."""
+"""Predictors and the planner: advice in the transfer layers' vocabulary (keep, demote,
+prefetch)."""
 
 from __future__ import annotations
 

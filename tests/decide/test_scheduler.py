@@ -1,4 +1,5 @@
-"""The scheduler: advice in, orders out, within links and room, never twice, withdrawn when wrong."""
+"""The scheduler: advice in, orders out, within links and room, never twice, withdrawn when
+wrong."""
 
 from __future__ import annotations
 
@@ -364,9 +365,7 @@ def test_a_started_order_its_session_comes_back_to_is_used_not_wasted() -> None:
     assert sched.plan(1.0).cancels == [] and sched.totals.bytes_wasted == 0
 
 
-def test_landed_prefetches_count_as_used_when_their_session_comes_back_there_and_unused_otherwise() -> (
-    None
-):
+def test_landed_prefetches_are_used_when_their_session_comes_back_there_else_unused() -> None:
     store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
     sched = Scheduler(store, config())
     orders = {

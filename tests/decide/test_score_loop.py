@@ -1,4 +1,5 @@
-"""The scoring loop: a page of live idle sessions per tick, advised by the live model and the shadow."""
+"""The scoring loop: a page of live idle sessions per tick, advised by the live model and the
+shadow."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from app.core.clock import ManualClock
 from app.core.errors import StoreUnavailable
@@ -184,7 +186,9 @@ class BlipsOnce(MemoryStore):
         return super().live_sessions(*args, **kw)
 
 
-def test_a_store_blip_skips_a_tick_and_scoring_goes_on(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_store_blip_skips_a_tick_and_scoring_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store, ledger, scorer = setup(
         tmp_path, Fixed(0.9), store=BlipsOnce(bytes_per_token=1, block_tokens=512)
     )

@@ -103,7 +103,8 @@ def test_the_demo_fills_the_metrics_and_ctrl_c_stops_it(
     )
     assert proc.poll() is None, err.read_text()
 
-    # While the replay runs, the counters grow: events arrive, requests find (or miss) their context.
+    # While the replay runs, the counters grow: events arrive, requests find (or miss) their
+    # context.
     first = wait_for(
         "events ingested",
         lambda: totals(url).get("kvprefetch_events_ingested_total", 0) > 0 and totals(url),

@@ -1,4 +1,5 @@
-"""deploy/grafana: the dashboard JSON and its provisioning, checked against what GET /metrics exposes.
+"""deploy/grafana: the dashboard JSON and its provisioning, checked against what GET /metrics
+exposes.
 
 Every metric a panel queries must be one the service exposes, with the labels it has (the names
 come from scraping a real app's /metrics after a few events, not from a list kept here); every
@@ -348,7 +349,8 @@ def parse(expr: str) -> Parsed:
 
 def test_the_promql_reader_reads_what_the_dashboard_writes() -> None:
     p = parse(
-        'histogram_quantile(0.99, sum by (le, slot) (rate(a_bucket{instance=~"x|y",slot="live"}[1m])))'
+        "histogram_quantile(0.99, sum by (le, slot) "
+        '(rate(a_bucket{instance=~"x|y",slot="live"}[1m])))'
     )
     assert [(m.name, m.labels, m.inside) for m in p.metrics] == [
         ("a_bucket", {"instance", "slot"}, "rate")
@@ -383,7 +385,8 @@ def test_every_query_reads_only_metrics_the_service_exposes(
             )
             labels = exposed.samples[ref.name][1]
             assert ref.labels <= labels | TARGET_LABELS, (
-                f"panel {title!r}: {ref.name} has no label(s) {sorted(ref.labels - labels - TARGET_LABELS)}"
+                f"panel {title!r}: {ref.name} has no label(s) "
+                f"{sorted(ref.labels - labels - TARGET_LABELS)}"
             )
             known |= labels
             seen.add(ref.name)
@@ -410,7 +413,8 @@ def test_counters_are_read_through_rate_or_increase(
         for ref in parse(substituted(target["expr"])).metrics:
             if exposed.is_counter_like(ref.name):
                 assert ref.inside in RATE_FUNCTIONS, (
-                    f"panel {title!r} reads the counter {ref.name} inside {ref.inside or 'nothing'}(), "
+                    f"panel {title!r} reads the counter {ref.name} "
+                    f"inside {ref.inside or 'nothing'}(), "
                     "not rate() or increase()"
                 )
             else:
@@ -424,13 +428,15 @@ def test_counters_are_read_through_rate_or_increase(
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    """Prometheus's promtool (Debian's prometheus package); installed when missing, else a failure."""
+    """Prometheus's promtool (Debian's prometheus package); installed when missing, else a
+    failure."""
     if shutil.which("promtool") is None and (REPO / ".ci" / "ensure-promtool").exists():
         subprocess.run(["bash", str(REPO / ".ci" / "ensure-promtool")], check=False, timeout=600)
     path = shutil.which("promtool")
     if path is None:
         pytest.fail(
-            "promtool is required (Debian: apt-get install prometheus; .ci/ensure-promtool does it)",
+            "promtool is required "
+            "(Debian: apt-get install prometheus; .ci/ensure-promtool does it)",
             pytrace=False,
         )
     return path
@@ -473,6 +479,6 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboard() -> None:
     (dash_file,) = (PROVISIONING / "dashboards").glob("*.yml")
     (provider,) = yaml.safe_load(dash_file.read_text())["providers"]
     assert provider["type"] == "file"
-    # tests/deploy/test_compose.py checks this path is where compose mounts deploy/grafana/dashboards.
+    # tests/deploy/test_compose.py checks compose mounts deploy/grafana/dashboards at this path.
     assert provider["options"]["path"] == "/etc/grafana/dashboards"
     assert [p.name for p in DASHBOARD.parent.glob("*.json")] == [DASHBOARD.name]

@@ -51,8 +51,9 @@ def redis_workers(
     extra_env: dict[str, str] | None = None,
     workers: int = 2,
 ) -> Iterator[str]:
-    """`kvprefetch serve --workers N` on the Redis store, the heuristic and no loops (quick to start,
-    quiet on 2 cores); yields its URL once /readyz answers, and stops the whole process group."""
+    """`kvprefetch serve --workers N` on the Redis store, the heuristic and no loops (quick to
+    start, quiet on 2 cores); yields its URL once /readyz answers, and stops the whole process
+    group."""
     work = tmp_path / "work"
     work.mkdir()
     port = free_port()

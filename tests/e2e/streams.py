@@ -283,7 +283,8 @@ def check_each_event_once(
         assert not twice, f"{len(twice)} event ids are in the log more than once, e.g. {twice[:5]}"
         expected = set(sent_ids) | extra_ids
         assert set(ids) == expected, (
-            f"missing from the log: {len(expected - set(ids))}, unexpected: {len(set(ids) - expected)}"
+            f"missing from the log: {len(expected - set(ids))}, "
+            f"unexpected: {len(set(ids) - expected)}"
         )
 
     # The state applied each exactly once: a session's turns count its request_routed events.

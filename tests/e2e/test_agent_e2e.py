@@ -56,7 +56,8 @@ WAIT_LIMIT_SECONDS = 20.0
 
 
 class AgentProcess:
-    """`kvprefetch agent` for INSTANCE on the stream source (`stream()`) or the pull source (`pull()`)."""
+    """`kvprefetch agent` for INSTANCE on the stream source (`stream()`) or the pull source
+    (`pull()`)."""
 
     def __init__(
         self,
@@ -314,7 +315,8 @@ def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
     ttlb = bulk_view.seconds
     print(
         f"\nmeasured TTLB: bulk {bulk_view.bytes} bytes in {ttlb:.4f} s "
-        f"({bulk_view.bytes / ttlb / 1e9:.2f} GB/s); hold {view.bytes} bytes in {view.seconds:.4f} s"
+        f"({bulk_view.bytes / ttlb / 1e9:.2f} GB/s); "
+        f"hold {view.bytes} bytes in {view.seconds:.4f} s"
     )
     r.close()
     store.close()
@@ -472,6 +474,7 @@ def test_pulled_orders_of_an_agent_killed_9_go_to_another_after_the_lease_and_co
 
     print(
         f"\npull queue: {len(held)} orders leased by {victim.name}, killed before their start; "
-        f"{survivor.name} accepted them {accepted_at - posted_at:.2f} s after the events were posted "
+        f"{survivor.name} accepted them {accepted_at - posted_at:.2f} s "
+        "after the events were posted "
         f"(lease {LEASE_SECONDS:.0f} s), each completed once; {len(pinned)} pins of them run"
     )

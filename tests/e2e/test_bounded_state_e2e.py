@@ -86,7 +86,8 @@ def test_distinct_order_ids_are_kept_for_the_retention_only(
     kept = sum(1 for i in range(n) if t0 + i * step >= newest - RETENTION_SECONDS)
     print(
         f"\n{n} order_progress events, distinct order ids, over {n * step:.0f} s of event time "
-        f"(retention {RETENTION_SECONDS:.0f} s): RSS {before:.1f} MiB before, {after:.1f} MiB after "
+        f"(retention {RETENTION_SECONDS:.0f} s): "
+        f"RSS {before:.1f} MiB before, {after:.1f} MiB after "
         f"(+{after - before:.1f} MiB); orders held {held} (those of the last retention: {kept})"
     )
     assert held == kept
@@ -175,8 +176,10 @@ def test_the_worst_route_hint_is_bounded_and_the_loop_keeps_answering(
     body = r.json()
     print(
         f"\nroute hint over {n_blocks} blocks and {n_candidates} candidates, 20 times: "
-        f"median {statistics.median(took) * 1000:.1f} ms, max {max(took) * 1000:.1f} ms a hint over HTTP; "
-        f"/healthz meanwhile ({len(waits)} probes): median {statistics.median(waits) * 1000:.1f} ms, "
+        f"median {statistics.median(took) * 1000:.1f} ms, "
+        f"max {max(took) * 1000:.1f} ms a hint over HTTP; "
+        f"/healthz meanwhile ({len(waits)} probes): "
+        f"median {statistics.median(waits) * 1000:.1f} ms, "
         f"max {max(waits) * 1000:.1f} ms"
     )
     assert body["recommended"] == "gpu-7"  # holds the longest prefix: 8 x 1024 blocks

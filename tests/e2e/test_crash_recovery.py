@@ -1,6 +1,7 @@
 """Crash recovery of the real service process.
 
-kill -9 the server while two routers stream events to it through the real client (client/kvprefetch_client/client),
+kill -9 the server while two routers stream events to it through the real client
+(client/kvprefetch_client/client),
 keep it down while they go on sending and retrying, restart it: every event the clients sent is
 acknowledged once, and the log and the state hold each exactly once. And a torn last line of the
 log (a write cut short by the crash) is cut on restart, while the complete lines before it are
@@ -210,7 +211,8 @@ def test_torn_last_line_is_cut_on_restart_and_complete_lines_are_served(
         "torn-s4": 8,
     }
 
-    # The client retries the unacknowledged batch: the whole line is a duplicate, the torn one is new.
+    # The client retries the unacknowledged batch: the whole line is a duplicate, the torn one
+    # is new.
     with httpx.Client(base_url=service.url, timeout=10.0) as client:
         r = post(client, lost)
         assert r.status_code == 200, r.text

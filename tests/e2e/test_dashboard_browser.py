@@ -41,7 +41,8 @@ BLOCK_BYTES = 512 * 327_680
 def _browser(playwright: Any) -> Any:
     if not CHROMIUM.exists():
         pytest.fail(
-            f"{CHROMIUM} is missing: install Debian's chromium package (apt-get install -y chromium; "
+            f"{CHROMIUM} is missing: install Debian's chromium package "
+            "(apt-get install -y chromium; "
             "`make test` and .ci/run do this when they can)",
             pytrace=False,
         )
@@ -142,7 +143,8 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
             assert page.locator("#shadow-model").inner_text() == "learned (default)"
             assert console == [], console
 
-            # Two instances with room, six sessions with a steady rhythm, their contexts in the pool.
+            # Two instances with room, six sessions with a steady rhythm, their contexts in the
+            # pool.
             now = time.time()
             events: list[dict[str, Any]] = []
             for g in range(2):
@@ -231,12 +233,14 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
 
             # The page catches up within a poll or two: tiles, tables and charts show it.
             page.wait_for_function(
-                """() => document.querySelector('#tile-live-hit-rate .value').textContent.endsWith('%')
+                "() => document.querySelector('#tile-live-hit-rate .value')"
+                """.textContent.endsWith('%')
                     && Number(document.querySelector('#chart-hit-rate').dataset.values) > 0
                     && Number(document.querySelector('#chart-bytes').dataset.values) > 0
                     && Number(document.querySelector('#instances').dataset.rows) >= 2
                     && Number(document.querySelector('#sessions').dataset.rows) >= 1
-                    && !document.querySelector('#tile-prefetched .value').textContent.startsWith('0 B')""",
+                    && !document.querySelector('#tile-prefetched .value')"""
+                ".textContent.startsWith('0 B')",
                 timeout=10_000,
             )
             assert int(page.locator("#chart-queue").get_attribute("data-points") or 0) > 0

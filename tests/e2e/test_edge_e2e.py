@@ -29,7 +29,8 @@ HEADER_TIMEOUT_SECONDS = 5.0
 
 
 def open_flood(port: int, n: int) -> list[tuple[socket.socket, bool]]:
-    """n connections, every other one having sent half a request line; (socket, sent half a line)."""
+    """n connections, every other one having sent half a request line;
+    (socket, sent half a line)."""
     flood = []
     for i in range(n):
         s = socket.create_connection(("127.0.0.1", port), timeout=10)
@@ -193,7 +194,8 @@ def test_a_flood_of_empty_events_is_refused_without_being_parsed(service: Servic
         watcher.join()
     peak[0] = max(peak[0], proc.memory_info().rss)
     print(
-        f"\n{len(body) / 2**20:.1f} MiB of 5,000,000 empty events: {r.status_code} in {post_ms:.0f} ms; "
+        f"\n{len(body) / 2**20:.1f} MiB of 5,000,000 empty events: "
+        f"{r.status_code} in {post_ms:.0f} ms; "
         f"service RSS {rss_before / 2**20:.0f} MiB before, peak {peak[0] / 2**20:.0f} MiB "
         f"(+{(peak[0] - rss_before) / 2**20:.0f} MiB); GET /healthz meanwhile: "
         f"max {max(health_ms, default=0):.0f} ms over {len(health_ms)} probes"
@@ -222,7 +224,8 @@ def test_with_workers_the_edge_holds_in_each_worker(
                 r, ms = timed(lambda: httpx.get(f"{url}/healthz", timeout=10))
                 statuses.append(r.status_code)
                 print(
-                    f"GET /healthz with {len(flood)} flood connections open: {r.status_code} in {ms:.1f} ms"
+                    f"GET /healthz with {len(flood)} flood connections open: "
+                    f"{r.status_code} in {ms:.1f} ms"
                 )
             assert statuses == [200] * 8
         finally:

@@ -1,4 +1,5 @@
-"""`kvprefetch serve --workers 2` as a real process: /metrics sums both workers, whichever answers."""
+"""`kvprefetch serve --workers 2` as a real process: /metrics sums both workers, whichever
+answers."""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from app.core.clock import SystemClock
 from app.ingest.eventlog import EventLog, iter_log
 from app.ingest.ingestor import Ingestor
@@ -108,7 +110,10 @@ def test_a_batch_of_new_events_is_logged_as_posted_and_read_back_canonical(tmp_p
     import orjson
 
     ing = make(tmp_path)
-    body = b'{"events": [\n  {"type": "session_closed", "event_id": "a", "ts": 1, "session_id": "s"}\n]}'
+    body = (
+        b'{"events": [\n  {"type": "session_closed", "event_id": "a", "ts": 1, "session_id": "s"}'
+        b"\n]}"
+    )
     events = [event_adapter.validate_python(e) for e in orjson.loads(body)["events"]]
     ing.ingest(events, body)
     lines = (tmp_path / "events-00000001.jsonl").read_bytes().splitlines()
@@ -146,7 +151,9 @@ def test_the_observer_sees_accepted_events_only_and_never_the_replayed_log(tmp_p
     assert seen == []
 
 
-def test_a_failing_observer_does_not_fail_the_ingest(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_failing_observer_does_not_fail_the_ingest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     def broken(events):  # type: ignore[no-untyped-def]
         raise RuntimeError("observer bug")
 

@@ -1,4 +1,5 @@
-"""What an arriving request found: hit, partial or miss on its reused blocks, bytes and stall estimates."""
+"""What an arriving request found: hit, partial or miss on its reused blocks, bytes and stall
+estimates."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from kvprefetch_client.events import Event, event_adapter
 
 BYTES_PER_TOKEN, BLOCK_TOKENS = 1000, 100
 BLOCK_BYTES = BYTES_PER_TOKEN * BLOCK_TOKENS
-# Round numbers: a block takes 0.1 s over the pool link, 0.025 s over the host link, 0.01 s to recompute.
+# Round numbers: a block takes 0.1 s over the pool link, 0.025 s over the host link, 0.01 s to
+# recompute.
 CONFIG = OutcomeConfig(
     bytes_per_token=BYTES_PER_TOKEN,
     block_tokens=BLOCK_TOKENS,

@@ -37,7 +37,17 @@ def _models(version: str | None = "v1", shadow: str | None = None) -> Any:
 
 
 def _advice(session: str, retention: str = "keep", instance: str = "gpu-0") -> SessionAdvice:
-    return SessionAdvice(session, instance, (1, 2), retention, 300.0, 0.9, 0.9, 0.9, False)  # type: ignore[arg-type]
+    return SessionAdvice(
+        session,
+        instance,
+        (1, 2),
+        retention,
+        300.0,
+        0.9,
+        0.9,
+        0.9,
+        False,  # type: ignore[arg-type]
+    )
 
 
 def _routed(n: int, session: str, ts: float) -> RequestRouted:

@@ -153,7 +153,8 @@ def test_a_request_that_wants_blocks_being_recomputed_waits_for_them() -> None:
     a, b = request(1, 50.0, [*context(0, 4), 98]), request(2, 50.01, [*context(0, 4), 99])
     run(scenario(prefill=1e4), [first, a, b], [0, 1, 1])
     assert a.recompute_tokens == 400 and a.stall_seconds == pytest.approx(0.04, abs=EXACT)
-    # b finds them in HBM but not yet recomputed: no hit, and it waits for the rest of a's recompute.
+    # b finds them in HBM but not yet recomputed: no hit, and it waits for the rest of a's
+    # recompute.
     assert b.hit_blocks == 0 and b.recompute_tokens == 0 and b.loaded_bytes == 0
     assert b.ready_at == pytest.approx(a.ready_at, abs=EXACT)
     assert b.stall_seconds == pytest.approx(0.03, abs=EXACT)
@@ -178,7 +179,8 @@ def test_two_requests_loading_at_once_on_one_instance_both_stall_longer() -> Non
 
 
 def test_a_load_joining_a_running_one() -> None:
-    """b (2 blocks) joins a's 4-block load 0.1 s in: b lands at 0.1 + 2 * 0.2, a at 0.6 (work conserving)."""
+    """b (2 blocks) joins a's 4-block load 0.1 s in: b lands at 0.1 + 2 * 0.2, a at 0.6
+    (work conserving)."""
     scen = scenario(prefill=10.0)
     a, b = request(2, 50.0, [*context(0, 4), 98]), request(3, 50.1, [*context(10, 2), 99])
     run(scen, [request(0, 0.0, context(0, 4)), request(1, 0.0, context(10, 2)), a, b], [0, 0, 1, 1])
@@ -187,7 +189,8 @@ def test_a_load_joining_a_running_one() -> None:
 
 
 def test_the_decision_counts_the_traffic_already_on_the_link() -> None:
-    """Recompute takes 0.6 s; a load alone 0.4 s, behind another 0.8 s: the second one recomputes."""
+    """Recompute takes 0.6 s; a load alone 0.4 s, behind another 0.8 s: the second one
+    recomputes."""
     scen = scenario(prefill=400 / 0.6)
     a, b = request(2, 50.0, [*context(0, 4), 98]), request(3, 50.0, [*context(10, 4), 99])
     run(scen, [request(0, 0.0, context(0, 4)), request(1, 0.0, context(10, 4)), a, b], [0, 0, 1, 1])
@@ -322,7 +325,8 @@ def checked_replay(
     policy: str,
     overrides: tuple[tuple[str, Any], ...] = (),
 ) -> dict[str, Any]:
-    """replay()'s summary, run on a CheckedCluster; cached (other test modules compare policies on it)."""
+    """replay()'s summary, run on a CheckedCluster; cached (other test modules compare policies
+    on it)."""
     scen = load_scenario(scenario_name)
     if overrides:
         scen = Scenario.model_validate({**scen.model_dump(), **dict(overrides)})

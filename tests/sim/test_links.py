@@ -17,7 +17,8 @@ def transfer(tid: int, nbytes: float, at: float = 0.0) -> Transfer:
 
 
 def drain(link: Link, until: float = float("inf")) -> dict[int, float]:
-    """Land every transfer the way the cluster does (at each predicted completion); id -> done_at."""
+    """Land every transfer the way the cluster does (at each predicted completion);
+    id -> done_at."""
     done: dict[int, float] = {}
     while (at := link.next_completion()) is not None and at <= until:
         for t in link.complete_due(at):

@@ -193,8 +193,10 @@ def assert_bounds(trace: str, n: int | None, scenario_name: str, router: str) ->
     }
     none, belady, oracle = s["none"], s["belady"], s["oracle"]
     where = (
-        f"{trace}[:{n}] {scenario_name} {router}: none {none['byte_hit_rate']}/{none['stall_seconds_total']} "
-        f"belady {belady['byte_hit_rate']} oracle {oracle['byte_hit_rate']}/{oracle['stall_seconds_total']}"
+        f"{trace}[:{n}] {scenario_name} {router}: "
+        f"none {none['byte_hit_rate']}/{none['stall_seconds_total']} "
+        f"belady {belady['byte_hit_rate']} "
+        f"oracle {oracle['byte_hit_rate']}/{oracle['stall_seconds_total']}"
     )
     assert oracle["byte_hit_rate"] >= none["byte_hit_rate"], where
     assert oracle["stall_seconds_total"] <= none["stall_seconds_total"], where
@@ -240,8 +242,9 @@ def test_a_request_admitted_while_its_prefetch_lands_waits_for_the_rest_only() -
 
 
 def test_belady_ranks_copies_by_their_next_use_anywhere() -> None:
-    """A's blocks on instance 0 are used next on instance 1 (D), then never: C must evict them, not B's,
-    which E needs on instance 0. Ranked by their stale next use (D's arrival) A's would stay."""
+    """A's blocks on instance 0 are used next on instance 1 (D), then never: C must evict them,
+    not B's, which E needs on instance 0. Ranked by their stale next use (D's arrival) A's would
+    stay."""
     a, b = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4))
     d, c = request(2, 30.0, [*context(0, 4), 97]), request(3, 40.0, context(20, 4))
     e = request(4, 50.0, [*context(10, 4), 98])
@@ -282,7 +285,8 @@ def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
     )
     d = request(3, 45.0, [*context(0, 4), 99], session="s0")
     app_engine = sim_engine(scen, load_model=False)
-    app_engine.models.serving = Serving(Chances({"s0": (0.9, 30.0)}), "chances", None)  # type: ignore[arg-type]
+    chances = Chances({"s0": (0.9, 30.0)})
+    app_engine.models.serving = Serving(chances, "chances", None)  # type: ignore[arg-type]
     engine = EngineFeed(app_engine)
     policy = ScheduledPolicy(app_engine, engine.session)
     submitted: list[Order] = []

@@ -56,7 +56,8 @@ def scenario() -> Scenario:
 
 @pytest.fixture(scope="module")
 def service_url(tmp_path_factory: pytest.TempPathFactory, scenario: Scenario) -> Iterator[str]:
-    """One real service for the module (runs namespace their state), on a port bound before it starts."""
+    """One real service for the module (runs namespace their state), on a port bound before it
+    starts."""
     settings = Settings(
         data_dir=tmp_path_factory.mktemp("svc"),
         store="memory",

@@ -32,7 +32,8 @@ def test_loads_the_shared_traces() -> None:
     ("text", "message"),
     [
         (
-            '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 5',
+            '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n'
+            '{"timestamp": 5',
             "2: not JSON: unexpected end of data: line 1 column 16 (char 15)",
         ),
         ('{"timestamp": 0, "input_length": 1, "output_length": 1}', "1: missing field 'hash_ids'"),

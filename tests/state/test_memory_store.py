@@ -21,7 +21,8 @@ def test_the_dedupe_ring_remembers_the_last_half_at_least_and_max_at_most() -> N
         applied += [e.event_id for e in batch]
         n = store.stats()["remembered_event_ids"]
         assert min(len(applied), 5) <= n <= 10
-        # What is remembered is exactly the last n ids, in order: the newest are never the ones forgotten.
+        # What is remembered is exactly the last n ids, in order: the newest are never the ones
+        # forgotten.
         assert _ids(store, applied) == [False] * (len(applied) - n) + [True] * n
         assert store.apply(batch[-min(len(batch), 5) :]) == [False] * min(len(batch), 5)
 

@@ -215,8 +215,14 @@ def views(store: StateStore) -> dict[str, Any]:
         "live_since": store.live_sessions(len(SESSIONS), active_since_ts=6.0),
         "instances": store.instances(),
         "locations": store.locations(),
-        "holds": {(tier, i): store.holds(tier, i, BLOCKS) for tier, i in LOCATIONS},  # type: ignore[arg-type]
-        "present": {(tier, i): store.present(tier, i, BLOCKS) for tier, i in LOCATIONS},  # type: ignore[arg-type]
+        "holds": {
+            (tier, i): store.holds(tier, i, BLOCKS)  # type: ignore[arg-type]
+            for tier, i in LOCATIONS
+        },
+        "present": {
+            (tier, i): store.present(tier, i, BLOCKS)  # type: ignore[arg-type]
+            for tier, i in LOCATIONS
+        },
         "orders": {o: store.order(o) for o in [*ORDERS, "never-seen"]},
         "stats": store.stats(),
     }

@@ -744,7 +744,8 @@ def test_orders_idle_past_the_retention_are_forgotten(bounded: StateStore) -> No
 
 
 def test_an_order_stays_while_any_of_its_events_is_recent(bounded: StateStore) -> None:
-    # A completion stamped before the accepted it beats still keeps the order alive by the later one.
+    # A completion stamped before the accepted it beats still keeps the order alive by the later
+    # one.
     bounded.apply([_order("o", 20.0), _order("o", 10.0, "completed"), _order("x", 115.0)])
     assert bounded.order("o").status == "completed"  # last activity 20 >= cutoff 15
     bounded.apply([_order("x", 121.0)])

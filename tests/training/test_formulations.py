@@ -1,4 +1,5 @@
-"""`python -m training.formulations`: every formulation judged at every horizon, the same each run."""
+"""`python -m training.formulations`: every formulation judged at every horizon, the same each
+run."""
 
 from __future__ import annotations
 

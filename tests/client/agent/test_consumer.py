@@ -1,4 +1,5 @@
-"""The order sources: the pull endpoint (a scripted service) and the Redis Stream (the real Redis)."""
+"""The order sources: the pull endpoint (a scripted service) and the Redis Stream (the real
+Redis)."""
 
 from __future__ import annotations
 
