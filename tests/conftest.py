@@ -1,4 +1,5 @@
-"""Shared fixtures. Redis tests use the real server; a missing server fails them with a clear message."""
+"""Shared fixtures. Redis tests use the real server; a missing server fails them with a clear
+message."""
 
 from __future__ import annotations
 
@@ -65,7 +66,9 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
             collection = next(iter(self.registered_collections.values()), [])
             twice = sorted(n for n, count in Counter(collection).items() if count > 1)
             if twice:
-                raise pytest.UsageError(f"tests sharing an id would not all run under xdist: {twice}")
+                raise pytest.UsageError(
+                    f"tests sharing an id would not all run under xdist: {twice}"
+                )
             super().schedule()
 
     return GroupScheduling(config, log)
@@ -106,8 +109,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     lock_dir = Path(basetemp).parent if basetemp else Path(tempfile.gettempdir())
     run = workerinput["testrunuid"]
     alone = item.get_closest_marker("alone") is not None
-    with open(lock_dir / f"kvp-xdist-{run}.gate", "a") as gate, \
-            open(lock_dir / f"kvp-xdist-{run}.run", "a") as running:
+    with (
+        open(lock_dir / f"kvp-xdist-{run}.gate", "a") as gate,
+        open(lock_dir / f"kvp-xdist-{run}.run", "a") as running,
+    ):
         fcntl.flock(gate, fcntl.LOCK_EX)
         try:
             fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
@@ -163,7 +168,8 @@ def clean_redis(redis_url: str, redis_prefix: str) -> Iterator[str]:
 
 @contextmanager
 def live_server(app: Any, hang_guard_seconds: float = 30.0) -> Iterator[str]:
-    """Serve `app` with uvicorn in a thread, on a port bound before it starts (no race); yields its URL."""
+    """Serve `app` with uvicorn in a thread, on a port bound before it starts (no race); yields
+    its URL."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -187,8 +193,11 @@ def live_server(app: Any, hang_guard_seconds: float = 30.0) -> Iterator[str]:
 
 
 def trace_slice(tmp_path: Path, trace_name: str, requests: int) -> Path:
-    """The first `requests` lines of a shared trace, as a file of its own (named e.g. synthetic300.jsonl)."""
-    lines = (TRACES / f"mooncake_{trace_name}.jsonl").read_text().splitlines(keepends=True)[:requests]
+    """The first `requests` lines of a shared trace, as a file of its own (named e.g.
+    synthetic300.jsonl)."""
+    lines = (
+        (TRACES / f"mooncake_{trace_name}.jsonl").read_text().splitlines(keepends=True)[:requests]
+    )
     path = tmp_path / f"{trace_name.split('_')[0]}{requests}.jsonl"
     path.write_text("".join(lines))
     return path

@@ -22,8 +22,18 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 # What a wheel is built from; the rest (tests, docs, .git, the venv) stays behind.
-SERVER_SOURCES = ("pyproject.toml", "setup.py", "MANIFEST.in", "README.md", "app", "bench", "sim",
-                  "training", "models", "data")
+SERVER_SOURCES = (
+    "pyproject.toml",
+    "setup.py",
+    "MANIFEST.in",
+    "README.md",
+    "app",
+    "bench",
+    "sim",
+    "training",
+    "models",
+    "data",
+)
 INSTALL_TIMEOUT_SECONDS = 600.0
 READY_TIMEOUT_SECONDS = 60.0
 
@@ -44,8 +54,20 @@ def build_wheels(out: Path, *, server: bool) -> list[Path]:
                 shutil.copy2(path, src / name)
         targets.append(src)
     wheels = out / "wheels"
-    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", *map(str, targets),
-         "-w", str(wheels)], cwd=out)
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--quiet",
+            *map(str, targets),
+            "-w",
+            str(wheels),
+        ],
+        cwd=out,
+    )
     return sorted(wheels.glob("*.whl"))
 
 
@@ -55,8 +77,18 @@ def make_venv(path: Path, wheels: Sequence[Path]) -> Path:
     bin_dir = path / "bin"
     # --no-compile: byte-compiling numpy, pandas and the rest up front takes longer than the
     # install itself; what runs compiles as it is imported.
-    run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", "--no-compile",
-         *map(str, wheels)], cwd=path.parent)
+    run(
+        [
+            str(bin_dir / "python"),
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-compile",
+            *map(str, wheels),
+        ],
+        cwd=path.parent,
+    )
     return bin_dir
 
 
@@ -68,19 +100,36 @@ def installed(bin_dir: Path) -> set[str]:
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The environment without this checkout on the path and without the developer's KVP_*."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("KVP_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("KVP_") and k not in ("PYTHONPATH", "VIRTUAL_ENV")
+    }
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
     return env
 
 
-def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str] | None = None,
-        timeout: float = INSTALL_TIMEOUT_SECONDS) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(list(cmd), cwd=cwd, env=env if env is not None else clean_env(),
-                          capture_output=True, text=True, timeout=timeout, check=False)
-    assert done.returncode == 0, (f"{' '.join(cmd)} exited with {done.returncode}:\n"
-                                  f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+def run(
+    cmd: Sequence[str],
+    *,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = INSTALL_TIMEOUT_SECONDS,
+) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(
+        list(cmd),
+        cwd=cwd,
+        env=env if env is not None else clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert done.returncode == 0, (
+        f"{' '.join(cmd)} exited with {done.returncode}:\n"
+        f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
     return done
 
 
@@ -95,13 +144,21 @@ def serving(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], url: str) -> 
     """Run the service command until its /readyz answers 200; yields `url`, then kills it."""
     log_path = cwd / "service.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(list(cmd), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            list(cmd),
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + READY_TIMEOUT_SECONDS
         while True:
-            assert proc.poll() is None, (f"the service exited with {proc.returncode}:\n"
-                                         f"{_tail(log_path)}")
+            assert proc.poll() is None, (
+                f"the service exited with {proc.returncode}:\n{_tail(log_path)}"
+            )
             try:
                 if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
                     break

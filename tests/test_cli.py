@@ -14,7 +14,9 @@ from app.core.security import Scope, load_tokens
 
 
 def test_token_prints_a_token_and_its_file_entry_with_a_digest_only(tmp_path: Path) -> None:
-    result = CliRunner().invoke(cli, ["token", "--name", "router-a", "--scope", "ingest", "--scope", "agent"])
+    result = CliRunner().invoke(
+        cli, ["token", "--name", "router-a", "--scope", "ingest", "--scope", "agent"]
+    )
     assert result.exit_code == 0, result.output
     token = result.stdout.strip()
     assert len(token) >= 40
@@ -26,21 +28,29 @@ def test_token_prints_a_token_and_its_file_entry_with_a_digest_only(tmp_path: Pa
     assert principal is not None and principal.scopes == {Scope.INGEST, Scope.AGENT, Scope.READ}
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--name", "a b", "--scope", "ingest"], "letters, digits"),
-    (["--name", "a", "--scope", "root"], "ingest, agent or admin"),
-    (["--name", "a", "--scope", "read"], "at least one of ingest, agent, admin"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--name", "a b", "--scope", "ingest"], "letters, digits"),
+        (["--name", "a", "--scope", "root"], "ingest, agent or admin"),
+        (["--name", "a", "--scope", "read"], "at least one of ingest, agent, admin"),
+    ],
+)
 def test_token_refuses_a_bad_name_or_scope(args: list[str], message: str) -> None:
     result = CliRunner().invoke(cli, ["token", *args])
     assert result.exit_code == 2
     assert message in result.output
 
 
-def test_serve_without_tokens_refuses_a_public_address(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_serve_without_tokens_refuses_a_public_address(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     monkeypatch.chdir(tmp_path)  # no .env of the checkout
     for name in ("KVP_INGEST_TOKEN", "KVP_AGENT_TOKEN", "KVP_ADMIN_TOKEN", "KVP_TOKENS_FILE"):
         monkeypatch.delenv(name, raising=False)
     result = CliRunner().invoke(cli, ["serve", "--host", "0.0.0.0", "--port", "1"])
     assert result.exit_code == 2
-    assert "no tokens are configured, so the service may listen on 127.0.0.1 only, not 0.0.0.0" in result.output
+    assert (
+        "no tokens are configured, so the service may listen on 127.0.0.1 only, not 0.0.0.0"
+        in result.output
+    )

@@ -22,18 +22,33 @@ PACKAGES = {
     "kvprefetch_client": ROOT / "client",
 }
 
-ENGINE_LAYERS = ("app.state", "app.predict", "app.ingest", "app.decide", "app.deliver",
-                 "app.observe", "app.core")
+ENGINE_LAYERS = (
+    "app.state",
+    "app.predict",
+    "app.ingest",
+    "app.decide",
+    "app.deliver",
+    "app.observe",
+    "app.core",
+)
 # (importers, what they may not import, why). A name covers the module and everything under it.
 RULES: tuple[tuple[tuple[str, ...], tuple[str, ...], str], ...] = (
-    (("kvprefetch_client",), ("app", "sim", "bench", "training"),
-     "the light client installs without the server"),
-    (ENGINE_LAYERS, ("app.api", "app.cli"),
-     "the engine's layers know nothing of their HTTP and command-line drivers"),
-    (("app.core",), ENGINE_LAYERS[:-1],
-     "app.core is beneath every layer"),
-    (("app",), ("sim", "bench", "training"),
-     "the service needs neither the simulator, nor the benches, nor the training code"),
+    (
+        ("kvprefetch_client",),
+        ("app", "sim", "bench", "training"),
+        "the light client installs without the server",
+    ),
+    (
+        ENGINE_LAYERS,
+        ("app.api", "app.cli"),
+        "the engine's layers know nothing of their HTTP and command-line drivers",
+    ),
+    (("app.core",), ENGINE_LAYERS[:-1], "app.core is beneath every layer"),
+    (
+        ("app",),
+        ("sim", "bench", "training"),
+        "the service needs neither the simulator, nor the benches, nor the training code",
+    ),
 )
 # Drivers may import anything (the CLI runs the benches, replays and training, lazily).
 DRIVERS = ("app.cli",)
@@ -45,11 +60,13 @@ def _under(module: str, names: tuple[str, ...]) -> bool:
 
 def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
-def _imported_modules(tree: ast.AST, module: str, is_package: bool,
-                      known: set[str]) -> Iterator[str]:
+def _imported_modules(
+    tree: ast.AST, module: str, is_package: bool, known: set[str]
+) -> Iterator[str]:
     """The project modules the import statements in `tree` name, TYPE_CHECKING blocks left out.
 
     `import a.b.c` names a.b.c; `from a.b import c, d` names a.b.c if it is a module, and a.b for
@@ -173,7 +190,8 @@ def broken_rules(graph: dict[str, set[str]]) -> list[str]:
 def test_no_import_cycle() -> None:
     found = cycles(import_graph(module_files()))
     assert not found, "import cycles:\n" + "\n".join(
-        f"{' -> '.join(cycle)} (all of {', '.join(component)})" for component, cycle in found)
+        f"{' -> '.join(cycle)} (all of {', '.join(component)})" for component, cycle in found
+    )
 
 
 def test_layers_import_only_what_sits_below_them() -> None:
@@ -188,9 +206,11 @@ def test_the_graph_sees_lazy_imports_and_skips_type_checking(tmp_path: Path) -> 
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from pkg.b import f\n")
     (pkg / "b.py").write_text("def f():\n    from pkg import a\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\n"
-                              "if TYPE_CHECKING:\n    from pkg.a import f\n"
-                              "from . import b\n")
+    (pkg / "c.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from pkg.a import f\n"
+        "from . import b\n"
+    )
     files = {"pkg": pkg / "__init__.py", **{f"pkg.{m}": pkg / f"{m}.py" for m in "abc"}}
     graph = import_graph(files)
     assert graph == {"pkg": set(), "pkg.a": {"pkg.b"}, "pkg.b": {"pkg.a"}, "pkg.c": {"pkg.b"}}
@@ -198,11 +218,19 @@ def test_the_graph_sees_lazy_imports_and_skips_type_checking(tmp_path: Path) -> 
 
 
 def test_a_layer_rule_is_enforced() -> None:
-    assert broken_rules({"kvprefetch_client.client._sync": {"app.core.errors"},
-                         "app.state.memory": {"app.api.deps"},
-                         "app.cli": {"bench.load", "app.api.main"}}) == [
-        ("app.state.memory imports app.api.deps: the engine's layers know nothing of their HTTP and "
-        "command-line drivers"),
-        ("kvprefetch_client.client._sync imports app.core.errors: the light client installs without "
-        "the server"),
+    assert broken_rules(
+        {
+            "kvprefetch_client.client._sync": {"app.core.errors"},
+            "app.state.memory": {"app.api.deps"},
+            "app.cli": {"bench.load", "app.api.main"},
+        }
+    ) == [
+        (
+            "app.state.memory imports app.api.deps: "
+            "the engine's layers know nothing of their HTTP and command-line drivers"
+        ),
+        (
+            "kvprefetch_client.client._sync imports app.core.errors: "
+            "the light client installs without the server"
+        ),
     ]

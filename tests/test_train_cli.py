@@ -47,10 +47,15 @@ def flat(output: str) -> str:
 def test_bad_logs_are_named_with_their_line(tmp_path: Path) -> None:
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    result = CliRunner().invoke(cli, ["train", "--events", str(empty), "--out", str(tmp_path / "m")])
+    result = CliRunner().invoke(
+        cli, ["train", "--events", str(empty), "--out", str(tmp_path / "m")]
+    )
     assert result.exit_code != 0 and "empty.jsonl:thelogholdsnoevents" in flat(result.output)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"type": "session_closed", "event_id": "a", "ts": 1, "session_id": "s"}\n{"type": "session_closed"}\n')
+    bad.write_text(
+        '{"type": "session_closed", "event_id": "a", "ts": 1, "session_id": "s"}\n'
+        '{"type": "session_closed"}\n'
+    )
     result = CliRunner().invoke(cli, ["train", "--events", str(bad), "--out", str(tmp_path / "m")])
     assert result.exit_code != 0 and "bad.jsonl:2:" in flat(result.output)
 
@@ -72,7 +77,9 @@ def test_bars_go_to_stderr_and_leave_json_alone(tiny_log: Path, tmp_path: Path) 
     args = ["train", "--events", str(tiny_log), "--out", str(tmp_path / "m"), "--json", *ROUNDS]
     drawn = CliRunner(env=TERMINAL).invoke(cli, args)
     assert drawn.exit_code == 0, drawn.output
-    assert "replaying synthetic300.events.jsonl" in drawn.stderr and "boosting rounds" in drawn.stderr
+    assert (
+        "replaying synthetic300.events.jsonl" in drawn.stderr and "boosting rounds" in drawn.stderr
+    )
     quiet = CliRunner(env=TERMINAL).invoke(cli, [*args, "--quiet"])
     assert quiet.exit_code == 0 and quiet.stderr == ""
     piped = CliRunner().invoke(cli, args)  # not a terminal: no bars, and --json says nothing else
@@ -83,8 +90,22 @@ def test_bars_go_to_stderr_and_leave_json_alone(tiny_log: Path, tmp_path: Path) 
 def test_tune_is_deterministic_and_recorded_in_the_card(tiny_log: Path, tmp_path: Path) -> None:
     cards = []
     for name in ("a", "b"):
-        result = CliRunner().invoke(cli, ["train", "--events", str(tiny_log), "--out", str(tmp_path / name),
-                                          "--tune", "2", "--seed", "7", "--json", *ROUNDS])
+        result = CliRunner().invoke(
+            cli,
+            [
+                "train",
+                "--events",
+                str(tiny_log),
+                "--out",
+                str(tmp_path / name),
+                "--tune",
+                "2",
+                "--seed",
+                "7",
+                "--json",
+                *ROUNDS,
+            ],
+        )
         assert result.exit_code == 0, result.output
         json.loads(result.stdout)
         cards.append(json.loads((tmp_path / name / "card.json").read_text()))
@@ -94,8 +115,12 @@ def test_tune_is_deterministic_and_recorded_in_the_card(tiny_log: Path, tmp_path
     assert cards[1]["tuning"] == tuning
 
 
-def test_tune_without_optuna_names_the_extra(tiny_log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tune_without_optuna_names_the_extra(
+    tiny_log: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setitem(sys.modules, "optuna", None)
-    result = CliRunner().invoke(cli, ["train", "--events", str(tiny_log), "--out", str(tmp_path / "m"), "--tune", "2"])
+    result = CliRunner().invoke(
+        cli, ["train", "--events", str(tiny_log), "--out", str(tmp_path / "m"), "--tune", "2"]
+    )
     assert result.exit_code != 0 and "kvprefetch[tune]" in flat(result.output)
     assert not (tmp_path / "m").exists()

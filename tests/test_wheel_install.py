@@ -20,17 +20,38 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 TRACE_REQUESTS = 300
 
 
-def _replay(kvprefetch: list[str], trace: Path, scenario: str, policy: str, *, cwd: Path,
-            env: dict[str, str]) -> dict[str, object]:
-    done = run([*kvprefetch, "replay", "--trace", str(trace), "--scenario", scenario,
-                "--policy", policy, "--json"], cwd=cwd, env=env)
+def _replay(
+    kvprefetch: list[str],
+    trace: Path,
+    scenario: str,
+    policy: str,
+    *,
+    cwd: Path,
+    env: dict[str, str],
+) -> dict[str, object]:
+    done = run(
+        [
+            *kvprefetch,
+            "replay",
+            "--trace",
+            str(trace),
+            "--scenario",
+            scenario,
+            "--policy",
+            policy,
+            "--json",
+        ],
+        cwd=cwd,
+        env=env,
+    )
     result = json.loads(done.stdout)
     del result["wall_seconds"]  # the one figure that is the machine's, not the replay's
     return dict(result)
 
 
 def test_the_wheels_serve_the_bundled_model_and_replay_the_shipped_scenarios(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     wheels = build_wheels(tmp_path / "build", server=True)
     assert sorted(w.name.split("-")[0] for w in wheels) == ["kvprefetch", "kvprefetch_client"]
     bin_dir = make_venv(tmp_path / "venv", wheels)
@@ -40,8 +61,10 @@ def test_the_wheels_serve_the_bundled_model_and_replay_the_shipped_scenarios(
 
     # The installed package finds the wheel's copies, inside the venv, and they are the
     # checkout's files.
-    script = ("from app.core.bundle import DEFAULT_MODEL_DIR, SCENARIO_DIR; "
-              "print(DEFAULT_MODEL_DIR); print(SCENARIO_DIR)")
+    script = (
+        "from app.core.bundle import DEFAULT_MODEL_DIR, SCENARIO_DIR; "
+        "print(DEFAULT_MODEL_DIR); print(SCENARIO_DIR)"
+    )
     where = run([str(bin_dir / "python"), "-c", script], cwd=work, env=env).stdout.split()
     checkout_dirs = (DEFAULT_MODEL_DIR, SCENARIO_DIR)
     for installed, checkout in zip(map(Path, where), checkout_dirs, strict=True):
@@ -52,10 +75,15 @@ def test_the_wheels_serve_the_bundled_model_and_replay_the_shipped_scenarios(
             assert (installed / name).read_bytes() == (checkout / name).read_bytes(), name
 
     port = free_port()
-    service_env = clean_env(KVP_STORE="memory", KVP_HOST="127.0.0.1",
-                            KVP_DATA_DIR=str(tmp_path / "data"))
-    with serving([str(bin_dir / "kvprefetch"), "serve", "--port", str(port)], cwd=work,
-                 env=service_env, url=f"http://127.0.0.1:{port}") as url:
+    service_env = clean_env(
+        KVP_STORE="memory", KVP_HOST="127.0.0.1", KVP_DATA_DIR=str(tmp_path / "data")
+    )
+    with serving(
+        [str(bin_dir / "kvprefetch"), "serve", "--port", str(port)],
+        cwd=work,
+        env=service_env,
+        url=f"http://127.0.0.1:{port}",
+    ) as url:
         model = httpx.get(f"{url}/v1/model", timeout=5).json()
     # The heuristic (version null) serves when the model is missing or does not load.
     assert (model["predictor"], model["version"]) == ("learned (default)", "default")
@@ -67,10 +95,12 @@ def test_the_wheels_serve_the_bundled_model_and_replay_the_shipped_scenarios(
     # Every scenario without a model (cheap), and the bundled model's policy on the default one
     # (the learned replay takes several times as long).
     for scenario, policy in [*((s, "none") for s in scenarios), ("default", "learned")]:
-        installed_result = _replay([str(bin_dir / "kvprefetch")], trace, scenario, policy,
-                                   cwd=work, env=env)
+        installed_result = _replay(
+            [str(bin_dir / "kvprefetch")], trace, scenario, policy, cwd=work, env=env
+        )
         assert (installed_result["scenario"], installed_result["policy"]) == (scenario, policy)
         assert installed_result["requests"] == TRACE_REQUESTS
-        checkout_result = _replay([sys.executable, "-m", "app.cli"], trace, scenario, policy,
-                                  cwd=work, env=checkout_env)
+        checkout_result = _replay(
+            [sys.executable, "-m", "app.cli"], trace, scenario, policy, cwd=work, env=checkout_env
+        )
         assert installed_result == checkout_result, (scenario, policy)

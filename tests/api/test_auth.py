@@ -30,15 +30,28 @@ def bearer(token: str) -> dict[str, str]:
 
 
 def progress(event_id: str, order_id: str = "o1") -> dict[str, Any]:
-    return {"type": "order_progress", "event_id": event_id, "ts": 2.0, "order_id": order_id,
-            "status": "accepted"}
+    return {
+        "type": "order_progress",
+        "event_id": event_id,
+        "ts": 2.0,
+        "order_id": order_id,
+        "status": "accepted",
+    }
 
 
 @pytest.fixture
 def secured_settings(tmp_path: Path) -> Settings:
-    return Settings(data_dir=tmp_path, log_fsync=False, max_batch_events=50, ingest_token=INGEST,
-                    agent_token=AGENT, admin_token=ADMIN, score_interval_seconds=0, plan_interval_seconds=0,
-                    dashboard_sample_seconds=0)
+    return Settings(
+        data_dir=tmp_path,
+        log_fsync=False,
+        max_batch_events=50,
+        ingest_token=INGEST,
+        agent_token=AGENT,
+        admin_token=ADMIN,
+        score_interval_seconds=0,
+        plan_interval_seconds=0,
+        dashboard_sample_seconds=0,
+    )
 
 
 @pytest.fixture
@@ -48,7 +61,9 @@ def secured(secured_settings: Settings) -> Iterator[TestClient]:
 
 
 def post_events(client: TestClient, events: list[dict[str, Any]], token: str | None) -> Any:
-    return client.post("/v1/events", json={"events": events}, headers=bearer(token) if token else {})
+    return client.post(
+        "/v1/events", json={"events": events}, headers=bearer(token) if token else {}
+    )
 
 
 # -- who may call what --------------------------------------------------------------------------
@@ -59,8 +74,13 @@ ORDERS = ("GET", "/v1/orders?instance_id=gpu-0", None)
 RELOAD = ("POST", "/v1/model/reload", {"model_dir": "/nonexistent"})
 SHADOW = ("DELETE", "/v1/model/shadow", None)
 CONFIG = ("GET", "/v1/config", None)
-READS = [("GET", "/v1/sessions/s1", None), ("GET", "/v1/instances", None), ("GET", "/v1/locations", None),
-         ("GET", "/v1/scheduler", None), ("GET", "/v1/model", None)]
+READS = [
+    ("GET", "/v1/sessions/s1", None),
+    ("GET", "/v1/instances", None),
+    ("GET", "/v1/locations", None),
+    ("GET", "/v1/scheduler", None),
+    ("GET", "/v1/model", None),
+]
 
 
 def call(client: TestClient, endpoint: tuple[str, str, Any], token: str | None) -> Any:
@@ -68,15 +88,19 @@ def call(client: TestClient, endpoint: tuple[str, str, Any], token: str | None) 
     return client.request(method, path, json=body, headers=bearer(token) if token else {})
 
 
-@pytest.mark.parametrize(("endpoint", "allowed", "refused"), [
-    (HINT, [INGEST], [AGENT, ADMIN]),
-    (ORDERS, [AGENT], [INGEST, ADMIN]),
-    (RELOAD, [ADMIN], [INGEST, AGENT]),
-    (SHADOW, [ADMIN], [INGEST, AGENT]),
-    (CONFIG, [ADMIN], [INGEST, AGENT]),
-])
-def test_each_scope_is_refused_elsewhere(secured: TestClient, endpoint: tuple[str, str, Any],
-                                         allowed: list[str], refused: list[str]) -> None:
+@pytest.mark.parametrize(
+    ("endpoint", "allowed", "refused"),
+    [
+        (HINT, [INGEST], [AGENT, ADMIN]),
+        (ORDERS, [AGENT], [INGEST, ADMIN]),
+        (RELOAD, [ADMIN], [INGEST, AGENT]),
+        (SHADOW, [ADMIN], [INGEST, AGENT]),
+        (CONFIG, [ADMIN], [INGEST, AGENT]),
+    ],
+)
+def test_each_scope_is_refused_elsewhere(
+    secured: TestClient, endpoint: tuple[str, str, Any], allowed: list[str], refused: list[str]
+) -> None:
     for token in allowed:
         r = call(secured, endpoint, token)
         assert r.status_code not in (401, 403, 429), (token, r.text)
@@ -90,15 +114,21 @@ def test_each_scope_is_refused_elsewhere(secured: TestClient, endpoint: tuple[st
 
 
 @pytest.mark.parametrize("endpoint", [HINT, ORDERS, RELOAD, SHADOW, CONFIG, *READS])
-def test_every_scoped_endpoint_wants_a_valid_token(secured: TestClient, endpoint: tuple[str, str, Any]) -> None:
+def test_every_scoped_endpoint_wants_a_valid_token(
+    secured: TestClient, endpoint: tuple[str, str, Any]
+) -> None:
     missing = call(secured, endpoint, None)
     assert missing.status_code == 401
-    assert missing.json() == {"detail": "a bearer token is required: Authorization: Bearer <token>",
-                              "field": "authorization"}
+    assert missing.json() == {
+        "detail": "a bearer token is required: Authorization: Bearer <token>",
+        "field": "authorization",
+    }
     assert missing.headers["www-authenticate"] == 'Bearer realm="kvprefetch"'
     wrong = call(secured, endpoint, "not-the-right-token-at-all")
     assert wrong.status_code == 401 and wrong.json()["detail"] == "the bearer token is not valid"
-    basic = secured.request(endpoint[0], endpoint[1], json=endpoint[2], headers={"authorization": "Basic eDp5"})
+    basic = secured.request(
+        endpoint[0], endpoint[1], json=endpoint[2], headers={"authorization": "Basic eDp5"}
+    )
     assert basic.status_code == 401
 
 
@@ -108,7 +138,9 @@ def test_every_token_may_read(secured: TestClient, endpoint: tuple[str, str, Any
         assert call(secured, endpoint, token).status_code in (200, 404)
 
 
-def test_events_take_ingest_tokens_and_agents_only_for_their_own_events(secured: TestClient) -> None:
+def test_events_take_ingest_tokens_and_agents_only_for_their_own_events(
+    secured: TestClient,
+) -> None:
     assert post_events(secured, [routed("e1")], INGEST).json()["accepted"] == ["e1"]
     assert post_events(secured, [progress("p1")], AGENT).json()["accepted"] == ["p1"]
     refused = post_events(secured, [progress("p2"), routed("e2")], AGENT)
@@ -116,19 +148,36 @@ def test_events_take_ingest_tokens_and_agents_only_for_their_own_events(secured:
     assert refused.json()["field"] == "events[1].type"
     assert "not request_routed; nothing of the batch was accepted" in refused.json()["detail"]
     # Nothing of the refused batch went in: resending it with the right token accepts both.
-    assert post_events(secured, [progress("p2"), routed("e2")], INGEST).json()["accepted"] == ["p2", "e2"]
+    assert post_events(secured, [progress("p2"), routed("e2")], INGEST).json()["accepted"] == [
+        "p2",
+        "e2",
+    ]
     assert post_events(secured, [routed("e3")], ADMIN).status_code == 403
     assert post_events(secured, [routed("e3")], None).status_code == 401
 
 
 def test_health_metrics_and_the_dashboard_are_open_by_default(secured: TestClient) -> None:
-    for path in ("/healthz", "/readyz", "/metrics", "/dashboard", "/v1/dashboard/now", "/openapi.json"):
+    for path in (
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/dashboard",
+        "/v1/dashboard/now",
+        "/openapi.json",
+    ):
         assert secured.get(path).status_code == 200, path
 
 
 def test_observability_can_be_protected(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path, log_fsync=False, agent_token=AGENT, protect_observability=True,
-                        score_interval_seconds=0, plan_interval_seconds=0, dashboard_sample_seconds=0)
+    settings = Settings(
+        data_dir=tmp_path,
+        log_fsync=False,
+        agent_token=AGENT,
+        protect_observability=True,
+        score_interval_seconds=0,
+        plan_interval_seconds=0,
+        dashboard_sample_seconds=0,
+    )
     with TestClient(create_app(settings)) as c:
         for path in ("/metrics", "/dashboard", "/v1/dashboard/now", "/v1/dashboard/series"):
             assert c.get(path).status_code == 401, path
@@ -158,13 +207,18 @@ def test_config_shows_settings_and_token_names_never_tokens(secured: TestClient)
     body = secured.get("/v1/config", headers=bearer(ADMIN)).json()
     assert body["settings"]["admin_token"] == "**********"
     assert body["settings"]["max_batch_events"] == 50
-    assert body["tokens"] == {"env:ingest": ["ingest", "read"], "env:agent": ["agent", "read"],
-                              "env:admin": ["admin", "read"]}
+    assert body["tokens"] == {
+        "env:ingest": ["ingest", "read"],
+        "env:agent": ["agent", "read"],
+        "env:admin": ["admin", "read"],
+    }
     text = str(body)
     assert all(t not in text for t in (INGEST, AGENT, ADMIN))
 
 
-def test_tokens_are_never_logged(secured_settings: Settings, caplog: pytest.LogCaptureFixture) -> None:
+def test_tokens_are_never_logged(
+    secured_settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
     with caplog.at_level(logging.DEBUG), TestClient(create_app(secured_settings)) as c:
         post_events(c, [routed("e1")], INGEST)
         post_events(c, [routed("e2")], "a-wrong-token-xxxxxxxx")
@@ -174,21 +228,37 @@ def test_tokens_are_never_logged(secured_settings: Settings, caplog: pytest.LogC
 
 
 def test_without_tokens_the_service_says_so_and_refuses_a_public_address(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO), TestClient(create_app(Settings(data_dir=tmp_path, log_fsync=False))) as c:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with (
+        caplog.at_level(logging.INFO),
+        TestClient(create_app(Settings(data_dir=tmp_path, log_fsync=False))) as c,
+    ):
         assert c.post("/v1/model/reload", json={"model_dir": "/nonexistent"}).status_code == 422
     assert "authentication off (no tokens configured): listening on 127.0.0.1 only" in caplog.text
-    with pytest.raises(ConfigError, match="may listen on 127.0.0.1 only, not 0.0.0.0"):
-        with TestClient(create_app(Settings(data_dir=tmp_path, host="0.0.0.0"))):
-            pass
+    with (
+        pytest.raises(ConfigError, match=r"may listen on 127\.0\.0\.1 only, not 0\.0\.0\.0"),
+        TestClient(create_app(Settings(data_dir=tmp_path, host="0.0.0.0"))),
+    ):
+        pass
 
 
 # -- limits -------------------------------------------------------------------------------------
 
+
 def test_a_client_over_its_request_rate_gets_429_with_retry_after(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path, log_fsync=False, ingest_token=INGEST, agent_token=AGENT,
-                        admin_token=ADMIN, rate_limit_requests_per_second=0.01, rate_limit_burst_seconds=100,
-                        score_interval_seconds=0, plan_interval_seconds=0, dashboard_sample_seconds=0)
+    settings = Settings(
+        data_dir=tmp_path,
+        log_fsync=False,
+        ingest_token=INGEST,
+        agent_token=AGENT,
+        admin_token=ADMIN,
+        rate_limit_requests_per_second=0.01,
+        rate_limit_burst_seconds=100,
+        score_interval_seconds=0,
+        plan_interval_seconds=0,
+        dashboard_sample_seconds=0,
+    )
     with TestClient(create_app(settings)) as c:
         assert post_events(c, [routed("e1")], INGEST).status_code == 200
         r = post_events(c, [routed("e2")], INGEST)
@@ -203,10 +273,18 @@ def test_a_client_over_its_request_rate_gets_429_with_retry_after(tmp_path: Path
         assert c.get("/v1/sessions/s1", headers=bearer(ADMIN)).json()["turns"] == 1
 
 
-def test_a_client_over_its_event_rate_gets_429_and_nothing_of_the_batch_is_taken(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path, log_fsync=False, rate_limit_events_per_second=0.01,
-                        rate_limit_burst_seconds=150, score_interval_seconds=0, plan_interval_seconds=0,
-                        dashboard_sample_seconds=0)
+def test_a_client_over_its_event_rate_gets_429_and_nothing_of_the_batch_is_taken(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(
+        data_dir=tmp_path,
+        log_fsync=False,
+        rate_limit_events_per_second=0.01,
+        rate_limit_burst_seconds=150,
+        score_interval_seconds=0,
+        plan_interval_seconds=0,
+        dashboard_sample_seconds=0,
+    )
     with TestClient(create_app(settings)) as c:  # no tokens: the address is the client
         assert post_events(c, [routed("e1"), routed("e2", ts=2.0)], None).status_code == 200
         r = post_events(c, [routed("e3", "s2")], None)
@@ -215,17 +293,29 @@ def test_a_client_over_its_event_rate_gets_429_and_nothing_of_the_batch_is_taken
         assert 'kvprefetch_event_batches_refused_total{code="429"} 1.0' in c.get("/metrics").text
 
 
-def test_a_full_backlog_refuses_with_503_before_logging_and_a_read_drains_it(tmp_path: Path) -> None:
-    settings = Settings(data_dir=tmp_path, log_fsync=False, backlog_max_events=3, max_batch_events=3,
-                        score_interval_seconds=0, plan_interval_seconds=0, dashboard_sample_seconds=0)
+def test_a_full_backlog_refuses_with_503_before_logging_and_a_read_drains_it(
+    tmp_path: Path,
+) -> None:
+    settings = Settings(
+        data_dir=tmp_path,
+        log_fsync=False,
+        backlog_max_events=3,
+        max_batch_events=3,
+        score_interval_seconds=0,
+        plan_interval_seconds=0,
+        dashboard_sample_seconds=0,
+    )
     with TestClient(create_app(settings)) as c:
         app = c.app
         c.portal.call(_stop_draining, app)  # type: ignore[union-attr]
         assert post_events(c, [routed("e1"), routed("e2", ts=2.0)], None).status_code == 200
         r = post_events(c, [routed("e3", "s2"), routed("e4", "s2")], None)
         assert r.status_code == 503
-        assert r.json() == {"detail": "the planning side is behind: 2 events wait (KVP_BACKLOG_MAX_EVENTS 3); "
-                                      "retry later", "field": "backlog"}
+        assert r.json() == {
+            "detail": "the planning side is behind: 2 events wait (KVP_BACKLOG_MAX_EVENTS 3); "
+            "retry later",
+            "field": "backlog",
+        }
         assert r.headers["retry-after"] == "1"
         assert c.get("/v1/sessions/s2").status_code == 404  # refused before the log and the store
         assert app.state.engine.backlog.events == 2  # type: ignore[attr-defined]
@@ -241,7 +331,9 @@ async def _stop_draining(app: Any) -> None:
 
 
 def test_a_batch_limit_over_the_backlog_is_a_settings_error() -> None:
-    with pytest.raises(ValueError, match=r"max_batch_events \(10\) must not exceed backlog_max_events \(5\)"):
+    with pytest.raises(
+        ValueError, match=r"max_batch_events \(10\) must not exceed backlog_max_events \(5\)"
+    ):
         Settings(max_batch_events=10, backlog_max_events=5)
 
 
@@ -252,11 +344,17 @@ HOOK_SECRET = "T000/B000/hook-secret-77aa"
 
 
 def test_config_logs_and_the_settings_repr_mask_urls_secrets(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     redis_url = f"redis://app:{REDIS_PASSWORD}@cache.internal:6380/2?password={REDIS_PASSWORD}"
     webhook_url = f"https://hooks.example.com/services/{HOOK_SECRET}?key={HOOK_SECRET}"
-    settings = Settings(data_dir=tmp_path, log_fsync=False, admin_token=ADMIN, redis_url=redis_url,
-                        order_webhook_url=webhook_url)
+    settings = Settings(
+        data_dir=tmp_path,
+        log_fsync=False,
+        admin_token=ADMIN,
+        redis_url=redis_url,
+        order_webhook_url=webhook_url,
+    )
     with caplog.at_level(logging.DEBUG), TestClient(create_app(settings)) as c:
         shown = c.get("/v1/config", headers=bearer(ADMIN)).json()["settings"]
     assert shown["redis_url"] == "redis://app:****@cache.internal:6380/2?****"
@@ -267,8 +365,13 @@ def test_config_logs_and_the_settings_repr_mask_urls_secrets(
 
 def test_readyz_shows_no_path(tmp_path: Path) -> None:
     for protect in (False, True):
-        settings = Settings(data_dir=tmp_path / "data", log_fsync=False, admin_token=ADMIN,
-                            protect_observability=protect, shadow_model_dir=tmp_path / "absent")
+        settings = Settings(
+            data_dir=tmp_path / "data",
+            log_fsync=False,
+            admin_token=ADMIN,
+            protect_observability=protect,
+            shadow_model_dir=tmp_path / "absent",
+        )
         with TestClient(create_app(settings)) as c:
             ready = c.get("/readyz")
         assert ready.status_code == 200
@@ -277,14 +380,21 @@ def test_readyz_shows_no_path(tmp_path: Path) -> None:
 
 
 def test_the_startup_line_names_the_redis_store_without_its_password(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from app.state import MemoryStore
 
-    settings = Settings(data_dir=tmp_path, log_fsync=False, store="redis",
-                        redis_url=f"redis://:{REDIS_PASSWORD}@cache.internal:6380/2")
+    settings = Settings(
+        data_dir=tmp_path,
+        log_fsync=False,
+        store="redis",
+        redis_url=f"redis://:{REDIS_PASSWORD}@cache.internal:6380/2",
+    )
     # A store injected in its place: the line is what a Redis deployment logs, no Redis needed.
-    with caplog.at_level(logging.INFO), TestClient(create_app(
-            settings, store=MemoryStore(bytes_per_token=1, block_tokens=512))):
+    with (
+        caplog.at_level(logging.INFO),
+        TestClient(create_app(settings, store=MemoryStore(bytes_per_token=1, block_tokens=512))),
+    ):
         pass
     assert "store=redis at redis://:****@cache.internal:6380/2" in caplog.text
     assert REDIS_PASSWORD not in caplog.text

@@ -30,37 +30,62 @@ def empty_events(n: int) -> bytes:
 
 
 def test_a_flood_of_empty_events_is_413_before_any_event_is_parsed(
-        client: TestClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     parsed: list[str] = []
-    real_loads, real_validate = batch_module.orjson.loads, batch_module.event_adapter.validate_python
-    monkeypatch.setattr(batch_module.orjson, "loads", lambda b: parsed.append("orjson.loads") or real_loads(b))
-    monkeypatch.setattr(batch_module, "event_adapter", type("Spy", (), {
-        "validate_python": staticmethod(lambda raw: parsed.append("event") or real_validate(raw))}))
+    real_loads, real_validate = (
+        batch_module.orjson.loads,
+        batch_module.event_adapter.validate_python,
+    )
+    monkeypatch.setattr(
+        batch_module.orjson, "loads", lambda b: parsed.append("orjson.loads") or real_loads(b)
+    )
+    monkeypatch.setattr(
+        batch_module,
+        "event_adapter",
+        type(
+            "Spy",
+            (),
+            {
+                "validate_python": staticmethod(
+                    lambda raw: parsed.append("event") or real_validate(raw)
+                )
+            },
+        ),
+    )
     body = empty_events(20_000)  # 60 kB: within the body limit, 400 times the batch limit (50)
     r = client.post("/v1/events", content=body, headers=JSON)
     assert parsed == []  # counted, not parsed: no JSON objects built, no event validated
     assert r.status_code == 413
-    assert r.json() == {"detail": "a batch holds at most 50 events, got more than 50", "field": "events"}
+    assert r.json() == {
+        "detail": "a batch holds at most 50 events, got more than 50",
+        "field": "events",
+    }
 
 
 def test_a_batch_a_little_over_the_limit_is_413_with_its_count(client: TestClient) -> None:
     r = client.post("/v1/events", content=empty_events(51), headers=JSON)
     assert r.status_code == 413
     assert r.json()["field"] == "events"
-    assert r.json()["detail"] in ("a batch holds at most 50 events, got 51",
-                                  "a batch holds at most 50 events, got more than 50")
+    assert r.json()["detail"] in (
+        "a batch holds at most 50 events, got 51",
+        "a batch holds at most 50 events, got more than 50",
+    )
 
 
-@pytest.mark.parametrize(("body", "events"), [
-    (b'{"events":[{},{},{}]}', 3),
-    (b'{"events":[{"a":"x,y","b":"[,{"},{"c":[1,2,{"d":"]],"}]},3]}', 3),
-    (b'{"events":["[",1,1,1]}', 4),  # a bracket in a string does not hide the commas after it
-    (b'{"events":["\\\\\\"[,,",1]}', 2),  # escaped backslash, then an escaped quote
-    (b'{"events":["\\\\",1,2]}', 3),  # a string ending in an escaped backslash ends there
-    (b'{"events":[]}', 1),
-    (b'{"events":["' + b"," * 100_000 + b'"]}', 1),
-    (b'{"events":[' + b",".join([b"[1,2,3]"] * 70_000) + b"]}", 70_000),  # across count chunks
-])
+@pytest.mark.parametrize(
+    ("body", "events"),
+    [
+        (b'{"events":[{},{},{}]}', 3),
+        (b'{"events":[{"a":"x,y","b":"[,{"},{"c":[1,2,{"d":"]],"}]},3]}', 3),
+        (b'{"events":["[",1,1,1]}', 4),  # a bracket in a string does not hide the commas after it
+        (b'{"events":["\\\\\\"[,,",1]}', 2),  # escaped backslash, then an escaped quote
+        (b'{"events":["\\\\",1,2]}', 3),  # a string ending in an escaped backslash ends there
+        (b'{"events":[]}', 1),
+        (b'{"events":["' + b"," * 100_000 + b'"]}', 1),
+        (b'{"events":[' + b",".join([b"[1,2,3]"] * 70_000) + b"]}", 70_000),  # across count chunks
+    ],
+)
 def test_count_events_counts_the_top_level_array_only(body: bytes, events: int) -> None:
     assert count_events(body, 10**9) == events
 
@@ -109,9 +134,16 @@ def test_a_422_is_a_small_multiple_of_its_request(roomy_client: TestClient) -> N
     # fields, of which 3 are listed while the answer has room.
     assert answer["rejections_omitted"] == 38 * 2402 - MAX_REJECTIONS_PER_ANSWER
     first = answer["rejected"][0]
-    assert first == {"index": 0, "event_id": None, "field": "events[0].event_id",
-                     "message": "String should have at most 128 characters"}
-    assert [r["field"] for r in answer["rejected"][1:3]] == ["events[0].request_id", "events[0].u00000"]
+    assert first == {
+        "index": 0,
+        "event_id": None,
+        "field": "events[0].event_id",
+        "message": "String should have at most 128 characters",
+    }
+    assert [r["field"] for r in answer["rejected"][1:3]] == [
+        "events[0].request_id",
+        "events[0].u00000",
+    ]
     assert answer["rejected"][3]["index"] == 1
 
 
@@ -123,7 +155,10 @@ def test_at_most_a_few_rejections_per_event_and_valid_ids_are_echoed(client: Tes
     assert answer["accepted"] == ["ok1"]
     assert len(answer["rejected"]) == MAX_REJECTIONS_PER_EVENT
     assert {x["event_id"] for x in answer["rejected"]} == {"bad1"}
-    assert (answer["rejected_events"], answer["rejections_omitted"]) == (1, 11 - MAX_REJECTIONS_PER_EVENT)
+    assert (answer["rejected_events"], answer["rejections_omitted"]) == (
+        1,
+        11 - MAX_REJECTIONS_PER_EVENT,
+    )
 
 
 def test_a_long_unknown_field_name_is_clipped(client: TestClient) -> None:

@@ -1,4 +1,5 @@
-"""The dashboard's page and JSON: GET /dashboard, /static, /v1/dashboard/series and /v1/dashboard/now.
+"""The dashboard's page and JSON: GET /dashboard, /static, /v1/dashboard/series and
+/v1/dashboard/now.
 
 The loops are off (interval 0) and the clock is manual: each test drives scoring, planning and
 sampling one tick at a time.
@@ -14,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import SecretStr
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 
 from app.api.main import create_app
 from app.core.clock import ManualClock
@@ -34,8 +35,11 @@ def clock() -> ManualClock:
 
 
 def _quiet(settings: Settings, **kw: Any) -> Settings:
-    update: dict[str, Any] = {"score_interval_seconds": 0.0, "plan_interval_seconds": 0.0,
-                              "dashboard_sample_seconds": 0.0}
+    update: dict[str, Any] = {
+        "score_interval_seconds": 0.0,
+        "plan_interval_seconds": 0.0,
+        "dashboard_sample_seconds": 0.0,
+    }
     update.update(kw)
     return settings.model_copy(update=update)
 
@@ -43,13 +47,16 @@ def _quiet(settings: Settings, **kw: Any) -> Settings:
 @pytest.fixture
 def client(settings: Settings, clock: ManualClock, tmp_path: Path) -> Iterator[TestClient]:
     # The heuristic serves: it prefetches for sessions with a steady rhythm.
-    with TestClient(create_app(_quiet(settings, model_dir=tmp_path / "no-model"), clock=clock)) as c:
+    with TestClient(
+        create_app(_quiet(settings, model_dir=tmp_path / "no-model"), clock=clock)
+    ) as c:
         yield c
 
 
 @pytest.fixture
-def client_showing_ids(settings: Settings, clock: ManualClock,
-                       tmp_path: Path) -> Iterator[TestClient]:
+def client_showing_ids(
+    settings: Settings, clock: ManualClock, tmp_path: Path
+) -> Iterator[TestClient]:
     """As `client`, with the operator's opt-in to session ids on the dashboard."""
     quiet = _quiet(settings, model_dir=tmp_path / "no-model", dashboard_show_session_ids=True)
     with TestClient(create_app(quiet, clock=clock)) as c:
@@ -62,28 +69,66 @@ def post(client: TestClient, events: list[dict[str, Any]]) -> None:
     settle(client)
 
 
-def turns(session: str, instance: str, blocks: list[str], last_ts: float, n: int = 4) -> list[dict[str, Any]]:
+def turns(
+    session: str, instance: str, blocks: list[str], last_ts: float, n: int = 4
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for k in range(n):
         ts = last_ts - (n - 1 - k) * GAP
         common = {"session_id": session, "request_id": f"{session}-r{k}", "instance_id": instance}
-        out.append({"type": "request_routed", "event_id": f"{session}-q{k}", "ts": ts, **common,
-                    "prompt_tokens": len(blocks) * 512, "block_hashes": blocks})
-        out.append({"type": "request_finished", "event_id": f"{session}-f{k}", "ts": ts + 1.0, **common,
-                    "output_tokens": 100, "context_tokens": len(blocks) * 512, "block_hashes": blocks})
+        out.append(
+            {
+                "type": "request_routed",
+                "event_id": f"{session}-q{k}",
+                "ts": ts,
+                **common,
+                "prompt_tokens": len(blocks) * 512,
+                "block_hashes": blocks,
+            }
+        )
+        out.append(
+            {
+                "type": "request_finished",
+                "event_id": f"{session}-f{k}",
+                "ts": ts + 1.0,
+                **common,
+                "output_tokens": 100,
+                "context_tokens": len(blocks) * 512,
+                "block_hashes": blocks,
+            }
+        )
     return out
 
 
 def cluster(now: float, sessions: int = 4, blocks: int = 4) -> list[dict[str, Any]]:
-    """Two instances with room, `sessions` sessions with a steady rhythm, their contexts in the pool."""
+    """Two instances with room, `sessions` sessions with a steady rhythm, their contexts in the
+    pool."""
     events: list[dict[str, Any]] = [
-        {"type": "instance_status", "event_id": f"st-{g}", "ts": now - 1.0, "instance_id": f"gpu-{g}",
-         "free_kv_bytes": 10**12, "total_kv_bytes": 2 * 10**12, "queue_depth": g} for g in range(2)]
+        {
+            "type": "instance_status",
+            "event_id": f"st-{g}",
+            "ts": now - 1.0,
+            "instance_id": f"gpu-{g}",
+            "free_kv_bytes": 10**12,
+            "total_kv_bytes": 2 * 10**12,
+            "queue_depth": g,
+        }
+        for g in range(2)
+    ]
     for i in range(sessions):
-        hashes = [f"c{i}-b{j}" for j in range(blocks + i)]  # sizes differ: the order by chance is by id
+        hashes = [
+            f"c{i}-b{j}" for j in range(blocks + i)
+        ]  # sizes differ: the order by chance is by id
         events += turns(f"chat-{i}", f"gpu-{i % 2}", hashes, now - 2.0)
-        events.append({"type": "kv_blocks_stored", "event_id": f"pool-{i}", "ts": now - 1.0, "tier": "pool",
-                       "block_hashes": hashes})
+        events.append(
+            {
+                "type": "kv_blocks_stored",
+                "event_id": f"pool-{i}",
+                "ts": now - 1.0,
+                "tier": "pool",
+                "block_hashes": hashes,
+            }
+        )
     return events
 
 
@@ -104,7 +149,12 @@ def test_an_empty_service_answers_empty_series_and_zeros(client: TestClient) -> 
     r = client.get("/v1/dashboard/series")
     assert r.status_code == 200
     body = r.json()
-    assert (body["count"], body["ts"], body["since_seconds"], body["interval_seconds"]) == (0, [], 600.0, 0.0)
+    assert (body["count"], body["ts"], body["since_seconds"], body["interval_seconds"]) == (
+        0,
+        [],
+        600.0,
+        0.0,
+    )
     assert body["series"] and all(col == [] for col in body["series"].values())
     now = client.get("/v1/dashboard/now").json()
     assert now["samples"] == 0
@@ -125,21 +175,26 @@ def test_an_empty_service_answers_empty_series_and_zeros(client: TestClient) -> 
 # -- bad query parameters ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("path", "field", "value"), [
-    ("/v1/dashboard/series", "since_seconds", "0"),
-    ("/v1/dashboard/series", "since_seconds", "-5"),
-    ("/v1/dashboard/series", "since_seconds", str(int(HISTORY_SECONDS) + 1)),
-    ("/v1/dashboard/series", "since_seconds", "ten"),
-    ("/v1/dashboard/series", "since_seconds", "nan"),
-    ("/v1/dashboard/series", "since_seconds", "inf"),
-    ("/v1/dashboard/series", "since_seconds", ""),
-    ("/v1/dashboard/now", "limit", "0"),
-    ("/v1/dashboard/now", "limit", "1001"),
-    ("/v1/dashboard/now", "limit", "2.5"),
-    ("/v1/dashboard/now", "instances", "0"),
-    ("/v1/dashboard/now", "instances", "many"),
-])
-def test_a_bad_query_parameter_is_named(client: TestClient, path: str, field: str, value: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "field", "value"),
+    [
+        ("/v1/dashboard/series", "since_seconds", "0"),
+        ("/v1/dashboard/series", "since_seconds", "-5"),
+        ("/v1/dashboard/series", "since_seconds", str(int(HISTORY_SECONDS) + 1)),
+        ("/v1/dashboard/series", "since_seconds", "ten"),
+        ("/v1/dashboard/series", "since_seconds", "nan"),
+        ("/v1/dashboard/series", "since_seconds", "inf"),
+        ("/v1/dashboard/series", "since_seconds", ""),
+        ("/v1/dashboard/now", "limit", "0"),
+        ("/v1/dashboard/now", "limit", "1001"),
+        ("/v1/dashboard/now", "limit", "2.5"),
+        ("/v1/dashboard/now", "instances", "0"),
+        ("/v1/dashboard/now", "instances", "many"),
+    ],
+)
+def test_a_bad_query_parameter_is_named(
+    client: TestClient, path: str, field: str, value: str
+) -> None:
     r = client.get(path, params={field: value})
     assert r.status_code == 422
     body = r.json()
@@ -149,13 +204,18 @@ def test_a_bad_query_parameter_is_named(client: TestClient, path: str, field: st
     assert repr(value) in body["detail"]
 
 
-@pytest.mark.parametrize(("path", "params"), [
-    ("/v1/dashboard/series", {"since_seconds": "0.5"}),
-    ("/v1/dashboard/series", {"since_seconds": str(int(HISTORY_SECONDS))}),
-    ("/v1/dashboard/now", {"limit": "1", "instances": "1"}),
-    ("/v1/dashboard/now", {"limit": "1000", "instances": "1000"}),
-])
-def test_the_bounds_themselves_are_accepted(client: TestClient, path: str, params: dict[str, str]) -> None:
+@pytest.mark.parametrize(
+    ("path", "params"),
+    [
+        ("/v1/dashboard/series", {"since_seconds": "0.5"}),
+        ("/v1/dashboard/series", {"since_seconds": str(int(HISTORY_SECONDS))}),
+        ("/v1/dashboard/now", {"limit": "1", "instances": "1"}),
+        ("/v1/dashboard/now", {"limit": "1000", "instances": "1000"}),
+    ],
+)
+def test_the_bounds_themselves_are_accepted(
+    client: TestClient, path: str, params: dict[str, str]
+) -> None:
     assert client.get(path, params=params).status_code == 200
 
 
@@ -171,18 +231,40 @@ def test_the_endpoints_are_described_with_their_errors(client: TestClient) -> No
 
 def _land(client: TestClient, clock: ManualClock, instance: str) -> list[dict[str, Any]]:
     """An agent leases the instance's prefetches and lands them."""
-    orders = [o for o in client.get("/v1/orders", params={"instance_id": instance}).json()["orders"]
-              if o["kind"] == "prefetch"]
+    orders = [
+        o
+        for o in client.get("/v1/orders", params={"instance_id": instance}).json()["orders"]
+        if o["kind"] == "prefetch"
+    ]
     t = clock.now()
     events: list[dict[str, Any]] = []
     for o in orders:
         events += [
-            {"type": "order_progress", "event_id": f"{o['order_id']}-a", "ts": t, "order_id": o["order_id"],
-             "status": "accepted"},
-            {"type": "order_progress", "event_id": f"{o['order_id']}-c", "ts": t + 0.5, "order_id": o["order_id"],
-             "status": "completed", "bytes": o["size_bytes"], "seconds": 0.5},
-            {"type": "kv_blocks_stored", "event_id": f"{o['order_id']}-hbm", "ts": t + 0.5, "tier": "hbm",
-             "instance_id": instance, "block_hashes": o["block_hashes"]}]
+            {
+                "type": "order_progress",
+                "event_id": f"{o['order_id']}-a",
+                "ts": t,
+                "order_id": o["order_id"],
+                "status": "accepted",
+            },
+            {
+                "type": "order_progress",
+                "event_id": f"{o['order_id']}-c",
+                "ts": t + 0.5,
+                "order_id": o["order_id"],
+                "status": "completed",
+                "bytes": o["size_bytes"],
+                "seconds": 0.5,
+            },
+            {
+                "type": "kv_blocks_stored",
+                "event_id": f"{o['order_id']}-hbm",
+                "ts": t + 0.5,
+                "tier": "hbm",
+                "instance_id": instance,
+                "block_hashes": o["block_hashes"],
+            },
+        ]
     post(client, events)
     return orders
 
@@ -202,9 +284,21 @@ def test_the_series_follows_what_the_service_did(client: TestClient, clock: Manu
     assert sorted(s for o in orders for s in o["session_ids"]) == ["chat-0", "chat-2"]
     clock.advance(1.0)
     # chat-0 comes back to gpu-0, where its context landed: a hit, measured on arrival too.
-    post(client, [{"type": "request_routed", "event_id": "back", "ts": clock.now(), "session_id": "chat-0",
-                   "request_id": "chat-0-r9", "instance_id": "gpu-0", "prompt_tokens": 2048,
-                   "block_hashes": [f"c0-b{j}" for j in range(4)]}])
+    post(
+        client,
+        [
+            {
+                "type": "request_routed",
+                "event_id": "back",
+                "ts": clock.now(),
+                "session_id": "chat-0",
+                "request_id": "chat-0-r9",
+                "instance_id": "gpu-0",
+                "prompt_tokens": 2048,
+                "block_hashes": [f"c0-b{j}" for j in range(4)],
+            }
+        ],
+    )
     clock.advance(1.0)
     sample(client)
 
@@ -218,10 +312,15 @@ def test_the_series_follows_what_the_service_did(client: TestClient, clock: Manu
     assert s["landed_bytes"][-1] == sum(o["size_bytes"] for o in orders)
     assert s["transfer_seconds"][-1] == pytest.approx(1.0)
     assert s["live_hits"] == [0, 0, 1] and s["live_misses"] == [0, 0, 0]
-    assert s["live_hit_rate"] == [None, None, 1.0] and s["live_recent_hit_rate"] == [None, None, 1.0]
+    assert s["live_hit_rate"] == [None, None, 1.0] and s["live_recent_hit_rate"] == [
+        None,
+        None,
+        1.0,
+    ]
     assert s["live_version"] == [None, None, None]  # the heuristic has no version
     assert s["shadow_hit_rate"] == [None, None, None]
-    # The stall: measured on chat-0's arrival (its 4 blocks resident: their pool load, 4 x 13.4 ms)...
+    # The stall: measured on chat-0's arrival (its 4 blocks resident: their pool load,
+    # 4 x 13.4 ms)...
     assert body["stall_basis"] == "measured"
     assert s["stall_seconds_saved"][-1] == pytest.approx(4 * BLOCK_BYTES / 12.5e9)
     assert s["stall_cost_saved"][-1] == pytest.approx(s["stall_seconds_saved"][-1] * 2.5 / 3600)
@@ -238,7 +337,8 @@ def test_the_series_follows_what_the_service_did(client: TestClient, clock: Manu
 
 
 def test_now_lists_the_sessions_likely_back_next_and_each_instance_queue(
-        client_showing_ids: TestClient, clock: ManualClock) -> None:
+    client_showing_ids: TestClient, clock: ManualClock
+) -> None:
     client = client_showing_ids
     post(client, cluster(clock.now()))
     tick(client)
@@ -275,15 +375,30 @@ def test_since_seconds_keeps_the_recent_samples(client: TestClient, clock: Manua
     assert client.get("/v1/dashboard/series").json()["count"] == 10
 
 
-def test_a_shadow_model_is_drawn_beside_the_serving_one(settings: Settings, clock: ManualClock,
-                                                        tmp_path: Path) -> None:
-    quiet = _quiet(settings, model_dir=tmp_path / "no-model", shadow_model_dir=REPO / "models" / "default")
+def test_a_shadow_model_is_drawn_beside_the_serving_one(
+    settings: Settings, clock: ManualClock, tmp_path: Path
+) -> None:
+    quiet = _quiet(
+        settings, model_dir=tmp_path / "no-model", shadow_model_dir=REPO / "models" / "default"
+    )
     with TestClient(create_app(quiet, clock=clock)) as client:
         post(client, cluster(clock.now(), sessions=2))
         tick(client)
         clock.advance(1.0)
-        post(client, [{"type": "request_routed", "event_id": "back", "ts": clock.now(), "session_id": "chat-1",
-                       "request_id": "chat-1-r9", "instance_id": "gpu-1", "prompt_tokens": 2048}])
+        post(
+            client,
+            [
+                {
+                    "type": "request_routed",
+                    "event_id": "back",
+                    "ts": clock.now(),
+                    "session_id": "chat-1",
+                    "request_id": "chat-1-r9",
+                    "instance_id": "gpu-1",
+                    "prompt_tokens": 2048,
+                }
+            ],
+        )
         sample(client)
         s = client.get("/v1/dashboard/series").json()["series"]
         now = client.get("/v1/dashboard/now").json()
@@ -303,7 +418,7 @@ def test_the_page_and_its_files_are_served_by_the_service_itself(client: TestCli
     refs = re.findall(r'(?:src|href)="([^"]+)"', html)
     assert "/static/dashboard.js" in refs and "/static/vendor/uplot/uPlot.iife.min.js" in refs
     # No CDN: every script, style sheet and icon comes from this service.
-    assert all(ref.startswith("/") or ref.startswith("data:") for ref in refs), refs
+    assert all(ref.startswith(("/", "data:")) for ref in refs), refs
     for ref in (x for x in refs if x.startswith("/static/")):
         assert client.get(ref).status_code == 200, ref
     js = client.get("/static/dashboard.js").text
@@ -314,8 +429,13 @@ def test_the_page_and_its_files_are_served_by_the_service_itself(client: TestCli
 
 
 def test_the_sampler_runs_in_the_lifespan_when_configured(settings: Settings) -> None:
-    fast = settings.model_copy(update={"score_interval_seconds": 0.0, "plan_interval_seconds": 0.0,
-                                       "dashboard_sample_seconds": 0.02})
+    fast = settings.model_copy(
+        update={
+            "score_interval_seconds": 0.0,
+            "plan_interval_seconds": 0.0,
+            "dashboard_sample_seconds": 0.02,
+        }
+    )
     with TestClient(create_app(fast)) as client:
         deadline = time.monotonic() + 5.0
         while client.get("/v1/dashboard/now").json()["samples"] < 3:
@@ -330,8 +450,9 @@ def test_sampling_off_starts_no_task(client: TestClient) -> None:
     assert client.app.state.engine.sampling_task is None  # type: ignore[attr-defined]
 
 
-def test_session_ids_are_hidden_unless_the_operator_opts_in(client: TestClient,
-                                                           clock: ManualClock) -> None:
+def test_session_ids_are_hidden_unless_the_operator_opts_in(
+    client: TestClient, clock: ManualClock
+) -> None:
     post(client, cluster(clock.now()))
     tick(client)
     top = client.get("/v1/dashboard/now").json()["top_sessions"]
@@ -341,13 +462,21 @@ def test_session_ids_are_hidden_unless_the_operator_opts_in(client: TestClient,
 
 
 def test_session_ids_are_shown_to_a_caller_with_a_valid_token(
-        settings: Settings, clock: ManualClock, tmp_path: Path) -> None:
+    settings: Settings, clock: ManualClock, tmp_path: Path
+) -> None:
     # Tokens on, observability open (the default): the data answers anyone, ids only with a token.
-    quiet = _quiet(settings, model_dir=tmp_path / "no-model", ingest_token=SecretStr("i" * 32),
-                   admin_token=SecretStr("a" * 32))
+    quiet = _quiet(
+        settings,
+        model_dir=tmp_path / "no-model",
+        ingest_token=SecretStr("i" * 32),
+        admin_token=SecretStr("a" * 32),
+    )
     with TestClient(create_app(quiet, clock=clock)) as c:
-        r = c.post("/v1/events", json={"events": cluster(clock.now())},
-                   headers={"authorization": "Bearer " + "i" * 32})
+        r = c.post(
+            "/v1/events",
+            json={"events": cluster(clock.now())},
+            headers={"authorization": "Bearer " + "i" * 32},
+        )
         assert r.status_code == 200, r.text
         settle(c)
         tick(c)

@@ -27,8 +27,11 @@ class FakeConnection:
 
 
 def registry(total: int, per_client: int) -> ConnectionRegistry:
-    return ConnectionRegistry(EdgeLimits(header_timeout_seconds=1.0, max_connections=total,
-                                         max_connections_per_client=per_client))
+    return ConnectionRegistry(
+        EdgeLimits(
+            header_timeout_seconds=1.0, max_connections=total, max_connections_per_client=per_client
+        )
+    )
 
 
 def test_the_longest_idle_connection_makes_room() -> None:
@@ -59,7 +62,8 @@ def test_with_every_connection_busy_a_new_one_is_refused() -> None:
 def test_a_client_at_its_limit_makes_room_among_its_own() -> None:
     reg = registry(total=10, per_client=2)
     other = FakeConnection("10.0.0.9")
-    assert reg.admit(other)  # type: ignore[arg-type]  # the longest idle of all, but not its address
+    # The longest idle of all, but not its address.
+    assert reg.admit(other)  # type: ignore[arg-type]
     mine = [FakeConnection("10.0.0.1") for _ in range(3)]
     for conn in mine:
         assert reg.admit(conn)  # type: ignore[arg-type]
@@ -82,9 +86,15 @@ def edge_server() -> Iterator[tuple[int, Any]]:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = EdgeConfig(app, limits=EdgeLimits(header_timeout_seconds=30.0, max_connections=4,
-                                               max_connections_per_client=4),
-                        host="127.0.0.1", port=port, log_level="warning")
+    config = EdgeConfig(
+        app,
+        limits=EdgeLimits(
+            header_timeout_seconds=30.0, max_connections=4, max_connections_per_client=4
+        ),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -104,8 +114,10 @@ def test_upgrade_requests_leave_no_connection_behind(edge_server: tuple[int, Any
     port, server = edge_server
     for _ in range(12):  # three times the limit
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-            s.sendall(b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
-                      b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n")
+            s.sendall(
+                b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n"
+                b"sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nsec-websocket-version: 13\r\n\r\n"
+            )
             s.recv(4096)
     r = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10)
     assert r.status_code == 200

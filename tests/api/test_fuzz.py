@@ -26,17 +26,31 @@ from app.core.config import Settings
 
 TOKEN = "fuzz-token-with-every-scope"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+]
 
 
 def fuzz_settings(data_dir: Path) -> Settings:
     # No background loops: each request is the only thing the app does. Metrics and dashboard
     # behind the token too, so every operation goes through the token check.
     return Settings(
-        data_dir=data_dir, log_fsync=False, max_batch_events=50, max_body_bytes=64 * 1024,
-        score_interval_seconds=0, plan_interval_seconds=0, dashboard_sample_seconds=0,
-        ingest_token=TOKEN, agent_token=TOKEN, admin_token=TOKEN, protect_observability=True,
-        rate_limit_requests_per_second=0, rate_limit_events_per_second=0,
+        data_dir=data_dir,
+        log_fsync=False,
+        max_batch_events=50,
+        max_body_bytes=64 * 1024,
+        score_interval_seconds=0,
+        plan_interval_seconds=0,
+        dashboard_sample_seconds=0,
+        ingest_token=TOKEN,
+        agent_token=TOKEN,
+        admin_token=TOKEN,
+        protect_observability=True,
+        rate_limit_requests_per_second=0,
+        rate_limit_events_per_second=0,
     )
 
 

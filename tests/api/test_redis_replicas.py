@@ -13,14 +13,30 @@ from tests.api.conftest import routed
 
 
 def replica(tmp_path: Path, name: str, redis_url: str, prefix: str) -> TestClient:
-    settings = Settings(data_dir=tmp_path / name, store="redis", redis_url=redis_url, redis_prefix=prefix,
-                        replica_id=name, log_fsync=False)
+    settings = Settings(
+        data_dir=tmp_path / name,
+        store="redis",
+        redis_url=redis_url,
+        redis_prefix=prefix,
+        replica_id=name,
+        log_fsync=False,
+    )
     return TestClient(create_app(settings))
 
 
-def test_replicas_share_state_and_idempotency(tmp_path: Path, redis_url: str, clean_redis: str) -> None:
-    with replica(tmp_path, "a", redis_url, clean_redis) as a, replica(tmp_path, "b", redis_url, clean_redis) as b:
-        assert a.post("/v1/events", json={"events": [routed("e1", ts=1.0), routed("e2", ts=2.0)]}).status_code == 200
+def test_replicas_share_state_and_idempotency(
+    tmp_path: Path, redis_url: str, clean_redis: str
+) -> None:
+    with (
+        replica(tmp_path, "a", redis_url, clean_redis) as a,
+        replica(tmp_path, "b", redis_url, clean_redis) as b,
+    ):
+        assert (
+            a.post(
+                "/v1/events", json={"events": [routed("e1", ts=1.0), routed("e2", ts=2.0)]}
+            ).status_code
+            == 200
+        )
         view = b.get("/v1/sessions/s1").json()
         assert (view["turns"], view["recent_arrivals_ts"]) == (2, [1.0, 2.0])
         # A client retrying through the other replica: acknowledged, not applied twice.
@@ -32,7 +48,9 @@ def test_replicas_share_state_and_idempotency(tmp_path: Path, redis_url: str, cl
     assert [e.event_id for _, e in iter_log(tmp_path / "b" / "events")] == ["e3"]
 
 
-def test_a_restarted_replica_replays_only_its_log_tail(tmp_path: Path, redis_url: str, clean_redis: str) -> None:
+def test_a_restarted_replica_replays_only_its_log_tail(
+    tmp_path: Path, redis_url: str, clean_redis: str
+) -> None:
     with replica(tmp_path, "a", redis_url, clean_redis) as a:
         a.post("/v1/events", json={"events": [routed(f"e{i}", ts=float(i)) for i in range(5)]})
     # Restart: the Redis store already holds everything up to its checkpoint.
@@ -46,8 +64,13 @@ def test_a_service_whose_redis_is_unreachable_does_not_start(tmp_path: Path) -> 
 
     from app.core.errors import StoreUnavailable
 
-    settings = Settings(data_dir=tmp_path, store="redis", redis_url="redis://127.0.0.1:1/0",
-                        redis_timeout_seconds=0.2, log_fsync=False)
+    settings = Settings(
+        data_dir=tmp_path,
+        store="redis",
+        redis_url="redis://127.0.0.1:1/0",
+        redis_timeout_seconds=0.2,
+        log_fsync=False,
+    )
     # Startup replays the log tail into the store: without it the service would serve a blind state.
     with pytest.raises(StoreUnavailable), TestClient(create_app(settings)):
         pass

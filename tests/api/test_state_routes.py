@@ -8,7 +8,10 @@ from tests.api.conftest import routed
 
 
 def test_session_view(client: TestClient) -> None:
-    client.post("/v1/events", json={"events": [routed("a", ts=10.0, block_hashes=[1, 2]), routed("b", ts=70.0)]})
+    client.post(
+        "/v1/events",
+        json={"events": [routed("a", ts=10.0, block_hashes=[1, 2]), routed("b", ts=70.0)]},
+    )
     r = client.get("/v1/sessions/s1")
     assert r.status_code == 200
     body = r.json()
@@ -27,31 +30,69 @@ def test_unknown_session_is_404(client: TestClient) -> None:
 
 def test_a_session_id_over_256_characters_is_refused_by_name(client: TestClient) -> None:
     r = client.get("/v1/sessions/" + "s" * 257)
-    assert (r.status_code, r.json()) == (422, {
-        "detail": "the path parameter session_id: String should have at most 256 characters",
-        "field": "session_id"})
+    assert (r.status_code, r.json()) == (
+        422,
+        {
+            "detail": "the path parameter session_id: String should have at most 256 characters",
+            "field": "session_id",
+        },
+    )
 
 
 def test_instances_and_locations(client: TestClient) -> None:
-    client.post("/v1/events", json={"events": [
-        routed("a"),
-        {"type": "kv_blocks_stored", "event_id": "k", "ts": 2.0, "instance_id": "gpu-0", "block_hashes": [1, 2]},
-        {"type": "kv_blocks_stored", "event_id": "p", "ts": 2.0, "tier": "pool", "block_hashes": [1]},
-    ]})
+    client.post(
+        "/v1/events",
+        json={
+            "events": [
+                routed("a"),
+                {
+                    "type": "kv_blocks_stored",
+                    "event_id": "k",
+                    "ts": 2.0,
+                    "instance_id": "gpu-0",
+                    "block_hashes": [1, 2],
+                },
+                {
+                    "type": "kv_blocks_stored",
+                    "event_id": "p",
+                    "ts": 2.0,
+                    "tier": "pool",
+                    "block_hashes": [1],
+                },
+            ]
+        },
+    )
     instances = client.get("/v1/instances").json()["instances"]
     assert [i["instance_id"] for i in instances] == ["gpu-0"]
     assert instances[0]["resident_blocks"] == {"hbm": 2}
     locations = client.get("/v1/locations").json()["locations"]
-    assert [(loc["location"], loc["blocks"]) for loc in locations] == [("hbm@gpu-0", 2), ("pool", 1)]
+    assert [(loc["location"], loc["blocks"]) for loc in locations] == [
+        ("hbm@gpu-0", 2),
+        ("pool", 1),
+    ]
 
 
 def test_instances_come_in_pages_by_id(client: TestClient) -> None:
-    client.post("/v1/events", json={"events": [
-        {"type": "instance_status", "event_id": f"i{k}", "ts": 1.0, "instance_id": f"gpu-{k}", "free_kv_bytes": k}
-        for k in (4, 0, 3, 1, 2)]})
+    client.post(
+        "/v1/events",
+        json={
+            "events": [
+                {
+                    "type": "instance_status",
+                    "event_id": f"i{k}",
+                    "ts": 1.0,
+                    "instance_id": f"gpu-{k}",
+                    "free_kv_bytes": k,
+                }
+                for k in (4, 0, 3, 1, 2)
+            ]
+        },
+    )
     seen, cursor, pages = [], None, 0
     while True:
-        body = client.get("/v1/instances", params={"limit": 2, **({"cursor": cursor} if cursor else {})}).json()
+        body = client.get(
+            "/v1/instances", params={"limit": 2, **({"cursor": cursor} if cursor else {})}
+        ).json()
         pages += 1
         seen += [i["instance_id"] for i in body["instances"]]
         cursor = body["next_cursor"]
@@ -60,8 +101,13 @@ def test_instances_come_in_pages_by_id(client: TestClient) -> None:
     assert (seen, pages) == ([f"gpu-{k}" for k in range(5)], 3)
     assert client.get("/v1/instances").json()["next_cursor"] is None  # 100 by default: one page
     r = client.get("/v1/instances", params={"limit": 1001})
-    assert (r.status_code, r.json()) == (422, {
-        "detail": "the query parameter limit: Input should be less than or equal to 1000", "field": "limit"})
+    assert (r.status_code, r.json()) == (
+        422,
+        {
+            "detail": "the query parameter limit: Input should be less than or equal to 1000",
+            "field": "limit",
+        },
+    )
     paged = client.get("/openapi.json").json()["paths"]["/v1/instances"]["get"]
     assert {p["name"] for p in paged["parameters"]} == {"limit", "cursor"}
 
@@ -77,7 +123,9 @@ def test_health_and_readiness(client: TestClient) -> None:
 
 def test_openapi_documents_the_event_batch(client: TestClient) -> None:
     schema = client.get("/openapi.json").json()
-    body = schema["paths"]["/v1/events"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    body = schema["paths"]["/v1/events"]["post"]["requestBody"]["content"]["application/json"][
+        "schema"
+    ]
     assert body == {"$ref": "#/components/schemas/EventBatch"}
     components = schema["components"]["schemas"]
     assert "RequestRouted" in components and "VllmKvEvents" in components

@@ -13,8 +13,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 def run_bench(*args: str, timeout: float = 120) -> dict[str, Any]:
     """`kvprefetch bench ARGS --json`: exit 0 and exactly one JSON object on stdout."""
-    done = subprocess.run([sys.executable, "-m", "app.cli", "bench", *args, "--json"], cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "bench", *args, "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, f"stdout must be exactly one JSON object, got:\n{done.stdout}"

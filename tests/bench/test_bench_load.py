@@ -16,16 +16,37 @@ from tests.bench.conftest import REPO, positive, run_bench
 
 pytestmark = pytest.mark.slow
 
-SHORT = ("--duration-seconds", "5", "--warmup-seconds", "1", "--sample-seconds", "1", "--sessions", "300",
-         "--instances", "4", "--hbm-blocks", "200", "--batch-size", "100")
+SHORT = (
+    "--duration-seconds",
+    "5",
+    "--warmup-seconds",
+    "1",
+    "--sample-seconds",
+    "1",
+    "--sessions",
+    "300",
+    "--instances",
+    "4",
+    "--hbm-blocks",
+    "200",
+    "--batch-size",
+    "100",
+)
 
 
 def _run(*args: str, env: dict[str, str]) -> dict[str, Any]:
     """run_bench with an environment of our own (KVP_REDIS_URL, KVP_BENCH_TOKEN)."""
     full = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
     full.update(env)
-    done = subprocess.run([sys.executable, "-m", "app.cli", "bench", "load", *args, "--json"], cwd=REPO,
-                          env=full, capture_output=True, text=True, timeout=240, check=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "bench", "load", *args, "--json"],
+        cwd=REPO,
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, f"stdout must be exactly one JSON object, got:\n{done.stdout}"
@@ -41,39 +62,78 @@ def _no_errors(r: dict[str, Any]) -> None:
 # A ring of 20,000 event ids must turn over within the 5 s run: it needs the machine's throughput.
 @pytest.mark.alone
 def test_bench_load_prints_the_documented_json() -> None:
-    r = run_bench("load", *SHORT, "--ceiling-seconds", "1", "--calibrate-sessions", "1000",
-                  "--dedupe-max-ids", "20000", "--session-retention-seconds", "2", timeout=240)
+    r = run_bench(
+        "load",
+        *SHORT,
+        "--ceiling-seconds",
+        "1",
+        "--calibrate-sessions",
+        "1000",
+        "--dedupe-max-ids",
+        "20000",
+        "--session-retention-seconds",
+        "2",
+        timeout=240,
+    )
     t = r["throughput"]
     assert positive(t["seconds"])
-    assert all(positive(t["event_batches"][k]) for k in ("requests", "requests_per_second", "events",
-                                                         "events_per_second"))
-    assert positive(t["route_hints"]["requests"]) and positive(t["route_hints"]["requests_per_second"])
+    assert all(
+        positive(t["event_batches"][k])
+        for k in ("requests", "requests_per_second", "events", "events_per_second")
+    )
+    assert positive(t["route_hints"]["requests"]) and positive(
+        t["route_hints"]["requests_per_second"]
+    )
     for kind in ("event_batches", "route_hints"):
         lat = r["latency_ms"][kind]
         assert positive(lat["p50"]) and lat["p50"] <= lat["p99"] <= lat["max"], (kind, lat)
     _no_errors(r)
 
     m = r["memory"]
-    assert all(positive(m[k]) for k in ("rss_after_startup_bytes", "rss_start_bytes", "rss_end_bytes",
-                                        "rss_peak_bytes"))
+    assert all(
+        positive(m[k])
+        for k in ("rss_after_startup_bytes", "rss_start_bytes", "rss_end_bytes", "rss_peak_bytes")
+    )
     assert m["rss_end_bytes"] - m["rss_start_bytes"] == m["rss_growth_bytes"]
-    assert positive(m["store_stats_end"]["sessions"]) and positive(m["store_stats_end"]["remembered_event_ids"])
+    assert positive(m["store_stats_end"]["sessions"]) and positive(
+        m["store_stats_end"]["remembered_event_ids"]
+    )
     # Engines evict: removals are part of the traffic, and a tombstone in force is held.
     assert 0 < m["tombstones_alive"]["end"] <= m["tombstones_held_at_most"]["end"]
     assert positive(m["pull_sink"]["orders_held_by_pull_sink"]["end"]["high"])
     b = m["bound"]
-    assert all(positive(b["unit_costs"][k]) for k in (
-        "bytes_per_session", "bytes_per_event_id", "bytes_per_resident_block", "bytes_per_tombstone",
-        "bytes_per_advised_session", "bytes_per_held_order", "bytes_per_remembered_order_id",
-        "dedupe_ring_peak_bytes"))
-    counted = {"sessions", "remembered_event_ids", "resident_blocks", "tombstones", "advised_sessions",
-               "orders_held_by_pull_sink", "order_ids_remembered_by_pull_sink"}
+    assert all(
+        positive(b["unit_costs"][k])
+        for k in (
+            "bytes_per_session",
+            "bytes_per_event_id",
+            "bytes_per_resident_block",
+            "bytes_per_tombstone",
+            "bytes_per_advised_session",
+            "bytes_per_held_order",
+            "bytes_per_remembered_order_id",
+            "dedupe_ring_peak_bytes",
+        )
+    )
+    counted = {
+        "sessions",
+        "remembered_event_ids",
+        "resident_blocks",
+        "tombstones",
+        "advised_sessions",
+        "orders_held_by_pull_sink",
+        "order_ids_remembered_by_pull_sink",
+    }
     assert set(b["explained_bytes"]) == set(b["growth"]) == set(b["counts"]) == counted
     assert "outside_bound" not in b
     assert positive(b["growth"]["tombstones"]) and min(b["growth"].values()) >= 0
-    assert b["counts"]["sessions"]["high_water"] <= max(m["sessions_within_retention"]["end"],
-                                                       max(s["sessions_within_retention"] for s in r["series"]))
-    assert b["unexplained_growth_bytes"] == m["rss_growth_bytes"] - sum(b["explained_bytes"].values())
+    assert b["counts"]["sessions"]["high_water"] <= max(
+        m["sessions_within_retention"]["end"],
+        max(s["sessions_within_retention"] for s in r["series"]),
+    )
+    assert b["unexplained_growth_bytes"] == m["rss_growth_bytes"] - sum(
+        b["explained_bytes"].values()
+    )
     assert b["bound_bytes"] == sum(b["explained_bytes"].values()) + b["allowance_bytes"]
     assert b["end_rss_limit_bytes"] == m["rss_start_bytes"] + b["bound_bytes"]
     assert b["within_bound"] == (m["rss_growth_bytes"] <= b["bound_bytes"])
@@ -81,15 +141,21 @@ def test_bench_load_prints_the_documented_json() -> None:
     assert b["dedupe_ring_turned_over"] is True and b["settings"]["dedupe_max_ids"] == 20_000
     assert b["explained_bytes"]["remembered_event_ids"] >= (
         b["unit_costs"]["dedupe_ring_peak_bytes"]
-        - b["counts"]["remembered_event_ids"]["start"] * b["unit_costs"]["bytes_per_event_id"] - 1)
+        - b["counts"]["remembered_event_ids"]["start"] * b["unit_costs"]["bytes_per_event_id"]
+        - 1
+    )
 
     series = r["series"]
     assert series[0]["t"] == 0 and len(series) >= 5
     assert all(positive(s["rss_bytes"]) and positive(s["sessions"]) for s in series)
-    assert all(s["events_per_second"] >= 0 for s in series[1:]) and any(positive(s["events_per_second"]) for s in series[1:])
+    assert all(s["events_per_second"] >= 0 for s in series[1:]) and any(
+        positive(s["events_per_second"]) for s in series[1:]
+    )
     assert all(s["tombstones_alive"] <= s["tombstones_held_at_most"] for s in series)
-    assert all(s["rss_bytes"] - series[0]["rss_bytes"] == s["explained_bytes"] + s["unexplained_bytes"]
-               for s in series)
+    assert all(
+        s["rss_bytes"] - series[0]["rss_bytes"] == s["explained_bytes"] + s["unexplained_bytes"]
+        for s in series
+    )
     assert series[-1]["unexplained_bytes"] == b["unexplained_growth_bytes"]
 
     c = r["ceiling"]
@@ -104,15 +170,33 @@ def test_bench_load_prints_the_documented_json() -> None:
     assert m["store_stats_end"]["sessions"] < 0.8 * r["traffic"]["sessions_started"]
 
     tr = r["traffic"]["events_by_type"]
-    for kind in ("request_routed", "request_started", "request_finished", "kv_blocks_stored",
-                 "kv_blocks_removed", "session_closed", "instance_status"):
+    for kind in (
+        "request_routed",
+        "request_started",
+        "request_finished",
+        "kv_blocks_stored",
+        "kv_blocks_removed",
+        "session_closed",
+        "instance_status",
+    ):
         assert positive(tr[kind]), kind
     assert r["service_end"]["readyz"]["status"] == "ready"
-    assert positive(r["service_end"]["metrics"]['kvprefetch_events_ingested_total{type="request_routed"}'])
+    assert positive(
+        r["service_end"]["metrics"]['kvprefetch_events_ingested_total{type="request_routed"}']
+    )
     cfg = r["config"]
-    assert (cfg["duration_seconds"], cfg["store"], cfg["fsync"], cfg["token"]) == (5.0, "memory", True, None)
+    assert (cfg["duration_seconds"], cfg["store"], cfg["fsync"], cfg["token"]) == (
+        5.0,
+        "memory",
+        True,
+        None,
+    )
     assert cfg["service_env"]["KVP_LOG_FSYNC"] == "true"
-    assert (cfg["session_retention_seconds"], cfg["reorder_window_seconds"], cfg["dedupe_max_ids"]) == (2.0, 60.0, 20_000)
+    assert (
+        cfg["session_retention_seconds"],
+        cfg["reorder_window_seconds"],
+        cfg["dedupe_max_ids"],
+    ) == (2.0, 60.0, 20_000)
     assert cfg["service_env"]["KVP_SESSION_RETENTION_SECONDS"] == "2"
     assert positive(r["environment"]["cpu_count"]) and isinstance(r["environment"]["python"], str)
 
@@ -120,17 +204,27 @@ def test_bench_load_prints_the_documented_json() -> None:
 def test_the_client_counts_what_the_store_may_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tombstones and sessions the bound allows, worked out from the events sent, against a
     MemoryStore fed the same events: tombstones in force exactly, held ones and sessions at most."""
-    from kvprefetch_client.events import batch_adapter
     from app.state.memory import MemoryStore
     from bench.load import traffic
+    from kvprefetch_client.events import batch_adapter
 
     clock = itertools.count()
     monkeypatch.setattr(traffic.time, "time", lambda: 1_700_000_000 + next(clock) * 0.001)
     window, retention = 2.0, 3.0
-    shard = traffic.Shard(seed=1, sessions=50, instance_ids=["a", "b", "c"], hbm_blocks=40,
-                          reorder_window=window, session_retention=retention)
-    store = MemoryStore(bytes_per_token=1, block_tokens=512, reorder_window_seconds=window,
-                        session_retention_seconds=retention)
+    shard = traffic.Shard(
+        seed=1,
+        sessions=50,
+        instance_ids=["a", "b", "c"],
+        hbm_blocks=40,
+        reorder_window=window,
+        session_retention=retention,
+    )
+    store = MemoryStore(
+        bytes_per_token=1,
+        block_tokens=512,
+        reorder_window_seconds=window,
+        session_retention_seconds=retention,
+    )
     for _ in range(60):  # ~30 s of event time: windows and retentions go by
         for _ in range(100):
             shard.step()
@@ -145,14 +239,24 @@ def test_the_client_counts_what_the_store_may_hold(monkeypatch: pytest.MonkeyPat
         assert alive <= held <= shard.tombstones_held_at_most
         assert store.stats()["sessions"] <= shard.sessions_within_retention
     assert 0 < store.stats()["sessions"] < shard.sessions_started / 2
-    assert shard.tombstones_held_at_most < shard.events["kv_blocks_removed"]  # not every removal ever
+    assert (
+        shard.tombstones_held_at_most < shard.events["kv_blocks_removed"]
+    )  # not every removal ever
 
 
 def test_bench_load_against_redis_removes_its_keys(redis_url: str) -> None:
     import redis
 
-    r = _run(*SHORT, "--store", "redis", "--ceiling-seconds", "0", "--calibrate-sessions", "0",
-             env={"KVP_REDIS_URL": redis_url})
+    r = _run(
+        *SHORT,
+        "--store",
+        "redis",
+        "--ceiling-seconds",
+        "0",
+        "--calibrate-sessions",
+        "0",
+        env={"KVP_REDIS_URL": redis_url},
+    )
     _no_errors(r)
     assert positive(r["throughput"]["event_batches"]["events_per_second"])
     assert positive(r["throughput"]["route_hints"]["requests_per_second"])
@@ -168,14 +272,24 @@ def test_bench_load_against_redis_removes_its_keys(redis_url: str) -> None:
 
 
 def test_bench_load_sends_its_token_and_counts_refusals() -> None:
-    quick = (*SHORT, "--duration-seconds", "2", "--ceiling-seconds", "0", "--calibrate-sessions", "0",
-             "--service-env", "KVP_INGEST_TOKEN=bench-load-secret-0123456789")
+    quick = (
+        *SHORT,
+        "--duration-seconds",
+        "2",
+        "--ceiling-seconds",
+        "0",
+        "--calibrate-sessions",
+        "0",
+        "--service-env",
+        "KVP_INGEST_TOKEN=bench-load-secret-0123456789",
+    )
     r = _run(*quick, env={"KVP_BENCH_TOKEN": "bench-load-secret-0123456789"})
     _no_errors(r)
     assert r["config"]["token"] == "set" and r["config"]["service_env"]["KVP_INGEST_TOKEN"] == "set"
     assert positive(r["throughput"]["event_batches"]["events_per_second"])
 
-    # Refused batches are counted by status, not retried; no session is acknowledged, so no hint is asked.
+    # Refused batches are counted by status, not retried; no session is acknowledged, so no hint
+    # is asked.
     refused = _run(*quick, "--token", "wrong", env={})
     by_kind = refused["errors"]["by_kind"]
     assert refused["errors"]["total"] > 0 and refused["errors"]["dropped_after_retries"] > 0

@@ -6,8 +6,15 @@ from tests.bench.conftest import positive, run_bench
 
 
 def test_bench_plan_reports_tick_percentiles_beside_the_reread_baseline() -> None:
-    doc = run_bench("plan", "--sessions", "2000", "--instances", "4", "--ticks", "20", "--page", "50")
-    assert (doc["sessions_tracked"], doc["instances"], doc["page_sessions"], doc["ticks"]) == (2000, 4, 50, 20)
+    doc = run_bench(
+        "plan", "--sessions", "2000", "--instances", "4", "--ticks", "20", "--page", "50"
+    )
+    assert (doc["sessions_tracked"], doc["instances"], doc["page_sessions"], doc["ticks"]) == (
+        2000,
+        4,
+        50,
+        20,
+    )
     assert all(positive(doc["plan_tick_ms"][k]) for k in ("p50", "p99", "max"))
     assert doc["plan_tick_ms"]["p50"] <= doc["plan_tick_ms"]["p99"] <= doc["plan_tick_ms"]["max"]
     assert positive(doc["baseline_reread_all_ms"]["p50"]) and positive(doc["speedup_p50"])

@@ -11,12 +11,23 @@ from app.predict import compiled
 from app.predict.predictors import HORIZON_GRID
 from bench.predict import PLANNER_HORIZONS
 
-BATCH = {"service_p_within", "table_p_within", "table_matrix", "compiled", "booster_1_thread", "booster_2_threads",
-         "features_from_views", "features_reference", "table_from_views"}
+BATCH = {
+    "service_p_within",
+    "table_p_within",
+    "table_matrix",
+    "compiled",
+    "booster_1_thread",
+    "booster_2_threads",
+    "features_from_views",
+    "features_reference",
+    "table_from_views",
+}
 
 
 def test_bench_predict_reports_the_service_beside_the_booster_at_both_horizon_sets() -> None:
-    result = CliRunner().invoke(cli, ["bench", "predict", "--sessions", "50", "--rounds", "1", "--json"])
+    result = CliRunner().invoke(
+        cli, ["bench", "predict", "--sessions", "50", "--rounds", "1", "--json"]
+    )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout.strip().splitlines()[-1])
     assert doc["sessions"] == 50
@@ -30,9 +41,20 @@ def test_bench_predict_reports_the_service_beside_the_booster_at_both_horizon_se
         assert all(v > 0 for v in timed.values())
         assert all(v is None or v > 0 for v in part["ratios"].values())
     single = doc["single_session_ms"]
-    assert set(single) == {"horizons", "service_p_within", "compiled", "booster_1_thread", "table_upsert"}
+    assert set(single) == {
+        "horizons",
+        "service_p_within",
+        "compiled",
+        "booster_1_thread",
+        "table_upsert",
+    }
     assert all(v > 0 for k, v in single.items() if k != "compiled" or has_compiled)
-    assert doc["target"]["horizons"] == list(PLANNER_HORIZONS) and doc["target"]["met"] is None  # not 10,000
+    assert (
+        doc["target"]["horizons"] == list(PLANNER_HORIZONS) and doc["target"]["met"] is None
+    )  # not 10,000
     assert len(doc["load_average_1m"]) == 2
     if has_compiled:
-        assert doc["compiled_load_seconds"]["compile"] > 0 and doc["compiled_load_seconds"]["from_cache"] > 0
+        assert (
+            doc["compiled_load_seconds"]["compile"] > 0
+            and doc["compiled_load_seconds"]["from_cache"] > 0
+        )

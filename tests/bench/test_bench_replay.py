@@ -13,9 +13,18 @@ from app.cli import cli
 from tests.bench.conftest import positive, run_bench
 from tests.conftest import trace_slice
 
-POLICY_KEYS = {"requests", "simulated_seconds", "byte_hit_rate", "trace_load_seconds", "wall_seconds",
-               "wall_seconds_rounds", "requests_per_second", "peak_rss_bytes", "baseline_rss_bytes",
-               "tracemalloc_peak_bytes"}
+POLICY_KEYS = {
+    "requests",
+    "simulated_seconds",
+    "byte_hit_rate",
+    "trace_load_seconds",
+    "wall_seconds",
+    "wall_seconds_rounds",
+    "requests_per_second",
+    "peak_rss_bytes",
+    "baseline_rss_bytes",
+    "tracemalloc_peak_bytes",
+}
 
 
 @pytest.fixture
@@ -49,18 +58,31 @@ def test_bench_replay_prints_the_documented_json(small_trace: Path) -> None:
 @pytest.mark.slow
 def test_bench_replay_all_runs_every_policy_but_the_models(small_trace: Path) -> None:
     r = _bench_replay("--trace", str(small_trace), "--policy", "all", "--rounds", "1")
-    assert list(r["policies"]) == ["none", "lookahead", "belady", "oracle", "heuristic", "clairvoyant"]
-    assert all(positive(p["wall_seconds"]) and positive(p["requests_per_second"])
-               for p in r["policies"].values())
+    assert list(r["policies"]) == [
+        "none",
+        "lookahead",
+        "belady",
+        "oracle",
+        "heuristic",
+        "clairvoyant",
+    ]
+    assert all(
+        positive(p["wall_seconds"]) and positive(p["requests_per_second"])
+        for p in r["policies"].values()
+    )
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--trace", "/nonexistent/trace.jsonl"], "no trace at /nonexistent/trace.jsonl"),
-    (["--policy", "nope"], "unknown policy 'nope'"),
-    (["--router", "nope"], "unknown router 'nope'"),
-])
-def test_bench_replay_refuses_bad_arguments_before_running(small_trace: Path, args: list[str],
-                                                           message: str) -> None:
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trace", "/nonexistent/trace.jsonl"], "no trace at /nonexistent/trace.jsonl"),
+        (["--policy", "nope"], "unknown policy 'nope'"),
+        (["--router", "nope"], "unknown router 'nope'"),
+    ],
+)
+def test_bench_replay_refuses_bad_arguments_before_running(
+    small_trace: Path, args: list[str], message: str
+) -> None:
     trace = [] if "--trace" in args else ["--trace", str(small_trace)]
     result = CliRunner().invoke(cli, ["bench", "replay", *trace, *args])
     assert result.exit_code == 2

@@ -1,12 +1,11 @@
-"""The benchmarks run end to end at tiny sizes and print the documented JSON (no timing thresholds)."""
+"""The benchmarks run end to end at tiny sizes and print the documented JSON (no timing
+thresholds)."""
 
 from __future__ import annotations
-
 
 import pytest
 
 from tests.bench.conftest import positive, run_bench
-
 
 pytestmark = pytest.mark.slow
 

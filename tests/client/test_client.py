@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from app.api.main import create_app
+from app.core.config import Settings
 from kvprefetch_client.client import Answer, AsyncKvpClient, ClientStats, KvpClient
 from kvprefetch_client.client._pipeline import (
     _backoff_seconds,
@@ -36,7 +37,6 @@ from kvprefetch_client.client._pipeline import (
     _Pipeline,
     _retry_after_seconds,
 )
-from app.core.config import Settings
 from kvprefetch_client.events import RequestRouted
 from tests.conftest import live_server
 
@@ -45,8 +45,14 @@ FLAVOURS = ["sync", "async"]
 
 
 def routed(i: int, session_id: str = "s1") -> RequestRouted:
-    return RequestRouted(event_id=f"ev-{i:06d}", ts=1_000.0 + i, session_id=session_id,
-                         request_id=f"r-{i}", instance_id="gpu-0", prompt_tokens=100 + i)
+    return RequestRouted(
+        event_id=f"ev-{i:06d}",
+        ts=1_000.0 + i,
+        session_id=session_id,
+        request_id=f"r-{i}",
+        instance_id="gpu-0",
+        prompt_tokens=100 + i,
+    )
 
 
 def conserved(stats: ClientStats, total: int) -> bool:
@@ -64,9 +70,13 @@ class FakeService:
     raises) before it starts accepting; `respond` can answer instead of accepting.
     """
 
-    def __init__(self, failures: Sequence[Failure] = (), *,
-                 respond: Callable[[list[dict[str, Any]]], httpx.Response | None] | None = None,
-                 apply_failed: bool = False) -> None:
+    def __init__(
+        self,
+        failures: Sequence[Failure] = (),
+        *,
+        respond: Callable[[list[dict[str, Any]]], httpx.Response | None] | None = None,
+        apply_failed: bool = False,
+    ) -> None:
         self.failures: deque[Failure] = deque(failures)
         self.respond = respond
         self.apply_failed = apply_failed  # apply, then fail: the answer is lost on the way back
@@ -85,14 +95,18 @@ class FakeService:
         if isinstance(failure, Exception):
             raise failure
         if failure is not None:
-            return httpx.Response(failure, json={"detail": "unavailable", "field": "store"},
-                                  headers={"Retry-After": "0"})
+            return httpx.Response(
+                failure,
+                json={"detail": "unavailable", "field": "store"},
+                headers={"Retry-After": "0"},
+            )
         if self.respond is not None and (answer := self.respond(events)) is not None:
             return answer
         with self.lock:
             accepted, duplicates = self._apply(ids)
-        return httpx.Response(200, json={"accepted": accepted, "duplicates": duplicates,
-                                         "rejected": []})
+        return httpx.Response(
+            200, json={"accepted": accepted, "duplicates": duplicates, "rejected": []}
+        )
 
     def _apply(self, ids: list[str]) -> tuple[list[str], list[str]]:
         known = set(self.applied)
@@ -101,8 +115,12 @@ class FakeService:
         return accepted, [i for i in ids if i in known]
 
 
-def deliver(flavour: str, handler: Callable[[httpx.Request], httpx.Response],
-            events: Sequence[Any], **options: Any) -> ClientStats:
+def deliver(
+    flavour: str,
+    handler: Callable[[httpx.Request], httpx.Response],
+    events: Sequence[Any],
+    **options: Any,
+) -> ClientStats:
     """Send `events` through a client of `flavour`, flush, close; returns the final stats."""
     options = {"max_backoff_seconds": 0.001, **options}
     transport = httpx.MockTransport(handler)
@@ -138,10 +156,22 @@ def test_rejections_the_service_left_out_are_counted_rejected_not_sent(service_u
     """The service lists at most 100 rejections per answer (app/api/batch.py): the client counts
     the events it neither accepted nor called duplicates as rejected."""
     good = [routed(i) for i in range(50)]
-    bad = [{"type": "request_routed", "event_id": f"bad-{i}", "ts": 1.0, "session_id": "s",
-            "request_id": "r", "instance_id": "gpu-0", "prompt_tokens": -1} for i in range(150)]
+    bad = [
+        {
+            "type": "request_routed",
+            "event_id": f"bad-{i}",
+            "ts": 1.0,
+            "session_id": "s",
+            "request_id": "r",
+            "instance_id": "gpu-0",
+            "prompt_tokens": -1,
+        }
+        for i in range(150)
+    ]
     answers: list[Answer] = []
-    with KvpClient(service_url, batch_size=500, flush_interval_seconds=60, on_answer=answers.append) as client:
+    with KvpClient(
+        service_url, batch_size=500, flush_interval_seconds=60, on_answer=answers.append
+    ) as client:
         for event in [*good[:25], *bad, *good[25:]]:
             client.send(event)
         assert client.flush(timeout=HANG_GUARD)
@@ -152,13 +182,25 @@ def test_rejections_the_service_left_out_are_counted_rejected_not_sent(service_u
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
-def test_real_service_gets_every_turn(flavour: str, service_url: str,
-                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_real_service_gets_every_turn(
+    flavour: str, service_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
     sessions, turns = 30, 100
-    events: list[Any] = [routed(t * sessions + s, session_id=f"s-{s}")
-                         for t in range(turns) for s in range(sessions)]
-    bad = [{"type": "request_routed", "event_id": f"bad-{i}", "ts": 1.0, "session_id": "s-0",
-            "request_id": "r", "instance_id": "gpu-0", "prompt_tokens": -1} for i in range(2)]
+    events: list[Any] = [
+        routed(t * sessions + s, session_id=f"s-{s}") for t in range(turns) for s in range(sessions)
+    ]
+    bad = [
+        {
+            "type": "request_routed",
+            "event_id": f"bad-{i}",
+            "ts": 1.0,
+            "session_id": "s-0",
+            "request_id": "r",
+            "instance_id": "gpu-0",
+            "prompt_tokens": -1,
+        }
+        for i in range(2)
+    ]
     events[1000:1000] = bad
     caplog.set_level(logging.WARNING, logger="kvprefetch.client")
 
@@ -176,6 +218,7 @@ def test_real_service_gets_every_turn(flavour: str, service_url: str,
             assert client.flush(timeout=HANG_GUARD)
             again = client.stats
     else:
+
         async def main() -> tuple[ClientStats, ClientStats]:
             async with AsyncKvpClient(service_url, **transport_free) as aclient:
                 for event in events:
@@ -186,15 +229,21 @@ def test_real_service_gets_every_turn(flavour: str, service_url: str,
                     aclient.send(event)
                 assert await aclient.flush(timeout=HANG_GUARD)
                 return first, aclient.stats
+
         stats, again = asyncio.run(main())
 
     assert (stats.sent, stats.rejected, stats.queued, stats.dropped) == (sessions * turns, 2, 0, 0)
     assert (again.sent, again.duplicates, again.rejected) == (sessions * turns, 500, 2)
     ids = [e["event_id"] if isinstance(e, dict) else e.event_id for e in events]
-    told = {kind: [i for a in answers for i in getattr(a, kind)]
-            for kind in ("accepted", "duplicates", "rejected")}
-    assert told == {"accepted": [i for i in ids if not i.startswith("bad")],
-                    "duplicates": ids[:500], "rejected": ["bad-0", "bad-1"]}
+    told = {
+        kind: [i for a in answers for i in getattr(a, kind)]
+        for kind in ("accepted", "duplicates", "rejected")
+    }
+    assert told == {
+        "accepted": [i for i in ids if not i.startswith("bad")],
+        "duplicates": ids[:500],
+        "rejected": ["bad-0", "bad-1"],
+    }
     assert "prompt_tokens" in caplog.text and "bad-0" in caplog.text
     with httpx.Client(base_url=service_url) as http:
         for s in range(sessions):
@@ -207,8 +256,13 @@ def test_real_service_gets_every_turn(flavour: str, service_url: str,
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_failed_attempts_are_retried_with_the_same_ids(flavour: str) -> None:
-    failures: list[Failure] = [503, httpx.ConnectError("refused"), 429, 500,
-                               httpx.ReadTimeout("slow")]
+    failures: list[Failure] = [
+        503,
+        httpx.ConnectError("refused"),
+        429,
+        500,
+        httpx.ReadTimeout("slow"),
+    ]
     fake = FakeService(failures)
     events = [routed(i) for i in range(45)]
 
@@ -241,17 +295,28 @@ def test_a_lost_answer_is_resent_and_acknowledged_as_duplicates(flavour: str) ->
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_rejected_events_are_dropped_and_counted_the_rest_done(
-        flavour: str, caplog: pytest.LogCaptureFixture) -> None:
+    flavour: str, caplog: pytest.LogCaptureFixture
+) -> None:
     def respond(events: list[dict[str, Any]]) -> httpx.Response | None:
         bad = [(i, e) for i, e in enumerate(events) if e["event_id"].startswith("bad")]
         if not bad:
             return None
         rejected = []
         for i, e in bad:  # two errors for each bad event: still one rejected event
-            rejected += [{"index": i, "event_id": e["event_id"], "field": f"events[{i}].ts",
-                          "message": "Input should be greater than or equal to 0"},
-                         {"index": i, "event_id": e["event_id"], "field": f"events[{i}].type",
-                          "message": "wrong"}]
+            rejected += [
+                {
+                    "index": i,
+                    "event_id": e["event_id"],
+                    "field": f"events[{i}].ts",
+                    "message": "Input should be greater than or equal to 0",
+                },
+                {
+                    "index": i,
+                    "event_id": e["event_id"],
+                    "field": f"events[{i}].type",
+                    "message": "wrong",
+                },
+            ]
         good = [e["event_id"] for e in events if not e["event_id"].startswith("bad")]
         fake.applied.extend(good)
         return httpx.Response(422, json={"accepted": good, "duplicates": [], "rejected": rejected})
@@ -291,8 +356,9 @@ def test_a_batch_too_large_is_split_until_it_fits(flavour: str) -> None:
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 @pytest.mark.parametrize("status", [400, 413, 415])
-def test_a_refused_batch_is_dropped_and_counted(flavour: str, status: int,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_a_refused_batch_is_dropped_and_counted(
+    flavour: str, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
     def refuse(events: list[dict[str, Any]]) -> httpx.Response:
         return httpx.Response(status, json={"detail": f"no thanks {status}", "field": "body"})
 
@@ -322,8 +388,13 @@ class Hang:
 
 def test_a_full_queue_drops_the_oldest_and_keeps_the_newest() -> None:
     hang = Hang(FakeService())
-    client = KvpClient("http://kvp.test", transport=httpx.MockTransport(hang), batch_size=50,
-                       max_queue_events=1000, max_backoff_seconds=0.001)
+    client = KvpClient(
+        "http://kvp.test",
+        transport=httpx.MockTransport(hang),
+        batch_size=50,
+        max_queue_events=1000,
+        max_backoff_seconds=0.001,
+    )
     try:
         client.send(routed(0))
         assert hang.entered.wait(HANG_GUARD)  # event 0 is in flight, alone
@@ -344,8 +415,12 @@ def test_async_full_queue_drops_the_oldest_and_keeps_the_newest() -> None:
     fake = FakeService()
 
     async def main() -> ClientStats:
-        async with AsyncKvpClient("http://kvp.test", transport=httpx.MockTransport(fake),
-                                  batch_size=64, max_queue_events=1000) as client:
+        async with AsyncKvpClient(
+            "http://kvp.test",
+            transport=httpx.MockTransport(fake),
+            batch_size=64,
+            max_queue_events=1000,
+        ) as client:
             for i in range(1500):  # no await: the sender cannot run meanwhile
                 client.send(routed(i))
             assert client.stats.dropped == 500
@@ -358,13 +433,24 @@ def test_async_full_queue_drops_the_oldest_and_keeps_the_newest() -> None:
 
 def test_send_never_blocks_while_the_service_hangs() -> None:
     hang = Hang(FakeService())
-    client = KvpClient("http://kvp.test", transport=httpx.MockTransport(hang), batch_size=20,
-                       max_queue_events=100, timeout_seconds=HANG_GUARD)
+    client = KvpClient(
+        "http://kvp.test",
+        transport=httpx.MockTransport(hang),
+        batch_size=20,
+        max_queue_events=100,
+        timeout_seconds=HANG_GUARD,
+    )
     try:
+
         def produce() -> None:
             for i in range(1000):
-                client.request_routed(session_id="s1", request_id=f"r-{i}", instance_id="gpu-0",
-                                      prompt_tokens=10, event_id=f"ev-{i:06d}")
+                client.request_routed(
+                    session_id="s1",
+                    request_id=f"r-{i}",
+                    instance_id="gpu-0",
+                    prompt_tokens=10,
+                    event_id=f"ev-{i:06d}",
+                )
 
         client.send(routed(-1))
         assert hang.entered.wait(HANG_GUARD)  # the sender is stuck in the service from now on
@@ -383,8 +469,9 @@ def test_send_never_blocks_while_the_service_hangs() -> None:
 
 def test_close_gives_up_on_a_hung_service_after_its_timeout() -> None:
     hang = Hang(FakeService())
-    client = KvpClient("http://kvp.test", transport=httpx.MockTransport(hang),
-                       timeout_seconds=HANG_GUARD)
+    client = KvpClient(
+        "http://kvp.test", transport=httpx.MockTransport(hang), timeout_seconds=HANG_GUARD
+    )
     try:
         client.send(routed(0))
         assert hang.entered.wait(HANG_GUARD)
@@ -404,8 +491,9 @@ def test_async_close_gives_up_on_a_hung_service_after_its_timeout() -> None:
             await release.wait()
             return httpx.Response(200, json={"accepted": [], "duplicates": [], "rejected": []})
 
-        client = AsyncKvpClient("http://kvp.test", transport=httpx.MockTransport(hang),
-                                timeout_seconds=HANG_GUARD)
+        client = AsyncKvpClient(
+            "http://kvp.test", transport=httpx.MockTransport(hang), timeout_seconds=HANG_GUARD
+        )
         client.send(routed(0))
         await asyncio.wait_for(entered.wait(), HANG_GUARD)
         assert await client.flush(timeout=0.05) is False
@@ -430,6 +518,7 @@ def test_close_flushes_what_is_queued(flavour: str) -> None:
         assert client.close(timeout=HANG_GUARD)
         stats = client.stats
     else:
+
         async def main() -> ClientStats:
             aclient = AsyncKvpClient("http://kvp.test", transport=transport, **options)
             for event in events:
@@ -438,6 +527,7 @@ def test_close_flushes_what_is_queued(flavour: str) -> None:
             assert fake.attempts == []
             assert await aclient.aclose(timeout=HANG_GUARD)
             return aclient.stats
+
         stats = asyncio.run(main())
 
     assert fake.applied == [e.event_id for e in events]
@@ -454,11 +544,13 @@ def test_events_sent_after_close_are_dropped_and_counted(flavour: str) -> None:
         client.send(routed(0))
         stats = client.stats
     else:
+
         async def main() -> ClientStats:
             aclient = AsyncKvpClient("http://kvp.test", transport=transport)
             await aclient.aclose()
             aclient.send(routed(0))
             return aclient.stats
+
         stats = asyncio.run(main())
     assert (stats.dropped, stats.queued) == (1, 0)
     assert fake.attempts == []
@@ -473,28 +565,44 @@ def test_helpers_build_the_events_and_send_accepts_dicts() -> None:
         assert request.headers["x-team"] == "routing"
         events = json.loads(request.content)["events"]
         bodies.extend(events)
-        return httpx.Response(200, json={"accepted": [e["event_id"] for e in events],
-                                         "duplicates": [], "rejected": []})
+        return httpx.Response(
+            200,
+            json={"accepted": [e["event_id"] for e in events], "duplicates": [], "rejected": []},
+        )
 
     before = time.time()
-    with KvpClient("http://kvp.test/", transport=httpx.MockTransport(handler),
-                   headers={"x-team": "routing"}) as client:
-        routed_event = client.request_routed(session_id="s1", request_id="r1",
-                                             instance_id="gpu-0", prompt_tokens=1200)
+    with KvpClient(
+        "http://kvp.test/", transport=httpx.MockTransport(handler), headers={"x-team": "routing"}
+    ) as client:
+        routed_event = client.request_routed(
+            session_id="s1", request_id="r1", instance_id="gpu-0", prompt_tokens=1200
+        )
         client.request_started(session_id="s1", request_id="r1", instance_id="gpu-0", ts=5.0)
-        client.request_finished(session_id="s1", request_id="r1", instance_id="gpu-0",
-                                output_tokens=30, event_id="fin-1", ts=6.0)
+        client.request_finished(
+            session_id="s1",
+            request_id="r1",
+            instance_id="gpu-0",
+            output_tokens=30,
+            event_id="fin-1",
+            ts=6.0,
+        )
         client.session_closed(session_id="s1", ts=7.0)
-        client.send({"type": "session_closed", "event_id": "as-dict", "ts": 8.0,
-                     "session_id": "s2"})
+        client.send(
+            {"type": "session_closed", "event_id": "as-dict", "ts": 8.0, "session_id": "s2"}
+        )
         with pytest.raises(ValueError, match="event_id"):
             client.send({"type": "session_closed", "ts": 8.0, "session_id": "s2"})
         with pytest.raises(TypeError):
             client.send("not an event")  # type: ignore[arg-type]
     assert client.stats.sent == 5
 
-    assert [b["type"] for b in bodies] == ["request_routed", "request_started",
-                                          "request_finished", "session_closed", "session_closed"]
+    assert [b["type"] for b in bodies] == [
+        "request_routed",
+        "request_started",
+        "request_finished",
+        "session_closed",
+        "session_closed",
+    ]
     assert re.fullmatch(r"[0-9a-f]{32}", bodies[0]["event_id"]) and bodies[0]["ts"] >= before
     assert bodies[0]["event_id"] == routed_event.event_id and "block_hashes" not in bodies[0]
     assert bodies[2]["event_id"] == "fin-1" and bodies[4]["event_id"] == "as-dict"
@@ -510,14 +618,29 @@ def test_async_send_outside_a_loop_raises_and_queues_nothing() -> None:
 # --- the shared decisions ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("status", "action"), [
-    (200, "done"), (422, "done"), (500, "retry"), (502, "retry"), (503, "retry"), (429, "retry"),
-    (408, "retry"), (413, "split"), (400, "reject"), (415, "reject"), (404, "reject"),
-])
+@pytest.mark.parametrize(
+    ("status", "action"),
+    [
+        (200, "done"),
+        (422, "done"),
+        (500, "retry"),
+        (502, "retry"),
+        (503, "retry"),
+        (429, "retry"),
+        (408, "retry"),
+        (413, "split"),
+        (400, "reject"),
+        (415, "reject"),
+        (404, "reject"),
+    ],
+)
 def test_each_answer_maps_to_an_action(status: int, action: str) -> None:
-    body = (b'{"accepted":["a"],"duplicates":["b"],"rejected":[{"index":2,"event_id":"c",'
-            b'"field":"events[2].ts","message":"bad"}]}' if status == 422
-            else b'{"detail":"x","field":"body"}')
+    body = (
+        b'{"accepted":["a"],"duplicates":["b"],"rejected":[{"index":2,"event_id":"c",'
+        b'"field":"events[2].ts","message":"bad"}]}'
+        if status == 422
+        else b'{"detail":"x","field":"body"}'
+    )
     outcome = _judge_response(status, {"retry-after": "2"}, body, batch_len=3)
     assert outcome.action == action
     if status == 422:
@@ -527,8 +650,9 @@ def test_each_answer_maps_to_an_action(status: int, action: str) -> None:
 
 
 def test_a_body_level_422_refuses_the_whole_batch() -> None:
-    outcome = _judge_response(422, {}, b'{"detail":"a batch holds at least one event",'
-                                      b'"field":"events"}', batch_len=1)
+    outcome = _judge_response(
+        422, {}, b'{"detail":"a batch holds at least one event","field":"events"}', batch_len=1
+    )
     assert outcome.action == "reject" and "at least one event" in (outcome.error or "")
 
 
@@ -556,8 +680,13 @@ def test_backoff_grows_jitters_and_respects_cap_and_retry_after() -> None:
 
 
 def test_pipeline_waits_the_backoff_before_resending_the_same_batch() -> None:
-    pipeline = _Pipeline(batch_size=2, flush_interval_seconds=1.0, max_queue_events=10,
-                         max_backoff_seconds=5.0, rng=random.Random(1))
+    pipeline = _Pipeline(
+        batch_size=2,
+        flush_interval_seconds=1.0,
+        max_queue_events=10,
+        max_backoff_seconds=5.0,
+        rng=random.Random(1),
+    )
     for i in range(3):
         pipeline.push(f"e{i}", b"{}", now=0.0)
     assert pipeline.ready(0.0) == 0.0  # a full batch does not linger
@@ -572,8 +701,9 @@ def test_pipeline_waits_the_backoff_before_resending_the_same_batch() -> None:
     assert not pipeline.done_through(target)
     pipeline.settle(pipeline.take(), _Outcome("done"), now=15.0)
     assert pipeline.done_through(target)
-    assert pipeline.stats() == ClientStats(queued=0, sent=3, duplicates=0, rejected=0,
-                                           dropped=0, retries=1, last_error="HTTP 503")
+    assert pipeline.stats() == ClientStats(
+        queued=0, sent=3, duplicates=0, rejected=0, dropped=0, retries=1, last_error="HTTP 503"
+    )
 
 
 # --- on_answer: which events the service acknowledged ----------------------------------------
@@ -581,15 +711,25 @@ def test_pipeline_waits_the_backoff_before_resending_the_same_batch() -> None:
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_on_answer_names_every_event_once_across_retries_lost_answers_and_rejections(
-        flavour: str) -> None:
+    flavour: str,
+) -> None:
     def respond(events: list[dict[str, Any]]) -> httpx.Response | None:
         bad = [i for i, e in enumerate(events) if e["event_id"].startswith("bad")]
         if not bad:
             return None
         good = [e["event_id"] for i, e in enumerate(events) if i not in bad]
         accepted, duplicates = fake._apply(good)
-        return httpx.Response(422, json={"accepted": accepted, "duplicates": duplicates, "rejected": [
-            {"index": i, "event_id": events[i]["event_id"], "field": "ts", "message": "bad"} for i in bad]})
+        return httpx.Response(
+            422,
+            json={
+                "accepted": accepted,
+                "duplicates": duplicates,
+                "rejected": [
+                    {"index": i, "event_id": events[i]["event_id"], "field": "ts", "message": "bad"}
+                    for i in bad
+                ],
+            },
+        )
 
     # The first batch is applied but its answer lost (then resent: duplicates); the second fails.
     fake = FakeService([503, httpx.ConnectError("refused")], respond=respond, apply_failed=True)
@@ -598,24 +738,37 @@ def test_on_answer_names_every_event_once_across_retries_lost_answers_and_reject
     events[14:14] = [{**routed(100).model_dump(), "event_id": "bad-0"}]
     answers: list[Answer] = []
 
-    stats = deliver(flavour, fake, events, batch_size=10, flush_interval_seconds=60,
-                    on_answer=answers.append)
+    stats = deliver(
+        flavour, fake, events, batch_size=10, flush_interval_seconds=60, on_answer=answers.append
+    )
 
     ids = [e["event_id"] if isinstance(e, dict) else e.event_id for e in events]
-    assert [len(a.accepted) + len(a.duplicates) + len(a.rejected) for a in answers] == [10, 10, 10, 1]
+    assert [len(a.accepted) + len(a.duplicates) + len(a.rejected) for a in answers] == [
+        10,
+        10,
+        10,
+        1,
+    ]
     told = [i for a in answers for i in (*a.accepted, *a.duplicates, *a.rejected)]
     assert sorted(told) == sorted(ids)  # each event answered for once, retries or not
     assert answers[0] == Answer((), tuple(ids[:10]), ())
-    assert answers[1] == Answer(tuple(i for i in ids[10:20] if i not in ("ev-000012", "bad-0")),
-                                ("ev-000012",), ("bad-0",))
+    assert answers[1] == Answer(
+        tuple(i for i in ids[10:20] if i not in ("ev-000012", "bad-0")), ("ev-000012",), ("bad-0",)
+    )
     assert answers[2:] == [Answer(tuple(ids[20:30]), (), ()), Answer((ids[30],), (), ())]
     assert (stats.sent, stats.duplicates, stats.rejected, stats.retries) == (
-        sum(len(a.accepted) for a in answers), 11, 1, 2)
+        sum(len(a.accepted) for a in answers),
+        11,
+        1,
+        2,
+    )
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_on_answer_names_a_refused_batch_rejected(flavour: str) -> None:
-    fake = FakeService(respond=lambda events: httpx.Response(400, json={"detail": "no", "field": "body"}))
+    fake = FakeService(
+        respond=lambda events: httpx.Response(400, json={"detail": "no", "field": "body"})
+    )
     answers: list[Answer] = []
 
     deliver(flavour, fake, [routed(i) for i in range(3)], batch_size=10, on_answer=answers.append)
@@ -625,7 +778,8 @@ def test_on_answer_names_a_refused_batch_rejected(flavour: str) -> None:
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_a_failing_on_answer_is_logged_and_delivery_goes_on(
-        flavour: str, caplog: pytest.LogCaptureFixture) -> None:
+    flavour: str, caplog: pytest.LogCaptureFixture
+) -> None:
     calls: list[Answer] = []
 
     def broken(answer: Answer) -> None:
@@ -647,8 +801,12 @@ def test_flush_returns_only_once_a_slow_on_answer_was_told() -> None:
         time.sleep(0.2)  # the batch is settled long before this returns
         told.extend(answer.accepted)
 
-    with KvpClient("http://kvp.test", transport=httpx.MockTransport(FakeService()), batch_size=5,
-                   on_answer=slow) as client:
+    with KvpClient(
+        "http://kvp.test",
+        transport=httpx.MockTransport(FakeService()),
+        batch_size=5,
+        on_answer=slow,
+    ) as client:
         for i in range(5):
             client.send(routed(i))
         assert client.flush(timeout=HANG_GUARD)
@@ -656,7 +814,12 @@ def test_flush_returns_only_once_a_slow_on_answer_was_told() -> None:
 
 
 def test_partition_places_repeats_and_rejections_as_the_service_counts_them() -> None:
-    batch = _Batch([_Item(n, event_id, b"{}", 0.0) for n, event_id in enumerate(["a", "b", "a", "c", "d", "c"])])
+    batch = _Batch(
+        [
+            _Item(n, event_id, b"{}", 0.0)
+            for n, event_id in enumerate(["a", "b", "a", "c", "d", "c"])
+        ]
+    )
     # "a" is new (its repeat is the duplicate), "c" was known (both are), "b" by index, "d" by id.
     outcome = _Outcome("done", duplicate_ids=("a", "c", "c"), rejections=(1, "d", 99))
     assert _partition(batch, outcome) == Answer(("a",), ("a", "c", "c"), ("b", "d"))
@@ -671,7 +834,9 @@ def test_the_token_is_sent_as_a_bearer_header() -> None:
         ids = [e["event_id"] for e in json.loads(request.content)["events"]]
         return httpx.Response(200, json={"accepted": ids, "duplicates": [], "rejected": []})
 
-    with KvpClient("http://kvp.test", transport=httpx.MockTransport(service), token="ingest-token-0123456789") as kvp:
+    with KvpClient(
+        "http://kvp.test", transport=httpx.MockTransport(service), token="ingest-token-0123456789"
+    ) as kvp:
         kvp.session_closed(session_id="s1")
         assert kvp.flush(5)
     assert seen[0].headers["authorization"] == "Bearer ingest-token-0123456789"

@@ -25,10 +25,34 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 # What a router or a transfer agent must not get by installing the client: distributions, and
 # the modules they would import as.
-HEAVY_DISTS = {"fastapi", "starlette", "uvicorn", "lightgbm", "numpy", "pandas", "matplotlib",
-               "scikit-learn", "scipy", "redis", "typer", "kvprefetch"}
-HEAVY_MODULES = ("app", "fastapi", "starlette", "uvicorn", "lightgbm", "numpy", "pandas",
-                 "matplotlib", "sklearn", "scipy", "redis", "typer")
+HEAVY_DISTS = {
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "lightgbm",
+    "numpy",
+    "pandas",
+    "matplotlib",
+    "scikit-learn",
+    "scipy",
+    "redis",
+    "typer",
+    "kvprefetch",
+}
+HEAVY_MODULES = (
+    "app",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "lightgbm",
+    "numpy",
+    "pandas",
+    "matplotlib",
+    "sklearn",
+    "scipy",
+    "redis",
+    "typer",
+)
 
 # Run with the fresh venv's python: import everything the light package offers, check nothing
 # heavy came along, then post a session's turn and read it back from the service.
@@ -67,33 +91,67 @@ def test_the_client_alone_installs_light_and_talks_to_a_running_service(tmp_path
     work = tmp_path / "work"  # outside the checkout: nothing of it is on the path
     work.mkdir()
     env = clean_env()
-    no_app = run([str(bin_dir / "python"), "-c",
-                  "import importlib.util; print(importlib.util.find_spec('app'))"],
-                 cwd=work, env=env)
+    no_app = run(
+        [
+            str(bin_dir / "python"),
+            "-c",
+            "import importlib.util; print(importlib.util.find_spec('app'))",
+        ],
+        cwd=work,
+        env=env,
+    )
     assert no_app.stdout.strip() == "None"
 
     # The agent's command is there; without the redis extra the stream source says what is missing.
     help_text = run([str(bin_dir / "kvprefetch-agent"), "--help"], cwd=work, env=env).stdout
     assert "--instance-id" in help_text and "--source" in help_text
-    no_redis = subprocess.run([str(bin_dir / "kvprefetch-agent"), "--instance-id", "gpu-0",
-                               "--pool-dir", str(work), "--capacity-bytes", "1024"],
-                              cwd=work, env=env, capture_output=True, text=True, timeout=60,
-                              check=False)
+    no_redis = subprocess.run(
+        [
+            str(bin_dir / "kvprefetch-agent"),
+            "--instance-id",
+            "gpu-0",
+            "--pool-dir",
+            str(work),
+            "--capacity-bytes",
+            "1024",
+        ],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert no_redis.returncode == 2 and "kvprefetch-client[redis]" in no_redis.stderr
 
     # The service runs from this checkout, with the test's own interpreter.
     port = free_port()
-    service_env = clean_env(PYTHONPATH=f"{REPO}:{REPO / 'client'}", KVP_STORE="memory",
-                            KVP_HOST="127.0.0.1", KVP_DATA_DIR=str(tmp_path / "data"))
-    with serving([sys.executable, "-m", "app.cli", "serve", "--port", str(port)], cwd=work,
-                 env=service_env, url=f"http://127.0.0.1:{port}") as url:
-        done = run([str(bin_dir / "python"), "-c", CLIENT_SCRIPT, url, ",".join(HEAVY_MODULES)],
-                   cwd=work, env=env, timeout=60)
+    service_env = clean_env(
+        PYTHONPATH=f"{REPO}:{REPO / 'client'}",
+        KVP_STORE="memory",
+        KVP_HOST="127.0.0.1",
+        KVP_DATA_DIR=str(tmp_path / "data"),
+    )
+    with serving(
+        [sys.executable, "-m", "app.cli", "serve", "--port", str(port)],
+        cwd=work,
+        env=service_env,
+        url=f"http://127.0.0.1:{port}",
+    ) as url:
+        done = run(
+            [str(bin_dir / "python"), "-c", CLIENT_SCRIPT, url, ",".join(HEAVY_MODULES)],
+            cwd=work,
+            env=env,
+            timeout=60,
+        )
     report = json.loads(done.stdout)
     assert report["loaded"] == []
     assert report["flushed"]
     assert (report["sent"], report["rejected"], report["dropped"]) == (3, 0, 0)
     session = report["session"]
     assert (session["session_id"], session["turns"], session["instance_id"]) == (
-        "light-1", 1, "gpu-0")
+        "light-1",
+        1,
+        "gpu-0",
+    )
     assert session["last_request"]["request_id"] == "r1"

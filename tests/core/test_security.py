@@ -6,7 +6,15 @@ import pytest
 
 from app.core.config import Settings
 from app.core.errors import ConfigError
-from app.core.security import LOCAL, Scope, TokenTable, check_bind, is_loopback, load_tokens, token_digest
+from app.core.security import (
+    LOCAL,
+    Scope,
+    TokenTable,
+    check_bind,
+    is_loopback,
+    load_tokens,
+    token_digest,
+)
 
 INGEST = "ingest-token-0123456789"
 ADMIN = "admin-token-0123456789ab"
@@ -54,22 +62,41 @@ sha256 = "{token_digest(ADMIN).upper()}"
 ''')
     table = load_tokens(Settings(tokens_file=path))
     router = table.authenticate(INGEST)
-    assert router is not None and router.name == "router-a" and router.scopes == {Scope.INGEST, Scope.READ}
+    assert (
+        router is not None
+        and router.name == "router-a"
+        and router.scopes == {Scope.INGEST, Scope.READ}
+    )
     ops = table.authenticate(ADMIN)
     assert ops is not None and ops.scopes == {Scope.ADMIN, Scope.AGENT, Scope.READ}
     assert table.names() == {"router-a": ["ingest", "read"], "ops": ["admin", "agent", "read"]}
 
 
-@pytest.mark.parametrize(("body", "message"), [
-    ("not toml [", "KVP_TOKENS_FILE"),
-    ("x = 1", r"one or more \[\[tokens\]\]"),
-    ('[[tokens]]\nscopes = ["ingest"]\ntoken = "' + INGEST + '"', r"tokens\[0\]: name is required"),
-    ('[[tokens]]\nname = "a"\ntoken = "' + INGEST + '"', r"tokens\[0\] \(a\): scopes is required"),
-    ('[[tokens]]\nname = "a"\nscopes = ["root"]\ntoken = "' + INGEST + '"', "scopes must be among"),
-    ('[[tokens]]\nname = "a"\nscopes = ["ingest"]', "exactly one of token and sha256"),
-    ('[[tokens]]\nname = "a"\nscopes = ["ingest"]\nsha256 = "abc"', "64 hex digits"),
-    ('[[tokens]]\nname = "a"\nscopes = ["ingest"]\npassword = "x"\ntoken = "' + INGEST + '"', "unknown key 'password'"),
-])
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("not toml [", "KVP_TOKENS_FILE"),
+        ("x = 1", r"one or more \[\[tokens\]\]"),
+        (
+            '[[tokens]]\nscopes = ["ingest"]\ntoken = "' + INGEST + '"',
+            r"tokens\[0\]: name is required",
+        ),
+        (
+            '[[tokens]]\nname = "a"\ntoken = "' + INGEST + '"',
+            r"tokens\[0\] \(a\): scopes is required",
+        ),
+        (
+            '[[tokens]]\nname = "a"\nscopes = ["root"]\ntoken = "' + INGEST + '"',
+            "scopes must be among",
+        ),
+        ('[[tokens]]\nname = "a"\nscopes = ["ingest"]', "exactly one of token and sha256"),
+        ('[[tokens]]\nname = "a"\nscopes = ["ingest"]\nsha256 = "abc"', "64 hex digits"),
+        (
+            '[[tokens]]\nname = "a"\nscopes = ["ingest"]\npassword = "x"\ntoken = "' + INGEST + '"',
+            "unknown key 'password'",
+        ),
+    ],
+)
 def test_a_bad_tokens_file_is_named(tmp_path: Path, body: str, message: str) -> None:
     path = tmp_path / "tokens.toml"
     path.write_text(body)
@@ -97,7 +124,7 @@ def test_loopback_hosts(host: str) -> None:
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.0.0.5", "::", "example.com"])
 def test_an_unauthenticated_service_may_not_bind_a_public_address(host: str) -> None:
     assert not is_loopback(host)
-    with pytest.raises(ConfigError, match="127.0.0.1 only"):
+    with pytest.raises(ConfigError, match=r"127\.0\.0\.1 only"):
         check_bind(host, TokenTable())
     table = TokenTable()
     table.add("a", [Scope.INGEST], token=INGEST)

@@ -1,4 +1,5 @@
-"""Predictors and the planner: advice in the transfer layers' vocabulary (keep, demote, prefetch)."""
+"""Predictors and the planner: advice in the transfer layers' vocabulary (keep, demote,
+prefetch)."""
 
 from __future__ import annotations
 
@@ -21,15 +22,33 @@ from app.predict.predictors import (
 from app.state.base import SessionView
 
 
-def view(session_id: str, *, state: str = "idle", last: float = 100.0, gaps: list[float] | None = None,
-         blocks: list[int] | None = None) -> SessionView:
+def view(
+    session_id: str,
+    *,
+    state: str = "idle",
+    last: float = 100.0,
+    gaps: list[float] | None = None,
+    blocks: list[int] | None = None,
+) -> SessionView:
     gaps = gaps or []
     arrivals = [last - sum(gaps[i:]) for i in range(len(gaps))] + [last]
-    return SessionView(session_id=session_id, state=state, turns=len(arrivals), first_seen_ts=arrivals[0],
-                       last_activity_ts=last, closed_ts=None, instance_id="gpu-0", context_tokens=1000,
-                       context_bytes=0, block_hashes=blocks if blocks is not None else [1, 2],
-                       block_tokens=512, recent_arrivals_ts=arrivals, inter_turn_gaps_seconds=gaps,
-                       last_request=None, resident_blocks={})
+    return SessionView(
+        session_id=session_id,
+        state=state,
+        turns=len(arrivals),
+        first_seen_ts=arrivals[0],
+        last_activity_ts=last,
+        closed_ts=None,
+        instance_id="gpu-0",
+        context_tokens=1000,
+        context_bytes=0,
+        block_hashes=blocks if blocks is not None else [1, 2],
+        block_tokens=512,
+        recent_arrivals_ts=arrivals,
+        inter_turn_gaps_seconds=gaps,
+        last_request=None,
+        resident_blocks={},
+    )
 
 
 class Fixed:
@@ -40,26 +59,56 @@ class Fixed:
     def __init__(self, chances: dict[str, tuple[float, float]]) -> None:
         self.chances = chances  # session -> (p, due in seconds)
 
-    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
-        return np.array([[p if h >= due else 0.0 for h in horizons]
-                         for p, due in (self.chances[s.session_id] for s in sessions)])
+    def p_within(
+        self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]
+    ) -> np.ndarray:
+        return np.array(
+            [
+                [p if h >= due else 0.0 for h in horizons]
+                for p, due in (self.chances[s.session_id] for s in sessions)
+            ]
+        )
 
 
 def test_planner_keeps_demotes_prefetches_and_leaves_the_rest_to_lru() -> None:
-    planner = Advisor(Fixed({"soon": (0.9, 10.0), "later": (0.3, 200.0), "maybe": (0.15, 800.0),
-                             "gone": (0.05, 5.0)}))
-    advice = {a.session_id: a for a in planner.advise([view(s) for s in ("soon", "later", "maybe", "gone")], 100.0)}
+    planner = Advisor(
+        Fixed(
+            {
+                "soon": (0.9, 10.0),
+                "later": (0.3, 200.0),
+                "maybe": (0.15, 800.0),
+                "gone": (0.05, 5.0),
+            }
+        )
+    )
+    advice = {
+        a.session_id: a
+        for a in planner.advise([view(s) for s in ("soon", "later", "maybe", "gone")], 100.0)
+    }
     assert {s: a.retention for s, a in advice.items()} == {
-        "soon": "keep", "later": "keep", "maybe": "lru", "gone": "demote"}
+        "soon": "keep",
+        "later": "keep",
+        "maybe": "lru",
+        "gone": "demote",
+    }
     assert {s for s, a in advice.items() if a.prefetch} == {"soon"}
     assert advice["soon"].keep_seconds == 300.0 and advice["maybe"].keep_seconds == 0.0
-    assert (advice["later"].p_keep, advice["later"].p_soon, advice["later"].p_return) == (0.3, 0.0, 0.3)
+    assert (advice["later"].p_keep, advice["later"].p_soon, advice["later"].p_return) == (
+        0.3,
+        0.0,
+        0.3,
+    )
     assert advice["soon"].block_hashes == (1, 2)
 
 
 def test_planner_scores_only_idle_recent_sessions_with_a_context() -> None:
-    planner = Advisor(Fixed({s: (0.9, 0.0) for s in ("a", "b", "c", "d")}))
-    sessions = [view("a"), view("b", state="running"), view("c", last=-5000.0), view("d", blocks=[])]
+    planner = Advisor(Fixed(dict.fromkeys(("a", "b", "c", "d"), (0.9, 0.0))))
+    sessions = [
+        view("a"),
+        view("b", state="running"),
+        view("c", last=-5000.0),
+        view("d", blocks=[]),
+    ]
     assert [a.session_id for a in planner.advise(sessions, 100.0)] == ["a"]
     assert planner.advise([], 0.0) == []
 
@@ -69,17 +118,22 @@ class Recording(Fixed):
         super().__init__(chances)
         self.asked: list[tuple[float, ...]] = []
 
-    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+    def p_within(
+        self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]
+    ) -> np.ndarray:
         self.asked.append(tuple(horizons))
         return super().p_within(sessions, now, horizons)
 
 
 def test_planner_asks_only_the_three_horizons_it_reads() -> None:
     predictor = Recording({"a": (0.9, 0.0)})
-    Advisor(predictor, lead_seconds=20.0, keep_horizon_seconds=200.0, return_horizon_seconds=1000.0).advise(
-        [view("a")], 100.0)
+    Advisor(
+        predictor, lead_seconds=20.0, keep_horizon_seconds=200.0, return_horizon_seconds=1000.0
+    ).advise([view("a")], 100.0)
     assert predictor.asked == [(20.0, 200.0, 1000.0)]
-    with pytest.raises(ValueError, match="lead_seconds <= keep_horizon_seconds <= return_horizon_seconds"):
+    with pytest.raises(
+        ValueError, match="lead_seconds <= keep_horizon_seconds <= return_horizon_seconds"
+    ):
         Advisor(predictor, lead_seconds=400.0)
 
 
@@ -96,12 +150,19 @@ def test_a_router_that_moves_sessions_makes_keeping_worth_less() -> None:
 
 def test_heuristic_expects_the_median_gap_and_gives_up_three_gaps_late() -> None:
     h = HeuristicPredictor()
-    sessions = [view("due", last=100.0, gaps=[50.0, 70.0]), view("late", last=100.0, gaps=[9.0]),
-                view("new", last=100.0)]
+    sessions = [
+        view("due", last=100.0, gaps=[50.0, 70.0]),
+        view("late", last=100.0, gaps=[9.0]),
+        view("new", last=100.0),
+    ]
     p = h.p_within(sessions, 130.0, [15.0, 60.0, 600.0])
-    assert p[0].tolist() == [0.0, 0.6, 0.6]   # due at 160: within 60 s of 130, not within 15
-    assert p[1].tolist() == [0.0, 0.0, 0.0]   # 30 s since its last turn on a 9 s habit: gone
-    assert p[2].tolist() == [0.0, 0.0, 0.4]   # no gap yet: due at 200 by the 100 s prior, a lower chance
+    assert p[0].tolist() == [0.0, 0.6, 0.6]  # due at 160: within 60 s of 130, not within 15
+    assert p[1].tolist() == [0.0, 0.0, 0.0]  # 30 s since its last turn on a 9 s habit: gone
+    assert p[2].tolist() == [
+        0.0,
+        0.0,
+        0.4,
+    ]  # no gap yet: due at 200 by the 100 s prior, a lower chance
     closed = view("closed", state="closed")
     assert h.p_within([closed], 100.0, [600.0]).tolist() == [[0.0]]
 
@@ -124,8 +185,11 @@ def test_a_model_that_is_missing_or_computes_other_features_is_refused(tmp_path:
     import lightgbm as lgb
 
     x = np.random.default_rng(0).random((200, 2))
-    booster = lgb.train({"objective": "binary", "verbose": -1}, lgb.Dataset(x, label=(x[:, 0] > 0.5).astype(int),
-                        feature_name=["idle_seconds", "other"]), num_boost_round=2)
+    booster = lgb.train(
+        {"objective": "binary", "verbose": -1},
+        lgb.Dataset(x, label=(x[:, 0] > 0.5).astype(int), feature_name=["idle_seconds", "other"]),
+        num_boost_round=2,
+    )
     booster.save_model(str(tmp_path / "model.txt"))
     with pytest.raises(ModelError, match="was trained on features"):
         LearnedPredictor(tmp_path)

@@ -8,57 +8,115 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvprefetch_client.events import InstanceStatus, KvBlocksStored, RequestFinished, RequestRouted
 from app.decide.hints import HintConfig, InstanceLoad, prefix_lookups, route_hint
-from kvprefetch_client.orders import Order
 from app.state import MemoryStore
+from kvprefetch_client.events import InstanceStatus, KvBlocksStored, RequestFinished, RequestRouted
+from kvprefetch_client.orders import Order
 
 BLOCK_TOKENS = 100
 BYTES_PER_TOKEN = 1000
 BLOCK = BLOCK_TOKENS * BYTES_PER_TOKEN  # 1e5 bytes
 # Pool: 0.1 s a block; host: 0.025 s a block; recompute: 0.2 s a block.
-CONFIG = HintConfig(bytes_per_token=BYTES_PER_TOKEN, pool_link_bytes_per_second=1e6, host_link_bytes_per_second=4e6,
-                    prefill_tokens_per_second=500.0, request_seconds=8.0)
+CONFIG = HintConfig(
+    bytes_per_token=BYTES_PER_TOKEN,
+    pool_link_bytes_per_second=1e6,
+    host_link_bytes_per_second=4e6,
+    prefill_tokens_per_second=500.0,
+    request_seconds=8.0,
+)
 _ids = itertools.count()
 
 
-def store_with(blocks: Sequence[int] = (0, 1, 2, 3), *, hbm: dict[str, Sequence[int]] | None = None,
-               host: dict[str, Sequence[int]] | None = None, pool: Sequence[int] = (0, 1, 2, 3)) -> MemoryStore:
+def store_with(
+    blocks: Sequence[int] = (0, 1, 2, 3),
+    *,
+    hbm: dict[str, Sequence[int]] | None = None,
+    host: dict[str, Sequence[int]] | None = None,
+    pool: Sequence[int] = (0, 1, 2, 3),
+) -> MemoryStore:
     """Session s, last on gpu-0, idle with context `blocks`; residency as given."""
     store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
     events: list = [
-        RequestRouted(event_id=f"e{next(_ids)}", ts=1.0, session_id="s", request_id="r1", instance_id="gpu-0",
-                      prompt_tokens=len(blocks) * BLOCK_TOKENS, block_hashes=list(blocks)),
-        RequestFinished(event_id=f"e{next(_ids)}", ts=2.0, session_id="s", request_id="r1", instance_id="gpu-0",
-                        output_tokens=0, block_hashes=list(blocks)),
+        RequestRouted(
+            event_id=f"e{next(_ids)}",
+            ts=1.0,
+            session_id="s",
+            request_id="r1",
+            instance_id="gpu-0",
+            prompt_tokens=len(blocks) * BLOCK_TOKENS,
+            block_hashes=list(blocks),
+        ),
+        RequestFinished(
+            event_id=f"e{next(_ids)}",
+            ts=2.0,
+            session_id="s",
+            request_id="r1",
+            instance_id="gpu-0",
+            output_tokens=0,
+            block_hashes=list(blocks),
+        ),
     ]
     if pool:
-        events.append(KvBlocksStored(event_id=f"e{next(_ids)}", ts=2.0, tier="pool", block_hashes=list(pool)))
+        events.append(
+            KvBlocksStored(event_id=f"e{next(_ids)}", ts=2.0, tier="pool", block_hashes=list(pool))
+        )
     for tier, where in (("hbm", hbm or {}), ("host", host or {})):
         for inst, held in where.items():
-            events.append(KvBlocksStored(event_id=f"e{next(_ids)}", ts=2.0, tier=tier, instance_id=inst,
-                                         block_hashes=list(held)))
+            events.append(
+                KvBlocksStored(
+                    event_id=f"e{next(_ids)}",
+                    ts=2.0,
+                    tier=tier,
+                    instance_id=inst,
+                    block_hashes=list(held),
+                )
+            )
     store.apply(events)
     return store
 
 
 def status(store: MemoryStore, instance_id: str, queue: int, running: int) -> None:
-    store.apply([InstanceStatus(event_id=f"e{next(_ids)}", ts=3.0, instance_id=instance_id, free_kv_bytes=10**9,
-                                queue_depth=queue, running_requests=running)])
+    store.apply(
+        [
+            InstanceStatus(
+                event_id=f"e{next(_ids)}",
+                ts=3.0,
+                instance_id=instance_id,
+                free_kv_bytes=10**9,
+                queue_depth=queue,
+                running_requests=running,
+            )
+        ]
+    )
 
 
-def prefetch(instance_id: str, blocks: Sequence[int], needed_by: float, kind: str = "prefetch") -> Order:
-    return Order(order_id=f"o{next(_ids)}", kind=kind,  # type: ignore[arg-type]
-                 instance_id=instance_id, source_tier="pool", block_hashes=list(blocks), size_bytes=len(blocks) * BLOCK, created_ts=0.0, start_by_ts=0.0,
-                 needed_by_ts=needed_by, ttl_seconds=60.0 if kind == "pin" else None)
+def prefetch(
+    instance_id: str, blocks: Sequence[int], needed_by: float, kind: str = "prefetch"
+) -> Order:
+    return Order(
+        order_id=f"o{next(_ids)}",
+        kind=kind,  # type: ignore[arg-type]
+        instance_id=instance_id,
+        source_tier="pool",
+        block_hashes=list(blocks),
+        size_bytes=len(blocks) * BLOCK,
+        created_ts=0.0,
+        start_by_ts=0.0,
+        needed_by_ts=needed_by,
+        ttl_seconds=60.0 if kind == "pin" else None,
+    )
 
 
 def test_resident_and_missing_bytes_and_the_pool_load() -> None:
     store = store_with(hbm={"gpu-0": [0, 1, 2], "gpu-1": [0]})
     hint = route_hint(store, "s", ["gpu-1", "gpu-0"], 10.0, config=CONFIG)
     one, zero = hint.candidates  # in the order asked for
-    assert (zero.instance_id, zero.resident_bytes, zero.missing_bytes, zero.source) == ("gpu-0", 3 * BLOCK, BLOCK,
-                                                                                         "pool")
+    assert (zero.instance_id, zero.resident_bytes, zero.missing_bytes, zero.source) == (
+        "gpu-0",
+        3 * BLOCK,
+        BLOCK,
+        "pool",
+    )
     assert zero.expected_load_seconds == pytest.approx(0.1)
     assert (one.resident_bytes, one.missing_bytes) == (BLOCK, 3 * BLOCK)
     assert one.expected_load_seconds == pytest.approx(0.3)
@@ -71,7 +129,12 @@ def test_resident_and_missing_bytes_and_the_pool_load() -> None:
 def test_all_resident_needs_nothing() -> None:
     hint = route_hint(store_with(hbm={"gpu-0": [0, 1, 2, 3]}), "s", ["gpu-0"], 10.0, config=CONFIG)
     (c,) = hint.candidates
-    assert (c.source, c.missing_bytes, c.expected_load_seconds, c.recommended) == ("none", 0, 0.0, True)
+    assert (c.source, c.missing_bytes, c.expected_load_seconds, c.recommended) == (
+        "none",
+        0,
+        0.0,
+        True,
+    )
     assert hint.reason == "gpu-0: the only candidate"
 
 
@@ -80,30 +143,61 @@ def test_host_blocks_come_over_the_faster_host_link_beside_the_pool() -> None:
     zero, one = route_hint(store, "s", ["gpu-0", "gpu-1"], 10.0, config=CONFIG).candidates
     # gpu-0: 2 blocks from host (0.05 s) beside 2 from the pool (0.2 s): the slower link counts.
     assert (zero.source, zero.expected_load_seconds) == ("host+pool", pytest.approx(0.2))
-    assert (one.source, one.expected_load_seconds, one.recommended) == ("host", pytest.approx(0.1), True)
+    assert (one.source, one.expected_load_seconds, one.recommended) == (
+        "host",
+        pytest.approx(0.1),
+        True,
+    )
 
 
 def test_recompute_caps_the_load_and_blocks_held_nowhere_are_recomputed() -> None:
-    slow_pool = HintConfig(bytes_per_token=BYTES_PER_TOKEN, pool_link_bytes_per_second=1e5,  # 1 s a block
-                           prefill_tokens_per_second=500.0)
+    slow_pool = HintConfig(
+        bytes_per_token=BYTES_PER_TOKEN,
+        pool_link_bytes_per_second=1e5,  # 1 s a block
+        prefill_tokens_per_second=500.0,
+    )
     (c,) = route_hint(store_with(), "s", ["gpu-0"], 10.0, config=slow_pool).candidates
-    assert (c.source, c.expected_load_seconds) == ("recompute", pytest.approx(0.8))  # not 4 s over the link
+    assert (c.source, c.expected_load_seconds) == (
+        "recompute",
+        pytest.approx(0.8),
+    )  # not 4 s over the link
     (c,) = route_hint(store_with(pool=()), "s", ["gpu-0"], 10.0, config=CONFIG).candidates
-    assert (c.source, c.missing_bytes, c.expected_load_seconds) == ("recompute", 4 * BLOCK, pytest.approx(0.8))
+    assert (c.source, c.missing_bytes, c.expected_load_seconds) == (
+        "recompute",
+        4 * BLOCK,
+        pytest.approx(0.8),
+    )
 
 
 def test_blocks_on_their_way_count_and_are_due_when_their_order_is() -> None:
     store = store_with(hbm={"gpu-0": [0]})
-    orders = [prefetch("gpu-1", [0, 1, 2, 3, 99], needed_by=10.5),
-              prefetch("gpu-0", [1, 2], needed_by=10.25),
-              prefetch("gpu-0", [3], needed_by=99.0, kind="pin")]  # not a move: does not count
-    zero, one = route_hint(store, "s", ["gpu-0", "gpu-1"], 10.0, config=CONFIG, inflight=orders).candidates
-    assert (zero.resident_bytes, zero.inflight_bytes, zero.missing_bytes) == (BLOCK, 2 * BLOCK, BLOCK)
-    assert zero.expected_load_seconds == pytest.approx(0.25)  # the order lands after the 0.1 s pool load
-    assert (one.resident_bytes, one.inflight_bytes, one.missing_bytes, one.source) == (0, 4 * BLOCK, 0, "none")
+    orders = [
+        prefetch("gpu-1", [0, 1, 2, 3, 99], needed_by=10.5),
+        prefetch("gpu-0", [1, 2], needed_by=10.25),
+        prefetch("gpu-0", [3], needed_by=99.0, kind="pin"),
+    ]  # not a move: does not count
+    zero, one = route_hint(
+        store, "s", ["gpu-0", "gpu-1"], 10.0, config=CONFIG, inflight=orders
+    ).candidates
+    assert (zero.resident_bytes, zero.inflight_bytes, zero.missing_bytes) == (
+        BLOCK,
+        2 * BLOCK,
+        BLOCK,
+    )
+    assert zero.expected_load_seconds == pytest.approx(
+        0.25
+    )  # the order lands after the 0.1 s pool load
+    assert (one.resident_bytes, one.inflight_bytes, one.missing_bytes, one.source) == (
+        0,
+        4 * BLOCK,
+        0,
+        "none",
+    )
     assert one.expected_load_seconds == pytest.approx(0.5)
     assert zero.recommended
-    assert zero.reason.startswith("1/4 blocks in HBM, 2 on their way, rest by pool, ready in 0.250 s")
+    assert zero.reason.startswith(
+        "1/4 blocks in HBM, 2 on their way, rest by pool, ready in 0.250 s"
+    )
     # An order past due is taken as landing now.
     (late,) = route_hint(store, "s", ["gpu-1"], 20.0, config=CONFIG, inflight=orders[:1]).candidates
     assert late.expected_load_seconds == 0.0
@@ -116,14 +210,31 @@ def test_a_queue_outweighs_a_short_load_and_ties_go_to_the_less_loaded() -> None
     status(store, "gpu-2", queue=0, running=1)
     hint = route_hint(store, "s", ["gpu-0", "gpu-1", "gpu-2"], 10.0, config=CONFIG)
     zero, one, two = hint.candidates
-    assert (zero.queue_depth, zero.running_requests, zero.expected_wait_seconds) == (2, 16, pytest.approx(1.0))
+    assert (zero.queue_depth, zero.running_requests, zero.expected_wait_seconds) == (
+        2,
+        16,
+        pytest.approx(1.0),
+    )
     assert one.expected_seconds == two.expected_seconds == pytest.approx(0.4)
     assert hint.recommended == "gpu-2"  # same 0.4 s as gpu-1, fewer requests
     assert hint.reason == "gpu-2: ties gpu-1 at 0.400 s, less loaded"
     # A short queue is worth less than reloading the context elsewhere.
-    store.apply([InstanceStatus(event_id="later", ts=4.0, instance_id="gpu-0", free_kv_bytes=1, queue_depth=1,
-                                running_requests=32)])  # wait 0.25 s
-    assert route_hint(store, "s", ["gpu-0", "gpu-1", "gpu-2"], 10.0, config=CONFIG).recommended == "gpu-0"
+    store.apply(
+        [
+            InstanceStatus(
+                event_id="later",
+                ts=4.0,
+                instance_id="gpu-0",
+                free_kv_bytes=1,
+                queue_depth=1,
+                running_requests=32,
+            )
+        ]
+    )  # wait 0.25 s
+    assert (
+        route_hint(store, "s", ["gpu-0", "gpu-1", "gpu-2"], 10.0, config=CONFIG).recommended
+        == "gpu-0"
+    )
 
 
 def test_a_tie_goes_to_the_sessions_last_instance_before_the_less_loaded() -> None:
@@ -159,8 +270,18 @@ def test_an_unknown_session_ranks_by_load_alone() -> None:
 
 def test_a_session_without_blocks_has_no_context_to_place() -> None:
     store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
-    store.apply([RequestRouted(event_id="r", ts=1.0, session_id="s", request_id="r1", instance_id="gpu-0",
-                               prompt_tokens=300)])
+    store.apply(
+        [
+            RequestRouted(
+                event_id="r",
+                ts=1.0,
+                session_id="s",
+                request_id="r1",
+                instance_id="gpu-0",
+                prompt_tokens=300,
+            )
+        ]
+    )
     hint = route_hint(store, "s", ["gpu-0"], 10.0, config=CONFIG)
     assert (hint.context_known, hint.context_bytes) == (False, 300 * BYTES_PER_TOKEN)
 
@@ -198,8 +319,10 @@ def test_the_worst_hint_costs_log_n_lookups_per_location_not_the_context() -> No
     assert bound == locations * 17
     counting = CountingStore(store)
     hint = route_hint(counting, "s", candidates, 10.0, config=CONFIG)  # type: ignore[arg-type]
-    print(f"\n{counting.blocks_looked_up} blocks read in {counting.calls} calls "
-          f"(bound {bound}; the whole context per location: {locations * n})")
+    print(
+        f"\n{counting.blocks_looked_up} blocks read in {counting.calls} calls "
+        f"(bound {bound}; the whole context per location: {locations * n})"
+    )
     assert counting.blocks_looked_up <= bound and counting.calls == 2
     # The store's fast path (its own packed context, searched in C), counted inside it.
     for loc in store._locations.values():

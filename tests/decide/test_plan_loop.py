@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 from app.core.clock import ManualClock
 from app.decide.plan_loop import Dispatcher, feedback_observer
-from kvprefetch_client.events import OrderProgress, RequestRouted, SessionClosed
-from kvprefetch_client.orders import Cancel, Order
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Scheduler
 from app.deliver import InProcessSink, SinkUnavailable
+from kvprefetch_client.events import OrderProgress, RequestRouted, SessionClosed
+from kvprefetch_client.orders import Cancel, Order
 from tests.decide.test_scheduler import BLOCK_BYTES, advice, config, store_with
 
 
@@ -50,11 +50,34 @@ def test_the_observer_forgets_routed_and_closed_sessions_and_follows_progress() 
     (order,) = sched.plan(0.0).orders
     sched.advise([advice("b", [5])], 0.0)
     observe = feedback_observer(sched, routes)
-    observe([RequestRouted(event_id="e1", ts=1.0, session_id="a", request_id="r", instance_id="gpu-0",
-                           prompt_tokens=100),
-             SessionClosed(event_id="e2", ts=1.0, session_id="b"),
-             OrderProgress(event_id="e3", ts=1.0, order_id=order.order_id, status="accepted")])
+    observe(
+        [
+            RequestRouted(
+                event_id="e1",
+                ts=1.0,
+                session_id="a",
+                request_id="r",
+                instance_id="gpu-0",
+                prompt_tokens=100,
+            ),
+            SessionClosed(event_id="e2", ts=1.0, session_id="b"),
+            OrderProgress(event_id="e3", ts=1.0, order_id=order.order_id, status="accepted"),
+        ]
+    )
     assert sched.tracked_sessions == 0
-    assert sched.plan(2.0).cancels == [] and sched.totals.bytes_wasted == 0  # started, and used by a's request
-    observe([OrderProgress(event_id="e4", ts=3.0, order_id=order.order_id, status="completed", bytes=1, seconds=0.1)])
+    assert (
+        sched.plan(2.0).cancels == [] and sched.totals.bytes_wasted == 0
+    )  # started, and used by a's request
+    observe(
+        [
+            OrderProgress(
+                event_id="e4",
+                ts=3.0,
+                order_id=order.order_id,
+                status="completed",
+                bytes=1,
+                seconds=0.1,
+            )
+        ]
+    )
     assert sched.totals.completed == 1

@@ -36,7 +36,9 @@ def test_prior_must_be_a_probability() -> None:
 
 
 def test_the_tracker_remembers_where_each_session_was_and_forgets_the_oldest() -> None:
-    tracker = RouteTracker(SameInstanceEstimate(prior=0.0, prior_weight=1.0, half_life_returns=1e9), max_sessions=2)
+    tracker = RouteTracker(
+        SameInstanceEstimate(prior=0.0, prior_weight=1.0, half_life_returns=1e9), max_sessions=2
+    )
     tracker.routed("a", "gpu-0", 1.0)  # a first turn: no return yet
     assert tracker.estimate.p_same == 0.0
     tracker.routed("a", "gpu-0", 2.0)
@@ -51,8 +53,10 @@ def test_the_tracker_remembers_where_each_session_was_and_forgets_the_oldest() -
 
 
 def test_the_tracker_forgets_a_session_the_store_forgot_by_event_time() -> None:
-    tracker = RouteTracker(SameInstanceEstimate(prior=0.0, prior_weight=1.0, half_life_returns=1e9),
-                           retention_seconds=100.0)
+    tracker = RouteTracker(
+        SameInstanceEstimate(prior=0.0, prior_weight=1.0, half_life_returns=1e9),
+        retention_seconds=100.0,
+    )
     tracker.routed("a", "gpu-0", 10.0)
     tracker.touched("a", 12.0)  # finished at 12: active until then
     for i in range(1000):

@@ -1,4 +1,5 @@
-"""The scheduler: advice in, orders out, within links and room, never twice, withdrawn when wrong."""
+"""The scheduler: advice in, orders out, within links and room, never twice, withdrawn when
+wrong."""
 
 from __future__ import annotations
 
@@ -7,36 +8,72 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvprefetch_client.events import InstanceStatus, KvBlocksStored, OrderProgress
-from kvprefetch_client.orders import Order
 from app.decide.advisor import SessionAdvice
 from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
 from app.state import MemoryStore
+from kvprefetch_client.events import InstanceStatus, KvBlocksStored, OrderProgress
+from kvprefetch_client.orders import Order
 
 BLOCK_BYTES = 1_000_000
 _ids = itertools.count()
 
 
-def store_with(*, free_bytes: dict[str, int], pool: Sequence[int] = (), hbm: dict[str, Sequence[int]] | None = None,
-               ts: float = 0.0) -> MemoryStore:
+def store_with(
+    *,
+    free_bytes: dict[str, int],
+    pool: Sequence[int] = (),
+    hbm: dict[str, Sequence[int]] | None = None,
+    ts: float = 0.0,
+) -> MemoryStore:
     store = MemoryStore(bytes_per_token=BLOCK_BYTES // 512, block_tokens=512)
-    events: list = [InstanceStatus(event_id=f"e{next(_ids)}", ts=ts, instance_id=i, free_kv_bytes=b)
-                    for i, b in free_bytes.items()]
+    events: list = [
+        InstanceStatus(event_id=f"e{next(_ids)}", ts=ts, instance_id=i, free_kv_bytes=b)
+        for i, b in free_bytes.items()
+    ]
     if pool:
-        events.append(KvBlocksStored(event_id=f"e{next(_ids)}", ts=ts, tier="pool", instance_id=None,
-                                     block_hashes=list(pool)))
+        events.append(
+            KvBlocksStored(
+                event_id=f"e{next(_ids)}",
+                ts=ts,
+                tier="pool",
+                instance_id=None,
+                block_hashes=list(pool),
+            )
+        )
     for inst, blocks in (hbm or {}).items():
-        events.append(KvBlocksStored(event_id=f"e{next(_ids)}", ts=ts, tier="hbm", instance_id=inst,
-                                     block_hashes=list(blocks)))
+        events.append(
+            KvBlocksStored(
+                event_id=f"e{next(_ids)}",
+                ts=ts,
+                tier="hbm",
+                instance_id=inst,
+                block_hashes=list(blocks),
+            )
+        )
     store.apply(events)
     return store
 
 
-def advice(session_id: str, blocks: Sequence[int], *, p_soon: float = 0.9, p_keep: float | None = None,
-           instance_id: str = "gpu-0", retention: str = "lru") -> SessionAdvice:
-    return SessionAdvice(session_id, instance_id, tuple(blocks), retention,  # type: ignore[arg-type]
-                         300.0 if retention == "keep" else 0.0, p_keep if p_keep is not None else p_soon, p_soon,
-                         max(p_soon, p_keep or 0.0), p_soon >= 0.5)
+def advice(
+    session_id: str,
+    blocks: Sequence[int],
+    *,
+    p_soon: float = 0.9,
+    p_keep: float | None = None,
+    instance_id: str = "gpu-0",
+    retention: str = "lru",
+) -> SessionAdvice:
+    return SessionAdvice(
+        session_id,
+        instance_id,
+        tuple(blocks),
+        retention,  # type: ignore[arg-type]
+        300.0 if retention == "keep" else 0.0,
+        p_keep if p_keep is not None else p_soon,
+        p_soon,
+        max(p_soon, p_keep or 0.0),
+        p_soon >= 0.5,
+    )
 
 
 def config(**kw: float) -> SchedulerConfig:
@@ -55,8 +92,15 @@ def prefetches(orders: Sequence[Order]) -> list[Order]:
 def test_a_shared_prefix_moves_once_and_serves_every_session() -> None:
     store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
     sched = Scheduler(store, config())
-    plan = tick(sched, [advice("a", [0, 1, 2, 3], p_soon=0.9), advice("b", [0, 1, 2, 7], p_soon=0.8),
-                       advice("c", [0, 1, 2, 8], p_soon=0.7)], 100.0)
+    plan = tick(
+        sched,
+        [
+            advice("a", [0, 1, 2, 3], p_soon=0.9),
+            advice("b", [0, 1, 2, 7], p_soon=0.8),
+            advice("c", [0, 1, 2, 8], p_soon=0.7),
+        ],
+        100.0,
+    )
     moved = [b for o in prefetches(plan.orders) for b in o.block_hashes]
     assert sorted(moved) == [0, 1, 2, 3, 7, 8]  # every block once
     first = next(o for o in plan.orders if 0 in o.block_hashes)
@@ -72,54 +116,96 @@ def test_blocks_already_there_or_nowhere_are_not_ordered() -> None:
     store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=[1, 2], hbm={"gpu-0": [0]})
     plan = tick(Scheduler(store, config()), [advice("a", [0, 1, 2, 3])], 0.0)
     (order,) = prefetches(plan.orders)
-    assert (order.block_hashes, order.source_tier, order.size_bytes) == ([1, 2], "pool", 2 * BLOCK_BYTES)
+    assert (order.block_hashes, order.source_tier, order.size_bytes) == (
+        [1, 2],
+        "pool",
+        2 * BLOCK_BYTES,
+    )
 
 
 def test_host_blocks_come_over_the_host_link() -> None:
     store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=[1, 2, 3])
-    store.apply([KvBlocksStored(event_id="h", ts=0.0, tier="host", instance_id="gpu-0", block_hashes=[2])])
+    store.apply(
+        [KvBlocksStored(event_id="h", ts=0.0, tier="host", instance_id="gpu-0", block_hashes=[2])]
+    )
     plan = tick(Scheduler(store, config()), [advice("a", [1, 2, 3])], 0.0)
-    assert {(o.source_tier, tuple(o.block_hashes)) for o in plan.orders} == {("host", (2,)), ("pool", (1, 3))}
+    assert {(o.source_tier, tuple(o.block_hashes)) for o in plan.orders} == {
+        ("host", (2,)),
+        ("pool", (1, 3)),
+    }
 
 
 def test_a_links_prefetch_share_is_never_exceeded() -> None:
     # 10 sessions x 20 blocks of 1 MB over a 100 MB/s link at half share: 50 MB/s, 0.4 s each.
-    cfg = config(pool_link_bytes_per_second=100e6, link_share=0.5, lead_seconds=4.0, needed_within_fraction=0.5,
-                 margin_seconds=0.0)
+    cfg = config(
+        pool_link_bytes_per_second=100e6,
+        link_share=0.5,
+        lead_seconds=4.0,
+        needed_within_fraction=0.5,
+        margin_seconds=0.0,
+    )
     store = store_with(free_bytes={"gpu-0": 10_000 * BLOCK_BYTES}, pool=range(200))
     sched = Scheduler(store, cfg)
-    plan = tick(sched, [advice(f"s{i}", range(i * 20, i * 20 + 20), p_soon=0.9 - i * 0.01) for i in range(10)],
-                      now=0.0)
+    plan = tick(
+        sched,
+        [advice(f"s{i}", range(i * 20, i * 20 + 20), p_soon=0.9 - i * 0.01) for i in range(10)],
+        now=0.0,
+    )
     orders = prefetches(plan.orders)
     # Half the lead (needed_by = now + 2 s) at 50 MB/s is room for 5 orders of 20 MB.
     assert len(orders) == 5
     windows = sorted((o.start_by_ts, o.start_by_ts + o.size_bytes / 50e6) for o in orders)
-    for (s1, e1), (s2, _) in zip(windows, windows[1:]):
+    for (_, e1), (s2, _) in zip(windows, windows[1:]):
         assert s2 >= e1 - 1e-9  # back to back: never two at once at the share's rate
-    assert all(end <= o.needed_by_ts + 1e-9 for o, (_, end) in zip(sorted(orders, key=lambda o: o.start_by_ts),
-                                                                     windows))
-    assert [o.session_ids[0] for o in sorted(orders, key=lambda o: -o.priority)] == ["s0", "s1", "s2", "s3", "s4"]
+    assert all(
+        end <= o.needed_by_ts + 1e-9
+        for o, (_, end) in zip(sorted(orders, key=lambda o: o.start_by_ts), windows)
+    )
+    assert [o.session_ids[0] for o in sorted(orders, key=lambda o: -o.priority)] == [
+        "s0",
+        "s1",
+        "s2",
+        "s3",
+        "s4",
+    ]
 
 
 def test_destination_room_is_never_exceeded_and_unknown_room_gets_nothing() -> None:
     store = store_with(free_bytes={"gpu-0": 5 * BLOCK_BYTES}, pool=range(100))
     sched = Scheduler(store, config())
-    plan = tick(sched, [advice("a", range(0, 4)), advice("b", range(10, 14), p_soon=0.8),
-                       advice("c", range(20, 24), instance_id="gpu-9")], 0.0)
+    plan = tick(
+        sched,
+        [
+            advice("a", range(4)),
+            advice("b", range(10, 14), p_soon=0.8),
+            advice("c", range(20, 24), instance_id="gpu-9"),
+        ],
+        0.0,
+    )
     orders = prefetches(plan.orders)
     assert [o.session_ids for o in orders] == [["a"]]  # b does not fit; gpu-9 never said its room
     assert sched.inflight_bytes("gpu-0") == 4 * BLOCK_BYTES
-    assert prefetches(tick(sched, [advice("a", range(0, 4)), advice("b", range(10, 14), p_soon=0.8)],
-                                 now=0.1).orders) == []  # what is on its way counts against the room
+    assert (
+        prefetches(
+            tick(
+                sched, [advice("a", range(4)), advice("b", range(10, 14), p_soon=0.8)], now=0.1
+            ).orders
+        )
+        == []
+    )  # what is on its way counts against the room
 
 
 def test_short_room_demotes_only_what_is_less_likely_back() -> None:
     store = store_with(free_bytes={"gpu-0": 0}, pool=range(100), hbm={"gpu-0": [50, 51, 60, 61]})
-    plan = tick(Scheduler(store, config()), [
-        advice("hot", [0, 1], p_soon=0.9),
-        advice("cold", [50, 51], p_soon=0.0, p_keep=0.05),
-        advice("warm", [60, 61], p_soon=0.0, p_keep=0.95),
-    ], 0.0)
+    plan = tick(
+        Scheduler(store, config()),
+        [
+            advice("hot", [0, 1], p_soon=0.9),
+            advice("cold", [50, 51], p_soon=0.0, p_keep=0.05),
+            advice("warm", [60, 61], p_soon=0.0, p_keep=0.95),
+        ],
+        0.0,
+    )
     kinds = {(o.kind, tuple(o.session_ids)) for o in plan.orders}
     assert kinds == {("demote", ("cold",)), ("prefetch", ("hot",))}
 
@@ -153,7 +239,13 @@ def test_landed_blocks_retire_the_order() -> None:
     store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
     sched = Scheduler(store, config())
     tick(sched, [advice("a", [0, 1])], 0.0)
-    store.apply([KvBlocksStored(event_id="landed", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[0, 1])])
+    store.apply(
+        [
+            KvBlocksStored(
+                event_id="landed", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[0, 1]
+            )
+        ]
+    )
     tick(sched, [], 1.0)
     assert sched.open_orders() == [] and sched.totals.completed == 1
 
@@ -165,7 +257,9 @@ def test_pins_follow_keep_advice_once_per_ttl_and_demotes_once_per_spell() -> No
     drop = advice("d", [3], p_soon=0.0, p_keep=0.01, retention="demote")
     first = tick(sched, [keep, drop], 0.0)
     assert sorted((o.kind, tuple(o.block_hashes), o.ttl_seconds) for o in first.orders) == [
-        ("demote", (3,), None), ("pin", (1, 2), 300.0)]
+        ("demote", (3,), None),
+        ("pin", (1, 2), 300.0),
+    ]
     assert tick(sched, [keep, drop], 10.0).orders == []
     assert [o.kind for o in tick(sched, [keep, drop], 296.0).orders] == ["pin"]  # about to lapse
     sched.forget("d")  # active again: its next idle spell is a new question
@@ -176,10 +270,15 @@ def test_orders_have_consistent_times_and_ids() -> None:
     store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
     plan = tick(Scheduler(store, config(lead_seconds=30.0)), [advice("a", [0, 1])], 50.0)
     (o,) = plan.orders
-    assert o.created_ts == 50.0 and o.needed_by_ts == 53.0 and 50.0 <= o.start_by_ts <= o.needed_by_ts
+    assert (
+        o.created_ts == 50.0 and o.needed_by_ts == 53.0 and 50.0 <= o.start_by_ts <= o.needed_by_ts
+    )
     assert o.ttl_seconds == 30.0  # held through the lead it was fetched for (no keep advice)
-    (kept,) = tick(Scheduler(store, config(lead_seconds=30.0)),
-                   [advice("k", [3, 4], p_keep=0.9, retention="keep")], 50.0).orders
+    (kept,) = tick(
+        Scheduler(store, config(lead_seconds=30.0)),
+        [advice("k", [3, 4], p_keep=0.9, retention="keep")],
+        50.0,
+    ).orders
     assert (kept.kind, kept.ttl_seconds) == ("prefetch", 300.0)  # as long as it would be kept
     assert o.priority == pytest.approx(0.9 * min(2 * BLOCK_BYTES / 12.5e9, 2 * 512 / 20_000))
 
@@ -193,15 +292,27 @@ def test_progress_events_reach_the_scheduler_through_their_fields() -> None:
 
 
 def test_a_cancelled_order_gives_its_link_time_back() -> None:
-    cfg = config(pool_link_bytes_per_second=100e6, link_share=0.5, lead_seconds=4.0, needed_within_fraction=0.5,
-                 margin_seconds=0.0)
+    cfg = config(
+        pool_link_bytes_per_second=100e6,
+        link_share=0.5,
+        lead_seconds=4.0,
+        needed_within_fraction=0.5,
+        margin_seconds=0.0,
+    )
     store = store_with(free_bytes={"gpu-0": 10_000 * BLOCK_BYTES}, pool=range(200))
     sched = Scheduler(store, cfg)
     # One order of 100 MB fills the link's share up to needed_by (2 s at 50 MB/s).
     first = tick(sched, [advice("big", range(100))], 0.0)
     assert len(prefetches(first.orders)) == 1
-    assert prefetches(tick(sched, [advice("big", range(100)), advice("x", range(100, 110))], 0.0).orders) == []
-    cancelled = tick(sched, [advice("big", range(100), p_soon=0.0), advice("x", range(100, 110))], 0.0)
+    assert (
+        prefetches(
+            tick(sched, [advice("big", range(100)), advice("x", range(100, 110))], 0.0).orders
+        )
+        == []
+    )
+    cancelled = tick(
+        sched, [advice("big", range(100), p_soon=0.0), advice("x", range(100, 110))], 0.0
+    )
     assert len(cancelled.cancels) == 1 and len(prefetches(cancelled.orders)) == 1
 
 
@@ -210,16 +321,22 @@ def test_advice_holds_between_pages_until_forgotten_or_stale() -> None:
     sched = Scheduler(store, config(), advice_ttl_seconds=60.0)
     tick(sched, [advice("a", [0, 1]), advice("b", [5])], 0.0)
     assert sched.tracked_sessions == 2
-    assert tick(sched, [advice("c", [7], p_soon=0.0)], 1.0).cancels == []  # another page: a, b stand
+    assert (
+        tick(sched, [advice("c", [7], p_soon=0.0)], 1.0).cancels == []
+    )  # another page: a, b stand
     sched.forget("a", routed_to="gpu-0")
-    assert len(sched.plan(2.0).cancels) == 1  # a's order: its session is back, its blocks load on demand
+    assert (
+        len(sched.plan(2.0).cancels) == 1
+    )  # a's order: its session is back, its blocks load on demand
     assert sched.plan(61.5).cancels != [] and sched.tracked_sessions == 0  # b and c went stale
 
 
 def test_a_new_turn_is_pinned_again() -> None:
     store = store_with(free_bytes={"gpu-0": 0}, hbm={"gpu-0": [1, 2, 3]})
     sched = Scheduler(store, config())
-    assert [o.kind for o in tick(sched, [advice("k", [1, 2], p_keep=0.6, retention="keep")], 0.0).orders] == ["pin"]
+    assert [
+        o.kind for o in tick(sched, [advice("k", [1, 2], p_keep=0.6, retention="keep")], 0.0).orders
+    ] == ["pin"]
     grown = advice("k", [1, 2, 3], p_keep=0.6, retention="keep")  # the next turn, 40 s later
     (pin,) = tick(sched, [grown], 40.0).orders
     assert pin.block_hashes == [1, 2, 3]
@@ -227,10 +344,15 @@ def test_a_new_turn_is_pinned_again() -> None:
 
 def test_room_made_once_is_not_counted_twice() -> None:
     store = store_with(free_bytes={"gpu-0": 0}, pool=range(100), hbm={"gpu-0": [50, 51]})
-    plan = tick(Scheduler(store, config()), [
-        advice("x", [0, 1], p_soon=0.9), advice("y", [2, 3], p_soon=0.8),
-        advice("cold", [50, 51], p_soon=0.0, p_keep=0.05),
-    ], 0.0)
+    plan = tick(
+        Scheduler(store, config()),
+        [
+            advice("x", [0, 1], p_soon=0.9),
+            advice("y", [2, 3], p_soon=0.8),
+            advice("cold", [50, 51], p_soon=0.0, p_keep=0.05),
+        ],
+        0.0,
+    )
     assert [o.session_ids for o in prefetches(plan.orders)] == [["x"]]  # cold's two blocks fit one
 
 
@@ -243,17 +365,21 @@ def test_a_started_order_its_session_comes_back_to_is_used_not_wasted() -> None:
     assert sched.plan(1.0).cancels == [] and sched.totals.bytes_wasted == 0
 
 
-def test_landed_prefetches_count_as_used_when_their_session_comes_back_there_and_unused_otherwise() -> None:
+def test_landed_prefetches_are_used_when_their_session_comes_back_there_else_unused() -> None:
     store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
     sched = Scheduler(store, config())
-    orders = {o.session_ids[0]: o for o in tick(sched, [advice("a", [0, 1]), advice("b", [5]), advice("c", [7])],
-                                                   0.0).orders}
+    orders = {
+        o.session_ids[0]: o
+        for o in tick(sched, [advice("a", [0, 1]), advice("b", [5]), advice("c", [7])], 0.0).orders
+    }
     for o in orders.values():
         sched.on_progress(o.order_id, "completed")
     sched.forget("a", routed_to="gpu-0")  # back where its context waits
     sched.forget("b", routed_to="gpu-1")  # back elsewhere
     sched.forget("c")  # closed
-    assert sched.totals.bytes_used == 2 * BLOCK_BYTES and sched.totals.bytes_unused == 2 * BLOCK_BYTES
+    assert (
+        sched.totals.bytes_used == 2 * BLOCK_BYTES and sched.totals.bytes_unused == 2 * BLOCK_BYTES
+    )
     sched.forget("a", routed_to="gpu-0")  # a later turn: nothing counted twice
     assert sched.totals.bytes_used == 2 * BLOCK_BYTES
 

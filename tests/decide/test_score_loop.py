@@ -1,4 +1,5 @@
-"""The scoring loop: a page of live idle sessions per tick, advised by the live model and the shadow."""
+"""The scoring loop: a page of live idle sessions per tick, advised by the live model and the
+shadow."""
 
 from __future__ import annotations
 
@@ -8,15 +9,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from app.core.clock import ManualClock
 from app.core.errors import StoreUnavailable
-from app.observe.ledger import AdviceLedger
-from kvprefetch_client.events import Event, event_adapter
-from app.predict.registry import ModelRegistry, Serving
 from app.decide.advisor import MAX_IDLE_SECONDS
 from app.decide.score_loop import Scorer
+from app.observe.ledger import AdviceLedger
+from app.predict.registry import ModelRegistry, Serving
 from app.state import MemoryStore, SessionView
+from kvprefetch_client.events import Event, event_adapter
 
 _ids = itertools.count()
 
@@ -30,34 +32,65 @@ class Fixed:
         self.p, self.per_session = p, per_session or {}
         self.calls = 0
 
-    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+    def p_within(
+        self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]
+    ) -> np.ndarray:
         self.calls += 1
-        return np.array([[self.per_session.get(s.session_id, self.p)] * len(horizons) for s in sessions])
+        return np.array(
+            [[self.per_session.get(s.session_id, self.p)] * len(horizons) for s in sessions]
+        )
 
 
 class Broken:
     name = "broken"
 
-    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+    def p_within(
+        self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]
+    ) -> np.ndarray:
         raise RuntimeError("shadow bug")
 
 
 def ev(type_: str, ts: float, **fields: object) -> Event:
-    return event_adapter.validate_python({"type": type_, "event_id": f"e{next(_ids)}", "ts": ts, **fields})
+    return event_adapter.validate_python(
+        {"type": type_, "event_id": f"e{next(_ids)}", "ts": ts, **fields}
+    )
 
 
 def turn(session_id: str, routed_ts: float, finished_ts: float | None) -> list[Event]:
     request_id = f"r{next(_ids)}"
-    out = [ev("request_routed", routed_ts, session_id=session_id, request_id=request_id, instance_id="gpu-0",
-              prompt_tokens=100, block_hashes=[1, 2])]
+    out = [
+        ev(
+            "request_routed",
+            routed_ts,
+            session_id=session_id,
+            request_id=request_id,
+            instance_id="gpu-0",
+            prompt_tokens=100,
+            block_hashes=[1, 2],
+        )
+    ]
     if finished_ts is not None:
-        out.append(ev("request_finished", finished_ts, session_id=session_id, request_id=request_id,
-                      instance_id="gpu-0", output_tokens=10))
+        out.append(
+            ev(
+                "request_finished",
+                finished_ts,
+                session_id=session_id,
+                request_id=request_id,
+                instance_id="gpu-0",
+                output_tokens=10,
+            )
+        )
     return out
 
 
-def setup(tmp_path: Path, live: object, shadow: object | None = None, per_tick: int = 256,
-          now: float = 1000.0, store: MemoryStore | None = None) -> tuple[MemoryStore, AdviceLedger, Scorer]:
+def setup(
+    tmp_path: Path,
+    live: object,
+    shadow: object | None = None,
+    per_tick: int = 256,
+    now: float = 1000.0,
+    store: MemoryStore | None = None,
+) -> tuple[MemoryStore, AdviceLedger, Scorer]:
     store = store if store is not None else MemoryStore(bytes_per_token=1, block_tokens=512)
     ledger = AdviceLedger()
     models = ModelRegistry(tmp_path / "no-model", ledger=ledger)
@@ -65,14 +98,21 @@ def setup(tmp_path: Path, live: object, shadow: object | None = None, per_tick: 
     if shadow is not None:
         models.shadow = Serving(shadow, "shadow", "s1")  # type: ignore[arg-type]
         ledger.start("shadow")
-    return store, ledger, Scorer(store, models, ledger, ManualClock(now), sessions_per_tick=per_tick)
+    return (
+        store,
+        ledger,
+        Scorer(store, models, ledger, ManualClock(now), sessions_per_tick=per_tick),
+    )
 
 
 def test_a_tick_advises_idle_sessions_with_live_and_shadow(tmp_path: Path) -> None:
     store, ledger, scorer = setup(tmp_path, Fixed(0.9, {"b": 0.05}), shadow=Fixed(0.05))
     store.apply([*turn("a", 900.0, 910.0), *turn("b", 900.0, 920.0), *turn("busy", 990.0, None)])
     assert scorer.tick() == 3  # read three, advised the two idle ones
-    assert (ledger.latest("live", "a").retention, ledger.latest("live", "a").prefetch) == ("keep", True)
+    assert (ledger.latest("live", "a").retention, ledger.latest("live", "a").prefetch) == (
+        "keep",
+        True,
+    )
     assert ledger.latest("live", "b").retention == "demote"
     assert ledger.latest("live", "busy") is None
     assert ledger.latest("shadow", "a").retention == "demote"
@@ -95,7 +135,9 @@ def test_ticks_page_through_the_live_sessions_and_start_over(tmp_path: Path) -> 
 
 def test_sessions_idle_past_the_planners_horizon_are_not_read(tmp_path: Path) -> None:
     store, ledger, scorer = setup(tmp_path, Fixed(0.9), now=5000.0)
-    store.apply(turn("old", 100.0, 5000.0 - MAX_IDLE_SECONDS - 1.0) + turn("recent", 4000.0, 4100.0))
+    store.apply(
+        turn("old", 100.0, 5000.0 - MAX_IDLE_SECONDS - 1.0) + turn("recent", 4000.0, 4100.0)
+    )
     assert scorer.tick() == 1
     assert ledger.latest("live", "old") is None and ledger.latest("live", "recent") is not None
 
@@ -144,8 +186,12 @@ class BlipsOnce(MemoryStore):
         return super().live_sessions(*args, **kw)
 
 
-def test_a_store_blip_skips_a_tick_and_scoring_goes_on(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
-    store, ledger, scorer = setup(tmp_path, Fixed(0.9), store=BlipsOnce(bytes_per_token=1, block_tokens=512))
+def test_a_store_blip_skips_a_tick_and_scoring_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store, ledger, scorer = setup(
+        tmp_path, Fixed(0.9), store=BlipsOnce(bytes_per_token=1, block_tokens=512)
+    )
     store.apply(turn("a", 900.0, 910.0))
 
     async def drive() -> None:

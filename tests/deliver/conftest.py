@@ -18,9 +18,18 @@ from tests.conftest import live_server
 
 
 def order(order_id: str, instance_id: str = "gpu-0", **kw: Any) -> Order:
-    fields: dict[str, Any] = dict(order_id=order_id, kind="prefetch", instance_id=instance_id, source_tier="pool",
-                                  block_hashes=[1, 2], size_bytes=2048, created_ts=10.0, start_by_ts=11.0,
-                                  needed_by_ts=12.0, session_ids=["s1"])
+    fields: dict[str, Any] = dict(
+        order_id=order_id,
+        kind="prefetch",
+        instance_id=instance_id,
+        source_tier="pool",
+        block_hashes=[1, 2],
+        size_bytes=2048,
+        created_ts=10.0,
+        start_by_ts=11.0,
+        needed_by_ts=12.0,
+        session_ids=["s1"],
+    )
     fields.update(kw)
     return Order(**fields)
 
@@ -55,7 +64,7 @@ class Receiver:
     def take(self) -> list[Order | Cancel]:
         """Messages received since the last take."""
         with self._lock:
-            fresh, self._taken = self.batches[self._taken:], len(self.batches)
+            fresh, self._taken = self.batches[self._taken :], len(self.batches)
         return [m for _, batch in fresh for m in batch]
 
 

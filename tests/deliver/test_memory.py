@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvprefetch_client.orders import Cancel
 from app.deliver import InProcessSink
+from kvprefetch_client.orders import Cancel
 from tests.deliver.conftest import order
 
 
@@ -22,7 +22,11 @@ def test_drain_gives_orders_and_cancels_interleaved_as_they_came_then_empties() 
     sink.submit_nowait([order("c")])
     assert sink.pending == 4
     assert [(m.type, m.order_id) for m in sink.drain()] == [
-        ("order", "a"), ("order", "b"), ("cancel", "a"), ("order", "c")]
+        ("order", "a"),
+        ("order", "b"),
+        ("cancel", "a"),
+        ("order", "c"),
+    ]
     assert sink.drain() == [] and sink.pending == 0
 
 

@@ -12,7 +12,6 @@ from typing import Any
 import orjson
 import pytest
 
-from kvprefetch_client.orders import Cancel, Order, message_adapter
 from app.deliver import (
     InProcessSink,
     OrderSink,
@@ -22,6 +21,7 @@ from app.deliver import (
     WebhookSink,
 )
 from kvprefetch_client.agent import StreamSource
+from kvprefetch_client.orders import Cancel, Order, message_adapter
 from tests.deliver.conftest import order
 
 INSTANCES = ("gpu-0", "gpu-1")
@@ -41,8 +41,10 @@ class Case:
 
     def delivered(self) -> tuple[list[Order], list[str]]:
         messages = self.read(self.sink)
-        return ([m for m in messages if isinstance(m, Order)],
-                [m.order_id for m in messages if isinstance(m, Cancel)])
+        return (
+            [m for m in messages if isinstance(m, Order)],
+            [m.order_id for m in messages if isinstance(m, Cancel)],
+        )
 
     def run(self, body: Callable[[OrderSink], Awaitable[None]]) -> None:
         async def main() -> None:
@@ -59,8 +61,9 @@ class Case:
 def _lease(sink: PullQueue, instance: str) -> list[Order | Cancel]:
     # Through the JSON the endpoint answers with; `now` inside every test order's useful life.
     body = orjson.loads(sink.lease(instance, 1000, now=11.0).to_json())
-    return ([message_adapter.validate_python(o) for o in body["orders"]]
-            + [Cancel(order_id=i) for i in body["cancelled"]])
+    return [message_adapter.validate_python(o) for o in body["orders"]] + [
+        Cancel(order_id=i) for i in body["cancelled"]
+    ]
 
 
 def _read_pull(sink: PullQueue) -> list[Order | Cancel]:
@@ -88,9 +91,12 @@ def _case(request: pytest.FixtureRequest, name: str) -> Case:
         return Case(open=lambda: WebhookSink(url, max_attempts=1), read=lambda _: receiver.take())
     url = request.getfixturevalue("redis_url")
     prefix = request.getfixturevalue("clean_redis")
-    consumers = {i: StreamSource.from_url(url, prefix=prefix, consumer=f"contract-{i}",
-                                          instance_id=i, batch=1000)
-                 for i in INSTANCES}
+    consumers = {
+        i: StreamSource.from_url(
+            url, prefix=prefix, consumer=f"contract-{i}", instance_id=i, batch=1000
+        )
+        for i in INSTANCES
+    }
 
     def read_instance(_: OrderSink, instance: str) -> list[Order | Cancel]:
         consumer = consumers[instance]
@@ -102,9 +108,12 @@ def _case(request: pytest.FixtureRequest, name: str) -> Case:
         for c in consumers.values():
             c.close()
 
-    return Case(open=lambda: RedisStreamSink.from_url(url, prefix, maxlen=1000),
-                read=lambda s: [m for i in INSTANCES for m in read_instance(s, i)],
-                close_consumer=close, read_instance=read_instance)
+    return Case(
+        open=lambda: RedisStreamSink.from_url(url, prefix, maxlen=1000),
+        read=lambda s: [m for i in INSTANCES for m in read_instance(s, i)],
+        close_consumer=close,
+        read_instance=read_instance,
+    )
 
 
 def ids(orders: list[Order]) -> list[str]:
@@ -154,15 +163,40 @@ def test_close_is_idempotent_and_final(case: Case) -> None:
 
 def test_orders_arrive_intact(case: Case) -> None:
     sent = [
-        order("prefetch-3f2a-0", priority=0.123456789012345, block_hashes=[2**63 - 1, -(2**63), "ab01", 7],
-              size_bytes=2**53, session_ids=["chat-42", "chat-43"], created_ts=1767000000.123456,
-              start_by_ts=1767000000.5, needed_by_ts=1767000001.75),
+        order(
+            "prefetch-3f2a-0",
+            priority=0.123456789012345,
+            block_hashes=[2**63 - 1, -(2**63), "ab01", 7],
+            size_bytes=2**53,
+            session_ids=["chat-42", "chat-43"],
+            created_ts=1767000000.123456,
+            start_by_ts=1767000000.5,
+            needed_by_ts=1767000001.75,
+        ),
         # One scheduler clock for a batch, as in the service (the pull queue expires by it).
-        order("pin-1", kind="pin", source_tier=None, tier="host", ttl_seconds=300.0, block_hashes=["x" * 128],
-              size_bytes=0, session_ids=[], created_ts=1767000000.0, start_by_ts=1767000001.0,
-              needed_by_ts=1767000002.0, instance_id="gpu-1"),
-        order("demote-é-1", kind="demote", source_tier=None, tier="hbm", created_ts=1767000000.0,
-              start_by_ts=1767000002.0, needed_by_ts=1767000002.0),
+        order(
+            "pin-1",
+            kind="pin",
+            source_tier=None,
+            tier="host",
+            ttl_seconds=300.0,
+            block_hashes=["x" * 128],
+            size_bytes=0,
+            session_ids=[],
+            created_ts=1767000000.0,
+            start_by_ts=1767000001.0,
+            needed_by_ts=1767000002.0,
+            instance_id="gpu-1",
+        ),
+        order(
+            "demote-é-1",
+            kind="demote",
+            source_tier=None,
+            tier="hbm",
+            created_ts=1767000000.0,
+            start_by_ts=1767000002.0,
+            needed_by_ts=1767000002.0,
+        ),
     ]
 
     async def body(sink: OrderSink) -> None:
@@ -188,8 +222,13 @@ def test_each_instance_reads_its_own_orders_and_their_cancels(per_instance_case:
     assert read is not None
 
     async def body(sink: OrderSink) -> None:
-        await sink.submit([order("a", "gpu-0", start_by_ts=11.0), order("b", "gpu-1"),
-                           order("c", "gpu-0", start_by_ts=11.5)])
+        await sink.submit(
+            [
+                order("a", "gpu-0", start_by_ts=11.0),
+                order("b", "gpu-1"),
+                order("c", "gpu-0", start_by_ts=11.5),
+            ]
+        )
         assert [m.order_id for m in read(sink, "gpu-1")] == ["b"]
         assert [m.order_id for m in read(sink, "gpu-0")] == ["a", "c"]
         assert await sink.cancel([Cancel(order_id="b")]) == ["b"]

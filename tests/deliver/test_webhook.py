@@ -7,7 +7,7 @@ import asyncio
 import re
 import socket
 from collections.abc import Callable
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from typing import Any
 
@@ -15,9 +15,9 @@ import httpx
 import orjson
 import pytest
 
-from kvprefetch_client.orders import Cancel
 from app.deliver import SinkRejected, SinkUnavailable, WebhookSink
 from app.deliver.webhook import idempotency_key, parse_retry_after
+from kvprefetch_client.orders import Cancel
 from tests.deliver.conftest import Receiver, order
 
 URL = "http://receiver.test/orders"
@@ -65,12 +65,17 @@ def test_the_batch_body_and_its_idempotency_key() -> None:
 
     run(body)
     first, second = script.requests
-    assert orjson.loads(first.content) == {"messages": [orjson.loads(order("a").to_json()),
-                                                        orjson.loads(order("b").to_json())]}
+    assert orjson.loads(first.content) == {
+        "messages": [orjson.loads(order("a").to_json()), orjson.loads(order("b").to_json())]
+    }
     assert first.headers["content-type"] == "application/json"
     assert first.headers["idempotency-key"] == idempotency_key([order("a"), order("b")])
-    assert orjson.loads(second.content) == {"messages": [{"type": "cancel", "order_id": "a", "reason": "closed"}]}
-    assert second.headers["idempotency-key"] != first.headers["idempotency-key"]  # a cancel is not its order
+    assert orjson.loads(second.content) == {
+        "messages": [{"type": "cancel", "order_id": "a", "reason": "closed"}]
+    }
+    assert (
+        second.headers["idempotency-key"] != first.headers["idempotency-key"]
+    )  # a cancel is not its order
 
 
 def test_5xx_and_connection_errors_are_retried_with_exponential_backoff_and_the_same_key() -> None:
@@ -124,7 +129,8 @@ def test_a_retry_after_past_the_longest_wait_gives_up_at_once() -> None:
         await sink.close()
         assert str(caught.value) == (
             f"{SHOWN} answered HTTP 503 with Retry-After 120 s, longer than "
-            "KVP_ORDER_WEBHOOK_MAX_BACKOFF_SECONDS (5 s): giving up after 1 attempt(s)")
+            "KVP_ORDER_WEBHOOK_MAX_BACKOFF_SECONDS (5 s): giving up after 1 attempt(s)"
+        )
 
     run(body)
     assert sleeps == [] and len(script.requests) == 1
@@ -140,7 +146,9 @@ def test_it_gives_up_after_the_bound_and_a_resubmit_then_tries_again() -> None:
             await sink.submit([order("a")])
         assert len(script.requests) == 3 and len(sleeps) == 2
         assert sink.last_error is not None
-        assert await sink.submit([order("a")]) == ["a"]  # nothing was delivered, so it is not a repeat
+        assert await sink.submit([order("a")]) == [
+            "a"
+        ]  # nothing was delivered, so it is not a repeat
         assert sink.last_error is None
         await sink.close()
 
@@ -195,11 +203,13 @@ def test_parse_retry_after() -> None:
     assert parse_retry_after(" 7 ") == 7.0
     assert parse_retry_after("-3") == 0.0
     assert parse_retry_after("soon") is None
-    in_a_minute = format_datetime(datetime.now(timezone.utc) + timedelta(seconds=60), usegmt=True)
+    in_a_minute = format_datetime(datetime.now(UTC) + timedelta(seconds=60), usegmt=True)
     assert 55 < parse_retry_after(in_a_minute) <= 60  # type: ignore[operator]
 
 
-def test_a_real_server_failing_the_first_calls_gets_the_batch_once(receiver: tuple[Receiver, str]) -> None:
+def test_a_real_server_failing_the_first_calls_gets_the_batch_once(
+    receiver: tuple[Receiver, str],
+) -> None:
     server, url = receiver
     server.fail_next = [(503, {"Retry-After": "0"}), (500, {})]
 
@@ -238,7 +248,9 @@ def test_nobody_listening_is_a_connection_error_retried_then_given_up_on() -> No
 
     async def body() -> None:
         sink = WebhookSink(f"http://127.0.0.1:{port}/orders", backoff_seconds=0.01, max_attempts=2)
-        with pytest.raises(SinkUnavailable, match=r"gave up after 2 attempt\(s\); last: ConnectError"):
+        with pytest.raises(
+            SinkUnavailable, match=r"gave up after 2 attempt\(s\); last: ConnectError"
+        ):
             await sink.submit([order("a")])
         await sink.close()
 

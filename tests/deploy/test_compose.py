@@ -24,9 +24,17 @@ SCRIPT = REPO / ".ci" / "compose-config"
 SERVICES = {"kvprefetch", "redis", "prometheus", "grafana"}
 
 
-def compose_config(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(env or {})}, cwd=REPO)
+def compose_config(
+    *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+        cwd=REPO,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +48,9 @@ def config() -> dict[str, Any]:
 
 def mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
     """Container path -> (the bind's host path, or the volume's name; read-only)."""
-    return {v["target"]: (v["source"], bool(v.get("read_only"))) for v in service.get("volumes", [])}
+    return {
+        v["target"]: (v["source"], bool(v.get("read_only"))) for v in service.get("volumes", [])
+    }
 
 
 def test_compose_config_accepts_the_file(config: dict[str, Any]) -> None:
@@ -50,7 +60,9 @@ def test_compose_config_accepts_the_file(config: dict[str, Any]) -> None:
 def test_compose_config_refuses_a_broken_file(config: dict[str, Any], tmp_path: Path) -> None:
     """The check is a real one: a key Compose does not know, or a missing dependency, fails it."""
     bad = tmp_path / "docker-compose.yml"
-    bad.write_text("services:\n  a:\n    image: redis:7.2.5\n    depends_on: [b]\n    restart_policy: x\n")
+    bad.write_text(
+        "services:\n  a:\n    image: redis:7.2.5\n    depends_on: [b]\n    restart_policy: x\n"
+    )
     done = compose_config("--quiet", env={"KVP_COMPOSE_FILE": str(bad)})
     assert done.returncode != 0
     assert "restart_policy" in done.stderr or "depends on undefined service" in done.stderr
@@ -62,9 +74,14 @@ def test_a_compose_that_cannot_be_had_is_a_failure_not_a_skip(tmp_path: Path) ->
     fake = bin_dir / "docker"
     fake.write_text("#!/bin/sh\nexit 1\n")  # a docker CLI with no compose plugin
     fake.chmod(0o755)
-    done = compose_config("--quiet", env={
-        "PATH": f"{bin_dir}:{os.environ['PATH']}", "KVP_TOOLS_DIR": str(tmp_path / "tools"),
-        "KVP_DEBIAN_MIRROR": "http://127.0.0.1:9/debian"})  # nothing listens there
+    done = compose_config(
+        "--quiet",
+        env={
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "KVP_TOOLS_DIR": str(tmp_path / "tools"),
+            "KVP_DEBIAN_MIRROR": "http://127.0.0.1:9/debian",
+        },
+    )  # nothing listens there
     assert done.returncode == 1
     assert "compose-config: FAILED:" in done.stderr
 
@@ -72,11 +89,17 @@ def test_a_compose_that_cannot_be_had_is_a_failure_not_a_skip(tmp_path: Path) ->
 def test_images_are_official_and_pinned(config: dict[str, Any]) -> None:
     images = {name: s.get("image", "") for name, s in config["services"].items()}
     assert "build" in config["services"]["kvprefetch"]
-    for name, expected in (("redis", "redis:"), ("prometheus", "prom/prometheus:"), ("grafana", "grafana/grafana:")):
+    for name, expected in (
+        ("redis", "redis:"),
+        ("prometheus", "prom/prometheus:"),
+        ("grafana", "grafana/grafana:"),
+    ):
         image = images[name]
         assert image.startswith(expected), image
         tag = image.split(":", 1)[1]
-        assert tag != "latest" and any(c.isdigit() for c in tag) and tag.count(".") >= 2, f"{image}: pin a version"
+        assert tag != "latest" and any(c.isdigit() for c in tag) and tag.count(".") >= 2, (
+            f"{image}: pin a version"
+        )
 
 
 def test_every_service_has_a_healthcheck(config: dict[str, Any]) -> None:
@@ -115,7 +138,9 @@ def test_prometheus_scrapes_the_service(config: dict[str, Any]) -> None:
     (job,) = [j for j in scrape["scrape_configs"] if j["job_name"] == "kvprefetch"]
     targets = [t for group in job["static_configs"] for t in group["targets"]]
     port = config["services"]["kvprefetch"]["environment"]["KVP_PORT"]
-    assert targets == [f"kvprefetch:{port}"]  # the compose service's name and the port it listens on
+    assert targets == [
+        f"kvprefetch:{port}"
+    ]  # the compose service's name and the port it listens on
     assert job.get("metrics_path", "/metrics") == "/metrics"
 
 

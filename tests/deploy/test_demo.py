@@ -63,16 +63,28 @@ def totals(url: str) -> dict[str, float]:
 def demo(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path, Path]]:
     port = free_port()
     out, err = tmp_path / "stdout", tmp_path / "stderr"
-    env = {**os.environ, "VENV": str(Path(sys.executable).parent.parent), "KVP_PORT": str(port),
-           "DEMO_TRACE": str(TRACE), "DEMO_REQUESTS": str(REQUESTS), "DEMO_SPEED": str(SPEED),
-           "DEMO_DATA_DIR": str(tmp_path / "demo")}
+    env = {
+        **os.environ,
+        "VENV": str(Path(sys.executable).parent.parent),
+        "KVP_PORT": str(port),
+        "DEMO_TRACE": str(TRACE),
+        "DEMO_REQUESTS": str(REQUESTS),
+        "DEMO_SPEED": str(SPEED),
+        "DEMO_DATA_DIR": str(tmp_path / "demo"),
+    }
     with out.open("wb") as o, err.open("wb") as e:
         # Its own process group, as a terminal's foreground job: Ctrl-C signals the whole group.
         # SIGINT as a terminal has it: a shell started with it ignored (pytest run as a background
         # job inherits that) can't trap it, and the script would not see the Ctrl-C.
-        proc = subprocess.Popen(["bash", str(SCRIPT)], stdout=o, stderr=e, env=env, cwd=REPO,
-                                start_new_session=True,
-                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        proc = subprocess.Popen(
+            ["bash", str(SCRIPT)],
+            stdout=o,
+            stderr=e,
+            env=env,
+            cwd=REPO,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     try:
         yield proc, f"http://127.0.0.1:{port}", out, err
     finally:
@@ -82,20 +94,35 @@ def demo(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path, P
 
 
 def test_the_demo_fills_the_metrics_and_ctrl_c_stops_it(
-        demo: tuple[subprocess.Popen[bytes], str, Path, Path]) -> None:
+    demo: tuple[subprocess.Popen[bytes], str, Path, Path],
+) -> None:
     proc, url, out, err = demo
-    wait_for("the dashboard URL", lambda: f"{url}/dashboard" in out.read_text() or proc.poll() is not None)
+    wait_for(
+        "the dashboard URL",
+        lambda: f"{url}/dashboard" in out.read_text() or proc.poll() is not None,
+    )
     assert proc.poll() is None, err.read_text()
 
-    # While the replay runs, the counters grow: events arrive, requests find (or miss) their context.
-    first = wait_for("events ingested", lambda: totals(url).get("kvprefetch_events_ingested_total", 0) > 0 and totals(url))
-    later = wait_for("the replay to go on", lambda: (
-        (t := totals(url)).get("kvprefetch_events_ingested_total", 0) > first["kvprefetch_events_ingested_total"]
-        and t))
+    # While the replay runs, the counters grow: events arrive, requests find (or miss) their
+    # context.
+    first = wait_for(
+        "events ingested",
+        lambda: totals(url).get("kvprefetch_events_ingested_total", 0) > 0 and totals(url),
+    )
+    later = wait_for(
+        "the replay to go on",
+        lambda: (
+            (t := totals(url)).get("kvprefetch_events_ingested_total", 0)
+            > first["kvprefetch_events_ingested_total"]
+            and t
+        ),
+    )
     assert later["kvprefetch_events_ingested_total"] > first["kvprefetch_events_ingested_total"]
     assert httpx.get(f"{url}/dashboard", timeout=5).status_code == 200
 
-    wait_for("the replay to end", lambda: "replay done" in err.read_text() or proc.poll() is not None)
+    wait_for(
+        "the replay to end", lambda: "replay done" in err.read_text() or proc.poll() is not None
+    )
     assert proc.poll() is None, err.read_text()  # it lingers, serving the dashboard
     done = totals(url)
     assert done["kvprefetch_reuse_requests_total"] > 0  # arriving requests were judged

@@ -1,4 +1,5 @@
-"""deploy/grafana: the dashboard JSON and its provisioning, checked against what GET /metrics exposes.
+"""deploy/grafana: the dashboard JSON and its provisioning, checked against what GET /metrics
+exposes.
 
 Every metric a panel queries must be one the service exposes, with the labels it has (the names
 come from scraping a real app's /metrics after a few events, not from a list kept here); every
@@ -37,12 +38,29 @@ RATE_FUNCTIONS = {"rate", "increase", "irate"}
 # Labels Prometheus attaches to every scraped series, beside the service's own.
 TARGET_LABELS = {"instance", "job"}
 # What Grafana substitutes before a query reaches Prometheus.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__range": "1h", "$__interval": "15s", "$instance": ".*"}
+GRAFANA_VARIABLES = {
+    "$__rate_interval": "1m",
+    "$__range": "1h",
+    "$__interval": "15s",
+    "$instance": ".*",
+}
 
 PROMQL_KEYWORDS = {"and", "or", "unless", "offset", "bool", "atan2"}
 GROUPING = {"by", "without", "on", "ignoring", "group_left", "group_right"}
-AGGREGATIONS = {"sum", "min", "max", "avg", "count", "stddev", "stdvar", "topk", "bottomk", "quantile",
-                "count_values", "group"}
+AGGREGATIONS = {
+    "sum",
+    "min",
+    "max",
+    "avg",
+    "count",
+    "stddev",
+    "stdvar",
+    "topk",
+    "bottomk",
+    "quantile",
+    "count_values",
+    "group",
+}
 
 
 # -- what the service exposes ---------------------------------------------------------------------
@@ -63,15 +81,39 @@ def _turn(n: int, ts: float, blocks: list[int]) -> list[dict[str, Any]]:
     """One turn of session s1 on gpu-0: routed, started, finished, its blocks stored in HBM."""
     ids = {"session_id": "s1", "request_id": f"q{n}", "instance_id": "gpu-0"}
     return [
-        {"type": "request_routed", "event_id": f"r{n}", "ts": ts, **ids, "prompt_tokens": 512 * len(blocks),
-         "block_hashes": blocks},
+        {
+            "type": "request_routed",
+            "event_id": f"r{n}",
+            "ts": ts,
+            **ids,
+            "prompt_tokens": 512 * len(blocks),
+            "block_hashes": blocks,
+        },
         {"type": "request_started", "event_id": f"st{n}", "ts": ts + 0.1, **ids},
-        {"type": "request_finished", "event_id": f"f{n}", "ts": ts + 1.0, **ids, "output_tokens": 20,
-         "context_tokens": 512 * len(blocks) + 20},
-        {"type": "kv_blocks_stored", "event_id": f"kv{n}", "ts": ts + 1.0, "tier": "hbm", "instance_id": "gpu-0",
-         "block_hashes": blocks},
-        {"type": "instance_status", "event_id": f"is{n}", "ts": ts + 1.0, "instance_id": "gpu-0",
-         "free_kv_bytes": 10**11, "total_kv_bytes": 3 * 10**11},
+        {
+            "type": "request_finished",
+            "event_id": f"f{n}",
+            "ts": ts + 1.0,
+            **ids,
+            "output_tokens": 20,
+            "context_tokens": 512 * len(blocks) + 20,
+        },
+        {
+            "type": "kv_blocks_stored",
+            "event_id": f"kv{n}",
+            "ts": ts + 1.0,
+            "tier": "hbm",
+            "instance_id": "gpu-0",
+            "block_hashes": blocks,
+        },
+        {
+            "type": "instance_status",
+            "event_id": f"is{n}",
+            "ts": ts + 1.0,
+            "instance_id": "gpu-0",
+            "free_kv_bytes": 10**11,
+            "total_kv_bytes": 3 * 10**11,
+        },
     ]
 
 
@@ -89,16 +131,29 @@ def _scrape_until(client: TestClient, wanted: str, timeout: float = 20.0) -> str
 def exposed(tmp_path_factory: pytest.TempPathFactory) -> Exposed:
     """GET /metrics of a real app (its scoring and planning loops on) after a session's two turns
     (the second reusing the first's blocks, resident: a hit), a duplicate and a rejected event."""
-    settings = Settings(data_dir=tmp_path_factory.mktemp("svc"), store="memory", log_fsync=False,
-                        replica_id="test-grafana", score_interval_seconds=0.05, plan_interval_seconds=0.05)
+    settings = Settings(
+        data_dir=tmp_path_factory.mktemp("svc"),
+        store="memory",
+        log_fsync=False,
+        replica_id="test-grafana",
+        score_interval_seconds=0.05,
+        plan_interval_seconds=0.05,
+    )
     now = time.time()
     with TestClient(create_app(settings)) as client:
         first = _turn(1, now - 20.0, [11, 12, 13])
         assert client.post("/v1/events", json={"events": first}).status_code == 200
-        _scrape_until(client, "kvprefetch_inference_duration_seconds_bucket")  # the session was scored
-        assert client.post("/v1/events", json={"events": _turn(2, now, [11, 12, 13, 14])}).status_code == 200
+        _scrape_until(
+            client, "kvprefetch_inference_duration_seconds_bucket"
+        )  # the session was scored
+        assert (
+            client.post("/v1/events", json={"events": _turn(2, now, [11, 12, 13, 14])}).status_code
+            == 200
+        )
         assert client.post("/v1/events", json={"events": first[:1]}).json()["duplicates"] == ["r1"]
-        bad = client.post("/v1/events", json={"events": [{**first[0], "event_id": "bad", "prompt_tokens": -1}]})
+        bad = client.post(
+            "/v1/events", json={"events": [{**first[0], "event_id": "bad", "prompt_tokens": -1}]}
+        )
         assert bad.status_code == 422
         text = _scrape_until(client, "kvprefetch_inference_duration_seconds_bucket")
     samples: dict[str, tuple[str, set[str]]] = {}
@@ -106,7 +161,9 @@ def exposed(tmp_path_factory: pytest.TempPathFactory) -> Exposed:
         for sample in family.samples:
             _, labels = samples.setdefault(sample.name, (family.type, set()))
             labels.update(sample.labels)
-    assert any(name.startswith("kvprefetch_") for name in samples), "no kvprefetch_ metric in /metrics"
+    assert any(name.startswith("kvprefetch_") for name in samples), (
+        "no kvprefetch_ metric in /metrics"
+    )
     return Exposed({name: (kind, frozenset(labels)) for name, (kind, labels) in samples.items()})
 
 
@@ -152,7 +209,9 @@ def test_the_datasource_is_a_variable(dashboard: dict[str, Any]) -> None:
     for title, target in targets_of(dashboard):
         assert target["datasource"] == DATASOURCE, title
     assert variable(dashboard, "instance")["datasource"] == DATASOURCE
-    assert "${DS_" not in DASHBOARD.read_text()  # no import-time input left unresolved by provisioning
+    assert (
+        "${DS_" not in DASHBOARD.read_text()
+    )  # no import-time input left unresolved by provisioning
 
 
 def test_panels_are_laid_out_and_each_queries(dashboard: dict[str, Any]) -> None:
@@ -161,23 +220,31 @@ def test_panels_are_laid_out_and_each_queries(dashboard: dict[str, Any]) -> None
     refs: set[str] = set()
     for panel in panels_of(dashboard):
         pos = panel["gridPos"]
-        assert 0 <= pos["x"] and pos["x"] + pos["w"] <= 24, panel["title"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, panel["title"]
         if panel["type"] == "row":
             continue
         assert panel["targets"], f"panel {panel['title']!r} has no query"
-        assert panel.get("description"), f"panel {panel['title']!r} says nothing about what it shows"
+        assert panel.get("description"), (
+            f"panel {panel['title']!r} says nothing about what it shows"
+        )
         refs = {t["refId"] for t in panel["targets"]}
         assert len(refs) == len(panel["targets"]), panel["title"]
 
 
 def test_the_panels_the_issue_asks_for_are_there(dashboard: dict[str, Any]) -> None:
     exprs = " ".join(t["expr"] for _, t in targets_of(dashboard))
-    for needle in ("rate(kvprefetch_reuse_requests_total", "kvprefetch_events_ingested_total",
-                   "sum by (kind) (rate(kvprefetch_orders_issued_total", "kvprefetch_prefetch_ordered_bytes_total",
-                   "kvprefetch_prefetch_wasted_bytes_total", "kvprefetch_stall_avoided_seconds_total",
-                   "kvprefetch_gpu_saved_dollars_total", "kvprefetch_plan_duration_seconds_bucket",
-                   "kvprefetch_inference_duration_seconds_bucket",
-                   "sum by (slot) (rate(kvprefetch_advice_outcomes_total"):
+    for needle in (
+        "rate(kvprefetch_reuse_requests_total",
+        "kvprefetch_events_ingested_total",
+        "sum by (kind) (rate(kvprefetch_orders_issued_total",
+        "kvprefetch_prefetch_ordered_bytes_total",
+        "kvprefetch_prefetch_wasted_bytes_total",
+        "kvprefetch_stall_avoided_seconds_total",
+        "kvprefetch_gpu_saved_dollars_total",
+        "kvprefetch_plan_duration_seconds_bucket",
+        "kvprefetch_inference_duration_seconds_bucket",
+        "sum by (slot) (rate(kvprefetch_advice_outcomes_total",
+    ):
         assert needle in exprs, needle
     assert exprs.count("histogram_quantile(") >= 4
 
@@ -257,7 +324,9 @@ def parse(expr: str) -> Parsed:
             i += len(word)
             if word in GROUPING:
                 close = expr.index(")", i)
-                grouping.update(w.strip() for w in expr[expr.index("(", i) + 1:close].split(",") if w.strip())
+                grouping.update(
+                    w.strip() for w in expr[expr.index("(", i) + 1 : close].split(",") if w.strip()
+                )
                 i = close + 1
             elif word in AGGREGATIONS or _next_char(expr, i) == "(":
                 pending = word
@@ -267,8 +336,9 @@ def parse(expr: str) -> Parsed:
                 last = MetricRef(word, inside=stack[-1] if stack else "")
                 metrics.append(last)
         elif c.isdigit() or c == ".":  # a number (0.99, 3600, 1e9)
-            while i < len(expr) and (expr[i].isalnum() or expr[i] == "."
-                                     or (expr[i] in "+-" and expr[i - 1] in "eE")):
+            while i < len(expr) and (
+                expr[i].isalnum() or expr[i] == "." or (expr[i] in "+-" and expr[i - 1] in "eE")
+            ):
                 i += 1
         else:  # an operator, a comma or a space
             if not c.isspace():
@@ -278,11 +348,20 @@ def parse(expr: str) -> Parsed:
 
 
 def test_the_promql_reader_reads_what_the_dashboard_writes() -> None:
-    p = parse('histogram_quantile(0.99, sum by (le, slot) (rate(a_bucket{instance=~"x|y",slot="live"}[1m])))')
-    assert [(m.name, m.labels, m.inside) for m in p.metrics] == [("a_bucket", {"instance", "slot"}, "rate")]
+    p = parse(
+        "histogram_quantile(0.99, sum by (le, slot) "
+        '(rate(a_bucket{instance=~"x|y",slot="live"}[1m])))'
+    )
+    assert [(m.name, m.labels, m.inside) for m in p.metrics] == [
+        ("a_bucket", {"instance", "slot"}, "rate")
+    ]
     assert p.grouping == {"le", "slot"}
     p = parse('sum(rate(b_total{k="v}"}[5m])) * 3600 / sum(c_total) + max by (v) (g) == 1')
-    assert [(m.name, m.inside) for m in p.metrics] == [("b_total", "rate"), ("c_total", "sum"), ("g", "max")]
+    assert [(m.name, m.inside) for m in p.metrics] == [
+        ("b_total", "rate"),
+        ("c_total", "sum"),
+        ("g", "max"),
+    ]
 
 
 def substituted(expr: str) -> str:
@@ -292,7 +371,9 @@ def substituted(expr: str) -> str:
     return expr
 
 
-def test_every_query_reads_only_metrics_the_service_exposes(dashboard: dict[str, Any], exposed: Exposed) -> None:
+def test_every_query_reads_only_metrics_the_service_exposes(
+    dashboard: dict[str, Any], exposed: Exposed
+) -> None:
     seen: set[str] = set()
     for title, target in targets_of(dashboard):
         parsed = parse(substituted(target["expr"]))
@@ -300,32 +381,46 @@ def test_every_query_reads_only_metrics_the_service_exposes(dashboard: dict[str,
         known = set(TARGET_LABELS)
         for ref in parsed.metrics:
             assert ref.name in exposed.samples, (
-                f"panel {title!r} reads {ref.name}, which GET /metrics does not expose")
+                f"panel {title!r} reads {ref.name}, which GET /metrics does not expose"
+            )
             labels = exposed.samples[ref.name][1]
             assert ref.labels <= labels | TARGET_LABELS, (
-                f"panel {title!r}: {ref.name} has no label(s) {sorted(ref.labels - labels - TARGET_LABELS)}")
+                f"panel {title!r}: {ref.name} has no label(s) "
+                f"{sorted(ref.labels - labels - TARGET_LABELS)}"
+            )
             known |= labels
             seen.add(ref.name)
-        assert parsed.grouping <= known, f"panel {title!r} groups by unknown labels {parsed.grouping - known}"
+        assert parsed.grouping <= known, (
+            f"panel {title!r} groups by unknown labels {parsed.grouping - known}"
+        )
     # The instance variable lists a metric that is there.
     query = variable(dashboard, "instance")["query"]["query"]
     m = re.fullmatch(r"label_values\((\w+), instance\)", query)
     assert m and m.group(1) in exposed.samples
     # Every kvprefetch counter is on some panel: a new one fails this until it is charted.
-    families = {n for n, (kind, _) in exposed.samples.items()
-                if n.startswith("kvprefetch_") and kind == "counter"}
+    families = {
+        n
+        for n, (kind, _) in exposed.samples.items()
+        if n.startswith("kvprefetch_") and kind == "counter"
+    }
     assert not families - seen, f"counters on no panel: {sorted(families - seen)}"
 
 
-def test_counters_are_read_through_rate_or_increase(dashboard: dict[str, Any], exposed: Exposed) -> None:
+def test_counters_are_read_through_rate_or_increase(
+    dashboard: dict[str, Any], exposed: Exposed
+) -> None:
     for title, target in targets_of(dashboard):
         for ref in parse(substituted(target["expr"])).metrics:
             if exposed.is_counter_like(ref.name):
                 assert ref.inside in RATE_FUNCTIONS, (
-                    f"panel {title!r} reads the counter {ref.name} inside {ref.inside or 'nothing'}(), "
-                    "not rate() or increase()")
+                    f"panel {title!r} reads the counter {ref.name} "
+                    f"inside {ref.inside or 'nothing'}(), "
+                    "not rate() or increase()"
+                )
             else:
-                assert ref.inside not in RATE_FUNCTIONS, f"panel {title!r} takes the rate of gauge {ref.name}"
+                assert ref.inside not in RATE_FUNCTIONS, (
+                    f"panel {title!r} takes the rate of gauge {ref.name}"
+                )
 
 
 # -- PromQL and Prometheus's own checks -----------------------------------------------------------
@@ -333,29 +428,41 @@ def test_counters_are_read_through_rate_or_increase(dashboard: dict[str, Any], e
 
 @pytest.fixture(scope="module")
 def promtool() -> str:
-    """Prometheus's promtool (Debian's prometheus package); installed when missing, else a failure."""
+    """Prometheus's promtool (Debian's prometheus package); installed when missing, else a
+    failure."""
     if shutil.which("promtool") is None and (REPO / ".ci" / "ensure-promtool").exists():
         subprocess.run(["bash", str(REPO / ".ci" / "ensure-promtool")], check=False, timeout=600)
     path = shutil.which("promtool")
     if path is None:
-        pytest.fail("promtool is required (Debian: apt-get install prometheus; .ci/ensure-promtool does it)",
-                    pytrace=False)
+        pytest.fail(
+            "promtool is required "
+            "(Debian: apt-get install prometheus; .ci/ensure-promtool does it)",
+            pytrace=False,
+        )
     return path
 
 
-def test_every_query_parses_as_promql(dashboard: dict[str, Any], promtool: str, tmp_path: Path) -> None:
-    rules = [{"record": f"kvprefetch:dashboard_query_{i}", "expr": substituted(t["expr"])}
-             for i, (_, t) in enumerate(targets_of(dashboard))]
+def test_every_query_parses_as_promql(
+    dashboard: dict[str, Any], promtool: str, tmp_path: Path
+) -> None:
+    rules = [
+        {"record": f"kvprefetch:dashboard_query_{i}", "expr": substituted(t["expr"])}
+        for i, (_, t) in enumerate(targets_of(dashboard))
+    ]
     path = tmp_path / "dashboard-rules.yml"
     path.write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": rules}]}))
-    done = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{len(rules)} rules found" in done.stdout + done.stderr
 
 
 def test_the_prometheus_config_is_valid(promtool: str) -> None:
     path = DEPLOY / "prometheus" / "prometheus.yml"
-    done = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     jobs = {job["job_name"]: job for job in yaml.safe_load(path.read_text())["scrape_configs"]}
     assert jobs["kvprefetch"].get("metrics_path", "/metrics") == "/metrics"
@@ -372,6 +479,6 @@ def test_grafana_provisioning_points_at_prometheus_and_the_dashboard() -> None:
     (dash_file,) = (PROVISIONING / "dashboards").glob("*.yml")
     (provider,) = yaml.safe_load(dash_file.read_text())["providers"]
     assert provider["type"] == "file"
-    # tests/deploy/test_compose.py checks this path is where compose mounts deploy/grafana/dashboards.
+    # tests/deploy/test_compose.py checks compose mounts deploy/grafana/dashboards at this path.
     assert provider["options"]["path"] == "/etc/grafana/dashboards"
     assert [p.name for p in DASHBOARD.parent.glob("*.json")] == [DASHBOARD.name]

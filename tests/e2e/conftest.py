@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import httpx
@@ -42,36 +42,71 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-
 @contextmanager
-def redis_workers(tmp_path: Path, redis_url: str, prefix: str, metrics_dir: Path,
-                  extra_env: dict[str, str] | None = None, workers: int = 2) -> Iterator[str]:
-    """`kvprefetch serve --workers N` on the Redis store, the heuristic and no loops (quick to start,
-    quiet on 2 cores); yields its URL once /readyz answers, and stops the whole process group."""
+def redis_workers(
+    tmp_path: Path,
+    redis_url: str,
+    prefix: str,
+    metrics_dir: Path,
+    extra_env: dict[str, str] | None = None,
+    workers: int = 2,
+) -> Iterator[str]:
+    """`kvprefetch serve --workers N` on the Redis store, the heuristic and no loops (quick to
+    start, quiet on 2 cores); yields its URL once /readyz answers, and stops the whole process
+    group."""
     work = tmp_path / "work"
     work.mkdir()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-    env.update({
-        "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-        "KVP_DATA_DIR": str(tmp_path / "data"), "KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": prefix,
-        "KVP_REPLICA_ID": "e2e", "KVP_LOG_FSYNC": "false", "KVP_MODEL_DIR": str(tmp_path / "no-model"),
-        "KVP_SCORE_INTERVAL_SECONDS": "0", "KVP_PLAN_INTERVAL_SECONDS": "0", "KVP_DASHBOARD_SAMPLE_SECONDS": "0",
-        **(extra_env or {}),
-    })
+    env.update(
+        {
+            "PYTHONPATH": str(REPO),
+            "PYTHONUNBUFFERED": "1",
+            "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+            "KVP_DATA_DIR": str(tmp_path / "data"),
+            "KVP_REDIS_URL": redis_url,
+            "KVP_REDIS_PREFIX": prefix,
+            "KVP_REPLICA_ID": "e2e",
+            "KVP_LOG_FSYNC": "false",
+            "KVP_MODEL_DIR": str(tmp_path / "no-model"),
+            "KVP_SCORE_INTERVAL_SECONDS": "0",
+            "KVP_PLAN_INTERVAL_SECONDS": "0",
+            "KVP_DASHBOARD_SAMPLE_SECONDS": "0",
+            **(extra_env or {}),
+        }
+    )
     log_path = work / "server.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "serve", "--port", str(port), "--store", "redis",
-             "--workers", str(workers)],
-            cwd=work, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "serve",
+                "--port",
+                str(port),
+                "--store",
+                "redis",
+                "--workers",
+                str(workers),
+            ],
+            cwd=work,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + READY_TIMEOUT_SECONDS
         while True:
-            assert proc.poll() is None, f"the service exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
-            assert time.monotonic() < deadline, f"the service was not ready:\n{log_path.read_text()[-4000:]}"
+            assert proc.poll() is None, (
+                f"the service exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+            )
+            assert time.monotonic() < deadline, (
+                f"the service was not ready:\n{log_path.read_text()[-4000:]}"
+            )
             try:
                 if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
                     break
@@ -90,10 +125,13 @@ def redis_workers(tmp_path: Path, redis_url: str, prefix: str, metrics_dir: Path
                 os.killpg(with_group, signal.SIGKILL)
                 proc.wait(timeout=10)
 
+
 class ServiceProcess:
     """One service: a port and a data dir that outlive the processes started on them."""
 
-    def __init__(self, data_dir: Path, port: int, work_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, data_dir: Path, port: int, work_dir: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.data_dir = data_dir
         self.port = port
         self.work_dir = work_dir
@@ -116,13 +154,15 @@ class ServiceProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), *filter(None, [env.get("PYTHONPATH")])])
         env["PYTHONUNBUFFERED"] = "1"
-        env.update({
-            "KVP_DATA_DIR": str(self.data_dir),
-            "KVP_STORE": "memory",
-            "KVP_HOST": "127.0.0.1",
-            "KVP_PORT": str(self.port),
-            "KVP_REPLICA_ID": "e2e",
-        })
+        env.update(
+            {
+                "KVP_DATA_DIR": str(self.data_dir),
+                "KVP_STORE": "memory",
+                "KVP_HOST": "127.0.0.1",
+                "KVP_PORT": str(self.port),
+                "KVP_REPLICA_ID": "e2e",
+            }
+        )
         env.update(self.extra_env)
         return env
 
@@ -135,15 +175,21 @@ class ServiceProcess:
             # cwd is a scratch dir so that no .env of the checkout is read by Settings.
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port)],
-                cwd=self.work_dir, env=self._env(), stdin=subprocess.DEVNULL, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                cwd=self.work_dir,
+                env=self._env(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         deadline = time.monotonic() + timeout
         last_error = "no answer yet"
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the service exited with {self.proc.returncode} before it was ready:\n"
-                                   f"{self.log_tail()}")
+                raise RuntimeError(
+                    f"the service exited with {self.proc.returncode} before it was ready:\n"
+                    f"{self.log_tail()}"
+                )
             try:
                 r = httpx.get(f"{self.url}/readyz", timeout=2.0)
                 if r.status_code == 200:
@@ -153,17 +199,17 @@ class ServiceProcess:
                 last_error = repr(exc)
             time.sleep(0.05)
         self.kill()
-        raise RuntimeError(f"the service was not ready within {timeout} s ({last_error}):\n{self.log_tail()}")
+        raise RuntimeError(
+            f"the service was not ready within {timeout} s ({last_error}):\n{self.log_tail()}"
+        )
 
     def kill(self) -> None:
         """SIGKILL: the process gets no chance to flush, close or clean up anything."""
         if self.proc is None:
             return
         if self.proc.poll() is None:
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         self.proc.wait(timeout=10)
 
     def restart(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
@@ -198,7 +244,7 @@ def service_factory(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
         for svc in made:
             try:
                 svc.kill()
-            except Exception:  # noqa: BLE001 - teardown kills every process it can
+            except Exception:
                 if svc.proc is not None and svc.proc.poll() is None:
                     svc.proc.kill()
 
@@ -235,17 +281,40 @@ class RedisServer:
         assert not self.running, "redis-server is already running"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
-             "--appendonly", "yes", "--appendfsync", "always", "--save", "", "--daemonize", "no",
-             "--logfile", str(self.log_path)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1, socket_connect_timeout=1)
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.data_dir),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(self.log_path),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        client = redis.Redis(
+            host="127.0.0.1", port=self.port, socket_timeout=1, socket_connect_timeout=1
+        )
         deadline = time.monotonic() + timeout
         try:
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"redis-server exited with {self.proc.returncode}:\n{self.log_tail()}"
+                    )
                 try:
                     if client.ping():
                         return
@@ -253,7 +322,9 @@ class RedisServer:
                     pass
                 if time.monotonic() > deadline:
                     self.kill()
-                    raise RuntimeError(f"redis-server did not answer within {timeout} s:\n{self.log_tail()}")
+                    raise RuntimeError(
+                        f"redis-server did not answer within {timeout} s:\n{self.log_tail()}"
+                    )
                 time.sleep(0.02)
         finally:
             client.close()
@@ -271,7 +342,11 @@ class RedisServer:
             self.proc.wait(timeout=10)
 
     def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else "(no log)"
+        return (
+            self.log_path.read_text(errors="replace")[-chars:]
+            if self.log_path.exists()
+            else "(no log)"
+        )
 
 
 def redis_server_binary() -> str:
@@ -280,9 +355,12 @@ def redis_server_binary() -> str:
     if binary is None and os.access("/usr/bin/redis-server", os.X_OK):
         binary = "/usr/bin/redis-server"
     if binary is None:
-        pytest.fail("redis-server is required to start a Redis of the test's own and was not found on "
-                    "PATH (set KVP_TEST_REDIS_SERVER to its path, or install it: apt-get install "
-                    "redis-server)", pytrace=False)
+        pytest.fail(
+            "redis-server is required to start a Redis of the test's own and was not found on "
+            "PATH (set KVP_TEST_REDIS_SERVER to its path, or install it: apt-get install "
+            "redis-server)",
+            pytrace=False,
+        )
     return binary
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import orjson
 
-from kvprefetch_client.client import Answer, ClientStats, KvpClient
 from app.ingest.eventlog import iter_log, list_segments
+from kvprefetch_client.client import Answer, ClientStats, KvpClient
 
 JSON = {"content-type": "application/json"}
 BATCH_EVENTS = 200  # what EventSource makes at a time
@@ -46,19 +46,37 @@ class EventSource:
             self.ts += 0.001
             event_id = f"{self.name}-b{self.batches}-e{i}"
             if self.unfinished and self.rng.random() < 0.25:
-                session, request, instance = self.unfinished.pop(self.rng.randrange(len(self.unfinished)))
-                events.append({"type": "request_finished", "event_id": event_id, "ts": self.ts,
-                               "session_id": session, "request_id": request, "instance_id": instance,
-                               "output_tokens": self.rng.randrange(1, 500)})
+                session, request, instance = self.unfinished.pop(
+                    self.rng.randrange(len(self.unfinished))
+                )
+                events.append(
+                    {
+                        "type": "request_finished",
+                        "event_id": event_id,
+                        "ts": self.ts,
+                        "session_id": session,
+                        "request_id": request,
+                        "instance_id": instance,
+                        "output_tokens": self.rng.randrange(1, 500),
+                    }
+                )
             else:
                 self.requests += 1
                 session = f"s{self.rng.randrange(SESSIONS)}"
                 request = f"{self.name}-r{self.requests}"
                 instance = f"i{self.rng.randrange(8)}"
                 self.unfinished.append((session, request, instance))
-                events.append({"type": "request_routed", "event_id": event_id, "ts": self.ts,
-                               "session_id": session, "request_id": request, "instance_id": instance,
-                               "prompt_tokens": self.rng.randrange(100, 4000)})
+                events.append(
+                    {
+                        "type": "request_routed",
+                        "event_id": event_id,
+                        "ts": self.ts,
+                        "session_id": session,
+                        "request_id": request,
+                        "instance_id": instance,
+                        "prompt_tokens": self.rng.randrange(100, 4000),
+                    }
+                )
         return events
 
 
@@ -97,16 +115,29 @@ class Router:
     dropped and every event sent must in the end be acknowledged. `acknowledged()` is what the
     client's on_answer told."""
 
-    def __init__(self, name: str, seed: int, url: str, *, rate: float, high_water: int,
-                 transport: httpx.BaseTransport | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        seed: int,
+        url: str,
+        *,
+        rate: float,
+        high_water: int,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
         self.source = EventSource(name, seed)
         self.rate = rate
         self.high_water = high_water
         self.sent: list[dict[str, Any]] = []
         self.answers: list[Answer] = []
-        self.client = KvpClient(url, batch_size=CLIENT_BATCH, max_backoff_seconds=MAX_BACKOFF_SECONDS,
-                                max_queue_events=10 * high_water, on_answer=self.answers.append,
-                                transport=transport)
+        self.client = KvpClient(
+            url,
+            batch_size=CLIENT_BATCH,
+            max_backoff_seconds=MAX_BACKOFF_SECONDS,
+            max_queue_events=10 * high_water,
+            on_answer=self.answers.append,
+            transport=transport,
+        )
         self.stop = threading.Event()
         self.error: str | None = None
         self.thread = threading.Thread(target=self._run, name=f"router-{name}", daemon=True)
@@ -128,7 +159,7 @@ class Router:
                 for event in batch:
                     self.client.send(event)
                 self.sent.extend(batch)
-        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+        except BaseException as exc:
             self.error = f"router {self.name} raised {exc!r}"
 
     def acknowledged(self) -> set[str]:
@@ -156,7 +187,9 @@ def drain(routers: list[Router], timeout: float = 60.0) -> list[ClientStats]:
     for r in routers:
         assert r.error is None, r.error
         assert not r.thread.is_alive(), f"router {r.name} did not stop"
-        assert r.client.flush(timeout=timeout), f"router {r.name}'s client did not drain: {r.client.stats}"
+        assert r.client.flush(timeout=timeout), (
+            f"router {r.name}'s client did not drain: {r.client.stats}"
+        )
         assert r.client.close(timeout=5)
     return [r.client.stats for r in routers]
 
@@ -220,16 +253,24 @@ def readyz_stats(url: str) -> dict[str, int]:
     return r.json()["stats"]
 
 
-def check_each_event_once(routers: list[Router], stats: list[ClientStats], url: str, events_dir: Path, *,
-                          extra_ids: frozenset[str] | set[str] = frozenset(),
-                          extra_sessions: int = 0) -> dict[str, dict[str, Any] | None]:
+def check_each_event_once(
+    routers: list[Router],
+    stats: list[ClientStats],
+    url: str,
+    events_dir: Path,
+    *,
+    extra_ids: frozenset[str] | set[str] = frozenset(),
+    extra_sessions: int = 0,
+) -> dict[str, dict[str, Any] | None]:
     """After the routers drained: every event sent was acknowledged, and is in the log and in the
     state exactly once. `extra_ids` were posted besides, in `extra_sessions` other sessions.
     Returns the routers' sessions' views."""
     sent = [e for r in routers for e in r.sent]
     sent_ids = ids_of(sent)
     assert len(set(sent_ids)) == len(sent_ids)
-    told = Counter(i for r in routers for a in r.answers for i in (*a.accepted, *a.duplicates, *a.rejected))
+    told = Counter(
+        i for r in routers for a in r.answers for i in (*a.accepted, *a.duplicates, *a.rejected)
+    )
     assert not [i for i, n in told.items() if n > 1], "an event was answered for twice"
     assert set(told) == set(sent_ids)
     assert sum(s.rejected + s.dropped + s.queued for s in stats) == 0, stats
@@ -242,7 +283,9 @@ def check_each_event_once(routers: list[Router], stats: list[ClientStats], url: 
         assert not twice, f"{len(twice)} event ids are in the log more than once, e.g. {twice[:5]}"
         expected = set(sent_ids) | extra_ids
         assert set(ids) == expected, (
-            f"missing from the log: {len(expected - set(ids))}, unexpected: {len(set(ids) - expected)}")
+            f"missing from the log: {len(expected - set(ids))}, "
+            f"unexpected: {len(set(ids) - expected)}"
+        )
 
     # The state applied each exactly once: a session's turns count its request_routed events.
     turns = expected_turns(sent)
@@ -250,7 +293,9 @@ def check_each_event_once(routers: list[Router], stats: list[ClientStats], url: 
     views = session_views(url, session_ids)
     got = {sid: (view["turns"] if view else None) for sid, view in views.items()}
     wrong = {sid: (got[sid], turns.get(sid)) for sid in session_ids if got[sid] != turns.get(sid)}
-    assert not wrong, f"sessions whose turns are wrong (got, expected): {dict(list(wrong.items())[:10])}"
+    assert not wrong, (
+        f"sessions whose turns are wrong (got, expected): {dict(list(wrong.items())[:10])}"
+    )
     state = readyz_stats(url)
     assert state["remembered_event_ids"] == len(sent_ids) + len(extra_ids)
     assert state["sessions"] == len(turns) + extra_sessions

@@ -35,10 +35,10 @@ import httpx
 import pytest
 import redis
 
-from kvprefetch_client.agent import GROUP, PoolDir, cancel_key, default_stream_prefix, stream_key
 from app.ingest.eventlog import iter_log
-from kvprefetch_client.orders import Cancel, Order, order_id_for
 from app.state.redis import RedisStore
+from kvprefetch_client.agent import GROUP, PoolDir, cancel_key, default_stream_prefix, stream_key
+from kvprefetch_client.orders import Cancel, Order, order_id_for
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import ServiceProcess
@@ -56,28 +56,57 @@ WAIT_LIMIT_SECONDS = 20.0
 
 
 class AgentProcess:
-    """`kvprefetch agent` for INSTANCE on the stream source (`stream()`) or the pull source (`pull()`)."""
+    """`kvprefetch agent` for INSTANCE on the stream source (`stream()`) or the pull source
+    (`pull()`)."""
 
-    def __init__(self, name: str, work: Path, service_url: str, pool: Path, source_args: list[str],
-                 env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        work: Path,
+        service_url: str,
+        pool: Path,
+        source_args: list[str],
+        env: dict[str, str],
+    ) -> None:
         self.name = name
         self.status_path = work / f"{name}.json"
         self.log_path = work / f"{name}.log"
-        self.args = [sys.executable, "-m", "app.cli", "agent", "--instance-id", INSTANCE,
-                     "--pool-dir", str(pool), "--capacity-bytes", str(256 * MIB),
-                     "--service-url", service_url, "--poll-seconds", "0.1",
-                     "--status-file", str(self.status_path), *source_args]
+        self.args = [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "agent",
+            "--instance-id",
+            INSTANCE,
+            "--pool-dir",
+            str(pool),
+            "--capacity-bytes",
+            str(256 * MIB),
+            "--service-url",
+            service_url,
+            "--poll-seconds",
+            "0.1",
+            "--status-file",
+            str(self.status_path),
+            *source_args,
+        ]
         self.work = work
         self.env = env
         self.proc: subprocess.Popen[bytes] | None = None
 
     @classmethod
-    def stream(cls, name: str, work: Path, service_url: str, redis_url: str, redis_prefix: str,
-               pool: Path) -> AgentProcess:
+    def stream(
+        cls, name: str, work: Path, service_url: str, redis_url: str, redis_prefix: str, pool: Path
+    ) -> AgentProcess:
         # The stream's Redis and prefix come as the service's own settings do.
-        return cls(name, work, service_url, pool,
-                   ["--consumer-name", name, "--claim-idle-seconds", str(CLAIM_IDLE_SECONDS)],
-                   {"KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": redis_prefix})
+        return cls(
+            name,
+            work,
+            service_url,
+            pool,
+            ["--consumer-name", name, "--claim-idle-seconds", str(CLAIM_IDLE_SECONDS)],
+            {"KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": redis_prefix},
+        )
 
     @classmethod
     def pull(cls, name: str, work: Path, service_url: str, pool: Path) -> AgentProcess:
@@ -89,8 +118,15 @@ class AgentProcess:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "client")])
         env.update(self.env)
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.args, cwd=self.work, env=env, stdin=subprocess.DEVNULL,
-                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.args,
+                cwd=self.work,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def wait_ready(self) -> None:
         # The status file appears once the agent has joined the group and told the service its
@@ -122,12 +158,21 @@ def wait_for(condition: Callable[[], Any], what: str, *agents: AgentProcess) -> 
     raise AssertionError(f"timed out waiting for {what}\n{logs}")
 
 
-def prefetch(order_id: str, blocks: list[int], start_in: float, size_bytes: int,
-             instance_id: str = INSTANCE) -> Order:
+def prefetch(
+    order_id: str, blocks: list[int], start_in: float, size_bytes: int, instance_id: str = INSTANCE
+) -> Order:
     now = time.time()
-    return Order(order_id=order_id, kind="prefetch", instance_id=instance_id, source_tier="pool",
-                 block_hashes=blocks, size_bytes=size_bytes, created_ts=now,
-                 start_by_ts=now + start_in, needed_by_ts=now + start_in + 2.0)
+    return Order(
+        order_id=order_id,
+        kind="prefetch",
+        instance_id=instance_id,
+        source_tier="pool",
+        block_hashes=blocks,
+        size_bytes=size_bytes,
+        created_ts=now,
+        start_by_ts=now + start_in,
+        needed_by_ts=now + start_in + 2.0,
+    )
 
 
 @pytest.fixture
@@ -140,11 +185,21 @@ def agents(tmp_path: Path) -> Iterator[list[AgentProcess]]:
 
 @pytest.mark.redis
 def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
-        service_factory: Callable[..., ServiceProcess], redis_url: str, clean_redis: str,
-        tmp_path: Path, agents: list[AgentProcess]) -> None:
+    service_factory: Callable[..., ServiceProcess],
+    redis_url: str,
+    clean_redis: str,
+    tmp_path: Path,
+    agents: list[AgentProcess],
+) -> None:
     prefix = clean_redis
-    svc = service_factory(env={"KVP_STORE": "redis", "KVP_REDIS_URL": redis_url,
-                               "KVP_REDIS_PREFIX": prefix, "KVP_SCORE_INTERVAL_SECONDS": "0"})
+    svc = service_factory(
+        env={
+            "KVP_STORE": "redis",
+            "KVP_REDIS_URL": redis_url,
+            "KVP_REDIS_PREFIX": prefix,
+            "KVP_SCORE_INTERVAL_SECONDS": "0",
+        }
+    )
     svc.start()
     pool = PoolDir(tmp_path / "pool")
     for h in HOLD_BLOCKS:
@@ -152,7 +207,9 @@ def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
     for h in BULK_BLOCKS:
         pool.write(h, os.urandom(4 * MIB))
     for name in ("agent-a", "agent-b"):
-        agents.append(AgentProcess.stream(name, tmp_path, svc.url, redis_url, prefix, pool.directory))
+        agents.append(
+            AgentProcess.stream(name, tmp_path, svc.url, redis_url, prefix, pool.directory)
+        )
         agents[-1].start()
     for a in agents:
         a.wait_ready()
@@ -176,7 +233,9 @@ def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
     first = wait_for(holder, "an agent to take the order", *agents)
     victim = next(a for a in agents if a.name == first)
     survivor = next(a for a in agents if a.name != first)
-    wait_for(lambda: victim.status()["pending_orders"] == ["hold"], "the holder to schedule it", victim)
+    wait_for(
+        lambda: victim.status()["pending_orders"] == ["hold"], "the holder to schedule it", victim
+    )
     # Twice the claim idle time: the live holder's heartbeat keeps the other agent off it.
     time.sleep(2 * CLAIM_IDLE_SECONDS + 0.3)
     assert holder() == victim.name
@@ -193,15 +252,23 @@ def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
     withdrawn = prefetch("withdrawn", [3000], 3.0, 100)
     # Cancelled as another agent would have seen it: only the sink's cancel key says so.
     elsewhere = prefetch("cancelled-elsewhere", [3000], 3.0, 100)
-    for msg in (bulk.to_json(), missing.to_json(), b"{not an order", withdrawn.to_json(),
-                Cancel(order_id="withdrawn", reason="session closed").to_json(), elsewhere.to_json()):
+    for msg in (
+        bulk.to_json(),
+        missing.to_json(),
+        b"{not an order",
+        withdrawn.to_json(),
+        Cancel(order_id="withdrawn", reason="session closed").to_json(),
+        elsewhere.to_json(),
+    ):
         r.xadd(key, {"msg": msg})
     r.set(cancel_key(stream_prefix, "cancelled-elsewhere"), "1", ex=60)
 
     def finished() -> bool:
         views = [store.order(o) for o in ("hold", "bulk", "missing")]
-        return (all(v is not None and v.status != "accepted" for v in views)
-                and r.xpending(key, GROUP)["pending"] == 0)
+        return (
+            all(v is not None and v.status != "accepted" for v in views)
+            and r.xpending(key, GROUP)["pending"] == 0
+        )
 
     wait_for(finished, "every order to end and be acked", survivor)
 
@@ -211,8 +278,9 @@ def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
     assert view.bytes == 4 * MIB and view.seconds is not None and view.seconds > 0
     assert view.status_ts >= hold.start_by_ts - 0.1
     assert view.status_ts >= killed_at + CLAIM_IDLE_SECONDS - 0.1
-    progress = Counter((e.order_id, e.status) for _, e in iter_log(svc.events_dir)
-                       if e.type == "order_progress")
+    progress = Counter(
+        (e.order_id, e.status) for _, e in iter_log(svc.events_dir) if e.type == "order_progress"
+    )
     assert progress[("hold", "completed")] == 1 and progress[("hold", "accepted")] == 1
     assert progress[("bulk", "completed")] == 1
     assert not any(o in ("withdrawn", "cancelled-elsewhere") for o, _ in progress)
@@ -229,15 +297,27 @@ def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
     assert hbm["blocks"] == len(HOLD_BLOCKS) + len(BULK_BLOCKS)
     status = survivor.status()
     assert sorted(status["buffer_blocks"]) == sorted(HOLD_BLOCKS + BULK_BLOCKS)
-    assert (status["completed"], status["failed"], status["withdrawn"], status["malformed"]) == (2, 1, 2, 1)
+    assert (status["completed"], status["failed"], status["withdrawn"], status["malformed"]) == (
+        2,
+        1,
+        2,
+        1,
+    )
     assert status["foreign"] == 0
     (other_group,) = r.xinfo_groups(other_key)
-    assert (other_group["pending"], other_group["last-delivered-id"], other_group["consumers"]) == (0, b"0-0", 0)
+    assert (other_group["pending"], other_group["last-delivered-id"], other_group["consumers"]) == (
+        0,
+        b"0-0",
+        0,
+    )
     assert store.order("for-gpu-1") is None
 
     ttlb = bulk_view.seconds
-    print(f"\nmeasured TTLB: bulk {bulk_view.bytes} bytes in {ttlb:.4f} s "
-          f"({bulk_view.bytes / ttlb / 1e9:.2f} GB/s); hold {view.bytes} bytes in {view.seconds:.4f} s")
+    print(
+        f"\nmeasured TTLB: bulk {bulk_view.bytes} bytes in {ttlb:.4f} s "
+        f"({bulk_view.bytes / ttlb / 1e9:.2f} GB/s); "
+        f"hold {view.bytes} bytes in {view.seconds:.4f} s"
+    )
     r.close()
     store.close()
 
@@ -259,23 +339,57 @@ def regular_sessions(now: float) -> list[dict[str, Any]]:
             ts = now - 2.0 - TURN_GAP_SECONDS * (6 - n)
             common = {"session_id": sid, "request_id": f"{sid}-r{n}", "instance_id": INSTANCE}
             events += [
-                {"type": "request_routed", "event_id": f"{sid}-q{n}", "ts": ts, **common,
-                 "prompt_tokens": 3900, "block_hashes": blocks},
-                {"type": "request_finished", "event_id": f"{sid}-f{n}", "ts": ts + 1.0, **common,
-                 "output_tokens": 100, "context_tokens": 4096, "block_hashes": blocks}]
-        events.append({"type": "kv_blocks_stored", "event_id": f"{sid}-pool", "ts": now - 1.0, "tier": "pool",
-                       "instance_id": None, "block_hashes": blocks})
-    events.append({"type": "instance_status", "event_id": "room", "ts": now - 1.0, "instance_id": INSTANCE,
-                   "free_kv_bytes": 1 << 40})
+                {
+                    "type": "request_routed",
+                    "event_id": f"{sid}-q{n}",
+                    "ts": ts,
+                    **common,
+                    "prompt_tokens": 3900,
+                    "block_hashes": blocks,
+                },
+                {
+                    "type": "request_finished",
+                    "event_id": f"{sid}-f{n}",
+                    "ts": ts + 1.0,
+                    **common,
+                    "output_tokens": 100,
+                    "context_tokens": 4096,
+                    "block_hashes": blocks,
+                },
+            ]
+        events.append(
+            {
+                "type": "kv_blocks_stored",
+                "event_id": f"{sid}-pool",
+                "ts": now - 1.0,
+                "tier": "pool",
+                "instance_id": None,
+                "block_hashes": blocks,
+            }
+        )
+    events.append(
+        {
+            "type": "instance_status",
+            "event_id": "room",
+            "ts": now - 1.0,
+            "instance_id": INSTANCE,
+            "free_kv_bytes": 1 << 40,
+        }
+    )
     return events
 
 
 def test_pulled_orders_of_an_agent_killed_9_go_to_another_after_the_lease_and_complete_once(
-        service_factory: Callable[..., ServiceProcess], tmp_path: Path, agents: list[AgentProcess]) -> None:
+    service_factory: Callable[..., ServiceProcess], tmp_path: Path, agents: list[AgentProcess]
+) -> None:
     # The heuristic predictor (no model in KVP_MODEL_DIR) gives a regular session its fixed chance.
-    svc = service_factory(env={"KVP_MODEL_DIR": str(tmp_path / "no-model"),
-                               "KVP_ORDER_LEASE_SECONDS": str(LEASE_SECONDS),
-                               "KVP_SCORE_INTERVAL_SECONDS": "0.5"})
+    svc = service_factory(
+        env={
+            "KVP_MODEL_DIR": str(tmp_path / "no-model"),
+            "KVP_ORDER_LEASE_SECONDS": str(LEASE_SECONDS),
+            "KVP_SCORE_INTERVAL_SECONDS": "0.5",
+        }
+    )
     svc.start()
     pool = PoolDir(tmp_path / "pool")
     for blocks in PULL_SESSIONS.values():
@@ -294,7 +408,11 @@ def test_pulled_orders_of_an_agent_killed_9_go_to_another_after_the_lease_and_co
     # The first agent to pull leases every order (they are planned in one tick).
     def holder() -> AgentProcess | None:
         holding = [a for a in agents if a.status()["pending_orders"]]
-        return holding[0] if len(holding) == 1 and len(holding[0].status()["pending_orders"]) == 3 else None
+        return (
+            holding[0]
+            if len(holding) == 1 and len(holding[0].status()["pending_orders"]) == 3
+            else None
+        )
 
     victim = wait_for(holder, "an agent to lease the three orders", *agents)
     held = victim.status()["pending_orders"]
@@ -305,12 +423,17 @@ def test_pulled_orders_of_an_agent_killed_9_go_to_another_after_the_lease_and_co
     assert progress == []  # the victim had not started them: their start_by was ahead
 
     def completed() -> bool:
-        done = {e.order_id for _, e in iter_log(svc.events_dir)
-                if e.type == "order_progress" and e.status == "completed"}
+        done = {
+            e.order_id
+            for _, e in iter_log(svc.events_dir)
+            if e.type == "order_progress" and e.status == "completed"
+        }
         return set(held) <= done
 
     wait_for(completed, "the survivor to complete the orders", survivor)
-    progress = [e for _, e in iter_log(svc.events_dir) if e.type == "order_progress" and e.order_id in held]
+    progress = [
+        e for _, e in iter_log(svc.events_dir) if e.type == "order_progress" and e.order_id in held
+    ]
     counts = Counter((e.order_id, e.status) for e in progress)
     assert counts == Counter({(o, s): 1 for o in held for s in ("accepted", "completed")}), counts
     # Handed out again only once the lease had run out: the victim's lease began after the post.
@@ -319,12 +442,17 @@ def test_pulled_orders_of_an_agent_killed_9_go_to_another_after_the_lease_and_co
     # Once a context has landed, the scheduler pins it (the planner's keep advice, once per idle
     # spell): a new order, its own id, planned at the next tick, so how many pins the survivor
     # has run by now depends on the machine's speed. Each is a pin of one of the three contexts.
-    pins = {order_id_for("pin", INSTANCE, "hbm", b, 0).rsplit("-", 1)[0]: sid
-            for sid, b in PULL_SESSIONS.items()}
+    pins = {
+        order_id_for("pin", INSTANCE, "hbm", b, 0).rsplit("-", 1)[0]: sid
+        for sid, b in PULL_SESSIONS.items()
+    }
 
     def completed_ids() -> set[str]:
-        return {e.order_id for _, e in iter_log(svc.events_dir)
-                if e.type == "order_progress" and e.status == "completed"}
+        return {
+            e.order_id
+            for _, e in iter_log(svc.events_dir)
+            if e.type == "order_progress" and e.status == "completed"
+        }
 
     # Each id run once by the survivor: its own count of completions equals the ids completed in
     # the log (a second run of an id counts in the agent, not in the log: same event id, deduped).
@@ -333,8 +461,9 @@ def test_pulled_orders_of_an_agent_killed_9_go_to_another_after_the_lease_and_co
         before, status, after = completed_ids(), survivor.status(), completed_ids()
         return (status, after) if before == after and status["completed"] == len(after) else None
 
-    status, done = wait_for(settled, "the survivor's count of completions to match the log",
-                            survivor)
+    status, done = wait_for(
+        settled, "the survivor's count of completions to match the log", survivor
+    )
     assert status["failed"] == 0
     pinned = Counter(pins.get(o.rsplit("-", 1)[0]) for o in done - set(held))
     assert None not in pinned and all(n == 1 for n in pinned.values()), (done, held)
@@ -343,6 +472,9 @@ def test_pulled_orders_of_an_agent_killed_9_go_to_another_after_the_lease_and_co
     assert scheduler["orders"]["prefetch"] == 3 and scheduler["completed"] >= 3
     assert scheduler["orders"]["pin"] >= len(pinned)
 
-    print(f"\npull queue: {len(held)} orders leased by {victim.name}, killed before their start; "
-          f"{survivor.name} accepted them {accepted_at - posted_at:.2f} s after the events were posted "
-          f"(lease {LEASE_SECONDS:.0f} s), each completed once; {len(pinned)} pins of them run")
+    print(
+        f"\npull queue: {len(held)} orders leased by {victim.name}, killed before their start; "
+        f"{survivor.name} accepted them {accepted_at - posted_at:.2f} s "
+        "after the events were posted "
+        f"(lease {LEASE_SECONDS:.0f} s), each completed once; {len(pinned)} pins of them run"
+    )

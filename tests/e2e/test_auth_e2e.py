@@ -26,24 +26,37 @@ REPO = Path(__file__).resolve().parents[2]
 
 def make_token(tokens_file: Path, name: str, scope: str) -> str:
     """The token for its holder; its digest appended to the file, as README "Security" says."""
-    done = subprocess.run([sys.executable, "-m", "app.cli", "token", "--name", name, "--scope", scope],
-                          cwd=REPO, capture_output=True, text=True, check=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "token", "--name", name, "--scope", scope],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     with open(tokens_file, "a") as f:
         f.write(done.stderr + "\n")
     return done.stdout.strip()
 
 
-def test_scopes_hold_on_the_real_service(service_factory: Callable[..., ServiceProcess], tmp_path: Path) -> None:
+def test_scopes_hold_on_the_real_service(
+    service_factory: Callable[..., ServiceProcess], tmp_path: Path
+) -> None:
     tokens_file = tmp_path / "tokens.toml"
-    router, agent, ops = (make_token(tokens_file, n, s) for n, s in
-                          (("router-a", "ingest"), ("agent-gpu0", "agent"), ("ops", "admin")))
+    router, agent, ops = (
+        make_token(tokens_file, n, s)
+        for n, s in (("router-a", "ingest"), ("agent-gpu0", "agent"), ("ops", "admin"))
+    )
     assert all(t not in tokens_file.read_text() for t in (router, agent, ops))
     svc = service_factory(env={"KVP_TOKENS_FILE": str(tokens_file)})
     svc.start()
 
     # The router's client, with its ingest token: accepted.
     answers: list[Answer] = []
-    events = [dict(session_id=f"s{i}", request_id=f"r{i}", instance_id="gpu-0", prompt_tokens=1000) for i in range(20)]
+    events = [
+        dict(session_id=f"s{i}", request_id=f"r{i}", instance_id="gpu-0", prompt_tokens=1000)
+        for i in range(20)
+    ]
     with KvpClient(svc.url, token=router, on_answer=answers.append) as kvp:
         for e in events:
             kvp.request_routed(**e)  # type: ignore[arg-type]
@@ -71,14 +84,25 @@ def test_scopes_hold_on_the_real_service(service_factory: Callable[..., ServiceP
         with_router.close()
 
     # Reads with any token; configuration with the admin's only.
-    seen = httpx.get(f"{svc.url}/v1/sessions/s3", headers={"authorization": f"Bearer {agent}"}, timeout=5)
+    seen = httpx.get(
+        f"{svc.url}/v1/sessions/s3", headers={"authorization": f"Bearer {agent}"}, timeout=5
+    )
     assert seen.status_code == 200 and seen.json()["turns"] == 1
-    config = httpx.get(f"{svc.url}/v1/config", headers={"authorization": f"Bearer {ops}"}, timeout=5)
+    config = httpx.get(
+        f"{svc.url}/v1/config", headers={"authorization": f"Bearer {ops}"}, timeout=5
+    )
     assert config.status_code == 200
-    assert config.json()["tokens"] == {"router-a": ["ingest", "read"], "agent-gpu0": ["agent", "read"],
-                                       "ops": ["admin", "read"]}
-    assert httpx.get(f"{svc.url}/v1/config", headers={"authorization": f"Bearer {router}"},
-                     timeout=5).status_code == 403
+    assert config.json()["tokens"] == {
+        "router-a": ["ingest", "read"],
+        "agent-gpu0": ["agent", "read"],
+        "ops": ["admin", "read"],
+    }
+    assert (
+        httpx.get(
+            f"{svc.url}/v1/config", headers={"authorization": f"Bearer {router}"}, timeout=5
+        ).status_code
+        == 403
+    )
     assert httpx.get(f"{svc.url}/metrics", timeout=5).status_code == 200
 
     log = svc.log_text()
@@ -88,9 +112,25 @@ def test_scopes_hold_on_the_real_service(service_factory: Callable[..., ServiceP
 
 def test_without_tokens_the_service_will_not_listen_beyond_loopback(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-    env.update({"PYTHONPATH": str(REPO), "KVP_HOST": "0.0.0.0", "KVP_PORT": "0", "KVP_DATA_DIR": str(tmp_path)})
-    done = subprocess.run([sys.executable, "-m", "app.cli", "serve"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
+    env.update(
+        {
+            "PYTHONPATH": str(REPO),
+            "KVP_HOST": "0.0.0.0",
+            "KVP_PORT": "0",
+            "KVP_DATA_DIR": str(tmp_path),
+        }
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "serve"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 2
-    assert "no tokens are configured, so the service may listen on 127.0.0.1 only, not 0.0.0.0" in done.stderr
+    assert (
+        "no tokens are configured, so the service may listen on 127.0.0.1 only, not 0.0.0.0"
+        in done.stderr
+    )
     assert not (tmp_path / "events").exists()  # it stopped before opening anything

@@ -37,49 +37,112 @@ def post(client: httpx.Client, events: list[dict[str, Any]]) -> None:
     assert len(r.json()["accepted"]) == len(events), r.text[:300]
 
 
-def test_distinct_order_ids_are_kept_for_the_retention_only(service_factory: Callable[..., ServiceProcess]) -> None:
+def test_distinct_order_ids_are_kept_for_the_retention_only(
+    service_factory: Callable[..., ServiceProcess],
+) -> None:
     # Few remembered event ids, so that what grows is the orders' records, not the dedupe ring.
-    svc = service_factory(env={"KVP_SESSION_RETENTION_SECONDS": str(RETENTION_SECONDS),
-                               "KVP_DEDUPE_MAX_IDS": "20000", "KVP_LOG_FSYNC": "false"})
+    svc = service_factory(
+        env={
+            "KVP_SESSION_RETENTION_SECONDS": str(RETENTION_SECONDS),
+            "KVP_DEDUPE_MAX_IDS": "20000",
+            "KVP_LOG_FSYNC": "false",
+        }
+    )
     svc.start()
     assert svc.proc is not None
     n, batch, step = 200_000, 10_000, 0.005  # 1,000 s of event time: ten retentions
     t0 = time.time() - 2000.0
     with httpx.Client(base_url=svc.url, timeout=60) as client:
-        post(client, [{"type": "order_progress", "event_id": "warm", "ts": t0 - 1.0, "order_id": "warm",
-                       "status": "accepted"}])
+        post(
+            client,
+            [
+                {
+                    "type": "order_progress",
+                    "event_id": "warm",
+                    "ts": t0 - 1.0,
+                    "order_id": "warm",
+                    "status": "accepted",
+                }
+            ],
+        )
         before = rss_mib(svc.proc.pid)
         for start in range(0, n, batch):
-            post(client, [{"type": "order_progress", "event_id": f"e{i}", "ts": t0 + i * step,
-                           "order_id": f"order-{i:08d}-{'x' * 24}", "status": "accepted"}
-                          for i in range(start, start + batch)])
+            post(
+                client,
+                [
+                    {
+                        "type": "order_progress",
+                        "event_id": f"e{i}",
+                        "ts": t0 + i * step,
+                        "order_id": f"order-{i:08d}-{'x' * 24}",
+                        "status": "accepted",
+                    }
+                    for i in range(start, start + batch)
+                ],
+            )
         after = rss_mib(svc.proc.pid)
         held = client.get("/readyz").json()["stats"]["orders"]
     newest = t0 + (n - 1) * step
     kept = sum(1 for i in range(n) if t0 + i * step >= newest - RETENTION_SECONDS)
-    print(f"\n{n} order_progress events, distinct order ids, over {n * step:.0f} s of event time "
-          f"(retention {RETENTION_SECONDS:.0f} s): RSS {before:.1f} MiB before, {after:.1f} MiB after "
-          f"(+{after - before:.1f} MiB); orders held {held} (those of the last retention: {kept})")
+    print(
+        f"\n{n} order_progress events, distinct order ids, over {n * step:.0f} s of event time "
+        f"(retention {RETENTION_SECONDS:.0f} s): "
+        f"RSS {before:.1f} MiB before, {after:.1f} MiB after "
+        f"(+{after - before:.1f} MiB); orders held {held} (those of the last retention: {kept})"
+    )
     assert held == kept
 
 
 def test_the_worst_route_hint_is_bounded_and_the_loop_keeps_answering(
-        service_factory: Callable[..., ServiceProcess]) -> None:
+    service_factory: Callable[..., ServiceProcess],
+) -> None:
     svc = service_factory(env={"KVP_LOG_FSYNC": "false"})
     svc.start()
     n_blocks, n_candidates = 65_536, 64
     context = list(range(10**9, 10**9 + n_blocks))
     candidates = [f"gpu-{k}" for k in range(n_candidates)]
     with httpx.Client(base_url=svc.url, timeout=120) as client:
-        post(client, [
-            {"type": "request_routed", "event_id": "r", "ts": 1.0, "session_id": "s", "request_id": "q",
-             "instance_id": "gpu-0", "prompt_tokens": n_blocks * 16, "block_tokens": 16, "block_hashes": context},
-            {"type": "kv_blocks_stored", "event_id": "p", "ts": 1.0, "tier": "pool", "block_hashes": context}])
-        post(client, [{"type": "kv_blocks_stored", "event_id": f"h{k}", "ts": 1.0, "tier": "hbm",
-                       "instance_id": c, "block_hashes": context[: 1024 * (k + 1)]}
-                      for k, c in enumerate(candidates[:8])])
+        post(
+            client,
+            [
+                {
+                    "type": "request_routed",
+                    "event_id": "r",
+                    "ts": 1.0,
+                    "session_id": "s",
+                    "request_id": "q",
+                    "instance_id": "gpu-0",
+                    "prompt_tokens": n_blocks * 16,
+                    "block_tokens": 16,
+                    "block_hashes": context,
+                },
+                {
+                    "type": "kv_blocks_stored",
+                    "event_id": "p",
+                    "ts": 1.0,
+                    "tier": "pool",
+                    "block_hashes": context,
+                },
+            ],
+        )
+        post(
+            client,
+            [
+                {
+                    "type": "kv_blocks_stored",
+                    "event_id": f"h{k}",
+                    "ts": 1.0,
+                    "tier": "hbm",
+                    "instance_id": c,
+                    "block_hashes": context[: 1024 * (k + 1)],
+                }
+                for k, c in enumerate(candidates[:8])
+            ],
+        )
         # More candidates than the cap: refused by name before any work.
-        r = client.post("/v1/route-hint", json={"session_id": "s", "candidates": [*candidates, "gpu-64"]})
+        r = client.post(
+            "/v1/route-hint", json={"session_id": "s", "candidates": [*candidates, "gpu-64"]}
+        )
         assert r.status_code == 422 and r.json()["field"] == "candidates", r.text[:300]
 
         waits: list[float] = []
@@ -102,16 +165,22 @@ def test_the_worst_route_hint_is_bounded_and_the_loop_keeps_answering(
         try:
             for _ in range(20):
                 started = time.perf_counter()
-                r = client.post("/v1/route-hint", json={"session_id": "s", "candidates": candidates})
+                r = client.post(
+                    "/v1/route-hint", json={"session_id": "s", "candidates": candidates}
+                )
                 took.append(time.perf_counter() - started)
                 assert r.status_code == 200, r.text[:300]
         finally:
             stop.set()
             prober.join()
     body = r.json()
-    print(f"\nroute hint over {n_blocks} blocks and {n_candidates} candidates, 20 times: "
-          f"median {statistics.median(took) * 1000:.1f} ms, max {max(took) * 1000:.1f} ms a hint over HTTP; "
-          f"/healthz meanwhile ({len(waits)} probes): median {statistics.median(waits) * 1000:.1f} ms, "
-          f"max {max(waits) * 1000:.1f} ms")
+    print(
+        f"\nroute hint over {n_blocks} blocks and {n_candidates} candidates, 20 times: "
+        f"median {statistics.median(took) * 1000:.1f} ms, "
+        f"max {max(took) * 1000:.1f} ms a hint over HTTP; "
+        f"/healthz meanwhile ({len(waits)} probes): "
+        f"median {statistics.median(waits) * 1000:.1f} ms, "
+        f"max {max(waits) * 1000:.1f} ms"
+    )
     assert body["recommended"] == "gpu-7"  # holds the longest prefix: 8 x 1024 blocks
     assert body["candidates"][7]["resident_bytes"] == 8 * 1024 * 16 * 327_680

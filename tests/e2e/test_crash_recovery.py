@@ -1,6 +1,7 @@
 """Crash recovery of the real service process.
 
-kill -9 the server while two routers stream events to it through the real client (client/kvprefetch_client/client),
+kill -9 the server while two routers stream events to it through the real client
+(client/kvprefetch_client/client),
 keep it down while they go on sending and retrying, restart it: every event the clients sent is
 acknowledged once, and the log and the state hold each exactly once. And a torn last line of the
 log (a write cut short by the crash) is cut on restart, while the complete lines before it are
@@ -18,8 +19,8 @@ import httpx
 import orjson
 import pytest
 
-from kvprefetch_client.client import Answer, KvpClient
 from app.ingest.eventlog import list_segments
+from kvprefetch_client.client import Answer, KvpClient
 from tests.e2e.streams import (
     CLIENT_BATCH,
     Router,
@@ -64,13 +65,18 @@ STREAM_AFTER_RESTART_SECONDS = 0.5
     ids=["kill-at-0.4s", "kill-at-0.9s-small-segments"],
 )
 def test_kill_9_under_the_clients_stream_loses_nothing_acknowledged_and_applies_nothing_twice(
-    service_factory: Callable[..., ServiceProcess], routers: list[Router], seed: int, kill_after: float,
-    env: dict[str, str]
+    service_factory: Callable[..., ServiceProcess],
+    routers: list[Router],
+    seed: int,
+    kill_after: float,
+    env: dict[str, str],
 ) -> None:
     svc = service_factory(env=env)
     svc.start()
-    routers += [Router(f"c{n}", seed, svc.url, rate=ROUTER_RATE, high_water=HIGH_WATER)
-                for n in range(CLIENTS)]
+    routers += [
+        Router(f"c{n}", seed, svc.url, rate=ROUTER_RATE, high_water=HIGH_WATER)
+        for n in range(CLIENTS)
+    ]
     start_routers(routers)
     wait_until(lambda: all(r.answers for r in routers), "the first acknowledgements")
     time.sleep(kill_after + random.Random(seed).uniform(0.0, 0.05))
@@ -80,8 +86,10 @@ def test_kill_9_under_the_clients_stream_loses_nothing_acknowledged_and_applies_
     for r in routers:
         r.high_water += OUTAGE_ALLOWANCE
     # Once each client has failed an attempt, every answer sent before the kill was read.
-    wait_until(lambda: all(r.client.stats.retries > n for r, n in zip(routers, retries_at_kill)),
-               "the clients to notice the kill")
+    wait_until(
+        lambda: all(r.client.stats.retries > n for r, n in zip(routers, retries_at_kill)),
+        "the clients to notice the kill",
+    )
     acked_at_kill = set().union(*(r.acknowledged() for r in routers))
 
     # The log on disk while the service is down: every acknowledged id once; besides them
@@ -89,7 +97,8 @@ def test_kill_9_under_the_clients_stream_loses_nothing_acknowledged_and_applies_
     before = log_ids_from_iter_log(svc.events_dir)
     assert len(before) == len(set(before)), "an event id is in the log twice"
     assert acked_at_kill <= set(before), (
-        f"{len(acked_at_kill - set(before))} acknowledged events are not in the log")
+        f"{len(acked_at_kill - set(before))} acknowledged events are not in the log"
+    )
     logged_unacked = set(before) - acked_at_kill
     assert len(logged_unacked) <= CLIENTS * CLIENT_BATCH
 
@@ -105,8 +114,10 @@ def test_kill_9_under_the_clients_stream_loses_nothing_acknowledged_and_applies_
     restarted = time.monotonic()
     svc.start()
     started_in = time.monotonic() - restarted
-    wait_until(lambda: all(len(r.answers) > n for r, n in zip(routers, acks_before_restart)),
-               "the clients' first acknowledgement after the restart")
+    wait_until(
+        lambda: all(len(r.answers) > n for r, n in zip(routers, acks_before_restart)),
+        "the clients' first acknowledgement after the restart",
+    )
     first_ack = time.monotonic() - restarted
     time.sleep(STREAM_AFTER_RESTART_SECONDS)  # streaming on, across the restart
     stats = drain(routers)
@@ -133,21 +144,30 @@ def test_kill_9_under_the_clients_stream_loses_nothing_acknowledged_and_applies_
     assert session_views(svc.url, list(views)) == views
     assert readyz_stats(svc.url) == state
 
-    print(f"\nkill -9, seed {seed}: {len(sent)} events sent by {CLIENTS} clients, all acknowledged "
-          f"once; {len(acked_at_kill)} acknowledged before the kill, {len(logged_unacked)} logged "
-          f"but unanswered (acknowledged as duplicates on retry); while down ({OUTAGE_SECONDS:.1f} s "
-          f"+ {started_in:.2f} s to restart) {sent_down} events sent, {retries_down} failed attempts "
-          f"by {CLIENTS} clients (before the restart began); {sum(s.retries for s in stats)} retries "
-          f"in all; first acknowledgement {first_ack:.2f} s after the restart began, drained "
-          f"{drained:.2f} s after it")
+    print(
+        f"\nkill -9, seed {seed}: {len(sent)} events sent by {CLIENTS} clients, all acknowledged "
+        f"once; {len(acked_at_kill)} acknowledged before the kill, {len(logged_unacked)} logged "
+        f"but unanswered (acknowledged as duplicates on retry); while down ({OUTAGE_SECONDS:.1f} s "
+        f"+ {started_in:.2f} s to restart) {sent_down} events sent, {retries_down} failed attempts "
+        f"by {CLIENTS} clients (before the restart began); {sum(s.retries for s in stats)} retries "
+        f"in all; first acknowledgement {first_ack:.2f} s after the restart began, drained "
+        f"{drained:.2f} s after it"
+    )
 
 
 # -- a torn last line ---------------------------------------------------------------------------
 
 
 def routed(event_id: str, session: str, ts: float) -> dict[str, Any]:
-    return {"type": "request_routed", "event_id": event_id, "ts": ts, "session_id": session,
-            "request_id": f"req-{event_id}", "instance_id": "i0", "prompt_tokens": 100}
+    return {
+        "type": "request_routed",
+        "event_id": event_id,
+        "ts": ts,
+        "session_id": session,
+        "request_id": f"req-{event_id}",
+        "instance_id": "i0",
+        "prompt_tokens": 100,
+    }
 
 
 @pytest.mark.parametrize("tear", ["half-a-line", "whole-json-without-newline"])
@@ -184,9 +204,15 @@ def test_torn_last_line_is_cut_on_restart_and_complete_lines_are_served(
     views = session_views(service.url, [f"torn-s{n}" for n in range(5)] + ["torn-victim"])
     assert views["torn-victim"] is None
     assert {sid: v["turns"] for sid, v in views.items() if v} == {
-        "torn-s0": 9, "torn-s1": 8, "torn-s2": 8, "torn-s3": 8, "torn-s4": 8}
+        "torn-s0": 9,
+        "torn-s1": 8,
+        "torn-s2": 8,
+        "torn-s3": 8,
+        "torn-s4": 8,
+    }
 
-    # The client retries the unacknowledged batch: the whole line is a duplicate, the torn one is new.
+    # The client retries the unacknowledged batch: the whole line is a duplicate, the torn one
+    # is new.
     with httpx.Client(base_url=service.url, timeout=10.0) as client:
         r = post(client, lost)
         assert r.status_code == 200, r.text

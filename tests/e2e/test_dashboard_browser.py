@@ -26,8 +26,13 @@ from tests.conftest import REPO, live_server
 pytestmark = pytest.mark.slow
 
 CHROMIUM = Path("/usr/bin/chromium")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+]
 SCREENSHOT = REPO / "var" / "artifacts" / "dashboard.png"
 GAP = 10.0  # seconds between a session's turns: the heuristic expects each back within 30 s
 BLOCK_BYTES = 512 * 327_680
@@ -35,20 +40,43 @@ BLOCK_BYTES = 512 * 327_680
 
 def _browser(playwright: Any) -> Any:
     if not CHROMIUM.exists():
-        pytest.fail(f"{CHROMIUM} is missing: install Debian's chromium package (apt-get install -y chromium; "
-                    "`make test` and .ci/run do this when they can)", pytrace=False)
+        pytest.fail(
+            f"{CHROMIUM} is missing: install Debian's chromium package "
+            "(apt-get install -y chromium; "
+            "`make test` and .ci/run do this when they can)",
+            pytrace=False,
+        )
     return playwright.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
 
 
-def _turns(session: str, instance: str, blocks: list[str], last_ts: float, n: int = 4) -> list[dict[str, Any]]:
+def _turns(
+    session: str, instance: str, blocks: list[str], last_ts: float, n: int = 4
+) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     for k in range(n):
         ts = last_ts - (n - 1 - k) * GAP
         common = {"session_id": session, "request_id": f"{session}-r{k}", "instance_id": instance}
-        events.append({"type": "request_routed", "event_id": f"{session}-q{k}", "ts": ts, **common,
-                       "prompt_tokens": len(blocks) * 512, "block_hashes": blocks})
-        events.append({"type": "request_finished", "event_id": f"{session}-f{k}", "ts": ts + 1.0, **common,
-                       "output_tokens": 100, "context_tokens": len(blocks) * 512, "block_hashes": blocks})
+        events.append(
+            {
+                "type": "request_routed",
+                "event_id": f"{session}-q{k}",
+                "ts": ts,
+                **common,
+                "prompt_tokens": len(blocks) * 512,
+                "block_hashes": blocks,
+            }
+        )
+        events.append(
+            {
+                "type": "request_finished",
+                "event_id": f"{session}-f{k}",
+                "ts": ts + 1.0,
+                **common,
+                "output_tokens": 100,
+                "context_tokens": len(blocks) * 512,
+                "block_hashes": blocks,
+            }
+        )
     return events
 
 
@@ -71,21 +99,39 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        pytest.fail("the browser test needs the playwright package: pip install -e '.[test]'", pytrace=False)
+        pytest.fail(
+            "the browser test needs the playwright package: pip install -e '.[test]'", pytrace=False
+        )
     # The heuristic serves (it prefetches for sessions with a steady rhythm), the bundled learned
     # model shadows it: both hit rates are drawn.
-    settings = Settings(data_dir=tmp_path / "data", log_fsync=False, model_dir=tmp_path / "no-model",
-                        shadow_model_dir=REPO / "models" / "default", score_interval_seconds=0.2,
-                        plan_interval_seconds=0.1, dashboard_sample_seconds=0.25)
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        log_fsync=False,
+        model_dir=tmp_path / "no-model",
+        shadow_model_dir=REPO / "models" / "default",
+        score_interval_seconds=0.2,
+        plan_interval_seconds=0.1,
+        dashboard_sample_seconds=0.25,
+    )
     console: list[str] = []
-    with live_server(create_app(settings)) as url, httpx.Client(base_url=url, timeout=10.0) as http, \
-            sync_playwright() as pw:
+    with (
+        live_server(create_app(settings)) as url,
+        httpx.Client(base_url=url, timeout=10.0) as http,
+        sync_playwright() as pw,
+    ):
         browser = _browser(pw)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1500})
-            page.on("console", lambda m: console.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
+            page.on(
+                "console",
+                lambda m: (
+                    console.append(f"console.{m.type}: {m.text}") if m.type == "error" else None
+                ),
+            )
             page.on("pageerror", lambda e: console.append(f"page error: {e}"))
-            page.on("requestfailed", lambda r: console.append(f"request failed: {r.url} {r.failure}"))
+            page.on(
+                "requestfailed", lambda r: console.append(f"request failed: {r.url} {r.failure}")
+            )
 
             # An empty service: an empty dashboard, no error.
             page.goto(f"{url}/dashboard")
@@ -97,18 +143,34 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
             assert page.locator("#shadow-model").inner_text() == "learned (default)"
             assert console == [], console
 
-            # Two instances with room, six sessions with a steady rhythm, their contexts in the pool.
+            # Two instances with room, six sessions with a steady rhythm, their contexts in the
+            # pool.
             now = time.time()
             events: list[dict[str, Any]] = []
             for g in range(2):
-                events.append({"type": "instance_status", "event_id": f"st-{g}", "ts": now - 1.0,
-                               "instance_id": f"gpu-{g}", "free_kv_bytes": 10**12, "total_kv_bytes": 2 * 10**12,
-                               "queue_depth": g})
+                events.append(
+                    {
+                        "type": "instance_status",
+                        "event_id": f"st-{g}",
+                        "ts": now - 1.0,
+                        "instance_id": f"gpu-{g}",
+                        "free_kv_bytes": 10**12,
+                        "total_kv_bytes": 2 * 10**12,
+                        "queue_depth": g,
+                    }
+                )
             for i in range(6):
                 blocks = [f"chat{i}-b{j}" for j in range(8)]
                 events += _turns(f"chat-{i}", f"gpu-{i % 2}", blocks, now - 2.0)
-                events.append({"type": "kv_blocks_stored", "event_id": f"pool-{i}", "ts": now - 1.0, "tier": "pool",
-                               "block_hashes": blocks})
+                events.append(
+                    {
+                        "type": "kv_blocks_stored",
+                        "event_id": f"pool-{i}",
+                        "ts": now - 1.0,
+                        "tier": "pool",
+                        "block_hashes": blocks,
+                    }
+                )
             _post(http, events)
 
             # The loops advise and order prefetches; an agent leases gpu-0's and lands them.
@@ -121,36 +183,76 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
             progress = []
             for o in orders:
                 progress += [
-                    {"type": "order_progress", "event_id": f"{o['order_id']}-a", "ts": t, "order_id": o["order_id"],
-                     "status": "accepted"},
-                    {"type": "order_progress", "event_id": f"{o['order_id']}-c", "ts": t + 0.01,
-                     "order_id": o["order_id"], "status": "completed", "bytes": o["size_bytes"], "seconds": 0.2},
-                    {"type": "kv_blocks_stored", "event_id": f"{o['order_id']}-hbm", "ts": t + 0.01, "tier": "hbm",
-                     "instance_id": "gpu-0", "block_hashes": o["block_hashes"]}]
+                    {
+                        "type": "order_progress",
+                        "event_id": f"{o['order_id']}-a",
+                        "ts": t,
+                        "order_id": o["order_id"],
+                        "status": "accepted",
+                    },
+                    {
+                        "type": "order_progress",
+                        "event_id": f"{o['order_id']}-c",
+                        "ts": t + 0.01,
+                        "order_id": o["order_id"],
+                        "status": "completed",
+                        "bytes": o["size_bytes"],
+                        "seconds": 0.2,
+                    },
+                    {
+                        "type": "kv_blocks_stored",
+                        "event_id": f"{o['order_id']}-hbm",
+                        "ts": t + 0.01,
+                        "tier": "hbm",
+                        "instance_id": "gpu-0",
+                        "block_hashes": o["block_hashes"],
+                    },
+                ]
             _post(http, progress)
             # chat-0 comes back where its context landed: a hit for the serving model.
-            _post(http, [{"type": "request_routed", "event_id": "chat-0-back", "ts": time.time(),
-                          "session_id": "chat-0", "request_id": "chat-0-r9", "instance_id": "gpu-0",
-                          "prompt_tokens": 8 * 512, "block_hashes": [f"chat0-b{j}" for j in range(8)]}])
-            now_body = _wait_for("the return to be scored",
-                                 lambda: (b := http.get("/v1/dashboard/now").json())["models"]["live"]["hits"] and b)
+            _post(
+                http,
+                [
+                    {
+                        "type": "request_routed",
+                        "event_id": "chat-0-back",
+                        "ts": time.time(),
+                        "session_id": "chat-0",
+                        "request_id": "chat-0-r9",
+                        "instance_id": "gpu-0",
+                        "prompt_tokens": 8 * 512,
+                        "block_hashes": [f"chat0-b{j}" for j in range(8)],
+                    }
+                ],
+            )
+            now_body = _wait_for(
+                "the return to be scored",
+                lambda: (b := http.get("/v1/dashboard/now").json())["models"]["live"]["hits"] and b,
+            )
             assert now_body["prefetch"]["landed"] == len(orders)
 
             # The page catches up within a poll or two: tiles, tables and charts show it.
             page.wait_for_function(
-                """() => document.querySelector('#tile-live-hit-rate .value').textContent.endsWith('%')
+                "() => document.querySelector('#tile-live-hit-rate .value')"
+                """.textContent.endsWith('%')
                     && Number(document.querySelector('#chart-hit-rate').dataset.values) > 0
                     && Number(document.querySelector('#chart-bytes').dataset.values) > 0
                     && Number(document.querySelector('#instances').dataset.rows) >= 2
                     && Number(document.querySelector('#sessions').dataset.rows) >= 1
-                    && !document.querySelector('#tile-prefetched .value').textContent.startsWith('0 B')""",
-                timeout=10_000)
+                    && !document.querySelector('#tile-prefetched .value')"""
+                ".textContent.startsWith('0 B')",
+                timeout=10_000,
+            )
             assert int(page.locator("#chart-queue").get_attribute("data-points") or 0) > 0
             assert int(page.locator("#chart-stall").get_attribute("data-values") or 0) > 0
             assert page.locator('#instances tr[data-instance="gpu-0"]').count() == 1
             assert page.locator("#tile-live-hit-rate .value").inner_text() == "100.0%"
             landed = sum(o["size_bytes"] for o in orders)
-            assert page.locator("#tile-prefetched .sub").inner_text().startswith(f"{len(orders)} orders landed")
+            assert (
+                page.locator("#tile-prefetched .sub")
+                .inner_text()
+                .startswith(f"{len(orders)} orders landed")
+            )
             assert landed % BLOCK_BYTES == 0
             # Session ids are hidden unless the operator opts in (KVP_DASHBOARD_SHOW_SESSION_IDS):
             # the rows are drawn, their ids not.

@@ -19,12 +19,16 @@ if TYPE_CHECKING:
 pytestmark = pytest.mark.slow
 
 
-def test_a_stalled_body_gets_408_and_the_service_serves_on(service_factory: Callable[..., ServiceProcess]) -> None:
+def test_a_stalled_body_gets_408_and_the_service_serves_on(
+    service_factory: Callable[..., ServiceProcess],
+) -> None:
     svc = service_factory(env={"KVP_BODY_TIMEOUT_SECONDS": "0.5"})
     svc.start()
     with socket.create_connection(("127.0.0.1", svc.port), timeout=10) as s:
-        s.sendall(b"POST /v1/events HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                  b"content-length: 1000\r\n\r\n{\"events\": [")
+        s.sendall(
+            b"POST /v1/events HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b'content-length: 1000\r\n\r\n{"events": ['
+        )
         started = time.monotonic()
         answer = b""
         while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
@@ -37,17 +41,27 @@ def test_a_stalled_body_gets_408_and_the_service_serves_on(service_factory: Call
     assert head.startswith(b"HTTP/1.1 408"), answer[:300]
     assert b'"field":"body"' in body
     assert waited >= 0.5  # it waited for the body, as long as configured
-    r = httpx.post(f"{svc.url}/v1/events", json={"events": [{"type": "session_closed", "event_id": "e1",
-                                                               "ts": 1.0, "session_id": "s1"}]}, timeout=5)
+    r = httpx.post(
+        f"{svc.url}/v1/events",
+        json={
+            "events": [{"type": "session_closed", "event_id": "e1", "ts": 1.0, "session_id": "s1"}]
+        },
+        timeout=5,
+    )
     assert r.status_code == 200 and r.json()["accepted"] == ["e1"]
 
 
 def test_a_client_over_its_rate_is_slowed_by_429s_and_loses_nothing(
-        service_factory: Callable[..., ServiceProcess]) -> None:
-    svc = service_factory(env={"KVP_RATE_LIMIT_REQUESTS_PER_SECOND": "10", "KVP_RATE_LIMIT_BURST_SECONDS": "0.1"})
+    service_factory: Callable[..., ServiceProcess],
+) -> None:
+    svc = service_factory(
+        env={"KVP_RATE_LIMIT_REQUESTS_PER_SECOND": "10", "KVP_RATE_LIMIT_BURST_SECONDS": "0.1"}
+    )
     svc.start()
     n = 16
-    with KvpClient(svc.url, batch_size=2, flush_interval_seconds=0.0, max_backoff_seconds=1.0) as kvp:
+    with KvpClient(
+        svc.url, batch_size=2, flush_interval_seconds=0.0, max_backoff_seconds=1.0
+    ) as kvp:
         for i in range(n):
             kvp.session_closed(session_id=f"s{i}")
         assert kvp.flush(60)

@@ -1,4 +1,5 @@
-"""`kvprefetch serve --workers 2` as a real process: /metrics sums both workers, whichever answers."""
+"""`kvprefetch serve --workers 2` as a real process: /metrics sums both workers, whichever
+answers."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ MAX_POSTS = 400  # the kernel spreads new connections over both workers long bef
 
 
 @pytest.fixture
-def two_workers(tmp_path: Path, redis_url: str, clean_redis: str) -> Iterator[tuple[str, Path, Path]]:
+def two_workers(
+    tmp_path: Path, redis_url: str, clean_redis: str
+) -> Iterator[tuple[str, Path, Path]]:
     """The service with two workers on the Redis store; yields its URL, data dir and metrics dir."""
     metrics_dir = tmp_path / "prometheus"
     metrics_dir.mkdir()
@@ -31,8 +34,11 @@ def two_workers(tmp_path: Path, redis_url: str, clean_redis: str) -> Iterator[tu
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     r = httpx.get(f"{url}/metrics", timeout=5.0)
     assert r.status_code == 200
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(r.text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(r.text)
+        for s in family.samples
+    }
 
 
 def test_metrics_sum_the_events_posted_to_both_workers(two_workers: tuple[str, Path, Path]) -> None:
@@ -41,12 +47,25 @@ def test_metrics_sum_the_events_posted_to_both_workers(two_workers: tuple[str, P
     logs = [data / "events" / f"worker-{k}" / "events-00000001.jsonl" for k in (0, 1)]
     posts = 0
     while posts < MAX_POSTS:
-        events = [{"type": "request_routed", "event_id": f"p{posts}-e{i}", "ts": 1000.0 + posts,
-                   "session_id": f"s{posts}-{i}", "request_id": f"r{posts}-{i}", "instance_id": "gpu-0",
-                   "prompt_tokens": 100} for i in range(EVENTS_PER_POST)]
+        events = [
+            {
+                "type": "request_routed",
+                "event_id": f"p{posts}-e{i}",
+                "ts": 1000.0 + posts,
+                "session_id": f"s{posts}-{i}",
+                "request_id": f"r{posts}-{i}",
+                "instance_id": "gpu-0",
+                "prompt_tokens": 100,
+            }
+            for i in range(EVENTS_PER_POST)
+        ]
         # A new connection each time, so the kernel may hand it to either worker.
-        r = httpx.post(f"{url}/v1/events", content=orjson.dumps({"events": events}),
-                       headers={"content-type": "application/json"}, timeout=5.0)
+        r = httpx.post(
+            f"{url}/v1/events",
+            content=orjson.dumps({"events": events}),
+            headers={"content-type": "application/json"},
+            timeout=5.0,
+        )
         assert r.status_code == 200, r.text
         posts += 1
         if posts >= 20 and all(p.exists() and p.stat().st_size for p in logs):
@@ -57,8 +76,13 @@ def test_metrics_sum_the_events_posted_to_both_workers(two_workers: tuple[str, P
 
     for _ in range(4):  # whichever worker answers, the sum is the same
         m = scrape(url)
-        assert m[("kvprefetch_events_ingested_total", (("type", "request_routed"),))] == posts * EVENTS_PER_POST
-        assert m[("kvprefetch_advice_outcomes_total", (("outcome", "unscored"), ("slot", "live")))] == \
-            posts * EVENTS_PER_POST
+        assert (
+            m[("kvprefetch_events_ingested_total", (("type", "request_routed"),))]
+            == posts * EVENTS_PER_POST
+        )
+        assert (
+            m[("kvprefetch_advice_outcomes_total", (("outcome", "unscored"), ("slot", "live")))]
+            == posts * EVENTS_PER_POST
+        )
         assert m[("kvprefetch_model_info", (("slot", "live"), ("version", "heuristic")))] == 1
     assert len(list(metrics_dir.glob("counter_*.db"))) == 2  # one file per worker

@@ -8,8 +8,9 @@ from kvprefetch_client.events import Event, event_adapter
 
 
 def closed(i: int) -> Event:
-    return event_adapter.validate_python({"type": "session_closed", "event_id": f"e{i}", "ts": float(i),
-                                          "session_id": f"s{i}"})
+    return event_adapter.validate_python(
+        {"type": "session_closed", "event_id": f"e{i}", "ts": float(i), "session_id": f"s{i}"}
+    )
 
 
 class Recorder:

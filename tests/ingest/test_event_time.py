@@ -13,9 +13,9 @@ import pytest
 
 from app.core.clock import ManualClock
 from app.ingest.eventlog import EventLog, encode_events
-from kvprefetch_client.events import Event, event_adapter
 from app.ingest.ingestor import CLOCK_SKEW, PAST_RETENTION, Ingestor
 from app.state import MemoryStore, StateStore
+from kvprefetch_client.events import Event, event_adapter
 
 NOW = 1_796_000_000.0  # the service clock: late 2026
 SKEW = 300.0
@@ -32,8 +32,15 @@ def ev(type_: str, ts: float, **fields: Any) -> Event:
 
 
 def routed(session: str, ts: float, **kw: Any) -> Event:
-    return ev("request_routed", ts, session_id=session, request_id=f"r-{session}-{ts}",
-              instance_id="gpu-0", prompt_tokens=100, **kw)
+    return ev(
+        "request_routed",
+        ts,
+        session_id=session,
+        request_id=f"r-{session}-{ts}",
+        instance_id="gpu-0",
+        prompt_tokens=100,
+        **kw,
+    )
 
 
 def status(instance: str, ts: float, free: int) -> Event:
@@ -48,15 +55,22 @@ def new_store(request: pytest.FixtureRequest) -> Iterator[Any]:
     kind = request.param
 
     def build() -> StateStore:
-        windows: dict[str, Any] = {"reorder_window_seconds": 60.0, "session_retention_seconds": RETENTION}
+        windows: dict[str, Any] = {
+            "reorder_window_seconds": 60.0,
+            "session_retention_seconds": RETENTION,
+        }
         if kind == "memory":
             s: StateStore = MemoryStore(bytes_per_token=1, block_tokens=16, **windows)
         else:
             from app.state.redis import RedisStore
 
-            s = RedisStore.from_url(request.getfixturevalue("redis_url"),
-                                    prefix=request.getfixturevalue("clean_redis"),
-                                    bytes_per_token=1, block_tokens=16, **windows)
+            s = RedisStore.from_url(
+                request.getfixturevalue("redis_url"),
+                prefix=request.getfixturevalue("clean_redis"),
+                bytes_per_token=1,
+                block_tokens=16,
+                **windows,
+            )
         built.append(s)
         return s
 
@@ -68,29 +82,45 @@ def new_store(request: pytest.FixtureRequest) -> Iterator[Any]:
 BOTH = pytest.mark.parametrize("new_store", ["memory", "redis"], indirect=True)
 
 
-def ingestor(store: StateStore, log_dir: Path, clock: ManualClock,
-             refused: list[tuple[str, int]] | None = None) -> Ingestor:
-    return Ingestor(store, EventLog(log_dir, fsync=False), replica_id="r1", clock=clock,
-                    max_clock_skew_seconds=SKEW,
-                    refused=(lambda reason, n: refused.append((reason, n))) if refused is not None else None)
+def ingestor(
+    store: StateStore,
+    log_dir: Path,
+    clock: ManualClock,
+    refused: list[tuple[str, int]] | None = None,
+) -> Ingestor:
+    return Ingestor(
+        store,
+        EventLog(log_dir, fsync=False),
+        replica_id="r1",
+        clock=clock,
+        max_clock_skew_seconds=SKEW,
+        refused=(lambda reason, n: refused.append((reason, n))) if refused is not None else None,
+    )
 
 
 @BOTH
-def test_events_from_the_future_are_refused_and_sessions_stay_readable(new_store: Any, tmp_path: Path) -> None:
+def test_events_from_the_future_are_refused_and_sessions_stay_readable(
+    new_store: Any, tmp_path: Path
+) -> None:
     clock = ManualClock(NOW)
     refused: list[tuple[str, int]] = []
     ing = ingestor(new_store(), tmp_path, clock, refused)
     assert ing.ingest([routed("before", NOW - 10), status("gpu-1", NOW - 10, free=100)]).accepted
     # What an agent-scope token may post, stamped in the year 3000 and an hour ahead, beside a
     # valid event; and a status of an unrelated instance an hour ahead.
-    batch = [ev("order_progress", YEAR_3000, order_id="o1", status="accepted"),
-             routed("same-batch", NOW - 5),
-             ev("kv_blocks_cleared", NOW + HOUR, instance_id="gpu-0"),
-             status("gpu-9", NOW + HOUR, free=1)]
+    batch = [
+        ev("order_progress", YEAR_3000, order_id="o1", status="accepted"),
+        routed("same-batch", NOW - 5),
+        ev("kv_blocks_cleared", NOW + HOUR, instance_id="gpu-0"),
+        status("gpu-9", NOW + HOUR, free=1),
+    ]
     result = ing.ingest(batch)
     assert result.accepted == [batch[1].event_id]
     assert [(r.index, r.event_id, r.reason) for r in result.rejected] == [
-        (0, batch[0].event_id, CLOCK_SKEW), (2, batch[2].event_id, CLOCK_SKEW), (3, batch[3].event_id, CLOCK_SKEW)]
+        (0, batch[0].event_id, CLOCK_SKEW),
+        (2, batch[2].event_id, CLOCK_SKEW),
+        (3, batch[3].event_id, CLOCK_SKEW),
+    ]
     assert "ahead of the service clock" in result.rejected[0].message
     assert refused == [(CLOCK_SKEW, 3)]
     # Nothing moved the windows: every session is there, and one posted afterwards reads back.
@@ -123,12 +153,20 @@ def test_a_restart_replays_the_same_state(new_store: Any, tmp_path: Path) -> Non
 
 @BOTH
 def test_a_log_written_before_the_check_is_replayed_without_its_events_from_the_future(
-        new_store: Any, tmp_path: Path) -> None:
+    new_store: Any, tmp_path: Path
+) -> None:
     # What an older version logged and applied: a session, then one status from the year 3000.
     old_log = EventLog(tmp_path, fsync=False)
-    old_log.append(encode_events([routed("a", NOW - 60), status("gpu-9", YEAR_3000, free=1),
-                                  ev("kv_blocks_cleared", NOW + HOUR, instance_id="gpu-0"),
-                                  routed("b", NOW - 30)]))
+    old_log.append(
+        encode_events(
+            [
+                routed("a", NOW - 60),
+                status("gpu-9", YEAR_3000, free=1),
+                ev("kv_blocks_cleared", NOW + HOUR, instance_id="gpu-0"),
+                routed("b", NOW - 30),
+            ]
+        )
+    )
     old_log.close()
     clock = ManualClock(NOW)
     refused: list[tuple[str, int]] = []
@@ -142,26 +180,36 @@ def test_a_log_written_before_the_check_is_replayed_without_its_events_from_the_
     # the one an hour ahead.
     ing.event_log.close()
     clock.advance(HOUR)
-    later = ingestor(MemoryStore(bytes_per_token=1, block_tokens=16, session_retention_seconds=RETENTION),
-                     tmp_path, clock)
+    later = ingestor(
+        MemoryStore(bytes_per_token=1, block_tokens=16, session_retention_seconds=RETENTION),
+        tmp_path,
+        clock,
+    )
     assert later.recover() == 4
 
 
 @BOTH
-def test_a_session_event_older_than_the_retention_is_refused_not_ignored(new_store: Any, tmp_path: Path) -> None:
+def test_a_session_event_older_than_the_retention_is_refused_not_ignored(
+    new_store: Any, tmp_path: Path
+) -> None:
     clock = ManualClock(NOW)
     refused: list[tuple[str, int]] = []
     ing = ingestor(new_store(), tmp_path, clock, refused)
     first = routed("live", NOW)
     assert ing.ingest([first]).accepted
-    stale = [routed("gone", NOW - RETENTION - 1),
-             ev("session_closed", NOW - RETENTION - 5, session_id="live"),
-             # Not session events: block residency and instances are not bounded by the retention.
-             status("gpu-1", NOW - RETENTION - 1, free=5),
-             routed("kept", NOW - RETENTION + 1)]
+    stale = [
+        routed("gone", NOW - RETENTION - 1),
+        ev("session_closed", NOW - RETENTION - 5, session_id="live"),
+        # Not session events: block residency and instances are not bounded by the retention.
+        status("gpu-1", NOW - RETENTION - 1, free=5),
+        routed("kept", NOW - RETENTION + 1),
+    ]
     result = ing.ingest(stale)
     assert result.accepted == [stale[2].event_id, stale[3].event_id]
-    assert [(r.index, r.reason) for r in result.rejected] == [(0, PAST_RETENTION), (1, PAST_RETENTION)]
+    assert [(r.index, r.reason) for r in result.rejected] == [
+        (0, PAST_RETENTION),
+        (1, PAST_RETENTION),
+    ]
     assert "older than the session retention" in result.rejected[0].message
     assert refused == [(PAST_RETENTION, 2)]
     assert ing.store.session("gone") is None and ing.store.session("live").state == "queued"
@@ -175,7 +223,9 @@ def test_a_session_event_older_than_the_retention_is_refused_not_ignored(new_sto
 
 
 @BOTH
-def test_the_cutoff_moves_inside_a_batch_as_the_store_applies_it(new_store: Any, tmp_path: Path) -> None:
+def test_the_cutoff_moves_inside_a_batch_as_the_store_applies_it(
+    new_store: Any, tmp_path: Path
+) -> None:
     ing = ingestor(new_store(), tmp_path, ManualClock(NOW))
     # The first event moves the cutoff to NOW - RETENTION; the second is older than that.
     batch = [routed("new", NOW), routed("old", NOW - RETENTION - 1), routed("older-first", NOW - 2)]

@@ -7,14 +7,22 @@ from pathlib import Path
 import pytest
 
 from app.core.errors import CorruptLogError
-from app.ingest.eventlog import EventLog, encode_batch, encode_events, iter_log, list_segments, read_events
-from kvprefetch_client.events import batch_adapter, event_adapter
+from app.ingest.eventlog import (
+    EventLog,
+    encode_batch,
+    encode_events,
+    iter_log,
+    list_segments,
+    read_events,
+)
 from app.state import LogPosition
+from kvprefetch_client.events import batch_adapter, event_adapter
 
 
 def closed(i: int):  # type: ignore[no-untyped-def]
-    return event_adapter.validate_python({"type": "session_closed", "event_id": f"e{i}", "ts": float(i),
-                                          "session_id": f"s{i}"})
+    return event_adapter.validate_python(
+        {"type": "session_closed", "event_id": f"e{i}", "ts": float(i), "session_id": f"s{i}"}
+    )
 
 
 def test_append_returns_positions_and_reads_back(tmp_path: Path) -> None:
@@ -40,7 +48,9 @@ def test_segments_rotate_at_the_size_limit(tmp_path: Path) -> None:
     assert [e.event_id for _, e in iter_log(tmp_path)] == [f"e{i}" for i in range(200)]
     # Reading from a position in an older segment continues into the newer ones.
     middle = list(iter_log(tmp_path))[99][0]
-    assert [e.event_id for _, e in iter_log(tmp_path, after=middle)] == [f"e{i}" for i in range(100, 200)]
+    assert [e.event_id for _, e in iter_log(tmp_path, after=middle)] == [
+        f"e{i}" for i in range(100, 200)
+    ]
 
 
 def test_a_torn_last_line_is_cut_on_open(tmp_path: Path) -> None:
@@ -60,21 +70,27 @@ def test_a_torn_last_line_is_cut_on_open(tmp_path: Path) -> None:
 
 def test_a_corrupt_line_names_its_file_and_line(tmp_path: Path) -> None:
     log = EventLog(tmp_path, fsync=False)
-    log.append(encode_events([closed(1)]) + b'{"type": "session_closed", "event_id": "x", "ts": -1, '
-               b'"session_id": "s"}\n' + encode_events([closed(3)]))
+    log.append(
+        encode_events([closed(1)]) + b'{"type": "session_closed", "event_id": "x", "ts": -1, '
+        b'"session_id": "s"}\n' + encode_events([closed(3)])
+    )
     log.close()
     with pytest.raises(CorruptLogError) as info:
         list(iter_log(tmp_path))
     assert info.value.line == 2
-    assert str(info.value).endswith("events-00000001.jsonl:2: ts: Input should be greater than or equal to 0")
+    assert str(info.value).endswith(
+        "events-00000001.jsonl:2: ts: Input should be greater than or equal to 0"
+    )
 
 
 def test_a_logged_batch_reads_back_whatever_numbers_the_ingest_accepted(tmp_path: Path) -> None:
     # A token id past 64 bits, and 1e400 in a field of a vLLM event that is ignored: the ingest's
     # parse takes both, so a restart replaying the log must too (found by tests/api/test_fuzz.py).
-    body = (b'{"events": [{"type": "vllm_kv_events", "event_id": "v", "ts": 1, "instance_id": "gpu-0", '
-            b'"events": [{"type": "BlockStored", "block_hashes": [1], "block_size": 16, '
-            b'"token_ids": [123456789012345678901234567890], "extra_keys": 1e400}]}]}')
+    body = (
+        b'{"events": [{"type": "vllm_kv_events", "event_id": "v", "ts": 1, "instance_id": "gpu-0", '
+        b'"events": [{"type": "BlockStored", "block_hashes": [1], "block_size": 16, '
+        b'"token_ids": [123456789012345678901234567890], "extra_keys": 1e400}]}]}'
+    )
     posted = batch_adapter.validate_json(body).events
     log = EventLog(tmp_path, fsync=False)
     log.append(encode_batch(body))
@@ -102,7 +118,9 @@ def test_position_of_an_empty_log(tmp_path: Path) -> None:
     log.close()
 
 
-def test_a_failed_append_leaves_no_partial_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_append_leaves_no_partial_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from app.core.errors import EventLogError
     from app.ingest import eventlog
 

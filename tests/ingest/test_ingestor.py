@@ -4,25 +4,39 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from app.core.clock import SystemClock
 from app.ingest.eventlog import EventLog, iter_log
-from kvprefetch_client.events import event_adapter
 from app.ingest.ingestor import Ingestor
 from app.state import MemoryStore
+from kvprefetch_client.events import event_adapter
 
 # The service clock and skew, as the service has them (events here are stamped in the past).
 CLOCKED = {"clock": SystemClock(), "max_clock_skew_seconds": 300.0}
 
 
 def routed(i: int, session: str = "s"):  # type: ignore[no-untyped-def]
-    return event_adapter.validate_python({
-        "type": "request_routed", "event_id": f"e{i}", "ts": float(i), "session_id": session,
-        "request_id": f"r{i}", "instance_id": "gpu-0", "prompt_tokens": 100})
+    return event_adapter.validate_python(
+        {
+            "type": "request_routed",
+            "event_id": f"e{i}",
+            "ts": float(i),
+            "session_id": session,
+            "request_id": f"r{i}",
+            "instance_id": "gpu-0",
+            "prompt_tokens": 100,
+        }
+    )
 
 
 def make(tmp_path: Path) -> Ingestor:
-    return Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
-                    replica_id="r1", **CLOCKED)
+    return Ingestor(
+        MemoryStore(bytes_per_token=1, block_tokens=512),
+        EventLog(tmp_path, fsync=False),
+        replica_id="r1",
+        **CLOCKED,
+    )
 
 
 def test_ingest_splits_accepted_and_duplicates(tmp_path: Path) -> None:
@@ -96,7 +110,10 @@ def test_a_batch_of_new_events_is_logged_as_posted_and_read_back_canonical(tmp_p
     import orjson
 
     ing = make(tmp_path)
-    body = b'{"events": [\n  {"type": "session_closed", "event_id": "a", "ts": 1, "session_id": "s"}\n]}'
+    body = (
+        b'{"events": [\n  {"type": "session_closed", "event_id": "a", "ts": 1, "session_id": "s"}'
+        b"\n]}"
+    )
     events = [event_adapter.validate_python(e) for e in orjson.loads(body)["events"]]
     ing.ingest(events, body)
     lines = (tmp_path / "events-00000001.jsonl").read_bytes().splitlines()
@@ -110,28 +127,43 @@ def test_a_batch_of_new_events_is_logged_as_posted_and_read_back_canonical(tmp_p
 
 def test_the_observer_sees_accepted_events_only_and_never_the_replayed_log(tmp_path: Path) -> None:
     seen: list[list[str]] = []
-    ing = Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
-                   replica_id="r1", observer=lambda events: seen.append([e.event_id for e in events]),
-                   **CLOCKED)
+    ing = Ingestor(
+        MemoryStore(bytes_per_token=1, block_tokens=512),
+        EventLog(tmp_path, fsync=False),
+        replica_id="r1",
+        observer=lambda events: seen.append([e.event_id for e in events]),
+        **CLOCKED,
+    )
     ing.ingest([routed(1), routed(2), routed(1)])
     ing.ingest([routed(2), routed(3)])
     ing.ingest([routed(3)])  # all duplicates: not called at all
     assert seen == [["e1", "e2"], ["e3"]]
     ing.event_log.close()
     seen.clear()
-    again = Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
-                     replica_id="r1", observer=lambda events: seen.append([e.event_id for e in events]),
-                     **CLOCKED)
+    again = Ingestor(
+        MemoryStore(bytes_per_token=1, block_tokens=512),
+        EventLog(tmp_path, fsync=False),
+        replica_id="r1",
+        observer=lambda events: seen.append([e.event_id for e in events]),
+        **CLOCKED,
+    )
     assert again.recover() == 3
     assert seen == []
 
 
-def test_a_failing_observer_does_not_fail_the_ingest(tmp_path: Path, caplog) -> None:  # type: ignore[no-untyped-def]
+def test_a_failing_observer_does_not_fail_the_ingest(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     def broken(events):  # type: ignore[no-untyped-def]
         raise RuntimeError("observer bug")
 
-    ing = Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
-                   replica_id="r1", observer=broken, **CLOCKED)
+    ing = Ingestor(
+        MemoryStore(bytes_per_token=1, block_tokens=512),
+        EventLog(tmp_path, fsync=False),
+        replica_id="r1",
+        observer=broken,
+        **CLOCKED,
+    )
     assert ing.ingest([routed(1)]).accepted == ["e1"]
     assert ing.store.session("s").turns == 1
     assert "the ingest observer failed on 1 events" in caplog.text

@@ -7,12 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from app.core.clock import SystemClock
-from app.observe.ledger import ADVICE_HISTORY, AdviceLedger, AdviceRecord, LedgerStats
-from app.ingest.eventlog import EventLog
-from kvprefetch_client.events import Event, event_adapter
-from app.ingest.ingestor import Ingestor
 from app.decide.advisor import SessionAdvice
+from app.ingest.eventlog import EventLog
+from app.ingest.ingestor import Ingestor
+from app.observe.ledger import ADVICE_HISTORY, AdviceLedger, AdviceRecord, LedgerStats
 from app.state import MemoryStore
+from kvprefetch_client.events import Event, event_adapter
 
 # The service clock and skew, as the service has them (events here are stamped in the past).
 CLOCKED = {"clock": SystemClock(), "max_clock_skew_seconds": 300.0}
@@ -20,23 +20,43 @@ CLOCKED = {"clock": SystemClock(), "max_clock_skew_seconds": 300.0}
 _ids = itertools.count()
 
 
-def advice(session_id: str, retention: str = "keep", prefetch: bool = False,
-           p_keep: float = 0.5) -> SessionAdvice:
+def advice(
+    session_id: str, retention: str = "keep", prefetch: bool = False, p_keep: float = 0.5
+) -> SessionAdvice:
     keep_seconds = 300.0 if retention == "keep" else 0.0
-    return SessionAdvice(session_id, "gpu-0", (1, 2), retention, keep_seconds,  # type: ignore[arg-type]
-                         p_keep, 0.1, 0.9, prefetch)
+    return SessionAdvice(
+        session_id,
+        "gpu-0",
+        (1, 2),
+        retention,
+        keep_seconds,  # type: ignore[arg-type]
+        p_keep,
+        0.1,
+        0.9,
+        prefetch,
+    )
 
 
 def routed(session_id: str, ts: float, request_id: str | None = None, **kw: Any) -> Event:
     n = next(_ids)
-    return event_adapter.validate_python({
-        "type": "request_routed", "event_id": kw.pop("event_id", f"e{n}"), "ts": ts, "session_id": session_id,
-        "request_id": request_id or f"r{n}", "instance_id": "gpu-0", "prompt_tokens": 100, **kw})
+    return event_adapter.validate_python(
+        {
+            "type": "request_routed",
+            "event_id": kw.pop("event_id", f"e{n}"),
+            "ts": ts,
+            "session_id": session_id,
+            "request_id": request_id or f"r{n}",
+            "instance_id": "gpu-0",
+            "prompt_tokens": 100,
+            **kw,
+        }
+    )
 
 
 def closed(session_id: str, ts: float) -> Event:
-    return event_adapter.validate_python({"type": "session_closed", "event_id": f"e{next(_ids)}", "ts": ts,
-                                          "session_id": session_id})
+    return event_adapter.validate_python(
+        {"type": "session_closed", "event_id": f"e{next(_ids)}", "ts": ts, "session_id": session_id}
+    )
 
 
 def test_keep_then_a_request_is_a_hit_and_prefetch_counts_as_keep() -> None:
@@ -44,7 +64,9 @@ def test_keep_then_a_request_is_a_hit_and_prefetch_counts_as_keep() -> None:
     ledger.record("live", [advice("a", "keep"), advice("b", "lru", prefetch=True)], 10.0)
     assert ledger.latest("live", "a") == AdviceRecord(10.0, "keep", False, 0.5)
     ledger.observe([routed("a", 20.0), routed("b", 20.0)])
-    assert ledger.stats("live") == LedgerStats(predictions=2, keep_predictions=2, hits=2, misses=0, unscored=0)
+    assert ledger.stats("live") == LedgerStats(
+        predictions=2, keep_predictions=2, hits=2, misses=0, unscored=0
+    )
     assert ledger.stats("live").hit_rate == 1.0
 
 
@@ -61,7 +83,9 @@ def test_a_session_never_advised_is_unscored() -> None:
     ledger = AdviceLedger()
     assert ledger.stats("live").hit_rate is None
     ledger.observe([routed("new", 5.0)])
-    assert ledger.stats("live") == LedgerStats(predictions=0, keep_predictions=0, hits=0, misses=0, unscored=1)
+    assert ledger.stats("live") == LedgerStats(
+        predictions=0, keep_predictions=0, hits=0, misses=0, unscored=1
+    )
     assert ledger.stats("live").hit_rate is None
 
 
@@ -113,8 +137,12 @@ def test_shadow_is_scored_apart_from_live() -> None:
     ledger.record("live", [advice("a", "keep")], 10.0)
     ledger.record("shadow", [advice("a", "demote"), advice("b", "keep")], 10.0)
     ledger.observe([routed("a", 20.0), routed("b", 20.0)])
-    assert ledger.stats("live") == LedgerStats(predictions=1, keep_predictions=1, hits=1, misses=0, unscored=1)
-    assert ledger.stats("shadow") == LedgerStats(predictions=2, keep_predictions=1, hits=1, misses=1, unscored=0)
+    assert ledger.stats("live") == LedgerStats(
+        predictions=1, keep_predictions=1, hits=1, misses=0, unscored=1
+    )
+    assert ledger.stats("shadow") == LedgerStats(
+        predictions=2, keep_predictions=1, hits=1, misses=1, unscored=0
+    )
     ledger.start("shadow")  # a new shadow: counted afresh
     assert ledger.stats("shadow") == LedgerStats(0, 0, 0, 0, 0)
     assert ledger.stats("live").hits == 1
@@ -132,14 +160,21 @@ def test_duplicates_reach_the_ledger_once(tmp_path: Path) -> None:
         seen.append([e.event_id for e in events])
         ledger.observe(events)
 
-    ing = Ingestor(MemoryStore(bytes_per_token=1, block_tokens=512), EventLog(tmp_path, fsync=False),
-                   replica_id="r1", observer=observer, **CLOCKED)
+    ing = Ingestor(
+        MemoryStore(bytes_per_token=1, block_tokens=512),
+        EventLog(tmp_path, fsync=False),
+        replica_id="r1",
+        observer=observer,
+        **CLOCKED,
+    )
     ledger.record("live", [advice("a", "keep")], 10.0)
     first = routed("a", 20.0, event_id="arrive")
     ing.ingest([first, first])
     ing.ingest([first])
     assert seen == [["arrive"]]
-    assert ledger.stats("live") == LedgerStats(predictions=1, keep_predictions=1, hits=1, misses=0, unscored=0)
+    assert ledger.stats("live") == LedgerStats(
+        predictions=1, keep_predictions=1, hits=1, misses=0, unscored=0
+    )
 
 
 def test_a_closed_session_forgets_its_advice() -> None:
@@ -163,14 +198,29 @@ def test_history_and_sessions_are_bounded() -> None:
 
 
 def _finished(session_id: str, ts: float) -> Event:
-    return event_adapter.validate_python({
-        "type": "request_finished", "event_id": f"e{next(_ids)}", "ts": ts, "session_id": session_id,
-        "request_id": "r", "instance_id": "gpu-0", "output_tokens": 1})
+    return event_adapter.validate_python(
+        {
+            "type": "request_finished",
+            "event_id": f"e{next(_ids)}",
+            "ts": ts,
+            "session_id": session_id,
+            "request_id": "r",
+            "instance_id": "gpu-0",
+            "output_tokens": 1,
+        }
+    )
 
 
 def _status(ts: float) -> Event:
-    return event_adapter.validate_python({"type": "instance_status", "event_id": f"e{next(_ids)}", "ts": ts,
-                                          "instance_id": "gpu-9", "free_kv_bytes": 1})
+    return event_adapter.validate_python(
+        {
+            "type": "instance_status",
+            "event_id": f"e{next(_ids)}",
+            "ts": ts,
+            "instance_id": "gpu-9",
+            "free_kv_bytes": 1,
+        }
+    )
 
 
 def test_a_session_the_store_forgot_is_forgotten_here_by_event_time() -> None:
@@ -184,4 +234,6 @@ def test_a_session_the_store_forgot_is_forgotten_here_by_event_time() -> None:
     ledger.observe([_status(151.0)])  # cutoff 51: a is forgotten, as in the store
     assert ledger.latest("live", "a") is None
     ledger.observe([routed("a", 152.0)])
-    assert ledger.stats("live") == LedgerStats(1001, 1001, 0, 0, 1)  # unscored: its advice went with it
+    assert ledger.stats("live") == LedgerStats(
+        1001, 1001, 0, 0, 1
+    )  # unscored: its advice went with it

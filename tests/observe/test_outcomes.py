@@ -1,4 +1,5 @@
-"""What an arriving request found: hit, partial or miss on its reused blocks, bytes and stall estimates."""
+"""What an arriving request found: hit, partial or miss on its reused blocks, bytes and stall
+estimates."""
 
 from __future__ import annotations
 
@@ -7,16 +8,21 @@ from typing import Any
 
 import pytest
 
-from kvprefetch_client.events import Event, event_adapter
 from app.observe.outcomes import OutcomeConfig, RequestOutcome, judge, outcome_observer
 from app.state.memory import MemoryStore
+from kvprefetch_client.events import Event, event_adapter
 
 BYTES_PER_TOKEN, BLOCK_TOKENS = 1000, 100
 BLOCK_BYTES = BYTES_PER_TOKEN * BLOCK_TOKENS
-# Round numbers: a block takes 0.1 s over the pool link, 0.025 s over the host link, 0.01 s to recompute.
-CONFIG = OutcomeConfig(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS,
-                       pool_link_bytes_per_second=1e6, host_link_bytes_per_second=4e6,
-                       prefill_tokens_per_second=10_000.0)
+# Round numbers: a block takes 0.1 s over the pool link, 0.025 s over the host link, 0.01 s to
+# recompute.
+CONFIG = OutcomeConfig(
+    bytes_per_token=BYTES_PER_TOKEN,
+    block_tokens=BLOCK_TOKENS,
+    pool_link_bytes_per_second=1e6,
+    host_link_bytes_per_second=4e6,
+    prefill_tokens_per_second=10_000.0,
+)
 
 
 def ev(**fields: Any) -> Event:
@@ -24,13 +30,28 @@ def ev(**fields: Any) -> Event:
 
 
 def stored(event_id: str, tier: str, blocks: list[int], instance_id: str = "gpu-0") -> Event:
-    where = {} if tier == "pool" else {"instance_id": instance_id}  # the pool is shared: no instance
-    return ev(type="kv_blocks_stored", event_id=event_id, ts=1.0, tier=tier, block_hashes=blocks, **where)
+    where = (
+        {} if tier == "pool" else {"instance_id": instance_id}
+    )  # the pool is shared: no instance
+    return ev(
+        type="kv_blocks_stored", event_id=event_id, ts=1.0, tier=tier, block_hashes=blocks, **where
+    )
 
 
-def routed(request_id: str, blocks: list[int] | None, instance_id: str = "gpu-0", **kw: Any) -> Event:
-    return ev(type="request_routed", event_id=f"q-{request_id}", ts=2.0, session_id=f"s-{request_id}",
-              request_id=request_id, instance_id=instance_id, prompt_tokens=1000, block_hashes=blocks, **kw)
+def routed(
+    request_id: str, blocks: list[int] | None, instance_id: str = "gpu-0", **kw: Any
+) -> Event:
+    return ev(
+        type="request_routed",
+        event_id=f"q-{request_id}",
+        ts=2.0,
+        session_id=f"s-{request_id}",
+        request_id=request_id,
+        instance_id=instance_id,
+        prompt_tokens=1000,
+        block_hashes=blocks,
+        **kw,
+    )
 
 
 @pytest.fixture
@@ -38,18 +59,30 @@ def store() -> MemoryStore:
     return MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
 
 
-def outcome_of(store: MemoryStore, request: Event, config: OutcomeConfig = CONFIG) -> RequestOutcome | None:
+def outcome_of(
+    store: MemoryStore, request: Event, config: OutcomeConfig = CONFIG
+) -> RequestOutcome | None:
     store.apply([request])
     found = judge(store, [request], config)
     return found[0] if found else None
 
 
-def test_every_reused_block_in_hbm_is_a_hit_and_the_new_tail_does_not_count(store: MemoryStore) -> None:
+def test_every_reused_block_in_hbm_is_a_hit_and_the_new_tail_does_not_count(
+    store: MemoryStore,
+) -> None:
     store.apply([stored("h", "hbm", [1, 2, 3])])
     o = outcome_of(store, routed("r", [1, 2, 3, 4, 5]))  # 4, 5: this turn's new blocks
-    assert o == RequestOutcome(request_id="r", instance_id="gpu-0", outcome="hit", reused_blocks=3,
-                               resident_blocks=3, resident_bytes=3 * BLOCK_BYTES, missing_bytes=0,
-                               stall_seconds=0.0, stall_avoided_seconds=pytest.approx(0.03))
+    assert o == RequestOutcome(
+        request_id="r",
+        instance_id="gpu-0",
+        outcome="hit",
+        reused_blocks=3,
+        resident_blocks=3,
+        resident_bytes=3 * BLOCK_BYTES,
+        missing_bytes=0,
+        stall_seconds=0.0,
+        stall_avoided_seconds=pytest.approx(0.03),
+    )
 
 
 def test_some_in_hbm_and_the_rest_in_the_pool_is_partial(store: MemoryStore) -> None:
@@ -66,14 +99,22 @@ def test_some_in_hbm_and_the_rest_in_the_pool_is_partial(store: MemoryStore) -> 
 def test_none_in_hbm_is_a_miss(store: MemoryStore) -> None:
     store.apply([stored("p", "pool", [1, 2]), stored("elsewhere", "hbm", [1, 2], "gpu-1")])
     o = outcome_of(store, routed("r", [1, 2, 3]))
-    assert o is not None and (o.outcome, o.reused_blocks, o.resident_blocks, o.stall_avoided_seconds) == (
-        "miss", 2, 0, 0.0)
+    assert o is not None and (
+        o.outcome,
+        o.reused_blocks,
+        o.resident_blocks,
+        o.stall_avoided_seconds,
+    ) == ("miss", 2, 0, 0.0)
 
 
 def test_the_stall_is_the_slower_link_when_loading_beats_recomputing(store: MemoryStore) -> None:
-    slow_prefill = OutcomeConfig(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS,
-                                 pool_link_bytes_per_second=1e6, host_link_bytes_per_second=4e6,
-                                 prefill_tokens_per_second=100.0)  # 1 s a block
+    slow_prefill = OutcomeConfig(
+        bytes_per_token=BYTES_PER_TOKEN,
+        block_tokens=BLOCK_TOKENS,
+        pool_link_bytes_per_second=1e6,
+        host_link_bytes_per_second=4e6,
+        prefill_tokens_per_second=100.0,
+    )  # 1 s a block
     store.apply([stored("host", "host", [1, 2, 3, 4]), stored("p", "pool", [5])])
     o = outcome_of(store, routed("r", [1, 2, 3, 4, 5]), slow_prefill)
     assert o is not None and o.outcome == "miss"
@@ -82,7 +123,11 @@ def test_the_stall_is_the_slower_link_when_loading_beats_recomputing(store: Memo
     # Blocks held nowhere before a held one were computed once and are gone: recomputed, 1 s each.
     store.apply([stored("tail", "hbm", [7])])
     gap = outcome_of(store, routed("g", [6, 7]), slow_prefill)
-    assert gap is not None and (gap.outcome, gap.reused_blocks, gap.resident_blocks) == ("partial", 2, 1)
+    assert gap is not None and (gap.outcome, gap.reused_blocks, gap.resident_blocks) == (
+        "partial",
+        2,
+        1,
+    )
     assert gap.stall_seconds == pytest.approx(1.0)
 
 
@@ -112,34 +157,69 @@ class CountingStore:
 
 
 def test_a_batch_costs_a_few_lookups_per_instance_not_per_request(store: MemoryStore) -> None:
-    store.apply([stored("h0", "hbm", [1, 2]), stored("h1", "hbm", [1], "gpu-1"), stored("p", "pool", [2])])
+    store.apply(
+        [stored("h0", "hbm", [1, 2]), stored("h1", "hbm", [1], "gpu-1"), stored("p", "pool", [2])]
+    )
     batch = [routed(f"r{i}", [1, 2, 3], instance_id=f"gpu-{i % 2}") for i in range(100)]
     batch.append(ev(type="session_closed", event_id="c", ts=3.0, session_id="s-r0"))
     counting = CountingStore(store)
     found = judge(counting, batch, CONFIG)  # type: ignore[arg-type]
     assert [o.outcome for o in found] == ["hit", "partial"] * 50
-    assert len(counting.calls) == 5  # hbm and host per instance (gpu-0's host: only block 3), one pool
+    assert (
+        len(counting.calls) == 5
+    )  # hbm and host per instance (gpu-0's host: only block 3), one pool
 
 
 def test_the_observer_hands_over_a_batch_and_stays_quiet_without_one(store: MemoryStore) -> None:
     got: list[list[str]] = []
-    observe = outcome_observer(store, CONFIG, lambda outcomes: got.append([o.outcome for o in outcomes]))
+    observe = outcome_observer(
+        store, CONFIG, lambda outcomes: got.append([o.outcome for o in outcomes])
+    )
     store.apply([stored("h", "hbm", [1])])
-    observe([routed("a", [1]), routed("b", [9]), ev(type="session_closed", event_id="c", ts=3.0, session_id="x")])
+    observe(
+        [
+            routed("a", [1]),
+            routed("b", [9]),
+            ev(type="session_closed", event_id="c", ts=3.0, session_id="x"),
+        ]
+    )
     observe([routed("c", [9])])
     assert got == [["hit"]]
 
 
-def test_blocks_stored_later_in_the_same_batch_were_not_there_when_the_request_came(store: MemoryStore) -> None:
+def test_blocks_stored_later_in_the_same_batch_were_not_there_when_the_request_came(
+    store: MemoryStore,
+) -> None:
     # The engine loads the context from the pool for the request and reports it, in one batch.
     store.apply([stored("p", "pool", [1, 2])])
-    batch = [stored("before", "hbm", [7]), routed("r", [1, 2, 3]), routed("s", [7, 8]),
-             ev(type="kv_blocks_stored", event_id="after", ts=5.0, tier="hbm", instance_id="gpu-0",
-                block_hashes=[1, 2, 3]),
-             ev(type="vllm_kv_events", event_id="vllm", ts=6.0, instance_id="gpu-0",
-                events=[{"type": "BlockStored", "block_hashes": [8], "block_size": 100, "medium": "GPU"}])]
+    batch = [
+        stored("before", "hbm", [7]),
+        routed("r", [1, 2, 3]),
+        routed("s", [7, 8]),
+        ev(
+            type="kv_blocks_stored",
+            event_id="after",
+            ts=5.0,
+            tier="hbm",
+            instance_id="gpu-0",
+            block_hashes=[1, 2, 3],
+        ),
+        ev(
+            type="vllm_kv_events",
+            event_id="vllm",
+            ts=6.0,
+            instance_id="gpu-0",
+            events=[
+                {"type": "BlockStored", "block_hashes": [8], "block_size": 100, "medium": "GPU"}
+            ],
+        ),
+    ]
     store.apply(batch)
     found = {o.request_id: o for o in judge(store, batch, CONFIG)}
     # r: 1 and 2 came from the pool after it arrived (3 is its new block); s: 7 was there before it.
-    assert (found["r"].outcome, found["r"].reused_blocks, found["r"].resident_blocks) == ("miss", 2, 0)
+    assert (found["r"].outcome, found["r"].reused_blocks, found["r"].resident_blocks) == (
+        "miss",
+        2,
+        0,
+    )
     assert (found["s"].outcome, found["s"].reused_blocks) == ("hit", 1)

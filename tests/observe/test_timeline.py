@@ -9,11 +9,9 @@ from typing import Any
 import pytest
 
 from app.core.clock import ManualClock
-from app.observe.ledger import AdviceLedger
-from kvprefetch_client.events import OrderProgress, RequestRouted
 from app.decide.advisor import SessionAdvice
 from app.decide.scheduler import Scheduler, SchedulerConfig
-from app.state.memory import MemoryStore
+from app.observe.ledger import AdviceLedger
 from app.observe.timeline import (
     DEFAULT_CAPACITY,
     HISTORY_SECONDS,
@@ -25,31 +23,57 @@ from app.observe.timeline import (
     capacity_for,
     series,
 )
+from app.state.memory import MemoryStore
+from kvprefetch_client.events import OrderProgress, RequestRouted
 
 BLOCK_BYTES = 512 * 327_680
 
 
 def _models(version: str | None = "v1", shadow: str | None = None) -> Any:
-    return SimpleNamespace(serving=SimpleNamespace(version=version),
-                           shadow=SimpleNamespace(version=shadow) if shadow else None)
+    return SimpleNamespace(
+        serving=SimpleNamespace(version=version),
+        shadow=SimpleNamespace(version=shadow) if shadow else None,
+    )
 
 
 def _advice(session: str, retention: str = "keep", instance: str = "gpu-0") -> SessionAdvice:
-    return SessionAdvice(session, instance, (1, 2), retention, 300.0, 0.9, 0.9, 0.9, False)  # type: ignore[arg-type]
+    return SessionAdvice(
+        session,
+        instance,
+        (1, 2),
+        retention,
+        300.0,
+        0.9,
+        0.9,
+        0.9,
+        False,  # type: ignore[arg-type]
+    )
 
 
 def _routed(n: int, session: str, ts: float) -> RequestRouted:
-    return RequestRouted(event_id=f"q{n}", ts=ts, session_id=session, request_id=f"r{n}", instance_id="gpu-0",
-                         prompt_tokens=100)
+    return RequestRouted(
+        event_id=f"q{n}",
+        ts=ts,
+        session_id=session,
+        request_id=f"r{n}",
+        instance_id="gpu-0",
+        prompt_tokens=100,
+    )
 
 
 @pytest.fixture
 def parts() -> tuple[AdviceLedger, Scheduler, ManualClock]:
     store = MemoryStore(bytes_per_token=327_680, block_tokens=512)
-    return AdviceLedger(), Scheduler(store, SchedulerConfig(bytes_per_block=BLOCK_BYTES)), ManualClock(0.0)
+    return (
+        AdviceLedger(),
+        Scheduler(store, SchedulerConfig(bytes_per_block=BLOCK_BYTES)),
+        ManualClock(0.0),
+    )
 
 
-def test_the_ring_keeps_the_newest_snapshots(parts: tuple[AdviceLedger, Scheduler, ManualClock]) -> None:
+def test_the_ring_keeps_the_newest_snapshots(
+    parts: tuple[AdviceLedger, Scheduler, ManualClock],
+) -> None:
     ledger, scheduler, clock = parts
     timeline = Timeline(ledger, scheduler, _models(), clock, capacity=3)
     for _ in range(5):
@@ -71,7 +95,8 @@ def test_capacity_covers_the_history_at_the_interval() -> None:
 
 
 def test_the_recent_hit_rate_counts_the_last_window_and_restarts_with_a_new_model(
-        parts: tuple[AdviceLedger, Scheduler, ManualClock]) -> None:
+    parts: tuple[AdviceLedger, Scheduler, ManualClock],
+) -> None:
     ledger, scheduler, clock = parts
     models = _models("v1")
     timeline = Timeline(ledger, scheduler, models, clock)
@@ -108,7 +133,8 @@ def test_the_recent_hit_rate_counts_the_last_window_and_restarts_with_a_new_mode
 
 
 def test_a_short_range_still_gets_a_whole_window_for_its_first_point(
-        parts: tuple[AdviceLedger, Scheduler, ManualClock]) -> None:
+    parts: tuple[AdviceLedger, Scheduler, ManualClock],
+) -> None:
     ledger, scheduler, clock = parts
     timeline = Timeline(ledger, scheduler, _models(), clock)
     for k in range(10):
@@ -124,28 +150,43 @@ def test_a_short_range_still_gets_a_whole_window_for_its_first_point(
 
 
 def test_landed_prefetches_count_each_completed_prefetch_once(
-        parts: tuple[AdviceLedger, Scheduler, ManualClock]) -> None:
+    parts: tuple[AdviceLedger, Scheduler, ManualClock],
+) -> None:
     _, scheduler, _ = parts
     store = scheduler.store
     from kvprefetch_client.events import InstanceStatus, KvBlocksStored
 
-    store.apply([KvBlocksStored(event_id="p", ts=0.0, tier="pool", block_hashes=[1, 2]),
-                 InstanceStatus(event_id="st", ts=0.0, instance_id="gpu-0", free_kv_bytes=10**12)])
+    store.apply(
+        [
+            KvBlocksStored(event_id="p", ts=0.0, tier="pool", block_hashes=[1, 2]),
+            InstanceStatus(event_id="st", ts=0.0, instance_id="gpu-0", free_kv_bytes=10**12),
+        ]
+    )
     scheduler.advise([SessionAdvice("s", "gpu-0", (1, 2), "lru", 0.0, 0.9, 0.9, 0.9, True)], 1.0)
     (order,) = scheduler.plan(1.0).orders
     landed = LandedPrefetches(scheduler)
 
     def done(event_id: str, order_id: str, nbytes: int | None = 10) -> OrderProgress:
-        return OrderProgress(event_id=event_id, ts=2.0, order_id=order_id, status="completed", bytes=nbytes,
-                             seconds=0.25)
+        return OrderProgress(
+            event_id=event_id,
+            ts=2.0,
+            order_id=order_id,
+            status="completed",
+            bytes=nbytes,
+            seconds=0.25,
+        )
 
-    landed.observe([done("a", order.order_id), done("b", order.order_id), done("c", "pin-unknown-1")])
+    landed.observe(
+        [done("a", order.order_id), done("b", order.order_id), done("c", "pin-unknown-1")]
+    )
     assert (landed.orders, landed.bytes, landed.transfer_seconds) == (1, 10, 0.25)
     assert landed.expected_stall_seconds == pytest.approx(order.priority) and order.priority > 0
     assert landed.stall() == StallFigures(order.priority, "expected")
 
 
-def test_the_stall_basis_says_where_the_figure_comes_from(parts: tuple[AdviceLedger, Scheduler, ManualClock]) -> None:
+def test_the_stall_basis_says_where_the_figure_comes_from(
+    parts: tuple[AdviceLedger, Scheduler, ManualClock],
+) -> None:
     ledger, scheduler, clock = parts
     assert Timeline(ledger, scheduler, _models(), clock).sample().stall_basis == "expected"
     measured = MeasuredStall()
@@ -153,12 +194,20 @@ def test_the_stall_basis_says_where_the_figure_comes_from(parts: tuple[AdviceLed
     measured.record_outcomes([outcome, outcome])
     timeline = Timeline(ledger, scheduler, _models(), clock, stall=measured.stall)
     snap = timeline.sample()
-    assert (snap.stall_basis, snap.stall_seconds_saved, snap.stall_seconds_incurred) == ("measured", 1.0, 4.0)
+    assert (snap.stall_basis, snap.stall_seconds_saved, snap.stall_seconds_incurred) == (
+        "measured",
+        1.0,
+        4.0,
+    )
     body = series(timeline, 60.0, gpu_hour_price=3.6)
-    assert body["stall_basis"] == "measured" and body["series"]["stall_cost_saved"] == [pytest.approx(0.001)]
+    assert body["stall_basis"] == "measured" and body["series"]["stall_cost_saved"] == [
+        pytest.approx(0.001)
+    ]
 
 
-def test_a_shadow_slot_is_null_until_a_shadow_is_set(parts: tuple[AdviceLedger, Scheduler, ManualClock]) -> None:
+def test_a_shadow_slot_is_null_until_a_shadow_is_set(
+    parts: tuple[AdviceLedger, Scheduler, ManualClock],
+) -> None:
     ledger, scheduler, clock = parts
     models = _models("v1")
     timeline = Timeline(ledger, scheduler, models, clock)

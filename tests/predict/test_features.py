@@ -40,7 +40,11 @@ def test_offline_rows_equal_features_read_from_the_running_service(tmp_path: Pat
     events = load_events(small_log(tmp_path))
     rows = rows_from_events(events, log_name="events.jsonl")
     assert len(rows) > 100
-    sample = rows.drop_duplicates(["session_id", "decision_ts"]).sample(n=40, random_state=7).sort_values("decision_ts")
+    sample = (
+        rows.drop_duplicates(["session_id", "decision_ts"])
+        .sample(n=40, random_state=7)
+        .sort_values("decision_ts")
+    )
     with TestClient(create_app(Settings(data_dir=tmp_path / "svc", log_fsync=False))) as client:
         i = 0
         for _, row in sample.iterrows():
@@ -49,7 +53,10 @@ def test_offline_rows_equal_features_read_from_the_running_service(tmp_path: Pat
                 batch.append(orjson.loads(events[i].__pydantic_serializer__.to_json(events[i])))
                 i += 1
             for k in range(0, len(batch), 1000):
-                assert client.post("/v1/events", json={"events": batch[k:k + 1000]}).status_code == 200
+                assert (
+                    client.post("/v1/events", json={"events": batch[k : k + 1000]}).status_code
+                    == 200
+                )
             view = SessionView.model_validate(client.get(f"/v1/sessions/{row.session_id}").json())
             online = session_features(view, row.decision_ts)
             offline = [row[name] for name in SESSION_FEATURES]
@@ -67,27 +74,48 @@ def test_labels_look_ahead_and_censored_rows_are_dropped(tmp_path: Path) -> None
 
 
 def test_feature_matrix_is_sessions_by_horizons() -> None:
-    view = SessionView(session_id="s", state="idle", turns=3, first_seen_ts=0.0, last_activity_ts=100.0,
-                       closed_ts=None, instance_id="g", context_tokens=900, context_bytes=0, block_hashes=[1],
-                       block_tokens=512, recent_arrivals_ts=[0.0, 30.0, 90.0], inter_turn_gaps_seconds=[30.0, 60.0],
-                       last_request=None, resident_blocks={})
+    view = SessionView(
+        session_id="s",
+        state="idle",
+        turns=3,
+        first_seen_ts=0.0,
+        last_activity_ts=100.0,
+        closed_ts=None,
+        instance_id="g",
+        context_tokens=900,
+        context_bytes=0,
+        block_hashes=[1],
+        block_tokens=512,
+        recent_arrivals_ts=[0.0, 30.0, 90.0],
+        inter_turn_gaps_seconds=[30.0, 60.0],
+        last_request=None,
+        resident_blocks={},
+    )
     x = feature_matrix([view, view], 130.0, [15.0, 60.0])
     assert x.shape == (4, len(FEATURES))
     assert list(x[:, -1]) == [15.0, 60.0, 15.0, 60.0]
     f = dict(zip(FEATURES, x[0]))
-    assert (f["idle_seconds"], f["since_arrival_seconds"], f["gap_median_seconds"]) == (30.0, 40.0, 45.0)
+    assert (f["idle_seconds"], f["since_arrival_seconds"], f["gap_median_seconds"]) == (
+        30.0,
+        40.0,
+        45.0,
+    )
     assert f["idle_over_gap_median"] == 30.0 / 45.0
     assert np.isnan(f["last_prompt_tokens"])
 
 
 # --- The columnar FeatureTable (and feature_matrix in bulk) equals the reference, session_features.
 
-START_TS = 1_767_000_000.0  # a unix time: differences of such timestamps are what the service computes
+START_TS = (
+    1_767_000_000.0  # a unix time: differences of such timestamps are what the service computes
+)
 
 
 def random_view(rng: random.Random, i: int, *, now: float) -> SessionView:
     """A session in any of the shapes the store produces, edge cases over-represented."""
-    kind = rng.choice(["none", "one", "two", "many", "many", "many", "zero_median", "late", "unsorted", "old"])
+    kind = rng.choice(
+        ["none", "one", "two", "many", "many", "many", "zero_median", "late", "unsorted", "old"]
+    )
     n_arrivals = {"none": 0, "one": 1, "two": 2}.get(kind, rng.randint(3, 16))
     last_arrival = now - rng.choice([0.0, rng.uniform(0, 60), rng.lognormvariate(5, 1.5)])
     if kind == "late":  # an arrival after `now`: every age clamps at zero in the reference
@@ -102,24 +130,47 @@ def random_view(rng: random.Random, i: int, *, now: float) -> SessionView:
         rng.shuffle(arrivals)
     gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
     state = rng.choice(["idle", "idle", "idle", "running", "queued", "closed"])
-    last_activity = (arrivals[-1] if arrivals else now - 100) + rng.choice([0.0, rng.uniform(0, 300)])
+    last_activity = (arrivals[-1] if arrivals else now - 100) + rng.choice(
+        [0.0, rng.uniform(0, 300)]
+    )
     last_request = None
     if rng.random() < 0.8:
         routed = rng.choice([None, last_arrival if arrivals else now - 50])
         finished = rng.choice([None, (routed or now) + rng.uniform(-1, 40)])
-        last_request = RequestView(request_id=f"r{i}", instance_id="gpu-0", routed_ts=routed, started_ts=None,
-                                   finished_ts=finished, prompt_tokens=rng.choice([None, rng.randint(1, 200_000)]),
-                                   output_tokens=rng.choice([None, 0, rng.randint(1, 4000)]), context_tokens=None)
-    return SessionView(session_id=f"s{i}", state=state, turns=max(n_arrivals, rng.randint(0, 40)),
-                       first_seen_ts=(arrivals[0] if arrivals else now - 100), last_activity_ts=last_activity,
-                       closed_ts=None, instance_id=rng.choice([None, "gpu-1"]), context_tokens=rng.randint(0, 300_000),
-                       context_bytes=0, block_hashes=[], block_tokens=512, recent_arrivals_ts=arrivals,
-                       inter_turn_gaps_seconds=gaps, last_request=last_request, resident_blocks={})
+        last_request = RequestView(
+            request_id=f"r{i}",
+            instance_id="gpu-0",
+            routed_ts=routed,
+            started_ts=None,
+            finished_ts=finished,
+            prompt_tokens=rng.choice([None, rng.randint(1, 200_000)]),
+            output_tokens=rng.choice([None, 0, rng.randint(1, 4000)]),
+            context_tokens=None,
+        )
+    return SessionView(
+        session_id=f"s{i}",
+        state=state,
+        turns=max(n_arrivals, rng.randint(0, 40)),
+        first_seen_ts=(arrivals[0] if arrivals else now - 100),
+        last_activity_ts=last_activity,
+        closed_ts=None,
+        instance_id=rng.choice([None, "gpu-1"]),
+        context_tokens=rng.randint(0, 300_000),
+        context_bytes=0,
+        block_hashes=[],
+        block_tokens=512,
+        recent_arrivals_ts=arrivals,
+        inter_turn_gaps_seconds=gaps,
+        last_request=last_request,
+        resident_blocks={},
+    )
 
 
 def reference(views: list[SessionView], now: float, horizons: tuple[float, ...]) -> np.ndarray:
     rows = [session_features(v, now) for v in views]
-    return np.asarray([[*row, h] for row in rows for h in horizons], dtype=np.float64).reshape(-1, len(FEATURES))
+    return np.asarray([[*row, h] for row in rows for h in horizons], dtype=np.float64).reshape(
+        -1, len(FEATURES)
+    )
 
 
 def assert_same_features(fast: np.ndarray, ref: np.ndarray) -> None:
@@ -131,7 +182,11 @@ def assert_same_features(fast: np.ndarray, ref: np.ndarray) -> None:
     np.testing.assert_allclose(fast, ref, rtol=1e-9, atol=1e-300)
 
 
-HORIZON_SETS = [(30.0, 300.0, 900.0), (5.0, 15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 900.0), (600.0,)]
+HORIZON_SETS = [
+    (30.0, 300.0, 900.0),
+    (5.0, 15.0, 30.0, 60.0, 120.0, 180.0, 300.0, 600.0, 900.0),
+    (600.0,),
+]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -150,7 +205,7 @@ def test_feature_table_and_bulk_feature_matrix_equal_the_reference(seed: int) ->
             assert_same_features(table.matrix(at, horizons), ref)
             assert_same_features(one_by_one.matrix(at, horizons), ref)
             assert_same_features(feature_matrix(views, at, horizons), ref)
-            assert_same_features(feature_matrix(views[:5], at, horizons), ref[:5 * len(horizons)])
+            assert_same_features(feature_matrix(views[:5], at, horizons), ref[: 5 * len(horizons)])
     assert table.closed().tolist() == [v.state == "closed" for v in views]
 
 
@@ -159,7 +214,7 @@ def test_feature_table_follows_upserts_and_removals() -> None:
     now = START_TS
     table = FeatureTable(capacity=4)
     current: dict[str, SessionView] = {}
-    for step in range(3000):
+    for _ in range(3000):
         i = rng.randrange(200)
         sid = f"s{i}"
         if sid in current and rng.random() < 0.3:
@@ -181,25 +236,49 @@ def test_feature_table_follows_upserts_and_removals() -> None:
     rows = table.rows_of(some)
     assert [table.session_ids[r] for r in rows] == some
     some_views = [current[s] for s in some]
-    assert_same_features(table.matrix(now, HORIZON_SETS[1], rows), reference(some_views, now, HORIZON_SETS[1]))
+    assert_same_features(
+        table.matrix(now, HORIZON_SETS[1], rows), reference(some_views, now, HORIZON_SETS[1])
+    )
     assert table.closed(rows).tolist() == [v.state == "closed" for v in some_views]
 
 
 def test_feature_table_edge_cases_read_as_the_reference_says() -> None:
     now = START_TS + 1000
-    bare = SessionView(session_id="bare", state="running", turns=0, first_seen_ts=now - 10, last_activity_ts=now + 5,
-                       closed_ts=None, instance_id=None, context_tokens=0, context_bytes=0, block_hashes=[],
-                       block_tokens=512, recent_arrivals_ts=[], inter_turn_gaps_seconds=[], last_request=None,
-                       resident_blocks={})
-    zero = bare.model_copy(update={"session_id": "zero", "state": "idle", "recent_arrivals_ts": [now - 50, now - 50],
-                                   "inter_turn_gaps_seconds": [0.0], "last_activity_ts": now - 40})
+    bare = SessionView(
+        session_id="bare",
+        state="running",
+        turns=0,
+        first_seen_ts=now - 10,
+        last_activity_ts=now + 5,
+        closed_ts=None,
+        instance_id=None,
+        context_tokens=0,
+        context_bytes=0,
+        block_hashes=[],
+        block_tokens=512,
+        recent_arrivals_ts=[],
+        inter_turn_gaps_seconds=[],
+        last_request=None,
+        resident_blocks={},
+    )
+    zero = bare.model_copy(
+        update={
+            "session_id": "zero",
+            "state": "idle",
+            "recent_arrivals_ts": [now - 50, now - 50],
+            "inter_turn_gaps_seconds": [0.0],
+            "last_activity_ts": now - 40,
+        }
+    )
     table = FeatureTable.from_views([bare, zero])
     x = table.matrix(now, [60.0])
     f = [dict(zip(FEATURES, row)) for row in x]
     assert f[0]["idle_seconds"] == 0.0 and f[0]["running"] == 1.0  # activity after `now` clamps
     assert np.isnan(f[0]["since_arrival_seconds"]) and np.isnan(f[0]["gap_median_seconds"])
     assert f[0]["arrivals_decayed_60s"] == 0.0 and f[0]["arrivals_decayed_600s"] == 0.0
-    assert f[1]["gap_median_seconds"] == 0.0 and np.isnan(f[1]["idle_over_gap_median"])  # no division by 0
+    assert f[1]["gap_median_seconds"] == 0.0 and np.isnan(
+        f[1]["idle_over_gap_median"]
+    )  # no division by 0
     assert f[1]["arrivals_decayed_60s"] == pytest.approx(2 * math.exp(-50 / 60), rel=1e-12)
     assert_same_features(x, reference([bare, zero], now, (60.0,)))
     assert table.matrix(now, [60.0], np.zeros(0, dtype=np.intp)).shape == (0, len(FEATURES))

@@ -20,7 +20,9 @@ from app.predict.features import FEATURES
 from app.predict.predictors import HORIZON_GRID, LearnedPredictor, ModelError, probe_rows
 from tests.predict.test_features import START_TS, random_view
 
-needs_lleaves = pytest.mark.skipif(not compiled.available(), reason="lleaves is not installed (the fast extra)")
+needs_lleaves = pytest.mark.skipif(
+    not compiled.available(), reason="lleaves is not installed (the fast extra)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,28 +53,37 @@ def test_booster_backend_keeps_the_public_api(booster_model: LearnedPredictor) -
     assert booster_model.version == "default" and booster_model.card["features"] == list(FEATURES)
     views, now = views_and_now(1, 50)
     x = feature_matrix(views, now, HORIZON_GRID)
-    np.testing.assert_array_equal(booster_model.p_from_matrix(x), booster_model.booster.predict(x, num_threads=1))
+    np.testing.assert_array_equal(
+        booster_model.p_from_matrix(x), booster_model.booster.predict(x, num_threads=1)
+    )
     assert booster_model.p_from_matrix(np.zeros((0, len(FEATURES)))).shape == (0,)
     assert booster_model.p_within(views[:1], now, HORIZON_GRID).shape == (1, len(HORIZON_GRID))
 
 
 @pytest.mark.parametrize("horizons", [(30.0, 300.0, 900.0), HORIZON_GRID])
-def test_table_path_equals_the_views_path(booster_model: LearnedPredictor, horizons: tuple[float, ...]) -> None:
+def test_table_path_equals_the_views_path(
+    booster_model: LearnedPredictor, horizons: tuple[float, ...]
+) -> None:
     views, now = views_and_now(2)
     table = FeatureTable.from_views(views)
     p = booster_model.p_within(views, now, horizons)
     assert p.shape == (len(views), len(horizons))
-    np.testing.assert_allclose(booster_model.p_within_table(table, now, horizons), p, rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        booster_model.p_within_table(table, now, horizons), p, rtol=0, atol=1e-12
+    )
     closed = [i for i, v in enumerate(views) if v.state == "closed"]
     assert closed and not p[closed].any()
     rows = table.rows_of([v.session_id for v in views[10:30]])
-    np.testing.assert_allclose(booster_model.p_within_table(table, now, horizons, rows), p[10:30], rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        booster_model.p_within_table(table, now, horizons, rows), p[10:30], rtol=0, atol=1e-12
+    )
     assert booster_model.p_within_table(FeatureTable(), now, horizons).shape == (0, len(horizons))
 
 
 @needs_lleaves
-def test_compiled_model_answers_as_the_booster(compiled_model: LearnedPredictor,
-                                               booster_model: LearnedPredictor) -> None:
+def test_compiled_model_answers_as_the_booster(
+    compiled_model: LearnedPredictor, booster_model: LearnedPredictor
+) -> None:
     assert compiled_model.backend == "lleaves"
     rows = [probe_rows(4000, seed=s) for s in (1, 2)]
     views, now = views_and_now(3)
@@ -81,17 +92,26 @@ def test_compiled_model_answers_as_the_booster(compiled_model: LearnedPredictor,
         assert np.isnan(x).any()
         expected = booster_model.booster.predict(x, num_threads=1)
         np.testing.assert_allclose(compiled_model.p_from_matrix(x), expected, rtol=0, atol=1e-6)
-    np.testing.assert_allclose(compiled_model.p_within(views, now, HORIZON_GRID),
-                               booster_model.p_within(views, now, HORIZON_GRID), rtol=0, atol=1e-6)
+    np.testing.assert_allclose(
+        compiled_model.p_within(views, now, HORIZON_GRID),
+        booster_model.p_within(views, now, HORIZON_GRID),
+        rtol=0,
+        atol=1e-6,
+    )
     one = feature_matrix(views[:1], now, HORIZON_GRID[:1])
-    np.testing.assert_allclose(compiled_model.p_from_matrix(one), booster_model.p_from_matrix(one), atol=1e-6)
+    np.testing.assert_allclose(
+        compiled_model.p_from_matrix(one), booster_model.p_from_matrix(one), atol=1e-6
+    )
 
 
 @needs_lleaves
-def test_compiled_model_is_cached_and_a_wrong_cache_is_refused(compiled_model: LearnedPredictor, cache_dir: Path,
-                                                               tmp_path: Path) -> None:
+def test_compiled_model_is_cached_and_a_wrong_cache_is_refused(
+    compiled_model: LearnedPredictor, cache_dir: Path, tmp_path: Path
+) -> None:
     cached = LearnedPredictor(DEFAULT_MODEL_DIR, cache_dir=cache_dir)
-    assert cached.backend == "lleaves" and cached.compiled is not None and cached.compiled.from_cache
+    assert (
+        cached.backend == "lleaves" and cached.compiled is not None and cached.compiled.from_cache
+    )
     assert list(cache_dir.glob("*.partial")) == []
     # Another model's machine code under this model's key: it answers differently, so the
     # predictor serves with the Booster and drops the file, and the next start compiles afresh.
@@ -116,7 +136,9 @@ def test_auto_falls_back_to_the_booster_without_lleaves(monkeypatch: pytest.Monk
     assert LearnedPredictor(DEFAULT_MODEL_DIR).backend == "booster"
 
 
-def test_a_compile_failure_leaves_the_booster_unless_compiled_was_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_compile_failure_leaves_the_booster_unless_compiled_was_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("LLVM says no")
 
@@ -134,6 +156,9 @@ def tiny_model_text() -> str:
     rng = np.random.default_rng(5)
     x = probe_rows(2000, seed=9)
     y = (rng.random(len(x)) < 0.3).astype(float)
-    booster = lgb.train({"objective": "binary", "num_leaves": 4, "verbose": -1, "seed": 1},
-                        lgb.Dataset(x, y, feature_name=list(FEATURES)), num_boost_round=5)
+    booster = lgb.train(
+        {"objective": "binary", "num_leaves": 4, "verbose": -1, "seed": 1},
+        lgb.Dataset(x, y, feature_name=list(FEATURES)),
+        num_boost_round=5,
+    )
     return str(booster.model_to_string())

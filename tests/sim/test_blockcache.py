@@ -8,7 +8,8 @@ from sim.blockcache import BlockCache
 
 
 def filled(blocks: list[int], capacity: int | None = None, **kw: object) -> BlockCache:
-    cache = BlockCache(capacity if capacity is not None else len(blocks), **kw)  # type: ignore[arg-type]
+    size = capacity if capacity is not None else len(blocks)
+    cache = BlockCache(size, **kw)  # type: ignore[arg-type]
     for b in blocks:
         cache.insert(b)
     return cache

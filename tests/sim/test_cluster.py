@@ -37,18 +37,40 @@ POOL = 1e6  # bytes per second: one block loads in 0.1 s
 DECODE = 0.01
 
 
-def scenario(*, prefill: float, instances: int = 2, hbm_blocks: int = 64, host_blocks: int = 0,
-             max_running: int = 8) -> Scenario:
-    return Scenario(name="unit", bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS, instances=instances,
-                    hbm_kv_bytes=hbm_blocks * BLOCK_BYTES, host_kv_bytes=host_blocks * BLOCK_BYTES,
-                    pool_link_bytes_per_second=POOL, host_link_bytes_per_second=4 * POOL,
-                    prefill_tokens_per_second=prefill, decode_seconds_per_token=DECODE,
-                    max_running_requests=max_running)
+def scenario(
+    *,
+    prefill: float,
+    instances: int = 2,
+    hbm_blocks: int = 64,
+    host_blocks: int = 0,
+    max_running: int = 8,
+) -> Scenario:
+    return Scenario(
+        name="unit",
+        bytes_per_token=BYTES_PER_TOKEN,
+        block_tokens=BLOCK_TOKENS,
+        instances=instances,
+        hbm_kv_bytes=hbm_blocks * BLOCK_BYTES,
+        host_kv_bytes=host_blocks * BLOCK_BYTES,
+        pool_link_bytes_per_second=POOL,
+        host_link_bytes_per_second=4 * POOL,
+        prefill_tokens_per_second=prefill,
+        decode_seconds_per_token=DECODE,
+        max_running_requests=max_running,
+    )
 
 
-def request(i: int, arrival: float, blocks: Sequence[int], session: str | None = None, output: int = 10) -> SimRequest:
-    return SimRequest(index=i, session_id=session or f"s{i}", arrival=arrival,
-                      input_tokens=BLOCK_TOKENS * len(blocks), output_tokens=output, hash_ids=tuple(blocks))
+def request(
+    i: int, arrival: float, blocks: Sequence[int], session: str | None = None, output: int = 10
+) -> SimRequest:
+    return SimRequest(
+        index=i,
+        session_id=session or f"s{i}",
+        arrival=arrival,
+        input_tokens=BLOCK_TOKENS * len(blocks),
+        output_tokens=output,
+        hash_ids=tuple(blocks),
+    )
 
 
 class Placed:
@@ -63,7 +85,9 @@ class Placed:
         return self.place[r.index]
 
 
-def run(scen: Scenario, requests: list[SimRequest], place: Sequence[int], policy: Policy | None = None) -> Cluster:
+def run(
+    scen: Scenario, requests: list[SimRequest], place: Sequence[int], policy: Policy | None = None
+) -> Cluster:
     cluster = CheckedCluster(scen, requests, Placed(place), policy or Policy())
     cluster.run()
     return cluster
@@ -75,17 +99,29 @@ def context(first: int, n: int) -> list[int]:
 
 # -- load or recompute --------------------------------------------------------------------------
 
+
 def test_a_first_request_computes_everything_and_never_stalls() -> None:
     r = request(0, 1.0, context(0, 4))
     run(scenario(prefill=1e4), [r], [0])
-    assert (r.reused_blocks, r.hit_blocks, r.stall_seconds, r.loaded_bytes, r.recompute_tokens) == (0, 0, 0.0, 0, 0)
+    assert (r.reused_blocks, r.hit_blocks, r.stall_seconds, r.loaded_bytes, r.recompute_tokens) == (
+        0,
+        0,
+        0.0,
+        0,
+        0,
+    )
     assert r.finished_at == pytest.approx(1.0 + 400 / 1e4 + 10 * DECODE, abs=EXACT)
 
 
 def test_reused_blocks_in_hbm_are_hits() -> None:
     first, again = request(0, 0.0, context(0, 4)), request(1, 10.0, [*context(0, 4), 99])
     run(scenario(prefill=1e4), [first, again], [0, 0])
-    assert (again.reused_blocks, again.hit_blocks, again.stall_seconds, again.loaded_bytes) == (4, 4, 0.0, 0)
+    assert (again.reused_blocks, again.hit_blocks, again.stall_seconds, again.loaded_bytes) == (
+        4,
+        4,
+        0.0,
+        0,
+    )
     assert again.finished_at == pytest.approx(10.0 + 100 / 1e4 + 10 * DECODE, abs=EXACT)
 
 
@@ -117,7 +153,8 @@ def test_a_request_that_wants_blocks_being_recomputed_waits_for_them() -> None:
     a, b = request(1, 50.0, [*context(0, 4), 98]), request(2, 50.01, [*context(0, 4), 99])
     run(scenario(prefill=1e4), [first, a, b], [0, 1, 1])
     assert a.recompute_tokens == 400 and a.stall_seconds == pytest.approx(0.04, abs=EXACT)
-    # b finds them in HBM but not yet recomputed: no hit, and it waits for the rest of a's recompute.
+    # b finds them in HBM but not yet recomputed: no hit, and it waits for the rest of a's
+    # recompute.
     assert b.hit_blocks == 0 and b.recompute_tokens == 0 and b.loaded_bytes == 0
     assert b.ready_at == pytest.approx(a.ready_at, abs=EXACT)
     assert b.stall_seconds == pytest.approx(0.03, abs=EXACT)
@@ -131,7 +168,9 @@ def test_two_requests_loading_at_once_on_one_instance_both_stall_longer() -> Non
     assert alone.stall_seconds == pytest.approx(0.4, abs=EXACT)
 
     a, b = request(2, 50.0, [*context(0, 4), 98]), request(3, 50.0, [*context(10, 4), 99])
-    cluster = run(scen, [request(0, 0.0, context(0, 4)), request(1, 0.0, context(10, 4)), a, b], [0, 0, 1, 1])
+    cluster = run(
+        scen, [request(0, 0.0, context(0, 4)), request(1, 0.0, context(10, 4)), a, b], [0, 0, 1, 1]
+    )
     for r in (a, b):
         assert r.loaded_bytes == 4 * BLOCK_BYTES and r.recompute_tokens == 0
         assert r.stall_seconds > alone.stall_seconds
@@ -140,7 +179,8 @@ def test_two_requests_loading_at_once_on_one_instance_both_stall_longer() -> Non
 
 
 def test_a_load_joining_a_running_one() -> None:
-    """b (2 blocks) joins a's 4-block load 0.1 s in: b lands at 0.1 + 2 * 0.2, a at 0.6 (work conserving)."""
+    """b (2 blocks) joins a's 4-block load 0.1 s in: b lands at 0.1 + 2 * 0.2, a at 0.6
+    (work conserving)."""
     scen = scenario(prefill=10.0)
     a, b = request(2, 50.0, [*context(0, 4), 98]), request(3, 50.1, [*context(10, 2), 99])
     run(scen, [request(0, 0.0, context(0, 4)), request(1, 0.0, context(10, 2)), a, b], [0, 0, 1, 1])
@@ -149,7 +189,8 @@ def test_a_load_joining_a_running_one() -> None:
 
 
 def test_the_decision_counts_the_traffic_already_on_the_link() -> None:
-    """Recompute takes 0.6 s; a load alone 0.4 s, behind another 0.8 s: the second one recomputes."""
+    """Recompute takes 0.6 s; a load alone 0.4 s, behind another 0.8 s: the second one
+    recomputes."""
     scen = scenario(prefill=400 / 0.6)
     a, b = request(2, 50.0, [*context(0, 4), 98]), request(3, 50.0, [*context(10, 4), 99])
     run(scen, [request(0, 0.0, context(0, 4)), request(1, 0.0, context(10, 4)), a, b], [0, 0, 1, 1])
@@ -186,6 +227,7 @@ def test_admission_waits_for_room_and_for_a_slot() -> None:
 
 # -- the invariants, after every event ----------------------------------------------------------
 
+
 class CheckedCluster(Cluster):
     """Cluster with its invariant hook on, plus an independent pin account.
 
@@ -211,11 +253,18 @@ class CheckedCluster(Cluster):
 
         def checked(block: int) -> Any:
             e = inst.hbm.entries.get(block)
-            assert e is not None and e.pins == 0, f"{inst.instance_id}: evicted block {block} has pins"
-            assert self.held[inst.idx][block] == 0, f"{inst.instance_id}: evicted block {block} of a running request"
-            assert block not in inst.inflight, f"{inst.instance_id}: evicted block {block} still landing"
+            assert e is not None and e.pins == 0, (
+                f"{inst.instance_id}: evicted block {block} has pins"
+            )
+            assert self.held[inst.idx][block] == 0, (
+                f"{inst.instance_id}: evicted block {block} of a running request"
+            )
+            assert block not in inst.inflight, (
+                f"{inst.instance_id}: evicted block {block} still landing"
+            )
             self.evicted += 1
             return remove(block)
+
         return checked
 
     def _admit(self, inst: Instance, r: SimRequest) -> bool:
@@ -244,8 +293,12 @@ class CheckedCluster(Cluster):
             held = self.held[inst.idx]
             for b, e in inst.hbm.entries.items():
                 expected = held[b] + (1 if b in inst.inflight else 0)
-                assert e.pins == expected, f"{inst.instance_id}: block {b} has {e.pins} pins, {expected} expected"
-            assert all(b in inst.hbm for b, n in held.items() if n), f"{inst.instance_id}: a held block left HBM"
+                assert e.pins == expected, (
+                    f"{inst.instance_id}: block {b} has {e.pins} pins, {expected} expected"
+                )
+            assert all(b in inst.hbm for b, n in held.items() if n), (
+                f"{inst.instance_id}: a held block left HBM"
+            )
 
     def run(self, progress: Any = None) -> None:
         super().run(progress)
@@ -264,9 +317,16 @@ def trace_prefix(name: str, n: int | None) -> tuple[TraceRequest, ...]:
 
 
 @functools.cache
-def checked_replay(trace: str, n: int | None, scenario_name: str, router: str, policy: str,
-                   overrides: tuple[tuple[str, Any], ...] = ()) -> dict[str, Any]:
-    """replay()'s summary, run on a CheckedCluster; cached (other test modules compare policies on it)."""
+def checked_replay(
+    trace: str,
+    n: int | None,
+    scenario_name: str,
+    router: str,
+    policy: str,
+    overrides: tuple[tuple[str, Any], ...] = (),
+) -> dict[str, Any]:
+    """replay()'s summary, run on a CheckedCluster; cached (other test modules compare policies
+    on it)."""
     scen = load_scenario(scenario_name)
     if overrides:
         scen = Scenario.model_validate({**scen.model_dump(), **dict(overrides)})
@@ -276,7 +336,9 @@ def checked_replay(trace: str, n: int | None, scenario_name: str, router: str, p
     assert cluster.events_checked > 0
     summary = dict(result.summary)
     summary["_evicted"] = cluster.evicted
-    summary["_host_blocks"] = sum(len(inst.host) for inst in cluster.instances if inst.host is not None)
+    summary["_host_blocks"] = sum(
+        len(inst.host) for inst in cluster.instances if inst.host is not None
+    )
     return summary
 
 
@@ -302,8 +364,12 @@ def test_invariants_hold_with_a_small_host_tier(policy: str) -> None:
 
 def test_a_request_bigger_than_hbm_is_refused_not_left_to_block_its_queue() -> None:
     with pytest.raises(ValueError, match="request 1 needs 9 blocks; an instance's HBM holds 8"):
-        Cluster(scenario(prefill=1e4, hbm_blocks=8), [request(0, 0.0, context(0, 8)), request(1, 1.0, context(0, 9))],
-                Placed([0, 0]), Policy())
+        Cluster(
+            scenario(prefill=1e4, hbm_blocks=8),
+            [request(0, 0.0, context(0, 8)), request(1, 1.0, context(0, 9))],
+            Placed([0, 0]),
+            Policy(),
+        )
 
 
 def test_the_invariant_hook_catches_an_overfull_cache() -> None:

@@ -11,11 +11,14 @@ EXACT = 1e-9  # seconds: float rounding only
 
 
 def transfer(tid: int, nbytes: float, at: float = 0.0) -> Transfer:
-    return Transfer(transfer_id=tid, instance=0, blocks=[tid], nbytes=nbytes, prefetch=False, started_at=at)
+    return Transfer(
+        transfer_id=tid, instance=0, blocks=[tid], nbytes=nbytes, prefetch=False, started_at=at
+    )
 
 
 def drain(link: Link, until: float = float("inf")) -> dict[int, float]:
-    """Land every transfer the way the cluster does (at each predicted completion); id -> done_at."""
+    """Land every transfer the way the cluster does (at each predicted completion);
+    id -> done_at."""
     done: dict[int, float] = {}
     while (at := link.next_completion()) is not None and at <= until:
         for t in link.complete_due(at):
@@ -79,7 +82,9 @@ def test_three_sizes_together() -> None:
 
 
 @pytest.mark.parametrize("active", [[], [3e9], [5e8], [1e9, 4e9], [2e9, 2e9, 1e8]])
-def test_estimate_seconds_is_the_actual_completion_when_nothing_else_joins(active: list[float]) -> None:
+def test_estimate_seconds_is_the_actual_completion_when_nothing_else_joins(
+    active: list[float],
+) -> None:
     link = Link(BW)
     for i, n in enumerate(active, start=10):
         link.add(transfer(i, n), 0.0)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from app.predict.registry import Serving
-from kvprefetch_client.orders import Order
 from app.state.base import SessionView
+from kvprefetch_client.orders import Order
 from sim.cluster import Cluster, SimRequest
 from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy
 from sim.policy_registry import make_policy
@@ -35,9 +35,14 @@ PREFIX = 2500  # as test_cluster's invariant runs, whose replays are cached and 
 
 # -- mechanisms ---------------------------------------------------------------------------------
 
+
 def retention_case(policy: Policy) -> SimRequest:
     """HBM of 8 blocks; A, B, C of 4 each; C must evict A's or B's; only A's come back (D)."""
-    a, b, c = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4)), request(2, 20.0, context(20, 4))
+    a, b, c = (
+        request(0, 0.0, context(0, 4)),
+        request(1, 10.0, context(10, 4)),
+        request(2, 20.0, context(20, 4)),
+    )
     d = request(3, 30.0, [*context(0, 4), 99])
     run(scenario(prefill=100.0, instances=1, hbm_blocks=8), [a, b, c, d], [0] * 4, policy)
     assert d.reused_blocks == 4
@@ -82,17 +87,28 @@ def test_oracle_prefetches_just_in_time_to_the_right_instance() -> None:
     assert on_demand.hit_blocks == 0 and on_demand.stall_seconds == pytest.approx(0.4, abs=EXACT)
     landed: list[tuple[float, str]] = []
     a, d = request(0, 0.0, context(0, 4)), request(1, 50.0, [*context(0, 4), 99])
-    cluster = CheckedCluster(scenario(prefill=100.0), [a, d], Placed([0, 1]), Oracle(),
-                             emit=lambda kind, ts, f: landed.append((ts, f["instance_id"]))
-                             if kind == "kv_blocks_stored" and f["tier"] == "hbm" and f["block_hashes"] == context(0, 4)
-                             else None)
+    cluster = CheckedCluster(
+        scenario(prefill=100.0),
+        [a, d],
+        Placed([0, 1]),
+        Oracle(),
+        emit=lambda kind, ts, f: (
+            landed.append((ts, f["instance_id"]))
+            if kind == "kv_blocks_stored"
+            and f["tier"] == "hbm"
+            and f["block_hashes"] == context(0, 4)
+            else None
+        ),
+    )
     cluster.run()
     assert d.hit_blocks == 4 and d.stall_seconds == 0.0 and d.loaded_bytes == 0
     assert cluster.totals.bytes_prefetched == 4 * BLOCK_BYTES
     assert cluster.totals.bytes_prefetched_unused == 0
     assert cluster.instances[1].pool_link.bytes_moved == 4 * BLOCK_BYTES
     # Ordered its lead (5 blocks: 0.5 s) plus a 0.25 s margin before the arrival; 4 blocks move.
-    assert [ts for ts, where in landed if where == "gpu-1"] == [pytest.approx(50.0 - 0.5 - 0.25 + 0.4, abs=EXACT)]
+    assert [ts for ts, where in landed if where == "gpu-1"] == [
+        pytest.approx(50.0 - 0.5 - 0.25 + 0.4, abs=EXACT)
+    ]
 
 
 def test_oracle_cannot_prefetch_what_is_not_written_yet() -> None:
@@ -146,22 +162,42 @@ def test_prefetch_orders_nothing_without_room() -> None:
 
 def test_make_policy() -> None:
     assert [type(make_policy(p)).__name__ for p in ("none", "lookahead", "belady", "oracle")] == [
-        "NoPrefetch", "Lookahead", "Belady", "Oracle"]
+        "NoPrefetch",
+        "Lookahead",
+        "Belady",
+        "Oracle",
+    ]
     assert make_policy("heuristic", session_view=lambda sid: None).name == "heuristic"
     with pytest.raises(ValueError, match="unknown policy 'nope'; choose from none, lookahead"):
         make_policy("nope")
     with pytest.raises(ValueError, match="session_view"):
         make_policy("heuristic")
-    assert {"none", "lookahead", "belady", "oracle", "heuristic", "learned", "scheduled", "clairvoyant"} <= set(POLICIES)
+    assert {
+        "none",
+        "lookahead",
+        "belady",
+        "oracle",
+        "heuristic",
+        "learned",
+        "scheduled",
+        "clairvoyant",
+    } <= set(POLICIES)
 
 
 # -- bounds on real traces ------------------------------------------------------------------------
 
+
 def assert_bounds(trace: str, n: int | None, scenario_name: str, router: str) -> dict[str, dict]:
-    s = {p: checked_replay(trace, n, scenario_name, router, p) for p in ("none", "belady", "oracle")}
+    s = {
+        p: checked_replay(trace, n, scenario_name, router, p) for p in ("none", "belady", "oracle")
+    }
     none, belady, oracle = s["none"], s["belady"], s["oracle"]
-    where = f"{trace}[:{n}] {scenario_name} {router}: none {none['byte_hit_rate']}/{none['stall_seconds_total']} " \
-            f"belady {belady['byte_hit_rate']} oracle {oracle['byte_hit_rate']}/{oracle['stall_seconds_total']}"
+    where = (
+        f"{trace}[:{n}] {scenario_name} {router}: "
+        f"none {none['byte_hit_rate']}/{none['stall_seconds_total']} "
+        f"belady {belady['byte_hit_rate']} "
+        f"oracle {oracle['byte_hit_rate']}/{oracle['stall_seconds_total']}"
+    )
     assert oracle["byte_hit_rate"] >= none["byte_hit_rate"], where
     assert oracle["stall_seconds_total"] <= none["stall_seconds_total"], where
     assert belady["byte_hit_rate"] >= none["byte_hit_rate"], where
@@ -174,7 +210,9 @@ def assert_bounds(trace: str, n: int | None, scenario_name: str, router: str) ->
 @pytest.mark.parametrize("router", ["sticky", "least-loaded"])
 @pytest.mark.parametrize("scenario_name", ["default", "tight-hbm"])
 @pytest.mark.parametrize("trace", TRACE_FILES)
-def test_oracle_and_belady_bound_none_on_trace_prefixes(trace: str, scenario_name: str, router: str) -> None:
+def test_oracle_and_belady_bound_none_on_trace_prefixes(
+    trace: str, scenario_name: str, router: str
+) -> None:
     assert_bounds(trace, PREFIX, scenario_name, router)
 
 
@@ -204,8 +242,9 @@ def test_a_request_admitted_while_its_prefetch_lands_waits_for_the_rest_only() -
 
 
 def test_belady_ranks_copies_by_their_next_use_anywhere() -> None:
-    """A's blocks on instance 0 are used next on instance 1 (D), then never: C must evict them, not B's,
-    which E needs on instance 0. Ranked by their stale next use (D's arrival) A's would stay."""
+    """A's blocks on instance 0 are used next on instance 1 (D), then never: C must evict them,
+    not B's, which E needs on instance 0. Ranked by their stale next use (D's arrival) A's would
+    stay."""
     a, b = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4))
     d, c = request(2, 30.0, [*context(0, 4), 97]), request(3, 40.0, context(20, 4))
     e = request(4, 50.0, [*context(10, 4), 98])
@@ -215,6 +254,7 @@ def test_belady_ranks_copies_by_their_next_use_anywhere() -> None:
 
 # -- the service's scheduler driving the cluster ------------------------------------------------
 
+
 class Chances:
     """P(within any horizon) per session from a given time on, 0 before: the answer built in."""
 
@@ -223,7 +263,9 @@ class Chances:
     def __init__(self, p: dict[str, tuple[float, float]]) -> None:
         self.p = p  # session -> (chance, from ts)
 
-    def p_within(self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]) -> np.ndarray:
+    def p_within(
+        self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]
+    ) -> np.ndarray:
         rows = []
         for s in sessions:
             p, since = self.p.get(s.session_id, (0.0, 0.0))
@@ -236,10 +278,15 @@ def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
     back); from 30 s the predictor says A is back soon and B, C are not, so at the tick (40 s)
     B's or C's context is demoted and A's fetched back before D (45 s)."""
     scen = scenario(prefill=100.0, instances=1, hbm_blocks=8)
-    a, b, c = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4)), request(2, 20.0, context(20, 4))
+    a, b, c = (
+        request(0, 0.0, context(0, 4)),
+        request(1, 10.0, context(10, 4)),
+        request(2, 20.0, context(20, 4)),
+    )
     d = request(3, 45.0, [*context(0, 4), 99], session="s0")
     app_engine = sim_engine(scen, load_model=False)
-    app_engine.models.serving = Serving(Chances({"s0": (0.9, 30.0)}), "chances", None)  # type: ignore[arg-type]
+    chances = Chances({"s0": (0.9, 30.0)})
+    app_engine.models.serving = Serving(chances, "chances", None)  # type: ignore[arg-type]
     engine = EngineFeed(app_engine)
     policy = ScheduledPolicy(app_engine, engine.session)
     submitted: list[Order] = []
@@ -253,10 +300,18 @@ def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
     cluster = CheckedCluster(scen, [a, b, c, d], Placed([0] * 4), policy, emit=engine.emit)
     cluster.run()
     assert d.hit_blocks == 4 and d.stall_seconds == 0.0
-    assert cluster.totals.bytes_prefetched == 4 * BLOCK_BYTES and cluster.totals.bytes_prefetched_unused == 0
-    assert policy.scheduler.totals.orders["prefetch"] == 1 and policy.scheduler.totals.orders["demote"] >= 1
+    assert (
+        cluster.totals.bytes_prefetched == 4 * BLOCK_BYTES
+        and cluster.totals.bytes_prefetched_unused == 0
+    )
+    assert (
+        policy.scheduler.totals.orders["prefetch"] == 1
+        and policy.scheduler.totals.orders["demote"] >= 1
+    )
     landed = cluster.instances[0].hbm.entries
-    assert all(b not in landed or landed[b].keep_until >= 40.0 for b in context(0, 4))  # held on landing
+    assert all(
+        b not in landed or landed[b].keep_until >= 40.0 for b in context(0, 4)
+    )  # held on landing
     # Through the engine's own loop: its ledger recorded the advice, and the order's progress came
     # back as an agent's order_progress event, through its ingest to the store and the scheduler.
     app_engine.drain()
@@ -273,7 +328,11 @@ def test_scheduled_policy_without_the_in_process_engine_is_refused() -> None:
 
 def test_clairvoyant_keeps_what_comes_back_through_the_same_planner() -> None:
     """The retention case: knowing D brings A's context back, the planner pins it; C evicts B's."""
-    a, b, c = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4)), request(2, 20.0, context(20, 4))
+    a, b, c = (
+        request(0, 0.0, context(0, 4)),
+        request(1, 10.0, context(10, 4)),
+        request(2, 20.0, context(20, 4)),
+    )
     d = request(3, 30.0, [*context(0, 4), 99], session="s0")
     scen = scenario(prefill=100.0, instances=1, hbm_blocks=8)
     engine = EngineFeed(sim_engine(scen, load_model=False))

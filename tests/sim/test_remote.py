@@ -21,7 +21,13 @@ import pytest
 from app.api.main import create_app
 from app.core.config import Settings
 from app.state.base import SessionView
-from sim.remote import EventsRejected, RemoteEngine, RemoteEngineError, ServiceUnreachable, replay_via
+from sim.remote import (
+    EventsRejected,
+    RemoteEngine,
+    RemoteEngineError,
+    ServiceUnreachable,
+    replay_via,
+)
 from sim.replay import EngineFeed, ReplayResult, replay, sim_engine
 from sim.scenario import Scenario, load_scenario
 from sim.traces import TraceRequest, load_trace
@@ -44,15 +50,22 @@ def trace() -> list[TraceRequest]:
 def scenario() -> Scenario:
     # Two instances with 45 GB of HBM each: evictions and the heuristic's prefetches both happen.
     return load_scenario("default").model_copy(
-        update={"name": "small-hbm", "instances": 2, "hbm_kv_bytes": 45_000_000_000})
+        update={"name": "small-hbm", "instances": 2, "hbm_kv_bytes": 45_000_000_000}
+    )
 
 
 @pytest.fixture(scope="module")
 def service_url(tmp_path_factory: pytest.TempPathFactory, scenario: Scenario) -> Iterator[str]:
-    """One real service for the module (runs namespace their state), on a port bound before it starts."""
-    settings = Settings(data_dir=tmp_path_factory.mktemp("svc"), store="memory", log_fsync=False,
-                        bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens,
-                        replica_id="test-remote")
+    """One real service for the module (runs namespace their state), on a port bound before it
+    starts."""
+    settings = Settings(
+        data_dir=tmp_path_factory.mktemp("svc"),
+        store="memory",
+        log_fsync=False,
+        bytes_per_token=scenario.bytes_per_token,
+        block_tokens=scenario.block_tokens,
+        replica_id="test-remote",
+    )
     with live_server(create_app(settings), HANG_GUARD) as url:
         yield url
 
@@ -67,17 +80,20 @@ class CountingFeed(EngineFeed):
         return super().session(session_id)
 
 
-def in_process(trace: list[TraceRequest], scenario: Scenario,
-               policy: str) -> tuple[ReplayResult, CountingFeed]:
+def in_process(
+    trace: list[TraceRequest], scenario: Scenario, policy: str
+) -> tuple[ReplayResult, CountingFeed]:
     feed = CountingFeed(sim_engine(scenario, load_model=policy == "scheduled"), keep_events=True)
     return replay(trace, scenario, policy=policy, engine=feed), feed
 
 
 @pytest.fixture(scope="module")
-def local_run(trace: list[TraceRequest],
-              scenario: Scenario) -> Callable[..., tuple[ReplayResult, CountingFeed]]:
+def local_run(
+    trace: list[TraceRequest], scenario: Scenario
+) -> Callable[..., tuple[ReplayResult, CountingFeed]]:
     """in_process() on the trace's first `n` requests, run once per (policy, n) for the module:
     the tests only read what it returns (the summary, the feed's events, store and read count)."""
+
     @functools.cache
     def run(policy: str, n: int = REQUESTS) -> tuple[ReplayResult, CountingFeed]:
         return in_process(trace[:n], scenario, policy)
@@ -94,8 +110,13 @@ def sessions_of(trace_result: ReplayResult) -> list[str]:
 
 
 @pytest.mark.parametrize("policy", ["heuristic", "none"])
-def test_over_http_matches_in_process(policy: str, trace: list[TraceRequest], scenario: Scenario,
-                                      service_url: str, local_run: Callable[..., Any]) -> None:
+def test_over_http_matches_in_process(
+    policy: str,
+    trace: list[TraceRequest],
+    scenario: Scenario,
+    service_url: str,
+    local_run: Callable[..., Any],
+) -> None:
     local, feed = local_run(policy)
     # Injecting the in-process engine is the default path.
     assert compared(replay(trace, scenario, policy=policy).summary) == compared(local.summary)
@@ -111,7 +132,9 @@ def test_over_http_matches_in_process(policy: str, trace: list[TraceRequest], sc
 
     # The service's state is the in-process store's, session by session (ids translated back) ...
     sessions = sessions_of(local)
-    with RemoteEngine(service_url, run_id=run_id, bytes_per_token=scenario.bytes_per_token) as reader:
+    with RemoteEngine(
+        service_url, run_id=run_id, bytes_per_token=scenario.bytes_per_token
+    ) as reader:
         for sid in sessions[::7] + sessions[-3:]:
             assert reader.session(sid) == feed.store.session(sid), sid
         assert reader.session("never-seen") is None
@@ -127,14 +150,15 @@ def test_over_http_matches_in_process(policy: str, trace: list[TraceRequest], sc
     assert httpx.get(f"{service_url}/v1/sessions/{sid}").status_code == 404
 
 
-def test_the_heuristic_decides_on_sessions_read_over_http(trace: list[TraceRequest], scenario: Scenario,
-                                                          service_url: str,
-                                                          local_run: Callable[..., Any]) -> None:
+def test_the_heuristic_decides_on_sessions_read_over_http(
+    trace: list[TraceRequest], scenario: Scenario, service_url: str, local_run: Callable[..., Any]
+) -> None:
     """The slice is one where session views matter, and over HTTP the policy reads every one."""
     heuristic, feed = local_run("heuristic")
     none, _ = local_run("none")
-    assert compared(heuristic.summary) | {"policy": "-"} != compared(none.summary) | {"policy": "-"}, (
-        "on this slice the heuristic decides as `none` does: pick one where session views matter")
+    assert compared(heuristic.summary) | {"policy": "-"} != compared(none.summary) | {
+        "policy": "-"
+    }, "on this slice the heuristic decides as `none` does: pick one where session views matter"
 
     with RemoteEngine(service_url, bytes_per_token=scenario.bytes_per_token) as engine:
         result = replay(trace, scenario, policy="heuristic", engine=engine)
@@ -145,8 +169,8 @@ def test_the_heuristic_decides_on_sessions_read_over_http(trace: list[TraceReque
 
 
 def test_a_second_run_against_the_same_service_sees_only_its_own_state(
-        trace: list[TraceRequest], scenario: Scenario, service_url: str,
-        local_run: Callable[..., Any]) -> None:
+    trace: list[TraceRequest], scenario: Scenario, service_url: str, local_run: Callable[..., Any]
+) -> None:
     local, _ = local_run("heuristic")
     first = replay_via(service_url, trace, scenario, policy="heuristic")
     second = replay_via(service_url, trace, scenario, policy="heuristic")
@@ -155,9 +179,9 @@ def test_a_second_run_against_the_same_service_sees_only_its_own_state(
     assert first.summary["events_posted"] == second.summary["events_posted"]
 
 
-def test_keep_events_keeps_what_an_in_process_replay_keeps(trace: list[TraceRequest], scenario: Scenario,
-                                                           service_url: str,
-                                                          local_run: Callable[..., Any]) -> None:
+def test_keep_events_keeps_what_an_in_process_replay_keeps(
+    trace: list[TraceRequest], scenario: Scenario, service_url: str, local_run: Callable[..., Any]
+) -> None:
     _, feed = local_run("none", 40)
     remote = replay_via(service_url, trace[:40], scenario, policy="none", keep_events=True)
     assert remote.events == feed.events
@@ -172,13 +196,20 @@ def test_an_unreachable_service_is_named(trace: list[TraceRequest], scenario: Sc
         replay_via(url, trace[:10], scenario)
 
 
-@pytest.mark.parametrize(("status", "body", "message"), [
-    (404, b"Not Found", "answered HTTP 404: Not Found: is this a kvprefetch service?"),
-    (503, b'{"status": "unavailable", "store": "redis", "store_ok": false}',
-     "the kvprefetch service at http://kvp.test is not ready .*'redis'"),
-])
-def test_a_service_not_ready_or_not_kvprefetch_is_refused(status: int, body: bytes,
-                                                           message: str) -> None:
+@pytest.mark.parametrize(
+    ("status", "body", "message"),
+    [
+        (404, b"Not Found", "answered HTTP 404: Not Found: is this a kvprefetch service?"),
+        (
+            503,
+            b'{"status": "unavailable", "store": "redis", "store_ok": false}',
+            "the kvprefetch service at http://kvp.test is not ready .*'redis'",
+        ),
+    ],
+)
+def test_a_service_not_ready_or_not_kvprefetch_is_refused(
+    status: int, body: bytes, message: str
+) -> None:
     transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
     with pytest.raises(ServiceUnreachable, match=message):
         RemoteEngine("http://kvp.test", transport=transport)
@@ -186,16 +217,22 @@ def test_a_service_not_ready_or_not_kvprefetch_is_refused(status: int, body: byt
 
 def test_rejected_events_raise_with_the_field(service_url: str) -> None:
     engine = RemoteEngine(service_url)
-    engine.emit("request_routed", 1.0, {"session_id": "s", "request_id": "q0", "instance_id": "gpu-0",
-                                        "prompt_tokens": -5})
+    engine.emit(
+        "request_routed",
+        1.0,
+        {"session_id": "s", "request_id": "q0", "instance_id": "gpu-0", "prompt_tokens": -5},
+    )
     with pytest.raises(EventsRejected, match=r"refused 1 events .*prompt_tokens"):
         engine.close()
 
 
 def test_a_service_counting_other_bytes_per_token_is_refused(service_url: str) -> None:
     with RemoteEngine(service_url, bytes_per_token=1) as engine:
-        engine.emit("request_routed", 1.0, {"session_id": "s", "request_id": "q0", "instance_id": "gpu-0",
-                                            "prompt_tokens": 100})
+        engine.emit(
+            "request_routed",
+            1.0,
+            {"session_id": "s", "request_id": "q0", "instance_id": "gpu-0", "prompt_tokens": 100},
+        )
         with pytest.raises(RemoteEngineError, match="KVP_BYTES_PER_TOKEN=1"):
             engine.session("s")
 
@@ -222,7 +259,9 @@ def test_the_replay_command_takes_via(service_url: str, tmp_path: Path) -> None:
     assert remote.exit_code == 0, remote.output
     summary = json.loads(remote.stdout)
     assert summary["via"] == service_url
-    assert {k: summary[k] for k in local if k != "wall_seconds"} == {k: v for k, v in local.items() if k != "wall_seconds"}
+    assert {k: summary[k] for k in local if k != "wall_seconds"} == {
+        k: v for k, v in local.items() if k != "wall_seconds"
+    }
     bad = CliRunner().invoke(cli, [*args, "--via", "http://127.0.0.1:1"])
     assert bad.exit_code != 0 and "127.0.0.1:1" in bad.output
 
@@ -243,8 +282,14 @@ class FakeService:
         if request.url.path == "/v1/events":
             events = orjson.loads(request.content)["events"]
             self.events += events
-            return httpx.Response(200, json={"accepted": [e["event_id"] for e in events],
-                                             "duplicates": [], "rejected": []})
+            return httpx.Response(
+                200,
+                json={
+                    "accepted": [e["event_id"] for e in events],
+                    "duplicates": [],
+                    "rejected": [],
+                },
+            )
         if request.url.path.startswith("/v1/sessions/") and self.view is not None:
             return httpx.Response(200, json=self.view)
         return httpx.Response(404, json={"detail": "not found"})
@@ -252,8 +297,9 @@ class FakeService:
 
 def test_speed_posts_events_when_due_stamped_with_wall_clock_times() -> None:
     service = FakeService()
-    engine = RemoteEngine("http://kvp.test", run_id="paced", speed=20.0,
-                          transport=httpx.MockTransport(service))
+    engine = RemoteEngine(
+        "http://kvp.test", run_id="paced", speed=20.0, transport=httpx.MockTransport(service)
+    )
     before, start = time.time(), time.monotonic()
     for i, ts in enumerate([100.0, 101.0, 104.0]):
         engine.emit("session_closed", ts, {"session_id": f"s{i}"})
@@ -271,20 +317,36 @@ def test_speed_posts_events_when_due_stamped_with_wall_clock_times() -> None:
 
 def test_speed_translates_the_session_views_back_to_trace_time() -> None:
     service = FakeService()
-    engine = RemoteEngine("http://kvp.test", run_id="paced", speed=10.0,
-                          transport=httpx.MockTransport(service))
+    engine = RemoteEngine(
+        "http://kvp.test", run_id="paced", speed=10.0, transport=httpx.MockTransport(service)
+    )
     engine.emit("session_closed", 50.0, {"session_id": "s0"})  # trace time 50 -> the first stamp
     engine._sync()
     wall0 = service.events[0]["ts"]
     service.view = {
-        "session_id": "paced:s", "state": "idle", "turns": 2,
-        "first_seen_ts": wall0 + 1.0, "last_activity_ts": wall0 + 3.0, "closed_ts": None,
-        "instance_id": "paced:gpu-0", "context_tokens": 0, "context_bytes": 0, "block_hashes": [],
-        "block_tokens": 512, "recent_arrivals_ts": [wall0 + 1.0, wall0 + 2.5],
+        "session_id": "paced:s",
+        "state": "idle",
+        "turns": 2,
+        "first_seen_ts": wall0 + 1.0,
+        "last_activity_ts": wall0 + 3.0,
+        "closed_ts": None,
+        "instance_id": "paced:gpu-0",
+        "context_tokens": 0,
+        "context_bytes": 0,
+        "block_hashes": [],
+        "block_tokens": 512,
+        "recent_arrivals_ts": [wall0 + 1.0, wall0 + 2.5],
         "inter_turn_gaps_seconds": [1.5],
-        "last_request": {"request_id": "paced:q1", "instance_id": "paced:gpu-0", "routed_ts": wall0 + 2.5,
-                         "started_ts": wall0 + 2.6, "finished_ts": wall0 + 3.0, "prompt_tokens": 10,
-                         "output_tokens": 5, "context_tokens": 15},
+        "last_request": {
+            "request_id": "paced:q1",
+            "instance_id": "paced:gpu-0",
+            "routed_ts": wall0 + 2.5,
+            "started_ts": wall0 + 2.6,
+            "finished_ts": wall0 + 3.0,
+            "prompt_tokens": 10,
+            "output_tokens": 5,
+            "context_tokens": 15,
+        },
         "resident_blocks": {"hbm@paced:gpu-0": 0},
     }
     view = engine.session("s")
@@ -296,8 +358,11 @@ def test_speed_translates_the_session_views_back_to_trace_time() -> None:
     assert view.recent_arrivals_ts == pytest.approx([60.0, 75.0])
     assert view.inter_turn_gaps_seconds == pytest.approx([15.0])
     assert view.last_request is not None
-    assert (view.last_request.routed_ts, view.last_request.started_ts, view.last_request.finished_ts) == (
-        pytest.approx(75.0), pytest.approx(76.0), pytest.approx(80.0))
+    assert (
+        view.last_request.routed_ts,
+        view.last_request.started_ts,
+        view.last_request.finished_ts,
+    ) == (pytest.approx(75.0), pytest.approx(76.0), pytest.approx(80.0))
     assert view.instance_id == "gpu-0" and view.resident_blocks == {"hbm@gpu-0": 0}
 
 
@@ -307,26 +372,44 @@ def test_speed_must_be_a_positive_number(speed: float) -> None:
         RemoteEngine("http://127.0.0.1:9", speed=speed)
 
 
-def test_a_paced_heuristic_replay_reads_views_in_trace_time(trace: list[TraceRequest], scenario: Scenario,
-                                                            service_url: str,
-                                                          local_run: Callable[..., Any]) -> None:
+def test_a_paced_heuristic_replay_reads_views_in_trace_time(
+    trace: list[TraceRequest], scenario: Scenario, service_url: str, local_run: Callable[..., Any]
+) -> None:
     """Paced, the service holds wall-clock times; the policy still sees the in-process views."""
     small = trace[:40]
     local, feed = local_run("heuristic", len(small))
-    span = max(r.finished_at or 0.0 for r in local.requests) - min(r.arrival for r in local.requests)
+    span = max(r.finished_at or 0.0 for r in local.requests) - min(
+        r.arrival for r in local.requests
+    )
     speed = span / 0.5  # the run takes about half a second
     started = time.time()
-    with RemoteEngine(service_url, run_id="t-paced", bytes_per_token=scenario.bytes_per_token,
-                      speed=speed) as engine:
+    with RemoteEngine(
+        service_url, run_id="t-paced", bytes_per_token=scenario.bytes_per_token, speed=speed
+    ) as engine:
         result = replay(small, scenario, policy="heuristic", engine=engine)
         sid = sessions_of(local)[0]
         view, expected = engine.session(sid), feed.store.session(sid)
     assert time.time() - started >= span / speed * 0.9
     assert view is not None and expected is not None
-    assert view.model_dump(exclude={"first_seen_ts", "last_activity_ts", "recent_arrivals_ts",
-                                    "inter_turn_gaps_seconds", "last_request", "closed_ts"}) == expected.model_dump(
-        exclude={"first_seen_ts", "last_activity_ts", "recent_arrivals_ts", "inter_turn_gaps_seconds",
-                 "last_request", "closed_ts"})
+    assert view.model_dump(
+        exclude={
+            "first_seen_ts",
+            "last_activity_ts",
+            "recent_arrivals_ts",
+            "inter_turn_gaps_seconds",
+            "last_request",
+            "closed_ts",
+        }
+    ) == expected.model_dump(
+        exclude={
+            "first_seen_ts",
+            "last_activity_ts",
+            "recent_arrivals_ts",
+            "inter_turn_gaps_seconds",
+            "last_request",
+            "closed_ts",
+        }
+    )
     assert view.last_activity_ts == pytest.approx(expected.last_activity_ts, abs=1e-3)
     assert view.inter_turn_gaps_seconds == pytest.approx(expected.inter_turn_gaps_seconds, abs=1e-3)
     # The service itself holds the session at wall-clock times.
@@ -354,7 +437,9 @@ def test_the_replay_command_takes_speed(service_url: str, tmp_path: Path) -> Non
     assert time.monotonic() - started >= 0.4
     summary = json.loads(remote.stdout)
     skip = {"wall_seconds"}
-    assert {k: summary[k] for k in local if k not in skip} == {k: v for k, v in local.items() if k not in skip}
+    assert {k: summary[k] for k in local if k not in skip} == {
+        k: v for k, v in local.items() if k not in skip
+    }
 
     no_via = CliRunner().invoke(cli, [*args, "--speed", "10"])
     assert no_via.exit_code != 0 and "--via" in no_via.output

@@ -16,8 +16,14 @@ from sim.scenario import load_scenario
 from tests.conftest import TRACES
 from tests.sim.test_cluster import TRACE_FILES, trace_prefix
 
-INTS = ("requests", "reuse_requests", "bytes_loaded_on_demand", "bytes_prefetched", "bytes_prefetched_unused",
-        "recompute_tokens")
+INTS = (
+    "requests",
+    "reuse_requests",
+    "bytes_loaded_on_demand",
+    "bytes_prefetched",
+    "bytes_prefetched_unused",
+    "recompute_tokens",
+)
 RATES = ("hit_rate", "byte_hit_rate", "gpu_wait_fraction")
 SECONDS = ("stall_seconds_total", "stall_seconds_p50", "stall_seconds_p99")
 SMALL = 300  # requests in the trace the CLI reads
@@ -37,13 +43,17 @@ def invoke(*args: str) -> Any:
 
 def one_json_object(stdout: str) -> dict[str, Any]:
     lines = stdout.splitlines()
-    assert len(lines) == 1, f"expected exactly one line on stdout, got {len(lines)}: {stdout[:500]!r}"
+    assert len(lines) == 1, (
+        f"expected exactly one line on stdout, got {len(lines)}: {stdout[:500]!r}"
+    )
     doc = json.loads(lines[0])
     assert isinstance(doc, dict)
     return doc
 
 
-def check_summary(s: dict[str, Any], policy: str, router: str = "sticky", scenario: str = "default") -> None:
+def check_summary(
+    s: dict[str, Any], policy: str, router: str = "sticky", scenario: str = "default"
+) -> None:
     assert (s["policy"], s["router"], s["scenario"]) == (policy, router, scenario)
     assert all(type(s[key]) is str for key in ("policy", "router", "scenario"))
     for key in INTS:
@@ -66,12 +76,23 @@ def test_replay_json_is_one_object_with_the_contract_keys(small_trace: Path) -> 
     assert s["bytes_prefetched"] == 0
     # Stall totals agree with what a direct replay measures.
     direct = replay(trace_prefix(TRACE_FILES[0], SMALL), load_scenario("default")).summary
-    assert {k: s[k] for k in (*INTS, *RATES, *SECONDS)} == {k: direct[k] for k in (*INTS, *RATES, *SECONDS)}
+    assert {k: s[k] for k in (*INTS, *RATES, *SECONDS)} == {
+        k: direct[k] for k in (*INTS, *RATES, *SECONDS)
+    }
 
 
 def test_replay_json_with_options(small_trace: Path) -> None:
-    result = invoke("--trace", str(small_trace), "--policy", "oracle", "--router", "least-loaded",
-                    "--scenario", "tight-hbm", "--json")
+    result = invoke(
+        "--trace",
+        str(small_trace),
+        "--policy",
+        "oracle",
+        "--router",
+        "least-loaded",
+        "--scenario",
+        "tight-hbm",
+        "--json",
+    )
     assert result.exit_code == 0, result.output
     s = one_json_object(result.stdout)
     check_summary(s, "oracle", "least-loaded", "tight-hbm")
@@ -96,12 +117,18 @@ def flat(text: str) -> str:
     return re.sub(r"[\s│╭╮╰╯─]+", "", text)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--policy", "nope"], "unknown policy 'nope'; choose from none, lookahead, belady, oracle"),
-    (["--compare", "none,nope"], "unknown policy 'nope'"),
-    (["--router", "nope"], "unknown router 'nope'; choose from sticky, least-loaded, kv-aware"),
-    (["--scenario", "nope"], "no scenario 'nope' (shipped: default"),
-])
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--policy", "nope"],
+            "unknown policy 'nope'; choose from none, lookahead, belady, oracle",
+        ),
+        (["--compare", "none,nope"], "unknown policy 'nope'"),
+        (["--router", "nope"], "unknown router 'nope'; choose from sticky, least-loaded, kv-aware"),
+        (["--scenario", "nope"], "no scenario 'nope' (shipped: default"),
+    ],
+)
 def test_unknown_names_fail_clearly(small_trace: Path, args: list[str], message: str) -> None:
     result = invoke("--trace", str(small_trace), *args, "--json")
     assert result.exit_code != 0
@@ -112,7 +139,9 @@ def test_unknown_names_fail_clearly(small_trace: Path, args: list[str], message:
 def test_a_malformed_trace_line_names_the_file_and_line(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     good = '{"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}\n'
-    path.write_text(good + good + '{"timestamp": 1, "input_length": "x", "output_length": 5, "hash_ids": [1]}\n')
+    path.write_text(
+        good + good + '{"timestamp": 1, "input_length": "x", "output_length": 5, "hash_ids": [1]}\n'
+    )
     result = invoke("--trace", str(path), "--json")
     assert result.exit_code != 0
     assert result.stdout == ""
@@ -127,19 +156,33 @@ def test_a_missing_trace_fails_clearly(tmp_path: Path) -> None:
 
 # -- determinism ----------------------------------------------------------------------------------
 
+
 def outcome(result: Any) -> tuple[dict[str, Any], list[tuple]]:
     summary = {k: v for k, v in result.summary.items() if k != "wall_seconds"}
-    per_request = [(r.instance, r.admitted_at, r.ready_at, r.finished_at, r.hit_blocks, r.loaded_bytes,
-                    r.recompute_tokens) for r in result.requests]
+    per_request = [
+        (
+            r.instance,
+            r.admitted_at,
+            r.ready_at,
+            r.finished_at,
+            r.hit_blocks,
+            r.loaded_bytes,
+            r.recompute_tokens,
+        )
+        for r in result.requests
+    ]
     return summary, per_request
 
 
-@pytest.mark.parametrize(("trace", "policy", "router"), [
-    (TRACE_FILES[0], "oracle", "least-loaded"),
-    (TRACE_FILES[1], "belady", "kv-aware"),
-    (TRACE_FILES[0], "heuristic", "sticky"),
-    (TRACE_FILES[1], "scheduled", "least-loaded"),
-])
+@pytest.mark.parametrize(
+    ("trace", "policy", "router"),
+    [
+        (TRACE_FILES[0], "oracle", "least-loaded"),
+        (TRACE_FILES[1], "belady", "kv-aware"),
+        (TRACE_FILES[0], "heuristic", "sticky"),
+        (TRACE_FILES[1], "scheduled", "least-loaded"),
+    ],
+)
 def test_two_replays_of_the_same_input_are_identical(trace: str, policy: str, router: str) -> None:
     requests = trace_prefix(trace, 500)
     first = replay(requests, load_scenario("tight-hbm"), policy=policy, router=router)

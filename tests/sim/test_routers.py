@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetch_client.events import KvBlocksStored, RequestFinished
 from app.state import MemoryStore
+from kvprefetch_client.events import KvBlocksStored, RequestFinished
 from sim.cluster import Cluster, SimRequest
 from sim.policies import Policy
 from sim.replay import replay
@@ -18,11 +18,20 @@ from sim.routers import ROUTERS, Hinted, KvAware, LeastLoaded, Sticky, hint_conf
 from sim.scenario import load_scenario
 from sim.traces import load_trace
 from tests.conftest import trace_slice
-from tests.sim.test_cluster import BLOCK_TOKENS, BYTES_PER_TOKEN, CheckedCluster, context, request, scenario
+from tests.sim.test_cluster import (
+    BLOCK_TOKENS,
+    BYTES_PER_TOKEN,
+    CheckedCluster,
+    context,
+    request,
+    scenario,
+)
 
 
 def cluster(instances: int = 4, overflow: int = 2) -> Cluster:
-    scen = scenario(prefill=1e4, instances=instances).model_copy(update={"sticky_overflow_queue": overflow})
+    scen = scenario(prefill=1e4, instances=instances).model_copy(
+        update={"sticky_overflow_queue": overflow}
+    )
     return Cluster(scen, [], LeastLoaded(), Policy())
 
 
@@ -52,7 +61,16 @@ def test_least_loaded_picks_the_least_loaded() -> None:
 
 def test_least_loaded_spreads_ties() -> None:
     c = cluster()
-    assert [LeastLoaded().route(request(i, 0.0, [1]), c) for i in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [LeastLoaded().route(request(i, 0.0, [1]), c) for i in range(8)] == [
+        0,
+        1,
+        2,
+        3,
+        0,
+        1,
+        2,
+        3,
+    ]
 
 
 def test_sticky_keeps_a_session_on_its_instance() -> None:
@@ -61,7 +79,9 @@ def test_sticky_keeps_a_session_on_its_instance() -> None:
     load(c, [0, 0, 8, 0])  # busiest, but its queue is within the overflow limit
     queued(c, 2, 2)
     assert Sticky().route(request(0, 0.0, [1], session="s"), c) == 2
-    assert Sticky().route(request(1, 0.0, [1], session="new"), c) != 2  # a new session: least loaded
+    assert (
+        Sticky().route(request(1, 0.0, [1], session="new"), c) != 2
+    )  # a new session: least loaded
 
 
 def test_sticky_overflows_past_the_queue_limit() -> None:
@@ -110,8 +130,13 @@ def test_kv_aware_breaks_ties_by_load() -> None:
 
 def test_make_router() -> None:
     store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
-    assert [make_router(n, store=store, scenario=scenario(prefill=1e4)).name for n in ROUTERS] == list(ROUTERS)
-    with pytest.raises(ValueError, match="unknown router 'nope'; choose from sticky, least-loaded, kv-aware, hinted"):
+    assert [
+        make_router(n, store=store, scenario=scenario(prefill=1e4)).name for n in ROUTERS
+    ] == list(ROUTERS)
+    with pytest.raises(
+        ValueError,
+        match="unknown router 'nope'; choose from sticky, least-loaded, kv-aware, hinted",
+    ):
         make_router("nope")
     with pytest.raises(ValueError, match="the hinted router reads the engine's own state"):
         make_router("hinted")
@@ -135,16 +160,34 @@ def test_the_router_sees_the_request() -> None:
 _ids = itertools.count()
 
 
-def engine_store(c: Cluster, session: str, blocks: Sequence[int], hbm: dict[int, Sequence[int]]) -> MemoryStore:
+def engine_store(
+    c: Cluster, session: str, blocks: Sequence[int], hbm: dict[int, Sequence[int]]
+) -> MemoryStore:
     """The engine's view: `session` finished a turn with context `blocks`, each instance of `hbm`
     holds the given blocks, and the pool holds them all."""
     store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
     events: list = [
-        RequestFinished(event_id=f"e{next(_ids)}", ts=1.0, session_id=session, request_id="r0", instance_id="gpu-0",
-                        output_tokens=0, block_hashes=list(blocks)),
-        KvBlocksStored(event_id=f"e{next(_ids)}", ts=1.0, tier="pool", block_hashes=list(blocks))]
-    events += [KvBlocksStored(event_id=f"e{next(_ids)}", ts=1.0, tier="hbm", instance_id=f"gpu-{i}",
-                              block_hashes=list(held)) for i, held in hbm.items()]
+        RequestFinished(
+            event_id=f"e{next(_ids)}",
+            ts=1.0,
+            session_id=session,
+            request_id="r0",
+            instance_id="gpu-0",
+            output_tokens=0,
+            block_hashes=list(blocks),
+        ),
+        KvBlocksStored(event_id=f"e{next(_ids)}", ts=1.0, tier="pool", block_hashes=list(blocks)),
+    ]
+    events += [
+        KvBlocksStored(
+            event_id=f"e{next(_ids)}",
+            ts=1.0,
+            tier="hbm",
+            instance_id=f"gpu-{i}",
+            block_hashes=list(held),
+        )
+        for i, held in hbm.items()
+    ]
     store.apply(events)
     return store
 
@@ -157,8 +200,10 @@ def test_hinted_sends_a_returning_session_where_its_context_is() -> None:
     c = cluster(overflow=2)
     store = engine_store(c, "s", context(0, 8), {2: context(0, 8), 1: context(0, 3)})
     load(c, [0, 1, 8, 2])  # gpu-2 runs every slot but has no queue: nothing to wait for
-    assert all(hinted(c, store).route(request(i, 0.0, [*context(0, 8), 99], session="s"), c) == 2
-               for i in range(4))
+    assert all(
+        hinted(c, store).route(request(i, 0.0, [*context(0, 8), 99], session="s"), c) == 2
+        for i in range(4)
+    )
 
 
 def test_hinted_leaves_a_much_busier_home_for_the_next_best() -> None:
@@ -185,15 +230,23 @@ def test_hinted_sends_a_new_session_to_the_least_loaded() -> None:
     r = request(0, 0.0, context(100, 4), session="new")
     assert hinted(c, store).route(r, c) == LeastLoaded().route(r, c) == 1
     load(c, [0, 0, 0, 0])
-    assert [hinted(c, store).route(request(i, 0.0, [1], session="new"), c) for i in range(4)] == [0, 1, 2, 3]
+    assert [hinted(c, store).route(request(i, 0.0, [1], session="new"), c) for i in range(4)] == [
+        0,
+        1,
+        2,
+        3,
+    ]
 
 
-def test_hinted_replays_deterministically_and_keeps_sessions_on_their_context(tmp_path: Path) -> None:
+def test_hinted_replays_deterministically_and_keeps_sessions_on_their_context(
+    tmp_path: Path,
+) -> None:
     trace = load_trace(trace_slice(tmp_path, "conversation_first60", 300))
     scen = load_scenario("default")
     runs = [replay(trace, scen, router=r) for r in ("hinted", "hinted", "least-loaded")]
     first, again, spread = (run.summary for run in runs)
-    assert {k: v for k, v in first.items() if k != "wall_seconds"} == \
-        {k: v for k, v in again.items() if k != "wall_seconds"}
+    assert {k: v for k, v in first.items() if k != "wall_seconds"} == {
+        k: v for k, v in again.items() if k != "wall_seconds"
+    }
     assert [r.instance for r in runs[0].requests] == [r.instance for r in runs[1].requests]
     assert first["byte_hit_rate"] > spread["byte_hit_rate"]

@@ -12,8 +12,13 @@ from tests.conftest import TRACES
 
 
 def req(i: int, t: float, hashes: list[int]) -> TraceRequest:
-    return TraceRequest(index=i, arrival_seconds=t, input_tokens=512 * len(hashes), output_tokens=10,
-                        hash_ids=tuple(hashes))
+    return TraceRequest(
+        index=i,
+        arrival_seconds=t,
+        input_tokens=512 * len(hashes),
+        output_tokens=10,
+        hash_ids=tuple(hashes),
+    )
 
 
 def test_loads_the_shared_traces() -> None:
@@ -23,16 +28,32 @@ def test_loads_the_shared_traces() -> None:
     assert all(a.arrival_seconds <= b.arrival_seconds for a, b in zip(trace, trace[1:]))
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n{"timestamp": 5', "2: not JSON: unexpected end of data: line 1 column 16 (char 15)"),
-    ('{"timestamp": 0, "input_length": 1, "output_length": 1}', "1: missing field 'hash_ids'"),
-    ('{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}', "1: input_length must be >= 0, got -1"),
-    ('{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": ["a"]}', "1: hash_ids must be a list of integers"),
-    ('{"timestamp": 9, "input_length": 1, "output_length": 1, "hash_ids": []}\n'
-     '{"timestamp": 3, "input_length": 1, "output_length": 1, "hash_ids": []}', "2: timestamp goes back in time (3 < 9)"),
-    ('[1, 2]', "1: a line must be a JSON object"),
-    ("", "0: the trace holds no requests"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (
+            '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": [1]}\n'
+            '{"timestamp": 5',
+            "2: not JSON: unexpected end of data: line 1 column 16 (char 15)",
+        ),
+        ('{"timestamp": 0, "input_length": 1, "output_length": 1}', "1: missing field 'hash_ids'"),
+        (
+            '{"timestamp": 0, "input_length": -1, "output_length": 1, "hash_ids": []}',
+            "1: input_length must be >= 0, got -1",
+        ),
+        (
+            '{"timestamp": 0, "input_length": 1, "output_length": 1, "hash_ids": ["a"]}',
+            "1: hash_ids must be a list of integers",
+        ),
+        (
+            '{"timestamp": 9, "input_length": 1, "output_length": 1, "hash_ids": []}\n'
+            '{"timestamp": 3, "input_length": 1, "output_length": 1, "hash_ids": []}',
+            "2: timestamp goes back in time (3 < 9)",
+        ),
+        ("[1, 2]", "1: a line must be a JSON object"),
+        ("", "0: the trace holds no requests"),
+    ],
+)
 def test_a_malformed_line_names_file_and_line(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "t.jsonl"
     path.write_text(text)
@@ -48,12 +69,12 @@ def test_a_missing_file_is_a_trace_error(tmp_path: Path) -> None:
 
 def test_next_turn_joins_its_parent_despite_a_partial_last_block() -> None:
     trace = [
-        req(0, 0, [0, 1, 2, 3]),       # turn 1 of A (block 3 partial)
-        req(1, 1, [0, 10, 11]),        # turn 1 of B
-        req(2, 5, [0, 1, 2, 4, 5]),    # turn 2 of A: shares 0,1,2 but not the partial 3
-        req(3, 6, [0, 10, 11, 12]),    # turn 2 of B
-        req(4, 9, [0, 1, 2, 4, 5, 6]), # turn 3 of A: deepest shared block 5 is held by request 2
-        req(5, 9, [0, 20]),            # new session C: shares only the hot root block 0
+        req(0, 0, [0, 1, 2, 3]),  # turn 1 of A (block 3 partial)
+        req(1, 1, [0, 10, 11]),  # turn 1 of B
+        req(2, 5, [0, 1, 2, 4, 5]),  # turn 2 of A: shares 0,1,2 but not the partial 3
+        req(3, 6, [0, 10, 11, 12]),  # turn 2 of B
+        req(4, 9, [0, 1, 2, 4, 5, 6]),  # turn 3 of A: deepest shared block 5 is held by request 2
+        req(5, 9, [0, 20]),  # new session C: shares only the hot root block 0
     ]
     a = derive_sessions(trace, hot_block_share=0.6)
     assert a.hot_blocks == frozenset({0})

@@ -16,14 +16,15 @@ def test_the_dedupe_ring_remembers_the_last_half_at_least_and_max_at_most() -> N
     events = [routed(f"s{i % 7}", f"r{i}", float(i)) for i in range(103)]
     applied: list[str] = []
     for start, size in [(0, 1), (1, 3), (4, 23), (27, 1), (28, 50), (78, 25)]:
-        batch = events[start:start + size]
+        batch = events[start : start + size]
         assert store.apply(batch) == [True] * len(batch)
         applied += [e.event_id for e in batch]
         n = store.stats()["remembered_event_ids"]
         assert min(len(applied), 5) <= n <= 10
-        # What is remembered is exactly the last n ids, in order: the newest are never the ones forgotten.
+        # What is remembered is exactly the last n ids, in order: the newest are never the ones
+        # forgotten.
         assert _ids(store, applied) == [False] * (len(applied) - n) + [True] * n
-        assert store.apply(batch[-min(len(batch), 5):]) == [False] * min(len(batch), 5)
+        assert store.apply(batch[-min(len(batch), 5) :]) == [False] * min(len(batch), 5)
 
 
 def test_an_odd_or_tiny_ring_keeps_its_bounds() -> None:

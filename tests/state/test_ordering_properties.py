@@ -21,9 +21,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvprefetch_client.events import Event, event_adapter
 from app.state import MemoryStore, StateStore, cursor_of
 from app.state.rules import RECENT_REQUESTS
+from kvprefetch_client.events import Event, event_adapter
 
 BPT = 327_680
 BLOCK = 512
@@ -34,7 +34,12 @@ INSTANCES = ["gpu-0", "gpu-1"]
 ORDERS = ["o0", "o1"]
 # 5 and "5" are different blocks; a hash past 63 bits as vLLM may send one.
 BLOCKS: list[Any] = [1, 2, 3, 5, "5", "ab", 2**64 - 1]
-LOCATIONS: list[tuple[str, str | None]] = [("hbm", "gpu-0"), ("hbm", "gpu-1"), ("host", "gpu-0"), ("pool", None)]
+LOCATIONS: list[tuple[str, str | None]] = [
+    ("hbm", "gpu-0"),
+    ("hbm", "gpu-1"),
+    ("host", "gpu-0"),
+    ("pool", None),
+]
 EXAMPLES = {"memory": 300, "redis": 40}
 
 # Quarter seconds, so several sessions share a whole second (the memory store's index), and two
@@ -56,13 +61,21 @@ def _session_events(draw: st.DrawFn, session_id: str) -> list[dict[str, Any]]:
     # Which events each request gets; a request may be routed twice (a re-route).
     kinds: list[tuple[str, str]] = []
     for r in range(draw(st.integers(0, RECENT_REQUESTS))):
-        mine = draw(st.lists(st.sampled_from(["routed", "routed", "started", "finished"]),
-                             min_size=1, max_size=4))
+        mine = draw(
+            st.lists(
+                st.sampled_from(["routed", "routed", "started", "finished"]), min_size=1, max_size=4
+            )
+        )
         kinds += [(f"r{r}", kind) for kind in mine]
     out = []
     for (request_id, kind), ts in zip(kinds, draw(_distinct_ts(len(kinds)))):
-        e: dict[str, Any] = {"type": f"request_{kind}", "ts": ts, "session_id": session_id,
-                             "request_id": request_id, "instance_id": draw(st.sampled_from(INSTANCES))}
+        e: dict[str, Any] = {
+            "type": f"request_{kind}",
+            "ts": ts,
+            "session_id": session_id,
+            "request_id": request_id,
+            "instance_id": draw(st.sampled_from(INSTANCES)),
+        }
         if kind == "routed":
             e["prompt_tokens"] = draw(st.integers(0, 5000))
         if kind == "finished":
@@ -82,15 +95,36 @@ def _residency_event(draw: st.DrawFn) -> dict[str, Any]:
     kind = draw(st.sampled_from(["stored", "stored", "removed", "cleared", "vllm"]))
     ts = draw(KV_TS)
     if kind == "vllm":
-        subs = draw(st.lists(st.one_of(
-            st.builds(lambda b, m: {"type": "BlockStored", "block_hashes": b, "medium": m,
-                                    "block_size": LOCATION_BLOCK_TOKENS},
-                      _BLOCK_LISTS, st.sampled_from([None, "GPU", "CPU"])),
-            st.builds(lambda b, m: {"type": "BlockRemoved", "block_hashes": b, "medium": m},
-                      _BLOCK_LISTS, st.sampled_from([None, "CPU"])),
-            st.just({"type": "AllBlocksCleared"})), min_size=1, max_size=3))
-        return {"type": "vllm_kv_events", "ts": ts, "instance_id": draw(st.sampled_from(INSTANCES)),
-                "events": subs}
+        subs = draw(
+            st.lists(
+                st.one_of(
+                    st.builds(
+                        lambda b, m: {
+                            "type": "BlockStored",
+                            "block_hashes": b,
+                            "medium": m,
+                            "block_size": LOCATION_BLOCK_TOKENS,
+                        },
+                        _BLOCK_LISTS,
+                        st.sampled_from([None, "GPU", "CPU"]),
+                    ),
+                    st.builds(
+                        lambda b, m: {"type": "BlockRemoved", "block_hashes": b, "medium": m},
+                        _BLOCK_LISTS,
+                        st.sampled_from([None, "CPU"]),
+                    ),
+                    st.just({"type": "AllBlocksCleared"}),
+                ),
+                min_size=1,
+                max_size=3,
+            )
+        )
+        return {
+            "type": "vllm_kv_events",
+            "ts": ts,
+            "instance_id": draw(st.sampled_from(INSTANCES)),
+            "events": subs,
+        }
     tier, instance_id = draw(st.sampled_from(LOCATIONS))
     e = {"type": f"kv_blocks_{kind}", "ts": ts, "tier": tier, "instance_id": instance_id}
     if kind != "cleared":
@@ -105,10 +139,17 @@ def _status_events(draw: st.DrawFn, instance_id: str) -> list[dict[str, Any]]:
     out = []
     for ts in draw(st.integers(0, 2).flatmap(_distinct_ts)):
         total = draw(st.none() | st.integers(0, 2**40))
-        out.append({"type": "instance_status", "ts": ts, "instance_id": instance_id,
-                    "free_kv_bytes": draw(st.integers(0, total if total is not None else 2**40)),
-                    "total_kv_bytes": total, "queue_depth": draw(st.integers(0, 9)),
-                    "running_requests": draw(st.integers(0, 9))})
+        out.append(
+            {
+                "type": "instance_status",
+                "ts": ts,
+                "instance_id": instance_id,
+                "free_kv_bytes": draw(st.integers(0, total if total is not None else 2**40)),
+                "total_kv_bytes": total,
+                "queue_depth": draw(st.integers(0, 9)),
+                "running_requests": draw(st.integers(0, 9)),
+            }
+        )
     return out
 
 
@@ -117,7 +158,12 @@ def _order_events(draw: st.DrawFn, order_id: str) -> list[dict[str, Any]]:
     out = []
     for status in ("accepted", "completed", "failed"):
         for ts in draw(st.integers(0, 2).flatmap(_distinct_ts)):
-            e: dict[str, Any] = {"type": "order_progress", "ts": ts, "order_id": order_id, "status": status}
+            e: dict[str, Any] = {
+                "type": "order_progress",
+                "ts": ts,
+                "order_id": order_id,
+                "status": status,
+            }
             if status == "completed":
                 e.update(bytes=draw(st.integers(0, 2**40)), seconds=draw(st.floats(0, 30)))
             if status == "failed":
@@ -169,8 +215,14 @@ def views(store: StateStore) -> dict[str, Any]:
         "live_since": store.live_sessions(len(SESSIONS), active_since_ts=6.0),
         "instances": store.instances(),
         "locations": store.locations(),
-        "holds": {(tier, i): store.holds(tier, i, BLOCKS) for tier, i in LOCATIONS},  # type: ignore[arg-type]
-        "present": {(tier, i): store.present(tier, i, BLOCKS) for tier, i in LOCATIONS},  # type: ignore[arg-type]
+        "holds": {
+            (tier, i): store.holds(tier, i, BLOCKS)  # type: ignore[arg-type]
+            for tier, i in LOCATIONS
+        },
+        "present": {
+            (tier, i): store.present(tier, i, BLOCKS)  # type: ignore[arg-type]
+            for tier, i in LOCATIONS
+        },
         "orders": {o: store.order(o) for o in [*ORDERS, "never-seen"]},
         "stats": store.stats(),
     }
@@ -184,8 +236,13 @@ class Backend:
 
     def bounded(self) -> settings:
         # Reproducible in CI: the same examples every run, nothing carried over from a database.
-        return settings(max_examples=self.examples, deadline=None, derandomize=True, database=None,
-                        suppress_health_check=[HealthCheck.too_slow])
+        return settings(
+            max_examples=self.examples,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        )
 
 
 @pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
@@ -199,9 +256,13 @@ def backend(request: pytest.FixtureRequest) -> Backend:
         else:
             from app.state.redis import RedisStore
 
-            url, prefix = request.getfixturevalue("redis_url"), request.getfixturevalue("clean_redis")
-            s = RedisStore.from_url(url, prefix=f"{prefix}:{next(numbers)}", bytes_per_token=BPT,
-                                    block_tokens=BLOCK)
+            url, prefix = (
+                request.getfixturevalue("redis_url"),
+                request.getfixturevalue("clean_redis"),
+            )
+            s = RedisStore.from_url(
+                url, prefix=f"{prefix}:{next(numbers)}", bytes_per_token=BPT, block_tokens=BLOCK
+            )
         try:
             yield s
         finally:

@@ -16,9 +16,9 @@ import pytest
 import redis as redis_lib
 
 from app.core.errors import StoreUnavailable
-from kvprefetch_client.events import Event, event_adapter
 from app.state import LogPosition, MemoryStore, cursor_of
 from app.state.redis import RedisStore
+from kvprefetch_client.events import Event, event_adapter
 
 pytestmark = pytest.mark.redis
 
@@ -26,7 +26,7 @@ BPT = 327_680
 BLOCK = 512
 
 # Odd ids: a key separator, non-ASCII, a space, quotes and glob characters (clear() scans by glob).
-SESSIONS = [f"s{i}" for i in range(5)] + ["s:sa:x", "ünï cödé*?[\"q\"]"]
+SESSIONS = [f"s{i}" for i in range(5)] + ["s:sa:x", 'ünï cödé*?["q"]']
 INSTANCES = ["g0", "g1", "g2", "g:3"]
 ORDERS = ["o0", "o1", "o2", "o3"]
 # 5 and "5" are different blocks; big and negative ints as vLLM sends them.
@@ -118,26 +118,45 @@ class _Gen:
     def event(self) -> Event:
         rng = self.rng
         kind = rng.choices(
-            ["routed", "started", "finished", "closed", "stored", "removed", "cleared", "vllm",
-             "status", "order"],
-            weights=[14, 8, 10, 3, 10, 6, 1, 5, 5, 5])[0]
+            [
+                "routed",
+                "started",
+                "finished",
+                "closed",
+                "stored",
+                "removed",
+                "cleared",
+                "vllm",
+                "status",
+                "order",
+            ],
+            weights=[14, 8, 10, 3, 10, 6, 1, 5, 5, 5],
+        )[0]
         base = {"event_id": self.eid()}
         if kind in ("routed", "started", "finished"):
             sid = rng.choice(SESSIONS)
-            base.update(session_id=sid, request_id=rng.choice(self.requests[sid]),
-                        instance_id=rng.choice(INSTANCES), ts=self.ts())
+            base.update(
+                session_id=sid,
+                request_id=rng.choice(self.requests[sid]),
+                instance_id=rng.choice(INSTANCES),
+                ts=self.ts(),
+            )
             extra: dict[str, Any] = {}
             if kind != "started" and rng.random() < 0.6:
                 extra["block_hashes"] = self.blocks(0, 8)
                 if rng.random() < 0.5:
                     extra["block_tokens"] = rng.choice([16, 512, 1024])
             if kind == "routed":
-                return _ev(type="request_routed", prompt_tokens=rng.randrange(0, 20_000), **base, **extra)
+                return _ev(
+                    type="request_routed", prompt_tokens=rng.randrange(0, 20_000), **base, **extra
+                )
             if kind == "started":
                 return _ev(type="request_started", **base)
             if rng.random() < 0.5:
                 extra["context_tokens"] = rng.randrange(0, 30_000)
-            return _ev(type="request_finished", output_tokens=rng.randrange(0, 2000), **base, **extra)
+            return _ev(
+                type="request_finished", output_tokens=rng.randrange(0, 2000), **base, **extra
+            )
         if kind == "closed":
             return _ev(type="session_closed", session_id=rng.choice(SESSIONS), ts=self.ts(), **base)
         if kind in ("stored", "removed", "cleared"):
@@ -145,8 +164,13 @@ class _Gen:
             base.update(tier=tier, instance_id=inst, ts=self.kv_ts())
             if kind == "stored":
                 bt = self.bt_for(tier, inst)
-                return _ev(type="kv_blocks_stored", block_hashes=self.blocks(),
-                           parent_block_hash=rng.choice([None, 3]), block_tokens=bt, **base)
+                return _ev(
+                    type="kv_blocks_stored",
+                    block_hashes=self.blocks(),
+                    parent_block_hash=rng.choice([None, 3]),
+                    block_tokens=bt,
+                    **base,
+                )
             if kind == "removed":
                 return _ev(type="kv_blocks_removed", block_hashes=self.blocks(1, 4), **base)
             return _ev(type="kv_blocks_cleared", **base)
@@ -158,36 +182,69 @@ class _Gen:
                 size = self.inst_bt[inst] if self.set_function else rng.choice([16, 32])
                 if r < 0.55:
                     if rng.random() < 0.5:
-                        subs.append({"type": "BlockStored", "block_hashes": self.blocks(),
-                                     "parent_block_hash": None, "token_ids": [1, 2],
-                                     "block_size": size, "lora_id": None,
-                                     "medium": rng.choice(MEDIA), "group_idx": 0})
+                        subs.append(
+                            {
+                                "type": "BlockStored",
+                                "block_hashes": self.blocks(),
+                                "parent_block_hash": None,
+                                "token_ids": [1, 2],
+                                "block_size": size,
+                                "lora_id": None,
+                                "medium": rng.choice(MEDIA),
+                                "group_idx": 0,
+                            }
+                        )
                     else:  # the older array encoding
-                        subs.append(["BlockStored", self.blocks(), None, [], size, None,
-                                     rng.choice(MEDIA)])
+                        subs.append(
+                            ["BlockStored", self.blocks(), None, [], size, None, rng.choice(MEDIA)]
+                        )
                 elif r < 0.9:
-                    subs.append({"type": "BlockRemoved", "block_hashes": self.blocks(1, 3),
-                                 "medium": rng.choice(MEDIA)})
+                    subs.append(
+                        {
+                            "type": "BlockRemoved",
+                            "block_hashes": self.blocks(1, 3),
+                            "medium": rng.choice(MEDIA),
+                        }
+                    )
                 else:
                     subs.append({"type": "AllBlocksCleared"})
-            return _ev(type="vllm_kv_events", instance_id=inst, events=subs, ts=self.kv_ts(),
-                       data_parallel_rank=rng.choice([None, 0]), **base)
+            return _ev(
+                type="vllm_kv_events",
+                instance_id=inst,
+                events=subs,
+                ts=self.kv_ts(),
+                data_parallel_rank=rng.choice([None, 0]),
+                **base,
+            )
         if kind == "status":
             total = rng.choice([None, 10**12, 2**53])
             free = rng.randrange(0, total if total else 10**9)
-            return _ev(type="instance_status", instance_id=rng.choice(INSTANCES), ts=self.ts(),
-                       free_kv_bytes=free, total_kv_bytes=total,
-                       queue_depth=rng.randrange(0, 50), running_requests=rng.randrange(0, 50), **base)
+            return _ev(
+                type="instance_status",
+                instance_id=rng.choice(INSTANCES),
+                ts=self.ts(),
+                free_kv_bytes=free,
+                total_kv_bytes=total,
+                queue_depth=rng.randrange(0, 50),
+                running_requests=rng.randrange(0, 50),
+                **base,
+            )
         status = rng.choice(["accepted", "completed", "failed"])
         fields: dict[str, Any] = {}
         if status == "completed" or rng.random() < 0.3:
             fields.update(bytes=rng.randrange(0, 2**40), seconds=rng.uniform(0, 30))
         if status == "failed":
-            fields["reason"] = rng.choice(["link down", "  padded  ", "ü/\"x\""])
+            fields["reason"] = rng.choice(["link down", "  padded  ", 'ü/"x"'])
         elif rng.random() < 0.2:
             fields["reason"] = rng.choice(["", "  ", "note"])
-        return _ev(type="order_progress", order_id=rng.choice(ORDERS), status=status,
-                   ts=self.ts(), **fields, **base)
+        return _ev(
+            type="order_progress",
+            order_id=rng.choice(ORDERS),
+            status=status,
+            ts=self.ts(),
+            **fields,
+            **base,
+        )
 
     def stream(self, n: int) -> list[Event]:
         events = [self.event() for _ in range(n)]
@@ -198,13 +255,14 @@ class _Gen:
         return events
 
 
-def _apply_in_batches(stores: list[Any], events: list[Event], rng: random.Random,
-                      *, compare_views: bool = False) -> None:
+def _apply_in_batches(
+    stores: list[Any], events: list[Event], rng: random.Random, *, compare_views: bool = False
+) -> None:
     """Apply in random batch sizes; apply() results (and views, if asked) must agree throughout."""
     i = 0
     while i < len(events):
         k = rng.randint(1, 60)
-        batch = events[i:i + k]
+        batch = events[i : i + k]
         results = [s.apply(batch) for s in stores]
         assert all(r == results[0] for r in results), (batch, results)
         if compare_views:
@@ -252,14 +310,18 @@ def _assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_random_streams_give_memory_views_in_any_order(redis_url: str, clean_redis: str, seed: int) -> None:
+def test_random_streams_give_memory_views_in_any_order(
+    redis_url: str, clean_redis: str, seed: int
+) -> None:
     rng = random.Random(seed * 7919)
     events = _Gen(seed, set_function=True).stream(400)
     memory = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK)
-    first = RedisStore.from_url(redis_url, prefix=f"{clean_redis}:a", bytes_per_token=BPT,
-                                block_tokens=BLOCK)
-    second = RedisStore.from_url(redis_url, prefix=f"{clean_redis}:b", bytes_per_token=BPT,
-                                 block_tokens=BLOCK)
+    first = RedisStore.from_url(
+        redis_url, prefix=f"{clean_redis}:a", bytes_per_token=BPT, block_tokens=BLOCK
+    )
+    second = RedisStore.from_url(
+        redis_url, prefix=f"{clean_redis}:b", bytes_per_token=BPT, block_tokens=BLOCK
+    )
     try:
         _apply_in_batches([memory, first], events, rng, compare_views=True)
         want = _views(memory)
@@ -289,9 +351,12 @@ def test_tie_heavy_streams_match_memory_in_the_same_order(rstore: RedisStore, se
     _assert_same(_views(rstore), _views(memory))
 
 
-@pytest.mark.parametrize(("seed", "set_function"), [(31, True), (32, True), (33, False), (34, False)])
-def test_short_windows_expire_exactly_as_in_memory(redis_url: str, clean_redis: str, seed: int,
-                                                   set_function: bool) -> None:
+@pytest.mark.parametrize(
+    ("seed", "set_function"), [(31, True), (32, True), (33, False), (34, False)]
+)
+def test_short_windows_expire_exactly_as_in_memory(
+    redis_url: str, clean_redis: str, seed: int, set_function: bool
+) -> None:
     # Events arriving up to 40 s late against a 5 s reorder window and a 20 s retention: tombstones
     # die, sessions are forgotten and restarted, late events ignored, all the time. Expiry is exact
     # in both stores, so the views agree after every batch.
@@ -300,13 +365,14 @@ def test_short_windows_expire_exactly_as_in_memory(redis_url: str, clean_redis: 
     events = _Gen(seed, set_function=set_function).stream(600)
     events.sort(key=lambda e: e.ts + rng.uniform(0.0, 40.0))
     memory = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK, **windows)
-    redis_store = RedisStore.from_url(redis_url, prefix=clean_redis, bytes_per_token=BPT, block_tokens=BLOCK,
-                                      **windows)
+    redis_store = RedisStore.from_url(
+        redis_url, prefix=clean_redis, bytes_per_token=BPT, block_tokens=BLOCK, **windows
+    )
     forgotten = restarted = 0
     first_seen: dict[str, float] = {}
     try:
         for i in range(0, len(events), 50):
-            _apply_in_batches([memory, redis_store], events[i:i + 50], rng, compare_views=True)
+            _apply_in_batches([memory, redis_store], events[i : i + 50], rng, compare_views=True)
             for s in SESSIONS:
                 v = memory.session(s)
                 if v is None:
@@ -320,23 +386,69 @@ def test_short_windows_expire_exactly_as_in_memory(redis_url: str, clean_redis: 
 
 
 def test_expiry_deletes_keys_a_bounded_number_per_call(redis_url: str, clean_redis: str) -> None:
-    store = RedisStore.from_url(redis_url, prefix=clean_redis, bytes_per_token=BPT, block_tokens=BLOCK,
-                                reorder_window_seconds=10.0, session_retention_seconds=100.0)
+    store = RedisStore.from_url(
+        redis_url,
+        prefix=clean_redis,
+        bytes_per_token=BPT,
+        block_tokens=BLOCK,
+        reorder_window_seconds=10.0,
+        session_retention_seconds=100.0,
+    )
     client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
     p = clean_redis
     try:
-        store.apply([_ev(type="request_routed", event_id=f"r{i}", ts=1.0 + i / 1000, session_id=f"s{i}",
-                         request_id="r", instance_id="g", prompt_tokens=1) for i in range(100)])
-        store.apply([_ev(type="kv_blocks_removed", event_id=f"x{i}", ts=float(i), instance_id="g",
-                         block_hashes=[i]) for i in range(50)])
-        assert client.zcard(f"{p}:tomb:hbm@g") == 11  # 39..49: the others died as the location moved
+        store.apply(
+            [
+                _ev(
+                    type="request_routed",
+                    event_id=f"r{i}",
+                    ts=1.0 + i / 1000,
+                    session_id=f"s{i}",
+                    request_id="r",
+                    instance_id="g",
+                    prompt_tokens=1,
+                )
+                for i in range(100)
+            ]
+        )
+        store.apply(
+            [
+                _ev(
+                    type="kv_blocks_removed",
+                    event_id=f"x{i}",
+                    ts=float(i),
+                    instance_id="g",
+                    block_hashes=[i],
+                )
+                for i in range(50)
+            ]
+        )
+        assert (
+            client.zcard(f"{p}:tomb:hbm@g") == 11
+        )  # 39..49: the others died as the location moved
         # One event moves the cutoff past all 100 sessions; the call deletes 2 * 1 + 16 of them.
-        store.apply([_ev(type="instance_status", event_id="i", ts=500.0, instance_id="g", free_kv_bytes=1)])
+        store.apply(
+            [_ev(type="instance_status", event_id="i", ts=500.0, instance_id="g", free_kv_bytes=1)]
+        )
         assert client.zcard(f"{p}:sessions") == 100 - 18
         assert client.exists(f"{p}:s:s0") == 0 and client.exists(f"{p}:s:s99") == 1
-        assert store.stats()["sessions"] == 0 and store.session("s99") is None and store.live_sessions(10) == []
+        assert (
+            store.stats()["sessions"] == 0
+            and store.session("s99") is None
+            and store.live_sessions(10) == []
+        )
         for n in range(5):
-            store.apply([_ev(type="instance_status", event_id=f"i{n}", ts=500.0, instance_id="g", free_kv_bytes=1)])
+            store.apply(
+                [
+                    _ev(
+                        type="instance_status",
+                        event_id=f"i{n}",
+                        ts=500.0,
+                        instance_id="g",
+                        free_kv_bytes=1,
+                    )
+                ]
+            )
         assert client.zcard(f"{p}:sessions") == 0
         assert not list(client.scan_iter(match=f"{p}:s:*"))
     finally:
@@ -346,18 +458,37 @@ def test_expiry_deletes_keys_a_bounded_number_per_call(redis_url: str, clean_red
 
 def test_timestamps_and_block_types_round_trip_exactly(rstore: RedisStore) -> None:
     ts = [0.1 + 0.2, 1e-05, 1_700_000_000.123456789, 5e-324, 99_999_999_999.99998]
-    events = [_ev(type="request_routed", event_id=f"e{i}", ts=t, session_id="s", request_id=f"r{i % 3}",
-                  instance_id="g", prompt_tokens=i, block_hashes=[5, "5", 2**64 - 1, -(2**63), "\"5\""])
-              for i, t in enumerate(ts)]
-    events.append(_ev(type="order_progress", event_id="o", ts=0.1 + 0.2, order_id="o",
-                      status="completed", bytes=2**53, seconds=1 / 3))
+    events = [
+        _ev(
+            type="request_routed",
+            event_id=f"e{i}",
+            ts=t,
+            session_id="s",
+            request_id=f"r{i % 3}",
+            instance_id="g",
+            prompt_tokens=i,
+            block_hashes=[5, "5", 2**64 - 1, -(2**63), '"5"'],
+        )
+        for i, t in enumerate(ts)
+    ]
+    events.append(
+        _ev(
+            type="order_progress",
+            event_id="o",
+            ts=0.1 + 0.2,
+            order_id="o",
+            status="completed",
+            bytes=2**53,
+            seconds=1 / 3,
+        )
+    )
     memory = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK)
     memory.apply(events)
     rstore.apply(events)
     v = rstore.session("s")
     assert v == memory.session("s")
     assert v.recent_arrivals_ts == sorted(ts)
-    assert v.block_hashes == [5, "5", 2**64 - 1, -(2**63), "\"5\""]
+    assert v.block_hashes == [5, "5", 2**64 - 1, -(2**63), '"5"']
     assert [type(h) for h in v.block_hashes] == [int, str, int, int, str]
     assert rstore.order("o") == memory.order("o")
     assert rstore.order("o").seconds == 1 / 3
@@ -389,8 +520,10 @@ def test_replicas_apply_each_event_once(redis_url: str, clean_redis: str) -> Non
 
 def test_concurrent_replicas_apply_each_event_once(redis_url: str, clean_redis: str) -> None:
     events = _Gen(22, set_function=True).stream(400)
-    stores = [RedisStore.from_url(redis_url, prefix=clean_redis, bytes_per_token=BPT,
-                                  block_tokens=BLOCK) for _ in range(4)]
+    stores = [
+        RedisStore.from_url(redis_url, prefix=clean_redis, bytes_per_token=BPT, block_tokens=BLOCK)
+        for _ in range(4)
+    ]
     applied: Counter[str] = Counter()
     lock = threading.Lock()
 
@@ -398,7 +531,7 @@ def test_concurrent_replicas_apply_each_event_once(redis_url: str, clean_redis: 
         mine = events[:]
         random.Random(seed).shuffle(mine)
         for i in range(0, len(mine), 37):
-            batch = mine[i:i + 37]
+            batch = mine[i : i + 37]
             result = store.apply(batch)
             with lock:
                 for e, ok in zip(batch, result):
@@ -421,22 +554,31 @@ def test_concurrent_replicas_apply_each_event_once(redis_url: str, clean_redis: 
 
 
 def test_a_vllm_batch_is_applied_once_under_its_own_id(rstore: RedisStore) -> None:
-    batch = _ev(type="vllm_kv_events", event_id="b1", ts=3.0, instance_id="g", events=[
-        {"type": "BlockStored", "block_hashes": [1, 2], "block_size": 16},
-        {"type": "BlockRemoved", "block_hashes": [1]},
-    ])
+    batch = _ev(
+        type="vllm_kv_events",
+        event_id="b1",
+        ts=3.0,
+        instance_id="g",
+        events=[
+            {"type": "BlockStored", "block_hashes": [1, 2], "block_size": 16},
+            {"type": "BlockRemoved", "block_hashes": [1]},
+        ],
+    )
     assert rstore.apply([batch, batch]) == [True, False]
     assert rstore.seen(["b1", "b1#0", "b1#1"]) == [True, False, False]
     assert rstore.holds("hbm", "g", [1, 2]) == [False, True]
     # A later store of block 1 is not undone by resending the batch.
-    rstore.apply([_ev(type="kv_blocks_stored", event_id="s", ts=4.0, instance_id="g", block_hashes=[1])])
+    rstore.apply(
+        [_ev(type="kv_blocks_stored", event_id="s", ts=4.0, instance_id="g", block_hashes=[1])]
+    )
     assert rstore.apply([batch]) == [False]
     assert rstore.holds("hbm", "g", [1, 2]) == [True, True]
     assert rstore.stats()["remembered_event_ids"] == 2
 
 
 def test_a_batch_split_into_many_script_calls_gives_the_same_result(
-        rstore: RedisStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    rstore: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import app.state.redis as redis_store
 
     monkeypatch.setattr(redis_store, "_CHUNK_EVENTS", 7)
@@ -450,8 +592,15 @@ def test_a_batch_split_into_many_script_calls_gives_the_same_result(
 def test_a_call_that_fails_half_way_marks_nothing(rstore: RedisStore) -> None:
     # Sessions are written back and ids marked at the end of a call: if the call fails, a retry
     # applies the events again without counting a turn twice.
-    good = _ev(type="request_routed", event_id="a", ts=1.0, session_id="s", request_id="r",
-               instance_id="g", prompt_tokens=10)
+    good = _ev(
+        type="request_routed",
+        event_id="a",
+        ts=1.0,
+        session_id="s",
+        request_id="r",
+        instance_id="g",
+        prompt_tokens=10,
+    )
     stored = _ev(type="kv_blocks_stored", event_id="b", ts=1.0, instance_id="g", block_hashes=[1])
     args = rstore._head()
     for e in (good, stored):
@@ -484,8 +633,13 @@ def test_a_flushed_script_cache_is_reloaded(rstore: RedisStore, redis_url: str) 
 
 
 def test_unreachable_redis_raises_store_unavailable() -> None:
-    store = RedisStore.from_url("redis://127.0.0.1:1/0", prefix="kvptest-down", bytes_per_token=BPT,
-                                block_tokens=BLOCK, timeout_seconds=0.2)
+    store = RedisStore.from_url(
+        "redis://127.0.0.1:1/0",
+        prefix="kvptest-down",
+        bytes_per_token=BPT,
+        block_tokens=BLOCK,
+        timeout_seconds=0.2,
+    )
     e = _ev(type="session_closed", event_id="x", ts=1.0, session_id="s")
     try:
         with pytest.raises(StoreUnavailable):
@@ -509,7 +663,9 @@ def test_checkpoint_round_trip(rstore: RedisStore, redis_url: str, clean_redis: 
     assert rstore.checkpoint("replica-a") == LogPosition(3, 4096)
     assert rstore.checkpoint("replica:b") == LogPosition(0, 0)
     rstore.set_checkpoint("replica-a", LogPosition(2**40, 2**62))
-    other = RedisStore.from_url(redis_url, prefix=clean_redis, bytes_per_token=BPT, block_tokens=BLOCK)
+    other = RedisStore.from_url(
+        redis_url, prefix=clean_redis, bytes_per_token=BPT, block_tokens=BLOCK
+    )
     try:
         assert other.checkpoint("replica-a") == LogPosition(2**40, 2**62)
     finally:
@@ -524,15 +680,19 @@ def test_clear_deletes_only_its_own_prefix(redis_url: str, clean_redis: str) -> 
         "longer": f"{clean_redis}:g*x",
         "bracket": f"{clean_redis}:[g]*",
     }
-    stores = {name: RedisStore.from_url(redis_url, prefix=p, bytes_per_token=BPT, block_tokens=BLOCK)
-              for name, p in prefixes.items()}
+    stores = {
+        name: RedisStore.from_url(redis_url, prefix=p, bytes_per_token=BPT, block_tokens=BLOCK)
+        for name, p in prefixes.items()
+    }
     client = redis_lib.Redis.from_url(redis_url, decode_responses=True)
     try:
         events = _Gen(31, set_function=True).stream(60)
         for s in stores.values():
             s.apply(events)
             s.set_checkpoint("r", LogPosition(1, 2))
-        before = {name: sorted(client.scan_iter(match=_escape(p) + ":*")) for name, p in prefixes.items()}
+        before = {
+            name: sorted(client.scan_iter(match=_escape(p) + ":*")) for name, p in prefixes.items()
+        }
         assert all(before.values())
 
         stores["mine"].clear()

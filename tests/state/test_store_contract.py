@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 
 import app.state.memory
-from kvprefetch_client.events import Event, event_adapter
 from app.state import LogPosition, MemoryStore, StateStore, cursor_of
 from app.state.rules import RECENT_REQUESTS
+from kvprefetch_client.events import Event, event_adapter
 
 BPT = 327_680
 BLOCK = 512
@@ -47,25 +47,47 @@ def ev(type_: str, ts: float, **fields: Any) -> Event:
     return event_adapter.validate_python({"type": type_, "ts": ts, **fields})
 
 
-def routed(session: str, request: str, ts: float, instance: str = "gpu-0", prompt: int = 1000, **kw: Any) -> Event:
-    return ev("request_routed", ts, session_id=session, request_id=request, instance_id=instance,
-              prompt_tokens=prompt, **kw)
+def routed(
+    session: str, request: str, ts: float, instance: str = "gpu-0", prompt: int = 1000, **kw: Any
+) -> Event:
+    return ev(
+        "request_routed",
+        ts,
+        session_id=session,
+        request_id=request,
+        instance_id=instance,
+        prompt_tokens=prompt,
+        **kw,
+    )
 
 
 def started(session: str, request: str, ts: float, instance: str = "gpu-0") -> Event:
     return ev("request_started", ts, session_id=session, request_id=request, instance_id=instance)
 
 
-def finished(session: str, request: str, ts: float, instance: str = "gpu-0", output: int = 100, **kw: Any) -> Event:
-    return ev("request_finished", ts, session_id=session, request_id=request, instance_id=instance,
-              output_tokens=output, **kw)
+def finished(
+    session: str, request: str, ts: float, instance: str = "gpu-0", output: int = 100, **kw: Any
+) -> Event:
+    return ev(
+        "request_finished",
+        ts,
+        session_id=session,
+        request_id=request,
+        instance_id=instance,
+        output_tokens=output,
+        **kw,
+    )
 
 
-def stored(blocks: list[Any], ts: float, instance: str | None = "gpu-0", tier: str = "hbm", **kw: Any) -> Event:
+def stored(
+    blocks: list[Any], ts: float, instance: str | None = "gpu-0", tier: str = "hbm", **kw: Any
+) -> Event:
     return ev("kv_blocks_stored", ts, instance_id=instance, tier=tier, block_hashes=blocks, **kw)
 
 
-def removed(blocks: list[Any], ts: float, instance: str | None = "gpu-0", tier: str = "hbm") -> Event:
+def removed(
+    blocks: list[Any], ts: float, instance: str | None = "gpu-0", tier: str = "hbm"
+) -> Event:
     return ev("kv_blocks_removed", ts, instance_id=instance, tier=tier, block_hashes=blocks)
 
 
@@ -108,9 +130,18 @@ def test_session_lifecycle(store: StateStore) -> None:
     assert store.session("s").state == "running"
     store.apply([finished("s", "r1", 15.0, output=500, context_tokens=7500)])
     v = store.session("s")
-    assert (v.state, v.context_tokens, v.last_activity_ts, v.first_seen_ts) == ("idle", 7500, 15.0, 10.0)
+    assert (v.state, v.context_tokens, v.last_activity_ts, v.first_seen_ts) == (
+        "idle",
+        7500,
+        15.0,
+        10.0,
+    )
     assert v.last_request.request_id == "r1"
-    assert (v.last_request.routed_ts, v.last_request.started_ts, v.last_request.finished_ts) == (10.0, 11.0, 15.0)
+    assert (v.last_request.routed_ts, v.last_request.started_ts, v.last_request.finished_ts) == (
+        10.0,
+        11.0,
+        15.0,
+    )
 
 
 def test_context_without_reported_context_is_prompt_plus_output(store: StateStore) -> None:
@@ -142,23 +173,29 @@ def test_late_finish_of_an_older_turn_does_not_change_the_current_one(store: Sta
 
 
 def test_finished_before_routed_ends_in_the_same_state(store: StateStore) -> None:
-    store.apply([finished("s", "r1", 15.0, output=10, context_tokens=1010), started("s", "r1", 11.0)])
+    store.apply(
+        [finished("s", "r1", 15.0, output=10, context_tokens=1010), started("s", "r1", 11.0)]
+    )
     store.apply([routed("s", "r1", 10.0, prompt=1000)])
     v = store.session("s")
     assert (v.state, v.context_tokens, v.turns) == ("idle", 1010, 1)
 
 
 def test_instance_follows_the_newest_event(store: StateStore) -> None:
-    store.apply([routed("s", "r2", 20.0, instance="gpu-1"), routed("s", "r1", 10.0, instance="gpu-0")])
+    store.apply(
+        [routed("s", "r2", 20.0, instance="gpu-1"), routed("s", "r1", 10.0, instance="gpu-0")]
+    )
     assert store.session("s").instance_id == "gpu-1"
 
 
 def test_blocks_follow_the_newest_event_that_carries_them(store: StateStore) -> None:
-    store.apply([
-        finished("s", "r1", 30.0, block_hashes=[1, 2, 3, 4]),
-        routed("s", "r1", 10.0, block_hashes=[1, 2]),
-        routed("s", "r2", 40.0),  # carries no blocks: keeps the last known ones
-    ])
+    store.apply(
+        [
+            finished("s", "r1", 30.0, block_hashes=[1, 2, 3, 4]),
+            routed("s", "r1", 10.0, block_hashes=[1, 2]),
+            routed("s", "r2", 40.0),  # carries no blocks: keeps the last known ones
+        ]
+    )
     assert store.session("s").block_hashes == [1, 2, 3, 4]
 
 
@@ -184,8 +221,13 @@ def test_a_close_at_the_time_of_the_latest_routing_closes(store: StateStore) -> 
 
 def test_a_request_seen_without_its_routing_ranks_by_its_earliest_event(store: StateStore) -> None:
     # r2's routing never came: its rank is min(started, finished) = 18, after r1's routing at 10.
-    store.apply([routed("s", "r1", 10.0, prompt=700), finished("s", "r2", 22.0, output=5),
-                 started("s", "r2", 18.0)])
+    store.apply(
+        [
+            routed("s", "r1", 10.0, prompt=700),
+            finished("s", "r2", 22.0, output=5),
+            started("s", "r2", 18.0),
+        ]
+    )
     v = store.session("s")
     assert v.last_request.request_id == "r2"
     assert (v.state, v.context_tokens, v.turns) == ("idle", 0, 1)  # no prompt known: no context
@@ -217,11 +259,18 @@ def test_a_tie_between_request_events_goes_to_the_later_applied(store: StateStor
 def test_the_lua_names_real_functions() -> None:
     # Each part of the apply script names what it mirrors in Python: those names must exist.
     lua = (Path(app.state.memory.__file__).parent / "redis_apply.lua").read_text()
-    cited = set(re.findall(r"\b(rules|memory|MemoryStore)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)",
-                           "\n".join(line for line in lua.splitlines() if "--" in line)))
+    cited = set(
+        re.findall(
+            r"\b(rules|memory|MemoryStore)\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)?)",
+            "\n".join(line for line in lua.splitlines() if "--" in line),
+        )
+    )
     assert len(cited) > 15
-    owners = {"rules": importlib.import_module("app.state.rules"), "memory": app.state.memory,
-              "MemoryStore": MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK)}
+    owners = {
+        "rules": importlib.import_module("app.state.rules"),
+        "memory": app.state.memory,
+        "MemoryStore": MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK),
+    }
     missing = []
     for owner, path in sorted(cited - {("rules", "py"), ("memory", "py")}):  # the files' names
         target: Any = owners[owner]
@@ -245,28 +294,45 @@ def _closed(session: str, ts: float) -> Event:
 
 
 def test_live_sessions_are_the_open_ones_newest_first(store: StateStore) -> None:
-    store.apply([
-        routed("a", "r1", 1.0), finished("a", "r1", 2.0),
-        routed("b", "r1", 5.0), started("b", "r1", 5.5),
-        routed("c", "r1", 3.0), _closed("c", 4.0),                    # closed
-        _closed("d", 2.0), routed("d", "r1", 6.0, block_hashes=[1]),  # closed, then reopened
-    ])
+    store.apply(
+        [
+            routed("a", "r1", 1.0),
+            finished("a", "r1", 2.0),
+            routed("b", "r1", 5.0),
+            started("b", "r1", 5.5),
+            routed("c", "r1", 3.0),
+            _closed("c", 4.0),  # closed
+            _closed("d", 2.0),
+            routed("d", "r1", 6.0, block_hashes=[1]),  # closed, then reopened
+        ]
+    )
     live = store.live_sessions(10)
     assert [(v.session_id, v.state, v.last_activity_ts) for v in live] == [
-        ("d", "queued", 6.0), ("b", "running", 5.5), ("a", "idle", 2.0)]
+        ("d", "queued", 6.0),
+        ("b", "running", 5.5),
+        ("a", "idle", 2.0),
+    ]
     assert live == [store.session(v.session_id) for v in live]
     assert [v.session_id for v in store.live_sessions(2)] == ["d", "b"]
     assert store.live_sessions(0) == []
 
 
 def test_live_sessions_carry_the_same_residency_as_session(store: StateStore) -> None:
-    store.apply([
-        routed("a", "r", 1.0, block_hashes=[1, 2, 3]), routed("b", "r", 2.0, block_hashes=[3, 4]),
-        routed("c", "r", 3.0), stored([1, 2, 3], 1.5), stored([4], 2.5, instance=None, tier="pool"),
-    ])
+    store.apply(
+        [
+            routed("a", "r", 1.0, block_hashes=[1, 2, 3]),
+            routed("b", "r", 2.0, block_hashes=[3, 4]),
+            routed("c", "r", 3.0),
+            stored([1, 2, 3], 1.5),
+            stored([4], 2.5, instance=None, tier="pool"),
+        ]
+    )
     live = store.live_sessions(10)
     assert {v.session_id: v.resident_blocks for v in live} == {
-        "a": {"hbm@gpu-0": 3}, "b": {"hbm@gpu-0": 1, "pool": 1}, "c": {}}
+        "a": {"hbm@gpu-0": 3},
+        "b": {"hbm@gpu-0": 1, "pool": 1},
+        "c": {},
+    }
     assert live == [store.session(v.session_id) for v in live]
 
 
@@ -275,8 +341,16 @@ def test_live_sessions_page_by_cursor_and_ties_go_by_id(store: StateStore) -> No
     times = [4.0, 2.0, 4.0, 1.0, 2.0, 4.0, 3.0, 2.0, 4.0, 1.0]
     store.apply([routed(f"s{i}", "r", t) for i, t in enumerate(times)])
     store.apply([_closed("s2", 4.0), _closed("s7", 2.0)])
-    want = [("s8", 4.0), ("s5", 4.0), ("s0", 4.0), ("s6", 3.0), ("s4", 2.0), ("s1", 2.0),
-            ("s9", 1.0), ("s3", 1.0)]
+    want = [
+        ("s8", 4.0),
+        ("s5", 4.0),
+        ("s0", 4.0),
+        ("s6", 3.0),
+        ("s4", 2.0),
+        ("s1", 2.0),
+        ("s9", 1.0),
+        ("s3", 1.0),
+    ]
     assert [(v.session_id, v.last_activity_ts) for v in store.live_sessions(100)] == want
     pages, cursor = [], None
     while True:
@@ -293,16 +367,28 @@ def test_live_sessions_page_by_cursor_and_ties_go_by_id(store: StateStore) -> No
 
 def test_live_sessions_active_since(store: StateStore) -> None:
     store.apply([routed(f"s{i}", "r", float(i)) for i in range(6)])
-    assert [v.session_id for v in store.live_sessions(10, active_since_ts=3.0)] == ["s5", "s4", "s3"]
-    assert [v.session_id for v in store.live_sessions(10, before=(4.0, "s4"), active_since_ts=3.0)] == ["s3"]
+    assert [v.session_id for v in store.live_sessions(10, active_since_ts=3.0)] == [
+        "s5",
+        "s4",
+        "s3",
+    ]
+    assert [
+        v.session_id for v in store.live_sessions(10, before=(4.0, "s4"), active_since_ts=3.0)
+    ] == ["s3"]
     assert store.live_sessions(10, active_since_ts=9.0) == []
 
 
 def test_live_sessions_do_not_depend_on_arrival_order(store: StateStore) -> None:
     events = [
-        routed("a", "r1", 10.0), finished("a", "r1", 12.0), routed("b", "r1", 12.0),
-        _closed("b", 13.0), routed("c", "r1", 8.0), routed("c", "r2", 12.0), _closed("d", 1.0),
-        routed("d", "r1", 2.0), routed("e", "r1", 12.0),
+        routed("a", "r1", 10.0),
+        finished("a", "r1", 12.0),
+        routed("b", "r1", 12.0),
+        _closed("b", 13.0),
+        routed("c", "r1", 8.0),
+        routed("c", "r2", 12.0),
+        _closed("d", 1.0),
+        routed("d", "r1", 2.0),
+        routed("e", "r1", 12.0),
     ]
     store.apply(events)
     expected = store.live_sessions(10)
@@ -317,13 +403,15 @@ def test_live_sessions_do_not_depend_on_arrival_order(store: StateStore) -> None
 
 def test_residency_is_deduplicated_per_location(store: StateStore) -> None:
     shared = [10, 11, 12]
-    store.apply([
-        routed("a", "ra", 1.0, block_hashes=shared + [20]),
-        routed("b", "rb", 1.0, block_hashes=shared + [30]),
-        stored(shared + [20], 2.0),
-        stored(shared + [30], 2.1),
-        stored(shared, 2.2, instance=None, tier="pool"),
-    ])
+    store.apply(
+        [
+            routed("a", "ra", 1.0, block_hashes=shared + [20]),
+            routed("b", "rb", 1.0, block_hashes=shared + [30]),
+            stored(shared + [20], 2.0),
+            stored(shared + [30], 2.1),
+            stored(shared, 2.2, instance=None, tier="pool"),
+        ]
+    )
     locs = {loc.location: loc for loc in store.locations()}
     assert locs["hbm@gpu-0"].blocks == 5
     assert locs["hbm@gpu-0"].bytes == 5 * BLOCK * BPT
@@ -333,7 +421,9 @@ def test_residency_is_deduplicated_per_location(store: StateStore) -> None:
     assert store.holds("host", "gpu-0", [10]) == [False]
     assert store.present("hbm", "gpu-0", [10, 20, 99, 10]) == {10, 20}
     assert store.present("hbm", "gpu-0", iter({30, 99})) == {30}
-    assert store.present("host", "gpu-0", [10]) == set() and store.present("pool", None, []) == set()
+    assert (
+        store.present("host", "gpu-0", [10]) == set() and store.present("pool", None, []) == set()
+    )
 
 
 def test_stored_after_removed_in_event_time_wins_and_vice_versa(store: StateStore) -> None:
@@ -350,24 +440,40 @@ def test_removal_wins_a_tie(store: StateStore) -> None:
 
 
 def test_clear_removes_older_blocks_and_ignores_older_stores(store: StateStore) -> None:
-    store.apply([stored([1, 2], 1.0), stored([3], 9.0), cleared(5.0), stored([4], 4.0), stored([5], 6.0)])
+    store.apply(
+        [stored([1, 2], 1.0), stored([3], 9.0), cleared(5.0), stored([4], 4.0), stored([5], 6.0)]
+    )
     assert store.holds("hbm", "gpu-0", [1, 2, 3, 4, 5]) == [False, False, True, False, True]
     assert [loc.cleared_ts for loc in store.locations()] == [5.0]
 
 
 def test_vllm_batch_adapter(store: StateStore) -> None:
-    batch = ev("vllm_kv_events", 7.0, instance_id="gpu-3", events=[
-        {"type": "BlockStored", "block_hashes": [1, 2, 3], "parent_block_hash": None,
-         "token_ids": [], "block_size": 16, "lora_id": None, "medium": "GPU"},
-        ["BlockStored", [9], 3, [], 16, None, "CPU"],
-        {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"},
-    ])
+    batch = ev(
+        "vllm_kv_events",
+        7.0,
+        instance_id="gpu-3",
+        events=[
+            {
+                "type": "BlockStored",
+                "block_hashes": [1, 2, 3],
+                "parent_block_hash": None,
+                "token_ids": [],
+                "block_size": 16,
+                "lora_id": None,
+                "medium": "GPU",
+            },
+            ["BlockStored", [9], 3, [], 16, None, "CPU"],
+            {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"},
+        ],
+    )
     assert store.apply([batch]) == [True]
     assert store.holds("hbm", "gpu-3", [1, 2, 3]) == [True, False, True]
     assert store.holds("host", "gpu-3", [9]) == [True]
     hbm = {loc.location: loc for loc in store.locations()}["hbm@gpu-3"]
     assert hbm.block_tokens == 16
-    store.apply([ev("vllm_kv_events", 8.0, instance_id="gpu-3", events=[{"type": "AllBlocksCleared"}])])
+    store.apply(
+        [ev("vllm_kv_events", 8.0, instance_id="gpu-3", events=[{"type": "AllBlocksCleared"}])]
+    )
     assert store.holds("hbm", "gpu-3", [1, 3]) == [False, False]
     assert store.holds("host", "gpu-3", [9]) == [True]
     assert store.apply([batch]) == [False]
@@ -377,18 +483,32 @@ def test_vllm_batch_adapter(store: StateStore) -> None:
 
 
 def test_instances_merge_status_routing_and_residency(store: StateStore) -> None:
-    store.apply([
-        ev("instance_status", 5.0, instance_id="gpu-1", free_kv_bytes=100, total_kv_bytes=400,
-           queue_depth=3, running_requests=8),
-        ev("instance_status", 4.0, instance_id="gpu-1", free_kv_bytes=999, queue_depth=0),
-        routed("s", "r", 6.0, instance="gpu-2"),
-        stored([1, 2], 7.0, instance="gpu-1"),
-        stored([3], 7.0, instance="gpu-1", tier="host"),
-    ])
+    store.apply(
+        [
+            ev(
+                "instance_status",
+                5.0,
+                instance_id="gpu-1",
+                free_kv_bytes=100,
+                total_kv_bytes=400,
+                queue_depth=3,
+                running_requests=8,
+            ),
+            ev("instance_status", 4.0, instance_id="gpu-1", free_kv_bytes=999, queue_depth=0),
+            routed("s", "r", 6.0, instance="gpu-2"),
+            stored([1, 2], 7.0, instance="gpu-1"),
+            stored([3], 7.0, instance="gpu-1", tier="host"),
+        ]
+    )
     by_id = {i.instance_id: i for i in store.instances()}
     assert list(by_id) == ["gpu-1", "gpu-2"]
     g1 = by_id["gpu-1"]
-    assert (g1.free_kv_bytes, g1.total_kv_bytes, g1.queue_depth, g1.running_requests) == (100, 400, 3, 8)
+    assert (g1.free_kv_bytes, g1.total_kv_bytes, g1.queue_depth, g1.running_requests) == (
+        100,
+        400,
+        3,
+        8,
+    )
     assert (g1.status_ts, g1.last_seen_ts) == (5.0, 7.0)
     assert g1.resident_blocks == {"hbm": 2, "host": 1}
     assert g1.resident_bytes == {"hbm": 2 * BLOCK * BPT, "host": BLOCK * BPT}
@@ -397,10 +517,12 @@ def test_instances_merge_status_routing_and_residency(store: StateStore) -> None
 
 
 def test_order_terminal_status_wins(store: StateStore) -> None:
-    store.apply([
-        ev("order_progress", 9.0, order_id="o1", status="completed", bytes=1024, seconds=0.5),
-        ev("order_progress", 10.0, order_id="o1", status="accepted"),
-    ])
+    store.apply(
+        [
+            ev("order_progress", 9.0, order_id="o1", status="completed", bytes=1024, seconds=0.5),
+            ev("order_progress", 10.0, order_id="o1", status="accepted"),
+        ]
+    )
     o = store.order("o1")
     assert (o.status, o.bytes, o.seconds, o.status_ts) == ("completed", 1024, 0.5, 9.0)
     store.apply([ev("order_progress", 11.0, order_id="o1", status="failed", reason="link down")])
@@ -413,10 +535,22 @@ def test_order_terminal_status_wins(store: StateStore) -> None:
 
 
 def test_stats_count_what_is_held(store: StateStore) -> None:
-    store.apply([routed("a", "r", 1.0), routed("b", "r", 1.0, instance="gpu-1"), stored([1, 2], 1.0),
-                 ev("order_progress", 1.0, order_id="o", status="accepted")])
+    store.apply(
+        [
+            routed("a", "r", 1.0),
+            routed("b", "r", 1.0, instance="gpu-1"),
+            stored([1, 2], 1.0),
+            ev("order_progress", 1.0, order_id="o", status="accepted"),
+        ]
+    )
     s = store.stats()
-    assert (s["sessions"], s["instances"], s["locations"], s["resident_blocks"], s["orders"]) == (2, 2, 1, 2, 1)
+    assert (s["sessions"], s["instances"], s["locations"], s["resident_blocks"], s["orders"]) == (
+        2,
+        2,
+        1,
+        2,
+        1,
+    )
     assert s["remembered_event_ids"] == 4
 
 
@@ -466,7 +600,9 @@ RETENTION = 100.0
 @pytest.fixture(params=["memory", "redis"])
 def bounded(request: pytest.FixtureRequest) -> Iterator[StateStore]:
     """A store with a reorder window of 10 s and a session retention of 100 s."""
-    windows: dict[str, Any] = dict(reorder_window_seconds=WINDOW, session_retention_seconds=RETENTION)
+    windows: dict[str, Any] = dict(
+        reorder_window_seconds=WINDOW, session_retention_seconds=RETENTION
+    )
     if request.param == "memory":
         s: StateStore = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK, **windows)
     else:
@@ -474,7 +610,9 @@ def bounded(request: pytest.FixtureRequest) -> Iterator[StateStore]:
 
         url = request.getfixturevalue("redis_url")
         prefix = request.getfixturevalue("clean_redis")
-        s = RedisStore.from_url(url, prefix=prefix, bytes_per_token=BPT, block_tokens=BLOCK, **windows)
+        s = RedisStore.from_url(
+            url, prefix=prefix, bytes_per_token=BPT, block_tokens=BLOCK, **windows
+        )
     yield s
     s.close()
 
@@ -502,11 +640,20 @@ def test_tombstones_older_than_the_window_are_dropped(bounded: StateStore) -> No
 
 
 def test_sessions_idle_past_the_retention_are_forgotten(bounded: StateStore) -> None:
-    bounded.apply([routed("a", "r1", 10.0, block_hashes=[1]), finished("a", "r1", 12.0),
-                   routed("b", "r1", 50.0), _closed("b", 55.0), stored([1], 12.0)])
+    bounded.apply(
+        [
+            routed("a", "r1", 10.0, block_hashes=[1]),
+            finished("a", "r1", 12.0),
+            routed("b", "r1", 50.0),
+            _closed("b", 55.0),
+            stored([1], 12.0),
+        ]
+    )
     bounded.apply([routed("c", "r1", 111.5)])  # cutoff 11.5: "a" (last active at 12) stays
     assert bounded.session("a") is not None and bounded.stats()["sessions"] == 3
-    bounded.apply([ev("instance_status", 112.5, instance_id="gpu-1", free_kv_bytes=1)])  # any event counts
+    bounded.apply(
+        [ev("instance_status", 112.5, instance_id="gpu-1", free_kv_bytes=1)]
+    )  # any event counts
     assert bounded.session("a") is None
     assert [v.session_id for v in bounded.live_sessions(10)] == ["c"]
     assert [v.session_id for v in bounded.live_sessions(10, active_since_ts=0.0)] == ["c"]
@@ -519,7 +666,13 @@ def test_sessions_idle_past_the_retention_are_forgotten(bounded: StateStore) -> 
     # A new event starts a forgotten session afresh.
     bounded.apply([routed("a", "r2", 150.0, prompt=42)])
     v = bounded.session("a")
-    assert (v.turns, v.first_seen_ts, v.last_activity_ts, v.state, v.closed_ts) == (1, 150.0, 150.0, "queued", None)
+    assert (v.turns, v.first_seen_ts, v.last_activity_ts, v.state, v.closed_ts) == (
+        1,
+        150.0,
+        150.0,
+        "queued",
+        None,
+    )
     assert (v.recent_arrivals_ts, v.block_hashes, v.context_tokens) == ([150.0], [], 42)
     assert v.last_request.request_id == "r2"
     bounded.apply([routed("c", "r2", 155.5)])  # cutoff 55.5: b goes, closed or not
@@ -528,9 +681,17 @@ def test_sessions_idle_past_the_retention_are_forgotten(bounded: StateStore) -> 
     assert bounded.stats()["sessions"] == 2
 
 
-def test_a_session_touched_after_its_retention_starts_afresh_in_the_same_batch(bounded: StateStore) -> None:
-    bounded.apply([routed("a", "r1", 10.0), _closed("a", 11.0), routed("b", "r1", 111.5),
-                   routed("a", "r2", 112.0)])
+def test_a_session_touched_after_its_retention_starts_afresh_in_the_same_batch(
+    bounded: StateStore,
+) -> None:
+    bounded.apply(
+        [
+            routed("a", "r1", 10.0),
+            _closed("a", 11.0),
+            routed("b", "r1", 111.5),
+            routed("a", "r2", 112.0),
+        ]
+    )
     v = bounded.session("a")
     assert (v.turns, v.first_seen_ts, v.state, v.closed_ts) == (1, 112.0, "queued", None)
     assert bounded.stats()["sessions"] == 2
@@ -544,7 +705,9 @@ def test_counts_after_expiry_agree_with_the_views(bounded: StateStore) -> None:
     kept = [f"s{i}" for i in range(40) if 1.0 + i * 0.5 >= 10.25]
     assert sorted(v.session_id for v in live) == sorted(kept)
     assert bounded.stats()["sessions"] == len(kept)
-    assert [bounded.session(f"s{i}") is not None for i in range(40)] == [f"s{i}" in kept for i in range(40)]
+    assert [bounded.session(f"s{i}") is not None for i in range(40)] == [
+        f"s{i}" in kept for i in range(40)
+    ]
 
 
 def _order(order_id: str, ts: float, status: str = "accepted", **kw: Any) -> Event:
@@ -554,11 +717,19 @@ def _order(order_id: str, ts: float, status: str = "accepted", **kw: Any) -> Eve
 
 
 def test_orders_idle_past_the_retention_are_forgotten(bounded: StateStore) -> None:
-    bounded.apply([_order("a", 10.0, "completed", bytes=1, seconds=0.1), _order("a", 12.0),
-                   _order("b", 50.0), _order("old", 1.0)])
+    bounded.apply(
+        [
+            _order("a", 10.0, "completed", bytes=1, seconds=0.1),
+            _order("a", 12.0),
+            _order("b", 50.0),
+            _order("old", 1.0),
+        ]
+    )
     bounded.apply([_order("c", 111.5)])  # cutoff 11.5: "a" (last active at 12) stays
     assert bounded.order("a").status == "completed" and bounded.stats()["orders"] == 3
-    bounded.apply([ev("instance_status", 112.5, instance_id="gpu-1", free_kv_bytes=1)])  # any event counts
+    bounded.apply(
+        [ev("instance_status", 112.5, instance_id="gpu-1", free_kv_bytes=1)]
+    )  # any event counts
     assert bounded.order("a") is None and bounded.stats()["orders"] == 2
     # An event older than the cutoff is about a forgotten past: ignored.
     bounded.apply([_order("a", 12.4, "failed", reason="late"), _order("z", 5.0)])
@@ -573,7 +744,8 @@ def test_orders_idle_past_the_retention_are_forgotten(bounded: StateStore) -> No
 
 
 def test_an_order_stays_while_any_of_its_events_is_recent(bounded: StateStore) -> None:
-    # A completion stamped before the accepted it beats still keeps the order alive by the later one.
+    # A completion stamped before the accepted it beats still keeps the order alive by the later
+    # one.
     bounded.apply([_order("o", 20.0), _order("o", 10.0, "completed"), _order("x", 115.0)])
     assert bounded.order("o").status == "completed"  # last activity 20 >= cutoff 15
     bounded.apply([_order("x", 121.0)])
@@ -590,8 +762,13 @@ def test_order_records_stay_bounded_under_distinct_ids(bounded: StateStore) -> N
 
 
 def test_instances_page_by_id_and_read_by_ids(store: StateStore) -> None:
-    store.apply([ev("instance_status", 1.0, instance_id=f"gpu-{i:02d}", free_kv_bytes=i) for i in (3, 1, 4, 0, 2)]
-                + [stored([1, 2], 2.0, instance="gpu-02")])
+    store.apply(
+        [
+            ev("instance_status", 1.0, instance_id=f"gpu-{i:02d}", free_kv_bytes=i)
+            for i in (3, 1, 4, 0, 2)
+        ]
+        + [stored([1, 2], 2.0, instance="gpu-02")]
+    )
     everything = store.instances()
     assert [i.instance_id for i in everything] == [f"gpu-{i:02d}" for i in range(5)]
     first = store.instances(limit=2)
@@ -604,14 +781,29 @@ def test_instances_page_by_id_and_read_by_ids(store: StateStore) -> None:
 
 
 def test_context_and_holds_many(store: StateStore) -> None:
-    store.apply([routed("s", "r", 1.0, block_hashes=[5, "x", 7], prompt=3 * BLOCK), stored([5, "x"], 1.0),
-                 stored([7], 1.0, instance=None, tier="pool")])
+    store.apply(
+        [
+            routed("s", "r", 1.0, block_hashes=[5, "x", 7], prompt=3 * BLOCK),
+            stored([5, "x"], 1.0),
+            stored([7], 1.0, instance=None, tier="pool"),
+        ]
+    )
     c = store.context("s")
     assert (list(c.block_hashes), c.block_tokens, c.context_bytes, c.instance_id) == (
-        [5, "x", 7], BLOCK, 3 * BLOCK * BPT, "gpu-0")
+        [5, "x", 7],
+        BLOCK,
+        3 * BLOCK * BPT,
+        "gpu-0",
+    )
     assert store.context("nope") is None
-    assert store.holds_many([("hbm", "gpu-0", [5, 7, "x"]), ("pool", None, [7]), ("host", "gpu-9", [5]),
-                             ("hbm", "gpu-0", [])]) == [[True, False, True], [True], [False], []]
+    assert store.holds_many(
+        [
+            ("hbm", "gpu-0", [5, 7, "x"]),
+            ("pool", None, [7]),
+            ("host", "gpu-9", [5]),
+            ("hbm", "gpu-0", []),
+        ]
+    ) == [[True, False, True], [True], [False], []]
 
 
 def _held_by_holds(store: StateStore, where: Any, blocks: list[Any], start: int) -> int:
@@ -628,15 +820,27 @@ def _held_by_holds(store: StateStore, where: Any, blocks: list[Any], start: int)
 
 def test_held_prefixes_answer_the_search_over_holds(store: StateStore) -> None:
     context = list(range(1000, 1300))  # 300 blocks: several rounds of the Redis script
-    store.apply([routed("s", "r", 1.0, block_hashes=context, prompt=300 * BLOCK),
-                 stored(context[:200], 1.0), stored(context, 1.0, instance="gpu-1"),
-                 stored([7, 8], 1.0, instance="gpu-2"),
-                 # Not prefix-closed: a hole at 50..59 and the tail gone.
-                 stored(context[:50] + context[60:251], 1.0, instance="gpu-3"),
-                 stored(context[200:260], 1.0, tier="host"),
-                 stored(context[:1], 1.0, instance=None, tier="pool")])
-    where: list[Any] = [("hbm", "gpu-0"), ("hbm", "gpu-1"), ("hbm", "gpu-2"), ("hbm", "gpu-3"),
-                        ("pool", None), ("host", "gpu-0"), ("host", "gpu-9")]
+    store.apply(
+        [
+            routed("s", "r", 1.0, block_hashes=context, prompt=300 * BLOCK),
+            stored(context[:200], 1.0),
+            stored(context, 1.0, instance="gpu-1"),
+            stored([7, 8], 1.0, instance="gpu-2"),
+            # Not prefix-closed: a hole at 50..59 and the tail gone.
+            stored(context[:50] + context[60:251], 1.0, instance="gpu-3"),
+            stored(context[200:260], 1.0, tier="host"),
+            stored(context[:1], 1.0, instance=None, tier="pool"),
+        ]
+    )
+    where: list[Any] = [
+        ("hbm", "gpu-0"),
+        ("hbm", "gpu-1"),
+        ("hbm", "gpu-2"),
+        ("hbm", "gpu-3"),
+        ("pool", None),
+        ("host", "gpu-0"),
+        ("host", "gpu-9"),
+    ]
     starts = [0, 7, 299, 61, 0, 200, 150]
     expected = [_held_by_holds(store, w, context, 0) for w in where]
     expected_from = [_held_by_holds(store, w, context, s) for w, s in zip(where, starts)]
@@ -654,9 +858,19 @@ def test_held_prefixes_answer_the_search_over_holds(store: StateStore) -> None:
 
 
 def test_instance_loads_are_those_of_the_instance_records(store: StateStore) -> None:
-    store.apply([ev("instance_status", 1.0, instance_id="gpu-1", free_kv_bytes=5, queue_depth=3,
-                    running_requests=2),
-                 routed("s", "r", 1.0, instance="gpu-0")])
+    store.apply(
+        [
+            ev(
+                "instance_status",
+                1.0,
+                instance_id="gpu-1",
+                free_kv_bytes=5,
+                queue_depth=3,
+                running_requests=2,
+            ),
+            routed("s", "r", 1.0, instance="gpu-0"),
+        ]
+    )
     ids = ["gpu-1", "gpu-0", "nope"]
     loads = store.instance_loads(ids)
     views = store.instances(ids=ids)

@@ -41,7 +41,9 @@ class FlakyStore:
 
 
 def test_cancels_and_pins_a_failed_tick_decided_go_out_with_the_next_tick() -> None:
-    store = FlakyStore(store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10), hbm={"gpu-0": [7, 8]}))
+    store = FlakyStore(
+        store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10), hbm={"gpu-0": [7, 8]})
+    )
     sched = Scheduler(store, config())  # type: ignore[arg-type]
     (order,) = prefetches(tick(sched, [advice("a", [0, 1])], 0.0).orders)
     keep = advice("k", [7, 8], p_soon=0.1, p_keep=0.9, retention="keep")
@@ -54,7 +56,9 @@ def test_cancels_and_pins_a_failed_tick_decided_go_out_with_the_next_tick() -> N
 
     plan = sched.plan(1.1)
     assert [c.order_id for c in plan.cancels] == [order.order_id]
-    assert [(o.kind, o.block_hashes, o.session_ids) for o in plan.orders] == [("pin", [7, 8], ["k"])]
+    assert [(o.kind, o.block_hashes, o.session_ids) for o in plan.orders] == [
+        ("pin", [7, 8], ["k"])
+    ]
     assert sched.plan(1.2) == Plan(orders=[], cancels=[])  # each went out once
     assert sched.totals.cancelled == 1 and sched.totals.orders["pin"] == 1
 
@@ -90,7 +94,8 @@ def test_a_carried_prefetch_cancelled_before_it_went_out_goes_out_neither_way() 
 
 
 def test_the_planning_loop_says_once_per_outage_that_the_store_is_down(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     store = FlakyStore(store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10)))
     sched = Scheduler(store, config())  # type: ignore[arg-type]
     sched.advise([advice("a", [0, 1])], 0.0)
@@ -139,7 +144,9 @@ def test_a_started_order_whose_agent_went_silent_is_given_up_and_its_blocks_orde
     assert plan.cancels == []  # it started: nothing at the sink to withdraw
     again = prefetches(plan.orders)
     assert [o.block_hashes for o in again] == [[0, 1]] and again[0].order_id != order.order_id
-    assert sched.totals.failed == 1 and order.order_id not in {o.order_id for o in sched.open_orders()}
+    assert sched.totals.failed == 1 and order.order_id not in {
+        o.order_id for o in sched.open_orders()
+    }
     sched.on_progress(order.order_id, "completed")  # a late word from it changes nothing
     assert sched.totals.completed == 0
 

@@ -12,15 +12,25 @@ from training import evaluate
 def test_every_policy_is_judged_on_the_same_window_with_the_gaps_closed(tmp_path: Path) -> None:
     trace = trace_slice(tmp_path, "conversation_first60", 600)
     r = evaluate(DEFAULT_MODEL_DIR, trace, "default", router="sticky", train_fraction=0.7)
-    assert list(r["policies"]) == ["none", "lookahead", "heuristic", "clairvoyant", "oracle", "learned"]
+    assert list(r["policies"]) == [
+        "none",
+        "lookahead",
+        "heuristic",
+        "clairvoyant",
+        "oracle",
+        "learned",
+    ]
     assert (r["trace"], r["scenario"], r["router"]) == (trace.name, "default", "sticky")
     s = r["policies"]
     assert len({p["requests"] for p in s.values()}) == 1  # one judged window for all
     gap = s["oracle"]["byte_hit_rate"] - s["none"]["byte_hit_rate"]
     assert gap > 0
-    assert r["gap_closed"] == round((s["learned"]["byte_hit_rate"] - s["none"]["byte_hit_rate"]) / gap, 4)
+    assert r["gap_closed"] == round(
+        (s["learned"]["byte_hit_rate"] - s["none"]["byte_hit_rate"]) / gap, 4
+    )
     assert r["gap_closed_by_a_perfect_model"] == round(
-        (s["clairvoyant"]["byte_hit_rate"] - s["none"]["byte_hit_rate"]) / gap, 4)
+        (s["clairvoyant"]["byte_hit_rate"] - s["none"]["byte_hit_rate"]) / gap, 4
+    )
 
 
 def test_without_the_three_policies_there_is_no_gap_to_report(tmp_path: Path) -> None:

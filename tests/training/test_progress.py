@@ -25,7 +25,9 @@ class Recorder:
         return [(done, total) for t, done, total in self.calls if t == task]
 
 
-def test_replay_reports_events_done_and_gives_the_same_rows(tiny_log: Path, tiny_rows: pd.DataFrame) -> None:
+def test_replay_reports_events_done_and_gives_the_same_rows(
+    tiny_log: Path, tiny_rows: pd.DataFrame
+) -> None:
     heard = Recorder()
     rows = build_dataset([tiny_log], heard)
     pd.testing.assert_frame_equal(rows, tiny_rows)

@@ -80,14 +80,35 @@ class FakeReporter:
         return [e for e in self.events if getattr(e, "type", None) == type_]
 
     def progress(self, order_id: str | None = None) -> list[tuple[str, str]]:
-        return [(e.order_id, e.status) for e in self.of_type("order_progress")
-                if order_id is None or e.order_id == order_id]
+        return [
+            (e.order_id, e.status)
+            for e in self.of_type("order_progress")
+            if order_id is None or e.order_id == order_id
+        ]
 
 
-def order(order_id: str, blocks: list[Any], *, kind: str = "prefetch", start_in: float = 0.0,
-          instance_id: str = "gpu-0", ttl_seconds: float | None = None, priority: float = 0.0,
-          source_tier: str | None = "pool", now: float = T0) -> Order:
-    return Order(order_id=order_id, kind=kind, instance_id=instance_id,
-                 source_tier=source_tier if kind == "prefetch" else None,
-                 block_hashes=blocks, size_bytes=0, created_ts=now, start_by_ts=now + start_in,
-                 needed_by_ts=now + start_in + 5.0, ttl_seconds=ttl_seconds, priority=priority)
+def order(
+    order_id: str,
+    blocks: list[Any],
+    *,
+    kind: str = "prefetch",
+    start_in: float = 0.0,
+    instance_id: str = "gpu-0",
+    ttl_seconds: float | None = None,
+    priority: float = 0.0,
+    source_tier: str | None = "pool",
+    now: float = T0,
+) -> Order:
+    return Order(
+        order_id=order_id,
+        kind=kind,
+        instance_id=instance_id,
+        source_tier=source_tier if kind == "prefetch" else None,
+        block_hashes=blocks,
+        size_bytes=0,
+        created_ts=now,
+        start_by_ts=now + start_in,
+        needed_by_ts=now + start_in + 5.0,
+        ttl_seconds=ttl_seconds,
+        priority=priority,
+    )

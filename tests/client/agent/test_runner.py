@@ -16,7 +16,9 @@ MARGIN = 0.05
 
 
 class Rig:
-    def __init__(self, tmp_path: Path, capacity_blocks: int = 8, pool_blocks: range = range(1, 11)) -> None:
+    def __init__(
+        self, tmp_path: Path, capacity_blocks: int = 8, pool_blocks: range = range(1, 11)
+    ) -> None:
         self.clock = FakeClock()
         self.source = FakeSource(self.clock)
         self.reporter = FakeReporter()
@@ -24,9 +26,16 @@ class Rig:
         for h in pool_blocks:
             self.pool.write(h, bytes([h % 256]) * BLOCK_BYTES)
         self.buffer = HbmBuffer(capacity_blocks * BLOCK_BYTES)
-        self.agent = Agent(instance_id="gpu-0", source=self.source, pool=self.pool,
-                           buffer=self.buffer, reporter=self.reporter, clock=self.clock,
-                           start_margin_seconds=MARGIN, poll_seconds=0.5)
+        self.agent = Agent(
+            instance_id="gpu-0",
+            source=self.source,
+            pool=self.pool,
+            buffer=self.buffer,
+            reporter=self.reporter,
+            clock=self.clock,
+            start_margin_seconds=MARGIN,
+            poll_seconds=0.5,
+        )
         self.agent.start()
 
     def run_until(self, t: float) -> None:
@@ -279,14 +288,21 @@ def test_pulled_orders_repeated_by_their_lease_run_once(tmp_path: Path) -> None:
         # service sees them cancelled.
         cancelled = ["o2"] if len(pulls) == 3 else []
         orders = [o1] if len(pulls) >= 3 else [o1, o2]
-        return httpx.Response(200, content=b'{"orders":[' + b",".join(o.to_json() for o in orders)
-                              + b'],"cancelled":' + orjson.dumps(cancelled) + b"}")
+        return httpx.Response(
+            200,
+            content=b'{"orders":['
+            + b",".join(o.to_json() for o in orders)
+            + b'],"cancelled":'
+            + orjson.dumps(cancelled)
+            + b"}",
+        )
 
     def advance(seconds: float) -> None:
         rig.clock.now += seconds
 
-    rig.agent.source = PullSource("http://kvp", "gpu-0", transport=httpx.MockTransport(service),
-                                  sleep=advance)
+    rig.agent.source = PullSource(
+        "http://kvp", "gpu-0", transport=httpx.MockTransport(service), sleep=advance
+    )
     for _ in range(12):
         rig.agent.run_once()
         rig.clock.now += 0.5  # the loop's own time (pulls that returned orders do not sleep)
@@ -303,7 +319,8 @@ def test_a_prefetch_with_a_ttl_holds_what_landed(rig: Rig) -> None:
 
 
 def test_a_pulled_order_behind_a_transfer_that_outlasts_its_lease_is_not_handed_to_a_second_agent(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Real time, a real PullQueue behind the HTTP seam: agent A pulls two orders with a 1 s lease
     and runs the first for 3.5 s; its lease renewal (a thread) keeps the second, so agent B's pull
     in the middle of the transfer gets nothing, and A runs each order once."""
@@ -313,10 +330,10 @@ def test_a_pulled_order_behind_a_transfer_that_outlasts_its_lease_is_not_handed_
     import httpx
     import orjson
 
+    from app.deliver import PullQueue
     from kvprefetch_client.agent.consumer import PullSource
     from kvprefetch_client.events import OrderProgress
     from kvprefetch_client.orders import Order
-    from app.deliver import PullQueue
 
     lease, transfer_seconds = 1.0, 3.5
     queue = PullQueue(lease_seconds=lease)
@@ -326,11 +343,17 @@ def test_a_pulled_order_behind_a_transfer_that_outlasts_its_lease_is_not_handed_
         with lock:
             if request.url.path == "/v1/orders":
                 p = request.url.params
-                got = queue.lease(p["instance_id"], int(p["limit"]), time.monotonic(), p.get("agent"))
+                got = queue.lease(
+                    p["instance_id"], int(p["limit"]), time.monotonic(), p.get("agent")
+                )
                 return httpx.Response(200, content=got.to_json())
             body = orjson.loads(request.content)
-            renewed, lost = queue.renew(body["instance_id"], body["agent"], body["order_ids"], time.monotonic())
-            return httpx.Response(200, json={"renewed": renewed, "lost": lost, "lease_seconds": lease})
+            renewed, lost = queue.renew(
+                body["instance_id"], body["agent"], body["order_ids"], time.monotonic()
+            )
+            return httpx.Response(
+                200, json={"renewed": renewed, "lost": lost, "lease_seconds": lease}
+            )
 
     class Reporter(FakeReporter):
         def send(self, event: object) -> None:
@@ -353,21 +376,48 @@ def test_a_pulled_order_behind_a_transfer_that_outlasts_its_lease_is_not_handed_
     for h in (1, 2):
         pool.write(h, bytes([h]) * BLOCK_BYTES)
     now = time.monotonic()
-    queue.submit_nowait([Order(order_id=f"o{h}", kind="prefetch", instance_id="gpu-0", source_tier="pool",
-                               block_hashes=[h], size_bytes=BLOCK_BYTES, created_ts=now, start_by_ts=now,
-                               needed_by_ts=now + 60.0, priority=2.0 - h) for h in (1, 2)])
+    queue.submit_nowait(
+        [
+            Order(
+                order_id=f"o{h}",
+                kind="prefetch",
+                instance_id="gpu-0",
+                source_tier="pool",
+                block_hashes=[h],
+                size_bytes=BLOCK_BYTES,
+                created_ts=now,
+                start_by_ts=now,
+                needed_by_ts=now + 60.0,
+                priority=2.0 - h,
+            )
+            for h in (1, 2)
+        ]
+    )
     reporter = Reporter()
-    a = Agent(instance_id="gpu-0", source=PullSource("http://kvp", "gpu-0", transport=httpx.MockTransport(service),
-                                                     agent="A"),
-              pool=pool, buffer=HbmBuffer(8 * BLOCK_BYTES), reporter=reporter, clock=time.monotonic,
-              start_margin_seconds=MARGIN, poll_seconds=0.01)
+    a = Agent(
+        instance_id="gpu-0",
+        source=PullSource("http://kvp", "gpu-0", transport=httpx.MockTransport(service), agent="A"),
+        pool=pool,
+        buffer=HbmBuffer(8 * BLOCK_BYTES),
+        reporter=reporter,
+        clock=time.monotonic,
+        start_margin_seconds=MARGIN,
+        poll_seconds=0.01,
+    )
     try:
         a.run_once()
     finally:
         a.source.close()
         b.close()
-    print(f"\nB pulled {b_got} {transfer_seconds} s into A's transfer (lease {lease} s); "
-          f"A renewed {queue.stats['renewed']} times")
+    print(
+        f"\nB pulled {b_got} {transfer_seconds} s into A's transfer (lease {lease} s); "
+        f"A renewed {queue.stats['renewed']} times"
+    )
     assert b_got == [[]]
-    assert reporter.progress() == [("o1", "accepted"), ("o1", "completed"), ("o2", "accepted"), ("o2", "completed")]
+    assert reporter.progress() == [
+        ("o1", "accepted"),
+        ("o1", "completed"),
+        ("o2", "accepted"),
+        ("o2", "completed"),
+    ]
     assert queue.stats["lost"] == 0 and queue.stats["leased"] == 2
