@@ -27,8 +27,9 @@ class BuildPyWithBundle(build_py):
         for relative in BUNDLED:
             source = ROOT / relative
             if not source.is_dir():
-                raise FileNotFoundError(f"{source}: the wheel must carry it "
-                                        "(MANIFEST.in lists it for an sdist)")
+                raise FileNotFoundError(
+                    f"{source}: the wheel must carry it (MANIFEST.in lists it for an sdist)"
+                )
             target = Path(self.build_lib) / "app" / "_bundled" / relative
             shutil.rmtree(target, ignore_errors=True)
             shutil.copytree(source, target)
