@@ -100,10 +100,20 @@ class SchedulerConfig:
             **kw,
         )
 
-    def link_bytes_per_second(self, source: Tier) -> float:
-        return (
-            self.host_link_bytes_per_second if source == "host" else self.pool_link_bytes_per_second
+    @property
+    def cluster(self) -> ClusterSpec:
+        """The cluster these numbers describe: its formulas are the scheduler's."""
+        return ClusterSpec(
+            bytes_per_token=self.bytes_per_block // self.block_tokens,
+            block_tokens=self.block_tokens,
+            pool_link_bytes_per_second=self.pool_link_bytes_per_second,
+            host_link_bytes_per_second=self.host_link_bytes_per_second,
+            prefill_tokens_per_second=self.prefill_tokens_per_second,
+            link_share=self.link_share,
         )
+
+    def link_bytes_per_second(self, source: Tier) -> float:
+        return self.cluster.link_bytes_per_second(source)
 
 
 # One idle spell of one session's context on one instance: (instance, session, blocks, last block).
@@ -163,6 +173,7 @@ class Scheduler:
     ) -> None:
         self.store = store
         self.config = config
+        self._cluster = config.cluster  # built once: the config is frozen
         self.advice_ttl_seconds = advice_ttl_seconds
         self.totals = SchedulerTotals()
         self._open: dict[str, _Open] = {}
@@ -519,7 +530,7 @@ class Scheduler:
         now: float,
     ) -> Order | None:
         cfg = self.config
-        rate = cfg.link_bytes_per_second(source) * cfg.link_share
+        rate = self._cluster.link_bytes_per_second(source) * cfg.link_share
         transfer_seconds = nbytes / rate
         needed_by = now + cfg.lead_seconds * cfg.needed_within_fraction
         link = (dest, source)
@@ -596,10 +607,10 @@ class Scheduler:
     def _stall_avoided(self, source: Tier, blocks: int, nbytes: int) -> float:
         """What a miss of these blocks would cost: their load at full link speed, or their
         recompute if that is sooner (what the engine would do)."""
-        cfg = self.config
+        cluster = self._cluster
         return min(
-            nbytes / cfg.link_bytes_per_second(source),
-            blocks * cfg.block_tokens / cfg.prefill_tokens_per_second,
+            cluster.load_seconds(nbytes, source),
+            cluster.recompute_seconds(blocks * cluster.block_tokens),
         )
 
     def _sources(
