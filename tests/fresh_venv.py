@@ -1,7 +1,8 @@
 """Wheels of this checkout installed in a fresh venv outside it, for the install tests.
 
 The sources are copied out before the build, so the build leaves nothing in the checkout and
-two builds never share a build/ folder. Dependencies come from the package index (or pip's cache).
+two builds never share a build/ folder. Dependencies come from the package index (or pip's
+cache), or are borrowed from this test run's venv (`make_venv(borrow_deps=True)`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -71,10 +73,30 @@ def build_wheels(out: Path, *, server: bool) -> list[Path]:
     return sorted(wheels.glob("*.whl"))
 
 
-def make_venv(path: Path, wheels: Sequence[Path]) -> Path:
-    """A fresh venv at `path` holding `wheels` and their dependencies; its bin/ folder."""
+def make_venv(path: Path, wheels: Sequence[Path], *, borrow_deps: bool = False) -> Path:
+    """A fresh venv at `path` holding `wheels` and their dependencies; its bin/ folder.
+
+    `borrow_deps`: the wheels are installed without their dependencies, which the venv reads
+    from this test run's own site-packages (appended to its path by a .pth file, after its own
+    site-packages, so the wheels' packages win). For the server's wheel: installing LightGBM,
+    pandas and the rest again was most of its test's time, and what is under test is what the
+    wheel carries; `make install` resolves the same dependency list from the same metadata.
+    An editable install's .pth in the borrowed folder is not run (only a venv's own are), so the
+    checkout is not on the path.
+    """
     run([sys.executable, "-m", "venv", str(path)], cwd=path.parent)
     bin_dir = path / "bin"
+    if borrow_deps:
+        site = run(
+            [
+                str(bin_dir / "python"),
+                "-c",
+                "import sysconfig; print(sysconfig.get_paths()['purelib'])",
+            ],
+            cwd=path.parent,
+        ).stdout.strip()
+        borrowed = sysconfig.get_paths()["purelib"]
+        (Path(site) / "_borrowed_dependencies.pth").write_text(borrowed + "\n")
     # --no-compile: byte-compiling numpy, pandas and the rest up front takes longer than the
     # install itself; what runs compiles as it is imported.
     run(
@@ -85,6 +107,7 @@ def make_venv(path: Path, wheels: Sequence[Path]) -> Path:
             "install",
             "--quiet",
             "--no-compile",
+            *(["--no-deps"] if borrow_deps else []),
             *map(str, wheels),
         ],
         cwd=path.parent,

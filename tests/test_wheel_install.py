@@ -1,5 +1,7 @@
 """Installable anywhere: the project's two wheels in a fresh venv outside the checkout serve with
-the bundled model and replay every shipped scenario as the checkout does."""
+the bundled model and replay every shipped scenario as the checkout does. The venv holds the two
+wheels; their third-party dependencies are borrowed from the test run's venv (tests/fresh_venv.py
+says why); the light client's test installs its dependencies from the index."""
 
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ def test_the_wheels_serve_the_bundled_model_and_replay_the_shipped_scenarios(
 ) -> None:
     wheels = build_wheels(tmp_path / "build", server=True)
     assert sorted(w.name.split("-")[0] for w in wheels) == ["kvprefetch", "kvprefetch_client"]
-    bin_dir = make_venv(tmp_path / "venv", wheels)
+    bin_dir = make_venv(tmp_path / "venv", wheels, borrow_deps=True)
     work = tmp_path / "work"  # outside the checkout: nothing of it is on the path
     work.mkdir()
     env = clean_env()
