@@ -197,28 +197,6 @@ class Engine:
         self.replayed = self.ingestor.recover() if recover else 0
         self._check_clock()
 
-    @classmethod
-    def build(
-        cls,
-        settings: Settings | None = None,
-        *,
-        store: StateStore | None = None,
-        clock: Clock | None = None,
-        order_sink: OrderSink | None = None,
-        event_log: EventLog | NullEventLog | None = None,
-        recover: bool = True,
-        load_model: bool = True,
-    ) -> Engine:
-        return cls(
-            settings or Settings(),
-            store=store,
-            clock=clock,
-            order_sink=order_sink,
-            event_log=event_log,
-            recover=recover,
-            load_model=load_model,
-        )
-
     def _check_clock(self) -> None:
         try:
             ahead = self.ingestor.newest_ahead_of_clock()

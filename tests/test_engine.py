@@ -54,9 +54,7 @@ def engine(
 ) -> tuple[Engine, MemoryStore, InProcessSink]:
     store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
     sink = InProcessSink()
-    built = Engine.build(
-        settings(tmp_path, **kw), store=store, clock=ManualClock(0.0), order_sink=sink
-    )
+    built = Engine(settings(tmp_path, **kw), store=store, clock=ManualClock(0.0), order_sink=sink)
     built.models.serving = Serving(Fixed(p_back), "fixed", None)  # type: ignore[arg-type]
     return built, store, sink
 
@@ -246,7 +244,7 @@ def test_create_app_runs_a_prebuilt_engine(tmp_path: Path) -> None:
         assert client.post("/v1/events", json=body).status_code == 200
         assert built.running
     assert built.closed and store.session("s1") is not None
-    with pytest.raises(ValueError, match=r"Engine\.build"):
+    with pytest.raises(ValueError, match=r"Engine\(\)"):
         create_app(built, store=store)
 
 

@@ -20,25 +20,10 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from app.api.errors import HttpError
-from kvprefetch_client.events import Event, event_adapter
+from kvprefetch_client.events import EVENT_TYPES, Event, event_adapter
 
-_TAGS = frozenset(
-    {
-        "request_routed",
-        "request_started",
-        "request_finished",
-        "session_closed",
-        "kv_blocks_stored",
-        "kv_blocks_removed",
-        "kv_blocks_cleared",
-        "vllm_kv_events",
-        "instance_status",
-        "order_progress",
-        "BlockStored",
-        "BlockRemoved",
-        "AllBlocksCleared",
-    }
-)
+# The discriminator tags pydantic puts in an error's location: skipped in field paths.
+_TAGS = frozenset(EVENT_TYPES) | {"BlockStored", "BlockRemoved", "AllBlocksCleared"}
 # Names pydantic puts in an error's location for the member of a union that failed.
 _UNION_MEMBERS = frozenset({"int", "str", "constrained-int", "constrained-str", "list[str]"})
 

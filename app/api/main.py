@@ -80,9 +80,7 @@ def create_app(
     inject those; an injected one is theirs to close); `kvprefetch serve` injects nothing."""
     given = engine if isinstance(engine, Engine) else None
     if given is not None and (store is not None or clock is not None or order_sink is not None):
-        raise ValueError(
-            "store, clock and order_sink are an engine's parts: pass them to Engine.build"
-        )
+        raise ValueError("store, clock and order_sink are an engine's parts: pass them to Engine()")
     settings = (
         given.settings
         if given is not None
@@ -103,7 +101,7 @@ def create_app(
             settings.rate_limit_events_per_second, settings.rate_limit_burst_seconds
         )
         app.state.batch_parser = BatchParser(settings.max_batch_events)
-        built = given or Engine.build(settings, store=store, clock=clock, order_sink=order_sink)
+        built = given or Engine(settings, store=store, clock=clock, order_sink=order_sink)
         app.state.engine = built
         try:
             await built.start()

@@ -82,7 +82,7 @@ def _worker(
         "reorder_window_seconds": _NEVER_SECONDS,
     }
     settings = Settings(_env_file=None, **overrides)
-    engine = Engine.build(settings)
+    engine = Engine(settings)
     proc = psutil.Process()
     # A population smaller than the sessions ingested, so most of them live and end as in the run.
     kv = mode in ("blocks", "tombstones")
