@@ -18,7 +18,7 @@ INF = float("inf")
 
 
 class Entry:
-    __slots__ = ("demoted", "keep_until", "pins", "prefetched", "version")
+    __slots__ = ("demoted", "keep_until", "pins", "prefetched", "used", "version")
 
     def __init__(self) -> None:
         self.pins = 0
@@ -27,6 +27,8 @@ class Entry:
         # Landed by a prefetch and not yet used by a request.
         self.prefetched = False
         self.version = 0
+        # When it was last used (a stamp from its cache's counter): its place in the LRU order.
+        self.used = 0
 
 
 class BlockCache:
@@ -38,6 +40,11 @@ class BlockCache:
         self.evict_key = evict_key
         self._heap: list[tuple[float, int, int, int]] = []
         self._seq = itertools.count()
+        # The demoted blocks: a victim search takes them first without scanning the whole cache
+        # for the flag (a demoted block is not used, or it would no longer be demoted, so its
+        # place in the LRU order is its `used` stamp).
+        self._demoted: dict[int, None] = {}
+        self._uses = itertools.count()
 
     def __contains__(self, block: int) -> bool:
         return block in self.entries
@@ -61,10 +68,31 @@ class BlockCache:
         """The block was used: most recently used, and no longer demoted (a demotion is advice
         about one session's context; a use, by any session, outranks it)."""
         entry = self.entries[block]
-        entry.demoted = False
+        if entry.demoted:
+            entry.demoted = False
+            del self._demoted[block]
+        entry.used = next(self._uses)
         self.entries.move_to_end(block)
         if self.evict_key is not None:
             self._rank(block, self.entries[block])
+
+    def demote(self, block: int) -> None:
+        """Advice: evict this block first (and no longer keep it)."""
+        entry = self.entries.get(block)
+        if entry is not None:
+            entry.keep_until = -1.0
+            if not entry.demoted:
+                entry.demoted = True
+                self._demoted[block] = None
+
+    def keep(self, block: int, until: float) -> None:
+        """Advice: evict this block only after every unadvised one, until `until`."""
+        entry = self.entries.get(block)
+        if entry is not None:
+            entry.keep_until = max(entry.keep_until, until)
+            if entry.demoted:
+                entry.demoted = False
+                del self._demoted[block]
 
     def rekey(self, block: int) -> None:
         """The eviction key of a resident block changed: rank it by the new one (LRU order kept)."""
@@ -89,6 +117,7 @@ class BlockCache:
                 self._rank(block, e)
 
     def remove(self, block: int) -> Entry | None:
+        self._demoted.pop(block, None)
         return self.entries.pop(block, None)
 
     def evictable(self, block: int) -> bool:
@@ -106,23 +135,32 @@ class BlockCache:
             return []
         if self.evict_key is not None:
             return self._victims_by_key(n, exclude)
-        victims: list[int] = []
-        chosen: set[int] = set(exclude)
-        for block, e in self.entries.items():  # demoted first
-            if e.demoted and e.pins == 0 and block not in chosen:
-                victims.append(block)
-                chosen.add(block)
-                if len(victims) == n:
-                    return victims
-        for advised in (False, True):  # then LRU, blocks kept by advice last
-            for block, e in self.entries.items():
-                if e.pins or block in chosen or (e.keep_until > now) != advised:
-                    continue
-                victims.append(block)
-                chosen.add(block)
-                if len(victims) == n:
-                    return victims
-        return None
+        entries = self.entries
+        demoted = sorted(
+            (b for b in self._demoted if entries[b].pins == 0 and b not in exclude),
+            key=lambda b: entries[b].used,
+        )
+        victims = demoted[:n]  # demoted first, in LRU order
+        if len(victims) == n:
+            return victims
+        # Then LRU, blocks kept by advice last: one pass, stopped once n unadvised are found.
+        want = n - len(victims)
+        kept: list[int] = []
+        for block, e in entries.items():
+            if e.pins or e.demoted or block in exclude:
+                continue
+            if e.keep_until > now:
+                if len(kept) < want:
+                    kept.append(block)
+                continue
+            victims.append(block)
+            want -= 1
+            if want == 0:
+                return victims
+        if len(kept) < want:
+            return None
+        victims.extend(kept[:want])
+        return victims
 
     def _victims_by_key(self, n: int, exclude: set[int] | frozenset[int]) -> list[int] | None:
         victims: list[int] = []

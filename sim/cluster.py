@@ -519,16 +519,10 @@ class Cluster:
         """Advice: evict these blocks only after every unadvised block, until `until`."""
         hbm = self.instances[idx].hbm
         for b in blocks:
-            e = hbm.entries.get(b)
-            if e is not None:
-                e.keep_until = max(e.keep_until, until)
-                e.demoted = False
+            hbm.keep(b, until)
 
     def demote(self, idx: int, blocks: Sequence[int]) -> None:
         """Advice: evict these blocks first."""
         hbm = self.instances[idx].hbm
         for b in blocks:
-            e = hbm.entries.get(b)
-            if e is not None:
-                e.demoted = True
-                e.keep_until = -1.0
+            hbm.demote(b)

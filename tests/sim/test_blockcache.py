@@ -36,8 +36,8 @@ def test_lru_order_and_touch() -> None:
 
 def test_demoted_first_kept_last_until_the_advice_expires() -> None:
     cache = filled([1, 2, 3, 4])
-    cache.entries[1].keep_until = 10.0
-    cache.entries[4].demoted = True
+    cache.keep(1, 10.0)
+    cache.demote(4)
     assert cache.choose_victims(4, now=5.0) == [4, 2, 3, 1]
     assert cache.choose_victims(4, now=10.0) == [4, 1, 2, 3]  # expired: plain LRU again
 
@@ -54,7 +54,7 @@ def test_pinned_blocks_are_never_victims(keyed: bool) -> None:
     cache = filled([1, 2, 3, 4], evict_key=key.get if keyed else None)
     cache.entries[1].pins = 1
     cache.entries[3].pins = 2
-    cache.entries[1].demoted = True  # advice never overrides a pin
+    cache.demote(1)  # advice never overrides a pin
     assert cache.pinned_blocks() == 2
     assert cache.evictable(2) and not cache.evictable(1) and not cache.evictable(99)
     victims = cache.choose_victims(2, now=0.0)
@@ -115,8 +115,20 @@ def test_a_use_clears_a_demotion() -> None:
     # A demotion is advice about one session; a block another session uses is no longer a
     # first victim (block 0 of every Mooncake conversation is such a shared system prompt).
     cache = filled([1, 2, 3])
-    cache.entries[1].demoted = True
+    cache.demote(1)
     assert cache.choose_victims(1, now=0.0) == [1]
     cache.touch(1)
     assert not cache.entries[1].demoted
     assert cache.choose_victims(1, now=0.0) == [2]
+
+
+def test_demoted_blocks_go_in_lru_order_not_the_order_they_were_demoted() -> None:
+    cache = filled([1, 2, 3, 4])
+    cache.demote(3)
+    cache.demote(1)
+    assert cache.choose_victims(2, now=0.0) == [1, 3]
+    assert cache.choose_victims(3, now=0.0, exclude={1}) == [3, 2, 4]
+    cache.remove(1)
+    assert cache.choose_victims(1, now=0.0) == [3]
+    cache.keep(3, 10.0)  # kept: no longer demoted, and last
+    assert cache.choose_victims(3, now=0.0) == [2, 4, 3]
