@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -29,24 +28,27 @@ TRACES = REPO.parent / "shared" / "traces"
 
 # Under `make test` (pytest-xdist, --dist loadgroup) each test module keeps to one worker, so its
 # module-scoped fixtures (a live service, a fuzzed app, a fetched tool) are built once, not once
-# per worker. These paths share a group wider than their module:
+# per worker. Tests whose id starts with one of these prefixes go to the group named instead (the
+# first prefix that matches):
 XDIST_GROUPS = {
     # Real service processes whose latencies and stalls are measured: one at a time, so two never
     # fight over the two cores (the other worker runs the in-process tests meanwhile).
     "tests/e2e/": "e2e",
-    # test_policies' bounds reuse test_cluster's cached replays (checked_replay).
+    # The full traces' bounds replay what no other test does: a group of their own, so that the
+    # two workers can share the sim's replays.
+    "tests/sim/test_policies.py::test_oracle_and_belady_bound_none_on_full_traces": "sim-full",
+    # test_policies' other bounds reuse test_cluster's cached replays (checked_replay).
     "tests/sim/test_cluster.py": "sim-replays",
     "tests/sim/test_policies.py": "sim-replays",
 }
 
 
 def xdist_group_of(nodeid: str) -> str:
-    """The group a test runs in under xdist: its module's, or a wider one from XDIST_GROUPS."""
-    module = nodeid.split("::", 1)[0]
+    """The group a test runs in under xdist: its module's, or the one XDIST_GROUPS names."""
     for prefix, group in XDIST_GROUPS.items():
-        if module.startswith(prefix):
+        if nodeid.startswith(prefix):
             return group
-    return module
+    return nodeid.split("::", 1)[0]
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent with -p no:xdist
@@ -92,38 +94,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     wide = set(XDIST_GROUPS.values())
     # Stable: collection order within each rank.
     items.sort(key=lambda item: (groups[item] not in slow, groups[item] not in wide))
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
-    """Under xdist, a test marked `alone` runs while no other worker runs a test (what it asserts
-    needs the machine's throughput); the others run side by side. Two file locks shared by the
-    run's workers: the gate queues an `alone` test ahead of the tests that come after it."""
-    workerinput = getattr(item.config, "workerinput", None)
-    if workerinput is None:
-        return (yield)
-    import fcntl
-
-    # The run's temp dir, which holds each worker's own (and which pytest cleans up later).
-    basetemp = item.config.option.basetemp
-    lock_dir = Path(basetemp).parent if basetemp else Path(tempfile.gettempdir())
-    run = workerinput["testrunuid"]
-    alone = item.get_closest_marker("alone") is not None
-    with (
-        open(lock_dir / f"kvp-xdist-{run}.gate", "a") as gate,
-        open(lock_dir / f"kvp-xdist-{run}.run", "a") as running,
-    ):
-        fcntl.flock(gate, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        finally:
-            if not alone:
-                fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            return (yield)
-        finally:
-            fcntl.flock(running, fcntl.LOCK_UN)
-            fcntl.flock(gate, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
