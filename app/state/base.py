@@ -61,6 +61,17 @@ class RequestView(_View):
     context_tokens: int | None
 
 
+class SignalView(_View):
+    """One session_signal, as a session remembers it."""
+
+    ts: float
+    kind: str
+    tool: str | None = None
+    instance_id: str | None = None
+    expected_in_seconds: float | None = None
+    expected_prompt_tokens: int | None = None
+
+
 class SessionView(_View):
     session_id: str
     state: SessionStateName
@@ -79,6 +90,10 @@ class SessionView(_View):
     last_request: RequestView | None
     # How many of the context's blocks each location holds right now.
     resident_blocks: dict[str, int]
+    # Its latest RECENT_SIGNALS session_signal events by ts, oldest first, and how many it has
+    # had in all (a count of events, like turns).
+    signals: list[SignalView] = []
+    signals_total: int = 0
 
 
 class InstanceView(_View):

@@ -25,6 +25,8 @@ from kvprefetch_client.events import BlockHash
 
 RECENT_REQUESTS = 3
 RECENT_ARRIVALS = 16
+# A session keeps its latest RECENT_SIGNALS session_signal events (by ts): a flood costs no more.
+RECENT_SIGNALS = 8
 NONE = -1.0  # "no timestamp" (and, as -1, "no count")
 
 SessionStateName = Literal["queued", "running", "idle", "closed"]

@@ -285,6 +285,37 @@ class InstanceStatus(_Event):
         return self
 
 
+# The kinds a deployment most often has; any other short name is accepted too (a deployment's own
+# kinds), and the model learns each kind's reliability and lead from the logs.
+SIGNAL_KINDS: tuple[str, ...] = ("opened", "typing", "tool_started", "tool_finished", "queued")
+SignalKind = Annotated[
+    str, StringConstraints(min_length=1, max_length=64, pattern=r"^[a-z0-9][a-z0-9_.:-]*$")
+]
+
+
+class SessionSignal(_Event):
+    """Something that usually comes before a session's next request, seconds before it exists.
+
+    A chat front end sends `opened` when the user reopens the conversation and `typing` when they
+    type; an agent framework sends `tool_started` (with the `tool`) and `tool_finished`; a router
+    or gateway sends `queued` when it admits a request before an instance is free (with the
+    `instance_id` it will go to). A signal is a hint, never a promise: the model learns from the
+    logs how often each kind is followed by a request, and how soon.
+    """
+
+    type: Literal["session_signal"] = "session_signal"
+    session_id: SessionId
+    kind: SignalKind
+    tool: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
+    # Where the next request will go, when the sender knows (a router's `queued`).
+    instance_id: Ident | None = None
+    # The sender's own estimate, when it has one: the request in this many seconds, this big.
+    expected_in_seconds: (
+        Annotated[StrictFloat, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)] | None
+    ) = None
+    expected_prompt_tokens: Tokens | None = None
+
+
 OrderStatus = Literal["accepted", "completed", "failed"]
 
 
@@ -317,6 +348,7 @@ Event = Annotated[
     | RequestStarted
     | RequestFinished
     | SessionClosed
+    | SessionSignal
     | KvBlocksStored
     | KvBlocksRemoved
     | KvBlocksCleared
@@ -331,6 +363,7 @@ EVENT_TYPES: tuple[str, ...] = (
     "request_started",
     "request_finished",
     "session_closed",
+    "session_signal",
     "kv_blocks_stored",
     "kv_blocks_removed",
     "kv_blocks_cleared",
