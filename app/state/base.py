@@ -22,8 +22,16 @@ every backend):
 - Orders are forgotten like sessions: an order whose newest progress event is older than the
   newest event ts minus the session retention is gone (`order()` None, not counted), and an
   order_progress event older than that is ignored.
-- Counters (turns) count events, so they rely on event-id idempotency: a resent event with the
-  same `event_id` is never applied twice.
+- Signals (`session_signal`): a session keeps its RECENT_SIGNALS greatest signals, ordered by
+  (ts, kind, tool, instance, expected_in_seconds, expected_prompt_tokens), oldest first in the
+  view; `signals_total` counts signal events. A signal for an unknown session creates it (idle,
+  0 turns). Signals never move the times of a session that has any other event: its first seen
+  and last activity are the earliest and newest ts of its other events. A session that has had
+  only signals takes them from its signals (and, once any other event comes, from those alone),
+  so it is listed, and forgotten after the retention, by its newest signal. Signals are
+  forgotten with their session; a signal older than the retention cutoff is ignored.
+- Counters (turns, signals_total) count events, so they rely on event-id idempotency: a resent
+  event with the same `event_id` is never applied twice.
 - Listing: `live_sessions` orders by (last activity ts, session id), both descending, and
   filters by the state above, so a listing and its pages are also functions of the set of events
   (the id breaks timestamp ties, which traces are full of).

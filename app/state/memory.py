@@ -24,14 +24,17 @@ from app.state.base import (
     SessionContext,
     SessionCursor,
     SessionView,
+    SignalView,
     location_name,
 )
 from app.state.rules import (
     NONE,
     RequestRecord,
     SessionRecord,
+    SignalEntry,
     latest_context_tokens,
     retention_cutoff,
+    signal_entry,
     tombstone_floor,
 )
 from kvprefetch_client.events import (
@@ -46,6 +49,7 @@ from kvprefetch_client.events import (
     RequestRouted,
     RequestStarted,
     SessionClosed,
+    SessionSignal,
     Tier,
     VllmKvEvents,
 )
@@ -228,6 +232,7 @@ class MemoryStore:
             "request_started": self._started,
             "request_finished": self._finished,
             "session_closed": self._closed,
+            "session_signal": self._signal,
             "kv_blocks_stored": self._stored,
             "kv_blocks_removed": self._removed,
             "kv_blocks_cleared": self._cleared,
@@ -333,9 +338,10 @@ class MemoryStore:
             del self._by_second[second]
             del self._seconds[bisect.bisect_left(self._seconds, second)]
 
-    def _session(self, session_id: str, ts: float) -> SessionRecord | None:
+    def _session(self, session_id: str, ts: float, *, signal: bool = False) -> SessionRecord | None:
         """The session an event at `ts` updates; None when the event is itself older than the
-        cutoff (it is about a past the store has forgotten, or is about to)."""
+        cutoff (it is about a past the store has forgotten, or is about to). A signal (`signal`)
+        leaves the times to SessionRecord.signal; any other event touches them."""
         if ts < self._cutoff:
             return None
         s = self._sessions.get(session_id)
@@ -343,12 +349,13 @@ class MemoryStore:
             self._forget(session_id)  # forgotten: a new event starts it afresh
             s = None
         if s is None:
-            s = self._sessions[session_id] = SessionRecord(ts)
+            s = self._sessions[session_id] = SessionRecord(ts, signal_only=signal)
             self._index(session_id, None, ts)
-        else:
-            if ts > s.last_ts and int(ts) != int(s.last_ts):
-                self._index(session_id, s.last_ts, ts)
+        elif not signal:
+            old = s.last_ts
             s.touch(ts)
+            if int(s.last_ts) != int(old):
+                self._index(session_id, old, s.last_ts)
         return s
 
     def _index(self, session_id: str, old_ts: float | None, ts: float) -> None:
@@ -401,7 +408,7 @@ class MemoryStore:
         elif ts > instance.last_seen_ts:
             instance.last_seen_ts = ts
         s = self._sessions.get(e.session_id)
-        if s is None or s.last_ts < self._cutoff or ts < self._cutoff:
+        if s is None or s.last_ts < self._cutoff or ts < self._cutoff or s.signal_only:
             s = self._session(e.session_id, ts)
             if s is None:
                 return None
@@ -441,6 +448,14 @@ class MemoryStore:
         s = self._session(e.session_id, e.ts)
         if s is not None:
             s.closed(e.ts)
+
+    def _signal(self, e: SessionSignal) -> None:
+        s = self._session(e.session_id, e.ts, signal=True)
+        if s is not None:
+            old = s.last_ts
+            s.signal(signal_entry(e))
+            if int(s.last_ts) != int(old):
+                self._index(e.session_id, old, s.last_ts)
 
     def _location(self, tier: str, instance_id: str | None, block_tokens: int | None) -> _Location:
         key = (tier, instance_id)
@@ -571,6 +586,8 @@ class MemoryStore:
             inter_turn_gaps_seconds=[b - a for a, b in zip(arrivals, arrivals[1:])],
             last_request=_request_view(latest) if latest is not None else None,
             resident_blocks=resident,
+            signals=[_signal_view(x) for x in s.signals],
+            signals_total=s.signals_total,
         )
 
     def live_sessions(
@@ -799,6 +816,18 @@ class MemoryStore:
 
     def close(self) -> None:
         return None
+
+
+def _signal_view(x: SignalEntry) -> SignalView:
+    ts, kind, tool, instance_id, expected_in_seconds, expected_prompt_tokens = x
+    return SignalView(
+        ts=ts,
+        kind=kind,
+        tool=tool or None,
+        instance_id=instance_id or None,
+        expected_in_seconds=expected_in_seconds if expected_in_seconds >= 0 else None,
+        expected_prompt_tokens=expected_prompt_tokens if expected_prompt_tokens >= 0 else None,
+    )
 
 
 def _request_view(r: RequestRecord) -> RequestView:

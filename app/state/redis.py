@@ -45,6 +45,10 @@ from the prefix, so they must all live on one node):
                                   i instance, it its ts, b block hashes (JSON list), bts their ts,
                                   k their block tokens, t turns,
                                   a recent arrivals (JSON list of ts strings, sorted, at most 16),
+                                  g signals (JSON list of [ts, kind, tool, instance,
+                                    expected_in, expected_tokens], strings, "" and "-1" for
+                                    none; sorted as rules.SignalEntry, at most 8), n signals
+                                    counted, o "1" while every event was a signal,
                                   r request records (JSON list of [request_id, instance_id,
                                     instance ts, routed ts, started ts, finished ts, prompt,
                                     output, context], strings, "-1" for none; in MemoryStore's
@@ -116,12 +120,14 @@ from app.state.base import (
     SessionContext,
     SessionCursor,
     SessionView,
+    SignalView,
     location_name,
 )
 from app.state.rules import (
     NONE,
     RECENT_ARRIVALS,
     RECENT_REQUESTS,
+    RECENT_SIGNALS,
     SessionStateName,
     context_tokens,
     request_rank,
@@ -140,6 +146,7 @@ from kvprefetch_client.events import (
     RequestRouted,
     RequestStarted,
     SessionClosed,
+    SessionSignal,
     Tier,
     VllmKvEvents,
 )
@@ -171,6 +178,7 @@ _REQ_PROMPT, _REQ_OUTPUT, _REQ_CONTEXT = 6, 7, 8
 #   S sid rid iid ts                                                     request_started
 #   F sid rid iid ts output context|"-1" blocks_json|"" session_bt       request_finished
 #   C sid ts                                                             session_closed
+#   G sid ts kind tool|"" iid|"" expected_in|"-1" expected_tokens|"-1"   session_signal
 #   K iid|"" location meta ts bt_if_new bt_update|"" n block*n           kv_blocks_stored
 #   X iid|"" location meta ts bt_if_new n block*n                        kv_blocks_removed
 #   Z iid|"" location meta ts bt_if_new                                  kv_blocks_cleared
@@ -183,6 +191,7 @@ _APPLY_LUA = (
     _lua("redis_apply.lua")
     .replace("__RECENT_REQUESTS__", str(RECENT_REQUESTS))
     .replace("__RECENT_ARRIVALS__", str(RECENT_ARRIVALS))
+    .replace("__RECENT_SIGNALS__", str(RECENT_SIGNALS))
 )
 
 # ARGV: prefix, ttl seconds, bucket seconds, session retention. Returns sessions, instances,
@@ -275,6 +284,7 @@ class RedisStore:
             "request_started": self._enc_started,
             "request_finished": self._enc_finished,
             "session_closed": self._enc_closed,
+            "session_signal": self._enc_signal,
             "kv_blocks_stored": self._enc_stored,
             "kv_blocks_removed": self._enc_removed,
             "kv_blocks_cleared": self._enc_cleared,
@@ -442,6 +452,18 @@ class RedisStore:
 
     def _enc_closed(self, e: SessionClosed, ops: list[str]) -> None:
         ops += ("C", e.session_id, _ts(e.ts))
+
+    def _enc_signal(self, e: SessionSignal, ops: list[str]) -> None:
+        ops += (
+            "G",
+            e.session_id,
+            _ts(e.ts),
+            e.kind,
+            _opt(e.tool),
+            _opt(e.instance_id),
+            _ts(e.expected_in_seconds) if e.expected_in_seconds is not None else "-1",
+            str(e.expected_prompt_tokens) if e.expected_prompt_tokens is not None else "-1",
+        )
 
     @staticmethod
     def _blocks_json(hs: Sequence[BlockHash] | None) -> str:
@@ -657,6 +679,8 @@ class RedisStore:
             inter_turn_gaps_seconds=[b - a for a, b in zip(arrivals, arrivals[1:])],
             last_request=_request_view(latest) if latest is not None else None,
             resident_blocks=resident,
+            signals=[_signal_view(x) for x in json.loads(h["g"])] if "g" in h else [],
+            signals_total=int(h.get("n", 0)),
         )
 
     def _location_table(self) -> list[tuple[str, str, str | None, int, float | None, int]]:
@@ -925,6 +949,20 @@ class RedisStore:
 def _rank(r: list[str]) -> float:
     """rules.request_rank of a stored record."""
     return request_rank(float(r[_REQ_ROUTED]), float(r[_REQ_STARTED]), float(r[_REQ_FINISHED]))
+
+
+def _signal_view(x: list[str]) -> SignalView:
+    """A stored signal entry ([ts, kind, tool, instance, expected_in, expected_tokens], strings,
+    "" and "-1" for none) as a view."""
+    ts, kind, tool, instance_id, expected_in, expected_tokens = x
+    return SignalView(
+        ts=float(ts),
+        kind=kind,
+        tool=tool or None,
+        instance_id=instance_id or None,
+        expected_in_seconds=float(expected_in) if float(expected_in) >= 0 else None,
+        expected_prompt_tokens=int(expected_tokens) if int(expected_tokens) >= 0 else None,
+    )
 
 
 def _request_view(r: list[str]) -> RequestView:

@@ -9,6 +9,7 @@ local P = argv[1]
 local TTL = argv[2]
 local RECENT_REQUESTS = __RECENT_REQUESTS__
 local RECENT_ARRIVALS = __RECENT_ARRIVALS__
+local RECENT_SIGNALS = __RECENT_SIGNALS__
 local WINDOW = tonumber(argv[4])     -- reorder window (inf: tombstones never expire)
 local RETENTION = tonumber(argv[5])  -- session retention (inf: sessions are never forgotten)
 local SESSIONS = P .. ':sessions'
@@ -66,12 +67,13 @@ end
 
 -- sessions read in this call: sid -> fields (the stored strings, or false), plus
 --   reqs (decoded request records), arr (decoded arrivals), b (new block list),
---   moved (last activity changed: update the sessions zset)
+--   sig (decoded signals), moved (last activity changed: update the sessions zset)
 local sessions, session_order = {}, {}
-local SESSION_FIELDS = {'f', 'l', 'c', 'i', 'it', 'bts', 'k', 't', 'r', 'a'}
+local SESSION_FIELDS = {'f', 'l', 'c', 'i', 'it', 'bts', 'k', 't', 'r', 'a', 'o', 'g', 'n'}
 
--- MemoryStore._session, rules.SessionRecord.touch; nil: the event is older than the cutoff
-local function touch_session(sid, ts_s, ts)
+-- MemoryStore._session, rules.SessionRecord.touch; nil: the event is older than the cutoff.
+-- A signal (`signal` true) leaves the times to the 'G' operation (rules.SessionRecord.signal).
+local function touch_session(sid, ts_s, ts, signal)
   if ts < cutoff then return nil end
   local s = sessions[sid]
   if not s then
@@ -84,15 +86,63 @@ local function touch_session(sid, ts_s, ts)
   if s.l and tonumber(s.l) < cutoff then
     -- forgotten: a new event starts it afresh (the write-back deletes the old hash first)
     for _, name in ipairs(SESSION_FIELDS) do s[name] = false end
-    s.reqs, s.arr, s.b, s.reset = nil, nil, nil, true
+    s.reqs, s.arr, s.b, s.sig, s.reset = nil, nil, nil, nil, true
   end
   if not s.f then
     s.f, s.l, s.moved = ts_s, ts_s, true
+    if signal then s.o = '1' end
+  elseif signal then
+    return s
+  elseif s.o == '1' then
+    -- rules.SessionRecord.touch: a session that had only signals takes its times from this event
+    s.f, s.l, s.moved, s.o = ts_s, ts_s, true, '0'
   else
     if ts < tonumber(s.f) then s.f = ts_s end
     if ts > tonumber(s.l) then s.l, s.moved = ts_s, true end
   end
   return s
+end
+
+-- Python's order of two strings (by code point: for UTF-8, by byte), which Lua's `<` (the
+-- locale's collation) need not be
+local function str_cmp(a, b)
+  if a == b then return 0 end
+  local n = math.min(#a, #b)
+  for k = 1, n do
+    local x, y = string.byte(a, k), string.byte(b, k)
+    if x ~= y then return x < y and -1 or 1 end
+  end
+  return #a < #b and -1 or 1
+end
+
+-- rules.SignalEntry's order: whether signal entry x comes before y (the tuples' order)
+local function signal_lt(x, y)
+  local a, b = tonumber(x[1]), tonumber(y[1])
+  if a ~= b then return a < b end
+  for k = 2, 4 do
+    local c = str_cmp(x[k], y[k])
+    if c ~= 0 then return c < 0 end
+  end
+  a, b = tonumber(x[5]), tonumber(y[5])
+  if a ~= b then return a < b end
+  return tonumber(x[6]) < tonumber(y[6])
+end
+
+-- rules.SessionRecord.signal, rules.add_signal: one more signal, the greatest RECENT_SIGNALS
+-- kept (sorted); a session that had only signals takes its times from them
+local function add_signal(s, entry)
+  s.n = tostring((s.n and tonumber(s.n) or 0) + 1)
+  if not s.sig then s.sig = s.g and cjson.decode(s.g) or {} end
+  local sig = s.sig
+  local pos = #sig + 1
+  while pos > 1 and signal_lt(entry, sig[pos - 1]) do pos = pos - 1 end
+  table.insert(sig, pos, entry)
+  if #sig > RECENT_SIGNALS then table.remove(sig, 1) end
+  if s.o == '1' then
+    local ts = tonumber(entry[1])
+    if ts < tonumber(s.f) then s.f = entry[1] end
+    if ts > tonumber(s.l) then s.l, s.moved = entry[1], true end
+  end
 end
 
 -- instances read in this call: iid -> {l, st, new, status (fields to write, or nil)}
@@ -254,6 +304,15 @@ local function apply_ops(i, last)
       see(ts_s, ts)
       local s = touch_session(sid, ts_s, ts)
       if s and ts > num(s.c) then s.c = ts_s end
+    elseif op == 'G' then
+      -- MemoryStore._signal, rules.SessionRecord.signal
+      local sid, ts_s = argv[i + 1], argv[i + 2]
+      local entry = {ts_s, argv[i + 3], argv[i + 4], argv[i + 5], argv[i + 6], argv[i + 7]}
+      i = i + 8
+      local ts = tonumber(ts_s)
+      see(ts_s, ts)
+      local s = touch_session(sid, ts_s, ts, true)
+      if s then add_signal(s, entry) end
     elseif op == 'K' then
       -- MemoryStore._stored, memory._Location.store
       local iid, name, meta, ts_s = argv[i + 1], argv[i + 2], argv[i + 3], argv[i + 4]
@@ -388,6 +447,7 @@ for _, sid in ipairs(session_order) do
   local s = sessions[sid]
   if s.reqs then s.r = cjson.encode(s.reqs) end
   if s.arr then s.a = cjson.encode(s.arr) end
+  if s.sig then s.g = cjson.encode(s.sig) end
   local fields = {}
   for _, name in ipairs(SESSION_FIELDS) do
     if s[name] then

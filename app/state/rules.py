@@ -1,8 +1,9 @@
-"""The session rules, once: what a request event or a session_closed does to a session, which of
-its requests is the latest and what state and context that gives it, what it keeps (its last
-RECENT_REQUESTS requests and RECENT_ARRIVALS arrivals), and the two windows: retention (when a
-session or an order is forgotten) and the reorder window (how long a removal shadows a late
-store). app/state/base.py says the rules in words; this module is them in code.
+"""The session rules, once: what a request event, a session_closed or a session_signal does to a
+session, which of its requests is the latest and what state and context that gives it, what it
+keeps (its last RECENT_REQUESTS requests, RECENT_ARRIVALS arrivals and RECENT_SIGNALS signals),
+and the two windows: retention (when a session or an order is forgotten) and the reorder window
+(how long a removal shadows a late store). app/state/base.py says the rules in words; this
+module is them in code.
 
 Both Python stores call it: MemoryStore applies every session event through SessionRecord and
 RequestRecord and reads them back through `session_state` and `context_tokens`; RedisStore reads
@@ -21,7 +22,7 @@ import bisect
 from array import array
 from typing import Literal
 
-from kvprefetch_client.events import BlockHash
+from kvprefetch_client.events import BlockHash, SessionSignal
 
 RECENT_REQUESTS = 3
 RECENT_ARRIVALS = 16
@@ -122,6 +123,31 @@ class RequestRecord:
         return self.routed_ts, self.started_ts, self.finished_ts
 
 
+# One remembered session_signal: (ts, kind, tool, instance_id, expected_in_seconds,
+# expected_prompt_tokens), "" and NONE for "none". The whole tuple is its order (ts first), so the
+# RECENT_SIGNALS kept are the greatest of the set of signals, whatever order they came in.
+SignalEntry = tuple[float, str, str, str, float, int]
+
+
+def signal_entry(e: SessionSignal) -> SignalEntry:
+    return (
+        e.ts,
+        e.kind,
+        e.tool or "",
+        e.instance_id or "",
+        e.expected_in_seconds if e.expected_in_seconds is not None else NONE,
+        e.expected_prompt_tokens if e.expected_prompt_tokens is not None else -1,
+    )
+
+
+def add_signal(signals: list[SignalEntry], entry: SignalEntry) -> None:
+    """A signal into the sorted signals; the greatest RECENT_SIGNALS kept (a flood costs no
+    more)."""
+    bisect.insort(signals, entry)
+    if len(signals) > RECENT_SIGNALS:
+        del signals[0]
+
+
 class SessionRecord:
     """One session, as the events so far made it. Kept small (slotted, floats rather than
     optional objects, block hashes packed in an array): a store holds millions."""
@@ -137,13 +163,21 @@ class SessionRecord:
         "instance_ts",
         "last_ts",
         "requests",
+        "signal_only",
+        "signals",
+        "signals_total",
         "turns",
     )
 
-    def __init__(self, ts: float) -> None:
+    def __init__(self, ts: float, *, signal_only: bool = False) -> None:
         self.turns = 0
         self.first_ts = ts
         self.last_ts = ts
+        # Every event so far was a session_signal: first seen and last activity are the signals'
+        # until any other event comes, then that event's alone (see `touch`).
+        self.signal_only = signal_only
+        self.signals: list[SignalEntry] = []
+        self.signals_total = 0
         self.closed_ts = NONE
         self.instance_id: str | None = None
         self.instance_ts = NONE
@@ -154,7 +188,13 @@ class SessionRecord:
         self.requests: list[RequestRecord] = []
 
     def touch(self, ts: float) -> None:
-        """Any event of the session: first seen and last activity."""
+        """Any event of the session but a signal: first seen and last activity. A session that
+        has had only signals so far takes both from this event alone (signals never move the
+        times of a session that has other events)."""
+        if self.signal_only:
+            self.signal_only = False
+            self.first_ts = self.last_ts = ts
+            return
         if ts < self.first_ts:
             self.first_ts = ts
         if ts > self.last_ts:
@@ -213,6 +253,18 @@ class SessionRecord:
             r.finished_ts, r.output_tokens = ts, output_tokens
             r.context_tokens = context_tokens if context_tokens is not None else -1
         self.trim_requests()
+
+    def signal(self, entry: SignalEntry) -> None:
+        """session_signal: one more signal, kept among the RECENT_SIGNALS greatest; the signals
+        are the times of a session that has had nothing else."""
+        self.signals_total += 1
+        add_signal(self.signals, entry)
+        if self.signal_only:
+            ts = entry[0]
+            if ts < self.first_ts:
+                self.first_ts = ts
+            if ts > self.last_ts:
+                self.last_ts = ts
 
     def closed(self, ts: float) -> None:
         """session_closed: the newest close (what `session_state` weighs against the routing)."""

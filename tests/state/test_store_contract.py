@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import itertools
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,8 @@ import pytest
 
 import app.state.memory
 from app.state import LogPosition, MemoryStore, StateStore, cursor_of
-from app.state.rules import RECENT_REQUESTS
+from app.state.base import SignalView
+from app.state.rules import RECENT_REQUESTS, RECENT_SIGNALS
 from kvprefetch_client.events import Event, event_adapter
 
 BPT = 327_680
@@ -877,3 +879,129 @@ def test_instance_loads_are_those_of_the_instance_records(store: StateStore) -> 
     assert loads == {i.instance_id: (i.queue_depth, i.running_requests) for i in views}
     assert loads["gpu-1"] == (3, 2) and "nope" not in loads
     assert store.instance_loads([]) == {}
+
+
+# -- session signals ------------------------------------------------------------------------
+
+
+def signal(session: str, ts: float, kind: str = "typing", **kw: Any) -> Event:
+    return ev("session_signal", ts, session_id=session, kind=kind, **kw)
+
+
+def _signals_held(store: StateStore, session_id: str) -> int:
+    """How many signal entries the store itself holds for a session (not the view's count)."""
+    if isinstance(store, MemoryStore):
+        return len(store._sessions[session_id].signals)
+    from app.state.redis import RedisStore
+
+    assert isinstance(store, RedisStore)
+    raw = store._r.hget(f"{store.prefix}:s:{session_id}", "g")
+    return len(json.loads(raw)) if raw else 0
+
+
+def test_a_signal_for_an_unknown_session_starts_it(store: StateStore) -> None:
+    store.apply(
+        [
+            signal(
+                "s",
+                5.0,
+                "tool_started",
+                tool="web.search",
+                instance_id="gpu-2",
+                expected_in_seconds=2.5,
+                expected_prompt_tokens=900,
+            )
+        ]
+    )
+    v = store.session("s")
+    assert (v.state, v.turns, v.first_seen_ts, v.last_activity_ts) == ("idle", 0, 5.0, 5.0)
+    assert (v.instance_id, v.last_request, v.context_tokens, v.signals_total) == (None, None, 0, 1)
+    assert v.signals == [
+        SignalView(
+            ts=5.0,
+            kind="tool_started",
+            tool="web.search",
+            instance_id="gpu-2",
+            expected_in_seconds=2.5,
+            expected_prompt_tokens=900,
+        )
+    ]
+    # Signals alone set its times: the earliest and the newest of them.
+    store.apply([signal("s", 3.0, "opened"), signal("s", 9.0)])
+    v = store.session("s")
+    assert (v.first_seen_ts, v.last_activity_ts, v.signals_total) == (3.0, 9.0, 3)
+    assert [(x.ts, x.kind, x.tool, x.expected_in_seconds) for x in v.signals] == [
+        (3.0, "opened", None, None),
+        (5.0, "tool_started", "web.search", 2.5),
+        (9.0, "typing", None, None),
+    ]
+    assert [x.session_id for x in store.live_sessions(10)] == ["s"]
+    assert store.stats()["sessions"] == 1
+
+
+def test_signals_never_move_the_times_of_a_session_with_requests(store: StateStore) -> None:
+    events = [
+        signal("s", 1.0, "opened"),
+        routed("s", "r1", 10.0),
+        finished("s", "r1", 12.0),
+        signal("s", 30.0, "typing"),
+        signal("s", 31.0, "typing"),
+    ]
+    for order in (events, list(reversed(events)), [events[k] for k in (3, 1, 0, 4, 2)]):
+        store.clear()
+        store.apply(order)
+        v = store.session("s")
+        assert (v.first_seen_ts, v.last_activity_ts, v.turns, v.state) == (10.0, 12.0, 1, "idle")
+        assert (v.signals_total, [x.ts for x in v.signals]) == (3, [1.0, 30.0, 31.0])
+        assert store.live_sessions(10) == [v]
+
+
+def test_a_session_keeps_its_latest_signals_whatever_the_order(store: StateStore) -> None:
+    # Ties at one ts are kept by the rest of the signal (kind, tool, ...), not by arrival.
+    events = [signal("s", float(t // 2), kind=f"k{t % 3}", tool=f"t{t}") for t in range(20)]
+    events += [signal("s", 9.0, "opened"), signal("s", 9.0, "opened", expected_in_seconds=1.0)]
+    events.append(routed("s", "r1", 4.0))
+    views = []
+    for order in (events, list(reversed(events)), events[1::2] + events[::2]):
+        store.clear()
+        store.apply(order)
+        views.append(store.session("s"))
+    assert views[0] == views[1] == views[2]
+    v = views[0]
+    assert v.signals_total == 22 and len(v.signals) == RECENT_SIGNALS
+    keys = [(x.ts, x.kind, x.tool or "", x.expected_in_seconds or -1.0) for x in v.signals]
+    assert keys == sorted(keys) and keys[-1][0] == 9.0 and keys[0][0] >= 7.0
+    assert [x.kind for x in v.signals if x.ts == 9.0] == ["k0", "k1", "opened", "opened"]
+
+
+def test_a_resent_signal_counts_once(store: StateStore) -> None:
+    a = signal("s", 1.0)
+    assert store.apply([a, a]) == [True, False]
+    assert store.apply([a]) == [False]
+    v = store.session("s")
+    assert (v.signals_total, len(v.signals)) == (1, 1)
+
+
+def test_a_flood_of_signals_costs_bounded_memory(store: StateStore) -> None:
+    for batch in range(5):
+        store.apply([signal("s", batch * 1000.0 + i, kind=f"k{i % 7}") for i in range(400)])
+        assert _signals_held(store, "s") == RECENT_SIGNALS
+    v = store.session("s")
+    assert v.signals_total == 2000 and v.signals[-1].ts == 4399.0
+
+
+def test_signals_are_forgotten_with_their_session(bounded: StateStore) -> None:
+    bounded.apply([routed("a", "r1", 10.0), signal("a", 60.0), signal("b", 20.0)])
+    # "a" was last active at 10 (its signal does not count), "b" at 20: both past at 120.5.
+    bounded.apply([routed("c", "r1", 120.5)])
+    assert bounded.session("a") is None and bounded.session("b") is None
+    assert bounded.stats()["sessions"] == 1
+    # A signal older than the cutoff is ignored; a newer one starts the session afresh.
+    bounded.apply([signal("a", 15.0), signal("b", 130.0)])
+    assert bounded.session("a") is None
+    v = bounded.session("b")
+    assert (v.signals_total, [x.ts for x in v.signals], v.first_seen_ts) == (1, [130.0], 130.0)
+    # A request after signals gives the session its own times, then the request's alone.
+    bounded.apply([routed("b", "r1", 125.0)])
+    v = bounded.session("b")
+    assert (v.first_seen_ts, v.last_activity_ts, v.signals_total) == (125.0, 125.0, 1)
