@@ -36,7 +36,14 @@ _TS = operator.attrgetter("ts")
 # What the stores forget past the retention (sessions and order records): an event of these older
 # than the cutoff would be ignored, so it is rejected instead.
 RETAINED_EVENT_TYPES = frozenset(
-    {"request_routed", "request_started", "request_finished", "session_closed", "order_progress"}
+    {
+        "request_routed",
+        "request_started",
+        "request_finished",
+        "session_closed",
+        "session_signal",
+        "order_progress",
+    }
 )
 # Why an event was refused for its time (the label of kvprefetch_events_refused_total).
 CLOCK_SKEW, PAST_RETENTION = "clock_skew", "past_retention"

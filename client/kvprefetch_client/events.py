@@ -303,6 +303,22 @@ class SessionSignal(_Event):
     logs how often each kind is followed by a request, and how soon.
     """
 
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "type": "session_signal",
+                    "event_id": "sig-7f3a",
+                    "ts": 1767000000.25,
+                    "session_id": "agent-run-42",
+                    "kind": "tool_started",
+                    "tool": "web.search",
+                    "expected_in_seconds": 4.0,
+                }
+            ]
+        }
+    )
+
     type: Literal["session_signal"] = "session_signal"
     session_id: SessionId
     kind: SignalKind

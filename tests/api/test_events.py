@@ -85,7 +85,7 @@ def test_mixed_batch_accepts_the_valid_and_names_each_bad_field(
             "message": "Input tag 'no_such_type' found using 'type' "
             "does not match any of the expected tags: "
             "'request_routed', 'request_started', 'request_finished', 'session_closed', "
-            "'kv_blocks_stored', 'kv_blocks_removed', 'kv_blocks_cleared', 'vllm_kv_events', "
+            "'session_signal', 'kv_blocks_stored', 'kv_blocks_removed', 'kv_blocks_cleared', 'vllm_kv_events', "
             "'instance_status', 'order_progress'",
         },
         {
@@ -372,10 +372,11 @@ def test_every_event_type_is_accepted(client: TestClient) -> None:
             "seconds": 0.01,
         },
         {"type": "session_closed", "event_id": "e10", "ts": 8.0, "session_id": "s1"},
+        {"type": "session_signal", "event_id": "e11", "ts": 7.5, "session_id": "s1", "kind": "x"},
     ]
     r = post(client, events)
     assert r.status_code == 200, r.json()
-    assert len(r.json()["accepted"]) == 10
+    assert len(r.json()["accepted"]) == 11
     assert client.get("/v1/sessions/s1").json()["state"] == "closed"
 
 

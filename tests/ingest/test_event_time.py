@@ -200,18 +200,20 @@ def test_a_session_event_older_than_the_retention_is_refused_not_ignored(
     stale = [
         routed("gone", NOW - RETENTION - 1),
         ev("session_closed", NOW - RETENTION - 5, session_id="live"),
+        ev("session_signal", NOW - RETENTION - 2, session_id="gone", kind="opened"),
         # Not session events: block residency and instances are not bounded by the retention.
         status("gpu-1", NOW - RETENTION - 1, free=5),
         routed("kept", NOW - RETENTION + 1),
     ]
     result = ing.ingest(stale)
-    assert result.accepted == [stale[2].event_id, stale[3].event_id]
+    assert result.accepted == [stale[3].event_id, stale[4].event_id]
     assert [(r.index, r.reason) for r in result.rejected] == [
         (0, PAST_RETENTION),
         (1, PAST_RETENTION),
+        (2, PAST_RETENTION),
     ]
     assert "older than the session retention" in result.rejected[0].message
-    assert refused == [(PAST_RETENTION, 2)]
+    assert refused == [(PAST_RETENTION, 3)]
     assert ing.store.session("gone") is None and ing.store.session("live").state == "queued"
     # Nothing refused is logged, so a replay agrees.
     assert stale[0].event_id not in (tmp_path / "events-00000001.jsonl").read_text()

@@ -167,3 +167,32 @@ def test_a_failing_observer_does_not_fail_the_ingest(
     assert ing.ingest([routed(1)]).accepted == ["e1"]
     assert ing.store.session("s").turns == 1
     assert "the ingest observer failed on 1 events" in caplog.text
+
+
+def test_signals_are_logged_replayed_and_deduplicated(tmp_path: Path) -> None:
+    sig = event_adapter.validate_python(
+        {
+            "type": "session_signal",
+            "event_id": "g1",
+            "ts": 3.5,
+            "session_id": "s",
+            "kind": "tool_started",
+            "tool": "grep",
+            "expected_in_seconds": 1.5,
+        }
+    )
+    ing = make(tmp_path)
+    assert ing.ingest([routed(1), sig, sig]).duplicates == ["g1"]
+    assert ing.ingest([sig]).duplicates == ["g1"]
+    assert [e for _, e in iter_log(tmp_path)][1] == sig
+    ing.event_log.close()
+    again = make(tmp_path)
+    assert again.recover() == 2
+    v = again.store.session("s")
+    assert (v.signals_total, v.signals[0].tool, v.signals[0].expected_in_seconds) == (
+        1,
+        "grep",
+        1.5,
+    )
+    assert again.ingest([sig]).duplicates == ["g1"]
+    assert again.store.session("s").signals_total == 1
