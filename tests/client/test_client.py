@@ -840,3 +840,67 @@ def test_the_token_is_sent_as_a_bearer_header() -> None:
         kvp.session_closed(session_id="s1")
         assert kvp.flush(5)
     assert seen[0].headers["authorization"] == "Bearer ingest-token-0123456789"
+
+
+# --- signals ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_signal_reaches_the_real_service(flavour: str, service_url: str) -> None:
+    fields: dict[str, Any] = {"tool": "web.search", "expected_in_seconds": 4.0, "ts": 100.0}
+    if flavour == "sync":
+        with KvpClient(service_url) as client:
+            event = client.signal("agent-1", "tool_started", **fields)
+            client.signal("agent-1", "tool_finished", ts=104.0, event_id="fin")
+            client.signal("agent-1", "tool_finished", ts=104.0, event_id="fin")  # a resend
+            assert client.flush(timeout=HANG_GUARD)
+            stats = client.stats
+    else:
+
+        async def main() -> tuple[Any, ClientStats]:
+            async with AsyncKvpClient(service_url) as aclient:
+                sent = aclient.signal("agent-1", "tool_started", **fields)
+                aclient.signal("agent-1", "tool_finished", ts=104.0, event_id="fin")
+                aclient.signal("agent-1", "tool_finished", ts=104.0, event_id="fin")
+                assert await aclient.flush(timeout=HANG_GUARD)
+                return sent, aclient.stats
+
+        event, stats = asyncio.run(main())
+    assert (event.type, event.kind, event.tool, event.expected_in_seconds) == (
+        "session_signal",
+        "tool_started",
+        "web.search",
+        4.0,
+    )
+    assert re.fullmatch(r"[0-9a-f]{32}", event.event_id)
+    assert (stats.sent, stats.duplicates, stats.rejected) == (2, 1, 0)
+    with httpx.Client(base_url=service_url) as http:
+        view = http.get("/v1/sessions/agent-1").raise_for_status().json()
+    assert view["signals_total"] == 2
+    assert [(s["ts"], s["kind"], s["tool"]) for s in view["signals"]] == [
+        (100.0, "tool_started", "web.search"),
+        (104.0, "tool_finished", None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"expected_in_seconds": -1.0}, "expected_in_seconds"),
+        ({"expected_in_seconds": float("inf")}, "expected_in_seconds"),
+        ({"expected_in_seconds": float("nan")}, "expected_in_seconds"),
+        ({"kind": "Has Spaces"}, "kind"),
+        ({"expected_prompt_tokens": -3}, "expected_prompt_tokens"),
+    ],
+)
+def test_a_bad_signal_raises_before_anything_is_queued(fields: dict[str, Any], field: str) -> None:
+    from pydantic import ValidationError
+
+    client = KvpClient("http://kvp.test", transport=httpx.MockTransport(FakeService()))
+    try:
+        with pytest.raises(ValidationError) as raised:
+            client.signal("s1", fields.pop("kind", "typing"), **fields)
+        assert [e["loc"] for e in raised.value.errors()] == [(field,)]
+        assert client.stats.queued == 0
+    finally:
+        client.close()

@@ -23,6 +23,7 @@ from kvprefetch_client.events import (
     RequestRouted,
     RequestStarted,
     SessionClosed,
+    SessionSignal,
 )
 
 log = logging.getLogger("kvprefetch.client")
@@ -575,6 +576,33 @@ class _EventHelpers:
         self, *, session_id: str, ts: float | None = None, event_id: str | None = None
     ) -> SessionClosed:
         return self._emit(SessionClosed, ts, event_id, session_id=session_id)
+
+    def signal(
+        self,
+        session_id: str,
+        kind: str,
+        *,
+        tool: str | None = None,
+        instance_id: str | None = None,
+        expected_in_seconds: float | None = None,
+        expected_prompt_tokens: int | None = None,
+        ts: float | None = None,
+        event_id: str | None = None,
+    ) -> SessionSignal:
+        """Say a request of the session is probably coming: `kind` is one of SIGNAL_KINDS
+        (`opened`, `typing`, `tool_started`, `tool_finished`, `queued`) or a short name of your
+        own. Raises pydantic's ValidationError on a bad field, before anything is queued."""
+        return self._emit(
+            SessionSignal,
+            ts,
+            event_id,
+            session_id=session_id,
+            kind=kind,
+            tool=tool,
+            instance_id=instance_id,
+            expected_in_seconds=expected_in_seconds,
+            expected_prompt_tokens=expected_prompt_tokens,
+        )
 
 
 def _http_options(
