@@ -54,8 +54,10 @@ from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
 from app.ingest.ingestor import CLOCK_SKEW, PAST_RETENTION
 from app.observe.ledger import SLOTS, LedgerStats
 from app.observe.outcomes import OUTCOMES, RequestOutcome
+from app.observe.signals import FOLLOW_WINDOW_SECONDS, OTHER_KIND, SignalFollowups
 from kvprefetch_client.events import (
     EVENT_TYPES,
+    SIGNAL_KINDS,
     Event,
     VllmAllBlocksCleared,
     VllmBlockRemoved,
@@ -188,6 +190,20 @@ class Metrics:
             "when replayed from the log); 'past_retention', a session or order event older than "
             "the session retention (rejected).",
             ["reason"],
+            registry=r,
+        )
+        self.signals_received = Counter(
+            "kvprefetch_signals",
+            "session_signal events accepted, by kind: the common kinds, a deployment's first few "
+            "own kinds, the rest as 'other' (app/observe/signals.py).",
+            ["kind"],
+            registry=r,
+        )
+        self.signals_followed = Counter(
+            "kvprefetch_signals_followed",
+            "Signals followed by a request_routed of the same session at most "
+            f"{FOLLOW_WINDOW_SECONDS:g} s later (event time), by the signal's kind.",
+            ["kind"],
             registry=r,
         )
         self.batches_refused = Counter(
@@ -342,6 +358,14 @@ class Metrics:
                 "prefetch"
             )  # the scheduler follows prefetches to their end; pins and demotes not
         self._slot_started("live")
+        for kind in (*SIGNAL_KINDS, OTHER_KIND):
+            self.signals_received.labels(kind)
+            self.signals_followed.labels(kind)
+        # Told every batch that holds a signal, or any batch while signals wait to be followed.
+        self.signals = SignalFollowups(
+            on_signal=self._signal_counted,
+            on_followed=lambda kind: self.signals_followed.labels(kind).inc(),
+        )
 
         self._scheduler: Scheduler | None = None
         self._ledger: AdviceLedger | None = None
@@ -365,11 +389,21 @@ class Metrics:
         """The ingest observer, after the ledger's and the scheduler's (it syncs what they
         counted)."""
         if len(events) == 1:  # one at a time (a replay's engine): no tally to build
-            self._ingested[events[0].type].inc()
+            event_type = events[0].type
+            self._ingested[event_type].inc()
+            if event_type == "session_signal" or self.signals.pending:
+                self.signals.observe(events)
         else:
-            for event_type, n in collections.Counter(e.type for e in events).items():
+            counts = collections.Counter(e.type for e in events)
+            for event_type, n in counts.items():
                 self._ingested[event_type].inc(n)
+            if "session_signal" in counts or self.signals.pending:
+                self.signals.observe(events)
         self.sync()
+
+    def _signal_counted(self, kind: str) -> None:
+        self.signals_received.labels(kind).inc()
+        self.signals_followed.labels(kind)  # a deployment's kind: 0 until one is followed
 
     def record_outcomes(self, outcomes: Iterable[RequestOutcome]) -> None:
         """What arriving requests found (app/observe/outcomes.py), summed per batch: one increment

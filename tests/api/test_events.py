@@ -85,8 +85,8 @@ def test_mixed_batch_accepts_the_valid_and_names_each_bad_field(
             "message": "Input tag 'no_such_type' found using 'type' "
             "does not match any of the expected tags: "
             "'request_routed', 'request_started', 'request_finished', 'session_closed', "
-            "'session_signal', 'kv_blocks_stored', 'kv_blocks_removed', 'kv_blocks_cleared', 'vllm_kv_events', "
-            "'instance_status', 'order_progress'",
+            "'session_signal', 'kv_blocks_stored', 'kv_blocks_removed', 'kv_blocks_cleared', "
+            "'vllm_kv_events', 'instance_status', 'order_progress'",
         },
         {
             "index": 4,

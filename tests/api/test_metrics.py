@@ -20,6 +20,7 @@ from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.decide.advisor import SessionAdvice
 from app.observe.metrics import prepare_multiprocess_dir, rejection_field
+from kvprefetch_client.events import SIGNAL_KINDS
 from tests.api.conftest import routed, settle
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -97,6 +98,16 @@ def stored(
     }
 
 
+def signal(event_id: str, session_id: str, ts: float, kind: str = "typing") -> dict[str, Any]:
+    return {
+        "type": "session_signal",
+        "event_id": event_id,
+        "ts": ts,
+        "session_id": session_id,
+        "kind": kind,
+    }
+
+
 def promtool() -> str:
     path = shutil.which("promtool")
     if path is None:
@@ -141,6 +152,7 @@ def one_of_everything(c: TestClient) -> None:
         ],
     )
     post(c, [routed("a1", "a", 20.0)])
+    post(c, [signal("g1", "a", 19.0), routed("a2", "a", 21.0)])
     post(c, [routed("x", "x", 30.0, prompt_tokens=-1)], status=422)
     assert (
         c.post("/v1/events", content=b"{", headers={"content-type": "application/json"}).status_code
@@ -544,3 +556,28 @@ def test_the_stores_last_probe_is_exported_with_its_age(
     assert value(m, "kvprefetch_store_objects", kind="sessions") == 2
     age = value(m, "kvprefetch_store_stats_age_seconds")
     assert age is not None and age >= 0
+
+
+def test_signals_are_counted_by_a_bounded_set_of_kinds_and_followed(
+    make_client: Callable[..., TestClient],
+) -> None:
+    c = make_client()
+    post(c, [signal(f"c{i}", f"s{i}", 10.0, kind=f"custom-{i}") for i in range(50)])
+    post(c, [signal("o", "a", 10.0, kind="opened"), signal("t", "a", 11.0)])
+    post(c, [signal("q", "b", 12.0, kind="queued"), signal("dup", "b", 12.0, kind="queued")])
+    post(c, [signal("dup", "b", 12.0, kind="queued")])  # a duplicate counts nothing
+    post(c, [routed("r1", "a", 30.0), routed("r2", "s0", 40.0), routed("r3", "b", 80.0)])
+    samples = scrape(c)
+    sent = {dict(k[1])["kind"]: v for k, v in samples.items() if k[0] == "kvprefetch_signals_total"}
+    followed = {
+        dict(k[1])["kind"]: v
+        for k, v in samples.items()
+        if k[0] == "kvprefetch_signals_followed_total"
+    }
+    deployment = [f"custom-{i}" for i in range(8)]
+    assert set(sent) == set(followed) == {*SIGNAL_KINDS, *deployment, "other"}
+    assert (sent["opened"], sent["typing"], sent["queued"], sent["tool_started"]) == (1, 1, 2, 0)
+    assert (sent["custom-0"], sent["other"]) == (1, 42)
+    assert (followed["opened"], followed["typing"], followed["custom-0"]) == (1, 1, 1)
+    assert followed["queued"] == 0  # its request came 68 s later
+    assert sum(followed.values()) == 3
