@@ -109,9 +109,9 @@ class SignalFollowups:
                 if e.ts > self._newest:
                     self._newest = e.ts
                 if e.type == "session_signal":
-                    self._signal(e)  # type: ignore[arg-type]
+                    self._signal(e)
                 elif e.type == "request_routed" and self._pending:
-                    self._routed(e)  # type: ignore[arg-type]
+                    self._routed(e)
             self._expire()
 
     def _signal(self, e: SessionSignal) -> None:
