@@ -156,8 +156,32 @@
       `${bytes(now.scheduler.inflight_bytes)} on their way; ${count(now.scheduler.completed)} completed, ${count(now.scheduler.cancelled)} cancelled`);
     setTile("tile-sessions", count(now.scheduler.tracked_sessions),
       `${count(now.scheduler.candidates)} prefetch candidates`);
+    const sig = now.signals;
+    setTile("tile-signals", pct(sig.followed_share), sig.total > 0
+      ? `${count(sig.followed)} of ${count(sig.total)} signals had a request within ${sig.window_seconds} s`
+      : "no signal yet");
     drawInstances(now);
     drawSessions(now);
+    drawSignals(sig);
+  }
+
+  function drawSignals(sig) {
+    $("signals-window").textContent = `(followed: a request of the session within ${sig.window_seconds} s)`;
+    fillTable("signals", sig.kinds, "no signal yet", 4, (k) => {
+      const tr = document.createElement("tr");
+      tr.dataset.kind = k.kind;
+      cell(tr, k.kind, "id");
+      cell(tr, count(k.signals), "num");
+      cell(tr, count(k.followed), "num");
+      const td = cell(tr, "", "bar-cell");
+      const bar = document.createElement("div");
+      bar.className = "bar";
+      bar.style.width = (100 * (k.followed_share || 0)).toFixed(1) + "%";
+      const label = document.createElement("span");
+      label.textContent = pct(k.followed_share);
+      td.append(bar, label);
+      return tr;
+    });
   }
 
   function cell(tr, text, cls) {

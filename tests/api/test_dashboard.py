@@ -164,6 +164,13 @@ def test_an_empty_service_answers_empty_series_and_zeros(client: TestClient) -> 
     assert now["prefetch"] == {"landed": 0, "landed_bytes": 0, "transfer_seconds": 0.0}
     assert now["stall"]["seconds_saved"] == 0.0 and now["stall"]["cost_saved"] == 0.0
     assert (now["instances"], now["instances_total"], now["top_sessions"]) == ([], 0, [])
+    assert now["signals"] == {
+        "window_seconds": 60.0,
+        "total": 0,
+        "followed": 0,
+        "followed_share": None,
+        "kinds": [],
+    }
     # Samples of nothing are zeros, not errors.
     sample(client)
     body = client.get("/v1/dashboard/series").json()
@@ -492,3 +499,43 @@ def test_now_says_how_old_the_stores_counts_are(client: TestClient) -> None:
     store = client.get("/v1/dashboard/now").json()["store"]
     assert store["ok"] is True and set(store["stats"]) >= {"sessions", "instances"}
     assert store["stats_age_seconds"] >= 0
+
+
+def test_now_counts_signals_by_kind_and_their_followed_share(client: TestClient) -> None:
+    def signal(event_id: str, session_id: str, ts: float, kind: str) -> dict[str, Any]:
+        return {
+            "type": "session_signal",
+            "event_id": event_id,
+            "ts": ts,
+            "session_id": session_id,
+            "kind": kind,
+        }
+
+    def routed(event_id: str, session_id: str, ts: float) -> dict[str, Any]:
+        return {
+            "type": "request_routed",
+            "event_id": event_id,
+            "ts": ts,
+            "session_id": session_id,
+            "request_id": event_id,
+            "instance_id": "gpu-0",
+            "prompt_tokens": 100,
+        }
+
+    post(
+        client,
+        [
+            signal("g1", "a", 100.0, "typing"),
+            signal("g2", "b", 100.0, "typing"),
+            signal("g3", "c", 100.0, "opened"),
+            signal("g4", "d", 100.0, "voice.start"),
+        ],
+    )
+    post(client, [routed("r1", "a", 104.0), routed("r2", "d", 150.0), routed("r3", "c", 170.0)])
+    signals = client.get("/v1/dashboard/now").json()["signals"]
+    assert (signals["total"], signals["followed"], signals["followed_share"]) == (4, 2, 0.5)
+    assert signals["kinds"] == [
+        {"kind": "opened", "signals": 1, "followed": 0, "followed_share": 0.0},
+        {"kind": "typing", "signals": 2, "followed": 1, "followed_share": 0.5},
+        {"kind": "voice.start", "signals": 1, "followed": 1, "followed_share": 1.0},
+    ]

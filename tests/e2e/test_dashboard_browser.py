@@ -138,6 +138,7 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
             page.wait_for_selector("body[data-polls]", timeout=10_000)
             assert page.locator("#instances").get_attribute("data-rows") == "0"
             assert page.locator("#sessions").get_attribute("data-rows") == "0"
+            assert page.locator("#signals").get_attribute("data-rows") == "0"
             assert "cannot update" not in page.locator("#status").inner_text()
             assert page.locator("#live-model").inner_text() == "heuristic"
             assert page.locator("#shadow-model").inner_text() == "learned (default)"
@@ -209,10 +210,25 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
                     },
                 ]
             _post(http, progress)
-            # chat-0 comes back where its context landed: a hit for the serving model.
+            # chat-0 comes back where its context landed (a hit for the serving model), after
+            # its front end said the user was typing; chat-1's user opened it and left.
             _post(
                 http,
                 [
+                    {
+                        "type": "session_signal",
+                        "event_id": "chat-0-typing",
+                        "ts": time.time() - 0.5,
+                        "session_id": "chat-0",
+                        "kind": "typing",
+                    },
+                    {
+                        "type": "session_signal",
+                        "event_id": "chat-1-opened",
+                        "ts": time.time() - 0.5,
+                        "session_id": "chat-1",
+                        "kind": "opened",
+                    },
                     {
                         "type": "request_routed",
                         "event_id": "chat-0-back",
@@ -222,7 +238,7 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
                         "instance_id": "gpu-0",
                         "prompt_tokens": 8 * 512,
                         "block_hashes": [f"chat0-b{j}" for j in range(8)],
-                    }
+                    },
                 ],
             )
             now_body = _wait_for(
@@ -239,6 +255,7 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
                     && Number(document.querySelector('#chart-bytes').dataset.values) > 0
                     && Number(document.querySelector('#instances').dataset.rows) >= 2
                     && Number(document.querySelector('#sessions').dataset.rows) >= 1
+                    && Number(document.querySelector('#signals').dataset.rows) === 2
                     && !document.querySelector('#tile-prefetched .value')"""
                 ".textContent.startsWith('0 B')",
                 timeout=10_000,
@@ -246,6 +263,9 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
             assert int(page.locator("#chart-queue").get_attribute("data-points") or 0) > 0
             assert int(page.locator("#chart-stall").get_attribute("data-values") or 0) > 0
             assert page.locator('#instances tr[data-instance="gpu-0"]').count() == 1
+            typing = page.locator('#signals tr[data-kind="typing"]').inner_text()
+            assert typing.split() == ["typing", "1", "1", "100.0%"]
+            assert page.locator("#tile-signals .value").inner_text() == "50.0%"
             assert page.locator("#tile-live-hit-rate .value").inner_text() == "100.0%"
             landed = sum(o["size_bytes"] for o in orders)
             assert (

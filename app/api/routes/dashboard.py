@@ -16,6 +16,7 @@ from fastapi.responses import FileResponse
 from app.api.deps import (
     ClockDep,
     LedgerDep,
+    MetricsDep,
     ModelsDep,
     SchedulerDep,
     SettingsDep,
@@ -30,6 +31,7 @@ from app.core.config import Settings
 from app.core.security import TokenTable
 from app.decide.scheduler import Scheduler
 from app.observe.ledger import AdviceLedger
+from app.observe.signals import SignalFollowups
 from app.observe.timeline import HISTORY_SECONDS, Timeline, instance_queues, series, top_sessions
 from app.predict.registry import ModelRegistry
 from app.state.base import StateStore
@@ -127,6 +129,7 @@ async def dashboard_now(
     store_thread: StoreThreadDep,
     health: StoreHealthDep,
     tokens: TokensDep,
+    metrics: MetricsDep,
     limit: Annotated[
         int, Query(ge=1, le=MAX_LIMIT, description="The most sessions in top_sessions")
     ] = 20,
@@ -140,7 +143,9 @@ async def dashboard_now(
     and the `limit` sessions most likely back soonest by the serving model's latest advice (their
     ids only with KVP_DASHBOARD_SHOW_SESSION_IDS or a valid token; else null). `store`: its last
     probe's health and counts with their age. When the store does not answer within
-    KVP_OBSERVABILITY_WAIT_SECONDS, the last figures computed, with `stale_seconds` how old."""
+    KVP_OBSERVABILITY_WAIT_SECONDS, the last figures computed, with `stale_seconds` how old.
+    `signals`: the session signals this process accepted, by kind (those seen), and how many were
+    followed by a request of their session within `window_seconds`."""
 
     def figures() -> dict[str, Any]:
         # On the store thread with the Redis store: it reads what the store thread changes.
@@ -178,6 +183,7 @@ async def dashboard_now(
             "stats": known.stats,
             "stats_age_seconds": known.stats_age_seconds(health.monotonic()),
         },
+        "signals": signal_figures(metrics.signals),
     }
     if not shows_session_ids(request, settings, tokens):
         body["top_sessions"] = [{**row, "session_id": None} for row in body["top_sessions"]]
@@ -253,4 +259,26 @@ def now_figures(
         "instances": rows,
         "instances_total": total,
         "top_sessions": top_sessions(scheduler, limit, now, scheduler.config.bytes_per_block),
+    }
+
+
+def signal_figures(followups: SignalFollowups) -> dict[str, Any]:
+    """Signals by kind (the kinds seen) and their followed share; totals over every kind."""
+    kinds = [k for k in followups.totals() if k.signals]
+    total = sum(k.signals for k in kinds)
+    followed = sum(k.followed for k in kinds)
+    return {
+        "window_seconds": followups.window_seconds,
+        "total": total,
+        "followed": followed,
+        "followed_share": followed / total if total else None,
+        "kinds": [
+            {
+                "kind": k.kind,
+                "signals": k.signals,
+                "followed": k.followed,
+                "followed_share": k.followed_share,
+            }
+            for k in kinds
+        ],
     }
