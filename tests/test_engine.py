@@ -261,3 +261,36 @@ def test_a_replay_engine_takes_no_setting_from_the_environment(
     assert replay_engine.thresholds == Thresholds(keep_min_p=0.3)
     assert replay_engine.cluster == scenario.cluster
     asyncio.run(replay_engine.close())
+
+
+@pytest.mark.parametrize("model", ["heuristic", "learned"])
+def test_a_session_known_only_by_its_signals_is_scored_and_planned_without_harm(
+    tmp_path: Path, model: str
+) -> None:
+    # A signal-only session is live (idle, no turn, no instance, no blocks): every reader of
+    # live sessions (the scorer's features, the planner, outcomes, metrics) takes it.
+    from tests.conftest import REPO
+
+    model_dir = REPO / "models" / "default" if model == "learned" else tmp_path / "no-model"
+    store = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
+    built = Engine(
+        settings(tmp_path).model_copy(update={"model_dir": model_dir}),
+        store=store,
+        clock=ManualClock(0.0),
+        order_sink=InProcessSink(),
+    )
+    assert built.models.serving.version == (None if model == "heuristic" else "default")
+    events = a_finished_turn_whose_context_is_in_the_pool()
+    events += [
+        ev("session_signal", 5.0, session_id="new", kind="opened"),
+        ev("session_signal", 6.0, session_id="s1", kind="typing", expected_in_seconds=2.0),
+        ev("session_signal", 7.0, session_id="new", kind="tool_started", tool="grep"),
+    ]
+    assert len(built.ingest(events).accepted) == 7
+    built.clock.set(10.0)  # type: ignore[attr-defined]
+    assert built.score_tick() == 2
+    asyncio.run(built.plan_tick())
+    view = store.session("new")
+    assert (view.turns, view.state, view.signals_total) == (0, "idle", 2)  # type: ignore[union-attr]
+    assert [k.signals for k in built.metrics.signals.totals()][:3] == [1, 1, 1]
+    asyncio.run(built.close())

@@ -87,6 +87,19 @@ def _session_events(draw: st.DrawFn, session_id: str) -> list[dict[str, Any]]:
         out.append(e)
     for ts in draw(st.lists(TS, max_size=2)):
         out.append({"type": "session_closed", "ts": ts, "session_id": session_id})
+    # Signals tie freely (the whole signal orders them), and more than RECENT_SIGNALS come.
+    for ts in draw(st.lists(TS, max_size=10)):
+        e = {"type": "session_signal", "ts": ts, "session_id": session_id}
+        e["kind"] = draw(st.sampled_from(["opened", "typing", "x.y"]))
+        for name, values in (
+            ("tool", ["bash", "Bash", "é"]),
+            ("instance_id", INSTANCES),
+            ("expected_in_seconds", [0.0, 2.5, 0.1]),
+            ("expected_prompt_tokens", [0, 900]),
+        ):
+            if draw(st.booleans()):
+                e[name] = draw(st.sampled_from(values))
+        out.append(e)
     return out
 
 

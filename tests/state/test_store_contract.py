@@ -1005,3 +1005,12 @@ def test_signals_are_forgotten_with_their_session(bounded: StateStore) -> None:
     bounded.apply([routed("b", "r1", 125.0)])
     v = bounded.session("b")
     assert (v.first_seen_ts, v.last_activity_ts, v.signals_total) == (125.0, 125.0, 1)
+
+
+def test_signal_ties_order_by_code_point_on_both_stores(store: StateStore) -> None:
+    # Python orders strings by code point; the Lua copy compares bytes (UTF-8 keeps that order),
+    # never the server locale's collation (which may put "z" before "Z").
+    tools = ["é", "z", "Z", "a", "ab", "A", "日本", "_", "zz", "Ä"]
+    store.apply([signal("s", 1.0, "tool_started", tool=t) for t in tools])
+    kept = [x.tool for x in store.session("s").signals]
+    assert kept == sorted(tools)[-RECENT_SIGNALS:]
