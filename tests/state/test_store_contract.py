@@ -999,6 +999,9 @@ def test_signals_are_forgotten_with_their_session(bounded: StateStore) -> None:
     # A signal older than the cutoff is ignored; a newer one starts the session afresh.
     bounded.apply([signal("a", 15.0), signal("b", 130.0)])
     assert bounded.session("a") is None
+    bounded.apply([signal("a", 131.0)])
+    v = bounded.session("a")
+    assert (v.turns, v.signals_total, v.first_seen_ts, v.last_request) == (0, 1, 131.0, None)
     v = bounded.session("b")
     assert (v.signals_total, [x.ts for x in v.signals], v.first_seen_ts) == (1, [130.0], 130.0)
     # A request after signals gives the session its own times, then the request's alone.
