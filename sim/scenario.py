@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from app.core.bundle import SCENARIO_DIR
 from app.core.cluster import HOST_LINK_BYTES_PER_SECOND, ClusterSettings, ClusterSpec
 from app.core.errors import ConfigError
+from sim.signals import SignalSettings
 
 
 class Scenario(BaseModel):
@@ -41,6 +42,8 @@ class Scenario(BaseModel):
     sticky_overflow_queue: int = Field(
         8, ge=0, description="sticky router overflows past this queue length"
     )
+    # Early signals before returning turns, an assumed model (sim/signals.py); off by default.
+    signals: SignalSettings = Field(default_factory=SignalSettings)
 
     @property
     def cluster(self) -> ClusterSpec:
