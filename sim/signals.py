@@ -61,10 +61,14 @@ class SignalSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    coverage: float = Field(0.0, ge=0, le=1, description="share of returning turns signalled")
+    coverage: float = Field(
+        0.0, ge=0, le=1, allow_inf_nan=False, description="share of returning turns signalled"
+    )
     lead_median_seconds: float = Field(5.0, gt=0, allow_inf_nan=False)
     lead_sigma: float = Field(1.0, ge=0, le=5, allow_inf_nan=False)
-    false_alarms: float = Field(0.0, ge=0, le=100, description="false alarms per true signal")
+    false_alarms: float = Field(
+        0.0, ge=0, le=100, allow_inf_nan=False, description="false alarms per true signal"
+    )
     kinds: dict[str, float] = Field(default_factory=lambda: {"typing": 0.7, "opened": 0.3})
     false_alarm_kinds: dict[str, float] = Field(
         default_factory=lambda: {"opened": 0.9, "typing": 0.1}
