@@ -76,7 +76,8 @@ class Scenario(BaseModel):
 
 
 def load_scenario(name_or_path: str | Path) -> Scenario:
-    """A shipped scenario by name (`default`, `fast-link`, `tight-hbm`) or a TOML file."""
+    """A shipped scenario by name (`default`, `fast-link`, `tight-hbm`, `host-tier`, `busy`) or a
+    TOML file."""
     path = Path(name_or_path)
     if not path.suffix:
         path = SCENARIO_DIR / f"{name_or_path}.toml"

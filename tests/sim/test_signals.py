@@ -227,6 +227,22 @@ def test_the_signal_policy_prefetches_on_signals() -> None:
     assert s["bytes_prefetched"] > 0 and s["signals_emitted"] > 0
 
 
+def test_the_cluster_invariants_hold_with_signals() -> None:
+    """Signal prefetches into a full HBM (tight-hbm), with false alarms: the checked cluster's
+    pin account and capacity hold after every event."""
+    from unittest import mock
+
+    import sim.replay
+    from tests.sim.test_cluster import CheckedCluster
+
+    scenario = signalled(load_scenario("tight-hbm"), coverage=1.0, false_alarms=2.0)
+    with mock.patch.object(sim.replay, "Cluster", CheckedCluster):
+        result = replay(trace_prefix(TRACE_FILES[0], 1000), scenario, policy="signal")
+    cluster = CheckedCluster.last  # type: ignore[attr-defined]
+    assert cluster.events_checked > 0 and cluster.evicted > 0
+    assert result.summary["bytes_prefetched"] > 0 and result.summary["signals_emitted"] > 0
+
+
 def test_a_signal_brings_an_evicted_context_back_before_its_turn() -> None:
     """One instance with room for six blocks: a session's three blocks are evicted by 40 others'
     requests; a signal 5 s before its return fetches them back, so the return hits."""
@@ -417,3 +433,51 @@ def test_over_http_the_signals_reach_the_service(tmp_path: Path) -> None:
     assert remote.summary["events_posted"] == len(remote.events)
     ignored = {"wall_seconds", "via", "run_id", "events_posted"}
     assert {k: v for k, v in remote.summary.items() if k not in ignored} == compared(local.summary)
+
+
+def test_over_http_a_signal_is_namespaced_and_read_back_in_trace_time() -> None:
+    """RemoteEngine posts a signal under the run's ids, and a session view's signals come back
+    with them taken off and (paced) in the trace's time."""
+    import httpx
+
+    from sim.remote import RemoteEngine
+    from tests.sim.test_remote import FakeService
+
+    service = FakeService()
+    engine = RemoteEngine(
+        "http://kvp.test", run_id="sig", speed=10.0, transport=httpx.MockTransport(service)
+    )
+    engine.emit("session_signal", 50.0, {"session_id": "s", "kind": "typing"})
+    engine._sync()
+    (posted,) = service.events
+    assert (posted["type"], posted["session_id"], posted["kind"]) == (
+        "session_signal",
+        "sig:s",
+        "typing",
+    )
+    wall0 = posted["ts"]
+    service.view = {
+        "session_id": "sig:s",
+        "state": "idle",
+        "turns": 1,
+        "first_seen_ts": wall0,
+        "last_activity_ts": wall0,
+        "closed_ts": None,
+        "instance_id": None,
+        "context_tokens": 0,
+        "context_bytes": 0,
+        "block_hashes": [],
+        "block_tokens": 512,
+        "recent_arrivals_ts": [],
+        "inter_turn_gaps_seconds": [],
+        "last_request": None,
+        "resident_blocks": {},
+        "signals": [{"ts": wall0 + 2.0, "kind": "queued", "instance_id": "sig:gpu-1"}],
+        "signals_total": 1,
+    }
+    view = engine.session("s")
+    engine.close()
+    assert view is not None and view.signals_total == 1
+    (signal,) = view.signals
+    assert signal.ts == pytest.approx(70.0)
+    assert (signal.kind, signal.instance_id) == ("queued", "gpu-1")
