@@ -384,7 +384,11 @@ def replay(
     ctx: typer.Context,
     trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],
     policy: Annotated[
-        str, typer.Option(help="none, lookahead, belady, oracle, heuristic or learned.")
+        str,
+        typer.Option(
+            help="none, lookahead, belady, oracle, heuristic, learned, scheduled, clairvoyant "
+            "or signal."
+        ),
     ] = "none",
     scenario: Annotated[
         str, typer.Option(help="A shipped scenario name or a TOML file.")
@@ -426,9 +430,19 @@ def replay(
             "times, so the service sees live traffic (default: as fast as possible, trace times).",
         ),
     ] = None,
+    signals: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NAME=V,...",
+            help="Early signals before returning turns, over the scenario's [signals]: coverage, "
+            "lead_median (seconds), lead_sigma, false_alarms (per true signal), seed; e.g. "
+            "coverage=0.5,lead_median=5,false_alarms=1.",
+        ),
+    ] = None,
 ) -> None:
     """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
     from sim.commands import prepare, print_results, run_replays
+    from sim.signals import SignalSettings, parse_signal_overrides, with_signals
 
     if speed is not None and via is None:
         raise typer.BadParameter(
@@ -438,8 +452,20 @@ def replay(
         raise typer.BadParameter(
             f"{speed:g}: a positive number of times the trace's pace", param_hint="'--speed'"
         )
+    overrides = None
+    if signals is not None:
+        try:
+            overrides = parse_signal_overrides(signals)
+            with_signals(SignalSettings(), overrides)  # its values checked before any loading
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--signals'") from None
     try:
         trace_requests, scen = prepare(trace, scenario, block_tokens)
+        if overrides is not None:
+            try:
+                scen = scen.model_copy(update={"signals": with_signals(scen.signals, overrides)})
+            except ValueError as exc:
+                raise typer.BadParameter(str(exc), param_hint="'--signals'") from None
         policies = [p.strip() for p in compare.split(",")] if compare else [policy]
         results = run_replays(
             trace_requests,

@@ -41,10 +41,10 @@ TARGET_SECONDS = 60.0
 
 def all_policies() -> list[str]:
     """Every policy but those of the trained model (`learned`, `scheduled`: `--policy` times each
-    alone)."""
+    alone) and `signal` (`none` in a replay without signals, as the bench's are)."""
     from sim.policies import POLICIES
 
-    return [p for p in POLICIES if p not in ("learned", "scheduled")]
+    return [p for p in POLICIES if p not in ("learned", "scheduled", "signal")]
 
 
 def measure(trace: Path, policy: str, router: str, scenario: str, rounds: int) -> dict[str, Any]:

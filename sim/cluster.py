@@ -31,8 +31,9 @@ from sim.scenario import Scenario
 if TYPE_CHECKING:
     from sim.policies import Policy
     from sim.routers import Router
+    from sim.signals import SimSignal
 
-ARRIVAL, LINK, DONE, TICK, CALL, RECOMPUTED = range(6)
+ARRIVAL, LINK, DONE, TICK, CALL, RECOMPUTED, SIGNAL = range(7)
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +95,8 @@ class Totals:
     bytes_prefetched_unused: int = 0
     bytes_evicted: int = 0
     prefetch_orders: int = 0
+    signals_emitted: int = 0
+    signals_dropped: int = 0  # their request came (or got within 10 min) before they could
 
 
 class Cluster:
@@ -109,8 +112,15 @@ class Cluster:
         router: Router,
         policy: Policy,
         emit: Callable[[str, float, dict[str, Any]], None] | None = None,
+        signals: Sequence[SimSignal] = (),
     ) -> None:
+        """`signals`: session_signal events to emit at their times (sim/signals.py), each held
+        until the request it follows has finished."""
         self.scenario = scenario
+        self.signals = signals
+        # Signals waiting for the request they follow to finish, by its index.
+        self._held_signals: dict[int, list[SimSignal]] = {}
+        self._by_index = {r.index: r for r in requests} if signals else {}
         self.requests = list(requests)
         self.router = router
         self.policy = policy
@@ -150,6 +160,8 @@ class Cluster:
     def run(self, progress: Callable[[int], None] | None = None) -> None:
         for r in self.requests:
             self.schedule(r.arrival, ARRIVAL, r)
+        for s in self.signals:
+            self.schedule(s.ts, SIGNAL, s)
         if self.policy.tick_seconds:
             self.schedule(0.0, TICK, None)
         remaining = len(self.requests)
@@ -162,6 +174,8 @@ class Cluster:
                 self._link_due(*payload)
             elif kind == DONE:
                 self._finish(payload)
+                for s in self._held_signals.pop(payload.index, ()):
+                    self.schedule(at, SIGNAL, s)
                 remaining -= 1
                 if progress is not None:
                     progress(1)
@@ -172,6 +186,8 @@ class Cluster:
                 t.done_at = at
                 self._landed(self.instances[idx], t)
                 self._try_start(self.instances[idx])
+            elif kind == SIGNAL:
+                self._signal(payload)
             elif kind == TICK:
                 self.policy.on_tick(at)
                 self.schedule(at + self.policy.tick_seconds, TICK, None)  # type: ignore[operator]
@@ -201,6 +217,22 @@ class Cluster:
                 assert e is not None and e.pins > 0, (
                     f"{inst.instance_id}: block {b} landing but not pinned"
                 )
+
+    # -- signals ---------------------------------------------------------------------------
+
+    def _signal(self, s: SimSignal) -> None:
+        """Emit a session_signal and tell the policy; not before the request it follows has
+        finished (a signal cannot precede the turn before it), not past its `latest`."""
+        after = self._by_index[s.after]
+        if after.finished_at is None:
+            self._held_signals.setdefault(s.after, []).append(s)
+            return
+        if self.now >= s.latest:
+            self.totals.signals_dropped += 1
+            return
+        self.totals.signals_emitted += 1
+        self.emit("session_signal", self.now, {"session_id": s.session_id, "kind": s.kind})
+        self.policy.on_signal(s.session_id, s.kind, self.now)
 
     # -- requests --------------------------------------------------------------------------
 

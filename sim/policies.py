@@ -16,6 +16,9 @@
 - `scheduled`: the learned planner's advice through the service's scheduler
   (app/decide/scheduler.py): orders within link shares and destination room, deduplicated,
   cancelled when the chance falls (sim/scheduled.py).
+- `signal`: LRU retention, and on every session_signal (sim/signals.py) a prefetch of the
+  session's context to its instance at once: the naive use of the signals, the baseline a model
+  that reads them is measured against. Without signals it is `none`.
 
 The policies built on the service's planner live in sim/planned.py and sim/scheduled.py, on top
 of this module; `make_policy` (sim/policy_registry.py) builds any of them by name.
@@ -38,6 +41,7 @@ POLICIES = (
     "learned",
     "scheduled",
     "clairvoyant",
+    "signal",
 )
 INF = float("inf")
 
@@ -64,6 +68,9 @@ class Policy:
     def on_tick(self, now: float) -> None:
         """Every tick_seconds, when set."""
 
+    def on_signal(self, session_id: str, kind: str, now: float) -> None:
+        """A session_signal was emitted for the session (sim/signals.py)."""
+
 
 class NoPrefetch(Policy):
     name = "none"
@@ -76,6 +83,26 @@ class Lookahead(Policy):
         if r.admitted_at is None:  # queued: there is time to fetch before its slot frees
             reused = self.cluster.reused_prefix(r.hash_ids)
             self.cluster.prefetch(r.instance, r.hash_ids[:reused])
+
+
+class SignalPrefetch(Policy):
+    name = "signal"
+
+    def attach(self, cluster: Cluster) -> None:
+        super().attach(cluster)
+        self.context: dict[str, tuple[int, ...]] = {}  # each session's latest request's blocks
+
+    def on_arrival(self, r: SimRequest, now: float) -> None:
+        self.context[r.session_id] = r.hash_ids
+
+    def on_signal(self, session_id: str, kind: str, now: float) -> None:
+        blocks = self.context.get(session_id)
+        idx = self.cluster.session_instance.get(session_id)
+        if blocks is None or idx is None:
+            return
+        reused = self.cluster.reused_prefix(blocks)
+        if reused:
+            self.cluster.prefetch(idx, blocks[:reused])
 
 
 class Belady(Policy):

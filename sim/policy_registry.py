@@ -14,7 +14,7 @@ from app.decide.advisor import Advisor
 from app.decide.routing import SameInstanceEstimate
 from app.predict.predictors import HeuristicPredictor, LearnedPredictor
 from sim.planned import Clairvoyant, ClairvoyantPolicy, PlannedPolicy
-from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy
+from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy, SignalPrefetch
 from sim.scheduled import ScheduledPolicy
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ def make_policy(
         return Belady()
     if name == "oracle":
         return Oracle()
+    if name == "signal":
+        return SignalPrefetch()
     if name == "scheduled":
         if session_view is None or engine is None:
             raise ValueError(

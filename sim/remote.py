@@ -377,6 +377,11 @@ class RemoteEngine:
             if last.get("instance_id") is not None:
                 last["instance_id"] = self._local(last["instance_id"])
         doc["block_hashes"] = [self._local_block(h) for h in doc["block_hashes"]]
+        for signal in doc.get("signals", []):
+            if signal.get("instance_id") is not None:
+                signal["instance_id"] = self._local(signal["instance_id"])
+            if self._speed is not None:
+                signal["ts"] = self._local_ts(signal["ts"])
         if self._speed is not None:
             for key in ("first_seen_ts", "last_activity_ts", "closed_ts"):
                 doc[key] = self._local_ts(doc.get(key))

@@ -36,6 +36,7 @@ from sim.routers import make_router
 from sim.scenario import Scenario
 from sim.scheduled import ClusterSink
 from sim.sessions import derive_sessions
+from sim.signals import generate_signals
 from sim.traces import TraceRequest
 
 
@@ -215,7 +216,8 @@ def replay(
         engine=app_engine,
     )
     rtr = make_router(router, store=getattr(engine, "store", None), scenario=scenario)
-    cluster = Cluster(scenario, requests, rtr, pol, emit=engine.emit)
+    signals = generate_signals(requests, scenario.signals)
+    cluster = Cluster(scenario, requests, rtr, pol, emit=engine.emit, signals=signals)
     try:
         cluster.run(progress=progress)
     finally:
@@ -228,6 +230,16 @@ def replay(
             else:  # the caller's to close; what its observers derive is caught up
                 app_engine.drain()
     summary = summarize(cluster, requests, measure_from_seconds)
+    if scenario.signals.enabled:  # absent otherwise: a replay without signals is as it was
+        summary.update(
+            {
+                "signals": scenario.signals.model_dump(),
+                "signals_true": sum(s.true for s in signals),
+                "signals_false": sum(not s.true for s in signals),
+                "signals_emitted": cluster.totals.signals_emitted,
+                "signals_dropped": cluster.totals.signals_dropped,
+            }
+        )
     summary.update(
         {
             "policy": policy,
@@ -254,6 +266,7 @@ def summarize(
     reused_blocks = sum(r.reused_blocks for r in reuse)
     hit_blocks = sum(r.hit_blocks for r in reuse)
     stalls = sorted(r.stall_seconds for r in reuse)
+    queued = [(r.admitted_at or r.arrival) - r.arrival for r in measured]
     busy = sum((r.finished_at or 0.0) - (r.admitted_at or 0.0) for r in measured)
     stall_total = sum(r.stall_seconds for r in measured)
     block_bytes = cluster.block_bytes
@@ -269,6 +282,8 @@ def summarize(
         "stall_seconds_total": round(stall_total, 3),
         "stall_seconds_p50": round(statistics.median(stalls), 4) if stalls else 0.0,
         "stall_seconds_p99": round(_percentile(stalls, 0.99), 4),
+        # Arrival to admission: waiting for a slot or for room in HBM.
+        "queue_seconds_p50": round(statistics.median(queued), 4) if queued else 0.0,
         "bytes_loaded_on_demand": sum(r.loaded_bytes for r in measured),
         "bytes_prefetched": int(cluster.totals.bytes_prefetched),
         "bytes_prefetched_unused": int(cluster.totals.bytes_prefetched_unused),

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from app.core.bundle import SCENARIO_DIR
 from app.core.cluster import HOST_LINK_BYTES_PER_SECOND, ClusterSettings, ClusterSpec
 from app.core.errors import ConfigError
+from sim.signals import SignalSettings
 
 
 class Scenario(BaseModel):
@@ -41,6 +42,8 @@ class Scenario(BaseModel):
     sticky_overflow_queue: int = Field(
         8, ge=0, description="sticky router overflows past this queue length"
     )
+    # Early signals before returning turns, an assumed model (sim/signals.py); off by default.
+    signals: SignalSettings = Field(default_factory=SignalSettings)
 
     @property
     def cluster(self) -> ClusterSpec:
@@ -73,7 +76,8 @@ class Scenario(BaseModel):
 
 
 def load_scenario(name_or_path: str | Path) -> Scenario:
-    """A shipped scenario by name (`default`, `fast-link`, `tight-hbm`) or a TOML file."""
+    """A shipped scenario by name (`default`, `fast-link`, `tight-hbm`, `host-tier`, `busy`) or a
+    TOML file."""
     path = Path(name_or_path)
     if not path.suffix:
         path = SCENARIO_DIR / f"{name_or_path}.toml"
