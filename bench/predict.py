@@ -129,7 +129,7 @@ def _batch(
     from app.predict.feature_table import FeatureTable, feature_matrix
 
     table = FeatureTable.from_views(views)
-    x = table.matrix(now, horizons)
+    x = model.model_input(table.matrix(now, horizons))
     compiled = model.compiled
     fns = {
         "service_p_within": lambda: model.p_within(views, now, horizons),
@@ -203,7 +203,7 @@ def run(
             )
             result[name] = _batch(model, views, now, horizons, rounds)
         one = views[:1]
-        x_one = feature_matrix(one, now, HORIZON_GRID)
+        x_one = model.model_input(feature_matrix(one, now, HORIZON_GRID))
         table = FeatureTable.from_views(views)
         compiled = model.compiled
         singles = {

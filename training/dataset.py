@@ -4,7 +4,8 @@ Each log is replayed, in event-time order, through a fresh MemoryStore (the serv
 store). At every *decision point* the features are read with app.predict.features from the
 store's SessionView, as the service reads them from live state. Decision points: when a request
 finishes, and again while the session stays idle (CHECKPOINTS after the finish), because the
-chance of a return changes as the silence grows.
+chance of a return changes as the silence grows; and when a session_signal comes, and a few
+seconds after it (SIGNAL_CHECKPOINTS), because a signal's worth is in its first seconds.
 
 The label of a row is whether the session's next request arrives within the row's horizon. A row
 whose horizon reaches past the end of its log is dropped (its answer is unknown: censored).
@@ -23,14 +24,21 @@ import pandas as pd
 
 from app.core.errors import EventLogError
 from app.ingest.eventlog import read_events
-from app.predict.features import FEATURES, HORIZON_FEATURE, session_features
+from app.predict.features import (
+    FEATURES,
+    HORIZON_FEATURE,
+    SIGNAL_FOLLOW_SECONDS,
+    session_features,
+)
 from app.state import MemoryStore
-from kvprefetch_client.events import Event, RequestFinished, RequestRouted
+from kvprefetch_client.events import Event, RequestFinished, RequestRouted, SessionSignal
 
 # Seconds after a finish at which the question is asked again while the session is idle. They
 # span the whole range over which the service scores idle sessions (up to MAX_IDLE_SECONDS), or a
 # model would be asked about silences it never saw.
 CHECKPOINTS: tuple[float, ...] = (0.0, 20.0, 60.0, 150.0, 300.0, 600.0, 1200.0)
+# Seconds after a signal at which it is asked again (the service scores every second or so).
+SIGNAL_CHECKPOINTS: tuple[float, ...] = (0.0, 2.0, 5.0, 15.0)
 # The horizons a row asks about. The model takes the horizon as a feature, so the service can
 # ask about any horizon in between.
 # Training also at the planner's own 30/300/900 s calibrates those answers better (training/
@@ -49,6 +57,8 @@ META_COLUMNS = (
     "decision_ts",
     "time_fraction",
     "checkpoint_seconds",
+    # What the decision point follows: "finish", or "signal:<kind>".
+    "anchor",
     "time_to_next_seconds",
     "instance_id",
     "next_instance_id",
@@ -77,6 +87,7 @@ def rows_from_events(
     bytes_per_token: int = 327_680,
     block_tokens: int = 512,
     checkpoints: Sequence[float] = CHECKPOINTS,
+    signal_checkpoints: Sequence[float] = SIGNAL_CHECKPOINTS,
     horizons: Sequence[float] = HORIZONS,
     applied: Callable[[int], None] | None = None,
 ) -> pd.DataFrame:
@@ -90,13 +101,15 @@ def rows_from_events(
     start, end = events[0].ts, events[-1].ts
     span = max(end - start, 1e-9)
 
-    decisions: list[
-        tuple[float, float, str, float]
-    ] = []  # (decision ts, finish ts, session, checkpoint)
+    # (decision ts, anchor ts, session, checkpoint, anchor): the anchor is a finish or a signal.
+    decisions: list[tuple[float, float, str, float, str]] = []
     for e in events:
         if isinstance(e, RequestFinished):
             for c in checkpoints:
-                decisions.append((e.ts + c, e.ts, e.session_id, c))
+                decisions.append((e.ts + c, e.ts, e.session_id, c, "finish"))
+        elif isinstance(e, SessionSignal):
+            for c in signal_checkpoints:
+                decisions.append((e.ts + c, e.ts, e.session_id, c, f"signal:{e.kind}"))
     decisions.sort()
 
     store = MemoryStore(
@@ -106,7 +119,7 @@ def rows_from_events(
     feats: list[list[float]] = []
     meta: list[tuple[Any, ...]] = []
     i = 0
-    for decision_ts, finish_ts, session_id, checkpoint in decisions:
+    for decision_ts, anchor_ts, session_id, checkpoint, anchor in decisions:
         if decision_ts > end:
             break
         while i < len(events) and events[i].ts <= decision_ts:
@@ -118,11 +131,12 @@ def rows_from_events(
         if view is None or view.state == "closed":
             continue
         times = [t for t, _ in arrivals[session_id]]
-        # Asked only while idle since that finish: a request after it starts a new story.
+        # Asked only while idle since that finish (or signal): a request after it starts a new
+        # story.
         if (
             times
-            and times[-1] > finish_ts
-            and bisect.bisect_right(times, finish_ts) < bisect.bisect_right(times, decision_ts)
+            and times[-1] > anchor_ts
+            and bisect.bisect_right(times, anchor_ts) < bisect.bisect_right(times, decision_ts)
         ):
             continue
         k = bisect.bisect_right(times, decision_ts)
@@ -140,6 +154,7 @@ def rows_from_events(
                     decision_ts,
                     (decision_ts - start) / span,
                     checkpoint,
+                    anchor,
                     time_to_next,
                     view.instance_id,
                     next_instance,
@@ -155,6 +170,27 @@ def rows_from_events(
     return frame
 
 
+def signal_follow_through(events: Sequence[Event]) -> dict[str, dict[str, int]]:
+    """Per signal kind: how many signals the events hold, and how many were followed by a request
+    of their session within SIGNAL_FOLLOW_SECONDS (what the model card reports)."""
+    arrivals: dict[str, list[float]] = defaultdict(list)
+    for e in events:
+        if isinstance(e, RequestRouted):
+            arrivals[e.session_id].append(e.ts)
+    for times in arrivals.values():
+        times.sort()
+    out: dict[str, dict[str, int]] = {}
+    for e in events:
+        if isinstance(e, SessionSignal):
+            times = arrivals.get(e.session_id, [])
+            k = bisect.bisect_right(times, e.ts)
+            followed = k < len(times) and times[k] - e.ts <= SIGNAL_FOLLOW_SECONDS
+            kind = out.setdefault(e.kind, {"signals": 0, "followed": 0})
+            kind["signals"] += 1
+            kind["followed"] += int(followed)
+    return out
+
+
 def build_dataset(
     logs: Iterable[Path | str], progress: Progress | None = None, **kwargs: object
 ) -> pd.DataFrame:
@@ -165,6 +201,7 @@ def build_dataset(
     `progress(task, done, total)`, when given, hears how far each log's replay has got.
     """
     frames = []
+    signals: dict[str, dict[str, int]] = {}
     for log in logs:
         path = Path(log)
         task = f"replaying {path.name}"
@@ -184,6 +221,10 @@ def build_dataset(
                 **kwargs,  # type: ignore[arg-type]
             )
         )
+        for kind, counts in signal_follow_through(events).items():
+            total = signals.setdefault(kind, {"signals": 0, "followed": 0})
+            total["signals"] += counts["signals"]
+            total["followed"] += counts["followed"]
         if progress is not None:
             progress(task, len(events), len(events))
     if not frames:
@@ -191,6 +232,8 @@ def build_dataset(
     data = pd.concat(frames, ignore_index=True)
     if data.empty:
         raise EventLogError("the logs hold no finished request to learn from")
+    # Carried to the model card by training.train (DataFrame.attrs: metadata, not a column).
+    data.attrs["signals"] = signals
     return data
 
 
@@ -199,7 +242,9 @@ __all__ = [
     "HORIZONS",
     "HORIZON_FEATURE",
     "META_COLUMNS",
+    "SIGNAL_CHECKPOINTS",
     "build_dataset",
     "load_events",
     "rows_from_events",
+    "signal_follow_through",
 ]

@@ -202,6 +202,13 @@ def train(
         "rows_valid": len(valid_df),
         "logs": sorted(df.log.unique().tolist()),
         "valid_fraction": valid_fraction,
+        # The signal kinds the logs held and how often each was followed by a request within
+        # 60 s (training/dataset.py); {} when the logs had none.
+        "signals": {
+            kind: {**counts, "followed_share": round(counts["followed"] / counts["signals"], 4)}
+            for kind, counts in sorted(df.attrs.get("signals", {}).items())
+            if counts["signals"]
+        },
     }
     return TrainedModel(booster, metrics, calibration, importance, merged, data)
 
@@ -230,7 +237,7 @@ def save_model(model: TrainedModel, out_dir: Path, *, extra: dict[str, Any] | No
         "name": out_dir.name,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "task": "P(next request of a session within horizon_seconds)",
-        "features": list(FEATURES),
+        "features": list(model.booster.feature_name()),
         "data": model.data,
         "metrics_valid": model.metrics,
         "calibration_valid": model.calibration,

@@ -28,7 +28,13 @@ from typing import cast
 
 import numpy as np
 
-from app.predict.features import FEATURES, SESSION_FEATURES, session_features
+from app.predict.features import (
+    FEATURES,
+    SESSION_FEATURES,
+    SIGNAL_AGE_KINDS,
+    session_features,
+    signal_summary,
+)
 from app.state.base import SessionView
 
 NAN = float("nan")
@@ -61,13 +67,28 @@ _STATIC_COLUMNS = tuple(
         "last_prompt_tokens",
         "last_output_tokens",
         "last_service_seconds",
+        # signal_summary's static part, in its order
+        "signals_this_spell",
+        "signal_expected_prompt_tokens",
+        "signal_lead_median_seconds",
+        "signal_followed_share",
+        "tool_lead_last_seconds",
     )
 )
+_SIGNAL_STATIC = slice(11, len(_STATIC_COLUMNS))
+# No signals: none this spell, the rest unknown.
+_NO_SIGNAL_STATIC = (0.0, NAN, NAN, NAN, NAN)
+_SIGNAL_AGE_COLUMNS = [_COL[f"since_{kind}_signal_seconds"] for kind in SIGNAL_AGE_KINDS]
+_EXPECTED_IN = _COL["signal_expected_in_seconds"]
 # Per-row clock references (the second list _static_row returns), by position:
 # last activity, last arrival (NaN: none), newest arrival (-inf: none, so every decayed sum
-# scales to 0 without a special case), then each decayed sum as of the newest arrival.
+# scales to 0 without a special case), each decayed sum as of the newest arrival, then
+# signal_summary's references (the latest signal of each kind this spell, the estimate's due
+# time; NaN: none).
 _LAST_ACTIVITY, _LAST_ARRIVAL, _DECAY_REF, _DECAY_SUMS = 0, 1, 2, 3
-_AUX = _DECAY_SUMS + len(DECAYED_FEATURES)
+_SIGNAL_TS = _DECAY_SUMS + len(DECAYED_FEATURES)
+_SIGNAL_DUE = _SIGNAL_TS + len(SIGNAL_AGE_KINDS)
+_AUX = _SIGNAL_DUE + 1
 
 
 def _median(values: Sequence[float]) -> float:
@@ -98,6 +119,11 @@ def _static_row(view: SessionView) -> tuple[list[float], list[float], bool]:
         float(last.output_tokens) if last is not None and last.output_tokens is not None else NAN,
         service,
     ]
+    if view.signals:
+        signal_static, signal_refs = signal_summary(view)
+    else:
+        signal_static, signal_refs = list(_NO_SIGNAL_STATIC), [NAN] * (len(SIGNAL_AGE_KINDS) + 1)
+    static.extend(signal_static)
     if arrivals:
         ref = max(arrivals)
         aux = [
@@ -108,6 +134,7 @@ def _static_row(view: SessionView) -> tuple[list[float], list[float], bool]:
         ]
     else:
         aux = [view.last_activity_ts, NAN, -math.inf, *(0.0 for _ in DECAYED_FEATURES)]
+    aux.extend(signal_refs)
     return static, aux, view.state == "closed"
 
 
@@ -228,6 +255,9 @@ class FeatureTable:
         age = np.maximum(now - ref, 0.0)  # inf for no arrivals: the scale is 0
         for k, (name, tau) in enumerate(DECAYED_FEATURES):
             x[:, _COL[name]] = np.exp(-age / tau) * aux[:, _DECAY_SUMS + k]
+        # NaN (no such signal) stays NaN through the subtraction and np.maximum.
+        x[:, _SIGNAL_AGE_COLUMNS] = np.maximum(now - aux[:, _SIGNAL_TS:_SIGNAL_DUE], 0.0)
+        x[:, _EXPECTED_IN] = aux[:, _SIGNAL_DUE] - now
         late = np.flatnonzero(ref > now)
         if len(late):
             taken = np.arange(n) if rows is None else cast(np.ndarray, take)  # rows: an array
@@ -313,6 +343,13 @@ def _static_columns(views: Sequence[SessionView]) -> tuple[np.ndarray, np.ndarra
     static[:, 1] = [s in RUNNING_STATES for s in states]
     static[:, 7] = context
     aux[:, _LAST_ACTIVITY] = activity
+    static[:, _SIGNAL_STATIC] = _NO_SIGNAL_STATIC
+    aux[:, _SIGNAL_TS:] = NAN
+    for i, view in enumerate(views):
+        if view.signals:  # a few sessions at a time have any: Python for those only
+            signal_static, signal_refs = signal_summary(view)
+            static[i, _SIGNAL_STATIC] = signal_static
+            aux[i, _SIGNAL_TS:] = signal_refs
     closed = np.array([s == "closed" for s in states], dtype=bool)
     with_last = [i for i, r in enumerate(lasts) if r is not None]
     if with_last:

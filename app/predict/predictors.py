@@ -105,11 +105,18 @@ class LearnedPredictor:
         except lgb.basic.LightGBMError as exc:
             raise ModelError(f"{model_file} does not load: {exc}") from None
         names = tuple(self.booster.feature_name())
-        if names != FEATURES:
+        unknown = [n for n in names if n not in FEATURES]
+        if unknown or HORIZON_FEATURE not in names:
             raise ModelError(
                 f"{model_file} was trained on features {list(names)}; this service computes "
                 f"{list(FEATURES)}"
             )
+        # A model trained before later features existed (the signal features) still serves: it
+        # reads its own columns of the service's feature matrix.
+        self.feature_names = names
+        self._columns: np.ndarray | None = (
+            None if names == FEATURES else np.array([FEATURES.index(n) for n in names])
+        )
         card_file = self.model_dir / "card.json"
         try:
             self.card = json.loads(card_file.read_text()) if card_file.is_file() else {}
@@ -119,6 +126,8 @@ class LearnedPredictor:
         self.compiled: compiled.CompiledModel | None = None
         if backend == "compiled" or (backend == "auto" and compiled.available()):
             probe = probe_rows()
+            if self._columns is not None:
+                probe = probe[:, self._columns]
             try:
                 self.compiled = compiled.compile_model(
                     model_file, probe, self._booster_predict(probe), cache_dir
@@ -135,11 +144,16 @@ class LearnedPredictor:
         """What evaluates the trees: "lleaves" or "booster"."""
         return "lleaves" if self.compiled is not None else "booster"
 
+    def model_input(self, x: np.ndarray) -> np.ndarray:
+        """The columns of a FEATURES matrix this model reads, in its order."""
+        return x if self._columns is None else x[:, self._columns]
+
     def p_from_matrix(self, x: np.ndarray) -> np.ndarray:
         """P(within the row's horizon) for each row of a FEATURES matrix (feature_matrix's
         layout)."""
         if len(x) == 0:
             return np.zeros(0)
+        x = self.model_input(x)
         if self.compiled is not None:
             return self.compiled.predict(x)
         return self._booster_predict(x)

@@ -16,7 +16,9 @@ from app.core.config import Settings
 from app.ingest.eventlog import encode_events
 from app.predict.feature_table import FeatureTable, feature_matrix
 from app.predict.features import FEATURES, SESSION_FEATURES, session_features
-from app.state.base import RequestView, SessionView
+from app.state.base import RequestView, SessionView, SignalView
+from app.state.rules import RECENT_SIGNALS
+from kvprefetch_client.events import SIGNAL_KINDS
 from sim.replay import replay
 from sim.scenario import load_scenario
 from sim.traces import load_trace
@@ -163,7 +165,30 @@ def random_view(rng: random.Random, i: int, *, now: float) -> SessionView:
         inter_turn_gaps_seconds=gaps,
         last_request=last_request,
         resident_blocks={},
+        signals=random_signals(rng, arrivals, now),
     )
+
+
+def random_signals(rng: random.Random, arrivals: list[float], now: float) -> list[SignalView]:
+    """Half the sessions have signals: before, between and after their arrivals (and after
+    `now`), of known and deployment kinds, with and without tools and estimates."""
+    if rng.random() < 0.5:
+        return []
+    anchors = [*arrivals, now] if arrivals else [now]
+    signals = []
+    for _ in range(rng.randint(1, RECENT_SIGNALS)):
+        ts = rng.choice(anchors) - rng.choice([0.0, rng.uniform(0, 120), -rng.uniform(0, 5)])
+        kind = rng.choice([*SIGNAL_KINDS, "tool_started", "custom:reopened"])
+        signals.append(
+            SignalView(
+                ts=max(ts, 0.0),
+                kind=kind,
+                tool=rng.choice([None, "search", "shell"]) if kind == "tool_started" else None,
+                expected_in_seconds=rng.choice([None, 0.0, rng.uniform(0, 30)]),
+                expected_prompt_tokens=rng.choice([None, rng.randint(0, 50_000)]),
+            )
+        )
+    return sorted(signals, key=lambda s: s.ts)
 
 
 def reference(views: list[SessionView], now: float, horizons: tuple[float, ...]) -> np.ndarray:

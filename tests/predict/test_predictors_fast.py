@@ -50,11 +50,16 @@ def views_and_now(seed: int, n: int = 400) -> tuple[list, float]:  # type: ignor
 
 def test_booster_backend_keeps_the_public_api(booster_model: LearnedPredictor) -> None:
     assert booster_model.backend == "booster" and booster_model.compiled is None
-    assert booster_model.version == "default" and booster_model.card["features"] == list(FEATURES)
+    names = booster_model.feature_names
+    assert booster_model.version == "default" and booster_model.card["features"] == list(names)
+    assert set(names) <= set(FEATURES)
     views, now = views_and_now(1, 50)
     x = feature_matrix(views, now, HORIZON_GRID)
+    # The model reads its own columns of the service's matrix, by name.
+    own = x[:, [FEATURES.index(n) for n in names]]
+    np.testing.assert_array_equal(booster_model.model_input(x), own)
     np.testing.assert_array_equal(
-        booster_model.p_from_matrix(x), booster_model.booster.predict(x, num_threads=1)
+        booster_model.p_from_matrix(x), booster_model.booster.predict(own, num_threads=1)
     )
     assert booster_model.p_from_matrix(np.zeros((0, len(FEATURES)))).shape == (0,)
     assert booster_model.p_within(views[:1], now, HORIZON_GRID).shape == (1, len(HORIZON_GRID))
@@ -90,7 +95,7 @@ def test_compiled_model_answers_as_the_booster(
     rows += [feature_matrix(views, now + dt, HORIZON_GRID) for dt in (0.0, 90.0, 1800.0)]
     for x in rows:
         assert np.isnan(x).any()
-        expected = booster_model.booster.predict(x, num_threads=1)
+        expected = booster_model.booster.predict(booster_model.model_input(x), num_threads=1)
         np.testing.assert_allclose(compiled_model.p_from_matrix(x), expected, rtol=0, atol=1e-6)
     np.testing.assert_allclose(
         compiled_model.p_within(views, now, HORIZON_GRID),
