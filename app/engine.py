@@ -25,6 +25,7 @@ from app.core.cluster import ClusterSpec
 from app.core.config import Settings
 from app.core.errors import StoreError
 from app.decide.advisor import Thresholds
+from app.decide.guard import GuardConfig, LruGuard
 from app.decide.hints import HintConfig
 from app.decide.plan_loop import Dispatcher, feedback_observer
 from app.decide.routing import RouteTracker
@@ -121,6 +122,17 @@ class Engine:
             self.store, SchedulerConfig.from_cluster(self.cluster, self.thresholds)
         )
         self.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)
+        self.guard: LruGuard | None = (
+            LruGuard(
+                GuardConfig(
+                    bytes_per_block=self.cluster.bytes_per_block,
+                    min_arrivals=settings.lru_guard_min_arrivals,
+                    retry_seconds=settings.lru_guard_retry_seconds,
+                )
+            )
+            if settings.lru_guard
+            else None
+        )
         self.models = ModelRegistry(
             settings.model_dir if load_model else None,
             settings.shadow_model_dir,
@@ -130,7 +142,9 @@ class Engine:
         self.metrics = Metrics(
             gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir()
         )
-        self.metrics.bind(scheduler=self.scheduler, ledger=self.ledger, models=self.models)
+        self.metrics.bind(
+            scheduler=self.scheduler, ledger=self.ledger, models=self.models, guard=self.guard
+        )
         self.scorer = Scorer(
             self.store,
             self.models,
@@ -141,6 +155,7 @@ class Engine:
             routes=self.routes.estimate,
             observe_seconds=self.metrics.scored,
             thresholds=self.thresholds,
+            guard=self.guard,
         )
         self.dispatcher = Dispatcher(
             self.scheduler,
@@ -172,6 +187,8 @@ class Engine:
             observers.append(
                 self._on_loop(self.order_sink.observe) if self.offload else self.order_sink.observe
             )
+        if self.guard is not None:  # before the outcomes: it looks each arrival up in its LRU
+            observers.append(self.guard.observe)
         observers.append(outcome_observer(self.store, self.cluster, self._record_outcomes))
         # Last: it syncs the counters with what the ledger and the scheduler counted just now.
         observers.append(self.metrics.observe)
@@ -216,6 +233,8 @@ class Engine:
     ) -> None:  # /metrics, the dashboard
         self.metrics.record_outcomes(outcomes)
         self._measured.record_outcomes(outcomes)
+        if self.guard is not None:
+            self.guard.record(outcomes, self.clock.now())
 
     def _on_loop(self, observer: Observer) -> Observer:
         """`observer`, told on the engine's loop (in order) once it runs; before, at once."""

@@ -94,6 +94,13 @@ class BlockCache:
                 entry.demoted = False
                 del self._demoted[block]
 
+    def clear_advice(self) -> None:
+        """Every keep and demotion lapses at once: plain LRU from here on."""
+        for entry in self.entries.values():
+            entry.keep_until = -INF
+            entry.demoted = False
+        self._demoted.clear()
+
     def rekey(self, block: int) -> None:
         """The eviction key of a resident block changed: rank it by the new one (LRU order kept)."""
         entry = self.entries.get(block)

@@ -553,6 +553,10 @@ class Cluster:
         for b in blocks:
             hbm.keep(b, until)
 
+    def clear_advice(self, idx: int) -> None:
+        """Advice withdrawn: the instance's keeps and demotions lapse (plain LRU again)."""
+        self.instances[idx].hbm.clear_advice()
+
     def demote(self, idx: int, blocks: Sequence[int]) -> None:
         """Advice: evict these blocks first."""
         hbm = self.instances[idx].hbm

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 
 from app.decide.advisor import MAX_IDLE_SECONDS, Advisor
+from app.decide.guard import LruGuard
 from app.decide.routing import RouteTracker
 from app.state.base import SessionView
 from sim.policies import Policy
@@ -28,13 +29,22 @@ class PlannedPolicy(Policy):
     tick_seconds = 20.0
 
     def __init__(
-        self, planner: Advisor, session_view: Callable[[str], SessionView | None], name: str
+        self,
+        planner: Advisor,
+        session_view: Callable[[str], SessionView | None],
+        name: str,
+        guard: LruGuard | None = None,
     ) -> None:
         self.planner = planner
+        # The engine's: where the advice lost to plain LRU, LRU's is carried out instead.
+        self.guard = guard
         self.name = name
         self._session_view = session_view
         self._idle: set[str] = set()
         self._fetched: set[str] = set()
+        # Instances whose advice the guard has turned off: their keeps and demotions were
+        # withdrawn when it did, so none lingers past the verdict.
+        self._off: set[int] = set()
         # Feeds the planner's estimate of where returns land.
         self.routes = RouteTracker(planner.routes) if planner.routes is not None else None
 
@@ -62,6 +72,16 @@ class PlannedPolicy(Policy):
                 self._dropped(v.session_id)
         return views
 
+    def _withdraw(self, now: float) -> None:
+        """Withdraw the advice in force on instances the guard has just turned off."""
+        assert self.guard is not None
+        for inst in self.cluster.instances:
+            if self.guard.allowed(inst.instance_id, now):
+                self._off.discard(inst.idx)
+            elif inst.idx not in self._off:
+                self._off.add(inst.idx)
+                self.cluster.clear_advice(inst.idx)
+
     def _dropped(self, session_id: str) -> None:
         """A session left the idle set."""
 
@@ -75,7 +95,11 @@ class PlannedPolicy(Policy):
     def _act(self, session_ids: list[str], now: float) -> None:
         views = self._views(session_ids, now)
         cluster = self.cluster
-        for a in self.planner.advise(views, now):
+        advice = self.planner.advise(views, now)
+        if self.guard is not None:
+            self._withdraw(now)
+            advice = self.guard.filter(advice, now)
+        for a in advice:
             idx = self._instance_index(a.instance_id)
             if idx is None:
                 continue

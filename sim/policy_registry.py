@@ -35,7 +35,8 @@ def make_policy(
 ) -> Policy:
     """`planner_options`: keyword arguments for app.decide.advisor.Advisor (heuristic, learned;
     the scheduled policy's engine was built with them). `engine`: the replay's in-process Engine
-    (sim/replay.py sim_engine), whose loops the `scheduled` policy runs."""
+    (sim/replay.py sim_engine), whose loops the `scheduled` policy runs and whose LRU guard
+    (app/decide/guard.py) the planner's policies obey."""
     if name == "none":
         return NoPrefetch()
     if name == "lookahead":
@@ -56,7 +57,12 @@ def make_policy(
         if session_view is None:
             raise ValueError("the clairvoyant policy reads the engine's state: pass session_view")
         advisor = Advisor(Clairvoyant(), **(planner_options or {}))  # type: ignore[arg-type]
-        return ClairvoyantPolicy(advisor, session_view, "clairvoyant")  # type: ignore[arg-type]
+        return ClairvoyantPolicy(
+            advisor,
+            session_view,  # type: ignore[arg-type]
+            "clairvoyant",
+            guard=engine.guard if engine is not None else None,
+        )
     if name in ("heuristic", "learned"):
         if session_view is None:
             raise ValueError(f"the {name} policy reads the engine's state: pass session_view")
@@ -66,5 +72,10 @@ def make_policy(
             else LearnedPredictor(model_dir or DEFAULT_MODEL_DIR)
         )
         planner = Advisor(predictor, routes=SameInstanceEstimate(), **(planner_options or {}))
-        return PlannedPolicy(planner, session_view, name)  # type: ignore[arg-type]
+        return PlannedPolicy(
+            planner,
+            session_view,  # type: ignore[arg-type]
+            name,
+            guard=engine.guard if engine is not None else None,
+        )
     raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -294,3 +294,49 @@ def test_a_session_known_only_by_its_signals_is_scored_and_planned_without_harm(
     assert (view.turns, view.state, view.signals_total) == (0, "idle", 2)  # type: ignore[union-attr]
     assert [k.signals for k in built.metrics.signals.totals()][:3] == [1, 1, 1]
     asyncio.run(built.close())
+
+
+def test_with_the_lru_guard_advice_that_loses_to_lru_is_turned_off(tmp_path: Path) -> None:
+    built, _, _ = engine(tmp_path, lru_guard=True, lru_guard_min_arrivals=5)
+    assert built.guard is not None and built.settings.lru_guard
+    events = [
+        ev(
+            "instance_status",
+            0.0,
+            instance_id="gpu-0",
+            free_kv_bytes=100 * BLOCK_BYTES,
+            total_kv_bytes=100 * BLOCK_BYTES,
+        )
+    ]
+    # Six sessions come back to their context; the engine reports it nowhere in gpu-0's HBM (the
+    # advice let it go), only in the pool, where LRU would have kept it: the advice lost each.
+    for k in range(6):
+        context = [1000 * k + 1, 1000 * k + 2]
+        events.append(ev("kv_blocks_stored", 1.0, tier="pool", block_hashes=context))
+        for turn in range(2):
+            events.append(
+                ev(
+                    "request_routed",
+                    10.0 * k + 5.0 * turn + 1,
+                    session_id=f"s{k}",
+                    request_id=f"r{k}-{turn}",
+                    instance_id="gpu-0",
+                    prompt_tokens=32,
+                    block_hashes=context,
+                    block_tokens=BLOCK_TOKENS,
+                )
+            )
+    for e in events:  # one batch each, as engines and routers post them
+        built.ingest([e])
+    built.drain()
+    verdict = built.guard.verdicts["gpu-0"]
+    assert (verdict.state, verdict.fallbacks) == ("lru", 1)
+    assert not built.guard.allowed("gpu-0", built.clock.now())
+    text = built.metrics.exposition().decode()
+    assert 'kvprefetch_lru_guard_instances{state="lru"} 1.0' in text
+    assert "kvprefetch_lru_guard_fallbacks_total 1.0" in text
+
+
+def test_without_the_lru_guard_nothing_judges_the_advice(tmp_path: Path) -> None:
+    built, _, _ = engine(tmp_path)
+    assert built.guard is None and built.scorer.guard is None

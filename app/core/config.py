@@ -180,6 +180,20 @@ class Settings(BaseSettings):
             "under KVP_PREFETCH_MIN_P)."
         ),
     )
+    # Never worse than LRU (app/decide/guard.py): per instance, the advice's resident bytes on
+    # each arrival against a shadow LRU's; where the advice loses, it is turned off, and tried
+    # again after the retry wait (doubled each time it loses again). Off by default for now:
+    # turning advice off leaves its earlier pins and demotions in force, and in replay that cost
+    # more than it saved (docs/decisions.md, 19).
+    lru_guard: bool = Field(
+        False, description="Turn the advice off on an instance where plain LRU would do better."
+    )
+    lru_guard_min_arrivals: int = Field(
+        50, ge=1, description="Arrivals judged on an instance before a verdict on its advice."
+    )
+    lru_guard_retry_seconds: float = Field(
+        600.0, gt=0, description="How long an instance's advice stays off before it is tried again."
+    )
     # How often the dashboard's timeline samples the counters (app/observe/timeline.py; an hour
     # of samples is kept at 2 s); 0 turns sampling off (tests drive it one sample at a time).
     dashboard_sample_seconds: float = Field(2.0, ge=0)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from app.core.clock import Clock
 from app.core.errors import StoreError
 from app.decide.advisor import MAX_IDLE_SECONDS, Advisor, Thresholds
+from app.decide.guard import LruGuard
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler
 from app.observe.ledger import AdviceLedger
@@ -36,9 +37,10 @@ MAX_FINISHED_QUEUE = 100_000
 
 class Scorer:
     """`scheduler`, when given, takes the serving model's advice too (the shadow's never);
-    `routes` weighs the advice by where returns land (app/decide/routing.py); `observe_seconds`,
-    when given, is told each model's time to score the page (slot, seconds), after its advice is
-    recorded (the metrics' latency histogram); `thresholds`, the advisor's (the settings')."""
+        `routes` weighs the advice by where returns land (app/decide/routing.py); `guard`, where the
+    advice lost to LRU, hands the scheduler LRU's instead (app/decide/guard.py); `observe_seconds`,
+        when given, is told each model's time to score the page (slot, seconds), after its advice is
+        recorded (the metrics' latency histogram); `thresholds`, the advisor's (the settings')."""
 
     def __init__(
         self,
@@ -52,8 +54,11 @@ class Scorer:
         routes: SameInstanceEstimate | None = None,
         observe_seconds: Callable[[str, float], None] | None = None,
         thresholds: Thresholds | None = None,
+        guard: LruGuard | None = None,
     ) -> None:
         self.store = store
+        # Where the advice lost to plain LRU, the scheduler gets LRU's (the ledger, the model's).
+        self.guard = guard
         self.thresholds = thresholds or Thresholds()
         self.models = models
         self.ledger = ledger
@@ -101,7 +106,9 @@ class Scorer:
         seconds = time.perf_counter() - started
         self.ledger.record("live", advice, now)
         if self.scheduler is not None:
-            self.scheduler.advise(advice, now)
+            self.scheduler.advise(
+                advice if self.guard is None else self.guard.filter(advice, now), now
+            )
         if self.observe_seconds is not None:
             self.observe_seconds("live", seconds)
         shadow = self.models.shadow

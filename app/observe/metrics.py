@@ -73,6 +73,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from app.decide.guard import LruGuard
     from app.decide.scheduler import Scheduler
     from app.observe.ledger import AdviceLedger
     from app.predict.registry import ModelRegistry, Serving
@@ -333,6 +334,27 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        # app/decide/guard.py: the advice against plain LRU on the same arrivals.
+        self.guard_instances = Gauge(
+            "kvprefetch_lru_guard_instances",
+            "Instances by what decides their HBM: advice (the model's advice acts), lru (it lost "
+            "to plain LRU and is off), trial (on again, being judged).",
+            ["state"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.guard_resident_bytes = Counter(
+            "kvprefetch_lru_guard_resident_bytes_total",
+            "Reused bytes resident at arrival, as served (side=served) and as a shadow LRU fed the "
+            "same requests would have had them (side=lru), on the instances judged.",
+            ["side"],
+            registry=r,
+        )
+        self.guard_fallbacks = Counter(
+            "kvprefetch_lru_guard_fallbacks_total",
+            "Times an instance's advice was turned off for losing to plain LRU.",
+            registry=r,
+        )
         self.inference_duration = Histogram(
             "kvprefetch_inference_duration_seconds",
             "Time to score one page of sessions with a model (features, model, planner rules).",
@@ -370,6 +392,7 @@ class Metrics:
         self._scheduler: Scheduler | None = None
         self._ledger: AdviceLedger | None = None
         self._models: ModelRegistry | None = None
+        self._guard: LruGuard | None = None
         # sync() runs on the store thread (ingest, ticks) and on the loop (a scrape).
         self._sync_lock = threading.RLock()
         self._seen: dict[object, int] = {}  # a source total -> its value at the last sync
@@ -378,9 +401,17 @@ class Metrics:
         self._ledger_seen: dict[str, tuple[Serving, LedgerStats]] = {}
         self._versions: dict[str, str | None] = {}
 
-    def bind(self, *, scheduler: Scheduler, ledger: AdviceLedger, models: ModelRegistry) -> None:
+    def bind(
+        self,
+        *,
+        scheduler: Scheduler,
+        ledger: AdviceLedger,
+        models: ModelRegistry,
+        guard: LruGuard | None = None,
+    ) -> None:
         """The owners of the totals `sync()` reads."""
         self._scheduler, self._ledger, self._models = scheduler, ledger, models
+        self._guard = guard
         self.sync()
 
     # -- at the source ----------------------------------------------------------------------
@@ -478,6 +509,17 @@ class Metrics:
         with self._sync_lock:
             self._sync_scheduler()
             self._sync_models()
+            self._sync_guard()
+
+    def _sync_guard(self) -> None:
+        guard = self._guard
+        if guard is None:
+            return
+        for state, n in guard.states().items():
+            self.guard_instances.labels(state).set(n)
+        self._advance("guard_served", self.guard_resident_bytes, guard.served_bytes_total, "served")
+        self._advance("guard_lru", self.guard_resident_bytes, guard.lru_bytes_total, "lru")
+        self._advance("guard_fallbacks", self.guard_fallbacks, guard.fallbacks_total)
 
     def _advance(self, key: object, counter: Counter, current: int, *labels: str) -> None:
         # Each series labelled once (at the first sync, so it shows from the start), then kept:

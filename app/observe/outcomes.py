@@ -75,13 +75,15 @@ def judge(
     Three store lookups per instance per call (HBM, host, then the pool for what is in neither),
     not per request: on the ingest path a batch of a thousand routed requests costs a few calls.
     The store answers as of the end of the batch; blocks a later event of the same batch stored
-    in the request's HBM (the engine computing or loading them for it) count as not there.
+    in the request's HBM (the engine computing or loading them for it) count as not there: later
+    in the batch and not earlier in time (an engine that stores a request's blocks at the very
+    ts it was routed, as the replay's does, reports them after it).
     """
     routed, landed = _scan(events)
     if not routed:
         return []
     wanted: dict[str, set[BlockHash]] = {}  # instance -> the blocks its requests name
-    for e in routed:
+    for _, e in routed:
         # _scan keeps only the requests that name blocks.
         wanted.setdefault(e.instance_id, set()).update(cast("list[BlockHash]", e.block_hashes))
     # Sets of what is held, built from the lookups: the per-block work below is then set
@@ -92,7 +94,7 @@ def judge(
     for inst, blocks in wanted.items():
         in_hbm[inst] = here = store.present("hbm", inst, blocks)
         rest = blocks - here
-        for _, stored in landed.get(inst, ()):
+        for _, _, stored in landed.get(inst, ()):
             # Where blocks that landed in HBM during the batch came from, for requests before them.
             rest.update(here.intersection(stored))
         on_host[inst] = host = store.present("host", inst, rest) if rest else set()
@@ -102,21 +104,21 @@ def judge(
         inst: in_hbm[inst] | on_host[inst] | (blocks & in_pool) for inst, blocks in wanted.items()
     }
     landed_any = {
-        inst: set().union(*(stored for _, stored in stores)) for inst, stores in landed.items()
+        inst: set().union(*(stored for _, _, stored in stores)) for inst, stores in landed.items()
     }
 
     pool_bps, host_bps = config.pool_link_bytes_per_second, config.host_link_bytes_per_second
     prefill = config.prefill_tokens_per_second
     out = []
-    for e in routed:
+    for position, e in routed:
         inst = e.instance_id
         named = cast("list[BlockHash]", e.block_hashes)
         here, host, known = in_hbm[inst], on_host[inst], held[inst]
         stores = landed.get(inst)
         if stores and not landed_any[inst].isdisjoint(named):
             late: set[BlockHash] = set()
-            for ts, stored in stores:
-                if ts > e.ts:
+            for where, ts, stored in stores:
+                if where > position and ts >= e.ts:
                     late.update(stored)
             late.intersection_update(named)
             if late:
@@ -170,27 +172,32 @@ def judge(
 
 def _scan(
     events: Sequence[Event],
-) -> tuple[list[RequestRouted], dict[str, list[tuple[float, Sequence[BlockHash]]]]]:
+) -> tuple[
+    list[tuple[int, RequestRouted]], dict[str, list[tuple[int, float, Sequence[BlockHash]]]]
+]:
     """The batch's requests that name blocks, and the blocks each instance's HBM took in it with
-    when (ts, blocks), in one pass (by type name: cheaper than isinstance on the ingest path)."""
-    routed: list[RequestRouted] = []
-    landed: dict[str, list[tuple[float, Sequence[BlockHash]]]] = {}
-    for e in events:
+    where in the batch and when (position, ts, blocks), in one pass (by type name: cheaper than
+    isinstance on the ingest path)."""
+    routed: list[tuple[int, RequestRouted]] = []
+    landed: dict[str, list[tuple[int, float, Sequence[BlockHash]]]] = {}
+    for i, e in enumerate(events):
         kind = e.type  # the type name says the class: the casts below narrow by it
         if kind == "request_routed":
             routed_event = cast(RequestRouted, e)
             if routed_event.block_hashes:
-                routed.append(routed_event)
+                routed.append((i, routed_event))
         elif kind == "kv_blocks_stored":
             stored = cast(KvBlocksStored, e)
             if stored.tier == "hbm" and stored.instance_id is not None:
-                landed.setdefault(stored.instance_id, []).append((stored.ts, stored.block_hashes))
+                landed.setdefault(stored.instance_id, []).append(
+                    (i, stored.ts, stored.block_hashes)
+                )
         elif kind == "vllm_kv_events":
             batch = cast(VllmKvEvents, e)
             for sub in batch.expand():
                 if isinstance(sub, KvBlocksStored) and sub.tier == "hbm":
                     # Every event expand() makes is at the batch's instance.
-                    landed.setdefault(batch.instance_id, []).append((sub.ts, sub.block_hashes))
+                    landed.setdefault(batch.instance_id, []).append((i, sub.ts, sub.block_hashes))
     return routed, landed
 
 

@@ -223,3 +223,30 @@ def test_blocks_stored_later_in_the_same_batch_were_not_there_when_the_request_c
         0,
     )
     assert (found["s"].outcome, found["s"].reused_blocks) == ("hit", 1)
+
+
+def test_blocks_stored_at_the_same_ts_after_the_request_in_the_batch_were_not_there(
+    store: MemoryStore,
+) -> None:
+    # An engine that stores a request's blocks at the very ts it was routed (the replay's does):
+    # later in the batch, not earlier in time, so not there when the request came.
+    store.apply([stored("p", "pool", [1, 2])])
+    same_ts = ev(
+        type="kv_blocks_stored",
+        event_id="same",
+        ts=2.0,
+        tier="hbm",
+        instance_id="gpu-0",
+        block_hashes=[1, 2, 3],
+    )
+    batch = [routed("r", [1, 2, 3]), same_ts]
+    store.apply(batch)
+    (found,) = judge(store, batch, CONFIG)
+    assert (found.outcome, found.reused_blocks, found.resident_blocks) == ("miss", 2, 0)
+    # Before the request in the batch, at that ts or earlier: there when it came.
+    early = MemoryStore(bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS)
+    early.apply([stored("p", "pool", [1, 2])])
+    batch = [same_ts, routed("r", [1, 2, 3])]
+    early.apply(batch)
+    (found,) = judge(early, batch, CONFIG)
+    assert (found.outcome, found.reused_blocks, found.resident_blocks) == ("hit", 3, 3)

@@ -132,3 +132,13 @@ def test_demoted_blocks_go_in_lru_order_not_the_order_they_were_demoted() -> Non
     assert cache.choose_victims(1, now=0.0) == [3]
     cache.keep(3, 10.0)  # kept: no longer demoted, and last
     assert cache.choose_victims(3, now=0.0) == [2, 4, 3]
+
+
+def test_clearing_the_advice_leaves_plain_lru() -> None:
+    cache = filled([1, 2, 3, 4])
+    cache.keep(1, 100.0)
+    cache.demote(4)
+    assert cache.choose_victims(4, now=0.0) == [4, 2, 3, 1]
+    cache.clear_advice()
+    assert cache.choose_victims(4, now=0.0) == [1, 2, 3, 4]
+    assert not any(e.demoted for e in cache.entries.values())

@@ -1,0 +1,241 @@
+"""Never worse than LRU: on the same arrivals, what the advice achieved against what plain LRU
+would have, per instance; advice off where it loses, tried again after a while.
+
+Every advice the planner gives (keep, demote, prefetch) changes what an instance's HBM holds
+when the next request comes. Whether that beat the tier's own LRU is measured, not assumed:
+
+- **LRU's side.** Each instance has a shadow LRU of its HBM: the block hashes of the requests
+  routed to it (and of their finished contexts), most recent last, as many as its
+  `total_kv_bytes` holds (its instance_status). That is what an LRU cache fed the same requests
+  would hold, whatever the advice did to the real one. An instance that never reported its
+  total is not judged (its advice stays on).
+- **The advice's side.** The outcome of the same arrival (app/observe/outcomes.py): how many of
+  its reused blocks were resident in the instance's HBM.
+- **The verdict.** Per instance, the difference (advice's resident bytes less LRU's) on each
+  judged arrival, its mean and spread over the arrivals, decayed so that the last
+  `window_arrivals` or so count. Once `min_arrivals` are judged and the advice loses both
+  clearly (its mean difference below zero by `z` standard errors: one busy minute of a few
+  big contexts is not a verdict) and by more than `tolerance` of LRU's bytes, the instance goes
+  to `lru`:
+  its sessions get no keep, demote or prefetch (the tier's LRU decides alone). After
+  `retry_seconds` it goes to `trial`: advice on again, sums fresh; if it then holds its own over
+  `min_arrivals` it is back to `advice`, else `lru` again with the wait doubled (up to
+  `max_retry_seconds`). A circuit breaker: under `lru` the advice has no effect to measure, so it
+  is tried instead.
+
+Per instance, not per session: a session's next arrival is one sample, far too few, and an
+instance is what one LRU serves. The model's own hit rate is the ledger's (app/observe/
+ledger.py), judged on the raw advice; this judges the advice as carried out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from app.decide.advisor import SessionAdvice
+from app.observe.outcomes import RequestOutcome
+from kvprefetch_client.events import (
+    BlockHash,
+    Event,
+    InstanceStatus,
+    RequestFinished,
+    RequestRouted,
+)
+
+GuardState = Literal["advice", "lru", "trial"]
+GUARD_STATES: tuple[GuardState, ...] = ("advice", "lru", "trial")
+
+
+@dataclass(frozen=True, slots=True)
+class GuardConfig:
+    bytes_per_block: int
+    min_arrivals: int = 50
+    window_arrivals: int = 500
+    # The advice may lose this share of LRU's resident bytes before it is turned off.
+    tolerance: float = 0.01
+    # ... and only when the loss is this many standard errors clear of zero.
+    z: float = 2.0
+    retry_seconds: float = 600.0
+    max_retry_seconds: float = 6 * 3600.0
+
+
+@dataclass(slots=True)
+class InstanceVerdict:
+    """One instance's standing, as `/metrics` and the dashboard show it."""
+
+    state: GuardState = "advice"
+    since_ts: float = 0.0
+    # Decayed sums over the judged arrivals since `since_ts`: weight, each side's resident
+    # bytes, and the squared differences (for the spread).
+    weight: float = 0.0
+    advice_bytes: float = 0.0
+    lru_bytes: float = 0.0
+    squared_difference: float = 0.0
+    judged: int = 0
+    retry_seconds: float = 0.0
+    # Times the advice was turned off here.
+    fallbacks: int = 0
+
+
+@dataclass(slots=True)
+class _Shadow:
+    capacity_blocks: int = 0
+    blocks: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
+
+    def held(self, hashes: Sequence[BlockHash]) -> list[bool]:
+        blocks = self.blocks
+        return [b in blocks for b in hashes]
+
+    def use(self, hashes: Sequence[BlockHash]) -> None:
+        blocks = self.blocks
+        for b in hashes:
+            blocks[b] = None
+            blocks.move_to_end(b)
+        while len(blocks) > self.capacity_blocks:
+            blocks.popitem(last=False)
+
+
+class LruGuard:
+    """Fed by two ingest hooks, in this order for each batch: `observe(events)` (the shadow LRUs
+    look the batch's arrivals up, then take their blocks) and `record(outcomes)` (the same
+    arrivals' outcomes as judged on the real store). `allowed(instance_id, now)` and
+    `filter(advice, now)` say what the planner may do."""
+
+    def __init__(self, config: GuardConfig) -> None:
+        self.config = config
+        self._shadows: dict[str, _Shadow] = {}
+        self.verdicts: dict[str, InstanceVerdict] = {}
+        # This batch's arrivals: request id -> (instance, which of its blocks the shadow held).
+        self._lru_held: dict[str, tuple[str, list[bool]]] = {}
+        self._decay = math.exp(-1.0 / max(config.window_arrivals, 1))
+        # Totals over every judged arrival, whatever the state (/metrics).
+        self.served_bytes_total = 0
+        self.lru_bytes_total = 0
+        self.fallbacks_total = 0
+
+    # -- the two hooks ---------------------------------------------------------------------------
+
+    def observe(self, events: Sequence[Event]) -> None:
+        self._lru_held.clear()
+        for e in events:
+            kind = e.type
+            if kind == "request_routed":
+                routed: RequestRouted = e  # type: ignore[assignment]
+                if routed.block_hashes:
+                    shadow = self._shadows.get(routed.instance_id)
+                    if shadow is not None and shadow.capacity_blocks > 0:
+                        hashes = routed.block_hashes
+                        self._lru_held[routed.request_id] = (
+                            routed.instance_id,
+                            shadow.held(hashes),
+                        )
+                        shadow.use(hashes)
+            elif kind == "request_finished":
+                finished: RequestFinished = e  # type: ignore[assignment]
+                if finished.block_hashes:
+                    shadow = self._shadows.get(finished.instance_id)
+                    if shadow is not None:
+                        shadow.use(finished.block_hashes)
+            elif kind == "instance_status":
+                status: InstanceStatus = e  # type: ignore[assignment]
+                if status.total_kv_bytes is not None:
+                    shadow = self._shadows.setdefault(status.instance_id, _Shadow())
+                    shadow.capacity_blocks = status.total_kv_bytes // self.config.bytes_per_block
+                    self.verdicts.setdefault(status.instance_id, InstanceVerdict())
+
+    def record(self, outcomes: Sequence[RequestOutcome], now: float) -> None:
+        """The outcomes of this batch's arrivals; each is compared with LRU's on the same one."""
+        block_bytes = self.config.bytes_per_block
+        for o in outcomes:
+            shadow_side = self._lru_held.pop(o.request_id, None)
+            if shadow_side is None or shadow_side[0] != o.instance_id:
+                continue
+            # LRU judged on the same reused prefix as the outcome: its first reused_blocks.
+            lru_resident = sum(shadow_side[1][: o.reused_blocks])
+            self._judge(o.instance_id, o.resident_bytes, lru_resident * block_bytes, now)
+        self._lru_held.clear()
+
+    # -- what the planner asks -------------------------------------------------------------------
+
+    def allowed(self, instance_id: str | None, now: float) -> bool:
+        """May the advice act on this instance now? (Also moves `lru` to `trial` when due.)"""
+        if instance_id is None:
+            return True
+        v = self.verdicts.get(instance_id)
+        if v is None:
+            return True
+        if v.state == "lru" and now - v.since_ts >= v.retry_seconds:
+            self._enter(v, "trial", now)
+        return v.state != "lru"
+
+    def filter(self, advice: Sequence[SessionAdvice], now: float) -> list[SessionAdvice]:
+        """The advice for instances where it may act; plain LRU (no keep, demote or prefetch)
+        for the others."""
+        out = []
+        for a in advice:
+            if self.allowed(a.instance_id, now) or (a.retention == "lru" and not a.prefetch):
+                out.append(a)
+            else:
+                out.append(replace(a, retention="lru", keep_seconds=0.0, prefetch=False))
+        return out
+
+    def states(self) -> dict[GuardState, int]:
+        """How many instances are in each state."""
+        counts = dict.fromkeys(GUARD_STATES, 0)
+        for v in self.verdicts.values():
+            counts[v.state] += 1
+        return counts
+
+    # -- the verdict -----------------------------------------------------------------------------
+
+    def _judge(self, instance_id: str, advice_bytes: int, lru_bytes: int, now: float) -> None:
+        v = self.verdicts.setdefault(instance_id, InstanceVerdict(since_ts=now))
+        self.served_bytes_total += advice_bytes
+        self.lru_bytes_total += lru_bytes
+        if v.state == "lru":
+            return  # the advice is off: nothing of its own to judge
+        d = self._decay
+        v.weight = v.weight * d + 1.0
+        v.advice_bytes = v.advice_bytes * d + advice_bytes
+        v.lru_bytes = v.lru_bytes * d + lru_bytes
+        v.squared_difference = v.squared_difference * d + float(advice_bytes - lru_bytes) ** 2
+        v.judged += 1
+        c = self.config
+        if v.judged < c.min_arrivals:
+            return
+        if self.losing(v):
+            v.retry_seconds = (
+                c.retry_seconds
+                if v.state == "advice"
+                else min(2 * max(v.retry_seconds, c.retry_seconds), c.max_retry_seconds)
+            )
+            v.fallbacks += 1
+            self.fallbacks_total += 1
+            self._enter(v, "lru", now)
+        elif v.state == "trial":
+            v.retry_seconds = 0.0
+            self._enter(v, "advice", now)
+
+    def losing(self, v: InstanceVerdict) -> bool:
+        """Does the advice lose to LRU on this instance, clearly and by more than the tolerance?"""
+        if v.weight <= 1.0:
+            return False
+        c = self.config
+        mean = (v.advice_bytes - v.lru_bytes) / v.weight
+        variance = max(v.squared_difference / v.weight - mean * mean, 0.0)
+        standard_error = math.sqrt(variance / v.weight)
+        return v.advice_bytes < (1.0 - c.tolerance) * v.lru_bytes and mean < -c.z * standard_error
+
+    @staticmethod
+    def _enter(v: InstanceVerdict, state: GuardState, now: float) -> None:
+        v.state = state
+        v.since_ts = now
+        v.weight = v.advice_bytes = v.lru_bytes = v.squared_difference = 0.0
+        v.judged = 0
+
+
+__all__ = ["GUARD_STATES", "GuardConfig", "GuardState", "InstanceVerdict", "LruGuard"]
