@@ -439,6 +439,14 @@ def replay(
             "coverage=0.5,lead_median=5,false_alarms=1.",
         ),
     ] = None,
+    lru_guard: Annotated[
+        bool,
+        typer.Option(
+            "--lru-guard",
+            help="Run the engine with the LRU guard on (KVP_LRU_GUARD): advice that loses to "
+            "plain LRU on an instance is turned off there. With --via, the service's own setting.",
+        ),
+    ] = False,
 ) -> None:
     """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
     from sim.commands import prepare, print_results, run_replays
@@ -477,6 +485,7 @@ def replay(
             measure_from_seconds=measure_from,
             via=via,
             speed=speed,
+            lru_guard=lru_guard,
         )
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None

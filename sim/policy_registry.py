@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from app.core.bundle import DEFAULT_MODEL_DIR
 from app.decide.advisor import Advisor
+from app.decide.guard import GUARD_SETTINGS
 from app.decide.routing import SameInstanceEstimate
 from app.predict.predictors import HeuristicPredictor, LearnedPredictor
 from sim.planned import Clairvoyant, ClairvoyantPolicy, PlannedPolicy
@@ -37,6 +38,8 @@ def make_policy(
     the scheduled policy's engine was built with them). `engine`: the replay's in-process Engine
     (sim/replay.py sim_engine), whose loops the `scheduled` policy runs and whose LRU guard
     (app/decide/guard.py) the planner's policies obey."""
+    # The guard's settings are the engine's (sim_engine), not the Advisor's.
+    planner_options = {k: v for k, v in (planner_options or {}).items() if k not in GUARD_SETTINGS}
     if name == "none":
         return NoPrefetch()
     if name == "lookahead":

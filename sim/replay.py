@@ -24,6 +24,7 @@ from app.core.bundle import DEFAULT_MODEL_DIR
 from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.decide.advisor import Thresholds
+from app.decide.guard import GUARD_SETTINGS
 from app.engine import Engine as AppEngine
 from app.engine import NullEventLog
 from app.ingest.eventlog import encode_events
@@ -100,9 +101,10 @@ def sim_engine(
     and the cluster model as the order sink (sim/scheduled.py). Built from defaults alone: the
     environment's KVP_ settings do not change a replay. `load_model` False: the engine's
     registry serves the heuristic (for a policy that never scores through the engine)."""
-    # The thresholds are settings; the Advisor's other options (its return horizon, how long idle
-    # a session may be) reach only the policies that build their own Advisor.
-    names = Thresholds.__slots__
+    # The thresholds and the LRU guard's are settings; the Advisor's other options (its return
+    # horizon, how long idle a session may be) reach only the policies that build their own
+    # Advisor.
+    names = (*Thresholds.__slots__, *GUARD_SETTINGS)
     options = {k: v for k, v in (planner_options or {}).items() if k in names}
     fields: dict[str, Any] = {
         "bytes_per_token": scenario.bytes_per_token,

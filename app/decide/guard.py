@@ -46,6 +46,9 @@ from kvprefetch_client.events import (
     RequestRouted,
 )
 
+# Its settings (app/core/config.py), which a replay may set too (`kvprefetch replay --lru-guard`).
+GUARD_SETTINGS = ("lru_guard", "lru_guard_min_arrivals", "lru_guard_retry_seconds")
+
 GuardState = Literal["advice", "lru", "trial"]
 GUARD_STATES: tuple[GuardState, ...] = ("advice", "lru", "trial")
 
@@ -238,4 +241,11 @@ class LruGuard:
         v.judged = 0
 
 
-__all__ = ["GUARD_STATES", "GuardConfig", "GuardState", "InstanceVerdict", "LruGuard"]
+__all__ = [
+    "GUARD_SETTINGS",
+    "GUARD_STATES",
+    "GuardConfig",
+    "GuardState",
+    "InstanceVerdict",
+    "LruGuard",
+]

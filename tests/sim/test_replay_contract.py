@@ -189,3 +189,23 @@ def test_two_replays_of_the_same_input_are_identical(trace: str, policy: str, ro
     second = replay(requests, load_scenario("tight-hbm"), policy=policy, router=router)
     assert outcome(first) == outcome(second)
     assert "wall_seconds" in first.summary
+
+
+def test_a_replay_engine_takes_the_guard_settings_and_the_policies_obey_its_guard() -> None:
+    from sim.policy_registry import make_policy
+    from sim.replay import sim_engine
+    from sim.scenario import load_scenario
+
+    scen = load_scenario("default")
+    assert sim_engine(scen, load_model=False).guard is None
+    engine = sim_engine(
+        scen, load_model=False, planner_options={"lru_guard": True, "keep_min_p": 0.3}
+    )
+    assert engine.guard is not None and engine.thresholds.keep_min_p == 0.3
+    policy = make_policy(
+        "heuristic",
+        session_view=engine.store.session,
+        planner_options={"lru_guard": True, "keep_min_p": 0.3},
+        engine=engine,
+    )
+    assert policy.guard is engine.guard and policy.planner.keep_min_p == 0.3  # type: ignore[attr-defined]

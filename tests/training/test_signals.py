@@ -37,7 +37,8 @@ def chat_with_signals(sessions: int = 120, seed: int = 0) -> list[Event]:
     for s in range(sessions):
         sid = f"s{s}"
         t = rng.uniform(0, 600)
-        for turn in range(rng.randint(3, 8)):
+        turns = rng.randint(3, 8)
+        for turn in range(turns):
             rid = f"{sid}-r{turn}"
             add(
                 RequestRouted,
@@ -57,11 +58,13 @@ def chat_with_signals(sessions: int = 120, seed: int = 0) -> list[Event]:
                 output_tokens=200,
             )
             gap = rng.lognormvariate(np.log(120.0), 1.0)
+            if turn == turns - 1:
+                gap = 1e5  # gone: the opened below is the last word, a false alarm
             if rng.random() < 0.6:  # a false alarm early in the silence, far from the return
                 when = rng.uniform(0, max(gap - 70.0, 0.0))
                 if gap - when > 70.0:
                     add(SessionSignal, ts=t + when, session_id=sid, kind="opened")
-            if rng.random() < 0.8:
+            if rng.random() < 0.8 and turn < turns - 1:
                 add(SessionSignal, ts=t + gap - rng.uniform(2, 8), session_id=sid, kind="typing")
             t += gap
     events.sort(key=lambda e: e.ts)
