@@ -4,12 +4,21 @@ What happens to a request (all times simulated):
 1. it arrives; the router picks an instance; it joins that instance's queue;
 2. when a slot is free (`max_running_requests`) and HBM can make room for all its blocks, it is
    admitted. Its *reused* blocks are the longest prefix of its block ids already computed by an
-   earlier request (the pool holds every block ever written). Reused blocks not in HBM are loaded
-   (from the host tier or the pool, over that instance's link, shared with every other transfer)
-   or recomputed, whichever is sooner; the request stalls until the last byte has landed, or
-   for the recompute (its tokens / the prefill rate);
+   earlier request (the pool holds every block ever written). Its *hits* are the longest prefix
+   of the reused blocks resident in HBM and landed, as vLLM's longest-cache-hit lookup finds
+   them: prefix blocks are chained, so a block after the first one missing (absent, or still
+   landing) cannot be used from HBM even when it is there. Every reused block after the hits is
+   loaded (from the host tier when it is there, else from the pool, over that instance's links,
+   shared with every other transfer) or recomputed, whichever is sooner, resident ones included:
+   those keep their slot (an engine would take a second one for the copy; not modelled) but their
+   bytes cross the link, or their tokens are recomputed, all the same. Blocks still landing are
+   waited for, not loaded again. The request stalls until the last byte has landed, or for the
+   recompute (its tokens / the prefill rate);
 3. it computes: prefill of its new tokens, then decode of its output tokens;
-4. it finishes; its blocks stay in HBM, unpinned, and are now in the pool too.
+4. it finishes; its blocks stay in HBM, unpinned, and are now in the pool too. They go back to
+   the LRU order tail first, as vLLM frees a request's blocks (its free queue takes them in
+   reverse), so a context's tail is evicted before its head and what remains is a usable prefix.
+   A prefetch lands the same way (its head most recently used).
 
 Blocks of admitted requests and blocks still landing are pinned: never evicted. Eviction is LRU
 unless the policy advises otherwise (see sim/blockcache.py).
@@ -48,8 +57,11 @@ class SimRequest:
     admitted_at: float | None = None
     ready_at: float | None = None
     finished_at: float | None = None
-    reused_blocks: int = 0
-    hit_blocks: int = 0
+    reused_blocks: int = 0  # distinct blocks in the reused prefix
+    hit_blocks: int = 0  # distinct blocks in the hit prefix (HBM, usable)
+    # Lengths, in positions of hash_ids, of the reused prefix and of its hit prefix.
+    reused_prefix: int = 0
+    hit_prefix: int = 0
     loaded_bytes: int = 0
     recompute_tokens: int = 0
     compute_seconds: float = 0.0
@@ -278,11 +290,20 @@ class Cluster:
             inst, len(absent) - hbm.free, set(blocks)
         ):
             return False
-        reused = self.reused_prefix(r.hash_ids)
-        reused_set = set(r.hash_ids[:reused])
+        reused_ids = r.hash_ids[: self.reused_prefix(r.hash_ids)]
+        hit = self.hit_prefix(inst, reused_ids)
+        reused_set = set(reused_ids)
+        hit_set = set(reused_ids[:hit])
+        # Resident and landed, but after the first block missing: loaded or recomputed again.
+        reload = [
+            b
+            for b in dict.fromkeys(reused_ids[hit:])
+            if b in hbm and b not in inst.inflight and b not in hit_set
+        ]
         r.admitted_at = self.now
+        r.reused_prefix, r.hit_prefix = len(reused_ids), hit
         r.reused_blocks = len(reused_set)
-        r.hit_blocks = sum(1 for b in reused_set if b in hbm and b not in inst.inflight)
+        r.hit_blocks = len(hit_set)
         inst.running += 1
         self.policy.before_admit(r, self.now)
         # Pin what is there; wait for what is already on its way.
@@ -290,7 +311,7 @@ class Cluster:
             if b in hbm:
                 e = hbm.entries[b]
                 e.pins += 1
-                if e.prefetched and b in reused_set:
+                if e.prefetched and b in hit_set:
                     e.prefetched = False
                 hbm.touch(b)
                 t = inst.inflight.get(b)
@@ -303,8 +324,8 @@ class Cluster:
         new = [b for b in absent if b not in reused_set]
         for b in absent:
             hbm.insert(b).pins += 1
-        if missing:
-            self._load_or_recompute(inst, r, missing)
+        if missing or reload:
+            self._load_or_recompute(inst, r, missing, reload)
         self.emit(
             "request_started",
             self.now,
@@ -329,9 +350,24 @@ class Cluster:
             self._ready(r)
         return True
 
-    def _load_or_recompute(self, inst: Instance, r: SimRequest, missing: list[int]) -> None:
-        from_host = [b for b in missing if inst.host is not None and b in inst.host]
-        from_pool = [b for b in missing if not (inst.host is not None and b in inst.host)]
+    def hit_prefix(self, inst: Instance, reused_ids: Sequence[int]) -> int:
+        """How many of the leading reused ids an instance's HBM serves: resident and landed, up to
+        the first one that is not."""
+        n = 0
+        for b in reused_ids:
+            if b not in inst.hbm or b in inst.inflight:
+                break
+            n += 1
+        return n
+
+    def _load_or_recompute(
+        self, inst: Instance, r: SimRequest, missing: list[int], reload: Sequence[int] = ()
+    ) -> None:
+        """Bring the absent reused blocks (`missing`) into their slots, and the bytes of the
+        resident ones the hit prefix cannot reach (`reload`), by load or recompute."""
+        moved = [*missing, *reload]
+        from_host = [b for b in moved if inst.host is not None and b in inst.host]
+        from_pool = [b for b in moved if not (inst.host is not None and b in inst.host)]
         load_seconds = max(
             inst.host_link.estimate_seconds(len(from_host) * self.block_bytes, self.now)
             if from_host
@@ -340,7 +376,7 @@ class Cluster:
             if from_pool
             else 0.0,
         )
-        recompute_tokens = len(missing) * self.scenario.block_tokens
+        recompute_tokens = len(moved) * self.scenario.block_tokens
         recompute_seconds = self.spec.recompute_seconds(recompute_tokens)
         if recompute_seconds < load_seconds:
             # The request stalls while its context is recomputed, as it would while loading it;
@@ -351,7 +387,7 @@ class Cluster:
                 next(self._transfer_ids),
                 inst.idx,
                 missing,
-                len(missing) * self.block_bytes,
+                len(moved) * self.block_bytes,
                 False,
                 self.now,
             )
@@ -362,12 +398,20 @@ class Cluster:
             t.waiters.append(r)
             self.schedule(self.now + recompute_seconds, RECOMPUTED, (inst.idx, t))
             return
+        absent = set(missing)
         for link, chunk in ((inst.host_link, from_host), (inst.pool_link, from_pool)):
             if chunk:
-                t = self._transfer(inst, link, chunk, prefetch=False)
+                # Only the absent blocks land in a slot; the resident ones' bytes ride along.
+                t = self._transfer(
+                    inst,
+                    link,
+                    [b for b in chunk if b in absent],
+                    prefetch=False,
+                    nbytes=len(chunk) * self.block_bytes,
+                )
                 r.wait_for(t)
                 t.waiters.append(r)
-                r.loaded_bytes += len(chunk) * self.block_bytes
+                r.loaded_bytes += t.nbytes
 
     def _ready(self, r: SimRequest) -> None:
         r.ready_at = self.now
@@ -383,7 +427,8 @@ class Cluster:
         r.finished_at = self.now
         inst.running -= 1
         inst.busy_seconds += r.finished_at - r.admitted_at  # type: ignore[operator]
-        for b in dict.fromkeys(r.hash_ids):
+        # Tail first, as vLLM frees a request's blocks: the head ends most recently used.
+        for b in reversed(list(dict.fromkeys(r.hash_ids))):
             if b in inst.hbm:
                 inst.hbm.unpin(b)
                 inst.hbm.touch(b)
@@ -433,13 +478,21 @@ class Cluster:
     # -- transfers and room ----------------------------------------------------------------
 
     def _transfer(
-        self, inst: Instance, link: Link, blocks: list[int], *, prefetch: bool
+        self,
+        inst: Instance,
+        link: Link,
+        blocks: list[int],
+        *,
+        prefetch: bool,
+        nbytes: int | None = None,
     ) -> Transfer:
+        """Move `blocks` into their (taken) slots; `nbytes`, when given, is what crosses the link
+        (more than the blocks when resident ones are loaded again)."""
         t = Transfer(
             next(self._transfer_ids),
             inst.idx,
             blocks,
-            len(blocks) * self.block_bytes,
+            len(blocks) * self.block_bytes if nbytes is None else nbytes,
             prefetch,
             self.now,
         )
@@ -477,16 +530,17 @@ class Cluster:
                     e.prefetched = True
         if t.prefetch:
             self.totals.bytes_prefetched += t.nbytes
-        self.emit(
-            "kv_blocks_stored",
-            self.now,
-            {
-                "tier": "hbm",
-                "instance_id": inst.instance_id,
-                "block_hashes": t.blocks,
-                "block_tokens": self.scenario.block_tokens,
-            },
-        )
+        if t.blocks:  # a load of resident blocks' bytes alone stores nothing new
+            self.emit(
+                "kv_blocks_stored",
+                self.now,
+                {
+                    "tier": "hbm",
+                    "instance_id": inst.instance_id,
+                    "block_hashes": t.blocks,
+                    "block_tokens": self.scenario.block_tokens,
+                },
+            )
         for r in t.waiters:
             r.waiting_on.discard(t.transfer_id)  # type: ignore[attr-defined]
             if not r.waiting_on:  # type: ignore[attr-defined]
@@ -536,7 +590,7 @@ class Cluster:
             inst, len(wanted) - inst.hbm.free, set(wanted)
         ):
             return 0
-        for b in wanted:
+        for b in reversed(wanted):  # lands as a finished request leaves it: head most recent
             inst.hbm.insert(b)
         from_host = [b for b in wanted if inst.host is not None and b in inst.host]
         from_pool = [b for b in wanted if not (inst.host is not None and b in inst.host)]

@@ -24,6 +24,7 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("router", "router", str),
     ("hit_rate", "hit rate", lambda v: f"{v:.1%}"),
     ("byte_hit_rate", "byte hit rate", lambda v: f"{v:.1%}"),
+    ("byte_hit_rate_unshared", "byte hit rate unshared", lambda v: f"{v:.1%}"),
     ("stall_seconds_total", "stall s", lambda v: f"{v:,.1f}"),
     ("stall_seconds_p50", "stall p50 s", lambda v: f"{v:.3f}"),
     ("stall_seconds_p99", "stall p99 s", lambda v: f"{v:.3f}"),

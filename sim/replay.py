@@ -32,6 +32,7 @@ from app.state import MemoryStore
 from app.state.base import SessionView
 from kvprefetch_client.events import Event, event_adapter
 from sim.cluster import Cluster, SimRequest
+from sim.metrics import byte_hit_rate_unshared, shared_blocks
 from sim.policy_registry import make_policy
 from sim.routers import make_router
 from sim.scenario import Scenario
@@ -272,6 +273,7 @@ def summarize(
     busy = sum((r.finished_at or 0.0) - (r.admitted_at or 0.0) for r in measured)
     stall_total = sum(r.stall_seconds for r in measured)
     block_bytes = cluster.block_bytes
+    shared = shared_blocks(requests)
     return {
         "requests": len(measured),
         "sessions": len({r.session_id for r in measured}),
@@ -280,6 +282,9 @@ def summarize(
         if reuse
         else 0.0,
         "byte_hit_rate": round(hit_blocks / reused_blocks, 4) if reused_blocks else 0.0,
+        # The same, without the blocks most requests carry (sim/metrics.py), from the whole trace.
+        "byte_hit_rate_unshared": byte_hit_rate_unshared(reuse, shared),
+        "shared_blocks": len(shared),
         "reused_bytes": reused_blocks * block_bytes,
         "stall_seconds_total": round(stall_total, 3),
         "stall_seconds_p50": round(statistics.median(stalls), 4) if stalls else 0.0,

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from sim.cluster import SimRequest
 from sim.commands import markdown_table
+from sim.metrics import SHARED_BLOCK_SHARE
 from sim.replay import ReplayResult
 
 REPORT_MD = "report.md"
@@ -201,7 +202,10 @@ def write_report(
         markdown_table([r.summary for r in results]),
         "",
         "Hit rate: reuse requests whose every reused block was in HBM at admission; byte hit rate: "
-        "reused blocks in HBM at admission over all reused blocks.",
+        "reused blocks in HBM at admission (the longest prefix there, as an engine's prefix cache "
+        "finds it) over all reused blocks; byte hit rate unshared: the same without the blocks "
+        f"carried by more than {SHARED_BLOCK_SHARE:.0%} of the trace's requests "
+        f"({first['shared_blocks']:,} here).",
         "",
         f"## Byte hit rate per {window_seconds:g} s of arrivals",
         "",

@@ -225,6 +225,59 @@ def test_admission_waits_for_room_and_for_a_slot() -> None:
     assert b.admitted_at == pytest.approx(a.finished_at, abs=EXACT)
 
 
+# -- the prefix a cache can use, and the order blocks go back in -------------------------------
+
+
+class DemoteAfterFirst(Policy):
+    """Advises evicting block 1 once request 0 is done: the next eviction opens a hole at it."""
+
+    def on_finished(self, r: SimRequest, now: float) -> None:
+        if r.index == 0:
+            self.cluster.demote(r.instance, [1])
+
+
+@pytest.mark.parametrize(
+    ("prefill", "loaded_blocks", "recomputed_blocks"), [(100.0, 3, 0), (1e4, 0, 3)]
+)
+def test_a_hole_in_the_prefix_stops_the_hits(
+    prefill: float, loaded_blocks: int, recomputed_blocks: int
+) -> None:
+    # Block 1 of [0, 1, 2, 3] is evicted; 2 and 3 stay resident but follow the hole, so only
+    # block 0 is a hit and 1, 2, 3 are loaded (0.3 s) or recomputed (0.03 s), whichever is sooner.
+    scen = scenario(prefill=prefill, instances=1, hbm_blocks=5)
+    a, b = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 2))
+    c = request(2, 20.0, [*context(0, 4), 99])
+    cluster = run(scen, [a, b, c], [0, 0, 0], DemoteAfterFirst())
+    assert (c.reused_blocks, c.hit_blocks, c.reused_prefix, c.hit_prefix) == (4, 1, 4, 1)
+    assert c.loaded_bytes == loaded_blocks * BLOCK_BYTES
+    assert c.recompute_tokens == recomputed_blocks * BLOCK_TOKENS
+    seconds = 3 * BLOCK_BYTES / POOL if loaded_blocks else 3 * BLOCK_TOKENS / prefill
+    assert c.stall_seconds == pytest.approx(seconds, abs=EXACT)
+    assert all(blk in cluster.instances[0].hbm for blk in context(0, 4))
+
+
+def test_a_finished_request_goes_back_tail_first_so_its_tail_is_evicted_first() -> None:
+    # HBM of 4: b's 2 blocks evict 2 of a's; the tail (2, 3) goes, the head (0, 1) stays a usable
+    # prefix for c, which hits both and loads the other 2.
+    scen = scenario(prefill=100.0, instances=1, hbm_blocks=4)
+    a, b = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 2))
+    cluster = run(scen, [a, b], [0, 0])
+    assert set(cluster.instances[0].hbm.entries) == {0, 1, 10, 11}
+    a, b = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 2))
+    c = request(2, 20.0, context(0, 4))
+    run(scen, [a, b, c], [0, 0, 0])
+    assert (c.reused_blocks, c.hit_blocks) == (4, 2)
+    assert c.loaded_bytes == 2 * BLOCK_BYTES
+
+
+def test_a_prefetch_lands_head_most_recent() -> None:
+    scen = scenario(prefill=100.0, instances=1, hbm_blocks=8)
+    cluster = Cluster(scen, [], Placed([]), Policy())
+    cluster.written.update(context(0, 4))
+    assert cluster.prefetch(0, context(0, 4)) == 4
+    assert list(cluster.instances[0].hbm.entries) == [3, 2, 1, 0]  # least recently used first
+
+
 # -- the invariants, after every event ----------------------------------------------------------
 
 

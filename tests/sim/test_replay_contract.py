@@ -24,7 +24,7 @@ INTS = (
     "bytes_prefetched_unused",
     "recompute_tokens",
 )
-RATES = ("hit_rate", "byte_hit_rate", "gpu_wait_fraction")
+RATES = ("hit_rate", "byte_hit_rate", "byte_hit_rate_unshared", "gpu_wait_fraction")
 SECONDS = ("stall_seconds_total", "stall_seconds_p50", "stall_seconds_p99")
 SMALL = 300  # requests in the trace the CLI reads
 

@@ -105,7 +105,7 @@ def test_report_writes_markdown_and_two_pngs(
         assert data[:8] == PNG_MAGIC, name
         assert len(data) > 10_000, name
     md = (out / "report.md").read_text()
-    assert "| policy | router | hit rate | byte hit rate | stall s |" in md
+    assert "| policy | router | hit rate | byte hit rate | byte hit rate unshared | stall s |" in md
     for p in policies:
         assert f"| {p} | sticky |" in md
     assert "synthetic300.jsonl" in md

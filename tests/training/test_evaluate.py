@@ -31,6 +31,15 @@ def test_every_policy_is_judged_on_the_same_window_with_the_gaps_closed(tmp_path
     assert r["gap_closed_by_a_perfect_model"] == round(
         (s["clairvoyant"]["byte_hit_rate"] - s["none"]["byte_hit_rate"]) / gap, 4
     )
+    gap = s["oracle"]["byte_hit_rate_unshared"] - s["none"]["byte_hit_rate_unshared"]
+    assert gap > 0
+    assert r["gap_closed_unshared"] == round(
+        (s["learned"]["byte_hit_rate_unshared"] - s["none"]["byte_hit_rate_unshared"]) / gap, 4
+    )
+    assert r["gap_closed_by_a_perfect_model_unshared"] == round(
+        (s["clairvoyant"]["byte_hit_rate_unshared"] - s["none"]["byte_hit_rate_unshared"]) / gap,
+        4,
+    )
 
 
 def test_without_the_three_policies_there_is_no_gap_to_report(tmp_path: Path) -> None:
