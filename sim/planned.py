@@ -61,6 +61,12 @@ class PlannedPolicy(Policy):
     def on_tick(self, now: float) -> None:
         self._act(sorted(self._idle), now)
 
+    def on_signal(self, session_id: str, kind: str, now: float) -> None:
+        # A signal is news about the next request: the session is advised at once (its view
+        # holds the signal: the engine took it before the policy hears of it).
+        if session_id in self._idle:
+            self._act([session_id], now)
+
     def _views(self, session_ids: list[str], now: float) -> list[SessionView]:
         """The sessions' views; those no longer idle, or idle past what the planner scores, leave
         the idle set (and `_dropped` hears of them)."""

@@ -28,7 +28,7 @@ from app.predict.predictors import Predictor
 from app.predict.registry import ModelRegistry
 from app.state.base import SessionCursor, SessionView, StateStore, cursor_of
 from app.state.storethread import Offload
-from kvprefetch_client.events import Event, RequestFinished
+from kvprefetch_client.events import Event, RequestFinished, SessionSignal
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +73,15 @@ class Scorer:
         self._finished: dict[str, None] = {}
 
     def observe(self, events: Sequence[Event]) -> None:
-        """The ingest observer: notes finishes (bounded; past the bound the page covers them)."""
+        """The ingest observer: notes finishes and signals (bounded; past the bound the page
+        covers them)."""
         for e in events:
-            if isinstance(e, RequestFinished) and len(self._finished) < MAX_FINISHED_QUEUE:
+            # A finish changes what to keep; a signal says the session may be back soon: both
+            # are advised at the next tick rather than when the page comes round.
+            if (
+                isinstance(e, (RequestFinished, SessionSignal))
+                and len(self._finished) < MAX_FINISHED_QUEUE
+            ):
                 self._finished[e.session_id] = None
 
     def _advisor(self, predictor: Predictor) -> Advisor:
