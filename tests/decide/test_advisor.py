@@ -169,7 +169,8 @@ def test_heuristic_expects_the_median_gap_and_gives_up_three_gaps_late() -> None
 
 def test_the_bundled_model_loads_and_answers_for_every_horizon() -> None:
     model = LearnedPredictor(DEFAULT_MODEL_DIR)
-    assert model.version == "default" and model.card["features"] == list(FEATURES)
+    assert model.version == "default" and model.card["features"] == list(model.feature_names)
+    assert set(model.feature_names) <= set(FEATURES)
     sessions = [view("a", gaps=[30.0, 40.0]), view("b"), view("c", state="closed")]
     p = model.p_within(sessions, 130.0, HORIZON_GRID)
     assert p.shape == (3, len(HORIZON_GRID))
