@@ -72,6 +72,8 @@ __all__ = [
     "rejection_field",
 ]
 
+from app.decide.guard import GUARD_STATES
+
 if TYPE_CHECKING:
     from app.decide.guard import LruGuard
     from app.decide.scheduler import Scheduler
@@ -367,6 +369,10 @@ class Metrics:
         # bounded label sets show as 0 from the first scrape rather than appearing later.
         self._ingested = {t: self.events_ingested.labels(t) for t in EVENT_TYPES}
         self._reuse = {o: self.reuse_requests.labels(o) for o in OUTCOMES}
+        for state in GUARD_STATES:
+            self.guard_instances.labels(state)
+        for side in ("served", "lru"):
+            self.guard_resident_bytes.labels(side)
         self._resident_bytes = self.reused_bytes.labels("true")
         self._missing_bytes = self.reused_bytes.labels("false")
         for code in REFUSED_CODES:
