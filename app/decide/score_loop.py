@@ -32,7 +32,7 @@ from kvprefetch_client.events import Event, RequestFinished, SessionSignal
 
 log = logging.getLogger(__name__)
 
-MAX_FINISHED_QUEUE = 100_000
+MAX_NEWS_QUEUE = 100_000
 
 
 class Scorer:
@@ -68,9 +68,10 @@ class Scorer:
         self.routes = routes
         self.observe_seconds = observe_seconds
         self._cursor: SessionCursor | None = None
-        # Sessions whose request just finished: advised at the next tick, ahead of the page, so
-        # a fresh context's keep or demote does not wait for the page to come round.
-        self._finished: dict[str, None] = {}
+        # Sessions with news (a request just finished, or a signal came): advised at the next
+        # tick, ahead of the page, so a fresh context's keep or demote, or a signal's prefetch,
+        # does not wait for the page to come round.
+        self._news: dict[str, None] = {}
 
     def observe(self, events: Sequence[Event]) -> None:
         """The ingest observer: notes finishes and signals (bounded; past the bound the page
@@ -80,9 +81,9 @@ class Scorer:
             # are advised at the next tick rather than when the page comes round.
             if (
                 isinstance(e, (RequestFinished, SessionSignal))
-                and len(self._finished) < MAX_FINISHED_QUEUE
+                and len(self._news) < MAX_NEWS_QUEUE
             ):
-                self._finished[e.session_id] = None
+                self._news[e.session_id] = None
 
     def _advisor(self, predictor: Predictor) -> Advisor:
         return Advisor(predictor, routes=self.routes, **self.thresholds.advisor_options())
@@ -139,13 +140,13 @@ class Scorer:
             self.sessions_per_tick, before=self._cursor, active_since_ts=now - MAX_IDLE_SECONDS
         )
         self._cursor = cursor_of(page[-1]) if len(page) == self.sessions_per_tick else None
-        finished = list(self._finished)[: self.sessions_per_tick]
-        for session_id in finished:
-            del self._finished[session_id]
+        news = list(self._news)[: self.sessions_per_tick]
+        for session_id in news:
+            del self._news[session_id]
         in_page = {v.session_id for v in page}
         fresh = [
             v
-            for v in (self.store.session(s) for s in finished if s not in in_page)
+            for v in (self.store.session(s) for s in news if s not in in_page)
             if v is not None
         ]
         return fresh + page

@@ -22,9 +22,11 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from app.predict.features import SIGNAL_FOLLOW_SECONDS
 from kvprefetch_client.events import SIGNAL_KINDS, Event, RequestRouted, SessionSignal
 
-FOLLOW_WINDOW_SECONDS = 60.0
+# The same window the model's features and its card judge follow-through by.
+FOLLOW_WINDOW_SECONDS = SIGNAL_FOLLOW_SECONDS
 OTHER_KIND = "other"
 # Told of each signal counted, and each signal followed, with its kind's label.
 KindHook = Callable[[str], None]

@@ -216,3 +216,16 @@ def test_a_finished_session_is_advised_at_the_next_tick_ahead_of_the_page(tmp_pa
     assert scorer.tick() == 2
     assert ledger.latest("live", "early") is not None and ledger.latest("live", "late") is not None
     assert scorer.tick() == 1  # no finish waiting: the page alone
+
+
+def test_a_signalled_session_is_advised_at_the_next_tick_ahead_of_the_page(
+    tmp_path: Path,
+) -> None:
+    store, ledger, scorer = setup(tmp_path, Fixed(0.9), per_tick=1)
+    store.apply([*turn("early", 100.0, 200.0), *turn("late", 300.0, 400.0)])
+    signal = [ev("session_signal", 500.0, session_id="early", kind="typing")]
+    store.apply(signal)
+    scorer.observe(signal)  # news about its next request: advised next tick
+    assert scorer.tick() == 2
+    assert ledger.latest("live", "early") is not None
+    assert scorer.tick() == 1  # nothing waiting: the page alone
