@@ -481,3 +481,17 @@ def test_over_http_a_signal_is_namespaced_and_read_back_in_trace_time() -> None:
     (signal,) = view.signals
     assert signal.ts == pytest.approx(70.0)
     assert (signal.kind, signal.instance_id) == ("queued", "gpu-1")
+
+
+def test_the_planners_policies_advise_a_signalled_idle_session_at_once() -> None:
+    from app.decide.advisor import Advisor
+    from app.predict.predictors import HeuristicPredictor
+    from sim.planned import PlannedPolicy
+
+    policy = PlannedPolicy(Advisor(HeuristicPredictor()), lambda session_id: None, "heuristic")
+    acted: list[tuple[list[str], float]] = []
+    policy._act = lambda ids, now: acted.append((ids, now))  # type: ignore[method-assign]
+    policy._idle = {"idle"}
+    policy.on_signal("idle", "typing", 5.0)
+    policy.on_signal("running", "typing", 6.0)  # not idle: its finish will advise it
+    assert acted == [(["idle"], 5.0)]
