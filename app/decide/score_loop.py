@@ -79,10 +79,7 @@ class Scorer:
         for e in events:
             # A finish changes what to keep; a signal says the session may be back soon: both
             # are advised at the next tick rather than when the page comes round.
-            if (
-                isinstance(e, (RequestFinished, SessionSignal))
-                and len(self._news) < MAX_NEWS_QUEUE
-            ):
+            if isinstance(e, (RequestFinished, SessionSignal)) and len(self._news) < MAX_NEWS_QUEUE:
                 self._news[e.session_id] = None
 
     def _advisor(self, predictor: Predictor) -> Advisor:
@@ -145,9 +142,7 @@ class Scorer:
             del self._news[session_id]
         in_page = {v.session_id for v in page}
         fresh = [
-            v
-            for v in (self.store.session(s) for s in news if s not in in_page)
-            if v is not None
+            v for v in (self.store.session(s) for s in news if s not in in_page) if v is not None
         ]
         return fresh + page
 
