@@ -521,6 +521,23 @@ def _command_line(ctx: typer.Context) -> str:
     return shlex.join(words)
 
 
+@cli.command("agent-trace")
+def agent_trace_cmd(
+    out: Annotated[Path, typer.Option(help="Where to write the trace (Mooncake JSON Lines).")],
+    tasks: Annotated[int, typer.Option(min=1, help="Agent tasks.")] = 600,
+    seconds: Annotated[
+        float, typer.Option(min=1.0, help="Over how long the tasks arrive.")
+    ] = 1200.0,
+    seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+) -> None:
+    """Write an agent-like trace: tool loops seconds apart, a few human turns, shared system
+    prompts and tool schemas (an assumed workload: sim/workloads.py)."""
+    from sim.workloads import AgentWorkload, agent_trace, write_trace
+
+    n = write_trace(agent_trace(AgentWorkload(tasks=tasks, seconds=seconds, seed=seed)), out)
+    typer.echo(f"wrote {n} requests to {out}", err=True)
+
+
 @cli.command("events-from-trace")
 def events_from_trace(
     trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],
