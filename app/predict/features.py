@@ -83,14 +83,13 @@ def signal_summary(view: SessionView) -> tuple[list[float], list[float]]:
         latest_ts[signal_kind_column(s.kind)] = s.ts
     estimates = [s.ts + s.expected_in_seconds for s in spell if s.expected_in_seconds is not None]
     sizes = [s.expected_prompt_tokens for s in spell if s.expected_prompt_tokens is not None]
-    # Leads of past signals whose next arrival is among the arrivals the session keeps.
-    leads: list[tuple[SignalView, float]] = []
-    if arrivals:
-        for s in seen:
-            if arrivals[0] <= s.ts <= last_arrival:
-                nxt = arrivals[bisect.bisect_right(arrivals, s.ts)] if s.ts < last_arrival else NAN
-                if not math.isnan(nxt):
-                    leads.append((s, nxt - s.ts))
+    # Leads of past signals whose next arrival is among the arrivals the session keeps (a signal
+    # at the last arrival's very ts precedes none of them).
+    leads: list[tuple[SignalView, float]] = [
+        (s, arrivals[bisect.bisect_right(arrivals, s.ts)] - s.ts)
+        for s in seen
+        if arrivals and arrivals[0] <= s.ts < last_arrival
+    ]
     running_tool = next(
         (s.tool for s in reversed(spell) if s.kind == "tool_started" and s.tool), None
     )

@@ -3,11 +3,11 @@ and a kind that cries wolf is learned to be unreliable."""
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 
 from app.ingest.eventlog import encode_events
 from app.predict.features import session_features
@@ -91,7 +91,7 @@ def test_a_kind_that_cries_wolf_is_learned_to_be_unreliable(tmp_path: Path) -> N
     data = build_dataset([log])
     model = train(data, num_boost_round=200, early_stopping_rounds=20)
     card = save_model(model, tmp_path / "m") / "card.json"
-    seen = pd.read_json(card, typ="series")["data"]["signals"]
+    seen = json.loads(card.read_text())["data"]["signals"]
     assert seen["typing"]["followed_share"] == 1.0 and seen["opened"]["followed_share"] == 0.0
 
     # Sessions of every habit, asked 1 s after a `typing` and 1 s after an `opened`.
