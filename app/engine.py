@@ -28,6 +28,7 @@ from app.decide.advisor import Thresholds
 from app.decide.guard import GuardConfig, LruGuard
 from app.decide.hints import HintConfig
 from app.decide.plan_loop import Dispatcher, feedback_observer
+from app.decide.popularity import PrefixPopularity
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
 from app.decide.score_loop import Scorer
@@ -122,6 +123,7 @@ class Engine:
             self.store, SchedulerConfig.from_cluster(self.cluster, self.thresholds)
         )
         self.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)
+        self.popularity = PrefixPopularity()
         self.guard: LruGuard | None = (
             LruGuard(
                 GuardConfig(
@@ -153,6 +155,7 @@ class Engine:
             sessions_per_tick=settings.score_sessions_per_tick,
             scheduler=self.scheduler,
             routes=self.routes.estimate,
+            popularity=self.popularity,
             observe_seconds=self.metrics.scored,
             thresholds=self.thresholds,
             guard=self.guard,
@@ -179,7 +182,7 @@ class Engine:
             self.ledger.observe,
             self.scorer.observe,
             landed.observe,
-            feedback_observer(self.scheduler, self.routes),
+            feedback_observer(self.scheduler, self.routes, self.popularity),
         ]
         if isinstance(self.order_sink, PullQueue):
             # order_progress: started, done. The queue is the loop's (GET /v1/orders, the

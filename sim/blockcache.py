@@ -56,6 +56,11 @@ class BlockCache:
     def free(self) -> int:
         return self.capacity - len(self.entries)
 
+    @property
+    def demoted(self) -> int:
+        """Blocks advised out: evicted before anything else."""
+        return len(self._demoted)
+
     def insert(self, block: int) -> Entry:
         """Take a slot (the caller made room); the block is most recently used."""
         entry = self.entries.get(block)

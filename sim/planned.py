@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from app.decide.advisor import MAX_IDLE_SECONDS, Advisor
+from app.decide.advisor import MAX_IDLE_SECONDS, Advisor, SessionAdvice
 from app.decide.guard import LruGuard
 from app.decide.routing import RouteTracker
 from app.state.base import SessionView
@@ -42,6 +42,10 @@ class PlannedPolicy(Policy):
         self._session_view = session_view
         self._idle: set[str] = set()
         self._fetched: set[str] = set()
+        # Per instance, the latest advice for each idle session whose context is there: what a
+        # prefetch into a full HBM would displace, and what each is worth.
+        self._advised: dict[int, dict[str, SessionAdvice]] = {}
+        self._advised_at: dict[str, int] = {}
         # Instances whose advice the guard has turned off: their keeps and demotions were
         # withdrawn when it did, so none lingers past the verdict.
         self._off: set[int] = set()
@@ -51,8 +55,11 @@ class PlannedPolicy(Policy):
     def on_arrival(self, r: SimRequest, now: float) -> None:
         self._idle.discard(r.session_id)
         self._fetched.discard(r.session_id)
+        self._unadvise(r.session_id)
         if self.routes is not None:
             self.routes.routed(r.session_id, self.cluster.instances[r.instance].instance_id, now)
+        if r.admitted_at is None:  # queued for a slot: the planner fetches its context now
+            self._act([r.session_id], now)
 
     def on_finished(self, r: SimRequest, now: float) -> None:
         self._idle.add(r.session_id)
@@ -88,6 +95,11 @@ class PlannedPolicy(Policy):
                 self._off.add(inst.idx)
                 self.cluster.clear_advice(inst.idx)
 
+    def _unadvise(self, session_id: str) -> None:
+        idx = self._advised_at.pop(session_id, None)
+        if idx is not None:
+            self._advised[idx].pop(session_id, None)
+
     def _dropped(self, session_id: str) -> None:
         """A session left the idle set."""
 
@@ -114,14 +126,49 @@ class PlannedPolicy(Policy):
             if a.retention == "keep":
                 cluster.keep(idx, blocks, now + a.keep_seconds)
             elif a.retention == "demote":
-                cluster.demote(idx, blocks)
+                cluster.demote(idx, cast("list[int]", list(a.demotable_blocks)))
+            self._unadvise(a.session_id)
+            self._advised.setdefault(idx, {})[a.session_id] = a
+            self._advised_at[a.session_id] = idx
             if (
                 a.prefetch
                 and a.session_id not in self._fetched
-                and any(b not in cluster.instances[idx].hbm for b in blocks)
+                and self._room_for(idx, a, blocks)
                 and cluster.prefetch(idx, blocks)
             ):
                 self._fetched.add(a.session_id)
+                # Held once landed, as the scheduler's order holds it (its ttl): at least through
+                # the lead it was fetched for.
+                cluster.keep(idx, blocks, now + max(a.keep_seconds, self.planner.lead_seconds))
+
+    def _room_for(self, idx: int, cand: SessionAdvice, blocks: list[int]) -> bool:
+        """May the candidate's missing blocks come in? A swap is priced by what it would push
+        out (docs/decisions.md, 21): free room and demoted blocks cost nothing; what LRU would
+        evict next is content no advice keeps (each context's chance below `keep_min_p`, or
+        it would be kept), so a candidate more likely back than that takes the cache's own
+        eviction order; a less likely one only displaces contexts advised as less likely back
+        than itself, demoted for it here."""
+        hbm = self.cluster.instances[idx].hbm
+        wanted = set(blocks)
+        need = sum(1 for b in wanted if b not in hbm) - hbm.free - hbm.demoted
+        if need <= 0 or cand.p_soon > self.planner.keep_min_p:
+            return True
+        others = sorted(
+            (a for a in self._advised.get(idx, {}).values() if a.session_id != cand.session_id),
+            key=lambda a: (a.p_keep, a.session_id),
+        )
+        entries = hbm.entries
+        out: dict[int, None] = {}
+        for a in others:
+            if a.p_keep >= cand.p_soon:
+                break
+            for b in cast("list[int]", list(a.demotable_blocks)):
+                if b in entries and not entries[b].demoted and b not in wanted and b not in out:
+                    out[b] = None
+            if len(out) >= need:
+                self.cluster.demote(idx, list(out))
+                return True
+        return False
 
 
 class Clairvoyant:

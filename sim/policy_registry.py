@@ -59,7 +59,11 @@ def make_policy(
     if name == "clairvoyant":
         if session_view is None:
             raise ValueError("the clairvoyant policy reads the engine's state: pass session_view")
-        advisor = Advisor(Clairvoyant(), **(planner_options or {}))  # type: ignore[arg-type]
+        advisor = Advisor(
+            Clairvoyant(),
+            popularity=engine.popularity if engine is not None else None,
+            **(planner_options or {}),  # type: ignore[arg-type]
+        )
         return ClairvoyantPolicy(
             advisor,
             session_view,  # type: ignore[arg-type]
@@ -74,7 +78,12 @@ def make_policy(
             if name == "heuristic"
             else LearnedPredictor(model_dir or DEFAULT_MODEL_DIR)
         )
-        planner = Advisor(predictor, routes=SameInstanceEstimate(), **(planner_options or {}))
+        planner = Advisor(
+            predictor,
+            routes=SameInstanceEstimate(),
+            popularity=engine.popularity if engine is not None else None,
+            **(planner_options or {}),
+        )
         return PlannedPolicy(
             planner,
             session_view,  # type: ignore[arg-type]

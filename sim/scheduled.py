@@ -77,6 +77,7 @@ class ScheduledPolicy(PlannedPolicy):
             Advisor(
                 engine.models.serving.predictor,
                 routes=engine.routes.estimate,
+                popularity=engine.popularity,
                 **engine.thresholds.advisor_options(),
             ),
             session_view,

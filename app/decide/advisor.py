@@ -16,6 +16,7 @@ from typing import Literal
 
 import numpy as np
 
+from app.decide.popularity import PrefixPopularity
 from app.decide.routing import SameInstanceEstimate
 from app.predict.predictors import Predictor
 from app.state.base import SessionView
@@ -25,6 +26,11 @@ from kvprefetch_client.events import BlockHash
 MAX_IDLE_SECONDS = 1800.0
 # "Does it come back at all?" is asked at this horizon; a later return counts as none.
 RETURN_HORIZON_SECONDS = 900.0
+# Where P(back within t) is also asked, to read it off at any t below the lead (linearly between
+# these points): when a prefetch is needed by.
+GRID_SECONDS = (2.0, 5.0, 15.0)
+# A prefetch must land before this share of the returns it expects within the lead have come.
+NEEDED_SHARE = 0.1
 
 Retention = Literal["keep", "demote", "lru"]
 
@@ -43,6 +49,18 @@ class SessionAdvice:
     p_soon: float
     p_return: float
     prefetch: bool
+    # Leading blocks other sessions are using too (app/decide/popularity.py): a demotion leaves
+    # them alone, as LRU would keep them.
+    shared_blocks: int = 0
+    # When a prefetch must have landed, in seconds from the advice (the lead's when unknown).
+    needed_in_seconds: float | None = None
+    # For a request already routed and waiting for a slot: no prediction (the ledger, which
+    # judges predictions, leaves it out).
+    queued: bool = False
+
+    @property
+    def demotable_blocks(self) -> tuple[BlockHash, ...]:
+        return self.block_hashes[self.shared_blocks :]
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,16 +109,19 @@ class Advisor:
         return_horizon_seconds: float = RETURN_HORIZON_SECONDS,
         max_idle_seconds: float = MAX_IDLE_SECONDS,
         routes: SameInstanceEstimate | None = None,
+        popularity: PrefixPopularity | None = None,
     ) -> None:
         self.predictor = predictor
+        self.popularity = popularity
         # None: every return lands where the context is (a sticky router).
         self.routes = routes
         self.keep_horizon_seconds = keep_horizon_seconds
         self.keep_min_p = keep_min_p
         self.demote_max_p = demote_max_p
         self.lead_seconds = lead_seconds
-        # Value of a prefetch = P(needed in time) x the stall it avoids; its cost is the bytes,
-        # and the stall avoided grows with the bytes, so the test is on the probability alone.
+        # The bar for a prefetch into free room (its cost is link time alone). Into a full HBM
+        # it is a swap, priced by whoever carries it out against the contexts it would displace
+        # (app/decide/scheduler.py; sim/planned.py): docs/decisions.md, 20.
         self.prefetch_min_p = prefetch_min_p
         self.max_idle_seconds = max_idle_seconds
         if not lead_seconds <= keep_horizon_seconds <= return_horizon_seconds:
@@ -110,8 +131,16 @@ class Advisor:
             )
         # Only the horizons the advice reads: each one is a model row per session per tick.
         self.horizons = (lead_seconds, keep_horizon_seconds, return_horizon_seconds)
+        # ... and a few more, for the shape of the curve below the lead: when a prefetch is
+        # needed by.
+        self._grid = tuple(sorted({*(h for h in GRID_SECONDS if h < lead_seconds), *self.horizons}))
+        self._times = (0.0, *self._grid)
+        self._at = [self._grid.index(h) for h in self.horizons]
+        self._lead_at = self._grid.index(lead_seconds)
 
     def advise(self, sessions: Sequence[SessionView], now: float) -> list[SessionAdvice]:
+        """Advice for the idle sessions among `sessions` (from the model), and for the queued
+        ones: a request routed and waiting for a slot is the surest signal there is."""
         live = [
             s
             for s in sessions
@@ -119,16 +148,18 @@ class Advisor:
             and now - s.last_activity_ts <= self.max_idle_seconds
             and s.block_hashes
         ]
+        queued = [self._queued(s, now) for s in sessions if s.state == "queued" and s.block_hashes]
         if not live:
-            return []
-        p = np.maximum.accumulate(
-            np.clip(self.predictor.p_within(live, now, self.horizons), 0.0, 1.0), axis=1
+            return queued
+        horizons = self._grid
+        grid = np.maximum.accumulate(
+            np.clip(self.predictor.p_within(live, now, horizons), 0.0, 1.0), axis=1
         )
         if self.routes is not None:
-            p *= self.routes.p_same
+            grid *= self.routes.p_same
         out = []
-        for view, row in zip(live, p):
-            p_soon, p_keep, p_return = float(row[0]), float(row[1]), float(row[2])
+        for view, curve in zip(live, grid):
+            p_soon, p_keep, p_return = (float(curve[j]) for j in self._at)
             retention: Retention = (
                 "keep"
                 if p_keep >= self.keep_min_p
@@ -147,6 +178,40 @@ class Advisor:
                     p_soon,
                     p_return,
                     p_soon >= self.prefetch_min_p,
+                    self.popularity.shared_prefix(view.block_hashes, now)
+                    if self.popularity is not None
+                    else 0,
+                    self._needed_in(curve, p_soon),
                 )
             )
-        return out
+        return out + queued
+
+    def _queued(self, view: SessionView, now: float) -> SessionAdvice:
+        """A queued request's context, fetched to where it waits as soon as can be (what
+        `lookahead` does in replay, CachedAttention's prefetch during the queueing): it is
+        certain, so it outranks every idle context."""
+        return SessionAdvice(
+            view.session_id,
+            view.instance_id,
+            tuple(view.block_hashes),
+            "lru",
+            0.0,
+            1.0,
+            1.0,
+            1.0,
+            True,
+            self.popularity.shared_prefix(view.block_hashes, now)
+            if self.popularity is not None
+            else 0,
+            0.0,
+            queued=True,
+        )
+
+    def _needed_in(self, curve: np.ndarray, p_soon: float) -> float:
+        """When a prefetch for the lead must have landed: by the time NEEDED_SHARE of the returns
+        expected within the lead have come (read off the model's curve), so a signal that says
+        "within seconds" starts one at once and a vague chance leaves time to spare."""
+        if p_soon <= 0.0:
+            return self.lead_seconds
+        times = self._times[: self._lead_at + 2]
+        return float(np.interp(NEEDED_SHARE * p_soon, (0.0, *curve[: self._lead_at + 1]), times))

@@ -22,6 +22,7 @@ from typing import Any
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
+from app.decide.popularity import PrefixPopularity
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler
 from app.deliver import OrderSink, SinkError
@@ -119,11 +120,15 @@ class Dispatcher:
                 store_down = False
 
 
-def feedback_observer(scheduler: Scheduler, routes: RouteTracker) -> Observer:
+def feedback_observer(
+    scheduler: Scheduler, routes: RouteTracker, popularity: PrefixPopularity | None = None
+) -> Observer:
     def observe(events: Sequence[Event]) -> None:
         for e in events:
             if isinstance(e, RequestRouted):
                 routes.routed(e.session_id, e.instance_id, e.ts)
+                if popularity is not None and e.block_hashes:
+                    popularity.routed(e.session_id, e.block_hashes, e.ts)
                 scheduler.forget(e.session_id, routed_to=e.instance_id)
             elif isinstance(e, (RequestStarted, RequestFinished)):
                 routes.touched(e.session_id, e.ts)

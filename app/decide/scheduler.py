@@ -8,10 +8,13 @@ into a `Plan` of orders (client/kvprefetch_client/orders.py) and cancels:
   (the order's ttl) for as long as the context would be kept, at least the lead. Value = P(back
   there in time) x the stall it avoids (the missing bytes' time to last byte over the link, or
   their recompute time if that is shorter); cost = the bytes not already at the destination or
-  on their way. Best value per byte first. needed_by = now + `needed_within_fraction` of the
-  lead: taking the chance of a return as flat across the lead, by then 10% of the returns it
-  expects have come, so landing later would miss them; start_by = needed_by - the transfer's
-  time at the link's prefetch share - a margin, or now when that has passed.
+  on their way. Best value per byte first. needed_by = now + the advice's `needed_in_seconds`:
+  when the model's arrival curve says 10% of the returns it expects within the lead have come,
+  so landing later would miss them (a signal that says "within seconds" gives a needed_by of
+  about now); without it, `needed_within_fraction` of the lead (the curve taken as flat).
+  start_by = needed_by - the transfer's time at the link's prefetch share - a margin; when that
+  has passed (a short lead), at once if the link's share is free now, its needed_by then when it
+  can land.
 - **Dedup.** A block at the destination, or in an open order to it, is never ordered again; a
   block several candidates share goes in the first (most valuable) order, which then serves
   every one of them: its value is their sum.
@@ -19,10 +22,13 @@ into a `Plan` of orders (client/kvprefetch_client/orders.py) and cancels:
   bandwidth; a link's orders are booked into disjoint intervals at that rate (each as late as
   its needed_by allows), so their sum never exceeds it. An order that cannot land by its
   needed_by is not issued.
-- **Room.** A destination takes a prefetch only into its free KV bytes (its last
-  instance_status) less what is already on its way; when that is short, the contexts of sessions
-  predicted less likely back (lower p_keep than the candidate's chance) are demoted to make room,
-  and the demote orders say so. A destination that never reported its room gets no prefetch.
+- **Room, priced.** A destination takes a prefetch into its free KV bytes (its last
+  instance_status) less what is already on its way: nearly free, so the candidate's chance need
+  only clear `prefetch_min_p`. When that is short the prefetch is a swap, made only against
+  contexts of sessions predicted less likely back than the candidate (lower p_keep than its
+  chance; the stall each saves grows with its bytes, so per byte the chances compare): they are
+  demoted to make room, and the demote orders say so. Content no advice covers is never pushed
+  out for a prefetch. A destination that never reported its room gets no prefetch.
 - **Pins and demotes** follow the planner's keep and demote advice, once per idle spell, and a
   pin again only when the last one is about to lapse.
 - **Cancellation.** Each tick, an open prefetch not yet started whose sessions are no longer
@@ -480,7 +486,7 @@ class Scheduler:
                         self._pinned[a.session_id] = (spell, now + a.keep_seconds)
                         self._demoted.pop(a.session_id, None)
             elif a.retention == "demote" and self._demoted.get(a.session_id) != spell:
-                resident = self._resident(a)
+                resident = self._resident(a, a.demotable_blocks)
                 if resident:
                     out.append(self._order("demote", a, resident, now))
                     self._demoted[a.session_id] = spell
@@ -504,7 +510,7 @@ class Scheduler:
                 break
             if a.instance_id != dest or a.session_id == cand.session_id:
                 continue
-            resident = self._resident(a)
+            resident = self._resident(a, a.demotable_blocks)
             if not resident:
                 continue
             key = _spell(a)
@@ -532,9 +538,19 @@ class Scheduler:
         cfg = self.config
         rate = self._cluster.link_bytes_per_second(source) * cfg.link_share
         transfer_seconds = nbytes / rate
-        needed_by = now + cfg.lead_seconds * cfg.needed_within_fraction
+        needed_in = (
+            cand.needed_in_seconds
+            if cand.needed_in_seconds is not None
+            else cfg.lead_seconds * cfg.needed_within_fraction
+        )
+        needed_by = now + needed_in
         link = (dest, source)
         start_by = self._book_link(link, transfer_seconds, needed_by - cfg.margin_seconds, now)
+        if start_by is None and needed_by - cfg.margin_seconds < now + transfer_seconds:
+            # Too close to land in time (a signal with a short lead): at once if the link is
+            # free now, landing as soon as it can; late, it still saves what has landed.
+            start_by = self._book_link(link, transfer_seconds, now + transfer_seconds, now)
+            needed_by = now + transfer_seconds + cfg.margin_seconds
         if start_by is None:
             return None  # the link's share is booked: it would land too late to matter
         # Held as long as it would be kept, and at least through the lead it was fetched for.
@@ -627,8 +643,10 @@ class Scheduler:
         if pool:
             yield "pool", pool
 
-    def _resident(self, a: SessionAdvice) -> list[BlockHash]:
-        blocks = list(dict.fromkeys(a.block_hashes))
+    def _resident(
+        self, a: SessionAdvice, blocks_of: Sequence[BlockHash] | None = None
+    ) -> list[BlockHash]:
+        blocks = list(dict.fromkeys(a.block_hashes if blocks_of is None else blocks_of))
         return [b for b, h in zip(blocks, self.store.holds("hbm", a.instance_id, blocks)) if h]
 
     def _order(

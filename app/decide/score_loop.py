@@ -21,6 +21,7 @@ from app.core.clock import Clock
 from app.core.errors import StoreError
 from app.decide.advisor import MAX_IDLE_SECONDS, Advisor, Thresholds
 from app.decide.guard import LruGuard
+from app.decide.popularity import PrefixPopularity
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler
 from app.observe.ledger import AdviceLedger
@@ -28,7 +29,7 @@ from app.predict.predictors import Predictor
 from app.predict.registry import ModelRegistry
 from app.state.base import SessionCursor, SessionView, StateStore, cursor_of
 from app.state.storethread import Offload
-from kvprefetch_client.events import Event, RequestFinished, SessionSignal
+from kvprefetch_client.events import Event, RequestFinished, RequestRouted, SessionSignal
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,8 @@ MAX_NEWS_QUEUE = 100_000
 class Scorer:
     """`scheduler`, when given, takes the serving model's advice too (the shadow's never);
         `routes` weighs the advice by where returns land (app/decide/routing.py); `guard`, where the
-    advice lost to LRU, hands the scheduler LRU's instead (app/decide/guard.py); `observe_seconds`,
+    advice lost to LRU, hands the scheduler LRU's instead (app/decide/guard.py); `popularity`, which
+    context heads other sessions share (never demoted: app/decide/popularity.py); `observe_seconds`,
         when given, is told each model's time to score the page (slot, seconds), after its advice is
         recorded (the metrics' latency histogram); `thresholds`, the advisor's (the settings')."""
 
@@ -52,6 +54,7 @@ class Scorer:
         sessions_per_tick: int = 256,
         scheduler: Scheduler | None = None,
         routes: SameInstanceEstimate | None = None,
+        popularity: PrefixPopularity | None = None,
         observe_seconds: Callable[[str, float], None] | None = None,
         thresholds: Thresholds | None = None,
         guard: LruGuard | None = None,
@@ -66,6 +69,7 @@ class Scorer:
         self.sessions_per_tick = sessions_per_tick
         self.scheduler = scheduler
         self.routes = routes
+        self.popularity = popularity
         self.observe_seconds = observe_seconds
         self._cursor: SessionCursor | None = None
         # Sessions with news (a request just finished, or a signal came): advised at the next
@@ -77,13 +81,22 @@ class Scorer:
         """The ingest observer: notes finishes and signals (bounded; past the bound the page
         covers them)."""
         for e in events:
-            # A finish changes what to keep; a signal says the session may be back soon: both
-            # are advised at the next tick rather than when the page comes round.
-            if isinstance(e, (RequestFinished, SessionSignal)) and len(self._news) < MAX_NEWS_QUEUE:
+            # A finish changes what to keep; a signal says the session may be back soon; a
+            # routed request may wait for a slot (its context is then fetched): all are advised
+            # at the next tick rather than when the page comes round.
+            if (
+                isinstance(e, (RequestFinished, SessionSignal, RequestRouted))
+                and len(self._news) < MAX_NEWS_QUEUE
+            ):
                 self._news[e.session_id] = None
 
     def _advisor(self, predictor: Predictor) -> Advisor:
-        return Advisor(predictor, routes=self.routes, **self.thresholds.advisor_options())
+        return Advisor(
+            predictor,
+            routes=self.routes,
+            popularity=self.popularity,
+            **self.thresholds.advisor_options(),
+        )
 
     def tick(
         self,

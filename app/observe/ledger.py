@@ -103,6 +103,8 @@ class AdviceLedger:
         started."""
         s = self._slots[slot]
         for a in advice:
+            if a.queued:
+                continue  # a request already here: nothing predicted
             rec = AdviceRecord(made_ts, a.retention, a.prefetch, a.p_keep)
             entry = s.sessions.pop(a.session_id, None)  # re-inserted last: dict order is recency
             if entry is None or entry.last_ts < self._cutoff:

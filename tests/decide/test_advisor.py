@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from app.core.bundle import DEFAULT_MODEL_DIR
-from app.decide.advisor import Advisor
+from app.decide.advisor import GRID_SECONDS, Advisor
 from app.decide.routing import SameInstanceEstimate
 from app.predict.features import FEATURES
 from app.predict.predictors import (
@@ -125,12 +125,13 @@ class Recording(Fixed):
         return super().p_within(sessions, now, horizons)
 
 
-def test_planner_asks_only_the_three_horizons_it_reads() -> None:
+def test_planner_asks_its_three_horizons_and_the_curve_grid_below_the_lead() -> None:
     predictor = Recording({"a": (0.9, 0.0)})
     Advisor(
         predictor, lead_seconds=20.0, keep_horizon_seconds=200.0, return_horizon_seconds=1000.0
     ).advise([view("a")], 100.0)
-    assert predictor.asked == [(20.0, 200.0, 1000.0)]
+    grid = tuple(h for h in GRID_SECONDS if h < 20.0)
+    assert predictor.asked == [tuple(sorted({*grid, 20.0, 200.0, 1000.0}))]
     with pytest.raises(
         ValueError, match="lead_seconds <= keep_horizon_seconds <= return_horizon_seconds"
     ):
@@ -194,3 +195,31 @@ def test_a_model_that_is_missing_or_computes_other_features_is_refused(tmp_path:
     booster.save_model(str(tmp_path / "model.txt"))
     with pytest.raises(ModelError, match="was trained on features"):
         LearnedPredictor(tmp_path)
+
+
+def test_a_return_due_within_seconds_is_needed_at_once_and_a_vague_one_later() -> None:
+    # "signalled": all of its chance comes within 2 s (a signal with a short lead); "vague": the
+    # same chance spread over the lead (due at 30 s).
+    planner = Advisor(Fixed({"signalled": (0.9, 2.0), "vague": (0.9, 30.0)}))
+    advice = {a.session_id: a for a in planner.advise([view("signalled"), view("vague")], 100.0)}
+    assert advice["signalled"].needed_in_seconds is not None
+    assert advice["vague"].needed_in_seconds is not None
+    assert advice["signalled"].needed_in_seconds <= 0.2 * 2.0
+    assert advice["vague"].needed_in_seconds > 10.0 * advice["signalled"].needed_in_seconds
+    assert advice["vague"].needed_in_seconds <= 30.0
+
+
+def test_a_queued_request_s_context_is_fetched_at_once_without_asking_the_model() -> None:
+    predictor = Recording({"idle": (0.0, 0.0)})
+    advice = {
+        a.session_id: a
+        for a in Advisor(predictor).advise(
+            [view("idle"), view("waiting", state="queued"), view("busy", state="running")], 100.0
+        )
+    }
+    assert set(advice) == {"idle", "waiting"}
+    waiting = advice["waiting"]
+    assert waiting.queued and waiting.prefetch and waiting.retention == "lru"
+    assert (waiting.p_soon, waiting.needed_in_seconds) == (1.0, 0.0)
+    assert not advice["idle"].queued
+    assert len(predictor.asked) == 1  # for the idle session alone

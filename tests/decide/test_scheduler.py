@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -392,3 +393,25 @@ def test_a_prefetch_its_session_met_while_moving_is_used_when_it_lands() -> None
     sched.forget("a", routed_to="gpu-0")
     sched.on_progress(o.order_id, "completed")
     assert (sched.totals.bytes_used, sched.totals.bytes_unused) == (2 * BLOCK_BYTES, 0)
+
+
+def test_room_is_made_from_a_context_s_own_blocks_never_its_shared_head() -> None:
+    store = store_with(free_bytes={"gpu-0": 0}, pool=range(100), hbm={"gpu-0": [50, 51, 52]})
+    cold = replace(advice("cold", [50, 51, 52], p_soon=0.0, p_keep=0.05), shared_blocks=1)
+    plan = tick(Scheduler(store, config()), [advice("hot", [0, 1], p_soon=0.9), cold], 0.0)
+    (demote,) = [o for o in plan.orders if o.kind == "demote"]
+    assert demote.block_hashes == [51, 52]  # block 50 is other sessions' too: it stays
+    assert [o.block_hashes for o in prefetches(plan.orders)] == [[0, 1]]
+
+
+def test_needed_by_follows_the_advice_s_arrival_curve() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
+    sched = Scheduler(store, config(lead_seconds=30.0, pool_link_bytes_per_second=1e6))
+    transfer_seconds = 2 * BLOCK_BYTES / (1e6 * sched.config.link_share)
+    (soon,) = tick(sched, [replace(advice("soon", [0, 1]), needed_in_seconds=20.0)], 50.0).orders
+    assert soon.needed_by_ts == 70.0
+    assert soon.start_by_ts == pytest.approx(70.0 - 0.25 - transfer_seconds)
+    # Due sooner than it can land: it starts at once, and says when it can land.
+    (now,) = tick(sched, [replace(advice("now", [2, 3]), needed_in_seconds=0.5)], 50.0).orders
+    assert now.start_by_ts == 50.0
+    assert now.needed_by_ts == pytest.approx(50.0 + transfer_seconds + 0.25)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -237,3 +238,13 @@ def test_a_session_the_store_forgot_is_forgotten_here_by_event_time() -> None:
     assert ledger.stats("live") == LedgerStats(
         1001, 1001, 0, 0, 1
     )  # unscored: its advice went with it
+
+
+def test_a_queued_request_s_advice_is_not_a_prediction() -> None:
+    ledger = AdviceLedger()
+    ledger.record("live", [replace(advice("q", "lru", prefetch=True), queued=True)], 10.0)
+    assert ledger.latest("live", "q") is None
+    ledger.observe([routed("q", 20.0)])
+    assert ledger.stats("live") == LedgerStats(
+        predictions=0, keep_predictions=0, hits=0, misses=0, unscored=1
+    )

@@ -339,3 +339,45 @@ def test_clairvoyant_keeps_what_comes_back_through_the_same_planner() -> None:
     policy = make_policy("clairvoyant", session_view=engine.session)
     CheckedCluster(scen, [a, b, c, d], Placed([0] * 4), policy, emit=engine.emit).run()
     assert d.hit_blocks == 4 and d.stall_seconds == 0.0
+
+
+def test_a_prefetch_into_a_full_hbm_displaces_only_contexts_less_likely_back() -> None:
+    """HBM of 8 blocks, full with A's and B's contexts (idle). C's context, 4 blocks, is wanted
+    back. Less likely back than what no advice keeps (keep_min_p, 0.2), it is a swap made
+    against A (less likely back than C), never B, and not at all for a candidate less likely
+    back than either; more likely, it takes the cache's own eviction order."""
+    from app.decide.advisor import Advisor, SessionAdvice
+    from sim.planned import PlannedPolicy
+
+    a, b = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4))
+    cluster = run(scenario(prefill=100.0, instances=1, hbm_blocks=8), [a, b], [0, 0])
+    hbm = cluster.instances[0].hbm
+    assert hbm.free == 0
+    cluster.written.update(context(20, 4))  # C's context was computed once, and left HBM
+
+    def advice(session_id: str, blocks: list[int], p: float) -> SessionAdvice:
+        return SessionAdvice(session_id, "gpu-0", tuple(blocks), "lru", 0.0, p, p, p, True)
+
+    policy = PlannedPolicy(Advisor(NoModel()), lambda s: None, "test")
+    policy.attach(cluster)
+    policy._advised[0] = {
+        "a": advice("a", context(0, 4), 0.1),
+        "b": advice("b", context(10, 4), 0.8),
+    }
+    assert not policy._room_for(0, advice("c", context(20, 4), 0.05), context(20, 4))
+    assert hbm.demoted == 0  # no swap was worth it: nothing advised out
+    assert policy._room_for(0, advice("c", context(20, 4), 0.9), context(20, 4))
+    assert hbm.demoted == 0  # likelier than what LRU evicts next: no advice needed
+    assert policy._room_for(0, advice("c", context(20, 4), 0.15), context(20, 4))
+    assert hbm.demoted == 4 and all(hbm.entries[x].demoted for x in context(0, 4))
+    assert cluster.prefetch(0, context(20, 4)) == 4
+    assert all(x in hbm for x in context(10, 4))  # B, more likely back than C, stays
+
+
+class NoModel:
+    name = "none"
+
+    def p_within(
+        self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]
+    ) -> np.ndarray:
+        return np.zeros((len(sessions), len(horizons)))
