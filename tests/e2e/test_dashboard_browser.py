@@ -267,6 +267,9 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
             assert typing.split() == ["typing", "1", "1", "100.0%"]
             assert page.locator("#tile-signals .value").inner_text() == "50.0%"
             assert page.locator("#tile-live-hit-rate .value").inner_text() == "100.0%"
+            # Retraining is off by default, and the tile says how to turn it on.
+            assert page.locator("#tile-retrain .value").inner_text() == "off"
+            assert "KVP_RETRAIN_EVERY_SECONDS" in page.locator("#tile-retrain .sub").inner_text()
             landed = sum(o["size_bytes"] for o in orders)
             assert (
                 page.locator("#tile-prefetched .sub")
