@@ -167,6 +167,9 @@ class Retrainer:
                 partial.rename(directory)  # the version appears whole or not at all
         except OSError as exc:
             problem = f"cannot write the candidate: {exc}"
+        except asyncio.CancelledError:  # the engine is closing: the child is killed, no leftovers
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         finally:
             self.state = "waiting"
         if problem is not None:

@@ -188,6 +188,23 @@ def test_a_failing_training_run_is_counted_failed_and_the_service_serves_on(
     asyncio.run(run())
 
 
+def test_a_training_run_past_its_timeout_is_killed_and_counted_failed(
+    tmp_path: Path, trace_events: list[Event]
+) -> None:
+    async def run() -> None:
+        engine, clock = build(tmp_path, retrain_timeout_seconds=0.001)
+        routed = [e for e in trace_events if e.type == "request_routed"][:100]
+        clock.set(routed[-1].ts)
+        engine.ingest(routed)
+        assert await engine.retrain_step(force=True) == "failed"
+        assert engine.retrainer.last is not None
+        assert "KVP_RETRAIN_TIMEOUT_SECONDS" in engine.retrainer.last.reason
+        assert engine.models.shadow is None and candidates(tmp_path) == []
+        await engine.close()
+
+    asyncio.run(run())
+
+
 def test_a_run_with_too_little_new_traffic_or_an_operators_shadow_is_skipped(
     tmp_path: Path, trace_events: list[Event], good_model: Path
 ) -> None:
@@ -222,7 +239,12 @@ def test_the_schedule_follows_the_engines_clock(tmp_path: Path) -> None:
         clock.set(3600.0)
         assert await engine.retrain_step() == "skipped"  # due; no arrival since start
         assert engine.retrainer.next_run_ts == 7200.0
+        # Run by the service, the schedule is one of the engine's loops, stopped with it.
+        await engine.start()
+        task = engine.retrain_task
+        assert task is not None and not task.done()
         await engine.close()
+        assert task.cancelled()
 
     asyncio.run(run())
 
