@@ -316,7 +316,7 @@ class Engine:
 
     async def start(self) -> None:
         """Probe the store once, then run the loops (backlog, store probe, scoring, planning,
-        dashboard sampling) on the running event loop until `close`."""
+        dashboard sampling, retraining when on) on the running event loop until `close`."""
         if self.running or self.closed:
             return
         self._loop = asyncio.get_running_loop()

@@ -219,7 +219,9 @@ class Settings(BaseSettings):
         1800.0, gt=0, description="A training run still going after this long is killed (failed)."
     )
     retrain_min_judged: int = Field(
-        500, ge=2, description="Paired outcomes judged before a candidate may be promoted."
+        500,
+        ge=2,
+        description="Paired outcomes judged before a candidate is promoted or discarded.",
     )
     retrain_shadow_seconds: float = Field(
         3600.0, gt=0, description="Longest a candidate shadows before it is discarded undecided."
