@@ -250,6 +250,7 @@ class Retrainer:
             self.metrics.retrain_judged(stats)
         if shadow is None or shadow.version != candidate.version:
             self.candidate = None
+            shutil.rmtree(candidate.directory, ignore_errors=True)  # nothing serves from it
             return self._finish(
                 "discarded", "an operator replaced or removed the shadow", now, candidate.version
             )

@@ -205,6 +205,30 @@ def test_a_training_run_past_its_timeout_is_killed_and_counted_failed(
     asyncio.run(run())
 
 
+def test_a_candidate_whose_shadow_an_operator_removed_is_discarded(
+    tmp_path: Path, trace_events: list[Event]
+) -> None:
+    async def run() -> None:
+        engine, clock = build(tmp_path)
+        first = trace_events[: len(trace_events) // 3]
+        clock.set(first[-1].ts)
+        engine.ingest(first)
+        assert await engine.retrain_step(force=True) is None
+        status = engine.retrainer.status()
+        assert status["state"] == "shadowing"
+        version = status["candidate"]["version"]
+        assert engine.models.shadow is not None and engine.models.shadow.version == version
+        assert candidates(tmp_path) == [version]
+        engine.models.clear_shadow()  # DELETE /v1/model/shadow
+        assert await engine.retrain_step() == "discarded"
+        assert engine.retrainer.last is not None
+        assert "an operator replaced or removed the shadow" in engine.retrainer.last.reason
+        assert candidates(tmp_path) == []
+        await engine.close()
+
+    asyncio.run(run())
+
+
 def test_a_run_with_too_little_new_traffic_or_an_operators_shadow_is_skipped(
     tmp_path: Path, trace_events: list[Event], good_model: Path
 ) -> None:
