@@ -41,6 +41,7 @@ from app.observe.metrics import Metrics, multiprocess_dir
 from app.observe.outcomes import RequestOutcome, outcome_observer
 from app.observe.timeline import LandedPrefetches, MeasuredStall, Timeline, capacity_for
 from app.predict.registry import ModelRegistry
+from app.predict.retrain import Retrainer
 from app.state import MemoryStore, StateStore, build_store
 from app.state.base import LogPosition, SessionView
 from app.state.storethread import StoreHealth, StoreThread
@@ -53,6 +54,8 @@ log = logging.getLogger("kvprefetch")
 # batch's outcomes (app/observe/outcomes.py: each request against the blocks landed after it in
 # the batch) stays cheap.
 DRAIN_EVENTS = 256
+# Live sessions a retrained model answers for before it shadows or serves (as the model routes').
+MODEL_CHECK_SAMPLE = 256
 
 
 class NullEventLog:
@@ -113,7 +116,11 @@ class Engine:
         )
         self._owns_log = event_log is None
         # Both keep per-session maps, forgotten with the store's sessions (by event time).
-        self.ledger = AdviceLedger(retention_seconds=settings.session_retention_seconds)
+        self.ledger = AdviceLedger(
+            retention_seconds=settings.session_retention_seconds,
+            # The judge of a retrained candidate scores P(back within the keep horizon).
+            judge_horizon_seconds=settings.keep_horizon_seconds,
+        )
         # Each set once: the cluster's numbers (read by the scheduler, route hints and outcomes)
         # and the planner's thresholds (read by the scorer's advisor and the scheduler alike).
         self.cluster = ClusterSpec.from_settings(settings)
@@ -177,6 +184,16 @@ class Engine:
             stall=self._measured.stall,
             capacity=capacity_for(settings.dashboard_sample_seconds),
         )
+        # Retraining on a schedule (off unless KVP_RETRAIN_EVERY_SECONDS): the loop in start().
+        self.retrainer = Retrainer(
+            settings,
+            self.models,
+            self.ledger,
+            self.clock,
+            log_dir=self.event_log.directory,
+            sample=self._model_sample,
+            metrics=self.metrics,
+        )
         # landed before the scheduler's feedback, which forgets a completed order.
         observers: list[Observer] = [
             self.ledger.observe,
@@ -193,6 +210,8 @@ class Engine:
         if self.guard is not None:  # before the outcomes: it looks each arrival up in its LRU
             observers.append(self.guard.observe)
         observers.append(outcome_observer(self.store, self.cluster, self._record_outcomes))
+        if settings.retrain_every_seconds > 0:
+            observers.append(self.retrainer.observe)
         # Last: it syncs the counters with what the ledger and the scheduler counted just now.
         observers.append(self.metrics.observe)
         self.backlog = Backlog(compose_observers(observers), settings.backlog_max_events)
@@ -212,6 +231,7 @@ class Engine:
         self.scoring_task: asyncio.Task[None] | None = None
         self.planning_task: asyncio.Task[None] | None = None
         self.sampling_task: asyncio.Task[None] | None = None
+        self.retrain_task: asyncio.Task[None] | None = None
         self.running = False
         self.closed = False
         self.replayed = self.ingestor.recover() if recover else 0
@@ -238,6 +258,17 @@ class Engine:
         self._measured.record_outcomes(outcomes)
         if self.guard is not None:
             self.guard.record(outcomes, self.clock.now())
+
+    async def _model_sample(self) -> list[SessionView]:
+        """Live sessions a retrained model must answer for (as POST /v1/model/reload checks)."""
+        return list(await self.store_thread.read(self.store.live_sessions, MODEL_CHECK_SAMPLE))
+
+    async def retrain_step(self, *, force: bool = False) -> str | None:
+        """One step of the retraining schedule now (a driver without the loops, like a replay's);
+        `force`: start a run whatever the schedule. The outcome of a run that ended, else None."""
+        if not self.running:
+            self.backlog.drain()
+        return await self.retrainer.step(force=force)
 
     def _on_loop(self, observer: Observer) -> Observer:
         """`observer`, told on the engine's loop (in order) once it runs; before, at once."""
@@ -288,7 +319,7 @@ class Engine:
 
     async def start(self) -> None:
         """Probe the store once, then run the loops (backlog, store probe, scoring, planning,
-        dashboard sampling) on the running event loop until `close`."""
+        dashboard sampling, retraining when on) on the running event loop until `close`."""
         if self.running or self.closed:
             return
         self._loop = asyncio.get_running_loop()
@@ -316,9 +347,15 @@ class Engine:
             if settings.dashboard_sample_seconds > 0
             else None
         )
+        self.retrain_task = (
+            asyncio.create_task(self.retrainer.run())
+            if settings.retrain_every_seconds > 0
+            else None
+        )
         self._tasks = [
             t
             for t in (
+                self.retrain_task,
                 self.scoring_task,
                 self.planning_task,
                 self.sampling_task,

@@ -194,6 +194,47 @@ class Settings(BaseSettings):
     lru_guard_retry_seconds: float = Field(
         600.0, gt=0, description="How long an instance's advice stays off before it is tried again."
     )
+    # Retraining from the service's own event log (app/predict/retrain.py, docs/decisions.md, 20):
+    # every so often a candidate is trained in a child process on the log (split by time), shadows
+    # the serving model, and is promoted only when its Brier score on the same sessions is better.
+    retrain_every_seconds: float = Field(
+        0.0, ge=0, description="How often to train a candidate from the event log; 0: never."
+    )
+    retrain_min_arrivals: int = Field(
+        1000, ge=0, description="Requests routed since the last run, or the run is skipped."
+    )
+    retrain_max_log_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=4096,
+        description="The newest event log segments up to this size are trained on.",
+    )
+    retrain_valid_fraction: float = Field(
+        0.2,
+        gt=0,
+        lt=1,
+        description="The newest share of the log's time span that stops training early.",
+    )
+    retrain_max_rounds: int = Field(300, ge=1, description="Most boosting rounds per candidate.")
+    retrain_timeout_seconds: float = Field(
+        1800.0, gt=0, description="A training run still going after this long is killed (failed)."
+    )
+    retrain_min_judged: int = Field(
+        500,
+        ge=2,
+        description="Paired outcomes judged before a candidate is promoted or discarded.",
+    )
+    retrain_shadow_seconds: float = Field(
+        3600.0, gt=0, description="Longest a candidate shadows before it is discarded undecided."
+    )
+    retrain_promote_margin: float = Field(
+        0.02,
+        ge=0,
+        lt=1,
+        description=(
+            "Promote when the candidate's Brier score is lower than the serving model's by at "
+            "least this share of it (and by two paired standard errors)."
+        ),
+    )
     # How often the dashboard's timeline samples the counters (app/observe/timeline.py; an hour
     # of samples is kept at 2 s); 0 turns sampling off (tests drive it one sample at a time).
     dashboard_sample_seconds: float = Field(2.0, ge=0)

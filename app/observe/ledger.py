@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from app.decide.advisor import Retention, SessionAdvice
+from app.observe.judge import PairedJudge
 from kvprefetch_client.events import Event, RequestRouted, SessionClosed
 
 SLOTS = ("live", "shadow")
@@ -85,13 +86,20 @@ class _Slot:
 
 class AdviceLedger:
     """Counts per model slot; a slot exists from start() to stop(), so with no shadow set the
-    ingest path pays for one model only."""
+    ingest path pays for one model only. `judge`, while a shadow is set, pairs both models'
+    p_keep per session and tick and scores them (app/observe/judge.py); it starts afresh
+    whenever either slot does."""
 
     def __init__(
-        self, *, max_sessions: int = MAX_SESSIONS, retention_seconds: float = math.inf
+        self,
+        *,
+        max_sessions: int = MAX_SESSIONS,
+        retention_seconds: float = math.inf,
+        judge_horizon_seconds: float = 300.0,
     ) -> None:
         if retention_seconds <= 0:
             raise ValueError("retention_seconds must be positive")
+        self.judge = PairedJudge(judge_horizon_seconds)
         self.max_sessions = max_sessions
         self.retention_seconds = retention_seconds
         self._slots: dict[str, _Slot] = {"live": _Slot()}
@@ -102,6 +110,9 @@ class AdviceLedger:
         """The advice a model gave at `made_ts` (the scoring loop's clock); the slot must be
         started."""
         s = self._slots[slot]
+        if slot == "shadow":
+            advice = list(advice)  # read twice
+            self._pair(advice, made_ts)
         for a in advice:
             if a.queued:
                 continue  # a request already here: nothing predicted
@@ -126,11 +137,14 @@ class AdviceLedger:
         On the ingest path: an arrival of a session no model advised costs a dict lookup.
         """
         slots = list(self._slots.values())
+        judge = self.judge if "shadow" in self._slots else None
         for e in events:
             kind = e.type
             ts = e.ts
             if ts > self._newest:
                 self._newest = ts
+                if judge is not None:
+                    judge.advance(ts)
                 if ts - self.retention_seconds > self._cutoff:
                     self._cutoff = ts - self.retention_seconds
                     for s in slots:
@@ -140,6 +154,8 @@ class AdviceLedger:
                     continue  # the store ignores it too
                 routed = cast(RequestRouted, e)  # the kind says so; isinstance costs more
                 entry_id = routed.session_id
+                if judge is not None:
+                    judge.arrived(entry_id, ts)
                 for s in slots:
                     entry = s.sessions.get(entry_id)
                     if entry is not None and entry.last_ts < self._cutoff:
@@ -159,6 +175,8 @@ class AdviceLedger:
                         # else: the same request routed again (a retry elsewhere): one outcome
             elif kind == "session_closed":
                 closed = cast(SessionClosed, e).session_id
+                if judge is not None:
+                    judge.closed(closed)
                 for s in slots:
                     s.sessions.pop(closed, None)
             elif kind == "request_started" or kind == "request_finished":
@@ -170,6 +188,15 @@ class AdviceLedger:
                         # Last in the dict, so forgotten sessions reach its front.
                         del s.sessions[sid]
                         s.sessions[sid] = entry
+
+    def _pair(self, advice: Iterable[SessionAdvice], made_ts: float) -> None:
+        """The shadow's advice beside the serving model's of the same tick, for the judge."""
+        live = self._slots["live"].sessions
+        judge = self.judge
+        for a in advice:
+            entry = live.get(a.session_id)
+            if entry is not None and entry.history and entry.history[-1].made_ts == made_ts:
+                judge.pair(a.session_id, made_ts, entry.history[-1].p_keep, a.p_keep)
 
     @staticmethod
     def _arrival(s: _Slot, entry: _Entry, request_id: str, ts: float) -> None:
@@ -219,10 +246,12 @@ class AdviceLedger:
         if slot not in SLOTS:
             raise ValueError(f"unknown model slot {slot!r}; slots are {SLOTS}")
         self._slots[slot] = _Slot()
+        self.judge.reset()
 
     def stop(self, slot: str) -> None:
         """No model sits in `slot` any more: forget it, and stop counting its arrivals."""
         self._slots.pop(slot, None)
+        self.judge.reset()
 
     def _trim(self, s: _Slot) -> None:
         overflow = len(s.sessions) - self.max_sessions

@@ -52,6 +52,7 @@ from prometheus_client import (
 
 from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
 from app.ingest.ingestor import CLOCK_SKEW, PAST_RETENTION
+from app.observe.judge import JudgeStats
 from app.observe.ledger import SLOTS, LedgerStats
 from app.observe.outcomes import OUTCOMES, RequestOutcome
 from app.observe.signals import FOLLOW_WINDOW_SECONDS, OTHER_KIND, SignalFollowups
@@ -357,6 +358,37 @@ class Metrics:
             "Times an instance's advice was turned off for losing to plain LRU.",
             registry=r,
         )
+        # app/predict/retrain.py: retraining on a schedule, its candidate judged in shadow.
+        self.retrain_runs = Counter(
+            "kvprefetch_retrain_runs",
+            "Scheduled retraining runs by how they ended: promoted (the candidate serves), "
+            "discarded (it did not beat the serving model), failed (training or loading failed), "
+            "skipped (too little new traffic, an operator's shadow set, or no event log).",
+            ["outcome"],
+            registry=r,
+        )
+        self.retrain_last_run = Gauge(
+            "kvprefetch_retrain_last_run_timestamp_seconds",
+            "When the last retraining run ended (the service clock; 0 before the first); "
+            "kvprefetch_retrain_runs_total says how.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.retrain_brier = Gauge(
+            "kvprefetch_retrain_brier_score",
+            "Mean Brier score of P(back within the keep horizon) on the paired outcomes judged "
+            "while a retrained candidate shadows: slot=live (serving) and slot=shadow "
+            "(candidate); lower is better. NaN before the first outcome.",
+            ["slot"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.retrain_judged_outcomes = Gauge(
+            "kvprefetch_retrain_judged_outcomes",
+            "Paired outcomes judged for the shadowing candidate so far.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.inference_duration = Histogram(
             "kvprefetch_inference_duration_seconds",
             "Time to score one page of sessions with a model (features, model, planner rules).",
@@ -386,6 +418,10 @@ class Metrics:
                 "prefetch"
             )  # the scheduler follows prefetches to their end; pins and demotes not
         self._slot_started("live")
+        for outcome in ("promoted", "discarded", "failed", "skipped"):
+            self.retrain_runs.labels(outcome)
+        for slot in SLOTS:
+            self.retrain_brier.labels(slot).set(float("nan"))
         for kind in (*SIGNAL_KINDS, OTHER_KIND):
             self.signals_received.labels(kind)
             self.signals_followed.labels(kind)
@@ -499,6 +535,17 @@ class Metrics:
         self.inference_duration.labels(slot).observe(seconds)
         with self._sync_lock:
             self._sync_models()
+
+    def retrain_finished(self, outcome: str, ts: float) -> None:
+        """A retraining run ended (app/predict/retrain.py) at `ts`, the service clock."""
+        self.retrain_runs.labels(outcome).inc()
+        self.retrain_last_run.set(ts)
+
+    def retrain_judged(self, stats: JudgeStats) -> None:
+        """The judge's scores for the shadowing candidate, as the retrainer last read them."""
+        self.retrain_judged_outcomes.set(stats.judged)
+        for slot, score in (("live", stats.live_brier), ("shadow", stats.shadow_brier)):
+            self.retrain_brier.labels(slot).set(float("nan") if score is None else score)
 
     def store_probed(self, snapshot: StoreSnapshot, now: float) -> None:
         """The store's last probe (`now` on the same time.monotonic() scale)."""

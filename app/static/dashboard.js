@@ -160,9 +160,34 @@
     setTile("tile-signals", pct(sig.followed_share), sig.total > 0
       ? `${count(sig.followed)} of ${count(sig.total)} signals had a request within ${sig.window_seconds} s`
       : "no signal yet");
+    drawRetrain(now.retrain);
     drawInstances(now);
     drawSessions(now);
     drawSignals(sig);
+  }
+
+  // The retraining schedule: its state, the candidate's paired Brier scores while it shadows,
+  // else the last run's outcome and why.
+  function brier(v) { return v == null ? "–" : v.toFixed(4); }
+  function drawRetrain(r) {
+    if (r == null) return;
+    const tile = $("tile-retrain");
+    tile.dataset.state = r.state;
+    tile.dataset.outcome = r.last == null ? "" : r.last.outcome;
+    let sub;
+    if (r.candidate != null) {
+      const j = r.candidate.judge;
+      sub = j == null || j.judged === 0
+        ? `${r.candidate.version}: no outcome judged yet`
+        : `${r.candidate.version}: Brier ${brier(j.shadow_brier)} vs serving ${brier(j.live_brier)}, ${count(j.judged)} of ${count(r.candidate.min_judged)} judged`;
+    } else if (r.last != null) {
+      sub = `last run ${r.last.outcome}: ${r.last.reason}`;
+    } else {
+      sub = r.enabled ? `every ${seconds(r.every_seconds)}; no run yet` : "off (KVP_RETRAIN_EVERY_SECONDS)";
+    }
+    const runs = r.runs;
+    setTile("tile-retrain", r.state, sub);
+    tile.title = `runs: ${runs.promoted} promoted, ${runs.discarded} discarded, ${runs.failed} failed, ${runs.skipped} skipped`;
   }
 
   function drawSignals(sig) {

@@ -171,6 +171,7 @@ def test_an_empty_service_answers_empty_series_and_zeros(client: TestClient) -> 
         "followed_share": None,
         "kinds": [],
     }
+    assert now["retrain"]["state"] == "off" and now["retrain"]["last"] is None
     # Samples of nothing are zeros, not errors.
     sample(client)
     body = client.get("/v1/dashboard/series").json()

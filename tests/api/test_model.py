@@ -3,6 +3,7 @@ checked on live sessions first, and each model's hit rate from the scoring loop.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -456,3 +457,45 @@ def test_inside_the_root_errors_name_the_model_dir_relative_to_it(
         "file": "no model at file/model.txt",
         str(tmp_path / "absent"): "no model at absent/model.txt",
     }
+
+
+def test_the_retraining_schedule_is_off_by_default_and_says_so(client: TestClient) -> None:
+    body = client.get("/v1/model/retrain").json()
+    assert body == {
+        "enabled": False,
+        "state": "off",
+        "every_seconds": 0.0,
+        "next_run_ts": None,
+        "arrivals_since_last_run": 0,
+        "min_arrivals": 1000,
+        "runs": {"promoted": 0, "discarded": 0, "failed": 0, "skipped": 0},
+        "candidate": None,
+        "last": None,
+    }
+    assert client.get("/v1/dashboard/now").json()["retrain"] == body
+
+
+def test_the_retraining_schedule_shows_its_last_run(tmp_path: Path) -> None:
+    settings = Settings(
+        data_dir=tmp_path,
+        log_fsync=False,
+        retrain_every_seconds=600.0,
+        retrain_min_arrivals=5,
+        score_interval_seconds=0,
+        plan_interval_seconds=0,
+    )
+    with TestClient(create_app(settings)) as c:
+        assert c.post("/v1/events", json={"events": [routed("e1")]}).status_code == 200
+        settle(c)
+        engine = c.app.state.engine  # type: ignore[attr-defined]
+        step = functools.partial(engine.retrain_step, force=True)
+        assert c.portal.call(step) == "skipped"  # type: ignore[union-attr]
+        body = c.get("/v1/model/retrain").json()
+        assert body["enabled"] and body["state"] == "waiting"
+        assert body["arrivals_since_last_run"] == 1
+        assert body["runs"]["skipped"] == 1
+        assert body["last"]["outcome"] == "skipped"
+        assert "fewer than KVP_RETRAIN_MIN_ARRIVALS (5)" in body["last"]["reason"]
+        assert body["next_run_ts"] > 0
+        metrics = c.get("/metrics").text
+        assert 'kvprefetch_retrain_runs_total{outcome="skipped"} 1.0' in metrics

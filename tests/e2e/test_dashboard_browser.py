@@ -267,6 +267,9 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
             assert typing.split() == ["typing", "1", "1", "100.0%"]
             assert page.locator("#tile-signals .value").inner_text() == "50.0%"
             assert page.locator("#tile-live-hit-rate .value").inner_text() == "100.0%"
+            # Retraining is off by default, and the tile says how to turn it on.
+            assert page.locator("#tile-retrain .value").inner_text() == "off"
+            assert "KVP_RETRAIN_EVERY_SECONDS" in page.locator("#tile-retrain .sub").inner_text()
             landed = sum(o["size_bytes"] for o in orders)
             assert (
                 page.locator("#tile-prefetched .sub")
@@ -283,6 +286,92 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.screenshot(path=str(SCREENSHOT), full_page=True)
             print(f"dashboard screenshot: {SCREENSHOT}")
+        finally:
+            browser.close()
+    assert console == [], console
+
+
+def test_the_retraining_tile_shows_the_candidate_and_the_last_verdict(tmp_path: Path) -> None:
+    """The tile's other states, drawn from the service's own answer with `retrain` replaced as
+    GET /v1/model/retrain gives it while a candidate shadows, and after a verdict."""
+    from playwright.sync_api import Route, sync_playwright
+
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        log_fsync=False,
+        model_dir=tmp_path / "no-model",
+        retrain_every_seconds=3600.0,
+        dashboard_sample_seconds=0.25,
+    )
+    runs = {"promoted": 1, "discarded": 2, "failed": 0, "skipped": 3}
+    judge = {
+        "judged": 214,
+        "live_brier": 0.0612,
+        "shadow_brier": 0.0571,
+        "mean_gain": 0.0041,
+        "gain_se": 0.0013,
+        "dropped": 0,
+        "pending": 388,
+    }
+    shadowing = {
+        "state": "shadowing",
+        "runs": runs,
+        "candidate": {
+            "version": "retrain-x-1",
+            "shadow_since_ts": 1.0,
+            "judge": judge,
+            "min_judged": 500,
+        },
+    }
+    waiting = {
+        "state": "waiting",
+        "runs": runs,
+        "candidate": None,
+        "last": {
+            "outcome": "discarded",
+            "reason": "Brier 0.06410 (candidate) against 0.06120 (serving)",
+            "ts": 2.0,
+            "version": "retrain-x-1",
+            "judged": 731,
+            "live_brier": 0.0612,
+            "shadow_brier": 0.0641,
+        },
+    }
+    answer: dict[str, Any] = {"retrain": shadowing}
+    console: list[str] = []
+    with live_server(create_app(settings)) as url, sync_playwright() as pw:
+
+        def patched(route: Route) -> None:
+            response = route.fetch()
+            body = response.json()
+            assert body["retrain"]["enabled"] and body["retrain"]["state"] == "waiting"
+            body["retrain"] = {**body["retrain"], **answer["retrain"]}
+            route.fulfill(response=response, json=body)
+
+        browser = _browser(pw)
+        try:
+            page = browser.new_page()
+            page.on("pageerror", lambda e: console.append(f"page error: {e}"))
+            page.route("**/v1/dashboard/now*", patched)
+            page.goto(f"{url}/dashboard")
+            page.wait_for_function(
+                "() => document.querySelector('#tile-retrain').dataset.state === 'shadowing'",
+                timeout=10_000,
+            )
+            assert page.locator("#tile-retrain .value").inner_text() == "shadowing"
+            sub = page.locator("#tile-retrain .sub").inner_text()
+            assert sub == "retrain-x-1: Brier 0.0571 vs serving 0.0612, 214 of 500 judged"
+            assert "1 promoted, 2 discarded" in (
+                page.locator("#tile-retrain").get_attribute("title") or ""
+            )
+            answer["retrain"] = waiting
+            page.wait_for_function(
+                "() => document.querySelector('#tile-retrain').dataset.outcome === 'discarded'",
+                timeout=10_000,
+            )
+            assert page.locator("#tile-retrain .value").inner_text() == "waiting"
+            sub = page.locator("#tile-retrain .sub").inner_text()
+            assert sub.startswith("last run discarded: Brier 0.06410 (candidate)")
         finally:
             browser.close()
     assert console == [], console

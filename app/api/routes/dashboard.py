@@ -15,6 +15,7 @@ from fastapi.responses import FileResponse
 
 from app.api.deps import (
     ClockDep,
+    EngineDep,
     LedgerDep,
     MetricsDep,
     ModelsDep,
@@ -119,6 +120,7 @@ def _slot(ledger: AdviceLedger, slot: str, predictor: str, version: str | None) 
 @router.get("/now", responses=_BAD_PARAM, summary="The dashboard's current figures")
 async def dashboard_now(
     request: Request,
+    engine: EngineDep,
     timeline: TimelineDep,
     settings: SettingsDep,
     clock: ClockDep,
@@ -145,7 +147,8 @@ async def dashboard_now(
     probe's health and counts with their age. When the store does not answer within
     KVP_OBSERVABILITY_WAIT_SECONDS, the last figures computed, with `stale_seconds` how old.
     `signals`: the session signals this process accepted, by kind (those seen), and how many were
-    followed by a request of their session within `window_seconds`."""
+    followed by a request of their session within `window_seconds`. `retrain`: the retraining
+    schedule, as GET /v1/model/retrain answers."""
 
     def figures() -> dict[str, Any]:
         # On the store thread with the Redis store: it reads what the store thread changes.
@@ -184,6 +187,7 @@ async def dashboard_now(
             "stats_age_seconds": known.stats_age_seconds(health.monotonic()),
         },
         "signals": signal_figures(metrics.signals),
+        "retrain": engine.retrainer.status(),
     }
     if not shows_session_ids(request, settings, tokens):
         body["top_sessions"] = [{**row, "session_id": None} for row in body["top_sessions"]]

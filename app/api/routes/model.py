@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from app.api.auth import AdminScope, ReadScope
-from app.api.deps import ClockDep, LedgerDep, ModelsDep, SettingsDep, StoreDep, StoreThreadDep
+from app.api.deps import (
+    ClockDep,
+    EngineDep,
+    LedgerDep,
+    ModelsDep,
+    SettingsDep,
+    StoreDep,
+    StoreThreadDep,
+)
 from app.api.errors import Error, error_response
 from app.observe.ledger import AdviceLedger
 from app.predict.predictors import ModelError
@@ -70,6 +78,53 @@ class ModelDirRequest(BaseModel):
     )
 
 
+class RetrainJudge(BaseModel):
+    judged: int = Field(description="Paired outcomes judged since the candidate began to shadow")
+    live_brier: float | None = Field(
+        description="The serving model's mean Brier score of P(back within the keep horizon)"
+    )
+    shadow_brier: float | None = Field(description="The candidate's, on the same outcomes")
+    mean_gain: float | None = Field(
+        description="Mean of (serving Brier - candidate Brier) per pair: positive when the "
+        "candidate is better"
+    )
+    gain_se: float | None = Field(description="The standard error of mean_gain")
+    dropped: int = Field(description="Pairs dropped unjudged (memory bound)")
+    pending: int = Field(description="Pairs waiting for their outcome")
+
+
+class RetrainCandidate(BaseModel):
+    version: str
+    shadow_since_ts: float
+    judge: RetrainJudge | None
+    min_judged: int
+
+
+class RetrainRun(BaseModel):
+    outcome: Literal["promoted", "discarded", "failed", "skipped"]
+    reason: str
+    ts: float = Field(description="When the run ended, by the service clock")
+    version: str | None = Field(description="The candidate's version, when one was trained")
+    judged: int
+    live_brier: float | None
+    shadow_brier: float | None
+
+
+class RetrainStatus(BaseModel):
+    enabled: bool = Field(description="KVP_RETRAIN_EVERY_SECONDS > 0")
+    state: Literal["off", "waiting", "training", "shadowing"]
+    every_seconds: float
+    next_run_ts: float | None = Field(
+        description="When the next run is due (service clock); null before the schedule's "
+        "first step"
+    )
+    arrivals_since_last_run: int
+    min_arrivals: int
+    runs: dict[str, int] = Field(description="Runs by outcome since the service started")
+    candidate: RetrainCandidate | None = Field(description="The candidate shadowing now")
+    last: RetrainRun | None = Field(description="The last run that ended")
+
+
 def _score(serving: Serving, ledger: AdviceLedger, slot: str) -> ModelScore:
     s = ledger.stats(slot)
     return ModelScore(
@@ -94,6 +149,13 @@ async def get_model(models: ModelsDep, ledger: LedgerDep) -> ModelStatus:
         live=_score(serving, ledger, "live"),
         shadow=_score(shadow, ledger, "shadow") if shadow is not None else None,
     )
+
+
+@router.get("/model/retrain", dependencies=[ReadScope], response_model=RetrainStatus)
+async def get_retrain(engine: EngineDep) -> RetrainStatus:
+    """The retraining schedule (KVP_RETRAIN_*): its state, the candidate shadowing now with the
+    paired Brier scores that will decide it, and the last run's outcome and why."""
+    return RetrainStatus.model_validate(engine.retrainer.status())
 
 
 @router.post(
