@@ -538,6 +538,26 @@ def agent_trace_cmd(
     typer.echo(f"wrote {n} requests to {out}", err=True)
 
 
+@cli.command()
+def targets(
+    traces: Annotated[Path, typer.Option(help="Where the shared traces are.")] = Path(
+        "../shared/traces"
+    ),
+    model: Annotated[
+        str | None, typer.Option(help="Model directory for `learned` (default: the bundled one).")
+    ] = None,
+    jobs: Annotated[int, typer.Option(min=1, help="Replays run in parallel.")] = 2,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Replay issue 14's targets (signals, busy, route hints, an agent-like trace; judged on
+    each trace's last 30%) and say which hold: a markdown table (sim/targets.py)."""
+    from sim.targets import as_json as to_json
+    from sim.targets import markdown, run
+
+    results, verdicts = run(traces, model, jobs)
+    typer.echo(to_json(results, verdicts) if as_json else markdown(results, verdicts))
+
+
 @cli.command("events-from-trace")
 def events_from_trace(
     trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],

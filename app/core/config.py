@@ -169,7 +169,13 @@ class Settings(BaseSettings):
         description=("Prefetch a context when its session is likely back within this long."),
     )
     prefetch_min_p: float = Field(
-        0.5, ge=0, le=1, description=("Prefetch when P(back within the lead) is at least this.")
+        0.5,
+        ge=0,
+        le=1,
+        description=(
+            "Prefetch into free room when P(back within the lead) is at least this; into a full "
+            "HBM only in place of contexts less likely back (docs/decisions.md, 21)."
+        ),
     )
     cancel_below_p: float = Field(
         0.25,
