@@ -35,9 +35,12 @@ from training.train import save_model, train
 
 pytestmark = pytest.mark.slow
 
-TRAIN_REQUESTS = 800  # the model learns from these (272 s of the trace)
-RUN_REQUESTS = 500  # and the loop runs on the next ones (177 s)
-SPEED = 40.0  # about 5 s of wall time
+TRAIN_REQUESTS = 800  # the model learns from these (267 s of the trace)
+# And the loop runs on the next ones (243 s): in two runs of them 19 and 17 prefetches were
+# ordered, 14 and 12 landed, 64 and 47 GB were used. On the first 500 alone one run ordered 8,
+# landed 6 and used 12 GB, and one test run in eleven on the loaded 2-core machine failed.
+RUN_REQUESTS = 700
+SPEED = 40.0  # about 6 s of wall time
 # Four instances with half the default HBM: contexts are evicted between turns, so there is
 # something to prefetch, and room enough that a prefetch lands and stays until its turn comes.
 HBM_KV_BYTES = 160_000_000_000
@@ -134,8 +137,8 @@ def test_the_services_orders_are_issued_land_and_are_used(
     # The service's own books: issued, completed (by the progress reported), and used by the
     # sessions that came back where the blocks landed.
     assert totals["orders"]["prefetch"] > 0 and totals["bytes_ordered"] > 0
-    assert totals["completed"] > 0
-    assert totals["bytes_used"] > 0
+    assert totals["completed"] > 0, (totals, done)
+    assert totals["bytes_used"] > 0, (totals, done)
     # Every progress report the cluster made was taken: accepted, then completed (or failed).
     assert metrics["order_progress_events"] == done["accepted"] + done["completed"] + done["failed"]
     assert metrics["kvprefetch_orders_completed_total"] > 0
