@@ -387,7 +387,8 @@ def replay(
         str,
         typer.Option(
             help="none, lookahead, belady, oracle, heuristic, learned, scheduled, clairvoyant "
-            "or signal."
+            "or signal; with --via and --speed also service: the service's own orders drive "
+            "the simulated cluster."
         ),
     ] = "none",
     scenario: Annotated[

@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from pathlib import Path
 
-from app.core.clock import Clock, SystemClock
+from app.core.clock import Clock, ScaledClock, SystemClock
 from app.core.cluster import ClusterSpec
 from app.core.config import Settings
 from app.core.errors import StoreError
@@ -95,7 +95,9 @@ class Engine:
         load_model: bool = True,
     ) -> None:
         self.settings = settings
-        self.clock: Clock = clock or SystemClock()
+        self.clock: Clock = clock or (
+            SystemClock() if settings.clock_speed == 1 else ScaledClock(settings.clock_speed)
+        )
         # First: a sink misconfigured (webhook without a URL) stops startup before anything opens.
         self.order_sink: OrderSink = order_sink if order_sink is not None else build_sink(settings)
         self._owns_sink = order_sink is None
@@ -324,6 +326,9 @@ class Engine:
             return
         self._loop = asyncio.get_running_loop()
         settings = self.settings
+        # The loops' intervals are in the clock's seconds (KVP_CLOCK_SPEED): each waits as long
+        # in wall time divided by its speed.
+        per_clock = 1.0 / settings.clock_speed
         await self.store_health.refresh(settings.redis_timeout_seconds)
         self.running = True
         self.probe_task = asyncio.create_task(
@@ -332,18 +337,18 @@ class Engine:
         self.backlog_task = asyncio.create_task(self.backlog.run(self.store_thread.run))
         self.scoring_task = (
             asyncio.create_task(
-                self.scorer.run(settings.score_interval_seconds, self.store_thread.run)
+                self.scorer.run(settings.score_interval_seconds * per_clock, self.store_thread.run)
             )
             if settings.score_interval_seconds > 0
             else None
         )
         self.planning_task = (
-            asyncio.create_task(self.dispatcher.run(settings.plan_interval_seconds))
+            asyncio.create_task(self.dispatcher.run(settings.plan_interval_seconds * per_clock))
             if settings.plan_interval_seconds > 0
             else None
         )
         self.sampling_task = (
-            asyncio.create_task(self.timeline.run(settings.dashboard_sample_seconds))
+            asyncio.create_task(self.timeline.run(settings.dashboard_sample_seconds * per_clock))
             if settings.dashboard_sample_seconds > 0
             else None
         )

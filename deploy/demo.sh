@@ -1,13 +1,23 @@
 #!/usr/bin/env bash
 # `make demo`: start the service (in-memory store, the bundled model) and replay a shared trace
 # against it over HTTP in accelerated time, so /dashboard (and /metrics) fill while you watch.
+# The replay's cluster runs on the service's own orders (`--policy service`, sim/served.py): it
+# reports its instances' free KV bytes, pulls the service's prefetch, pin and demote orders
+# (GET /v1/orders), carries them out over its simulated links and reports their progress, with
+# early signals (session_signal events) before returning turns. The service's clock runs at the
+# replay's speed (KVP_CLOCK_SPEED), so it sees the trace's own durations.
 # Ctrl-C stops both. Settings (environment):
 #   DEMO_TRACE     the trace (default ../shared/traces/mooncake_conversation_first60.jsonl)
 #   DEMO_SPEED     times real time (default 20: the conversation trace's 35 minutes in under 2)
-#   DEMO_POLICY    the simulated cluster's policy (default none: LRU; the service predicts on its own)
+#   DEMO_POLICY    the simulated cluster's policy (default service: the service's own orders drive
+#                  it; none, learned, ...: the simulator decides, and nobody carries the service's
+#                  orders out)
+#   DEMO_SIGNALS   the replay's --signals (default coverage=0.5,lead_median=5,false_alarms=1: half
+#                  the returning turns signalled 5 s ahead, as many false alarms); off: no signals
 #   DEMO_REQUESTS  replay only the trace's first N requests (default: all)
 #   DEMO_LINGER    1 (default): keep serving after the replay until Ctrl-C; 0: stop when it ends
-#   KVP_PORT       the service's port (default 8000); other KVP_ settings pass through
+#   KVP_PORT       the service's port (default 8000); other KVP_ settings pass through (KVP_MODEL_DIR:
+#                  another model; KVP_CLOCK_SPEED: another clock than DEMO_SPEED's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,7 +25,8 @@ VENV="${VENV:-.venv}"
 KVP="$VENV/bin/kvprefetch"
 TRACE="${DEMO_TRACE:-../shared/traces/mooncake_conversation_first60.jsonl}"
 SPEED="${DEMO_SPEED:-20}"
-POLICY="${DEMO_POLICY:-none}"
+POLICY="${DEMO_POLICY:-service}"
+SIGNALS="${DEMO_SIGNALS:-coverage=0.5,lead_median=5,false_alarms=1}"
 LINGER="${DEMO_LINGER:-1}"
 PORT="${KVP_PORT:-8000}"
 DATA="${DEMO_DATA_DIR:-var/demo}"
@@ -50,8 +61,10 @@ trap 'exit 130' INT TERM
 # In the terminal's group the service would take the SIGINT too and could exit 0 before the trap
 # ran, so the script's status would depend on which of the two went first.
 SETSID=$(command -v setsid || true)
+# Its clock at the replay's pace: a trace second is a second of the service's, so its model,
+# thresholds and loops see the durations they were made for.
 KVP_STORE=memory KVP_HOST=127.0.0.1 KVP_PORT="$PORT" KVP_DATA_DIR="$DATA" KVP_LOG_FSYNC=false \
-  $SETSID "$KVP" serve >"$DATA/service.log" 2>&1 &
+  KVP_CLOCK_SPEED="${KVP_CLOCK_SPEED:-$SPEED}" $SETSID "$KVP" serve >"$DATA/service.log" 2>&1 &
 svc=$!
 
 say "starting the service on $URL (log: $DATA/service.log)"
@@ -72,8 +85,26 @@ echo
 echo "  kvprefetch demo: open the dashboard at  $URL/dashboard"
 echo "  (Prometheus metrics: $URL/metrics; API: $URL/docs). Ctrl-C stops the demo."
 echo
-say "replaying $TRACE at ${SPEED}x (policy $POLICY)"
-"$KVP" replay --via "$URL" --trace "$TRACE" --policy "$POLICY" --speed "$SPEED"
+SIGNAL_ARGS=()
+if [ "$SIGNALS" != "off" ]; then SIGNAL_ARGS=(--signals "$SIGNALS"); fi
+say "replaying $TRACE at ${SPEED}x (policy $POLICY, signals $SIGNALS)"
+"$KVP" replay --via "$URL" --trace "$TRACE" --policy "$POLICY" --speed "$SPEED" \
+  ${SIGNAL_ARGS[@]+"${SIGNAL_ARGS[@]}"}
+if [ "$POLICY" = "service" ]; then
+  # The service's own books: its orders issued, completed and used (GET /v1/scheduler).
+  "$VENV/bin/python" - "$URL/v1/scheduler" <<'PY' || true
+import json, sys, urllib.request
+t = json.load(urllib.request.urlopen(sys.argv[1], timeout=5))
+o = t["orders"]
+print(
+    f"demo: the service's orders: {o['prefetch']} prefetches ({t['bytes_ordered'] / 1e9:,.1f} GB), "
+    f"{o['pin']} pins, {o['demote']} demotes; {t['completed']} prefetches landed, "
+    f"{t['cancelled']} cancelled, {t['failed']} failed; {t['bytes_used'] / 1e9:,.1f} GB used, "
+    f"{t['bytes_unused'] / 1e9:,.1f} GB unused, {t['bytes_wasted'] / 1e9:,.1f} GB wasted",
+    file=sys.stderr,
+)
+PY
+fi
 
 if [ "$LINGER" = "1" ]; then
   say "replay done; the service keeps serving $URL/dashboard until Ctrl-C"

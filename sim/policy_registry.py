@@ -17,11 +17,16 @@ from app.predict.predictors import HeuristicPredictor, LearnedPredictor
 from sim.planned import Clairvoyant, ClairvoyantPolicy, PlannedPolicy
 from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy, SignalPrefetch
 from sim.scheduled import ScheduledPolicy
+from sim.served import ServicePolicy
 
 if TYPE_CHECKING:
     from app.engine import Engine
     from app.state.base import StateStore
+    from sim.remote import RemoteEngine
     from sim.scenario import Scenario
+
+# Over HTTP only (not in POLICIES, the in-process ones): the service's own orders drive the cluster.
+SERVICE_POLICY = "service"
 
 
 def make_policy(
@@ -33,11 +38,13 @@ def make_policy(
     store: StateStore | None = None,
     scenario: Scenario | None = None,
     engine: Engine | None = None,
+    remote: RemoteEngine | None = None,
 ) -> Policy:
     """`planner_options`: keyword arguments for app.decide.advisor.Advisor (heuristic, learned;
     the scheduled policy's engine was built with them). `engine`: the replay's in-process Engine
     (sim/replay.py sim_engine), whose loops the `scheduled` policy runs and whose LRU guard
-    (app/decide/guard.py) the planner's policies obey."""
+    (app/decide/guard.py) the planner's policies obey. `remote`: the replay's engine when it is a
+    running service (sim/remote.py), whose orders the `service` policy carries out."""
     # The guard's settings are the engine's (sim_engine), not the Advisor's.
     planner_options = {k: v for k, v in (planner_options or {}).items() if k not in GUARD_SETTINGS}
     if name == "none":
@@ -50,6 +57,13 @@ def make_policy(
         return Oracle()
     if name == "signal":
         return SignalPrefetch()
+    if name == SERVICE_POLICY:
+        if remote is None:
+            raise ValueError(
+                "the service policy carries out a running service's orders: replay with "
+                "--via URL --speed X"
+            )
+        return ServicePolicy(remote)
     if name == "scheduled":
         if session_view is None or engine is None:
             raise ValueError(
@@ -90,4 +104,7 @@ def make_policy(
             name,
             guard=engine.guard if engine is not None else None,
         )
-    raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    raise ValueError(
+        f"unknown policy {name!r}; choose from {', '.join(POLICIES)} "
+        f"(or {SERVICE_POLICY}, with --via)"
+    )

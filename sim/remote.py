@@ -15,15 +15,22 @@ the policies see are translated back: they are the ones an in-process replay wou
 
 Pacing (`--speed X`): by default events are posted as fast as the simulator emits them, stamped
 with the trace's own times (seconds from its start). With a speed, the run plays as live traffic
-X times faster than the trace: the event at trace time ts is posted at, and stamped with, the
-wall-clock time start + (ts - ts0) / X, where ts0 is the first event's time and start the
-moment it was emitted. The service's clock (its scoring loop, scheduler and dashboards) then
-sees a cluster running now; the session views read back are translated to trace time again
+X times faster than the trace: the event at trace time ts is posted at the wall-clock time
+start + (ts - ts0) / X, where ts0 is the first event's time and start the moment it was
+emitted, and stamped with the service's clock at that moment (GET /readyz says what it reads and
+how fast it runs): the wall clock, or, for a service started with KVP_CLOCK_SPEED=S, a clock S
+times faster. The service (its scoring loop, scheduler and dashboards) then sees a cluster
+running now, each trace second lasting S / X of its seconds: with S = X it sees the trace's own
+durations, as on live traffic. The session views read back are translated to trace time again
 (up to float rounding), so the simulator's policies decide as in an unpaced run.
 
-The service has no orders endpoint yet (issue 5 adds GET /v1/orders?instance_id=): until then an
-over-HTTP replay takes its policy's inputs, the session views, from the service, and its
-decisions are carried out by the simulator as in-process.
+Whose decisions: with the simulator's policies (`none`, `learned`, ...) an over-HTTP replay takes
+their inputs, the session views, from the service, and their decisions are carried out by the
+simulator as in-process; the service's own scheduler plans too, but nobody carries its orders out.
+With `--policy service` (sim/served.py) the simulated cluster is the service's transfer layer
+instead: it pulls the service's orders (GET /v1/orders, `pull_orders` here), carries them out and
+reports their progress (`post_progress`); orders and progress are translated between the run's
+namespace and times and the service's as the events are.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from app.core.errors import KvpError
 from app.state.base import SessionView
 from kvprefetch_client.client import KvpClient
 from kvprefetch_client.events import Event, event_adapter
+from kvprefetch_client.orders import Order
 from sim.replay import ReplayResult, replay
 
 if TYPE_CHECKING:
@@ -150,8 +158,14 @@ class RemoteEngine:
         self._closed = False
         self._speed = speed
         self._clock_start: tuple[float, float, float] | None = (
-            None  # first ts, its wall time, its monotonic
+            None  # first ts, the service's time then, its monotonic
         )
+        # The service's clock, from GET /readyz: how fast it runs, and (when not the wall clock)
+        # what it read at a wall-clock time.
+        self._service_speed = 1.0
+        self._service_ref: tuple[float, float] | None = None
+        # Told of every event emitted, with the run's own ids (sim/served.py hears its landings).
+        self.listeners: list[Callable[[str, float, dict[str, Any]], None]] = []
         self._http = httpx.Client(
             base_url=self.url, timeout=http_timeout_seconds, transport=transport
         )
@@ -168,6 +182,12 @@ class RemoteEngine:
     # -- sim.replay.Engine -----------------------------------------------------------------
 
     def emit(self, kind: str, ts: float, fields: dict[str, Any]) -> None:
+        self._post(kind, ts, fields, _ID_FIELDS)
+        for listener in self.listeners:
+            listener(kind, ts, fields)
+
+    def _post(self, kind: str, ts: float, fields: dict[str, Any], id_fields: Sequence[str]) -> None:
+        """Post one event, `id_fields` namespaced with the run id, paced when the run is."""
         remote_ts = ts if self._speed is None else self._pace(ts)
         doc = {
             "type": kind,
@@ -175,7 +195,7 @@ class RemoteEngine:
             "ts": remote_ts,
             **fields,
         }
-        for key in _ID_FIELDS:
+        for key in id_fields:
             value = doc.get(key)
             if value is not None:
                 doc[key] = self._remote(value)
@@ -192,6 +212,71 @@ class RemoteEngine:
         self._unchecked += 1
         if self._unchecked >= self._flush_every:
             self._sync()
+
+    # -- the service's orders (sim/served.py) ------------------------------------------------
+
+    @property
+    def speed(self) -> float | None:
+        return self._speed
+
+    @property
+    def trace_seconds_per_service_second(self) -> float:
+        """How long one of the service's seconds is in the trace (paced runs: X / the service's
+        clock speed; 1 unpaced)."""
+        return 1.0 if self._speed is None else self._speed / self._service_speed
+
+    def pull_orders(self, instance_id: str, limit: int = 100) -> tuple[list[Order], list[str]]:
+        """Lease the service's pending orders for one of the run's instances, as an agent does
+        (GET /v1/orders, the pull sink): the orders in the run's own ids, blocks and times (a
+        paced run's durations too: `ttl_seconds` x speed), and the ids of orders cancelled since
+        the last pull. Order ids are the service's, unchanged: progress is reported with them."""
+        params: dict[str, str | int] = {
+            "instance_id": self._remote(instance_id),
+            "limit": limit,
+            "agent": self.run_id,
+        }
+        try:
+            response = self._http.get("/v1/orders", params=params)
+        except httpx.HTTPError as exc:
+            raise ServiceUnreachable(
+                f"GET {self.url}/v1/orders failed: {_describe_exception(exc)}"
+            ) from exc
+        if response.status_code == 409:
+            raise RemoteEngineError(
+                f"the service at {self.url} does not hand out orders to pull "
+                f"({_describe_response(response)}): the service policy needs it started with "
+                "KVP_ORDER_SINK=pull (the default)"
+            )
+        doc = _json(response.content)
+        if response.status_code != 200 or not isinstance(doc, dict):
+            raise RemoteEngineError(
+                f"GET {self.url}/v1/orders answered {_describe_response(response)}"
+            )
+        orders = [self._local_order(Order.model_validate(o)) for o in doc.get("orders", [])]
+        return orders, [str(c) for c in doc.get("cancelled", [])]
+
+    def post_progress(self, ts: float, order_id: str, status: str, **fields: Any) -> None:
+        """An order_progress event for one of the service's orders, its id as the service named
+        it (the run's other ids are namespaced: `emit`)."""
+        fields = {"order_id": order_id, "status": status, **fields}
+        self._post("order_progress", ts, fields, ())
+        for listener in self.listeners:
+            listener("order_progress", ts, fields)
+
+    def _local_order(self, order: Order) -> Order:
+        """An order as the run's cluster names things: its instance, blocks and times."""
+        scale = self.trace_seconds_per_service_second
+        return order.model_copy(
+            update={
+                "instance_id": self._local(order.instance_id),
+                "block_hashes": [self._local_block(h) for h in order.block_hashes],
+                "created_ts": self._local_ts(order.created_ts),
+                "start_by_ts": self._local_ts(order.start_by_ts),
+                "needed_by_ts": self._local_ts(order.needed_by_ts),
+                "ttl_seconds": None if order.ttl_seconds is None else order.ttl_seconds * scale,
+                "session_ids": [self._local(s) for s in order.session_ids],
+            }
+        )
 
     def session(self, session_id: str) -> SessionView | None:
         """The service's view of a session, once it has every event emitted so far; None:
@@ -287,6 +372,19 @@ class RemoteEngine:
                 f"{self.url}/readyz answered {_describe_response(response)}: "
                 "is this a kvprefetch service?"
             )
+        speed, now = doc.get("clock_speed"), doc.get("clock_ts")
+        if isinstance(speed, (int, float)) and speed > 0 and speed != 1:
+            if not isinstance(now, (int, float)):
+                raise ServiceUnreachable(f"{self.url}/readyz names a clock_speed but no clock_ts")
+            self._service_speed = float(speed)
+            self._service_ref = (float(now), time.time())
+
+    def _service_now(self, wall: float) -> float:
+        """The service's clock at a wall-clock time (within the latency of one GET /readyz)."""
+        if self._service_ref is None:
+            return wall
+        ref_ts, ref_wall = self._service_ref
+        return ref_ts + (wall - ref_wall) * self._service_speed
 
     def _sync(self) -> None:
         """Wait until the service has answered for every event emitted so far; raise if any
@@ -320,20 +418,20 @@ class RemoteEngine:
         """Wait until the event at trace time `ts` is due; its wall-clock time."""
         assert self._speed is not None
         if self._clock_start is None:
-            self._clock_start = (ts, time.time(), time.monotonic())
-        ts0, wall0, mono0 = self._clock_start
+            self._clock_start = (ts, self._service_now(time.time()), time.monotonic())
+        ts0, service0, mono0 = self._clock_start
         offset = (ts - ts0) / self._speed
         delay = mono0 + offset - time.monotonic()
         if delay > 0:
             time.sleep(delay)
-        return wall0 + offset
+        return service0 + offset * self._service_speed
 
     def _local_ts(self, t: float | None) -> float | None:
         """A time the service reports, in the trace's time again (paced runs only)."""
         if t is None or self._speed is None or self._clock_start is None:
             return t
-        ts0, wall0, _ = self._clock_start
-        return ts0 + (t - wall0) * self._speed
+        ts0, service0, _ = self._clock_start
+        return ts0 + (t - service0) * self.trace_seconds_per_service_second
 
     def _remote(self, ident: str) -> str:
         return self._prefix + ident
@@ -389,7 +487,8 @@ class RemoteEngine:
                 self._local_ts(t) for t in doc.get("recent_arrivals_ts", [])
             ]
             doc["inter_turn_gaps_seconds"] = [
-                g * self._speed for g in doc.get("inter_turn_gaps_seconds", [])
+                g * self.trace_seconds_per_service_second
+                for g in doc.get("inter_turn_gaps_seconds", [])
             ]
             if last is not None:
                 for key in ("routed_ts", "started_ts", "finished_ts"):

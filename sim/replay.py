@@ -217,6 +217,8 @@ def replay(
         store=getattr(engine, "store", None),
         scenario=scenario,
         engine=app_engine,
+        # A running service as the engine (sim/remote.py): the `service` policy takes its orders.
+        remote=engine if hasattr(engine, "pull_orders") else None,  # type: ignore[arg-type]
     )
     rtr = make_router(router, store=getattr(engine, "store", None), scenario=scenario)
     signals = generate_signals(requests, scenario.signals)
@@ -233,6 +235,9 @@ def replay(
             else:  # the caller's to close; what its observers derive is caught up
                 app_engine.drain()
     summary = summarize(cluster, requests, measure_from_seconds)
+    policy_summary = getattr(pol, "summary", None)
+    if policy_summary is not None:  # what a policy reports of its own (sim/served.py)
+        summary.update(policy_summary())
     if scenario.signals.enabled:  # absent otherwise: a replay without signals is as it was
         summary.update(
             {

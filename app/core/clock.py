@@ -33,3 +33,19 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         self.set(self._now + seconds)
+
+
+class ScaledClock:
+    """The system clock running `speed` times faster from the moment it is made (KVP_CLOCK_SPEED):
+    for a service that takes a trace replayed at `speed` times its pace (`kvprefetch replay --via
+    URL --speed X`), so that every duration it reads (idle times, leads, TTLs, link time) is the
+    trace's, as it would be on live traffic."""
+
+    def __init__(self, speed: float, origin: float | None = None) -> None:
+        if not 0 < speed < float("inf"):
+            raise ValueError(f"speed {speed!r}: a positive number of times real time")
+        self.speed = speed
+        self.origin = time.time() if origin is None else origin
+
+    def now(self) -> float:
+        return self.origin + (time.time() - self.origin) * self.speed

@@ -130,6 +130,11 @@ class Settings(BaseSettings):
     # A second model scored beside the serving one and never advising: its would-be hit rate is
     # reported next to the serving model's. None: no shadow.
     shadow_model_dir: Path | None = None
+    # The service's clock runs this many times faster than real time (app/core/clock.py
+    # ScaledClock), and its loops tick as often in the clock's time: for a demo that replays a
+    # trace at --speed X against it (`make demo`), so that it sees the trace's own durations.
+    # 1: real time, as any deployment runs.
+    clock_speed: float = Field(1.0, gt=0, le=1000)
     # How often the scoring loop advises on a page of live sessions, for the hit rates; 0 turns
     # the loop off (tests drive it one tick at a time).
     score_interval_seconds: float = Field(1.0, ge=0)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 from fastapi.testclient import TestClient
 
+from app.api.main import create_app
+from app.core.config import Settings
 from tests.api.conftest import routed
 
 
@@ -130,3 +134,22 @@ def test_openapi_documents_the_event_batch(client: TestClient) -> None:
     components = schema["components"]["schemas"]
     assert "RequestRouted" in components and "VllmKvEvents" in components
     assert client.get("/docs").status_code == 200
+
+
+def test_readiness_names_the_clock(settings: Settings) -> None:
+    """A replay over HTTP stamps its events by the service's clock: /readyz says what it reads and
+    how fast it runs (KVP_CLOCK_SPEED)."""
+    with TestClient(create_app(settings)) as plain:
+        before = time.time()
+        body = plain.get("/readyz").json()
+        after = time.time()
+    assert body["clock_speed"] == 1.0
+    assert before <= body["clock_ts"] <= after  # the wall clock
+    fast = settings.model_copy(update={"clock_speed": 1000.0})
+    with TestClient(create_app(fast)) as c:
+        first = c.get("/readyz").json()
+        time.sleep(0.01)
+        second = c.get("/readyz").json()
+    assert first["clock_speed"] == 1000.0
+    # 10 ms of wall time or more is at least 10 s of its clock.
+    assert second["clock_ts"] - first["clock_ts"] >= 10.0

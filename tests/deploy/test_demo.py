@@ -1,5 +1,7 @@
 """`make demo` (deploy/demo.sh): the service starts, a shared trace is replayed against it over
-HTTP in accelerated time, /metrics and the dashboard fill while it runs, and Ctrl-C stops both.
+HTTP in accelerated time, with signals, its cluster carrying out the service's own orders
+(tests/e2e/test_service_replay_e2e.py checks they land and are used), /metrics and the dashboard
+fill while it runs, and Ctrl-C stops both.
 
 A slice of the trace at a high speed keeps it to seconds; the real demo is the same script.
 """
@@ -128,6 +130,10 @@ def test_the_demo_fills_the_metrics_and_ctrl_c_stops_it(
     assert done["kvprefetch_reuse_requests_total"] > 0  # arriving requests were judged
     assert done["kvprefetch_predictions_total"] > 0  # the bundled model scored the live sessions
     assert "requests" in out.read_text()  # the replay's table
+    # The cluster ran on the service's own orders, with signals, and the script said how many.
+    assert "policy service, signals coverage=0.5" in err.read_text()
+    assert done["kvprefetch_signals_total"] > 0
+    assert "the service's orders:" in err.read_text()
 
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
     assert proc.wait(30) == 130  # the shell's status for an interrupted script

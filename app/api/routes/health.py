@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from pydantic import BaseModel
 
-from app.api.deps import ModelsDep, SettingsDep, StoreHealthDep
+from app.api.deps import ClockDep, ModelsDep, SettingsDep, StoreHealthDep
 
 router = APIRouter(tags=["health"])
 
@@ -26,6 +26,10 @@ class Readiness(BaseModel):
     # The store's counts at its last answered probe (empty before any), and how old they are.
     stats: dict[str, int]
     stats_age_seconds: float | None
+    # The service's clock: now, and how many times faster than real time it runs (KVP_CLOCK_SPEED;
+    # a replay over HTTP stamps its events by it).
+    clock_ts: float
+    clock_speed: float
 
 
 @router.get("/healthz", response_model=Health)
@@ -36,7 +40,11 @@ async def healthz() -> Health:
 
 @router.get("/readyz", response_model=Readiness, responses={503: {"model": Readiness}})
 async def readyz(
-    response: Response, settings: SettingsDep, health: StoreHealthDep, models: ModelsDep
+    response: Response,
+    settings: SettingsDep,
+    health: StoreHealthDep,
+    models: ModelsDep,
+    clock: ClockDep,
 ) -> Readiness:
     """The service can take events: its store answered a probe within KVP_OBSERVABILITY_WAIT_SECONDS
     (probed on a thread of its own, never waited for longer)."""
@@ -61,4 +69,6 @@ async def readyz(
         shadow=shadow,
         stats=known.stats,
         stats_age_seconds=known.stats_age_seconds(health.monotonic()),
+        clock_ts=clock.now(),
+        clock_speed=settings.clock_speed,
     )
