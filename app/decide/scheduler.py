@@ -36,8 +36,11 @@ into a `Plan` of orders (client/kvprefetch_client/orders.py) and cancels:
   `cancel_below_p`) is cancelled; one already accepted by an agent runs on, and if it has no
   session left its bytes count as wasted.
 
-Progress comes back as order_progress events (`on_progress`); an open order whose blocks all
-show at the destination is done too (the agent also reports the blocks as stored). One with no
+Progress comes back as order_progress events (`on_progress`); an open order an agent accepted
+whose blocks all show at the destination is done too (the agent also reports the blocks as
+stored); one nobody accepted whose blocks got there by other means (a request loaded them) is
+withdrawn. A landed prefetch is used by as much of it as is still there when a session it
+served comes back to its instance; the rest was evicted first, moved for nothing. One with no
 word of its end `overdue_seconds` past its needed_by (its agent died while moving it, or nobody
 took it) is given up: counted failed, or cancelled if it never started, so its blocks can be
 ordered again and its bytes stop holding the destination's room.
@@ -166,6 +169,7 @@ class _Landed:
     instance_id: str
     size_bytes: int
     sessions: set[str]
+    block_hashes: list[BlockHash]
 
 
 class Scheduler:
@@ -234,7 +238,12 @@ class Scheduler:
                 continue
             landed.sessions.discard(session_id)
             if routed_to == landed.instance_id:
-                self.totals.bytes_used += landed.size_bytes
+                # Used as far as it is still there: blocks evicted before the session came back
+                # were moved for nothing.
+                held = self.store.holds("hbm", landed.instance_id, landed.block_hashes)
+                used = landed.size_bytes * sum(held) // max(len(held), 1)
+                self.totals.bytes_used += used
+                self.totals.bytes_unused += landed.size_bytes - used
                 del self._landed[order_id]
             elif not landed.sessions:
                 self.totals.bytes_unused += landed.size_bytes
@@ -304,7 +313,7 @@ class Scheduler:
         """plan(), adding to `cancels`, `orders` (pins, demotes) and `moving` as it goes."""
         cfg = self.config
         self._generation += 1
-        self._retire_landed()
+        cancels += self._retire_landed()
         self._expire(now)
         cancels += self._give_up_overdue(now)
         cancels += self._cancel_fallen()
@@ -391,15 +400,25 @@ class Scheduler:
         for session_id in stale:
             self.forget(session_id)
 
-    def _retire_landed(self) -> None:
+    def _retire_landed(self) -> list[Cancel]:
+        """Open prefetches whose blocks all show at the destination: landed, if an agent took
+        them; if none did, the blocks came by other means (a request loaded them): the order is
+        withdrawn, neither completed nor used."""
+        cancels = []
         for order_id, e in list(self._open.items()):
             o = e.order
             if o.kind == "prefetch" and all(
                 self.store.holds(o.tier, o.instance_id, o.block_hashes)
             ):
                 del self._open[order_id]
-                self._booking.pop(order_id, None)
-                self._has_landed(order_id, e)
+                if e.started:
+                    self._booking.pop(order_id, None)
+                    self._has_landed(order_id, e)
+                else:
+                    self._release(order_id)
+                    self.totals.cancelled += 1
+                    cancels.append(Cancel(order_id=order_id, reason="its blocks are there already"))
+        return cancels
 
     def _has_landed(self, order_id: str, e: _Open) -> None:
         """A prefetch completed: used already if a session it served came back there while it
@@ -414,7 +433,9 @@ class Scheduler:
         if not waiting:
             self.totals.bytes_unused += e.order.size_bytes
             return
-        self._landed[order_id] = _Landed(e.order.instance_id, e.order.size_bytes, waiting)
+        self._landed[order_id] = _Landed(
+            e.order.instance_id, e.order.size_bytes, waiting, e.order.block_hashes
+        )
         for s in waiting:
             self._landed_by_session.setdefault(s, set()).add(order_id)
 

@@ -12,7 +12,7 @@ import pytest
 from app.decide.advisor import SessionAdvice
 from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
 from app.state import MemoryStore
-from kvprefetch_client.events import InstanceStatus, KvBlocksStored, OrderProgress
+from kvprefetch_client.events import InstanceStatus, KvBlocksRemoved, KvBlocksStored, OrderProgress
 from kvprefetch_client.orders import Order
 
 BLOCK_BYTES = 1_000_000
@@ -236,19 +236,51 @@ def test_a_small_dip_does_not_cancel() -> None:
     assert tick(sched, [advice("a", [0, 1], p_soon=0.3)], 1.0).cancels == []
 
 
-def test_landed_blocks_retire_the_order() -> None:
+def test_landed_blocks_retire_the_order_an_agent_took_and_withdraw_one_nobody_took() -> None:
     store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
     sched = Scheduler(store, config())
-    tick(sched, [advice("a", [0, 1])], 0.0)
+    (taken,) = tick(sched, [advice("a", [0, 1])], 0.0).orders
+    (untouched,) = tick(sched, [advice("b", [2, 3])], 0.0).orders
+    sched.on_progress(taken.order_id, "accepted")
     store.apply(
         [
             KvBlocksStored(
-                event_id="landed", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[0, 1]
+                event_id="landed",
+                ts=1.0,
+                tier="hbm",
+                instance_id="gpu-0",
+                block_hashes=[0, 1, 2, 3],
             )
         ]
     )
-    tick(sched, [], 1.0)
+    plan = tick(sched, [], 1.0)
     assert sched.open_orders() == [] and sched.totals.completed == 1
+    # b's blocks came by other means (a request loaded them): nothing of the order's doing.
+    assert [c.order_id for c in plan.cancels] == [untouched.order_id]
+    assert sched.totals.cancelled == 1
+
+
+def test_a_landed_prefetch_is_used_only_as_far_as_it_is_still_there() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
+    sched = Scheduler(store, config())
+    (order,) = tick(sched, [advice("a", [0, 1, 2, 3])], 0.0).orders
+    sched.on_progress(order.order_id, "accepted")
+    sched.on_progress(order.order_id, "completed")
+    store.apply(
+        [
+            KvBlocksStored(
+                event_id="in", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[0, 1, 2, 3]
+            ),
+            KvBlocksRemoved(
+                event_id="out", ts=2.0, tier="hbm", instance_id="gpu-0", block_hashes=[2, 3]
+            ),
+        ]
+    )
+    sched.forget("a", routed_to="gpu-0")
+    assert (sched.totals.bytes_used, sched.totals.bytes_unused) == (
+        2 * BLOCK_BYTES,
+        2 * BLOCK_BYTES,
+    )
 
 
 def test_pins_follow_keep_advice_once_per_ttl_and_demotes_once_per_spell() -> None:
@@ -375,6 +407,13 @@ def test_landed_prefetches_are_used_when_their_session_comes_back_there_else_unu
     }
     for o in orders.values():
         sched.on_progress(o.order_id, "completed")
+    store.apply(
+        [
+            KvBlocksStored(
+                event_id="a-in", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[0, 1]
+            )
+        ]
+    )
     sched.forget("a", routed_to="gpu-0")  # back where its context waits
     sched.forget("b", routed_to="gpu-1")  # back elsewhere
     sched.forget("c")  # closed
