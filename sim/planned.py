@@ -143,15 +143,15 @@ class PlannedPolicy(Policy):
 
     def _room_for(self, idx: int, cand: SessionAdvice, blocks: list[int]) -> bool:
         """May the candidate's missing blocks come in? A swap is priced by what it would push
-        out (docs/decisions.md, 21): free room and demoted blocks cost nothing; what LRU would
-        evict next is content no advice keeps (each context's chance below `keep_min_p`, or
-        it would be kept), so a candidate more likely back than that takes the cache's own
-        eviction order; a less likely one only displaces contexts advised as less likely back
-        than itself, demoted for it here."""
+        out (docs/decisions.md, 21): free room and demoted blocks cost nothing; then contexts
+        advised as less likely back than the candidate go, least likely first (demoted for it
+        here); past those, what LRU would evict next is content no advice keeps (each context's
+        chance below `keep_min_p`, or it would be kept), taken by the cache's own order for a
+        candidate more likely back than that."""
         hbm = self.cluster.instances[idx].hbm
         wanted = set(blocks)
         need = sum(1 for b in wanted if b not in hbm) - hbm.free - hbm.demoted
-        if need <= 0 or cand.p_soon > self.planner.keep_min_p:
+        if need <= 0:
             return True
         others = sorted(
             (a for a in self._advised.get(idx, {}).values() if a.session_id != cand.session_id),
@@ -160,15 +160,16 @@ class PlannedPolicy(Policy):
         entries = hbm.entries
         out: dict[int, None] = {}
         for a in others:
-            if a.p_keep >= cand.p_soon:
+            if a.p_keep >= cand.p_soon or len(out) >= need:
                 break
             for b in cast("list[int]", list(a.demotable_blocks)):
                 if b in entries and not entries[b].demoted and b not in wanted and b not in out:
                     out[b] = None
-            if len(out) >= need:
-                self.cluster.demote(idx, list(out))
-                return True
-        return False
+        if len(out) < need and cand.p_soon <= self.planner.keep_min_p:
+            return False
+        if out:
+            self.cluster.demote(idx, list(out))
+        return True
 
 
 class Clairvoyant:

@@ -343,9 +343,10 @@ def test_clairvoyant_keeps_what_comes_back_through_the_same_planner() -> None:
 
 def test_a_prefetch_into_a_full_hbm_displaces_only_contexts_less_likely_back() -> None:
     """HBM of 8 blocks, full with A's and B's contexts (idle). C's context, 4 blocks, is wanted
-    back. Less likely back than what no advice keeps (keep_min_p, 0.2), it is a swap made
-    against A (less likely back than C), never B, and not at all for a candidate less likely
-    back than either; more likely, it takes the cache's own eviction order."""
+    back: the swap is made against A (less likely back than C), never B, and not at all for a
+    candidate less likely back than either; one more likely back than what no advice keeps
+    (keep_min_p, 0.2) may take the cache's own eviction order when no advised context is
+    cheaper."""
     from app.decide.advisor import Advisor, SessionAdvice
     from sim.planned import PlannedPolicy
 
@@ -360,14 +361,13 @@ def test_a_prefetch_into_a_full_hbm_displaces_only_contexts_less_likely_back() -
 
     policy = PlannedPolicy(Advisor(NoModel()), lambda s: None, "test")
     policy.attach(cluster)
-    policy._advised[0] = {
-        "a": advice("a", context(0, 4), 0.1),
-        "b": advice("b", context(10, 4), 0.8),
-    }
+    policy._advised[0] = {"b": advice("b", context(10, 4), 0.8)}
+    assert not policy._room_for(0, advice("c", context(20, 4), 0.15), context(20, 4))
+    assert policy._room_for(0, advice("c", context(20, 4), 0.5), context(20, 4))
+    assert hbm.demoted == 0  # likelier than what LRU evicts next, and nothing advised is cheaper
+    policy._advised[0]["a"] = advice("a", context(0, 4), 0.1)
     assert not policy._room_for(0, advice("c", context(20, 4), 0.05), context(20, 4))
     assert hbm.demoted == 0  # no swap was worth it: nothing advised out
-    assert policy._room_for(0, advice("c", context(20, 4), 0.9), context(20, 4))
-    assert hbm.demoted == 0  # likelier than what LRU evicts next: no advice needed
     assert policy._room_for(0, advice("c", context(20, 4), 0.15), context(20, 4))
     assert hbm.demoted == 4 and all(hbm.entries[x].demoted for x in context(0, 4))
     assert cluster.prefetch(0, context(20, 4)) == 4
