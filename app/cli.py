@@ -443,11 +443,12 @@ def replay(
     lru_guard: Annotated[
         bool,
         typer.Option(
-            "--lru-guard",
-            help="Run the engine with the LRU guard on (KVP_LRU_GUARD): advice that loses to "
-            "plain LRU on an instance is turned off there. With --via, the service's own setting.",
+            "--lru-guard/--no-lru-guard",
+            help="Run the engine with the LRU guard (KVP_LRU_GUARD, on by default): advice that "
+            "loses to plain LRU on an instance is turned off there. With --via, the service's "
+            "own setting.",
         ),
-    ] = False,
+    ] = True,
 ) -> None:
     """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
     from sim.commands import prepare, print_results, run_replays

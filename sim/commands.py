@@ -77,11 +77,11 @@ def run_replays(
     show_progress: bool = True,
     via: str | None = None,
     speed: float | None = None,
-    lru_guard: bool = False,
+    lru_guard: bool = True,
 ) -> list[ReplayResult]:
     """Each policy in turn; with `via`, the engine is the kvprefetch service at that URL (`speed`:
     its events paced at that many times the trace's pace, stamped with wall-clock times).
-    `lru_guard`: the in-process engine runs with the LRU guard on (app/decide/guard.py)."""
+    `lru_guard`: whether the in-process engine runs the LRU guard (app/decide/guard.py)."""
     from sim.remote import replay_via
 
     results = []
@@ -108,7 +108,7 @@ def run_replays(
                     model_dir=model_dir,
                     measure_from_seconds=measure_from_seconds,
                     progress=advance,
-                    planner_options={"lru_guard": True} if lru_guard else None,
+                    planner_options={"lru_guard": lru_guard},
                 )
         result.summary["trace"] = trace_name
         results.append(result)

@@ -146,7 +146,7 @@ def run_case(case: Case, traces_dir: Path, model_dir: str | None) -> dict[str, d
             router=case.router,
             model_dir=model_dir,
             measure_from_seconds=measure_from,
-            planner_options={"lru_guard": True} if case.lru_guard else None,
+            planner_options={"lru_guard": case.lru_guard},
         ).summary
         for policy in case.policies
     }

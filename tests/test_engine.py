@@ -337,6 +337,8 @@ def test_with_the_lru_guard_advice_that_loses_to_lru_is_turned_off(tmp_path: Pat
     assert "kvprefetch_lru_guard_fallbacks_total 1.0" in text
 
 
-def test_without_the_lru_guard_nothing_judges_the_advice(tmp_path: Path) -> None:
+def test_the_lru_guard_is_on_by_default_and_off_when_told(tmp_path: Path) -> None:
     built, _, _ = engine(tmp_path)
+    assert built.guard is not None and built.scorer.guard is built.guard
+    built, _, _ = engine(tmp_path / "off", lru_guard=False)
     assert built.guard is None and built.scorer.guard is None

@@ -193,11 +193,10 @@ class Settings(BaseSettings):
     )
     # Never worse than LRU (app/decide/guard.py): per instance, the advice's resident bytes on
     # each arrival against a shadow LRU's; where the advice loses, it is turned off, and tried
-    # again after the retry wait (doubled each time it loses again). Off by default for now:
-    # turning advice off leaves its earlier pins and demotions in force, and in replay that cost
-    # more than it saved (docs/decisions.md, 19).
+    # again after the retry wait (doubled each time it loses again). On by default since the
+    # planner prices what its advice displaces (docs/decisions.md, 19 and 21).
     lru_guard: bool = Field(
-        False, description="Turn the advice off on an instance where plain LRU would do better."
+        True, description="Turn the advice off on an instance where plain LRU would do better."
     )
     lru_guard_min_arrivals: int = Field(
         50, ge=1, description="Arrivals judged on an instance before a verdict on its advice."
