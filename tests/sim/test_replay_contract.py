@@ -197,10 +197,9 @@ def test_a_replay_engine_takes_the_guard_settings_and_the_policies_obey_its_guar
     from sim.scenario import load_scenario
 
     scen = load_scenario("default")
-    assert sim_engine(scen, load_model=False).guard is None
-    engine = sim_engine(
-        scen, load_model=False, planner_options={"lru_guard": True, "keep_min_p": 0.3}
-    )
+    assert sim_engine(scen, load_model=False).guard is not None  # on, as in the service
+    assert sim_engine(scen, load_model=False, planner_options={"lru_guard": False}).guard is None
+    engine = sim_engine(scen, load_model=False, planner_options={"keep_min_p": 0.3})
     assert engine.guard is not None and engine.thresholds.keep_min_p == 0.3
     policy = make_policy(
         "heuristic",
