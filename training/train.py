@@ -42,6 +42,10 @@ DEFAULT_PARAMS: dict[str, Any] = {
 }
 
 
+# An optional column of training rows: each row's weight.
+WEIGHT_COLUMN = "weight"
+
+
 @dataclass
 class TrainedModel:
     booster: lgb.Booster
@@ -76,16 +80,22 @@ def fit_booster(
     progress: Progress | None = None,
     task: str = "boosting rounds",
 ) -> lgb.Booster:
-    """LightGBM on `train_df`, stopped early on `valid_df` (binary log loss)."""
+    """LightGBM on `train_df`, stopped early on `valid_df` (binary log loss). A `weight` column,
+    when the rows have one, weighs them (training/bundle.py: plain logs against signalled ones)."""
     features = list(FEATURES)
+    weighted = WEIGHT_COLUMN in train_df.columns
     dtrain = lgb.Dataset(
         train_df[features].to_numpy(),
         label=train_df.label.to_numpy(),
+        weight=train_df[WEIGHT_COLUMN].to_numpy() if weighted else None,
         feature_name=features,
         free_raw_data=False,
     )
     dvalid = lgb.Dataset(
-        valid_df[features].to_numpy(), label=valid_df.label.to_numpy(), reference=dtrain
+        valid_df[features].to_numpy(),
+        label=valid_df.label.to_numpy(),
+        weight=valid_df[WEIGHT_COLUMN].to_numpy() if weighted else None,
+        reference=dtrain,
     )
     callbacks: list[Callable[..., Any]] = [lgb.early_stopping(early_stopping_rounds, verbose=False)]
     if progress is not None:
