@@ -10,6 +10,7 @@ import datetime as dt
 import json
 import platform
 import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,9 +180,13 @@ def train(
     num_boost_round: int = 1000,
     early_stopping_rounds: int = 50,
     progress: Progress | None = None,
+    root_split: tuple[str, float] | None = None,
 ) -> TrainedModel:
     """Fit on the earlier part of each log, stop early on the later part. `progress`, when given,
-    hears of each boosting round (training/progress.py); without it nothing is printed."""
+    hears of each boosting round (training/progress.py); without it nothing is printed.
+    `root_split` (feature, threshold): every tree first splits there (LightGBM's forced splits),
+    so the rows on each side are fitted apart (training/bundle.py: deployments without signals
+    and with them)."""
     if df.empty:
         raise ValueError("no training rows")
     merged = {**DEFAULT_PARAMS, **(params or {}), "seed": seed}
@@ -192,14 +197,22 @@ def train(
             "side empty"
         )
     features = list(FEATURES)
-    booster = fit_booster(
-        merged,
-        train_df,
-        valid_df,
-        num_boost_round=num_boost_round,
-        early_stopping_rounds=early_stopping_rounds,
-        progress=progress,
-    )
+    with tempfile.TemporaryDirectory() as tmp:
+        fit_params = merged
+        if root_split is not None:
+            name, threshold = root_split
+            forced = Path(tmp) / "forced_splits.json"
+            forced.write_text(json.dumps({"feature": FEATURES.index(name), "threshold": threshold}))
+            fit_params = {**merged, "forcedsplits_filename": str(forced)}
+            merged = {**merged, "root_split": {"feature": name, "threshold": threshold}}
+        booster = fit_booster(
+            fit_params,
+            train_df,
+            valid_df,
+            num_boost_round=num_boost_round,
+            early_stopping_rounds=early_stopping_rounds,
+            progress=progress,
+        )
     metrics, calibration = evaluate_rows(booster, valid_df)
     metrics["best_iteration"] = int(booster.best_iteration)
     gain = booster.feature_importance(importance_type="gain")
