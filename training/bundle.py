@@ -6,10 +6,10 @@ replayed without signals and with a few signal settings (mixed logs).
 Each trace's first `train_fraction` of its time span is replayed (policy none, sticky router,
 default scenario) into the event log the routers and engines would have posted: once as it is
 (a deployment that sends no signals), and once for each of SIGNAL_SETTINGS_PER_TRACE signal
-settings (sim/signals.py) drawn for that trace by `signal_settings`. The model is trained on all
-of those logs; a plain log's rows weigh as much as all of its trace's signalled logs together, so
-a deployment without signals counts as much as the ones with. The deployment's own features
-(app/predict/features.py, DeploymentSignals) are what let the model tell the two apart. The rest
+settings (sim/signals.py) drawn for that trace by `signal_settings`. The deployment's own
+features (app/predict/features.py, DeploymentSignals) tell the two kinds of log apart: the rows
+with no signals in their deployment train one model, the others another, and the two are joined
+into one model.txt that picks by those features (SPLIT_BY). The rest
 of each trace is left for judging (training/evaluate.py).
 """
 
@@ -31,7 +31,7 @@ from sim.signals import with_signals
 from sim.traces import load_trace
 from training.dataset import build_dataset
 from training.evaluate import judged_from_seconds
-from training.train import WEIGHT_COLUMN, save_model, train
+from training.train import save_model, train_split
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_TRACES = REPO.parent / "shared" / "traces"
@@ -43,10 +43,11 @@ COVERAGES = (0.25, 0.5, 0.75, 1.0)
 LEAD_MEDIANS_SECONDS = (2.0, 4.0, 8.0, 16.0)
 FALSE_ALARMS = (0.0, 0.5, 1.0, 2.0)
 SIGNAL_SETTINGS_PER_TRACE = len(COVERAGES)
-# Every tree first asks whether this deployment sends signals at all (a plain log's rows have 0
-# signals per arrival; a missing value reads as 0 too): the two kinds of deployment are fitted
-# apart, so the signalled logs cannot move what the model says where no signals come.
-ROOT_SPLIT = ("deployment_signals_per_arrival", 1e-6)
+# Rows of a deployment that sends no signals (0 signals per arrival: every plain log's) train
+# one model, the signalled rows another, joined into one model.txt that routes each row by this
+# feature (training/train.py, train_split): the signalled logs cannot move what the model says
+# where no signals come, which is then the model trained on the plain logs alone.
+SPLIT_BY = ("deployment_signals_per_arrival", 1e-9)
 
 
 def signal_settings(trace_index: int, seed: int = 0) -> list[dict[str, float | int]]:
@@ -91,8 +92,6 @@ def build(
                 log = Path(tmp) / f"{Path(name).stem}.{'plain' if setting is None else k}.jsonl"
                 log.write_bytes(encode_events(result.events))
                 data = build_dataset([log])
-                # A plain log weighs as much as its trace's signalled logs together.
-                data[WEIGHT_COLUMN] = float(len(settings) - 1) if setting is None else 1.0
                 for kind, counts in data.attrs["signals"].items():
                     total = signals.setdefault(kind, {"signals": 0, "followed": 0})
                     total["signals"] += counts["signals"]
@@ -101,7 +100,7 @@ def build(
                 logs_used.append({"log": log.name, "signals": setting})
         dataset = pd.concat(frames, ignore_index=True)
         dataset.attrs["signals"] = signals
-        model = train(dataset, seed=seed, root_split=ROOT_SPLIT)
+        model = train_split(dataset, *SPLIT_BY, seed=seed)
     return save_model(
         model,
         out,
@@ -113,7 +112,7 @@ def build(
                 "router": "sticky",
                 # Each trace's head, plain and with these signal settings (sim/signals.py).
                 "logs": logs_used,
-                "plain_log_weight": SIGNAL_SETTINGS_PER_TRACE,
+                "split_by": {"feature": SPLIT_BY[0], "threshold": SPLIT_BY[1]},
                 "build_seconds": round(time.perf_counter() - started, 1),
             }
         },

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pandas as pd
 
 from app.predict.features import FEATURES
+from app.predict.predictors import LearnedPredictor
 from training.bundle import (
     COVERAGES,
     FALSE_ALARMS,
@@ -13,7 +16,7 @@ from training.bundle import (
     SIGNAL_SETTINGS_PER_TRACE,
     signal_settings,
 )
-from training.train import WEIGHT_COLUMN, train
+from training.train import WEIGHT_COLUMN, _best, save_model, train, train_split
 
 
 def test_each_trace_gets_every_level_once_in_its_own_order() -> None:
@@ -48,19 +51,28 @@ def test_row_weights_count_in_training() -> None:
     assert weighted.booster.predict(x).mean() < 0.2 < plain.booster.predict(x).mean()
 
 
-def test_a_root_split_is_every_trees_first_question() -> None:
-    df = rows(4000, 1)
-    # 0 where no signals come, a spread of rates where they do (LightGBM 4.7 cannot force a
-    # split on a feature of two values only: the bundle's has many)
-    rate = np.random.default_rng(2).uniform(0.1, 3.0, len(df))
-    df["deployment_signals_per_arrival"] = np.where(np.arange(len(df)) % 2, 0.0, rate)
-    model = train(
-        df,
-        num_boost_round=10,
-        early_stopping_rounds=10,
-        root_split=("deployment_signals_per_arrival", 1e-6),
+def test_a_split_model_is_each_part_on_its_own_side(tmp_path: Path) -> None:
+    df = rows(6000, 1)
+    # 0 where no signals come, a spread of rates where they do; the label follows other
+    # features on each side, so the two parts differ.
+    signalled = np.arange(len(df)) % 2 == 0
+    df["deployment_signals_per_arrival"] = np.where(
+        signalled, np.random.default_rng(2).uniform(0.1, 3.0, len(df)), 0.0
     )
-    trees = model.booster.dump_model()["tree_info"]
-    roots = {t["tree_structure"].get("split_feature") for t in trees}
-    assert roots == {FEATURES.index("deployment_signals_per_arrival")}
-    assert model.params["root_split"]["feature"] == "deployment_signals_per_arrival"
+    df["label"] = np.where(signalled, df.turns > 0, df.idle_seconds > 0).astype(int)
+    model = train_split(df, "deployment_signals_per_arrival", 1e-9)
+    below = train(df[~signalled], num_boost_round=1000)
+    above = train(df[signalled], num_boost_round=1000)
+    x = df[list(FEATURES)].to_numpy()
+    p = model.booster.predict(x)
+    np.testing.assert_allclose(p[~signalled], _best(below.booster).predict(x[~signalled]))
+    np.testing.assert_allclose(p[signalled], _best(above.booster).predict(x[signalled]))
+    # A missing deployment feature reads as "no signals here".
+    missing = x[~signalled].copy()
+    missing[:, FEATURES.index("deployment_signals_per_arrival")] = np.nan
+    np.testing.assert_allclose(model.booster.predict(missing), p[~signalled])
+    assert model.params["split_by"]["feature"] == "deployment_signals_per_arrival"
+    # It serves as any model: the Booster, and compiled to machine code (lleaves) alike.
+    save_model(model, tmp_path / "m")
+    served = LearnedPredictor(tmp_path / "m", backend="compiled", cache_dir=tmp_path / "cache")
+    np.testing.assert_allclose(served.p_from_matrix(x), p, rtol=1e-6, atol=1e-9)
