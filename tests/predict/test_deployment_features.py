@@ -151,3 +151,35 @@ def test_the_engine_keeps_it_at_ingest_with_either_store(
         assert share > 0.5 if with_signals else share == 0.0
         asyncio.run(engine.close())
         store.close()
+
+
+def test_a_model_trained_before_the_deployment_features_still_serves(tmp_path: Path) -> None:
+    """The bundled model of before (the history features and the horizon) reads its own columns."""
+    import lightgbm as lgb
+    import numpy as np
+
+    from app.predict.feature_table import feature_matrix
+    from app.predict.features import FEATURES, HISTORY_FEATURES, HORIZON_FEATURE
+    from app.predict.predictors import LearnedPredictor
+    from tests.predict.test_signal_features import view
+
+    old = [*HISTORY_FEATURES, HORIZON_FEATURE]
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0, 100, (500, len(old)))
+    y = (x[:, 0] < 50).astype(int)
+    booster = lgb.train(
+        {"objective": "binary", "verbose": -1, "min_data_in_leaf": 5},
+        lgb.Dataset(x, y, feature_name=old),
+        num_boost_round=3,
+    )
+    (tmp_path / "old").mkdir()
+    booster.save_model(str(tmp_path / "old" / "model.txt"))
+    tracker = DeploymentSignals()
+    tracker.observe(chat(with_signals=True))
+    model = LearnedPredictor(tmp_path / "old", backend="booster", deployment=tracker)
+    assert model.feature_names == tuple(old)
+    sessions = [view([100.0, 200.0], []), view([50.0, 90.0, 130.0], [])]
+    full = feature_matrix(sessions, 260.0, (30.0, 300.0), tracker.features())
+    assert full.shape[1] == len(FEATURES)
+    expected = booster.predict(full[:, [FEATURES.index(n) for n in old]]).reshape(2, 2)
+    np.testing.assert_allclose(model.p_within(sessions, 260.0, (30.0, 300.0)), expected)
