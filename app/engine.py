@@ -40,6 +40,7 @@ from app.observe.ledger import AdviceLedger
 from app.observe.metrics import Metrics, multiprocess_dir
 from app.observe.outcomes import RequestOutcome, outcome_observer
 from app.observe.timeline import LandedPrefetches, MeasuredStall, Timeline, capacity_for
+from app.predict.features import DeploymentSignals
 from app.predict.registry import ModelRegistry
 from app.predict.retrain import Retrainer
 from app.state import MemoryStore, StateStore, build_store
@@ -144,11 +145,15 @@ class Engine:
             if settings.lru_guard
             else None
         )
+        # Whether this deployment sends signals (the models' deployment features): told each
+        # accepted batch at ingest, in the store's order, as training replays a log.
+        self.deployment = DeploymentSignals()
         self.models = ModelRegistry(
             settings.model_dir if load_model else None,
             settings.shadow_model_dir,
             ledger=self.ledger,
             models_root=settings.models_root_dir,
+            deployment=self.deployment,
         )
         self.metrics = Metrics(
             gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir()
@@ -223,7 +228,8 @@ class Engine:
             replica_id=settings.replica_id,
             clock=self.clock,
             max_clock_skew_seconds=settings.max_clock_skew_seconds,
-            observer=self.backlog.put,
+            # At once, not from the backlog: the next score reads what was just applied.
+            observer=compose_observers([self.deployment.observe, self.backlog.put]),
             refused=self.metrics.events_refused,
         )
         self._loop: asyncio.AbstractEventLoop | None = None

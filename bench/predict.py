@@ -108,13 +108,14 @@ def _reference_matrix(views: list[Any], now: float, horizons: tuple[float, ...])
     lists."""
     import numpy as np
 
-    from app.predict.features import FEATURES, session_features
+    from app.predict.features import FEATURES, deployment_features, session_features
 
+    shared = deployment_features(None)  # the deployment's features, NaN as feature_matrix's
     rows = []
     for view in views:
         base = session_features(view, now)
         for h in horizons:
-            rows.append([*base, float(h)])
+            rows.append([*base, *shared, float(h)])
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(FEATURES))
 
 

@@ -90,7 +90,10 @@ def make_policy(
         predictor = (
             HeuristicPredictor()
             if name == "heuristic"
-            else LearnedPredictor(model_dir or DEFAULT_MODEL_DIR)
+            else LearnedPredictor(
+                model_dir or DEFAULT_MODEL_DIR,
+                deployment=engine.deployment if engine is not None else None,
+            )
         )
         planner = Advisor(
             predictor,

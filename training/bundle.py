@@ -1,46 +1,106 @@
-"""Rebuild the bundled default model (`make model`): both shared traces, first 70% by time.
+"""Rebuild the bundled default model (`make model`): both shared traces, first 70% by time, each
+replayed without signals and with a few signal settings (mixed logs).
 
     python -m training.bundle [--out models/default] [--traces DIR] [--train-fraction 0.7]
 
 Each trace's first `train_fraction` of its time span is replayed (policy none, sticky router,
-default scenario) into the event log the routers and engines would have posted; the model is
-trained on those logs. The rest of each trace is left for judging (training/evaluate.py).
+default scenario) into the event log the routers and engines would have posted: once as it is
+(a deployment that sends no signals), and once for each of SIGNAL_SETTINGS_PER_TRACE signal
+settings (sim/signals.py) drawn for that trace by `signal_settings`. The deployment's own
+features (app/predict/features.py, DeploymentSignals) tell the two kinds of log apart: the rows
+with no signals in their deployment train one model, the others another, and the two are joined
+into one model.txt that picks by those features (SPLIT_BY). The rest
+of each trace is left for judging (training/evaluate.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
+
+import pandas as pd
 
 from app.ingest.eventlog import encode_events
 from sim.replay import replay
 from sim.scenario import load_scenario
+from sim.signals import with_signals
 from sim.traces import load_trace
 from training.dataset import build_dataset
 from training.evaluate import judged_from_seconds
-from training.train import save_model, train
+from training.train import save_model, train_split
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED_TRACES = REPO.parent / "shared" / "traces"
 TRACE_FILES = ("mooncake_conversation_first60.jsonl", "mooncake_synthetic.jsonl")
+# Signal settings per trace, one level of each axis apiece (a Latin square: every coverage, lead
+# and false-alarm level is used once per trace, in an order drawn per trace), so the model sees a
+# spread of deployments rather than the few settings the README's tables judge.
+COVERAGES = (0.25, 0.5, 0.75, 1.0)
+LEAD_MEDIANS_SECONDS = (2.0, 4.0, 8.0, 16.0)
+FALSE_ALARMS = (0.0, 0.5, 1.0, 2.0)
+SIGNAL_SETTINGS_PER_TRACE = len(COVERAGES)
+# Rows of a deployment that sends no signals (0 signals per arrival: every plain log's) train
+# one model, the signalled rows another, joined into one model.txt that routes each row by this
+# feature (training/train.py, train_split): the signalled logs cannot move what the model says
+# where no signals come, which is then the model trained on the plain logs alone.
+SPLIT_BY = ("deployment_signals_per_arrival", 1e-9)
+
+
+def signal_settings(trace_index: int, seed: int = 0) -> list[dict[str, float | int]]:
+    """The signal settings (sim/signals.py field names) a trace is replayed with: deterministic
+    for (trace_index, seed), a different draw for each trace."""
+    rng = random.Random(1000 * seed + trace_index)
+    leads, alarms = list(LEAD_MEDIANS_SECONDS), list(FALSE_ALARMS)
+    rng.shuffle(leads)
+    rng.shuffle(alarms)
+    return [
+        {
+            "coverage": coverage,
+            "lead_median_seconds": lead,
+            "false_alarms": alarm,
+            "seed": 100 * trace_index + k + 1,
+        }
+        for k, (coverage, lead, alarm) in enumerate(zip(COVERAGES, leads, alarms))
+    ]
 
 
 def build(
     out: Path, traces_dir: Path = SHARED_TRACES, train_fraction: float = 0.7, seed: int = 0
 ) -> Path:
+    started = time.perf_counter()
     scenario = load_scenario("default")
+    logs_used: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        logs = []
-        for name in TRACE_FILES:
+        frames = []
+        signals: dict[str, dict[str, int]] = {}
+        for t, name in enumerate(TRACE_FILES):
             trace = load_trace(traces_dir / name)
             cut = judged_from_seconds(trace, train_fraction)
             head = [r for r in trace if r.arrival_seconds < cut]
-            result = replay(head, scenario, policy="none", router="sticky", keep_events=True)
-            log = Path(tmp) / f"{Path(name).stem}.events.jsonl"
-            log.write_bytes(encode_events(result.events))
-            logs.append(log)
-        model = train(build_dataset(logs), seed=seed)
+            settings: list[dict[str, float | int] | None] = [None, *signal_settings(t, seed)]
+            for k, setting in enumerate(settings):
+                scen = scenario
+                if setting is not None:
+                    scen = scenario.model_copy(
+                        update={"signals": with_signals(scenario.signals, setting)}
+                    )
+                result = replay(head, scen, policy="none", router="sticky", keep_events=True)
+                log = Path(tmp) / f"{Path(name).stem}.{'plain' if setting is None else k}.jsonl"
+                log.write_bytes(encode_events(result.events))
+                data = build_dataset([log])
+                for kind, counts in data.attrs["signals"].items():
+                    total = signals.setdefault(kind, {"signals": 0, "followed": 0})
+                    total["signals"] += counts["signals"]
+                    total["followed"] += counts["followed"]
+                frames.append(data)
+                logs_used.append({"log": log.name, "signals": setting})
+        dataset = pd.concat(frames, ignore_index=True)
+        dataset.attrs["signals"] = signals
+        model = train_split(dataset, *SPLIT_BY, seed=seed)
     return save_model(
         model,
         out,
@@ -50,6 +110,10 @@ def build(
                 "train_fraction": train_fraction,
                 "scenario": scenario.name,
                 "router": "sticky",
+                # Each trace's head, plain and with these signal settings (sim/signals.py).
+                "logs": logs_used,
+                "split_by": {"feature": SPLIT_BY[0], "threshold": SPLIT_BY[1]},
+                "build_seconds": round(time.perf_counter() - started, 1),
             }
         },
     )

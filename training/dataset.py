@@ -28,6 +28,7 @@ from app.predict.features import (
     FEATURES,
     HORIZON_FEATURE,
     SIGNAL_FOLLOW_SECONDS,
+    DeploymentSignals,
     session_features,
 )
 from app.state import MemoryStore
@@ -115,6 +116,7 @@ def rows_from_events(
     store = MemoryStore(
         bytes_per_token=bytes_per_token, block_tokens=block_tokens, dedupe_max_ids=len(events) + 1
     )
+    deployment = DeploymentSignals()
     report_every = max(len(events) // REPORTS_PER_LOG, 1)
     feats: list[list[float]] = []
     meta: list[tuple[Any, ...]] = []
@@ -123,7 +125,8 @@ def rows_from_events(
         if decision_ts > end:
             break
         while i < len(events) and events[i].ts <= decision_ts:
-            store.apply([events[i]])
+            if store.apply([events[i]])[0]:  # the service's ingest tells it accepted events only
+                deployment.observe([events[i]])
             i += 1
             if applied is not None and i % report_every == 0:
                 applied(i)
@@ -142,7 +145,7 @@ def rows_from_events(
         k = bisect.bisect_right(times, decision_ts)
         time_to_next = times[k] - decision_ts if k < len(times) else float("inf")
         next_instance = arrivals[session_id][k][1] if k < len(times) else None
-        base = session_features(view, decision_ts)
+        base = [*session_features(view, decision_ts), *deployment.features()]
         for h in horizons:
             if decision_ts + h > end:
                 continue  # censored: the log ends before the answer is known

@@ -42,6 +42,10 @@ DEFAULT_PARAMS: dict[str, Any] = {
 }
 
 
+# An optional column of training rows: each row's weight.
+WEIGHT_COLUMN = "weight"
+
+
 @dataclass
 class TrainedModel:
     booster: lgb.Booster
@@ -76,16 +80,22 @@ def fit_booster(
     progress: Progress | None = None,
     task: str = "boosting rounds",
 ) -> lgb.Booster:
-    """LightGBM on `train_df`, stopped early on `valid_df` (binary log loss)."""
+    """LightGBM on `train_df`, stopped early on `valid_df` (binary log loss). A `weight` column,
+    when the rows have one, weighs them (training/bundle.py: plain logs against signalled ones)."""
     features = list(FEATURES)
+    weighted = WEIGHT_COLUMN in train_df.columns
     dtrain = lgb.Dataset(
         train_df[features].to_numpy(),
         label=train_df.label.to_numpy(),
+        weight=train_df[WEIGHT_COLUMN].to_numpy() if weighted else None,
         feature_name=features,
         free_raw_data=False,
     )
     dvalid = lgb.Dataset(
-        valid_df[features].to_numpy(), label=valid_df.label.to_numpy(), reference=dtrain
+        valid_df[features].to_numpy(),
+        label=valid_df.label.to_numpy(),
+        weight=valid_df[WEIGHT_COLUMN].to_numpy() if weighted else None,
+        reference=dtrain,
     )
     callbacks: list[Callable[..., Any]] = [lgb.early_stopping(early_stopping_rounds, verbose=False)]
     if progress is not None:
@@ -204,13 +214,19 @@ def train(
         "valid_fraction": valid_fraction,
         # The signal kinds the logs held and how often each was followed by a request within
         # 60 s (training/dataset.py); {} when the logs had none.
-        "signals": {
-            kind: {**counts, "followed_share": round(counts["followed"] / counts["signals"], 4)}
-            for kind, counts in sorted(df.attrs.get("signals", {}).items())
-            if counts["signals"]
-        },
+        "signals": train_signals(df),
     }
     return TrainedModel(booster, metrics, calibration, importance, merged, data)
+
+
+def train_signals(df: pd.DataFrame) -> dict[str, dict[str, float]]:
+    """Per signal kind the rows' logs held: how many, how many followed by a request within 60 s,
+    and the share (training/dataset.py puts the counts in `df.attrs`); {} for logs without."""
+    return {
+        kind: {**counts, "followed_share": round(counts["followed"] / counts["signals"], 4)}
+        for kind, counts in sorted(df.attrs.get("signals", {}).items())
+        if counts["signals"]
+    }
 
 
 def _git_commit() -> str | None:
@@ -253,3 +269,126 @@ def save_model(model: TrainedModel, out_dir: Path, *, extra: dict[str, Any] | No
     }
     (out_dir / "card.json").write_text(json.dumps(card, indent=2) + "\n")
     return out_dir
+
+
+def _tree_blocks(model_text: str) -> tuple[str, list[dict[str, str]], str]:
+    """A LightGBM text model: its header (without tree_sizes), its trees (key -> value, in
+    order), and what follows the trees."""
+    head, rest = model_text.split("\nTree=", 1)
+    body, tail = rest.split("\nend of trees", 1)
+    header = "\n".join(line for line in head.splitlines() if not line.startswith("tree_sizes="))
+    trees = []
+    for block in ("Tree=" + body).split("\nTree="):
+        lines = [line for line in block.strip().splitlines()[1:] if "=" in line]
+        trees.append(dict(line.split("=", 1) for line in lines))
+    return header, trees, "end of trees" + tail
+
+
+def _gated(tree: dict[str, str], feature: int, threshold: float, left: bool) -> dict[str, str]:
+    """`tree` behind a new root split `feature <= threshold`: on the `left` side (or the right)
+    the tree as it was, on the other a leaf of 0 (the tree adds nothing there). Missing values
+    read as 0 (missing type None), so they go left of a positive threshold."""
+    n = int(tree["num_leaves"])
+    leaves = [float(v) for v in tree["leaf_value"].split()]
+    zero = f"{-(n + 1)}"  # the added leaf, after the tree's own
+    old_root = "1" if n > 1 else "-1"  # a one-leaf tree's root is its leaf
+
+    def shifted(key: str) -> list[str]:
+        if n == 1:
+            return []
+        return [str(int(c) + 1) if int(c) >= 0 else c for c in tree[key].split()]
+
+    def internal(key: str, root: str) -> str:
+        return " ".join([root, *(tree[key].split() if n > 1 else [])])
+
+    counts = [int(c) for c in tree.get("leaf_count", "0").split()]
+    out = dict(tree)
+    out["num_leaves"] = str(n + 1)
+    out["split_feature"] = internal("split_feature", str(feature))
+    out["split_gain"] = internal("split_gain", "0")
+    out["threshold"] = internal("threshold", repr(float(threshold)))
+    out["decision_type"] = internal("decision_type", "2")  # numerical, missing None
+    out["left_child"] = " ".join([old_root if left else zero, *shifted("left_child")])
+    out["right_child"] = " ".join([zero if left else old_root, *shifted("right_child")])
+    out["leaf_value"] = " ".join([*(repr(v) for v in leaves), "0"])
+    out["leaf_weight"] = " ".join([*tree.get("leaf_weight", "0").split(), "0"])
+    out["leaf_count"] = " ".join([*map(str, counts), "0"])
+    out["internal_value"] = internal("internal_value", "0")
+    out["internal_weight"] = internal("internal_weight", "0")
+    out["internal_count"] = internal("internal_count", str(sum(counts)))
+    return out
+
+
+def _merged_header(below: str, above: str) -> str:
+    """`above`'s header, with each feature's range covering both models' (a feature constant in
+    one part is "none" there; lleaves reads a "none" feature's splits as on integers)."""
+    infos = []
+    for a, b in zip(_feature_infos(below), _feature_infos(above)):
+        if a == "none" or b == "none":
+            infos.append(b if a == "none" else a)
+        else:
+            (a_low, a_high), (b_low, b_high) = (
+                map(float, a.strip("[]").split(":")),
+                map(float, b.strip("[]").split(":")),
+            )
+            infos.append(f"[{min(a_low, b_low)!r}:{max(a_high, b_high)!r}]")
+    return "\n".join(
+        f"feature_infos={' '.join(infos)}" if line.startswith("feature_infos=") else line
+        for line in above.splitlines()
+    )
+
+
+def _feature_infos(header: str) -> list[str]:
+    line = next(x for x in header.splitlines() if x.startswith("feature_infos="))
+    return line.split("=", 1)[1].split()
+
+
+def merge_by_feature(
+    below: lgb.Booster, above: lgb.Booster, feature: str, threshold: float
+) -> lgb.Booster:
+    """One model that is `below` where `feature <= threshold` (or missing) and `above` elsewhere:
+    each tree of each gated by a root split on `feature`, the other side a leaf of 0, so the raw
+    scores add up to exactly one model's. Both must be trained on FEATURES, same objective."""
+    index = FEATURES.index(feature)
+    below_header, below_trees, _ = _tree_blocks(below.model_to_string(num_iteration=-1))
+    above_header, above_trees, tail = _tree_blocks(above.model_to_string(num_iteration=-1))
+    header = _merged_header(below_header, above_header)
+    trees = [_gated(t, index, threshold, left=True) for t in below_trees] + [
+        _gated(t, index, threshold, left=False) for t in above_trees
+    ]
+    blocks = [
+        f"Tree={i}\n" + "\n".join(f"{k}={v}" for k, v in tree.items()) + "\n"
+        for i, tree in enumerate(trees)
+    ]
+    # The feature importances after the trees are one model's: dropped (the card has the gain).
+    parameters = tail[tail.find("parameters:") :] if "parameters:" in tail else ""
+    text = header + "\n\n" + "\n".join(blocks) + "\nend of trees\n\n" + parameters
+    return lgb.Booster(model_str=text)
+
+
+def train_split(df: pd.DataFrame, feature: str, threshold: float, *, seed: int = 0) -> TrainedModel:
+    """Two models in one: `train` on the rows with `feature <= threshold` and, apart, on the
+    rest, joined by `merge_by_feature` (training/bundle.py: deployments that send no signals and
+    ones that do, so the signalled logs cannot move what the model says where none come)."""
+    below = train(df[~(df[feature] > threshold)], seed=seed)
+    above = train(df[df[feature] > threshold], seed=seed)
+    booster = merge_by_feature(_best(below.booster), _best(above.booster), feature, threshold)
+    _, valid_df = split_by_time(df, 0.2)
+    metrics, calibration = evaluate_rows(booster, valid_df)
+    metrics["parts"] = {"below": below.metrics, "above": above.metrics}
+    gain = booster.feature_importance(importance_type="gain")
+    total = float(gain.sum()) or 1.0
+    importance = {
+        f: round(float(g) / total, 4) for f, g in sorted(zip(FEATURES, gain), key=lambda kv: -kv[1])
+    }
+    params = {**above.params, "split_by": {"feature": feature, "threshold": threshold}}
+    data = {**above.data, "rows_train": below.data["rows_train"] + above.data["rows_train"]}
+    data["rows_valid"] = below.data["rows_valid"] + above.data["rows_valid"]
+    data["logs"] = sorted(set(below.data["logs"]) | set(above.data["logs"]))
+    data["signals"] = train_signals(df)
+    return TrainedModel(booster, metrics, calibration, importance, params, data)
+
+
+def _best(booster: lgb.Booster) -> lgb.Booster:
+    """The booster cut at its best iteration (early stopping's)."""
+    return lgb.Booster(model_str=booster.model_to_string(num_iteration=booster.best_iteration))

@@ -29,6 +29,7 @@ from typing import cast
 import numpy as np
 
 from app.predict.features import (
+    DEPLOYMENT_FEATURES,
     FEATURES,
     SESSION_FEATURES,
     SIGNAL_AGE_KINDS,
@@ -268,14 +269,19 @@ class FeatureTable:
         return x
 
     def matrix(
-        self, now: float, horizons: Sequence[float], rows: np.ndarray | None = None
+        self,
+        now: float,
+        horizons: Sequence[float],
+        rows: np.ndarray | None = None,
+        deployment: Sequence[float] | None = None,
     ) -> np.ndarray:
         """FEATURES at `now`: one row per (session, horizon), sessions outer, as
-        `feature_matrix`."""
+        `feature_matrix`; `deployment`: the DEPLOYMENT_FEATURES values (NaN without)."""
         base = self.session_matrix(now, rows)
         h = np.asarray(horizons, dtype=np.float64)
         out = np.empty((len(base), len(h), len(FEATURES)))
-        out[:, :, :-1] = base[:, None, :]
+        out[:, :, : len(SESSION_FEATURES)] = base[:, None, :]
+        out[:, :, len(SESSION_FEATURES) : -1] = _deployment_values(deployment)
         out[:, :, -1] = h
         return out.reshape(len(base) * len(h), len(FEATURES))
 
@@ -304,21 +310,34 @@ class FeatureTable:
 VECTORISE_FROM_SESSIONS = 48
 
 
+def _deployment_values(deployment: Sequence[float] | None) -> list[float]:
+    if deployment is None:
+        return [NAN] * len(DEPLOYMENT_FEATURES)
+    if len(deployment) != len(DEPLOYMENT_FEATURES):
+        raise ValueError(f"{len(deployment)} deployment values for {list(DEPLOYMENT_FEATURES)}")
+    return list(deployment)
+
+
 def feature_matrix(
-    views: Sequence[SessionView], now: float, horizons: Sequence[float]
+    views: Sequence[SessionView],
+    now: float,
+    horizons: Sequence[float],
+    deployment: Sequence[float] | None = None,
 ) -> np.ndarray:
     """One row per (session, horizon), sessions outer: rows[i * len(horizons) + j].
 
-    Equal to `session_features` row by row; many sessions go through the columnar FeatureTable,
-    which computes the same numbers with numpy.
+    Equal to `session_features` row by row, then `deployment` (DeploymentSignals.features(),
+    the same for every row; NaN when not given), then the horizon; many sessions go through the
+    columnar FeatureTable, which computes the same numbers with numpy.
     """
+    shared = _deployment_values(deployment)
     if len(views) >= VECTORISE_FROM_SESSIONS:
-        return FeatureTable.from_views(views).matrix(now, horizons)
+        return FeatureTable.from_views(views).matrix(now, horizons, deployment=shared)
     rows = []
     for view in views:
         base = session_features(view, now)
         for h in horizons:
-            rows.append([*base, float(h)])
+            rows.append([*base, *shared, float(h)])
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(FEATURES))
 
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 import bisect
 import math
 import statistics
+from collections import OrderedDict
+from collections.abc import Iterable
 
 from app.state.base import SessionView, SignalView
-from kvprefetch_client.events import SIGNAL_KINDS
+from kvprefetch_client.events import SIGNAL_KINDS, Event, RequestRouted, SessionSignal
 
 NAN = float("nan")
 
@@ -59,7 +61,117 @@ SIGNAL_FEATURES: tuple[str, ...] = (
     "tool_lead_last_seconds",  # the tool now running: its latest lead in this session
 )
 SESSION_FEATURES: tuple[str, ...] = (*HISTORY_FEATURES, *SIGNAL_FEATURES)
-FEATURES: tuple[str, ...] = (*SESSION_FEATURES, HORIZON_FEATURE)
+# The deployment's, the same for every session at a moment (DeploymentSignals): whether this
+# deployment sends signals at all. Without them "no signal this spell" means "not back soon"
+# where signals are sent and nothing where none are, and a model cannot tell the two apart.
+DEPLOYMENT_FEATURES: tuple[str, ...] = (
+    "deployment_signalled_arrival_share",  # of recent arrivals, announced by a signal (0: none)
+    "deployment_signals_per_arrival",  # recent signals per recent arrival (false alarms add)
+)
+FEATURES: tuple[str, ...] = (*SESSION_FEATURES, *DEPLOYMENT_FEATURES, HORIZON_FEATURE)
+# "Recent", for the deployment's features: events weigh exp(-age / this), by event time.
+DEPLOYMENT_WINDOW_SECONDS = 600.0
+# A deployment's signals waiting for their session's arrival: at most this many sessions (the
+# oldest go first past it); each waits at most SIGNAL_FOLLOW_SECONDS of event time anyway.
+DEPLOYMENT_MAX_PENDING_SESSIONS = 100_000
+
+
+class DeploymentSignals:
+    """DEPLOYMENT_FEATURES: how much of the whole deployment's traffic its signals announce.
+
+    Told every event the store applied, in the order it applied them (`observe`: the service's
+    Ingestor calls it for each accepted batch, training/dataset.py for each event of a log), so
+    the service and training compute the same numbers. Its own object, not a SessionView's: it
+    is the deployment's, not a session's, and an in-process count costs neither store a key.
+
+    An arrival (request_routed) counts as signalled when a signal of its session came at most
+    SIGNAL_FOLLOW_SECONDS before it (and after the session's previous arrival: each signal
+    announces one arrival). Arrivals, signalled arrivals and signals are summed with weights
+    exp(-age / window_seconds), ages by event time (never the wall clock), so the features are
+    ratios of decayed sums: the same between two events whatever the clock says. NaN before the
+    first arrival; 0 where signals are not sent (the 'no signals here' value). Memory: three
+    floats, and one ts per session whose signal still waits, at most `max_pending_sessions`.
+    """
+
+    def __init__(
+        self,
+        *,
+        window_seconds: float = DEPLOYMENT_WINDOW_SECONDS,
+        follow_seconds: float = SIGNAL_FOLLOW_SECONDS,
+        max_pending_sessions: int = DEPLOYMENT_MAX_PENDING_SESSIONS,
+    ) -> None:
+        self.window_seconds = window_seconds
+        self.follow_seconds = follow_seconds
+        self.max_pending_sessions = max(max_pending_sessions, 1)
+        self._ref_ts = -math.inf  # the newest event ts seen: the sums are as of then
+        self._arrivals = 0.0
+        self._signalled = 0.0
+        self._signals = 0.0
+        # session -> its latest signal's ts not yet followed by an arrival, oldest insert first.
+        self._pending: OrderedDict[str, float] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Sessions with a signal still waiting for its arrival (what the memory grows with)."""
+        return len(self._pending)
+
+    def observe(self, events: Iterable[Event]) -> None:
+        """Take applied events, in the store's order; other types than routed and signal pass."""
+        for e in events:
+            if isinstance(e, RequestRouted):
+                self.arrival(e.session_id, e.ts)
+            elif isinstance(e, SessionSignal):
+                self.signal(e.session_id, e.ts)
+
+    def _weight(self, ts: float) -> float:
+        # Move the reference to the newest ts (scaling the sums down), or weigh an older event.
+        if ts > self._ref_ts:
+            if self._ref_ts > -math.inf:
+                scale = math.exp(-(ts - self._ref_ts) / self.window_seconds)
+                self._arrivals *= scale
+                self._signalled *= scale
+                self._signals *= scale
+            self._ref_ts = ts
+            self._forget(ts - self.follow_seconds)
+            return 1.0
+        return math.exp(-(self._ref_ts - ts) / self.window_seconds)
+
+    def _forget(self, before_ts: float) -> None:
+        pending = self._pending
+        while pending:
+            session_id, ts = next(iter(pending.items()))
+            if ts >= before_ts and len(pending) <= self.max_pending_sessions:
+                break
+            del pending[session_id]
+
+    def signal(self, session_id: str, ts: float) -> None:
+        self._signals += self._weight(ts)
+        if ts >= self._ref_ts - self.follow_seconds:
+            latest = max(ts, self._pending.pop(session_id, ts))
+            self._pending[session_id] = latest
+            self._forget(self._ref_ts - self.follow_seconds)
+
+    def arrival(self, session_id: str, ts: float) -> None:
+        weight = self._weight(ts)
+        self._arrivals += weight
+        signal_ts = self._pending.pop(session_id, None)
+        if signal_ts is not None:
+            if signal_ts <= ts:
+                if ts - signal_ts <= self.follow_seconds:
+                    self._signalled += weight
+            else:  # a signal stamped after this arrival announces a later one
+                self._pending[session_id] = signal_ts
+
+    def features(self) -> list[float]:
+        """DEPLOYMENT_FEATURES now (they change only with events), NaN before any arrival."""
+        if self._arrivals <= 0.0:
+            return [NAN] * len(DEPLOYMENT_FEATURES)
+        return [self._signalled / self._arrivals, self._signals / self._arrivals]
+
+
+def deployment_features(deployment: DeploymentSignals | None) -> list[float]:
+    """DEPLOYMENT_FEATURES of `deployment`, NaN for every one without it (a caller that keeps
+    none: a model trained on them reads LightGBM's missing value)."""
+    return deployment.features() if deployment is not None else [NAN] * len(DEPLOYMENT_FEATURES)
 
 
 def signal_kind_column(kind: str) -> int:

@@ -23,7 +23,12 @@ import numpy as np
 from app.core.errors import KvpError
 from app.predict import compiled
 from app.predict.feature_table import FeatureTable, feature_matrix
-from app.predict.features import FEATURES, HORIZON_FEATURE
+from app.predict.features import (
+    FEATURES,
+    HORIZON_FEATURE,
+    DeploymentSignals,
+    deployment_features,
+)
 from app.state.base import SessionView
 
 log = logging.getLogger(__name__)
@@ -83,14 +88,24 @@ class HeuristicPredictor:
 
 
 class LearnedPredictor:
-    """A LightGBM model of P(next request within horizon), from models/<version>/."""
+    """A LightGBM model of P(next request within horizon), from models/<version>/.
+
+    `deployment`: the DeploymentSignals the service's ingest keeps current (app/engine.py), read
+    at each call for the DEPLOYMENT_FEATURES; without it they are NaN."""
 
     name = "learned"
 
     def __init__(
-        self, model_dir: Path | str, *, backend: Backend = "auto", cache_dir: Path | None = None
+        self,
+        model_dir: Path | str,
+        *,
+        backend: Backend = "auto",
+        cache_dir: Path | None = None,
+        deployment: DeploymentSignals | None = None,
     ) -> None:
         import lightgbm as lgb
+
+        self.deployment = deployment
 
         self.model_dir = Path(model_dir)
         model_file = self.model_dir / "model.txt"
@@ -163,9 +178,8 @@ class LearnedPredictor:
     ) -> np.ndarray:
         if not sessions:
             return np.zeros((0, len(horizons)))
-        out = self.p_from_matrix(feature_matrix(sessions, now, horizons)).reshape(
-            len(sessions), len(horizons)
-        )
+        x = feature_matrix(sessions, now, horizons, deployment_features(self.deployment))
+        out = self.p_from_matrix(x).reshape(len(sessions), len(horizons))
         closed = np.array([s.state == "closed" for s in sessions])
         out[closed] = 0.0
         return out
@@ -179,7 +193,8 @@ class LearnedPredictor:
     ) -> np.ndarray:
         """`p_within` for the table's sessions (all rows, or `rows`), shape (sessions, horizons)."""
         n = len(table) if rows is None else len(rows)
-        out = self.p_from_matrix(table.matrix(now, horizons, rows)).reshape(n, len(horizons))
+        x = table.matrix(now, horizons, rows, deployment_features(self.deployment))
+        out = self.p_from_matrix(x).reshape(n, len(horizons))
         out[table.closed(rows)] = 0.0
         return out
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from app.observe.ledger import AdviceLedger
+from app.predict.features import DeploymentSignals
 from app.predict.predictors import HeuristicPredictor, LearnedPredictor, ModelError, Predictor
 from app.state.base import SessionView
 
@@ -43,16 +44,21 @@ def _probe_session() -> SessionView:
 
 
 def load_checked(
-    model_dir: Path, sample: Sequence[SessionView] = (), now: float | None = None
+    model_dir: Path,
+    sample: Sequence[SessionView] = (),
+    now: float | None = None,
+    *,
+    deployment: DeploymentSignals | None = None,
 ) -> LearnedPredictor:
     """Load a model and make it answer for a sample of sessions before it may serve.
 
     `sample` is live sessions from the store (the probe session when there are none), scored at
     `now`: a model that loads but breaks on the traffic it would serve is caught here, not after
     the swap. Raises ModelError when the files are missing, do not load, compute other features,
-    or do not give probabilities in [0, 1] for every session of the sample.
+    or do not give probabilities in [0, 1] for every session of the sample. `deployment`: what
+    the model reads the deployment's features from (LearnedPredictor).
     """
-    model = LearnedPredictor(model_dir)
+    model = LearnedPredictor(model_dir, deployment=deployment)
     if sample:
         sessions, what = (
             list(sample),
@@ -148,9 +154,12 @@ class ModelRegistry:
         *,
         ledger: AdviceLedger | None = None,
         models_root: Path | None = None,
+        deployment: DeploymentSignals | None = None,
     ) -> None:
         """`model_dir` None: serve the heuristic, loading nothing (a replay whose policy never
-        scores through the engine)."""
+        scores through the engine). `deployment`: handed to every model loaded
+        (LearnedPredictor)."""
+        self.deployment = deployment
         self.ledger = ledger if ledger is not None else AdviceLedger()
         if models_root is None:
             models_root = model_dir.parent if model_dir is not None else Path(".")
@@ -179,7 +188,7 @@ class ModelRegistry:
         self, model_dir: Path, sample: Sequence[SessionView] = (), now: float | None = None
     ) -> LearnedPredictor:
         try:
-            return load_checked(model_dir, sample, now)
+            return load_checked(model_dir, sample, now, deployment=self.deployment)
         except ModelError as exc:
             raise public_error(exc, model_dir, self.models_root) from None
 

@@ -15,20 +15,29 @@ from app.api.main import create_app
 from app.core.config import Settings
 from app.ingest.eventlog import encode_events
 from app.predict.feature_table import FeatureTable, feature_matrix
-from app.predict.features import FEATURES, SESSION_FEATURES, session_features
+from app.predict.features import (
+    DEPLOYMENT_FEATURES,
+    FEATURES,
+    SESSION_FEATURES,
+    session_features,
+)
 from app.state.base import RequestView, SessionView, SignalView
 from app.state.rules import RECENT_SIGNALS
 from kvprefetch_client.events import SIGNAL_KINDS
 from sim.replay import replay
 from sim.scenario import load_scenario
+from sim.signals import with_signals
 from sim.traces import load_trace
 from tests.conftest import TRACES
 from training.dataset import HORIZONS, load_events, rows_from_events
 
 
-def small_log(tmp_path: Path, requests: int = 300) -> Path:
+def small_log(tmp_path: Path, requests: int = 300, signals: dict[str, float] | None = None) -> Path:
     trace = load_trace(TRACES / "mooncake_synthetic.jsonl")[:requests]
-    result = replay(trace, load_scenario("default"), keep_events=True)
+    scenario = load_scenario("default")
+    if signals is not None:
+        scenario = scenario.model_copy(update={"signals": with_signals(scenario.signals, signals)})
+    result = replay(trace, scenario, keep_events=True)
     path = tmp_path / "events.jsonl"
     path.write_bytes(encode_events(result.events))
     return path
@@ -38,9 +47,21 @@ def same(a: float, b: float) -> bool:
     return (math.isnan(a) and math.isnan(b)) or a == b
 
 
-def test_offline_rows_equal_features_read_from_the_running_service(tmp_path: Path) -> None:
-    events = load_events(small_log(tmp_path))
+@pytest.mark.parametrize(
+    "signals", [None, {"coverage": 0.6, "lead_median_seconds": 5.0, "false_alarms": 1.0}]
+)
+def test_offline_rows_equal_features_read_from_the_running_service(
+    tmp_path: Path, signals: dict[str, float] | None
+) -> None:
+    """Each session's features from its view over HTTP, and the deployment's from the service's
+    own DeploymentSignals (what its predictor reads), equal the training rows'."""
+    events = load_events(small_log(tmp_path, signals=signals))
     rows = rows_from_events(events, log_name="events.jsonl")
+    if signals is None:  # a deployment that sends none says so
+        assert (rows.deployment_signalled_arrival_share == 0.0).all()
+    else:
+        assert (rows.signals_this_spell > 0).any()
+        assert (rows.deployment_signalled_arrival_share > 0).any()
     assert len(rows) > 100
     sample = (
         rows.drop_duplicates(["session_id", "decision_ts"])
@@ -64,6 +85,8 @@ def test_offline_rows_equal_features_read_from_the_running_service(tmp_path: Pat
             offline = [row[name] for name in SESSION_FEATURES]
             mismatched = [n for n, a, b in zip(SESSION_FEATURES, online, offline) if not same(a, b)]
             assert not mismatched, f"{row.session_id} at {row.decision_ts}: {mismatched}"
+            deployment = client.app.state.engine.deployment.features()  # type: ignore[attr-defined]
+            assert deployment == [row[name] for name in DEPLOYMENT_FEATURES], row.decision_ts
 
 
 def test_labels_look_ahead_and_censored_rows_are_dropped(tmp_path: Path) -> None:
@@ -191,11 +214,17 @@ def random_signals(rng: random.Random, arrivals: list[float], now: float) -> lis
     return sorted(signals, key=lambda s: s.ts)
 
 
-def reference(views: list[SessionView], now: float, horizons: tuple[float, ...]) -> np.ndarray:
+def reference(
+    views: list[SessionView],
+    now: float,
+    horizons: tuple[float, ...],
+    deployment: list[float] | None = None,
+) -> np.ndarray:
     rows = [session_features(v, now) for v in views]
-    return np.asarray([[*row, h] for row in rows for h in horizons], dtype=np.float64).reshape(
-        -1, len(FEATURES)
-    )
+    shared = deployment if deployment is not None else [math.nan] * len(DEPLOYMENT_FEATURES)
+    return np.asarray(
+        [[*row, *shared, h] for row in rows for h in horizons], dtype=np.float64
+    ).reshape(-1, len(FEATURES))
 
 
 def assert_same_features(fast: np.ndarray, ref: np.ndarray) -> None:
@@ -231,6 +260,11 @@ def test_feature_table_and_bulk_feature_matrix_equal_the_reference(seed: int) ->
             assert_same_features(one_by_one.matrix(at, horizons), ref)
             assert_same_features(feature_matrix(views, at, horizons), ref)
             assert_same_features(feature_matrix(views[:5], at, horizons), ref[: 5 * len(horizons)])
+        shared = [rng.random(), rng.uniform(0, 3)]  # the deployment's, in every row
+        ref = reference(views, at, HORIZON_SETS[0], shared)
+        assert_same_features(table.matrix(at, HORIZON_SETS[0], deployment=shared), ref)
+        assert_same_features(feature_matrix(views, at, HORIZON_SETS[0], shared), ref)
+        assert_same_features(feature_matrix(views[:5], at, HORIZON_SETS[0], shared), ref[:15])
     assert table.closed().tolist() == [v.state == "closed" for v in views]
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from app.ingest.eventlog import encode_events
-from app.predict.features import session_features
+from app.predict.feature_table import feature_matrix
+from app.predict.features import DeploymentSignals
 from app.state.base import SessionView, SignalView
 from kvprefetch_client.events import (
     Event,
@@ -87,7 +88,11 @@ def test_signals_are_decision_points_and_their_follow_through_is_counted() -> No
 
 def test_a_kind_that_cries_wolf_is_learned_to_be_unreliable(tmp_path: Path) -> None:
     log = tmp_path / "chat.jsonl"
-    log.write_bytes(encode_events(chat_with_signals(400, seed=1)))
+    events = chat_with_signals(400, seed=1)
+    log.write_bytes(encode_events(events))
+    # What a deployment sending these signals says of itself, as the service would at the end.
+    deployment = DeploymentSignals()
+    deployment.observe(events)
     data = build_dataset([log])
     model = train(data, num_boost_round=200, early_stopping_rounds=20)
     card = save_model(model, tmp_path / "m") / "card.json"
@@ -121,6 +126,6 @@ def test_a_kind_that_cries_wolf_is_learned_to_be_unreliable(tmp_path: Path) -> N
                 resident_blocks={},
                 signals=[SignalView(ts=now - 1.0, kind=kind)],
             )
-            rows.append([*session_features(view, now), 15.0])
+            rows.append(feature_matrix([view], now, (15.0,), deployment.features())[0])
         p[kind] = float(model.booster.predict(np.asarray(rows)).mean())
     assert p["typing"] > 2 * p["opened"], p
