@@ -70,9 +70,10 @@ class PlannedPolicy(Policy):
 
     def on_signal(self, session_id: str, kind: str, now: float) -> None:
         # A signal is news about the next request: the session is advised at once (its view
-        # holds the signal: the engine took it before the policy hears of it).
-        if session_id in self._idle:
-            self._act([session_id], now)
+        # holds the signal: the engine took it before the policy hears of it), however long it
+        # has been idle, and its context may be fetched again this spell.
+        self._fetched.discard(session_id)
+        self._act([session_id], now)
 
     def _views(self, session_ids: list[str], now: float) -> list[SessionView]:
         """The sessions' views; those no longer idle, or idle past what the planner scores, leave

@@ -22,7 +22,7 @@ from app.predict.predictors import Predictor
 from app.state.base import SessionView
 from kvprefetch_client.events import BlockHash
 
-# Sessions idle longer than this are not scored: their contexts go by plain LRU.
+# Sessions idle longer than this are not scored (unless a signal came): their contexts go by LRU.
 MAX_IDLE_SECONDS = 1800.0
 # "Does it come back at all?" is asked at this horizon; a later return counts as none.
 RETURN_HORIZON_SECONDS = 900.0
@@ -145,8 +145,8 @@ class Advisor:
             s
             for s in sessions
             if s.state == "idle"
-            and now - s.last_activity_ts <= self.max_idle_seconds
             and s.block_hashes
+            and (now - s.last_activity_ts <= self.max_idle_seconds or self._signalled(s, now))
         ]
         queued = [self._queued(s, now) for s in sessions if s.state == "queued" and s.block_hashes]
         if not live:
@@ -205,6 +205,13 @@ class Advisor:
             else 0,
             0.0,
             queued=True,
+        )
+
+    def _signalled(self, view: SessionView, now: float) -> bool:
+        """A signal this idle spell, within the lead: the session is scored however long it has
+        been idle (a user reopening yesterday's chat)."""
+        return any(
+            s.ts >= view.last_activity_ts and now - s.ts <= self.lead_seconds for s in view.signals
         )
 
     def _needed_in(self, curve: np.ndarray, p_soon: float) -> float:

@@ -67,6 +67,11 @@ SESSION_FEATURES: tuple[str, ...] = (*HISTORY_FEATURES, *SIGNAL_FEATURES)
 DEPLOYMENT_FEATURES: tuple[str, ...] = (
     "deployment_signalled_arrival_share",  # of recent arrivals, announced by a signal (0: none)
     "deployment_signals_per_arrival",  # recent signals per recent arrival (false alarms add)
+    # How reliable each kind is here: of its recent signals judged (followed by an arrival of
+    # the session within SIGNAL_FOLLOW_SECONDS, or not), the followed share; NaN for a kind not
+    # seen. Beside a session's since_<kind>_signal_seconds, what its latest signal is worth in
+    # this deployment, whatever the deployments the model was trained on made of that kind.
+    *(f"deployment_{kind}_followed_share" for kind in SIGNAL_AGE_KINDS),
 )
 FEATURES: tuple[str, ...] = (*SESSION_FEATURES, *DEPLOYMENT_FEATURES, HORIZON_FEATURE)
 # "Recent", for the deployment's features: events weigh exp(-age / this), by event time.
@@ -74,6 +79,8 @@ DEPLOYMENT_WINDOW_SECONDS = 600.0
 # A deployment's signals waiting for their session's arrival: at most this many sessions (the
 # oldest go first past it); each waits at most SIGNAL_FOLLOW_SECONDS of event time anyway.
 DEPLOYMENT_MAX_PENDING_SESSIONS = 100_000
+# ... and at most this many waiting signals per session (a flood judges the oldest unfollowed).
+PENDING_PER_SESSION = 8
 
 
 class DeploymentSignals:
@@ -89,8 +96,12 @@ class DeploymentSignals:
     announces one arrival). Arrivals, signalled arrivals and signals are summed with weights
     exp(-age / window_seconds), ages by event time (never the wall clock), so the features are
     ratios of decayed sums: the same between two events whatever the clock says. NaN before the
-    first arrival; 0 where signals are not sent (the 'no signals here' value). Memory: three
-    floats, and one ts per session whose signal still waits, at most `max_pending_sessions`.
+    first arrival; 0 where signals are not sent (the 'no signals here' value). Each signal is
+    judged once: followed when an arrival of its session comes within SIGNAL_FOLLOW_SECONDS after
+    it, not followed once that window has passed without one; each kind's followed share is of
+    its judged signals, decayed the same way (NaN for a kind none of whose signals was judged).
+    Memory: a few floats per kind column, and per session whose signals still wait, at most
+    PENDING_PER_SESSION of them, for at most `max_pending_sessions` sessions.
     """
 
     def __init__(
@@ -107,8 +118,12 @@ class DeploymentSignals:
         self._arrivals = 0.0
         self._signalled = 0.0
         self._signals = 0.0
-        # session -> its latest signal's ts not yet followed by an arrival, oldest insert first.
-        self._pending: OrderedDict[str, float] = OrderedDict()
+        kinds = len(SIGNAL_AGE_KINDS)
+        self._judged = [0.0] * kinds
+        self._followed = [0.0] * kinds
+        # session -> its signals (ts, kind column) not yet judged, oldest first; sessions in the
+        # order their first waiting signal came.
+        self._pending: OrderedDict[str, list[tuple[float, int]]] = OrderedDict()
 
     def __len__(self) -> int:
         """Sessions with a signal still waiting for its arrival (what the memory grows with)."""
@@ -120,7 +135,7 @@ class DeploymentSignals:
             if isinstance(e, RequestRouted):
                 self.arrival(e.session_id, e.ts)
             elif isinstance(e, SessionSignal):
-                self.signal(e.session_id, e.ts)
+                self.signal(e.session_id, e.ts, e.kind)
 
     def _weight(self, ts: float) -> float:
         # Move the reference to the newest ts (scaling the sums down), or weigh an older event.
@@ -130,42 +145,85 @@ class DeploymentSignals:
                 self._arrivals *= scale
                 self._signalled *= scale
                 self._signals *= scale
+                self._judged = [x * scale for x in self._judged]
+                self._followed = [x * scale for x in self._followed]
             self._ref_ts = ts
             self._forget(ts - self.follow_seconds)
             return 1.0
         return math.exp(-(self._ref_ts - ts) / self.window_seconds)
 
+    def _judge(self, ts: float, column: int, followed: bool) -> None:
+        weight = self._weight_of(ts)
+        self._judged[column] += weight
+        if followed:
+            self._followed[column] += weight
+
+    def _weight_of(self, ts: float) -> float:
+        # An event's weight as of the reference, without moving it.
+        return math.exp(-max(self._ref_ts - ts, 0.0) / self.window_seconds)
+
     def _forget(self, before_ts: float) -> None:
+        """Signals whose window closed before `before_ts` are judged not followed; sessions past
+        the bound go (their waiting signals judged not followed too)."""
         pending = self._pending
         while pending:
-            session_id, ts = next(iter(pending.items()))
-            if ts >= before_ts and len(pending) <= self.max_pending_sessions:
+            session_id, waiting = next(iter(pending.items()))
+            if waiting[0][0] >= before_ts and len(pending) <= self.max_pending_sessions:
                 break
             del pending[session_id]
+            keep = []
+            for ts, column in waiting:
+                if ts < before_ts or len(pending) >= self.max_pending_sessions:
+                    self._judge(ts, column, followed=False)
+                else:
+                    keep.append((ts, column))
+            if keep:
+                pending[session_id] = keep  # re-queued behind the rest: its oldest is younger
 
-    def signal(self, session_id: str, ts: float) -> None:
+    def signal(self, session_id: str, ts: float, kind: str = "other") -> None:
         self._signals += self._weight(ts)
-        if ts >= self._ref_ts - self.follow_seconds:
-            latest = max(ts, self._pending.pop(session_id, ts))
-            self._pending[session_id] = latest
-            self._forget(self._ref_ts - self.follow_seconds)
+        column = signal_kind_column(kind)
+        if ts < self._ref_ts - self.follow_seconds:
+            self._judge(ts, column, followed=False)  # its window closed before it came here
+            return
+        waiting = self._pending.pop(session_id, [])
+        waiting.append((ts, column))
+        waiting.sort()
+        while len(waiting) > PENDING_PER_SESSION:  # a flood: the oldest are judged unfollowed
+            old_ts, old_column = waiting.pop(0)
+            self._judge(old_ts, old_column, followed=False)
+        self._pending[session_id] = waiting
+        self._forget(self._ref_ts - self.follow_seconds)
 
     def arrival(self, session_id: str, ts: float) -> None:
         weight = self._weight(ts)
         self._arrivals += weight
-        signal_ts = self._pending.pop(session_id, None)
-        if signal_ts is not None:
-            if signal_ts <= ts:
-                if ts - signal_ts <= self.follow_seconds:
-                    self._signalled += weight
-            else:  # a signal stamped after this arrival announces a later one
-                self._pending[session_id] = signal_ts
+        waiting = self._pending.pop(session_id, None)
+        if waiting is None:
+            return
+        later = []
+        announced = False
+        for signal_ts, column in waiting:
+            if signal_ts > ts:  # a signal stamped after this arrival announces a later one
+                later.append((signal_ts, column))
+                continue
+            followed = ts - signal_ts <= self.follow_seconds
+            announced = announced or followed
+            self._judge(signal_ts, column, followed)
+        if announced:
+            self._signalled += weight
+        if later:
+            self._pending[session_id] = later
 
     def features(self) -> list[float]:
         """DEPLOYMENT_FEATURES now (they change only with events), NaN before any arrival."""
         if self._arrivals <= 0.0:
             return [NAN] * len(DEPLOYMENT_FEATURES)
-        return [self._signalled / self._arrivals, self._signals / self._arrivals]
+        return [
+            self._signalled / self._arrivals,
+            self._signals / self._arrivals,
+            *(f / j if j > 0.0 else NAN for f, j in zip(self._followed, self._judged)),
+        ]
 
 
 def deployment_features(deployment: DeploymentSignals | None) -> list[float]:

@@ -223,3 +223,16 @@ def test_a_queued_request_s_context_is_fetched_at_once_without_asking_the_model(
     assert (waiting.p_soon, waiting.needed_in_seconds) == (1.0, 0.0)
     assert not advice["idle"].queued
     assert len(predictor.asked) == 1  # for the idle session alone
+
+
+def test_a_long_idle_session_is_scored_again_when_a_signal_comes() -> None:
+    from app.state.base import SignalView
+
+    planner = Advisor(Fixed({"back": (0.9, 10.0)}))
+    quiet = view("back", last=-5000.0)
+    assert planner.advise([quiet], 100.0) == []  # idle past what the planner looks at
+    signalled = quiet.model_copy(update={"signals": [SignalView(ts=98.0, kind="opened")]})
+    (advice,) = planner.advise([signalled], 100.0)
+    assert advice.prefetch
+    stale = quiet.model_copy(update={"signals": [SignalView(ts=20.0, kind="opened")]})
+    assert planner.advise([stale], 100.0) == []  # a signal older than the lead says little

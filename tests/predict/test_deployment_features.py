@@ -45,10 +45,32 @@ def test_unknown_before_any_arrival_and_zero_where_no_signals_are_sent() -> None
     tracker = DeploymentSignals()
     assert all(math.isnan(v) for v in tracker.features())
     tracker.observe([routed(i, f"s{i % 7}", 10.0 * i) for i in range(50)])
-    assert features(tracker) == {
-        "deployment_signalled_arrival_share": 0.0,
-        "deployment_signals_per_arrival": 0.0,
-    }
+    f = features(tracker)
+    assert (f["deployment_signalled_arrival_share"], f["deployment_signals_per_arrival"]) == (
+        0.0,
+        0.0,
+    )
+    # No kind seen: how reliable each is, unknown.
+    assert all(math.isnan(v) for k, v in f.items() if k.endswith("_followed_share"))
+
+
+def test_each_kind_s_reliability_is_its_judged_signals_followed_share() -> None:
+    tracker = DeploymentSignals(window_seconds=1e12)  # no decay: plain counts
+    events: list[Event] = []
+    for i in range(8):  # typing: 3 of 4 followed; opened: 1 of 4
+        t = 1000.0 * i
+        kind = "typing" if i % 2 else "opened"
+        events.append(signal(i, f"s{i}", t, kind))
+        if (kind == "typing" and i != 7) or i == 0:
+            events.append(routed(i, f"s{i}", t + 5.0))
+    events.append(signal(99, "late", 9000.0, "my_kind"))  # a deployment's own: "other"
+    events.append(routed(100, "z", 20_000.0))  # closes every window
+    tracker.observe(sorted(events, key=lambda e: e.ts))
+    f = features(tracker)
+    assert f["deployment_typing_followed_share"] == pytest.approx(3 / 4)
+    assert f["deployment_opened_followed_share"] == pytest.approx(1 / 4)
+    assert f["deployment_other_followed_share"] == 0.0
+    assert math.isnan(f["deployment_queued_followed_share"])  # never seen
 
 
 def test_a_signal_counts_for_the_next_arrival_of_its_session_within_the_window() -> None:
@@ -82,7 +104,7 @@ def test_weights_decay_with_event_time_and_the_clock_does_not_matter() -> None:
     in_order, late = DeploymentSignals(), DeploymentSignals()
     in_order.observe([signal(1, "a", 50.0), routed(1, "a", 60.0), routed(2, "b", 100.0)])
     late.observe([routed(2, "b", 100.0), signal(1, "a", 50.0), routed(1, "a", 60.0)])
-    assert late.features() == pytest.approx(in_order.features())
+    assert late.features() == pytest.approx(in_order.features(), nan_ok=True)
     assert 0 < late.features()[0] < 0.5
 
 

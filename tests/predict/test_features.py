@@ -86,7 +86,8 @@ def test_offline_rows_equal_features_read_from_the_running_service(
             mismatched = [n for n, a, b in zip(SESSION_FEATURES, online, offline) if not same(a, b)]
             assert not mismatched, f"{row.session_id} at {row.decision_ts}: {mismatched}"
             deployment = client.app.state.engine.deployment.features()  # type: ignore[attr-defined]
-            assert deployment == [row[name] for name in DEPLOYMENT_FEATURES], row.decision_ts
+            offline_deployment = [row[name] for name in DEPLOYMENT_FEATURES]
+            assert all(same(a, b) for a, b in zip(deployment, offline_deployment)), row.decision_ts
 
 
 def test_labels_look_ahead_and_censored_rows_are_dropped(tmp_path: Path) -> None:
@@ -260,7 +261,9 @@ def test_feature_table_and_bulk_feature_matrix_equal_the_reference(seed: int) ->
             assert_same_features(one_by_one.matrix(at, horizons), ref)
             assert_same_features(feature_matrix(views, at, horizons), ref)
             assert_same_features(feature_matrix(views[:5], at, horizons), ref[: 5 * len(horizons)])
-        shared = [rng.random(), rng.uniform(0, 3)]  # the deployment's, in every row
+        # The deployment's, in every row: shares, a rate, and kinds never seen (NaN).
+        shared = [rng.random(), rng.uniform(0, 3)]
+        shared += [rng.choice([rng.random(), math.nan]) for _ in DEPLOYMENT_FEATURES[2:]]
         ref = reference(views, at, HORIZON_SETS[0], shared)
         assert_same_features(table.matrix(at, HORIZON_SETS[0], deployment=shared), ref)
         assert_same_features(feature_matrix(views, at, HORIZON_SETS[0], shared), ref)
