@@ -174,7 +174,7 @@ class Settings(BaseSettings):
         description=("Prefetch a context when its session is likely back within this long."),
     )
     prefetch_min_p: float = Field(
-        0.5,
+        0.35,
         ge=0,
         le=1,
         description=(

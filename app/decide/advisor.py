@@ -73,7 +73,7 @@ class Thresholds:
     keep_min_p: float = 0.2
     demote_max_p: float = 0.1
     lead_seconds: float = 30.0
-    prefetch_min_p: float = 0.5
+    prefetch_min_p: float = 0.35
     # Hysteresis: an open order survives a small dip in its chance (app/decide/scheduler.py).
     cancel_below_p: float = 0.25
 
