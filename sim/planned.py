@@ -71,7 +71,12 @@ class PlannedPolicy(Policy):
     def on_signal(self, session_id: str, kind: str, now: float) -> None:
         # A signal is news about the next request: the session is advised at once (its view
         # holds the signal: the engine took it before the policy hears of it), however long it
-        # has been idle, and its context may be fetched again this spell.
+        # has been idle, and its context may be fetched again this spell. A session with a
+        # request in flight has nothing to fetch ahead of.
+        if session_id not in self._idle:
+            view = self._session_view(session_id)
+            if view is None or view.state != "idle":
+                return
         self._fetched.discard(session_id)
         self._act([session_id], now)
 

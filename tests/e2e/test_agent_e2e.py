@@ -336,7 +336,9 @@ def regular_sessions(now: float) -> list[dict[str, Any]]:
     events: list[dict[str, Any]] = []
     for sid, blocks in PULL_SESSIONS.items():
         for n in range(6):
-            ts = now - 2.0 - TURN_GAP_SECONDS * (6 - n)
+            # The last turn 6 s ago: due again in 4 s, so the planner's needed_by (from the
+            # arrival curve) is seconds ahead and the agent holds the orders until their start_by.
+            ts = now + 4.0 - TURN_GAP_SECONDS * (6 - n)
             common = {"session_id": sid, "request_id": f"{sid}-r{n}", "instance_id": INSTANCE}
             events += [
                 {

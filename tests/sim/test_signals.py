@@ -488,10 +488,15 @@ def test_the_planners_policies_advise_a_signalled_idle_session_at_once() -> None
     from app.predict.predictors import HeuristicPredictor
     from sim.planned import PlannedPolicy
 
-    policy = PlannedPolicy(Advisor(HeuristicPredictor()), lambda session_id: None, "heuristic")
+    from tests.decide.test_advisor import view
+
+    views = {"long": view("long", last=-5000.0), "running": view("running", state="running")}
+    policy = PlannedPolicy(Advisor(HeuristicPredictor()), views.get, "heuristic")
     acted: list[tuple[list[str], float]] = []
     policy._act = lambda ids, now: acted.append((ids, now))  # type: ignore[method-assign]
     policy._idle = {"idle"}
     policy.on_signal("idle", "typing", 5.0)
     policy.on_signal("running", "typing", 6.0)  # not idle: its finish will advise it
-    assert acted == [(["idle"], 5.0)]
+    # Idle for longer than the ticks look at (left the idle set): a signal brings it back.
+    policy.on_signal("long", "opened", 7.0)
+    assert acted == [(["idle"], 5.0), (["long"], 7.0)]
