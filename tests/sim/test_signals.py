@@ -487,7 +487,6 @@ def test_the_planners_policies_advise_a_signalled_idle_session_at_once() -> None
     from app.decide.advisor import Advisor
     from app.predict.predictors import HeuristicPredictor
     from sim.planned import PlannedPolicy
-
     from tests.decide.test_advisor import view
 
     views = {"long": view("long", last=-5000.0), "running": view("running", state="running")}
