@@ -121,7 +121,7 @@ class Advisor:
         self.lead_seconds = lead_seconds
         # The bar for a prefetch into free room (its cost is link time alone). Into a full HBM
         # it is a swap, priced by whoever carries it out against the contexts it would displace
-        # (app/decide/scheduler.py; sim/planned.py): docs/decisions.md, 20.
+        # (app/decide/scheduler.py; sim/planned.py): docs/decisions.md, 21.
         self.prefetch_min_p = prefetch_min_p
         self.max_idle_seconds = max_idle_seconds
         if not lead_seconds <= keep_horizon_seconds <= return_horizon_seconds:

@@ -4,7 +4,7 @@ never pushes out what many share.
 LRU keeps a system prompt or a tool schema resident for free: every session that carries it
 touches it. Advice made per session does not see that; demoting a quiet session's context would
 demote the shared head it carries too, and every other session on that instance would miss it
-(on an agent-like workload this alone made the advice lose to plain LRU: docs/decisions.md, 20).
+(on an agent-like workload this alone made the advice lose to plain LRU: docs/decisions.md, 21).
 So a block is *shared* while sessions other than the last one to use it have routed a request
 carrying it within `window_seconds`, and retention leaves a context's shared head alone.
 
