@@ -23,7 +23,7 @@ from typing import Any
 from sim.replay import replay
 from sim.scenario import load_scenario
 from sim.signals import parse_signal_overrides, with_signals
-from sim.traces import TraceRequest, load_trace
+from sim.traces import TraceRequest, judged_from_seconds, load_trace
 from sim.workloads import AgentWorkload, agent_trace
 
 CONVERSATION = "mooncake_conversation_first60.jsonl"
@@ -136,8 +136,7 @@ def run_case(case: Case, traces_dir: Path, model_dir: str | None) -> dict[str, d
         scenario = scenario.model_copy(
             update={"signals": with_signals(scenario.signals, parse_signal_overrides(case.signals))}
         )
-    start, end = requests[0].arrival_seconds, requests[-1].arrival_seconds
-    measure_from = start + TRAIN_FRACTION * (end - start)
+    measure_from = judged_from_seconds(requests, TRAIN_FRACTION)
     return {
         policy: replay(
             requests,

@@ -8,7 +8,7 @@ requests share id k at position i only if their first i+1 blocks are identical.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,3 +93,10 @@ def load_trace(path: Path | str) -> list[TraceRequest]:
     if not trace:
         raise TraceError(path, 0, "the trace holds no requests")
     return trace
+
+
+def judged_from_seconds(trace: Sequence[TraceRequest], train_fraction: float) -> float:
+    """The time that splits a trace for judging: models train on what came before it (the first
+    `train_fraction` of its time span), replays count what comes after."""
+    start, end = trace[0].arrival_seconds, trace[-1].arrival_seconds
+    return start + train_fraction * (end - start)

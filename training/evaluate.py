@@ -12,14 +12,11 @@ from typing import Any
 
 from sim.replay import replay
 from sim.scenario import Scenario, load_scenario
-from sim.traces import TraceRequest, load_trace
+from sim.traces import judged_from_seconds, load_trace
+
+__all__ = ["BASELINES", "evaluate", "judged_from_seconds"]
 
 BASELINES = ("none", "lookahead", "heuristic", "clairvoyant", "oracle")
-
-
-def judged_from_seconds(trace: list[TraceRequest], train_fraction: float) -> float:
-    start, end = trace[0].arrival_seconds, trace[-1].arrival_seconds
-    return start + train_fraction * (end - start)
 
 
 def evaluate(

@@ -178,9 +178,7 @@ class Advisor:
                     p_soon,
                     p_return,
                     p_soon >= self.prefetch_min_p,
-                    self.popularity.shared_prefix(view.block_hashes, now)
-                    if self.popularity is not None
-                    else 0,
+                    self._shared_blocks(view, now),
                     self._needed_in(curve, p_soon),
                 )
             )
@@ -200,12 +198,15 @@ class Advisor:
             1.0,
             1.0,
             True,
-            self.popularity.shared_prefix(view.block_hashes, now)
-            if self.popularity is not None
-            else 0,
+            self._shared_blocks(view, now),
             0.0,
             queued=True,
         )
+
+    def _shared_blocks(self, view: SessionView, now: float) -> int:
+        if self.popularity is None:
+            return 0
+        return self.popularity.shared_prefix(view.block_hashes, now)
 
     def _signalled(self, view: SessionView, now: float) -> bool:
         """A signal this idle spell, within the lead: the session is scored however long it has

@@ -160,8 +160,8 @@ def test_with_a_policy_that_carries_no_order_out_nothing_lands(
     assert summary["signals_emitted"] > 0
     assert "service_orders" not in summary
     # The scheduler may still plan, but nobody pulls its orders: none is started or reported,
-    # and the cluster prefetches nothing. (Its totals may still count an order completed, and
-    # used, when a demand load brought its blocks: it counts blocks seen at the destination.)
+    # and the cluster prefetches nothing. (An order whose blocks a demand load brought is
+    # withdrawn, not completed: app/decide/scheduler.py.)
     assert summary["bytes_prefetched"] == 0
     assert metrics["order_progress_events"] == 0
     assert totals["bytes_wasted"] == 0
