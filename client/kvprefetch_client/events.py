@@ -132,6 +132,9 @@ class KvBlocksStored(_Located):
     block_hashes: Annotated[BlockHashes, Field(min_length=1)]
     parent_block_hash: BlockHash | None = None
     block_tokens: BlockTokens | None = None
+    # The blocks' tokens, in order, when the engine reports them (vLLM's BlockStored does): a tier
+    # keyed by tokens rather than block hashes (LMCache) needs them to fetch a context.
+    token_ids: Annotated[list[StrictInt], Field(max_length=MAX_TOKENS)] | None = None
 
 
 class KvBlocksRemoved(_Located):
@@ -246,6 +249,7 @@ class VllmKvEvents(_Event):
                         block_hashes=e.block_hashes,
                         parent_block_hash=e.parent_block_hash,
                         block_tokens=e.block_size,
+                        token_ids=e.token_ids or None,
                     )
                 )
             elif isinstance(e, VllmBlockRemoved):
