@@ -150,17 +150,23 @@ class PlannedPolicy(Policy):
     def _room_for(self, idx: int, cand: SessionAdvice, blocks: list[int]) -> bool:
         """May the candidate's missing blocks come in? A swap is priced by what it would push
         out (docs/decisions.md, 21): free room and demoted blocks cost nothing; then contexts
-        advised as less likely back than the candidate go, least likely first (demoted for it
-        here); past those, what LRU would evict next is content no advice keeps (each context's
-        chance below `keep_min_p`, or it would be kept), taken by the cache's own order for a
-        candidate more likely back than that."""
+        advised as less likely back than the candidate, and not kept, go, least likely first
+        (demoted for it here); past those, what LRU would evict next is content no advice
+        keeps (each context's chance below `keep_min_p`, or it would be kept), taken by the
+        cache's own order for a candidate more likely back than that."""
         hbm = self.cluster.instances[idx].hbm
         wanted = set(blocks)
         need = sum(1 for b in wanted if b not in hbm) - hbm.free - hbm.demoted
         if need <= 0:
             return True
+        # Kept contexts are never displaced, as the scheduler never demotes what it pinned:
+        # demoting them undid the keep advice (decisions 21).
         others = sorted(
-            (a for a in self._advised.get(idx, {}).values() if a.session_id != cand.session_id),
+            (
+                a
+                for a in self._advised.get(idx, {}).values()
+                if a.session_id != cand.session_id and a.retention != "keep"
+            ),
             key=lambda a: (a.p_keep, a.session_id),
         )
         entries = hbm.entries

@@ -374,6 +374,29 @@ def test_a_prefetch_into_a_full_hbm_displaces_only_contexts_less_likely_back() -
     assert all(x in hbm for x in context(10, 4))  # B, more likely back than C, stays
 
 
+def test_a_prefetch_never_displaces_a_context_advised_kept() -> None:
+    """As the scheduler never demotes what it pinned: a kept context stays even when less likely
+    back than the candidate; the swap then takes the cache's own order."""
+    from app.decide.advisor import Advisor, SessionAdvice
+    from sim.planned import PlannedPolicy
+
+    a, b = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4))
+    cluster = run(scenario(prefill=100.0, instances=1, hbm_blocks=8), [a, b], [0, 0])
+    hbm = cluster.instances[0].hbm
+    cluster.written.update(context(20, 4))
+    policy = PlannedPolicy(Advisor(NoModel()), lambda s: None, "test")
+    policy.attach(cluster)
+    policy._advised[0] = {
+        "a": SessionAdvice("a", "gpu-0", tuple(context(0, 4)), "keep", 300.0, 0.3, 0.3, 0.3, False)
+    }
+    assert policy._room_for(
+        0,
+        SessionAdvice("c", "gpu-0", tuple(context(20, 4)), "lru", 0.0, 0.6, 0.6, 0.6, True),
+        context(20, 4),
+    )
+    assert hbm.demoted == 0
+
+
 class NoModel:
     name = "none"
 
