@@ -3,9 +3,12 @@ which `bash .ci/ensure-lmcache` builds): pins and their TTL, the coordinator's l
 tokens the sink sends, demotes as deletes, the MP server's 503 (no engine registered a KV
 layout), an unknown instance, unknown tokens, an unreachable coordinator, and the engine's wiring.
 
-A prefetch that completes needs an engine that registered its KV layout with the MP server (vLLM
-with LMCache's connector, on a GPU); its polling is checked against a stand-in coordinator that
-answers as LMCache's does (the real one cannot complete a prefetch here)."""
+A prefetch needs an engine that registered its KV layout with the MP server. On a GPU that is
+vLLM with LMCache's connector; here it is LMCache's own `lmcache bench server --mode cpu
+--transfer-mode lmcache_driven`, which registers CPU KV tensors (over POSIX shared memory) as an
+engine does and stores one request, (0, 9906 x 512) tokens of model "test-model": a prefetch of
+those runs end to end. The polling's other paths (pending, the deadline) are checked against a
+stand-in coordinator that answers as LMCache's does."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +41,11 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 LMCACHE = Path(os.environ.get("KVP_TEST_LMCACHE_BIN", REPO / ".venv-lmcache" / "bin" / "lmcache"))
+# The bench engine's model and tokens (lmcache/cli/commands/bench/server_bench/helpers.py).
 MODEL = "test-model"
+BENCH_TOKENS = [0] + [9906] * 511
+# A model no engine registered a layout for.
+NO_ENGINE_MODEL = "no-engine-model"
 MP_INSTANCE = "mp-test"
 BLOCK_TOKENS = 16
 # 40 blocks of 16 tokens: 640 tokens, two whole LMCache chunks of 256 (and a partial one).
@@ -85,12 +93,20 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
+@dataclass
+class Lmcache:
+    url: str  # the coordinator's
+    rpc_port: int  # the MP server's request port (ZMQ)
+    http_port: int  # the MP server's HTTP port
+    logs: Path
+
+
 @pytest.fixture(scope="module")
-def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real `lmcache coordinator` and one `lmcache server` (CPU, no engine) registered with
-    it as MP_INSTANCE; yields the coordinator's URL."""
+def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
+    """A real `lmcache coordinator` and one `lmcache server` (CPU, no engine yet) registered
+    with it as MP_INSTANCE."""
     logs = tmp_path_factory.mktemp("lmcache")
-    port = free_port()
+    port, rpc_port, http_port = free_port(), free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
     coord = _start(["coordinator", "--host", "127.0.0.1", "--port", str(port)], logs / "coord.log")
     server: subprocess.Popen[bytes] | None = None
@@ -102,9 +118,9 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 "--instance-id",
                 MP_INSTANCE,
                 "--port",
-                str(free_port()),
+                str(rpc_port),
                 "--http-port",
-                str(free_port()),
+                str(http_port),
                 "--l1-size-gb",
                 "0.1",
                 "--eviction-policy",
@@ -122,11 +138,57 @@ def coordinator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             server,
             logs / "server.log",
         )
-        yield url
+        yield Lmcache(url, rpc_port, http_port, logs)
     finally:
         for proc in (server, coord):
             if proc is not None:
                 _stop(proc)
+
+
+@pytest.fixture(scope="module")
+def coordinator(lmcache: Lmcache) -> str:
+    return lmcache.url
+
+
+@pytest.fixture(scope="module")
+def bench_engine(lmcache: Lmcache) -> Iterator[None]:
+    """LMCache's bench client as the engine: registers its CPU KV layout for MODEL with the MP
+    server, stores BENCH_TOKENS' two chunks, and stays registered until the module ends."""
+    log = lmcache.logs / "bench.log"
+    bench = _start(
+        [
+            "bench",
+            "server",
+            "--rpc-url",
+            f"tcp://127.0.0.1:{lmcache.rpc_port}",
+            "--url",
+            f"http://127.0.0.1:{lmcache.http_port}",
+            "--mode",
+            "cpu",
+            "--transfer-mode",
+            "lmcache_driven",
+            "--kvcache-shape-spec",
+            "(2,64,16,2,64):float16:2",
+            "--num-blocks",
+            "64",
+            "--num-tokens",
+            "512",
+            "--start",
+            "0",
+            "--interval",
+            "100000",  # one request, then it waits, registered
+        ],
+        log,
+    )
+    try:
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while "STORE: stored" not in log.read_text():
+            if bench.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the bench engine did not store:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield
+    finally:
+        _stop(bench)
 
 
 def indexed(max_tokens: int = 1_000_000) -> TokenIndex:
@@ -250,7 +312,7 @@ def test_a_prefetch_before_any_engine_registered_its_layout_fails_once_with_the_
     coordinator: str,
 ) -> None:
     async def main() -> None:
-        sink, reports, metrics = make_sink(coordinator)
+        sink, reports, metrics = make_sink(coordinator, model_name=NO_ENGINE_MODEL)
         try:
             await sink.submit([order("pf-1", MP_INSTANCE, block_hashes=CHAIN)])
             await sink.settle()
@@ -351,6 +413,97 @@ def test_an_unreachable_coordinator_fails_orders_after_bounded_retries() -> None
         assert sink.pins_held == 0
 
     asyncio.run(main())
+
+
+# -- a prefetch end to end, LMCache's bench client as the engine --------------------------------
+
+
+def bench_index() -> TokenIndex:
+    """BENCH_TOKENS as an engine reports them: 32 blocks of 16, chained."""
+    index = TokenIndex(1_000_000)
+    index.observe(
+        [
+            KvBlocksStored(
+                event_id="bench-stored",
+                ts=1.0,
+                instance_id=MP_INSTANCE,
+                block_hashes=[f"b{i}" for i in range(32)],
+                block_tokens=BLOCK_TOKENS,
+                token_ids=BENCH_TOKENS,
+            )
+        ]
+    )
+    return index
+
+
+def test_a_prefetch_runs_end_to_end_once_an_engine_registered_its_layout(
+    coordinator: str, bench_engine: None
+) -> None:
+    async def main() -> None:
+        sink, reports, metrics = make_sink(coordinator, tokens=bench_index())
+        try:
+            await sink.submit(
+                [order("pf-10", MP_INSTANCE, block_hashes=["b30", "b31"], size_bytes=4096)]
+            )
+            await sink.settle()
+        finally:
+            await sink.close()
+        assert [e.status for e in reports.events] == ["accepted", "completed"]
+        done = reports.events[-1]
+        assert done.bytes == 4096  # both chunks found: 2 of 2 keys
+        assert done.seconds is not None and done.seconds > 0
+        assert (
+            sample(metrics, "kvprefetch_lmcache_orders_total", kind="prefetch", outcome="completed")
+            == 1
+        )
+
+    asyncio.run(main())
+
+
+def test_a_prefetch_of_chunks_lmcache_never_stored_fails_not_found(
+    coordinator: str, bench_engine: None
+) -> None:
+    async def main() -> None:
+        # The same model (its layout is registered), other tokens: nothing to load.
+        sink, reports, metrics = make_sink(coordinator)
+        try:
+            await sink.submit([order("pf-11", MP_INSTANCE, block_hashes=CHAIN)])
+            await sink.settle()
+        finally:
+            await sink.close()
+        assert [e.status for e in reports.events] == ["accepted", "failed"]
+        assert "none of the 2 keys" in (reports.events[-1].reason or "")
+        assert sample(metrics, "kvprefetch_lmcache_order_failures_total", reason="not_found") == 1
+
+    asyncio.run(main())
+
+
+# After the two prefetches above (a module keeps to one worker, in file order): it deletes what
+# they load.
+def test_a_demote_deletes_the_stored_chunks_from_l1(coordinator: str, bench_engine: None) -> None:
+    body = {"model_name": MODEL, "world_size": 1, "token_ids": BENCH_TOKENS}
+
+    async def main() -> None:
+        sink, reports, _ = make_sink(coordinator, tokens=bench_index())
+        try:
+            await sink.submit(
+                [order("dm-3", MP_INSTANCE, kind="demote", source_tier=None, block_hashes=["b31"])]
+            )
+            await sink.settle()
+        finally:
+            await sink.close()
+        assert reports.of("dm-3") == [("completed", None)]
+
+    asyncio.run(main())
+    # Gone from L1 (and there is no L2 here): a prefetch now finds nothing.
+    answer = httpx.post(
+        f"{coordinator}/cache/prefetches", json={"instance_id": MP_INSTANCE, **body}
+    ).json()
+    path = f"{coordinator}/cache/prefetches/{MP_INSTANCE}/{answer['request_id']}"
+    deadline = time.monotonic() + 30
+    while (status := httpx.get(path).json())["status"] == "pending" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert (status["status"], status["found_keys"]) == ("completed", 0)
 
 
 # -- a prefetch that completes: the stand-in coordinator -------------------------------------
