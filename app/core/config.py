@@ -285,9 +285,9 @@ class Settings(BaseSettings):
     lmcache_max_attempts: int = Field(3, ge=1)
     lmcache_backoff_seconds: float = Field(0.2, ge=0)
     lmcache_max_backoff_seconds: float = Field(2.0, ge=0)
-    # The token index (app/deliver/token_index.py): tokens of stored blocks kept, 8 bytes each,
-    # least recently used out first (the default holds 64 MiB of them).
-    lmcache_token_index_max_tokens: int = Field(8_388_608, ge=1)
+    # The token index (app/deliver/token_index.py): tokens of stored blocks kept, least recently
+    # used out first; about 22 bytes a token with 16-token blocks, so about 90 MiB by default.
+    lmcache_token_index_max_tokens: int = Field(4_194_304, ge=1)
     # The Redis stream sink: stream <prefix>:orders, trimmed to about this many entries.
     order_stream_maxlen: int = Field(100_000, ge=1)
     # Defaults to <redis_prefix>:sink, since the state store owns <redis_prefix>:orders.

@@ -6,8 +6,8 @@ engine reports them (vLLM's BlockStored does), with the parent of the first bloc
 keeps, per block hash, its own tokens and its parent, so an order's token sequence is rebuilt by
 walking each block's chain back to the root.
 
-Bounded: at most `max_tokens` tokens held (8 bytes each, in arrays), least recently used first
-out. A block is used when stored or walked; storing a block also touches its parent, so a chain
+Bounded: at most `max_tokens` tokens held (in arrays, 8 bytes each; with the per-block overhead
+about 22 bytes a token at 16-token blocks), least recently used first out. A block is used when stored or walked; storing a block also touches its parent, so a chain
 that keeps growing keeps its recent links. A chain whose ancestor was forgotten (or never
 reported) cannot be rebuilt: `tokens_for` says which block is missing, and the order fails with
 that reason.
@@ -38,7 +38,7 @@ class UnknownTokens(LookupError):
     """An order's tokens cannot be rebuilt; `str()` says which block is missing."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _Block:
     parent: BlockHash | None
     tokens: array
