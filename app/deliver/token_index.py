@@ -7,10 +7,10 @@ keeps, per block hash, its own tokens and its parent, so an order's token sequen
 walking each block's chain back to the root.
 
 Bounded: at most `max_tokens` tokens held (in arrays, 8 bytes each; with the per-block overhead
-about 22 bytes a token at 16-token blocks), least recently used first out. A block is used when stored or walked; storing a block also touches its parent, so a chain
-that keeps growing keeps its recent links. A chain whose ancestor was forgotten (or never
-reported) cannot be rebuilt: `tokens_for` says which block is missing, and the order fails with
-that reason.
+about 22 bytes a token at 16-token blocks), least recently used first out. A block is used when
+stored or walked; storing a block also touches its parent, so a chain that keeps growing keeps
+its recent links. A chain whose ancestor was forgotten (or never reported) cannot be rebuilt:
+`tokens_for` says which block is missing, and the order fails with that reason.
 
 Told from the engine's ingest observer (possibly on the store thread) and read by the sink on the
 event loop: one lock.
