@@ -54,10 +54,20 @@ CHAIN_TOKENS = [(7 * i) % 50_000 for i in range(len(CHAIN) * BLOCK_TOKENS)]
 STARTUP_SECONDS = 120.0
 
 
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports free now (held together while chosen, so never the same twice)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
 
 
 def _wait(url: str, ready: Any, proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -106,7 +116,7 @@ def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
     """A real `lmcache coordinator` and one `lmcache server` (CPU, no engine yet) registered
     with it as MP_INSTANCE."""
     logs = tmp_path_factory.mktemp("lmcache")
-    port, rpc_port, http_port = free_port(), free_port(), free_port()
+    port, rpc_port, http_port = free_ports(3)
     url = f"http://127.0.0.1:{port}"
     coord = _start(["coordinator", "--host", "127.0.0.1", "--port", str(port)], logs / "coord.log")
     server: subprocess.Popen[bytes] | None = None
