@@ -25,7 +25,8 @@ jittered backoff, and then the order fails with the last problem. Nothing here r
 planner but SinkClosed.
 
 `submit` checks each order's tokens at once and starts its calls in the background (at most
-`MAX_CONCURRENT_ORDERS` orders talk to the coordinator at a time); it returns the ids taken. A
+`MAX_CONCURRENT_ORDERS` orders talk to the coordinator at a time, and at most
+`MAX_PENDING_ORDERS` wait or talk: past that an order fails at once); it returns the ids taken. A
 cancel withdraws an order still waiting for its turn; one whose first call was made runs on
 (LMCache has no cancel). Ids are taken once per dedupe window, as every sink does.
 """
@@ -56,12 +57,16 @@ log = logging.getLogger(__name__)
 # Orders talking to the coordinator at once: enough to keep a plan's orders moving, few enough
 # that a burst does not open hundreds of connections to it.
 MAX_CONCURRENT_ORDERS = 32
+# Orders taken and not yet ended, at most: past it a new order fails at once ("backlog"), so a
+# coordinator that stopped answering cannot pile up orders (and their tokens) without bound.
+MAX_PENDING_ORDERS = 1024
 # What an order_progress reason may hold (kvprefetch_client.events.OrderProgress).
 MAX_REASON_CHARS = 1024
 # Why orders fail, as the metrics label them (a fixed set).
 FAILURE_KINDS = (
     "unknown_tokens",  # the token index cannot rebuild the order's tokens
     "too_short",  # fewer tokens than one LMCache chunk: nothing to do
+    "backlog",  # MAX_PENDING_ORDERS orders already waiting or running
     "no_layout",  # a prefetch's 503 from the MP server: no engine registered its KV layout
     "server_unavailable",  # another call's 503 from the MP server (no L2 tier, not initialized)
     "unknown_instance",  # the coordinator's 404: no MP server under that instance id
@@ -118,6 +123,7 @@ class LmcacheSink:
         backoff_seconds: float = 0.2,
         max_backoff_seconds: float = 2.0,
         dedupe_seconds: float = 3600.0,
+        max_pending_orders: int = MAX_PENDING_ORDERS,
         report: Reporter | None = None,
         metrics: LmcacheMetrics | None = None,
         now: Callable[[], float] = time.time,
@@ -141,6 +147,7 @@ class LmcacheSink:
         self.max_attempts = max_attempts
         self.backoff_seconds = backoff_seconds
         self.max_backoff_seconds = max_backoff_seconds
+        self.max_pending_orders = max_pending_orders
         self._report = report
         self._metrics = metrics
         self._now = now
@@ -185,6 +192,18 @@ class LmcacheSink:
             if not self._orders.add(order.order_id):
                 continue
             taken.append(order.order_id)
+            if len(self._jobs) >= self.max_pending_orders:
+                failed.append(
+                    (
+                        order,
+                        _Failed(
+                            "backlog",
+                            f"lmcache: {len(self._jobs)} orders already wait for or talk to the "
+                            f"coordinator {self.shown_url}",
+                        ),
+                    )
+                )
+                continue
             try:
                 tokens = self.tokens.tokens_for(order.block_hashes)
             except UnknownTokens as exc:

@@ -401,9 +401,9 @@ class Metrics:
         )
         self.lmcache_order_failures = Counter(
             "kvprefetch_lmcache_order_failures",
-            "Orders the lmcache sink failed, by why: unknown_tokens, too_short, no_layout (a "
-            "prefetch's 503 from the MP server), server_unavailable (another call's), "
-            "unknown_instance, refused, unreachable (tries spent), timeout, not_found, "
+            "Orders the lmcache sink failed, by why: unknown_tokens, too_short, backlog, "
+            "no_layout (a prefetch's 503 from the MP server), server_unavailable (another "
+            "call's), unknown_instance, refused, unreachable (tries spent), timeout, not_found, "
             "lmcache_error.",
             ["reason"],
             registry=r,

@@ -425,6 +425,23 @@ def test_an_unreachable_coordinator_fails_orders_after_bounded_retries() -> None
     asyncio.run(main())
 
 
+def test_past_its_pending_bound_an_order_fails_at_once() -> None:
+    async def main() -> None:
+        sink, reports, metrics = make_sink(f"http://127.0.0.1:{free_port()}", max_pending_orders=1)
+        try:
+            await sink.submit([pin_order("pin-7", ttl_seconds=60.0), pin_order("pin-8", 60.0)])
+            # Reported before submit returned, while pin-7 is still trying.
+            [(status, reason)] = reports.of("pin-8")
+            assert status == "failed" and reason is not None and "1 orders already" in reason
+            await sink.settle()
+        finally:
+            await sink.close()
+        assert sample(metrics, "kvprefetch_lmcache_order_failures_total", reason="backlog") == 1
+        assert [s for s, _ in reports.of("pin-7")] == ["failed"]
+
+    asyncio.run(main())
+
+
 # -- a prefetch end to end, LMCache's bench client as the engine --------------------------------
 
 
