@@ -113,7 +113,7 @@ def build_sink(
         if not settings.lmcache_model_name:
             raise ConfigError(
                 "KVP_ORDER_SINK=lmcache needs KVP_LMCACHE_MODEL_NAME, the model name LMCache's "
-                "servers registered their KV layout under (vLLM's served model)"
+                "servers registered their KV layout under (vLLM's --model)"
             )
         # Its report (where order_progress goes) is bound by the engine that builds it.
         return LmcacheSink(

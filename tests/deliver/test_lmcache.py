@@ -724,8 +724,14 @@ def test_the_engine_feeds_the_index_and_ingests_the_sinks_reports(tmp_path: Path
     asyncio.run(main())
 
 
-def test_build_sink_needs_the_model_name() -> None:
+def test_build_sink_needs_the_model_name_and_an_http_url() -> None:
     from app.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="KVP_LMCACHE_MODEL_NAME"):
         build_sink(Settings(order_sink="lmcache"))
+    with pytest.raises(ConfigError, match="KVP_LMCACHE_COORDINATOR_URL"):
+        build_sink(
+            Settings(
+                order_sink="lmcache", lmcache_model_name=MODEL, lmcache_coordinator_url="tcp://x"
+            )
+        )
