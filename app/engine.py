@@ -32,7 +32,7 @@ from app.decide.popularity import PrefixPopularity
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
 from app.decide.score_loop import Scorer
-from app.deliver import OrderSink, PullQueue, build_sink
+from app.deliver import LmcacheSink, OrderSink, PullQueue, build_sink
 from app.ingest.backlog import Backlog
 from app.ingest.eventlog import EventLog
 from app.ingest.ingestor import Ingestor, IngestResult, Observer
@@ -46,7 +46,7 @@ from app.predict.retrain import Retrainer
 from app.state import MemoryStore, StateStore, build_store
 from app.state.base import LogPosition, SessionView
 from app.state.storethread import StoreHealth, StoreThread
-from kvprefetch_client.events import Event
+from kvprefetch_client.events import Event, OrderProgress
 
 log = logging.getLogger("kvprefetch")
 
@@ -214,6 +214,9 @@ class Engine:
             observers.append(
                 self._on_loop(self.order_sink.observe) if self.offload else self.order_sink.observe
             )
+        if isinstance(self.order_sink, LmcacheSink):
+            # The blocks' tokens, which the sink turns orders into (LMCache is keyed by tokens).
+            observers.append(self.order_sink.tokens.observe)
         if self.guard is not None:  # before the outcomes: it looks each arrival up in its LRU
             observers.append(self.guard.observe)
         observers.append(outcome_observer(self.store, self.cluster, self._record_outcomes))
@@ -232,6 +235,11 @@ class Engine:
             observer=compose_observers([self.deployment.observe, self.backlog.put]),
             refused=self.metrics.events_refused,
         )
+        if isinstance(self.order_sink, LmcacheSink):
+            # Its outcomes come back as an agent's would: order_progress events, ingested.
+            self.order_sink.bind(
+                report=self._report_progress, metrics=self.metrics, now=self.clock.now
+            )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.probe_task: asyncio.Task[None] | None = None
@@ -266,6 +274,10 @@ class Engine:
         self._measured.record_outcomes(outcomes)
         if self.guard is not None:
             self.guard.record(outcomes, self.clock.now())
+
+    async def _report_progress(self, events: Sequence[OrderProgress]) -> None:
+        """A sink's own order_progress (the lmcache sink's), ingested on the store thread."""
+        await self.store_thread.run(self.ingest, events)
 
     async def _model_sample(self) -> list[SessionView]:
         """Live sessions a retrained model must answer for (as POST /v1/model/reload checks)."""

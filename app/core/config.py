@@ -254,7 +254,7 @@ class Settings(BaseSettings):
 
     # Where prefetch orders go (app/deliver): `pull` keeps them for agents to fetch with
     # GET /v1/orders and needs nothing else, so it is the default.
-    order_sink: Literal["memory", "webhook", "redis", "pull"] = "pull"
+    order_sink: Literal["memory", "webhook", "redis", "pull", "lmcache"] = "pull"
     # A resubmitted order id (or cancel) within this long is dropped by the sink.
     order_dedupe_seconds: int = Field(3600, ge=1)
     # The webhook sink's receiver; required when order_sink is webhook.
@@ -267,6 +267,27 @@ class Settings(BaseSettings):
     # longer than the maximum gives up at once instead of holding the scheduler.
     order_webhook_backoff_seconds: float = Field(0.2, ge=0)
     order_webhook_max_backoff_seconds: float = Field(5.0, ge=0)
+    # The lmcache sink (app/deliver/lmcache.py): LMCache's coordinator, and the model and world
+    # size its MP servers registered their KV layout under (LMCache keys content by them).
+    lmcache_coordinator_url: str = "http://127.0.0.1:9000"
+    lmcache_model_name: str = ""
+    lmcache_world_size: int = Field(1, ge=1)
+    # LMCache's per-tenant salt, applied to every order's keys ("" for none).
+    lmcache_cache_salt: str = Field("", max_length=256)
+    # Which tier a demote deletes from: l1 (the MP server's DRAM; L2 keeps its copy), l2, or all.
+    lmcache_demote_tier: Literal["l1", "l2", "all"] = "l1"
+    # How often a submitted prefetch is polled, and how long it may stay pending before it fails.
+    lmcache_poll_interval_seconds: float = Field(0.05, gt=0)
+    lmcache_prefetch_timeout_seconds: float = Field(30.0, gt=0)
+    # Per call: the wait for an answer, and tries (the first included) on connection errors,
+    # timeouts, 429 and 5xx other than the MP server's 503, with a doubling, capped backoff.
+    lmcache_timeout_seconds: float = Field(5.0, gt=0)
+    lmcache_max_attempts: int = Field(3, ge=1)
+    lmcache_backoff_seconds: float = Field(0.2, ge=0)
+    lmcache_max_backoff_seconds: float = Field(2.0, ge=0)
+    # The token index (app/deliver/token_index.py): tokens of stored blocks kept, least recently
+    # used out first; about 22 bytes a token with 16-token blocks, so about 90 MiB by default.
+    lmcache_token_index_max_tokens: int = Field(4_194_304, ge=1)
     # The Redis stream sink: stream <prefix>:orders, trimmed to about this many entries.
     order_stream_maxlen: int = Field(100_000, ge=1)
     # Defaults to <redis_prefix>:sink, since the state store owns <redis_prefix>:orders.

@@ -11,6 +11,9 @@ sinks:
   (`kvprefetch_client.agent.StreamSource` is the agents' side).
 - `PullQueue` (pull, the default): per-instance queues in this replica, leased to agents by
   GET /v1/orders.
+- `LmcacheSink` (lmcache): carried out by LMCache's coordinator over HTTP, each order's blocks
+  turned into tokens by a `TokenIndex` fed from kv_blocks_stored events; outcomes come back as
+  order_progress events (the engine binds where they go).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import TYPE_CHECKING
 from app.core.errors import ConfigError
 from app.core.redact import mask_url
 from app.deliver.base import OrderSink, SinkClosed, SinkError, SinkRejected, SinkUnavailable
+from app.deliver.lmcache import LmcacheSink
 from app.deliver.memory import InProcessSink
 from app.deliver.pull import Lease, PullQueue
 from app.deliver.redis_stream import (
@@ -28,6 +32,7 @@ from app.deliver.redis_stream import (
     cancel_key,
     stream_key,
 )
+from app.deliver.token_index import TokenIndex, UnknownTokens
 from app.deliver.webhook import WebhookSink
 
 if TYPE_CHECKING:
@@ -39,6 +44,7 @@ __all__ = [
     "GROUP",
     "InProcessSink",
     "Lease",
+    "LmcacheSink",
     "OrderSink",
     "PullQueue",
     "RedisStreamSink",
@@ -46,6 +52,8 @@ __all__ = [
     "SinkError",
     "SinkRejected",
     "SinkUnavailable",
+    "TokenIndex",
+    "UnknownTokens",
     "WebhookSink",
     "build_sink",
     "cancel_key",
@@ -56,8 +64,9 @@ __all__ = [
 def build_sink(
     settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None
 ) -> OrderSink:
-    """The sink KVP_ORDER_SINK names; call it on the event loop that will use it (the Redis and
-    webhook sinks' clients belong to that loop). `transport` is the webhook's, for tests."""
+    """The sink KVP_ORDER_SINK names; call it on the event loop that will use it (the Redis,
+    webhook and lmcache sinks' clients belong to that loop). `transport` is the HTTP sinks', for
+    tests."""
     kind = settings.order_sink
     dedupe = settings.order_dedupe_seconds
     if kind == "pull":
@@ -94,4 +103,35 @@ def build_sink(
             maxlen=settings.order_stream_maxlen,
             dedupe_seconds=dedupe,
         )
-    raise ConfigError(f"KVP_ORDER_SINK={kind!r} is not one of memory, webhook, redis, pull")
+    if kind == "lmcache":
+        url = settings.lmcache_coordinator_url
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"KVP_LMCACHE_COORDINATOR_URL must be an http:// or https:// URL, not "
+                f"{mask_url(url, keep_path=False)!r}"
+            )
+        if not settings.lmcache_model_name:
+            raise ConfigError(
+                "KVP_ORDER_SINK=lmcache needs KVP_LMCACHE_MODEL_NAME, the model name LMCache's "
+                "servers registered their KV layout under (vLLM's --model)"
+            )
+        # Its report (where order_progress goes) is bound by the engine that builds it.
+        return LmcacheSink(
+            url,
+            model_name=settings.lmcache_model_name,
+            world_size=settings.lmcache_world_size,
+            cache_salt=settings.lmcache_cache_salt,
+            tokens=TokenIndex(settings.lmcache_token_index_max_tokens),
+            demote_tier=settings.lmcache_demote_tier,
+            poll_interval_seconds=settings.lmcache_poll_interval_seconds,
+            prefetch_timeout_seconds=settings.lmcache_prefetch_timeout_seconds,
+            timeout_seconds=settings.lmcache_timeout_seconds,
+            max_attempts=settings.lmcache_max_attempts,
+            backoff_seconds=settings.lmcache_backoff_seconds,
+            max_backoff_seconds=settings.lmcache_max_backoff_seconds,
+            dedupe_seconds=dedupe,
+            transport=transport,
+        )
+    raise ConfigError(
+        f"KVP_ORDER_SINK={kind!r} is not one of memory, webhook, redis, pull, lmcache"
+    )

@@ -51,6 +51,8 @@ from prometheus_client import (
 )
 
 from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
+from app.deliver.lmcache import CALLS as LMCACHE_CALLS
+from app.deliver.lmcache import FAILURE_KINDS as LMCACHE_FAILURES
 from app.ingest.ingestor import CLOCK_SKEW, PAST_RETENTION
 from app.observe.judge import JudgeStats
 from app.observe.ledger import SLOTS, LedgerStats
@@ -389,6 +391,30 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        # app/deliver/lmcache.py: the lmcache sink's orders and its calls to the coordinator.
+        self.lmcache_orders = Counter(
+            "kvprefetch_lmcache_orders",
+            "Orders the lmcache sink carried to their end, by kind and outcome (completed, "
+            "failed).",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.lmcache_order_failures = Counter(
+            "kvprefetch_lmcache_order_failures",
+            "Orders the lmcache sink failed, by why: unknown_tokens, too_short, backlog, "
+            "no_layout (a prefetch's 503 from the MP server), server_unavailable (another "
+            "call's), unknown_instance, refused, unreachable (tries spent), timeout, not_found, "
+            "lmcache_error.",
+            ["reason"],
+            registry=r,
+        )
+        self.lmcache_retries = Counter(
+            "kvprefetch_lmcache_call_retries",
+            "Calls to LMCache's coordinator tried again (connection errors, timeouts, 429, 5xx), "
+            "by call: prefetch, poll, pin, unpin, delete.",
+            ["call"],
+            registry=r,
+        )
         self.inference_duration = Histogram(
             "kvprefetch_inference_duration_seconds",
             "Time to score one page of sessions with a model (features, model, planner rules).",
@@ -417,6 +443,13 @@ class Metrics:
             family.labels(
                 "prefetch"
             )  # the scheduler follows prefetches to their end; pins and demotes not
+        for kind in ORDER_KINDS:
+            for outcome in ("completed", "failed"):
+                self.lmcache_orders.labels(kind, outcome)
+        for reason in LMCACHE_FAILURES:
+            self.lmcache_order_failures.labels(reason)
+        for call in LMCACHE_CALLS:
+            self.lmcache_retries.labels(call)
         self._slot_started("live")
         for outcome in ("promoted", "discarded", "failed", "skipped"):
             self.retrain_runs.labels(outcome)
@@ -519,6 +552,15 @@ class Metrics:
     def events_refused(self, reason: str, n: int) -> None:
         """The ingestor's hook (app/ingest/ingestor.py): `n` events refused for their ts."""
         self.events_refused_by_time.labels(reason).inc(n)
+
+    def lmcache_order_ended(self, kind: str, failure: str | None) -> None:
+        """The lmcache sink's hook: an order ended, completed (`failure` None) or failed."""
+        self.lmcache_orders.labels(kind, "completed" if failure is None else "failed").inc()
+        if failure is not None:
+            self.lmcache_order_failures.labels(failure).inc()
+
+    def lmcache_call_retried(self, call: str) -> None:
+        self.lmcache_retries.labels(call).inc()
 
     def batch_refused(self, status_code: int) -> None:
         self.batches_refused.labels(str(status_code)).inc()

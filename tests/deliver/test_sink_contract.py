@@ -1,11 +1,16 @@
 """One contract, every sink: memory, webhook (a real local HTTP server), redis (the real server,
 a prefix per test) and pull. What each sink delivered is read the way its consumers read it: for
-the sinks that deliver per instance (redis, pull), by one consumer per instance."""
+the sinks that deliver per instance (redis, pull), by one consumer per instance.
+
+The lmcache sink carries orders out rather than passing them on: what it delivered is what it
+reported (an order_progress per order). It keeps the once-per-id, close and empty-submit parts
+(`any_case`); orders arriving intact and cancels being delivered are not its to keep (LMCache
+receives tokens, and has no cancel: tests/deliver/test_lmcache.py checks its own)."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,13 +19,16 @@ import pytest
 
 from app.deliver import (
     InProcessSink,
+    LmcacheSink,
     OrderSink,
     PullQueue,
     RedisStreamSink,
     SinkClosed,
+    TokenIndex,
     WebhookSink,
 )
 from kvprefetch_client.agent import StreamSource
+from kvprefetch_client.events import OrderProgress
 from kvprefetch_client.orders import Cancel, Order, message_adapter
 from tests.deliver.conftest import order
 
@@ -75,13 +83,43 @@ def case(request: pytest.FixtureRequest) -> Case:
     return _case(request, request.param)
 
 
+# Every sink, the lmcache one included: for the parts of the contract it keeps.
+@pytest.fixture(params=["memory", "webhook", "redis", "pull", "lmcache"])
+def any_case(request: pytest.FixtureRequest) -> Case:
+    return _case(request, request.param)
+
+
 # The sinks that keep a feed per instance (memory and webhook carry every instance's orders in one).
 @pytest.fixture(params=["redis", "pull"])
 def per_instance_case(request: pytest.FixtureRequest) -> Case:
     return _case(request, request.param)
 
 
+def _lmcache_case() -> Case:
+    """Nothing listens at its coordinator URL and its token index is empty: every order fails
+    at once, reported before `submit` returns, without a call. What it delivered is read from
+    those reports (the contract compares ids)."""
+    reports: list[OrderProgress] = []
+    taken = [0]
+
+    async def report(events: Sequence[OrderProgress]) -> None:
+        reports.extend(events)
+
+    def read(_: OrderSink) -> list[Order | Cancel]:
+        fresh, taken[0] = reports[taken[0] :], len(reports)
+        return [order(e.order_id) for e in fresh if e.status != "accepted"]
+
+    return Case(
+        open=lambda: LmcacheSink(
+            "http://127.0.0.1:9", model_name="m", tokens=TokenIndex(1000), report=report
+        ),
+        read=read,
+    )
+
+
 def _case(request: pytest.FixtureRequest, name: str) -> Case:
+    if name == "lmcache":
+        return _lmcache_case()
     if name == "memory":
         return Case(open=InProcessSink, read=lambda s: s.drain())
     if name == "pull":
@@ -120,7 +158,8 @@ def ids(orders: list[Order]) -> list[str]:
     return [o.order_id for o in orders]
 
 
-def test_a_resubmitted_order_is_delivered_once(case: Case) -> None:
+def test_a_resubmitted_order_is_delivered_once(any_case: Case) -> None:
+    case = any_case
     # Later start_by for later ids, so every sink's order of delivery is the submission order.
     a, b, c = (order(i, start_by_ts=10.0 + n / 10) for n, i in enumerate("abc"))
 
@@ -148,7 +187,9 @@ def test_cancels_are_delivered_once(case: Case) -> None:
     case.run(body)
 
 
-def test_close_is_idempotent_and_final(case: Case) -> None:
+def test_close_is_idempotent_and_final(any_case: Case) -> None:
+    case = any_case
+
     async def body(sink: OrderSink) -> None:
         await sink.submit([order("a")])
         await sink.close()
@@ -207,7 +248,9 @@ def test_orders_arrive_intact(case: Case) -> None:
     case.run(body)
 
 
-def test_an_empty_submit_delivers_nothing(case: Case) -> None:
+def test_an_empty_submit_delivers_nothing(any_case: Case) -> None:
+    case = any_case
+
     async def body(sink: OrderSink) -> None:
         assert await sink.submit([]) == []
         assert await sink.cancel([]) == []
