@@ -24,10 +24,12 @@ run: $(STAMP)
 TEST_WORKERS ?= 2
 
 # The dashboard's browser test needs Debian's chromium, the /metrics test promtool (Debian's
-# prometheus package): each installed first when missing (needs root), a failure where it can't be.
+# prometheus package), the LMCache sink's tests a real coordinator (its own venv, .venv-lmcache):
+# each installed first when missing (needs root for apt), a failure where it can't be.
 test: $(STAMP) lint
 	bash .ci/ensure-chromium
 	bash .ci/ensure-promtool
+	bash .ci/ensure-lmcache
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # Style, lint (the 100 columns included) and types: each fails make test.
@@ -54,4 +56,4 @@ model: $(STAMP)
 	$(PY) -m training.bundle --out models/default
 
 clean:
-	rm -rf $(VENV) var .pytest_cache
+	rm -rf $(VENV) .venv-lmcache var .pytest_cache
