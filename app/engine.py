@@ -170,6 +170,7 @@ class Engine:
             scheduler=self.scheduler,
             routes=self.routes.estimate,
             popularity=self.popularity,
+            deployment=self.deployment,
             observe_seconds=self.metrics.scored,
             thresholds=self.thresholds,
             guard=self.guard,

@@ -99,6 +99,7 @@ def make_policy(
             predictor,
             routes=SameInstanceEstimate(),
             popularity=engine.popularity if engine is not None else None,
+            deployment=engine.deployment if engine is not None else None,
             **(planner_options or {}),
         )
         return PlannedPolicy(

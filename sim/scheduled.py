@@ -78,6 +78,7 @@ class ScheduledPolicy(PlannedPolicy):
                 engine.models.serving.predictor,
                 routes=engine.routes.estimate,
                 popularity=engine.popularity,
+                deployment=engine.deployment,
                 **engine.thresholds.advisor_options(),
             ),
             session_view,

@@ -18,6 +18,7 @@ import numpy as np
 
 from app.decide.popularity import PrefixPopularity
 from app.decide.routing import SameInstanceEstimate
+from app.predict.features import DeploymentSignals
 from app.predict.predictors import Predictor
 from app.state.base import SessionView
 from kvprefetch_client.events import BlockHash
@@ -110,9 +111,13 @@ class Advisor:
         max_idle_seconds: float = MAX_IDLE_SECONDS,
         routes: SameInstanceEstimate | None = None,
         popularity: PrefixPopularity | None = None,
+        deployment: DeploymentSignals | None = None,
     ) -> None:
         self.predictor = predictor
         self.popularity = popularity
+        # What this deployment's signals have been worth: a fresh signal's chance is at least
+        # its kind's (decisions 22).
+        self.deployment = deployment
         # None: every return lands where the context is (a sticky router).
         self.routes = routes
         self.keep_horizon_seconds = keep_horizon_seconds
@@ -155,11 +160,15 @@ class Advisor:
         grid = np.maximum.accumulate(
             np.clip(self.predictor.p_within(live, now, horizons), 0.0, 1.0), axis=1
         )
-        if self.routes is not None:
-            grid *= self.routes.p_same
+        p_same = self.routes.p_same if self.routes is not None else 1.0
+        grid *= p_same
         out = []
         for view, curve in zip(live, grid):
             p_soon, p_keep, p_return = (float(curve[j]) for j in self._at)
+            needed_in = self._needed_in(curve, p_soon)
+            floor = self._signal_floor(view, now) * p_same
+            if floor > p_soon:  # the signal says more than the model read in it: fetch at once
+                p_soon, needed_in = floor, 0.0
             retention: Retention = (
                 "keep"
                 if p_keep >= self.keep_min_p
@@ -179,7 +188,7 @@ class Advisor:
                     p_return,
                     p_soon >= self.prefetch_min_p,
                     self._shared_blocks(view, now),
-                    self._needed_in(curve, p_soon),
+                    needed_in,
                 )
             )
         return out + queued
@@ -214,6 +223,18 @@ class Advisor:
         return any(
             s.ts >= view.last_activity_ts and now - s.ts <= self.lead_seconds for s in view.signals
         )
+
+    def _signal_floor(self, view: SessionView, now: float) -> float:
+        """P(back within the lead) at least as sure as this deployment's record for the kind of
+        the session's latest signal this idle spell, when it is within the lead: the model was
+        trained on a few signal settings and under-reads a kind far more reliable here than in
+        them (with a signal before every turn, `opened` got a median chance of 0.5)."""
+        if self.deployment is None or not view.signals:
+            return 0.0
+        latest = view.signals[-1]
+        if latest.ts < view.last_activity_ts or now - latest.ts > self.lead_seconds:
+            return 0.0
+        return self.deployment.followed_lower_bound(latest.kind)
 
     def _needed_in(self, curve: np.ndarray, p_soon: float) -> float:
         """When a prefetch for the lead must have landed: by the time NEEDED_SHARE of the returns

@@ -25,6 +25,7 @@ from app.decide.popularity import PrefixPopularity
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler
 from app.observe.ledger import AdviceLedger
+from app.predict.features import DeploymentSignals
 from app.predict.predictors import Predictor
 from app.predict.registry import ModelRegistry
 from app.state.base import SessionCursor, SessionView, StateStore, cursor_of
@@ -40,7 +41,8 @@ class Scorer:
     """`scheduler`, when given, takes the serving model's advice too (the shadow's never);
         `routes` weighs the advice by where returns land (app/decide/routing.py); `guard`, where the
     advice lost to LRU, hands the scheduler LRU's instead (app/decide/guard.py); `popularity`, which
-    context heads other sessions share (never demoted: app/decide/popularity.py); `observe_seconds`,
+    context heads other sessions share (never demoted: app/decide/popularity.py); `deployment`,
+    what each kind of signal has been worth here (a fresh one's floor); `observe_seconds`,
         when given, is told each model's time to score the page (slot, seconds), after its advice is
         recorded (the metrics' latency histogram); `thresholds`, the advisor's (the settings')."""
 
@@ -55,6 +57,7 @@ class Scorer:
         scheduler: Scheduler | None = None,
         routes: SameInstanceEstimate | None = None,
         popularity: PrefixPopularity | None = None,
+        deployment: DeploymentSignals | None = None,
         observe_seconds: Callable[[str, float], None] | None = None,
         thresholds: Thresholds | None = None,
         guard: LruGuard | None = None,
@@ -70,6 +73,7 @@ class Scorer:
         self.scheduler = scheduler
         self.routes = routes
         self.popularity = popularity
+        self.deployment = deployment
         self.observe_seconds = observe_seconds
         self._cursor: SessionCursor | None = None
         # Sessions with news (a request just finished, or a signal came): advised at the next
@@ -95,6 +99,7 @@ class Scorer:
             predictor,
             routes=self.routes,
             popularity=self.popularity,
+            deployment=self.deployment,
             **self.thresholds.advisor_options(),
         )
 

@@ -225,6 +225,21 @@ class DeploymentSignals:
             *(f / j if j > 0.0 else NAN for f, j in zip(self._followed, self._judged)),
         ]
 
+    def followed_lower_bound(self, kind: str, z: float = 2.0) -> float:
+        """How surely a signal of `kind` is followed here by an arrival within the follow window:
+        the Wilson lower bound (z standard errors) of its followed share, its decayed count of
+        judged signals taken as the sample size; 0 for a kind none of whose signals was judged.
+        A bound, not the share: a few lucky signals must not make a kind look reliable."""
+        column = signal_kind_column(kind)
+        n = self._judged[column]
+        if n <= 0.0:
+            return 0.0
+        share = min(self._followed[column] / n, 1.0)
+        z2 = z * z
+        centre = share + z2 / (2 * n)
+        spread = z * math.sqrt(share * (1 - share) / n + z2 / (4 * n * n))
+        return max((centre - spread) / (1 + z2 / n), 0.0)
+
 
 def deployment_features(deployment: DeploymentSignals | None) -> list[float]:
     """DEPLOYMENT_FEATURES of `deployment`, NaN for every one without it (a caller that keeps

@@ -236,3 +236,41 @@ def test_a_long_idle_session_is_scored_again_when_a_signal_comes() -> None:
     assert advice.prefetch
     stale = quiet.model_copy(update={"signals": [SignalView(ts=20.0, kind="opened")]})
     assert planner.advise([stale], 100.0) == []  # a signal older than the lead says little
+
+
+def test_a_fresh_signal_is_at_least_as_sure_as_its_kind_has_been_here() -> None:
+    """The model under-reads a kind far more reliable in this deployment than in its training
+    (it saw `opened` mostly as a false alarm): the deployment's record for the kind is a floor,
+    for a signal this idle spell within the lead, and an unreliable kind lifts nothing."""
+    from app.predict.features import DeploymentSignals
+    from app.state.base import SignalView
+
+    deployment = DeploymentSignals(window_seconds=1e12)
+    for i in range(40):  # here, opened is always followed; typing, one time in ten
+        deployment.signal(f"o{i}", 10.0 * i, "opened")
+        deployment.arrival(f"o{i}", 10.0 * i + 3.0)
+        deployment.signal(f"t{i}", 10.0 * i, "typing")
+        if i % 10 == 0:
+            deployment.arrival(f"t{i}", 10.0 * i + 3.0)
+    planner = Advisor(Fixed({"s": (0.2, 10.0)}), deployment=deployment)
+    quiet = view("s", last=950.0)
+
+    def advice_with(kind: str, ts: float) -> tuple[float, bool, float | None]:
+        v = quiet.model_copy(update={"signals": [SignalView(ts=ts, kind=kind)]})
+        (a,) = planner.advise([v], 1000.0)
+        return a.p_soon, a.prefetch, a.needed_in_seconds
+
+    p, prefetch, needed_in = advice_with("opened", 998.0)
+    assert p == deployment.followed_lower_bound("opened") and 0.9 < p < 1.0
+    assert prefetch and needed_in == 0.0  # fetched at once
+    assert advice_with("typing", 998.0)[:2] == (0.2, False)  # the model's own reading stands
+    assert advice_with("opened", 900.0)[:2] == (0.2, False)  # older than the lead
+    assert advice_with("opened", 940.0)[:2] == (0.2, False)  # before the last request: spent
+    assert (
+        Advisor(Fixed({"s": (0.2, 10.0)}))
+        .advise(
+            [quiet.model_copy(update={"signals": [SignalView(ts=998.0, kind="opened")]})], 1000.0
+        )[0]
+        .p_soon
+        == 0.2
+    )  # no deployment record: no floor

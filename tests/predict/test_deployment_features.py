@@ -205,3 +205,24 @@ def test_a_model_trained_before_the_deployment_features_still_serves(tmp_path: P
     assert full.shape[1] == len(FEATURES)
     expected = booster.predict(full[:, [FEATURES.index(n) for n in old]]).reshape(2, 2)
     np.testing.assert_allclose(model.p_within(sessions, 260.0, (30.0, 300.0)), expected)
+
+
+def test_a_kind_s_lower_bound_needs_evidence_and_stays_below_its_share() -> None:
+    tracker = DeploymentSignals(window_seconds=1e12)
+    assert tracker.followed_lower_bound("opened") == 0.0  # nothing judged yet
+    tracker.signal("a", 0.0, "opened")
+    tracker.arrival("a", 1.0)
+    one = tracker.followed_lower_bound("opened")
+    assert 0.0 < one < 0.5  # one followed signal is no record
+    for i in range(200):
+        tracker.signal(f"s{i}", 10.0 * i, "opened")
+        tracker.arrival(f"s{i}", 10.0 * i + 1.0)
+    many = tracker.followed_lower_bound("opened")
+    assert one < many < 1.0 and many > 0.95
+    for i in range(200):  # typing: one in four followed
+        tracker.signal(f"t{i}", 3000.0 + 10.0 * i, "typing")
+        if i % 4 == 0:
+            tracker.arrival(f"t{i}", 3000.0 + 10.0 * i + 1.0)
+    tracker.arrival("late", 3000.0 + 10.0 * 200 + SIGNAL_FOLLOW_SECONDS + 1)  # judges the rest
+    typing = tracker.followed_lower_bound("typing")
+    assert 0.15 < typing < features(tracker)["deployment_typing_followed_share"] <= 0.26
