@@ -155,9 +155,7 @@ def test_a_pin_needs_the_block_on_the_segment_then_pins_it_with_the_orders_ttl(
     assert rig.segment_bytes_of(1) == pattern(store_key(NS, 1), BLOCK_BYTES)
 
 
-def test_a_demote_drops_the_segments_replica_and_keeps_the_pools(
-    rig: Rig, holder: Holder
-) -> None:
+def test_a_demote_drops_the_segments_replica_and_keeps_the_pools(rig: Rig, holder: Holder) -> None:
     put_blocks(holder, [1, 2])
     assert rig.run(order("o1", [1, 2])).status == "completed"
     done = rig.run(order("d1", [1], kind="demote"))
