@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -45,10 +46,14 @@ T = TypeVar("T")
 
 # Mooncake's ErrorCode values (mooncake-store types.h); the Python binding returns plain ints.
 OBJECT_NOT_FOUND = -704
+OBJECT_HAS_REPLICATION_TASK = -708
 REPLICA_ALREADY_EXISTS = -711
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
 _UNREACHABLE_CODES = frozenset({RPC_FAIL, RPC_TIMEOUT})
+# A task that failed so is worth creating again: another task held the object (one a dead agent
+# left), or the master gave up waiting on it.
+_RETRIED_TASK_FAILURES = re.compile(r"OBJECT_HAS_REPLICATION_TASK|timeout", re.IGNORECASE)
 _HEALTH_MASTER_UNREACHABLE = 2  # MooncakeDistributedStore.health_check()
 # Segment names remembered as landed, for the status file.
 _LANDED_KEPT = 10_000
@@ -289,45 +294,64 @@ class MooncakeTier:
     ) -> tuple[list[BlockHash], float, str | None]:
         """Create a task per block (all at once: the master runs them side by side), then query
         them until each ends: (the blocks done, seconds from the first created to the last seen
-        done, a failure or None)."""
+        done, a failure or None).
+
+        A block with another replication task under way (one a dead agent left, until the
+        master times it out) is tried again every `retry_seconds`, until `task_timeout_seconds`.
+        """
         t0 = self._timer()
         last_done = t0
+        deadline = t0 + self.settings.task_timeout_seconds
         done: list[BlockHash] = []
         tasks: dict[BlockHash, Any] = {}
-        for h in hashes:
-            key = store_key(self.settings.namespace, h)
+        to_create: dict[BlockHash, float] = dict.fromkeys(hashes, t0)  # hash -> when to try
+        busy: dict[BlockHash, str] = {}
+        while to_create or tasks:
+            now = self._timer()
+            for h, when in list(to_create.items()):
+                if when > now:
+                    continue
+                del to_create[h]
+                key = store_key(self.settings.namespace, h)
 
-            def make(store: Any, key: str = key) -> tuple[Any, int]:
-                task, err = create(store, key)
-                if err in _UNREACHABLE_CODES:
-                    raise _Unreachable(f"create {kind} task: error {err}")
-                return task, err
+                def make(store: Any, key: str = key) -> tuple[Any, int]:
+                    task, err = create(store, key)
+                    if err in _UNREACHABLE_CODES:
+                        raise _Unreachable(f"create {kind} task: error {err}")
+                    return task, err
 
-            task, err = self._retrying(f"creating a {kind} task", make)
-            if err == REPLICA_ALREADY_EXISTS:
-                done.append(h)  # someone did it meanwhile
-                continue
-            if err != 0:
-                return done, 0.0, f"{kind} of block {h!r} ({key}) refused: error {err}"
-            tasks[h] = task
-        deadline = t0 + self.settings.task_timeout_seconds
-        store = self._store
-        while tasks:
+                task, err = self._retrying(f"creating a {kind} task", make)
+                if err == REPLICA_ALREADY_EXISTS:
+                    done.append(h)  # someone did it meanwhile
+                elif err == OBJECT_HAS_REPLICATION_TASK:
+                    busy[h] = f"error {err}"
+                    to_create[h] = now + self.settings.retry_seconds
+                elif err != 0:
+                    return done, 0.0, f"{kind} of block {h!r} ({key}) refused: error {err}"
+                else:
+                    tasks[h] = task
             for h, task in list(tasks.items()):
-                state, message = self._task_state(store, task)
+                state, message = self._task_state(self._store, task)
                 if state == "SUCCESS":
                     del tasks[h]
                     done.append(h)
                     last_done = self._timer()
+                elif state == "FAILED" and _RETRIED_TASK_FAILURES.search(message):
+                    log.info("%s of block %r: %s; trying again", kind, h, message)
+                    del tasks[h]
+                    busy[h] = message
+                    to_create[h] = self._timer() + self.settings.retry_seconds
                 elif state == "FAILED":
                     return done, last_done - t0, f"{kind} of block {h!r} failed: {message}"
-            if tasks:
+            if to_create or tasks:
                 if self._timer() > deadline:
+                    left = list(tasks) + list(to_create)
+                    why = "; another replication task holds it" if set(left) & set(busy) else ""
                     return (
                         done,
                         last_done - t0,
-                        f"{kind} of block {name_blocks(list(tasks))} not done after "
-                        f"{self.settings.task_timeout_seconds:g} s",
+                        f"{kind} of block {name_blocks(left)} not done after "
+                        f"{self.settings.task_timeout_seconds:g} s{why}",
                     )
                 self._sleep(self.settings.poll_seconds)
         return done, last_done - t0, None

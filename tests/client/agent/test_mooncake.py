@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
+from bench.mooncake_cluster import Holder, Master, free_port, pattern
 from kvprefetch_client.agent.mooncake import MooncakeSettings, MooncakeTier, store_key
 from kvprefetch_client.agent.runner import Agent
 from tests.client.agent.fakes import FakeClock, FakeReporter, FakeSource, order
-from tests.client.agent.mooncake_cluster import Holder, Master, free_port, pattern
 
 NS = "t"
 BLOCK_BYTES = 1 << 20

@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 import redis
 
+from bench.mooncake_cluster import REPO, Holder, Master, free_port
 from kvprefetch_client.agent.consumer import GROUP, default_stream_prefix, stream_key
 from kvprefetch_client.agent.mooncake import store_key
-from tests.client.agent.mooncake_cluster import REPO, Holder, Master, free_port
 from tests.client.agent.test_mooncake import NS
 from tests.e2e.test_agent_e2e import prefetch
 
@@ -162,7 +162,12 @@ def wait_for(condition: Callable[[], Any], what: str, *agents: AgentProcess) -> 
 
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[Master, Holder, Recorder]]:
-    master = Master(tmp_path)
+    # A dead client's copy tasks hold their objects until the master gives up on them (300 s by
+    # default): the redelivered order waits for that, so the test shortens it.
+    master = Master(
+        tmp_path,
+        flags=("--client_ttl=2", "--pending_task_timeout_sec=3", "--processing_task_timeout_sec=3"),
+    )
     master.start()
     holder = Holder(master, tmp_path)
     recorder = Recorder()

@@ -1,7 +1,8 @@
-"""A real Mooncake cluster on loopback TCP for the tests and the bench: a `mooncake_master` (with
-its HTTP metadata server) and a pool holder, a store process of its own that puts blocks.
+"""A real Mooncake cluster on loopback TCP for the bench (bench/mooncake.py) and the tests: a
+`mooncake_master` (with its HTTP metadata server) and a pool holder, a store process of its own
+that puts blocks.
 
-The holder (`python -m tests.client.agent.mooncake_cluster holder ...`) reads commands on stdin:
+The holder (`python -m bench.mooncake_cluster holder ...`) reads commands on stdin:
 `put <key> <size>` puts `pattern(key, size)` with its own segment preferred and answers
 `ok <rc>`; `health` answers `ok <health_check>`. It exits when stdin closes.
 """
@@ -18,7 +19,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 START_LIMIT_SECONDS = 30.0
 
 
@@ -45,12 +46,13 @@ def master_binary() -> str:
 class Master:
     """A mooncake_master on ports chosen once, so a restart comes back at the same address."""
 
-    def __init__(self, work: Path, lease_ms: int = 200) -> None:
+    def __init__(self, work: Path, lease_ms: int = 200, flags: tuple[str, ...] = ()) -> None:
         self.work = work
         self.rpc_port = free_port()
         self.http_port = free_port()
         self.metrics_port = free_port()
         self.lease_ms = lease_ms
+        self.flags = flags
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
 
@@ -77,6 +79,7 @@ class Master:
                 f"--metrics_port={self.metrics_port}",
                 # Short leases, so a test's demote need not wait the default 10 s after a read.
                 f"--default_kv_lease_ttl={self.lease_ms}",
+                *self.flags,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -120,7 +123,7 @@ class Holder:
             [
                 sys.executable,
                 "-m",
-                "tests.client.agent.mooncake_cluster",
+                "bench.mooncake_cluster",
                 "holder",
                 master.address,
                 master.metadata_url,
