@@ -6,6 +6,8 @@ test_mooncake_agents.py run the agent as processes)."""
 from __future__ import annotations
 
 import ctypes
+import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,15 +144,25 @@ def test_a_missing_block_fails_the_order_with_its_name(rig: Rig, holder: Holder)
     assert done.status == "failed" and "99" in done.reason and "not in the mooncake" in done.reason
 
 
+def soft_pinned_keys(master: Master) -> int:
+    """The master's own count of soft-pinned keys (its /metrics)."""
+    url = f"http://127.0.0.1:{master.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        text = answer.read().decode()
+    return int(float(re.search(r"^master_soft_pin_key_count (\S+)$", text, re.M)[1]))  # type: ignore[index]
+
+
 def test_a_pin_needs_the_block_on_the_segment_then_pins_it_with_the_orders_ttl(
-    rig: Rig, holder: Holder
+    rig: Rig, holder: Holder, master: Master
 ) -> None:
     put_blocks(holder, [1, 2])
     refused = rig.run(order("p0", [1], kind="pin", ttl_seconds=30.0))
     assert refused.status == "failed" and "cannot pin" in refused.reason
     assert rig.run(order("o1", [1])).status == "completed"
+    assert soft_pinned_keys(master) == 0
     pinned = rig.run(order("p1", [1], kind="pin", ttl_seconds=30.0))
     assert (pinned.status, pinned.bytes) == ("completed", BLOCK_BYTES)
+    assert soft_pinned_keys(master) == 1
     # The re-put kept the bytes where they were.
     assert rig.segment_bytes_of(1) == pattern(store_key(NS, 1), BLOCK_BYTES)
 
