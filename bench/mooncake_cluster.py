@@ -66,8 +66,16 @@ class Master:
 
     def start(self) -> None:
         self.starts += 1
-        log = open(self.work / f"master-{self.starts}.log", "wb")  # noqa: SIM115 (the process keeps it)
-        self.proc = subprocess.Popen(
+        with open(self.work / f"master-{self.starts}.log", "wb") as log:
+            self.proc = self._popen(log)
+        deadline = time.monotonic() + START_LIMIT_SECONDS
+        while not _answers(self.rpc_port) or not _answers(self.http_port):
+            assert self.proc.poll() is None, f"mooncake_master exited: {self.log_tail()}"
+            assert time.monotonic() < deadline, "mooncake_master did not start"
+            time.sleep(0.05)
+
+    def _popen(self, log: IO[bytes]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             [
                 master_binary(),
                 f"--rpc_port={self.rpc_port}",
@@ -86,11 +94,6 @@ class Master:
             stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
-        deadline = time.monotonic() + START_LIMIT_SECONDS
-        while not _answers(self.rpc_port) or not _answers(self.http_port):
-            assert self.proc.poll() is None, f"mooncake_master exited: {self.log_tail()}"
-            assert time.monotonic() < deadline, "mooncake_master did not start"
-            time.sleep(0.05)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -118,8 +121,16 @@ class Holder:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "client")])
         self.log_path = work / "holder.log"
-        log = open(self.log_path, "wb")  # noqa: SIM115 (the process keeps it)
-        self.proc = subprocess.Popen(
+        with open(self.log_path, "wb") as log:
+            self.proc = self._popen(master, env, log, segment_bytes)
+        line = self._line()
+        assert line.startswith("ready "), f"holder did not start: {line!r} {self.log_tail()}"
+        self.segment = line.split()[1]
+
+    def _popen(
+        self, master: Master, env: dict[str, str], log: IO[bytes], segment_bytes: int
+    ) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -137,9 +148,6 @@ class Holder:
             env=env,
             start_new_session=True,
         )
-        line = self._line()
-        assert line.startswith("ready "), f"holder did not start: {line!r} {self.log_tail()}"
-        self.segment = line.split()[1]
 
     def _line(self) -> str:
         assert self.proc.stdout is not None
@@ -168,6 +176,8 @@ class Holder:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-2000:]

@@ -120,6 +120,7 @@ def put_blocks(holder: Holder, hashes: list[Any], size: int = BLOCK_BYTES) -> No
         assert holder.put(store_key(NS, h), size) == 0
 
 
+@pytest.mark.slow
 def test_a_prefetch_copies_the_blocks_into_the_segment_and_reports_the_time_to_last_byte(
     rig: Rig, holder: Holder
 ) -> None:
@@ -138,6 +139,7 @@ def test_a_prefetch_copies_the_blocks_into_the_segment_and_reports_the_time_to_l
     assert rig.agent.status()["buffer_blocks"] == blocks
 
 
+@pytest.mark.slow
 def test_a_missing_block_fails_the_order_with_its_name(rig: Rig, holder: Holder) -> None:
     put_blocks(holder, [1])
     done = rig.run(order("o1", [1, 99]))
@@ -152,6 +154,7 @@ def soft_pinned_keys(master: Master) -> int:
     return int(float(re.search(r"^master_soft_pin_key_count (\S+)$", text, re.M)[1]))  # type: ignore[index]
 
 
+@pytest.mark.slow
 def test_a_pin_needs_the_block_on_the_segment_then_pins_it_with_the_orders_ttl(
     rig: Rig, holder: Holder, master: Master
 ) -> None:
@@ -167,6 +170,7 @@ def test_a_pin_needs_the_block_on_the_segment_then_pins_it_with_the_orders_ttl(
     assert rig.segment_bytes_of(1) == pattern(store_key(NS, 1), BLOCK_BYTES)
 
 
+@pytest.mark.slow
 def test_a_demote_drops_the_segments_replica_and_keeps_the_pools(rig: Rig, holder: Holder) -> None:
     put_blocks(holder, [1, 2])
     assert rig.run(order("o1", [1, 2])).status == "completed"
@@ -178,6 +182,7 @@ def test_a_demote_drops_the_segments_replica_and_keeps_the_pools(rig: Rig, holde
     assert rig.run(order("o2", [1])).bytes == BLOCK_BYTES
 
 
+@pytest.mark.slow
 def test_an_unreachable_master_fails_orders_with_the_reason_after_bounded_tries(
     tmp_path: Path,
 ) -> None:
@@ -199,6 +204,7 @@ def test_an_unreachable_master_fails_orders_with_the_reason_after_bounded_tries(
         tier.close()
 
 
+@pytest.mark.slow
 def test_a_restarted_master_fails_orders_meanwhile_and_serves_them_after(
     rig: Rig, holder: Holder, master: Master
 ) -> None:

@@ -184,6 +184,7 @@ def replica_segments(master: Master, key: str) -> list[str]:
     return [r["transport_endpoint_"] for r in doc.get("data", [])]
 
 
+@pytest.mark.slow
 @pytest.mark.redis
 def test_an_agent_killed_mid_copy_leaves_the_order_to_another_that_does_it_once(
     cluster: tuple[Master, Holder, Recorder],
