@@ -24,12 +24,14 @@ run: $(STAMP)
 TEST_WORKERS ?= 2
 
 # The dashboard's browser test needs Debian's chromium, the /metrics test promtool (Debian's
-# prometheus package), the LMCache sink's tests a real coordinator (its own venv, .venv-lmcache):
+# prometheus package), the LMCache sink's tests a real coordinator (its own venv, .venv-lmcache),
+# the Mooncake tier's a real master and store (Debian's libibverbs1, the wheel in the venv):
 # each installed first when missing (needs root for apt), a failure where it can't be.
 test: $(STAMP) lint
 	bash .ci/ensure-chromium
 	bash .ci/ensure-promtool
 	bash .ci/ensure-lmcache
+	VENV=$(VENV) bash .ci/ensure-mooncake
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # Style, lint (the 100 columns included) and types: each fails make test.

@@ -153,6 +153,19 @@ def bench_predict(
     _print_result(run(sessions=sessions, rounds=rounds, model_dir=model), as_json)
 
 
+@bench_cli.command("mooncake")
+def bench_mooncake(
+    context_bytes: Annotated[int, typer.Option(min=1, help="The context's bytes.")] = 32 << 20,
+    blocks: Annotated[int, typer.Option(min=1, help="Objects the context is stored as.")] = 1,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds (medians).")] = 7,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The Mooncake agent's time to last byte for a context, beside a plain get of it."""
+    from bench.mooncake import run
+
+    _print_result(run(context_bytes=context_bytes, blocks=blocks, rounds=rounds), as_json)
+
+
 @bench_cli.command("plan")
 def bench_plan(
     sessions: Annotated[

@@ -5,7 +5,9 @@ It reads orders from its instance's Redis Stream
 `<KVP_REDIS_PREFIX>:sink:orders:<instance_id>`) or from the service's pull endpoint, moves blocks
 from a pool directory (one file per block) into a bounded in-memory buffer standing for its
 instance's HBM, honours start times, pins and demotes, and reports progress and residency to the
-service. `kvprefetch agent` runs it; docs/agents/reference-agent.md says what it promises.
+service. That pair is one `Tier` (tier.py); `MooncakeTier` (mooncake.py) fills a Mooncake Store
+segment instead (`--tier mooncake`). `kvprefetch agent` runs it; docs/agents/reference-agent.md
+says what it promises.
 
     source = StreamSource.from_url("redis://127.0.0.1:6379/0", prefix="kvp:sink",
                                    instance_id="gpu-0", consumer=default_consumer_name("gpu-0"))
@@ -24,6 +26,7 @@ from kvprefetch_client.agent.consumer import (
     default_stream_prefix,
     stream_key,
 )
+from kvprefetch_client.agent.mooncake import MooncakeSettings, MooncakeTier, store_key
 from kvprefetch_client.agent.runner import (
     Agent,
     AgentStats,
@@ -32,6 +35,7 @@ from kvprefetch_client.agent.runner import (
     progress_event_id,
     run_agent,
 )
+from kvprefetch_client.agent.tier import BufferTier, Done, Tier
 from kvprefetch_client.agent.tiers import BufferFull, HbmBuffer, PoolDir, block_file_name
 
 __all__ = [
@@ -39,19 +43,25 @@ __all__ = [
     "Agent",
     "AgentStats",
     "BufferFull",
+    "BufferTier",
     "Delivery",
+    "Done",
     "HbmBuffer",
+    "MooncakeSettings",
+    "MooncakeTier",
     "OrderSource",
     "Outcome",
     "PoolDir",
     "PullSource",
     "Reporter",
     "StreamSource",
+    "Tier",
     "block_file_name",
     "cancel_key",
     "default_consumer_name",
     "default_stream_prefix",
     "progress_event_id",
     "run_agent",
+    "store_key",
     "stream_key",
 ]

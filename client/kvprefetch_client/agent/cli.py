@@ -8,6 +8,7 @@ service's command line is this same command, given the service's own settings fo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
@@ -23,9 +24,12 @@ from kvprefetch_client.agent.consumer import (
     default_consumer_name,
     default_stream_prefix,
 )
+from kvprefetch_client.agent.mooncake import MooncakeError, MooncakeSettings, MooncakeTier
 from kvprefetch_client.agent.runner import run_agent
+from kvprefetch_client.agent.tier import Tier
 
 SOURCES = ("stream", "pull")
+TIERS = ("buffer", "mooncake")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,14 +77,53 @@ def parser(prog: str = "kvprefetch-agent") -> argparse.ArgumentParser:
         required=True,
         help="The instance whose tier this agent fills (orders name it).",
     )
+    # Checked by hand rather than with choices=, so the error names the two in plain words.
     p.add_argument(
-        "--pool-dir", required=True, type=Path, help="The pool: one file per block hash."
+        "--tier",
+        default="buffer",
+        help="buffer (--pool-dir files into an in-memory buffer) or mooncake (replicas in a "
+        "Mooncake Store segment; the --mooncake-* options) (default: %(default)s).",
+    )
+    p.add_argument(
+        "--pool-dir", type=Path, help="The pool: one file per block hash (--tier buffer)."
     )
     p.add_argument(
         "--capacity-bytes",
-        required=True,
         type=_at_least(int, 1),
-        help="Bytes the in-memory instance tier holds.",
+        help="Bytes the in-memory instance tier holds (--tier buffer).",
+    )
+    m = p.add_argument_group(
+        "mooncake", "--tier mooncake; each defaults to its KVP_MOONCAKE_* variable, then as shown"
+    )
+    d = MooncakeSettings()
+    m.add_argument("--mooncake-master", help=f"The master's RPC host:port ({d.master_address}).")
+    m.add_argument("--mooncake-metadata-url", help=f"The metadata server's URL ({d.metadata_url}).")
+    m.add_argument(
+        "--mooncake-local-host",
+        help=f"This client's host or host:port in the cluster ({d.local_host}).",
+    )
+    m.add_argument(
+        "--mooncake-segment-bytes",
+        type=_at_least(int, 0),
+        help=f"The segment this client mounts, the HBM side by default ({d.segment_bytes}).",
+    )
+    m.add_argument(
+        "--mooncake-buffer-bytes",
+        type=_at_least(int, 1),
+        help=f"The client's local transfer buffer ({d.buffer_bytes}).",
+    )
+    m.add_argument(
+        "--mooncake-namespace",
+        help=f"The model or deployment, in every key kvp/<namespace>/... ({d.namespace}).",
+    )
+    m.add_argument(
+        "--mooncake-target-segment",
+        help="The HBM-side segment when it is not this client's own (e.g. the engine's).",
+    )
+    m.add_argument(
+        "--mooncake-attempts",
+        type=_at_least(int, 1),
+        help=f"Tries while the master is away, before an order fails ({d.attempts}).",
     )
     p.add_argument(
         "--service-url",
@@ -131,6 +174,24 @@ def parser(prog: str = "kvprefetch-agent") -> argparse.ArgumentParser:
     return p
 
 
+def mooncake_settings(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> MooncakeSettings:
+    """The KVP_MOONCAKE_* variables, overridden by the options given."""
+    base = MooncakeSettings.from_environ(environ)
+    given = {
+        "master_address": args.mooncake_master,
+        "metadata_url": args.mooncake_metadata_url,
+        "local_host": args.mooncake_local_host,
+        "segment_bytes": args.mooncake_segment_bytes,
+        "buffer_bytes": args.mooncake_buffer_bytes,
+        "namespace": args.mooncake_namespace,
+        "target_segment": args.mooncake_target_segment,
+        "attempts": args.mooncake_attempts,
+    }
+    return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
 def main(
     argv: Sequence[str] | None = None,
     *,
@@ -143,6 +204,10 @@ def main(
     args = p.parse_args(argv)
     if args.source not in SOURCES:
         p.error(f"--source {args.source!r}: stream or pull")
+    if args.tier not in TIERS:
+        p.error(f"--tier {args.tier!r}: buffer or mooncake")
+    if args.tier == "buffer" and (args.pool_dir is None or args.capacity_bytes is None):
+        p.error("--tier buffer needs --pool-dir and --capacity-bytes")
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -164,6 +229,12 @@ def main(
             p.error("--source stream needs the redis extra: pip install 'kvprefetch-client[redis]'")
     else:
         orders = PullSource(args.service_url, args.instance_id, token=args.token)
+    tier: Tier | None = None
+    if args.tier == "mooncake":
+        try:
+            tier = MooncakeTier(args.instance_id, mooncake_settings(args))
+        except (MooncakeError, ValueError) as exc:
+            p.error(str(exc))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -173,6 +244,7 @@ def main(
         service_url=args.service_url,
         pool_dir=args.pool_dir,
         capacity_bytes=args.capacity_bytes,
+        tier=tier,
         stop=stop,
         status_file=args.status_file,
         start_margin_seconds=args.start_margin_seconds,

@@ -36,7 +36,8 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel
 
 from kvprefetch_client.agent.consumer import Delivery, OrderSource
-from kvprefetch_client.agent.tiers import BufferFull, HbmBuffer, PoolDir
+from kvprefetch_client.agent.tier import BufferTier, Done, Tier
+from kvprefetch_client.agent.tiers import HbmBuffer, PoolDir
 from kvprefetch_client.events import (
     BlockHash,
     KvBlocksCleared,
@@ -48,8 +49,6 @@ from kvprefetch_client.orders import Cancel, Order
 
 log = logging.getLogger("kvprefetch.agent")
 
-# A block list in a failure reason names at most this many blocks.
-_NAMED_BLOCKS = 3
 # Event ids are at most 128 characters; longer order ids are hashed into them.
 _MAX_ORDER_ID_IN_EVENT_ID = 100
 
@@ -69,12 +68,6 @@ def progress_event_id(order_id: str, status: str) -> str:
     if len(order_id) > _MAX_ORDER_ID_IN_EVENT_ID:
         order_id = "h-" + hashlib.blake2b(order_id.encode(), digest_size=16).hexdigest()
     return f"order-{order_id}-{status}"
-
-
-def _name_blocks(blocks: list[BlockHash]) -> str:
-    named = ", ".join(repr(h) for h in blocks[:_NAMED_BLOCKS])
-    more = len(blocks) - _NAMED_BLOCKS
-    return named + (f" and {more} more" if more > 0 else "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,16 +120,18 @@ class _BoundedSet:
 
 
 class Agent:
-    """A transfer agent for one instance: PoolDir -> HbmBuffer, reporting to the service."""
+    """A transfer agent for one instance: fills its tier (`tier`, or a BufferTier made of `pool`
+    and `buffer`), reporting to the service."""
 
     def __init__(
         self,
         *,
         instance_id: str,
         source: OrderSource,
-        pool: PoolDir,
-        buffer: HbmBuffer,
         reporter: Reporter,
+        tier: Tier | None = None,
+        pool: PoolDir | None = None,
+        buffer: HbmBuffer | None = None,
         clock: Callable[[], float] = time.time,
         timer: Callable[[], float] = time.perf_counter,
         start_margin_seconds: float = 0.05,
@@ -148,8 +143,11 @@ class Agent:
         self.instance_id = instance_id
         source.bind(instance_id)  # a stream source reads this instance's stream
         self.source = source
-        self.pool = pool
-        self.buffer = buffer
+        if tier is None:
+            if pool is None or buffer is None:
+                raise ValueError("an Agent needs a tier, or a pool and a buffer")
+            tier = BufferTier(instance_id, pool, buffer, timer)
+        self.tier = tier
         self.reporter = reporter
         self._clock = clock
         self._timer = timer
@@ -223,9 +221,7 @@ class Agent:
         return {
             "instance_id": self.instance_id,
             "pending_orders": self.pending_order_ids(),
-            "buffer_blocks": self.buffer.hashes(),
-            "buffer_bytes": self.buffer.used_bytes,
-            "capacity_bytes": self.buffer.capacity_bytes,
+            **self.tier.status(),
             **asdict(self.stats),
         }
 
@@ -394,65 +390,23 @@ class Agent:
         self._changed()
 
     def _perform(self, order: Order) -> Outcome:
-        where = f"hbm@{self.instance_id}"
+        where = self.tier.where
         if order.tier != "hbm":
             return Outcome("failed", reason=f"this agent holds {where} only, not {order.tier}")
-        if order.kind == "prefetch":
-            return self._prefetch(order)
-        if order.kind == "pin":
-            missing = self.buffer.missing(order.block_hashes)
-            if missing:
-                return Outcome(
-                    "failed", reason=f"cannot pin: block {_name_blocks(missing)} not in {where}"
-                )
-            t0 = self._timer()
-            assert order.ttl_seconds is not None  # the Order model requires it for a pin
-            pinned = self.buffer.pin(order.block_hashes, self._clock() + order.ttl_seconds)
-            return Outcome("completed", pinned, self._timer() - t0)
-        t0 = self._timer()
-        demoted = self.buffer.demote(order.block_hashes)  # absent blocks are gone already
-        return Outcome("completed", demoted, self._timer() - t0)
-
-    def _prefetch(self, order: Order) -> Outcome:
-        if order.source_tier != "pool":
+        if order.kind == "prefetch" and order.source_tier != "pool":
             return Outcome("failed", reason=f"this agent reads the pool, not {order.source_tier}")
-        wanted = list(dict.fromkeys(order.block_hashes))
-        to_move = self.buffer.missing(wanted)
-        absent = [h for h in to_move if not self.pool.has(h)]
-        if absent:
-            return Outcome(
-                "failed",
-                reason=f"block {_name_blocks(absent)} not in the pool ({self.pool.directory})",
-            )
-        protect = set(wanted)
-        landed: list[BlockHash] = []
-        evicted: list[BlockHash] = []
-        moved = 0
-        failure = None
-        # Time to last byte: from the first byte read to the last byte written.
-        t0 = self._timer()
-        for h in to_move:
-            try:
-                data = self.pool.read(h)
-                evicted += self.buffer.put(h, data, self._clock(), protect)
-            except FileNotFoundError:
-                failure = f"block {h!r} left the pool ({self.pool.directory}) during the transfer"
-                break
-            except BufferFull as exc:
-                failure = f"no room in hbm@{self.instance_id}: {exc}"
-                break
-            landed.append(h)
-            moved += len(data)
-        seconds = self._timer() - t0
-        for h in wanted:
-            if h not in landed:
-                self.buffer.get(h)  # already there: prefetching it counts as a use
-        self._report_residency(landed, evicted)
-        if failure is not None:
-            return Outcome("failed", reason=failure)
-        if order.ttl_seconds is not None:  # held for the return it was fetched for
-            self.buffer.pin(wanted, self._clock() + order.ttl_seconds)
-        return Outcome("completed", moved, seconds)
+        now = self._clock()
+        done: Done
+        if order.kind == "prefetch":
+            done = self.tier.prefetch(order, now)
+        elif order.kind == "pin":
+            done = self.tier.pin(order, now)
+        else:
+            done = self.tier.demote(order, now)
+        self._report_residency(done.landed, done.removed)
+        if done.failure is not None:
+            return Outcome("failed", reason=done.failure)
+        return Outcome("completed", done.bytes, done.seconds)
 
     def _report_residency(self, landed: list[BlockHash], evicted: list[BlockHash]) -> None:
         ts = self._clock()
@@ -531,35 +485,43 @@ def run_agent(
     instance_id: str,
     source: OrderSource,
     service_url: str,
-    pool_dir: Path,
-    capacity_bytes: int,
     stop: threading.Event,
+    pool_dir: Path | None = None,
+    capacity_bytes: int | None = None,
+    tier: Tier | None = None,
     status_file: Path | None = None,
     start_margin_seconds: float = 0.05,
     poll_seconds: float = 0.5,
     token: str | None = None,
 ) -> AgentStats:
-    """Run an agent until `stop` is set; closes the source and flushes the reports on the way
-    out."""
+    """Run an agent until `stop` is set, filling `tier` (or a BufferTier of `pool_dir` and
+    `capacity_bytes`); closes the source, the tier and the reports on the way out."""
     from kvprefetch_client.client import KvpClient
 
     # Small linger: an agent's reports are few, and an ack waits on them.
     reporter = KvpClient(service_url, batch_size=100, flush_interval_seconds=0.005, token=token)
     try:
         # Inside: binding the source to the instance can fail (Redis away), and both still close.
+        if tier is None:
+            if pool_dir is None or capacity_bytes is None:
+                raise ValueError("run_agent needs a tier, or a pool_dir and a capacity_bytes")
+            tier = BufferTier(
+                instance_id, PoolDir(pool_dir), HbmBuffer(capacity_bytes), time.perf_counter
+            )
         agent = Agent(
             instance_id=instance_id,
             source=source,
-            pool=PoolDir(pool_dir),
-            buffer=HbmBuffer(capacity_bytes),
+            tier=tier,
             reporter=reporter,
             start_margin_seconds=start_margin_seconds,
             poll_seconds=poll_seconds,
             on_change=write_status_file(status_file) if status_file else None,
         )
-        log.info("agent for %s: pool %s, buffer %d bytes", instance_id, pool_dir, capacity_bytes)
+        log.info("agent for %s: %s", instance_id, tier.where)
         agent.run(stop)
     finally:
         source.close()
         reporter.close()
+        if tier is not None:
+            tier.close()
     return agent.stats

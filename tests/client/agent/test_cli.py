@@ -9,8 +9,9 @@ from typer.testing import CliRunner
 
 from app.cli import cli
 from app.core.config import Settings
-from kvprefetch_client.agent.cli import StreamDefaults
+from kvprefetch_client.agent.cli import StreamDefaults, mooncake_settings, parser
 from kvprefetch_client.agent.cli import main as agent_main
+from kvprefetch_client.agent.mooncake import MooncakeSettings
 
 
 def test_agent_refuses_an_unknown_source(tmp_path: Path) -> None:
@@ -73,3 +74,24 @@ def test_the_stream_defaults_are_the_services_variables() -> None:
         stream_prefix=settings.stream_prefix,
         claim_idle_seconds=settings.order_claim_idle_seconds,
     )
+
+
+def test_the_tier_is_buffer_or_mooncake_and_the_buffer_needs_its_pool(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        agent_main(["--instance-id", "gpu-0", "--tier", "tape"])
+    assert exit_info.value.code == 2 and "buffer or mooncake" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        agent_main(["--instance-id", "gpu-0", "--capacity-bytes", "10"])
+    assert exit_info.value.code == 2 and "--pool-dir" in capsys.readouterr().err
+
+
+def test_the_mooncake_options_override_their_variables() -> None:
+    args = parser().parse_args(
+        ["--instance-id", "gpu-0", "--tier", "mooncake", "--mooncake-master", "m:1"]
+    )
+    env = {"KVP_MOONCAKE_MASTER": "env:1", "KVP_MOONCAKE_NAMESPACE": "llama"}
+    s = mooncake_settings(args, env)
+    assert (s.master_address, s.namespace) == ("m:1", "llama")
+    assert s.metadata_url == MooncakeSettings().metadata_url

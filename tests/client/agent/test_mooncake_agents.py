@@ -1,0 +1,231 @@
+"""`kvprefetch-agent --tier mooncake` as processes: two agents of one instance on its Redis
+Stream, a real `mooncake_master` and a pool holder on loopback TCP. The agent that takes an order
+is killed with SIGKILL while its copy tasks run; the other claims the order once the claim idle
+time has passed, copies the blocks onto its own segment, and the order is completed once.
+
+The service is a small recorder of POST /v1/events (the agent's reports), answering 200 as the
+service does; the service itself is tested with the buffer tier in tests/e2e/test_agent_e2e.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from bench.mooncake_cluster import REPO, Holder, Master, free_port
+from kvprefetch_client.agent.consumer import GROUP, default_stream_prefix, stream_key
+from kvprefetch_client.agent.mooncake import store_key
+from tests.client.agent.test_mooncake import NS
+from tests.e2e.test_agent_e2e import prefetch
+
+INSTANCE = "gpu-0"
+CLAIM_IDLE_SECONDS = 1.0
+WAIT_LIMIT_SECONDS = 60.0
+BLOCKS = list(range(1, 9))
+BLOCK_BYTES = 4 << 20
+
+
+class Recorder:
+    """POST /v1/events, recorded; a duplicate event id is kept once, as the service keeps it."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, dict[str, Any]] = {}
+        self.posts = 0
+        lock = threading.Lock()
+        recorder = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                with lock:
+                    recorder.posts += 1
+                    for event in json.loads(body)["events"]:
+                        recorder.events.setdefault(event["event_id"], event)
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def progress(self, order_id: str) -> list[dict[str, Any]]:
+        return [
+            e
+            for e in list(self.events.values())
+            if e.get("type") == "order_progress" and e.get("order_id") == order_id
+        ]
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+class AgentProcess:
+    def __init__(
+        self, name: str, work: Path, master: Master, service_url: str, redis_url: str, prefix: str
+    ) -> None:
+        self.name = name
+        self.status_path = work / f"{name}.json"
+        self.log_path = work / f"{name}.log"
+        self.args = [
+            sys.executable,
+            "-m",
+            "kvprefetch_client.agent",
+            "--instance-id",
+            INSTANCE,
+            "--tier",
+            "mooncake",
+            "--mooncake-master",
+            master.address,
+            "--mooncake-metadata-url",
+            master.metadata_url,
+            "--mooncake-local-host",
+            f"127.0.0.1:{free_port()}",
+            "--mooncake-segment-bytes",
+            str(128 << 20),
+            "--mooncake-namespace",
+            NS,
+            "--service-url",
+            service_url,
+            "--poll-seconds",
+            "0.1",
+            "--status-file",
+            str(self.status_path),
+            "--consumer-name",
+            name,
+            "--claim-idle-seconds",
+            str(CLAIM_IDLE_SECONDS),
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "client")])
+        env.update({"KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": prefix})
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.args,
+                cwd=work,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def status(self) -> dict[str, Any]:
+        return json.loads(self.status_path.read_text()) if self.status_path.exists() else {}
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+
+
+def wait_for(condition: Callable[[], Any], what: str, *agents: AgentProcess) -> Any:
+    deadline = time.monotonic() + WAIT_LIMIT_SECONDS
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        for a in agents:
+            assert a.proc.poll() is None, f"{a.name} exited:\n{a.log_tail()}"
+        time.sleep(0.01)
+    logs = "\n".join(f"--- {a.name}\n{a.log_tail()}" for a in agents)
+    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[Master, Holder, Recorder]]:
+    # A dead client's copy tasks hold their objects until the master gives up on them (300 s by
+    # default): the redelivered order waits for that, so the test shortens it.
+    master = Master(
+        tmp_path,
+        flags=("--client_ttl=2", "--pending_task_timeout_sec=3", "--processing_task_timeout_sec=3"),
+    )
+    master.start()
+    holder = Holder(master, tmp_path)
+    recorder = Recorder()
+    yield master, holder, recorder
+    recorder.close()
+    holder.close()
+    master.stop()
+
+
+def replica_segments(master: Master, key: str) -> list[str]:
+    url = f"http://127.0.0.1:{master.metrics_port}/query_key?key={key}"
+    with urllib.request.urlopen(url, timeout=5) as answer:
+        doc = json.loads(answer.read())
+    return [r["transport_endpoint_"] for r in doc.get("data", [])]
+
+
+@pytest.mark.slow
+@pytest.mark.redis
+def test_an_agent_killed_mid_copy_leaves_the_order_to_another_that_does_it_once(
+    cluster: tuple[Master, Holder, Recorder],
+    redis_url: str,
+    clean_redis: str,
+    tmp_path: Path,
+) -> None:
+    master, holder, recorder = cluster
+    for h in BLOCKS:
+        assert holder.put(store_key(NS, h), BLOCK_BYTES) == 0
+    victim = AgentProcess("agent-a", tmp_path, master, recorder.url, redis_url, clean_redis)
+    survivor: AgentProcess | None = None
+    try:
+        wait_for(victim.status_path.exists, "agent-a to start", victim)
+        r = redis.Redis.from_url(redis_url)
+        key = stream_key(default_stream_prefix(clean_redis), INSTANCE)
+        r.xadd(key, {"msg": prefetch("o1", BLOCKS, 0.0, len(BLOCKS) * BLOCK_BYTES).to_json()})
+        # Killed once it has started the order (its copy tasks take a master heartbeat or so).
+        wait_for(lambda: recorder.progress("o1"), "agent-a to accept the order", victim)
+        victim.kill()
+        assert [e["status"] for e in recorder.progress("o1")] == ["accepted"]
+        assert r.xpending(key, GROUP)["pending"] == 1  # held, unacked, by the dead agent
+
+        survivor = AgentProcess("agent-b", tmp_path, master, recorder.url, redis_url, clean_redis)
+        done = wait_for(
+            lambda: [e for e in recorder.progress("o1") if e["status"] != "accepted"],
+            "agent-b to finish the order",
+            survivor,
+        )
+        assert [e["status"] for e in done] == ["completed"], done
+        assert done[0]["bytes"] == len(BLOCKS) * BLOCK_BYTES and done[0]["seconds"] > 0
+        wait_for(lambda: r.xpending(key, GROUP)["pending"] == 0, "the ack", survivor)
+        status = survivor.status()
+        assert status["buffer_blocks"] == BLOCKS and status["completed"] == 1
+        segment = status["mooncake_segment"]
+        for h in BLOCKS:
+            assert segment in replica_segments(master, store_key(NS, h))
+        # Landed once: the blocks were reported stored by agent-b alone, and only once.
+        stored = [e for e in recorder.events.values() if e["type"] == "kv_blocks_stored"]
+        assert sorted(h for e in stored for h in e["block_hashes"]) == BLOCKS
+    finally:
+        victim.kill()
+        if survivor is not None:
+            survivor.stop()
