@@ -1,5 +1,6 @@
 """The light package imports only its three dependencies and the standard library (redis only
-inside the agent's stream source, for the `redis` extra), read from its source: the quick check
+inside the agent's stream source, for the `redis` extra; mooncake only inside the agent's
+Mooncake tier, for the `mooncake` extra), read from its source: the quick check
 beside tests/client/test_light_install.py, which installs it for real."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "client" / "kvprefetch_client"
 ALLOWED = {"kvprefetch_client", "pydantic", "httpx", "orjson"}
 # Imported inside functions only, so that the package imports without the extra installed.
-LAZY_ALLOWED = {"redis"}
+LAZY_ALLOWED = {"redis", "mooncake"}
 
 
 def _imports(tree: ast.Module) -> list[tuple[str, bool, int]]:
