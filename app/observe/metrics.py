@@ -52,6 +52,7 @@ from prometheus_client import (
 
 from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
 from app.ingest.ingestor import CLOCK_SKEW, PAST_RETENTION
+from app.ingest.vllm.wire import BAD_INPUT_REASONS
 from app.observe.judge import JudgeStats
 from app.observe.ledger import SLOTS, LedgerStats
 from app.observe.outcomes import OUTCOMES, RequestOutcome
@@ -396,6 +397,43 @@ class Metrics:
             registry=r,
             buckets=INFERENCE_BUCKETS_SECONDS,
         )
+        # vLLM's ZMQ KV-event stream (app/ingest/vllm/), when KVP_VLLM_KV_ENDPOINTS is set.
+        self.vllm_batches = Counter(
+            "kvprefetch_vllm_batches",
+            "vLLM KV-event batches taken from the publishers and handed to the ingestor "
+            "(replayed ones included; duplicates among them are counted by "
+            "kvprefetch_events_duplicate_total).",
+            registry=r,
+        )
+        self.vllm_events = Counter(
+            "kvprefetch_vllm_events",
+            "vLLM KV events (BlockStored, BlockRemoved, AllBlocksCleared) in those batches.",
+            registry=r,
+        )
+        self.vllm_bad_input = Counter(
+            "kvprefetch_vllm_bad_input",
+            "vLLM messages refused, by reason: frames, msgpack, shape, event_type, hash, field, "
+            "replay (each logged with its publisher and sequence number).",
+            ["reason"],
+            registry=r,
+        )
+        self.vllm_recovered = Counter(
+            "kvprefetch_vllm_batches_recovered",
+            "vLLM batches fetched from a publisher's replay socket after a gap, a restart or a "
+            "reconnect.",
+            registry=r,
+        )
+        self.vllm_lost = Counter(
+            "kvprefetch_vllm_batches_lost",
+            "vLLM batches of a sequence gap that the publisher's replay buffer no longer held "
+            "(or that no replay socket could give): lost, and logged.",
+            registry=r,
+        )
+        self.vllm_restarts = Counter(
+            "kvprefetch_vllm_publisher_restarts",
+            "vLLM publishers seen restarting (a sequence number going back: a new engine).",
+            registry=r,
+        )
 
         # Children made once: a labelled counter's lookup costs more than its increment, and the
         # bounded label sets show as 0 from the first scrape rather than appearing later.
@@ -418,6 +456,8 @@ class Metrics:
                 "prefetch"
             )  # the scheduler follows prefetches to their end; pins and demotes not
         self._slot_started("live")
+        for reason in BAD_INPUT_REASONS:
+            self.vllm_bad_input.labels(reason)
         for outcome in ("promoted", "discarded", "failed", "skipped"):
             self.retrain_runs.labels(outcome)
         for slot in SLOTS:
@@ -519,6 +559,23 @@ class Metrics:
     def events_refused(self, reason: str, n: int) -> None:
         """The ingestor's hook (app/ingest/ingestor.py): `n` events refused for their ts."""
         self.events_refused_by_time.labels(reason).inc(n)
+
+    # The vLLM subscriber's counters (app/ingest/vllm/subscriber.py IntakeCounters).
+    def vllm_batches_taken(self, batches: int, events: int) -> None:
+        self.vllm_batches.inc(batches)
+        self.vllm_events.inc(events)
+
+    def vllm_input_refused(self, reason: str) -> None:
+        self.vllm_bad_input.labels(reason).inc()
+
+    def vllm_batches_recovered(self, batches: int) -> None:
+        self.vllm_recovered.inc(batches)
+
+    def vllm_batches_lost(self, batches: int) -> None:
+        self.vllm_lost.inc(batches)
+
+    def vllm_publisher_restarted(self) -> None:
+        self.vllm_restarts.inc()
 
     def batch_refused(self, status_code: int) -> None:
         self.batches_refused.labels(str(status_code)).inc()
