@@ -127,6 +127,10 @@ def test_both_encodings_both_hash_kinds_and_two_ranks_are_taken_once(tmp_path: P
     assert isinstance(cpu_hashes[0], str) and len(cpu_hashes[0]) == 64  # sha256 bytes, as hex
     assert store.holds("host", "gpu-b", cpu_hashes) == [True]
     assert engine.metrics.vllm_lost._value.get() == 0
+    # vLLM's session_id is logged with its blocks (the event log keeps the batch as validated).
+    logged = [e for _, e in iter_log(Path(engine.event_log.directory))]
+    first_a = next(e for e in logged if e.event_id == expected[0])
+    assert first_a.events[0].session_id == "a-session-0"  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("omit_topic", [False, True], ids=["with-topic", "without-topic"])
@@ -229,6 +233,8 @@ def test_a_killed_and_restarted_engine_is_followed_into_its_new_epoch(tmp_path: 
             pub.close()
     # The new epoch's batches 0..3 share sequence numbers with the old one's: not duplicates.
     assert logged_ids(engine) == expected
+    assert engine.vllm is not None and engine.vllm.totals.restarts == 1
+    assert engine.metrics.vllm_restarts._value.get() == 1
     assert engine.metrics.vllm_lost._value.get() == 0
 
 
