@@ -85,6 +85,43 @@ def bench_ingest(
     )
 
 
+@bench_cli.command("vllm-intake")
+def bench_vllm_intake(
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds; each measures both paths.")] = 3,
+    publishers: Annotated[int, typer.Option(min=1, help="vLLM publishers (ZMQ PUB).")] = 8,
+    batches: Annotated[
+        int, typer.Option(min=1, help="Batches per publisher per round (16 KV events each).")
+    ] = 250,
+    per_post: Annotated[int, typer.Option(min=1, help="vLLM batches per HTTP POST.")] = 32,
+    concurrency: Annotated[int, typer.Option(min=1, help="HTTP client connections.")] = 3,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where the temporary event logs go (default: the system's temp dir)."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the generated events.")] = 0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """
+    KV events/s from vLLM ZMQ publishers through the subscriber into the engine, beside HTTP.
+    """
+    from bench.vllm_intake import run
+
+    _print_result(
+        run(
+            rounds=rounds,
+            publishers=publishers,
+            batches=batches,
+            per_post=per_post,
+            concurrency=concurrency,
+            seed=seed,
+            data_dir=data_dir,
+        ),
+        as_json,
+    )
+
+
 @bench_cli.command("memory")
 def bench_memory(
     sessions: Annotated[
