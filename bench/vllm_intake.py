@@ -84,7 +84,7 @@ def publish_main(argv: list[str]) -> None:
     import zmq
 
     tag, publishers, batches, seed = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
-    ctx = zmq.Context.instance()
+    ctx: zmq.Context = zmq.Context.instance()
     socks, ports, frames = [], [], []
     for instance in instance_ids(tag, publishers):
         s = ctx.socket(zmq.PUB)
@@ -138,7 +138,7 @@ def _zmq_round(tag: str, publishers: int, batches: int, seed: int, workdir: Path
             replica_id="bench",
             vllm_kv_endpoints=endpoints,
             model_dir=workdir / "no-model",
-        )  # type: ignore[call-arg]
+        )
         total = publishers * batches * EVENTS_PER_BATCH
 
         async def measure() -> float:

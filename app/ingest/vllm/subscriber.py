@@ -273,7 +273,7 @@ class VllmSubscriber:
         if ep.replay_endpoint is None:
             return []
         try:
-            got = self._ask(s, 0, _NO_END)
+            got, _ = self._ask(s, 0, _NO_END)
         except (TimeoutError, zmq.ZMQError) as exc:
             log.warning("vLLM publisher %s: no catch-up from its replay socket: %s", ep.name, exc)
             return []
@@ -333,15 +333,17 @@ class VllmSubscriber:
         those of lost_from..stop-1 it does not hold are reported lost."""
         ep = s.endpoint
         got: dict[int, VllmKvEvents] = {}
+        held: set[int] = set()
         error = None
         if ep.replay_endpoint is None:
             error = "no replay endpoint configured"
         else:
             try:
-                got = self._ask(s, start, stop)
+                got, held = self._ask(s, start, stop)
             except (TimeoutError, zmq.ZMQError) as exc:
                 error = str(exc) or type(exc).__name__
-        missing = sum(1 for seq in range(lost_from, stop) if seq not in got)
+        # One the buffer held but that did not decode is counted as bad input, not lost.
+        missing = sum(1 for seq in range(lost_from, stop) if seq not in held)
         if missing:
             self._lost(ep, missing, lost_from, stop - 1, error)
         out = [
@@ -354,8 +356,9 @@ class VllmSubscriber:
             self.counters.vllm_batches_recovered(len(out))
         return out
 
-    def _ask(self, s: _Stream, start: int, stop: int) -> dict[int, VllmKvEvents]:
-        """The decoded batches start..stop-1 the replay socket holds. Raises TimeoutError."""
+    def _ask(self, s: _Stream, start: int, stop: int) -> tuple[dict[int, VllmKvEvents], set[int]]:
+        """The batches start..stop-1 the replay socket holds: those that decode, and the sequence
+        numbers of all. Raises TimeoutError."""
         ep = s.endpoint
         assert ep.replay_endpoint is not None
         # A fresh DEALER each time: one left connected to a dead engine would hold a stale
@@ -366,6 +369,7 @@ class VllmSubscriber:
             dealer.connect(ep.replay_endpoint)
             dealer.send_multipart([b"", start.to_bytes(8, "big")])
             got: dict[int, VllmKvEvents] = {}
+            held: set[int] = set()
             deadline = time.monotonic() + self.replay_timeout_seconds
             while True:
                 left_ms = int((deadline - time.monotonic()) * 1000)
@@ -381,9 +385,10 @@ class VllmSubscriber:
                     self._bad(ep, None, exc)
                     continue
                 if answer is None:
-                    return got
+                    return got, held
                 seq, payload = answer
                 if start <= seq < stop:
+                    held.add(seq)
                     batch = self._decode(ep, seq, payload)
                     if batch is not None:
                         got[seq] = batch

@@ -30,6 +30,18 @@ from tests.integrations.vllm.publisher import (
 WAIT_SECONDS = 20.0
 
 
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def store_kw(request: pytest.FixtureRequest) -> dict[str, object]:
+    """The memory store, or Redis on a clean prefix: there the ingest runs on the store thread."""
+    if request.param == "memory":
+        return {}
+    return {
+        "store": "redis",
+        "redis_url": request.getfixturevalue("redis_url"),
+        "redis_prefix": request.getfixturevalue("clean_redis"),
+    }
+
+
 def build(tmp_path: Path, endpoints: str, **kw: object) -> Engine:
     settings = Settings(
         data_dir=tmp_path,
@@ -134,10 +146,14 @@ def test_both_encodings_both_hash_kinds_and_two_ranks_are_taken_once(tmp_path: P
 
 
 @pytest.mark.parametrize("omit_topic", [False, True], ids=["with-topic", "without-topic"])
-def test_a_gap_is_recovered_through_the_replay_socket(tmp_path: Path, omit_topic: bool) -> None:
+def test_a_gap_is_recovered_through_the_replay_socket(
+    tmp_path: Path, omit_topic: bool, store_kw: dict[str, object]
+) -> None:
     port, replay = free_ports(2)
     pub = FramePublisher(port, replay, omit_topic=omit_topic)
-    engine = build(tmp_path, f"gpu-0=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay}")
+    engine = build(
+        tmp_path, f"gpu-0=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay}", **store_kw
+    )
     frames = stream("tagged_int")
     expected = ids_of("gpu-0", 0, frames)
 
@@ -203,9 +219,13 @@ def test_a_gap_the_buffer_no_longer_holds_is_reported(
     ]
 
 
-def test_a_killed_and_restarted_engine_is_followed_into_its_new_epoch(tmp_path: Path) -> None:
+def test_a_killed_and_restarted_engine_is_followed_into_its_new_epoch(
+    tmp_path: Path, store_kw: dict[str, object]
+) -> None:
     port, replay = free_ports(2)
-    engine = build(tmp_path, f"gpu-0=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay}")
+    engine = build(
+        tmp_path, f"gpu-0=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay}", **store_kw
+    )
     before, after = stream("tagged_int"), stream("tagged_int_restarted")
     expected = ids_of("gpu-0", 0, before[:5]) + ids_of("gpu-0", 0, after)
     pubs: list[FramePublisher] = []
