@@ -413,7 +413,8 @@ class Metrics:
         self.vllm_bad_input = Counter(
             "kvprefetch_vllm_bad_input",
             "vLLM messages refused, by reason: frames, msgpack, shape, event_type, hash, field, "
-            "replay (each logged with its publisher and sequence number).",
+            "replay; session_id: a session id dropped from a batch otherwise taken (each logged "
+            "with its publisher and sequence number).",
             ["reason"],
             registry=r,
         )

@@ -33,6 +33,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from app.ingest.vllm.wire import (
+    SESSION_ID,
     BadInput,
     VllmEndpoint,
     decode_batch,
@@ -298,11 +299,19 @@ class VllmSubscriber:
         return out
 
     def _decode(self, ep: VllmEndpoint, seq: int, payload: bytes) -> VllmKvEvents | None:
+        dropped: list[str] = []
         try:
-            return decode_batch(ep, seq, payload)
+            batch = decode_batch(ep, seq, payload, dropped)
         except BadInput as exc:
             self._bad(ep, seq, exc)
             return None
+        for session_id in dropped:
+            self._bad(
+                ep,
+                seq,
+                BadInput(SESSION_ID, f"session_id {session_id} is no valid session id: dropped"),
+            )
+        return batch
 
     def _bad(self, ep: VllmEndpoint, seq: int | None, exc: BadInput) -> None:
         self.totals.bad_input[exc.reason] = self.totals.bad_input.get(exc.reason, 0) + 1

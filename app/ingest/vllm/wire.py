@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
-from kvprefetch_client.events import VllmKvEvents
+from kvprefetch_client.events import SessionId, VllmKvEvents
 
 SEQ_BYTES = 8
 # The replay socket's end-of-replay marker: -1 as 8 signed big-endian bytes.
@@ -32,7 +32,10 @@ EVENT_TYPE = "event_type"  # an event type vLLM does not send
 HASH = "hash"  # a block hash that is neither an int nor bytes
 FIELD = "field"  # any other field out of bounds (ts, block size, session id, ...)
 REPLAY = "replay"  # a replay answer of the wrong shape
-BAD_INPUT_REASONS = (FRAMES, MSGPACK, SHAPE, EVENT_TYPE, HASH, FIELD, REPLAY)
+# A BlockStored's session_id that is no valid session id (SessionId): the batch is taken without
+# it, since a request's session identity must not cost the engine's block residency.
+SESSION_ID = "session_id"
+BAD_INPUT_REASONS = (FRAMES, MSGPACK, SHAPE, EVENT_TYPE, HASH, FIELD, REPLAY, SESSION_ID)
 
 
 class BadInput(ValueError):
@@ -134,6 +137,7 @@ def event_id(instance_id: str, rank: int, seq: int, ts: float) -> str:
 
 
 _decode = msgspec.msgpack.Decoder().decode
+_session_id: TypeAdapter[str] = TypeAdapter(SessionId)
 _ARRAY_HASH_FIELDS = (1, 2)  # block_hashes, parent_block_hash in the positional encoding
 
 
@@ -153,14 +157,27 @@ def _hashes(hs: Any) -> Any:
     return [_hash(h) for h in hs]
 
 
-def _normalise(event: Any) -> Any:
-    """Bytes hashes to hex, in place; the shape is left to the model's validation."""
+def _session_id_ok(value: Any) -> bool:
+    try:
+        _session_id.validate_python(value)
+    except ValidationError:
+        return False
+    return True
+
+
+def _normalise(event: Any, refused: list[str]) -> Any:
+    """Bytes hashes to hex, in place, and an invalid session_id dropped (its text appended to
+    `refused`); the shape is left to the model's validation."""
     if type(event) is dict:
         if "block_hashes" in event:
             event["block_hashes"] = _hashes(event["block_hashes"])
         parent = event.get("parent_block_hash")
         if parent is not None:
             event["parent_block_hash"] = _hash(parent)
+        session_id = event.get("session_id")
+        if session_id is not None and not _session_id_ok(session_id):
+            refused.append(repr(session_id)[:80])
+            event["session_id"] = None
     elif type(event) is list:
         if len(event) > 1:
             event[1] = _hashes(event[1])
@@ -183,8 +200,11 @@ def _reason_of(exc: ValidationError) -> str:
     return FIELD
 
 
-def decode_batch(endpoint: VllmEndpoint, seq: int, payload: bytes) -> VllmKvEvents:
+def decode_batch(
+    endpoint: VllmEndpoint, seq: int, payload: bytes, dropped: list[str] | None = None
+) -> VllmKvEvents:
     """One publisher's message (its sequence number and payload) as a vllm_kv_events event.
+    Session ids that are no valid session id are dropped, and listed in `dropped` when given.
 
     Raises BadInput."""
     try:
@@ -204,8 +224,9 @@ def decode_batch(endpoint: VllmEndpoint, seq: int, payload: bytes) -> VllmKvEven
             FIELD,
             f"the batch says data_parallel_rank {rank!r}; this publisher is rank {endpoint.rank}",
         )
+    refused: list[str] = dropped if dropped is not None else []
     for e in events:
-        _normalise(e)
+        _normalise(e, refused)
     try:
         return VllmKvEvents.model_validate(
             {

@@ -286,8 +286,10 @@ def test_bad_input_is_counted_and_logged_and_the_stream_goes_on(
         ("frames", [b"", seq(9)]),
         ("frames", [b"", b"\x00\x09", b"x"]),
     ]
-    # The good batches after the bad ones take the sequence on from 9.
+    # The good batches after the bad ones take the sequence on from 9; the last one's session id
+    # is no session id: dropped and counted, its blocks taken.
     tail = [[b"", seq(9 + i), f[2]] for i, f in enumerate(good[1:4])]
+    tail.append([b"", seq(12), enc([1.7e9, [stored([7]) | {"session_id": "a/b"}], 0])])
     ep = VllmEndpoint("gpu-0", 0, "x")
     expected = [
         decode_batch(ep, *split_live(good[0])).event_id,
@@ -313,12 +315,14 @@ def test_bad_input_is_counted_and_logged_and_the_stream_goes_on(
         finally:
             pub.close()
     assert logged_ids(engine) == expected
+    assert engine.store.holds("hbm", "gpu-0", [7]) == [True]
+    reasons = Counter(reason for reason, _ in bad) + Counter(["session_id"])
     assert engine.vllm is not None
-    assert engine.vllm.totals.bad_input == dict(Counter(reason for reason, _ in bad))
-    for reason, n in Counter(reason for reason, _ in bad).items():
+    assert engine.vllm.totals.bad_input == dict(reasons)
+    for reason, n in reasons.items():
         assert engine.metrics.vllm_bad_input.labels(reason)._value.get() == n
     refused = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
-    assert len(refused) == len(bad)
+    assert len(refused) == len(bad) + 1
     assert any(
         m.startswith(f"vLLM publisher gpu-0 (tcp://127.0.0.1:{port}), sequence 1: message refused "
                      "(msgpack)")

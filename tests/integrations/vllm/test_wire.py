@@ -119,3 +119,19 @@ def test_the_json_http_form_still_takes_vllm_events_with_a_session_id() -> None:
     stored, removed = e.expand()  # type: ignore[union-attr]
     assert e.events[0].session_id == "s-1"  # type: ignore[union-attr]
     assert stored.tier == "disk" and removed.tier == "hbm"
+
+
+def test_a_session_id_that_is_no_session_id_is_dropped_and_the_blocks_kept() -> None:
+    enc = msgspec.msgpack.encode
+    stored = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None,
+              "token_ids": [], "block_size": 16, "lora_id": None, "medium": "GPU"}  # fmt: skip
+    dropped: list[str] = []
+    batch = decode_batch(
+        EP,
+        0,
+        enc([1.7e9, [stored | {"session_id": "x/y"}, stored | {"session_id": "ok"}]]),
+        dropped,
+    )
+    assert dropped == ["'x/y'"]
+    assert [e.session_id for e in batch.events] == [None, "ok"]  # type: ignore[union-attr]
+    assert batch.data_parallel_rank == 0  # a payload without the rank: the publisher's
