@@ -8,12 +8,16 @@ numbers its batches from 0; this follows them:
   are reported lost (`lost`, and a warning), never hidden;
 - a number already passed: the engine restarted (a new epoch): its batches from 0 are asked of
   the replay socket, and counted as a restart;
-- after the SUB socket reconnected (an engine restart the sequence alone may not show), and on
-  first contact: the replay socket's whole buffer, so what the engine sent before this
-  subscriber heard it is not lost either.
-Replays may resend batches already handed on: their event ids (instance, rank, sequence, ts) make
-the ingestor drop them as duplicates. A message that does not decode is counted (`bad_input`,
-by reason) and logged with its publisher and sequence number, and the stream goes on.
+- on connecting (at start, and again after the publisher went away, which may be an engine
+  restart the numbers alone do not show), and at the first message after a reconnect if the
+  buffer was empty then: the replay socket's whole buffer, so what the engine sent before this
+  subscriber heard it is not lost either. A buffered batch under a number already handed on but
+  with another id (its ts differs) means a new engine: a restart.
+Batches already handed on are remembered by sequence number and event id (instance, rank,
+sequence, ts), so a replay overlapping the live stream hands nothing on twice; should one still
+come twice (a second subscriber, a restart of this one), the ingestor drops it as a duplicate.
+A message that does not decode is counted (`bad_input`, by reason) and logged with its publisher
+and sequence number, and the stream goes on.
 
 `deliver` is called on this thread with the decoded batches, in order per publisher, and must not
 return before they are durable (the engine's ingest, or a post to the service); an exception is
@@ -222,10 +226,15 @@ class VllmSubscriber:
         messages, s.pending = s.pending, []
         for seq, payload in messages:
             batch = self._decode(ep, seq, payload)
-            expected, reconnected = s.expected, s.reconnected
+            if s.reconnected:
+                # The first message since the publisher went away, and the catch-up on connecting
+                # found its buffer empty: it may be a new engine whose first batches this SUB
+                # missed, under numbers that look like the old one's next. Its buffer says.
+                out.extend(self._catch_up(s))
+                s.reconnected = False
             if batch is not None and s.recent.get(seq) == batch.event_id:
                 continue  # handed on already, from the replay socket
-            s.reconnected = False
+            expected = s.expected
             if expected is None:
                 # First contact: whatever the buffer holds from before it (no loss of ours).
                 if seq > 0:
@@ -237,9 +246,7 @@ class VllmSubscriber:
                     expected,
                     seq,
                 )
-                # Back after a disconnect, it may be a new engine already past `expected`: its
-                # batches from 0 then (the old engine's are dropped as duplicates).
-                out.extend(self._replay(s, 0 if reconnected else expected, seq, lost_from=expected))
+                out.extend(self._replay(s, expected, seq, lost_from=expected))
             elif seq < expected:
                 self._restarted(s, seq, expected)
                 if seq > 0:
@@ -279,7 +286,8 @@ class VllmSubscriber:
             log.warning("vLLM publisher %s: no catch-up from its replay socket: %s", ep.name, exc)
             return []
         if not got:
-            return []
+            return []  # nothing learned: still `reconnected` when it was
+        s.reconnected = False
         expected = s.expected
         first, last = min(got), max(got)
         new_epoch = expected is not None and any(

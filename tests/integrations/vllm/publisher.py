@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from collections import deque
 from functools import cache
 from pathlib import Path
@@ -64,6 +65,20 @@ def free_ports(n: int) -> list[int]:
     raise RuntimeError("no run of free ports")
 
 
+def _bind(sock: zmq.Socket, endpoint: str) -> None:  # type: ignore[type-arg]
+    """Bind, waiting while a closed predecessor's port is released (ZMQ closes asynchronously:
+    a restarted engine on the same port)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            sock.bind(endpoint)
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class FramePublisher:
     def __init__(
         self,
@@ -80,7 +95,7 @@ class FramePublisher:
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(self.endpoint)
+        _bind(self._pub, self.endpoint)
         self._buffer: deque[Frames] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -100,7 +115,7 @@ class FramePublisher:
     def _serve_replay(self) -> None:
         router = self._ctx.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
-        router.bind(self.replay_endpoint)  # type: ignore[arg-type]
+        _bind(router, self.replay_endpoint)  # type: ignore[arg-type]
         try:
             while not self._stop.is_set():
                 if not router.poll(50):

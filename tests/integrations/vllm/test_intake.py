@@ -219,24 +219,27 @@ def test_a_gap_the_buffer_no_longer_holds_is_reported(
     ]
 
 
+# 5 taken before: the new engine's 4 batches reuse sequence numbers already passed; 2 taken
+# before: the new engine is past them by the time the subscriber hears it again.
+@pytest.mark.parametrize("taken_before", [5, 2])
 def test_a_killed_and_restarted_engine_is_followed_into_its_new_epoch(
-    tmp_path: Path, store_kw: dict[str, object]
+    tmp_path: Path, store_kw: dict[str, object], taken_before: int
 ) -> None:
     port, replay = free_ports(2)
     engine = build(
         tmp_path, f"gpu-0=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay}", **store_kw
     )
     before, after = stream("tagged_int"), stream("tagged_int_restarted")
-    expected = ids_of("gpu-0", 0, before[:5]) + ids_of("gpu-0", 0, after)
+    expected = ids_of("gpu-0", 0, before[:taken_before]) + ids_of("gpu-0", 0, after)
     pubs: list[FramePublisher] = []
 
     async def scenario() -> None:
         await engine.start()
         pubs.append(FramePublisher(port, replay))
         await asyncio.sleep(0.3)
-        for f in before[:5]:
+        for f in before[:taken_before]:
             pubs[0].publish(f)
-        await until(lambda: len(logged_ids(engine)) == 5, "the first epoch")
+        await until(lambda: len(logged_ids(engine)) == taken_before, "the first epoch")
         pubs[0].close()  # killed mid-stream: batches 5..7 of its epoch never come
         await asyncio.sleep(0.3)
         pubs.append(FramePublisher(port, replay))  # the engine is back: sequence from 0
@@ -256,6 +259,42 @@ def test_a_killed_and_restarted_engine_is_followed_into_its_new_epoch(
     assert engine.vllm is not None and engine.vllm.totals.restarts == 1
     assert engine.metrics.vllm_restarts._value.get() == 1
     assert engine.metrics.vllm_lost._value.get() == 0
+
+
+def test_a_new_engine_whose_numbers_look_like_the_next_ones_is_told_apart(tmp_path: Path) -> None:
+    """The old engine sent 0 and 1; the new one's 0 and 1 were dropped, and its 2 arrives where
+    the old one's 2 was expected. Its buffer shows a new epoch: its 0 and 1 are fetched."""
+    port, replay = free_ports(2)
+    engine = build(tmp_path, f"gpu-0=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay}")
+    before, after = stream("tagged_int"), stream("tagged_int_restarted")
+    expected = ids_of("gpu-0", 0, before[:2]) + ids_of("gpu-0", 0, after[:3])
+    pubs: list[FramePublisher] = []
+
+    async def scenario() -> None:
+        await engine.start()
+        pubs.append(FramePublisher(port, replay))
+        await asyncio.sleep(0.3)
+        for f in before[:2]:
+            pubs[0].publish(f)
+        await until(lambda: len(logged_ids(engine)) == 2, "the first epoch")
+        pubs[0].close()
+        pubs.append(FramePublisher(port, replay))
+        await asyncio.sleep(1.0)  # reconnected, its buffer empty then
+        pubs[1].publish(after[0], drop=True)
+        pubs[1].publish(after[1], drop=True)
+        pubs[1].publish(after[2])
+        await until(lambda: len(logged_ids(engine)) == len(expected), "the new epoch")
+        await asyncio.sleep(0.3)
+        await engine.close()
+
+    try:
+        run(scenario)
+    finally:
+        for pub in pubs:
+            pub.close()
+    assert logged_ids(engine) == expected
+    assert engine.vllm is not None
+    assert (engine.vllm.totals.restarts, engine.vllm.totals.lost) == (1, 0)
 
 
 def test_bad_input_is_counted_and_logged_and_the_stream_goes_on(
