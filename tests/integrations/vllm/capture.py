@@ -1,6 +1,6 @@
 """Capture the frames of vLLM's own KV-event publisher as test fixtures (run by hand).
 
-    PYTHONPATH=.:client python -m tests.integrations.vllm.capture PATH/TO/kv_events.py
+    PYTHONPATH=.:client python -m tests.integrations.vllm.capture PATH/TO/kv_events.py [OUT]
 
 `kv_events.py` comes from the released wheel (`pip download vllm==0.33.0 --no-deps`, then unzip
 `vllm/distributed/kv_events.py`; vLLM is Apache-2.0). Importing `vllm` needs torch; this module
@@ -203,7 +203,7 @@ def capture(kv: Any, batches: list[Any], rank: int) -> dict[str, Any]:
     }
 
 
-def main(path: str) -> None:
+def main(path: str, out: Path = FIXTURE) -> None:
     kv = load_kv_events(Path(path))
     streams = {
         "tagged_int": capture(kv, _script(kv, int_hash, False, 8, T0, "a"), 0),
@@ -212,7 +212,7 @@ def main(path: str) -> None:
         "array_int": capture(kv, _script(kv, int_hash, True, 4, T0, "d"), 0),
         "tagged_int_dp1": capture(kv, _script(kv, int_hash, False, 4, T0, "e"), 1),
     }
-    FIXTURE.write_text(
+    out.write_text(
         json.dumps(
             {
                 "source": "vllm 0.33.0 wheel, vllm/distributed/kv_events.py ZmqEventPublisher "
@@ -223,8 +223,8 @@ def main(path: str) -> None:
         )
         + "\n"
     )
-    print(f"wrote {FIXTURE}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *(Path(a) for a in sys.argv[2:3]))

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -18,7 +23,7 @@ from app.ingest.vllm.wire import (
     split_replayed,
 )
 from kvprefetch_client.events import KvBlocksStored, VllmBlockStored, event_adapter
-from tests.integrations.vllm.publisher import replay_answer, stream
+from tests.integrations.vllm.publisher import FIXTURE, replay_answer, stream
 
 EP = VllmEndpoint("gpu-0", 0, "tcp://127.0.0.1:5557")
 
@@ -135,3 +140,23 @@ def test_a_session_id_that_is_no_session_id_is_dropped_and_the_blocks_kept() -> 
     assert dropped == ["'x/y'"]
     assert [e.session_id for e in batch.events] == [None, "ok"]  # type: ignore[union-attr]
     assert batch.data_parallel_rank == 0  # a payload without the rank: the publisher's
+
+
+@pytest.mark.skipif(
+    not os.environ.get("KVP_TEST_VLLM_KV_EVENTS"),
+    reason="set KVP_TEST_VLLM_KV_EVENTS to vllm/distributed/kv_events.py from vLLM's wheel",
+)
+def test_the_fixture_is_what_vllms_own_publisher_sends(tmp_path: Path) -> None:
+    """Captures again with vLLM's publisher (fixed stamps, fixed hashes): the same bytes."""
+    out = tmp_path / "frames.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.vllm.capture",
+         os.environ["KVP_TEST_VLLM_KV_EVENTS"], str(out)],
+        cwd=Path(__file__).resolve().parents[3],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert out.read_bytes() == FIXTURE.read_bytes()
