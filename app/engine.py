@@ -403,8 +403,10 @@ class Engine:
 
         # A full backlog holds the stream back (the publishers buffer, then replay) rather than
         # dropping it.
-        while await self.store_thread.run(admit_and_ingest) is None:
+        while (result := await self.store_thread.run(admit_and_ingest)) is None:
             await asyncio.sleep(0.05)
+        if result.rejected:  # counted by kvprefetch_events_refused_total; the first one said
+            log.warning("vLLM batches refused: %s", result.rejected[0].message)
 
     async def close(self) -> None:
         """Stop the loops, hand the backlog to the observers, and close what the engine built.

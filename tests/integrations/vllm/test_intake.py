@@ -391,3 +391,33 @@ def test_the_helper_replays_exactly_what_vllm_replayed() -> None:
         dealer.close(linger=0)
         pub.close()
     assert got == replay_answer("tagged_int")
+
+
+def test_a_batch_from_a_clock_far_ahead_is_refused_as_posted_ones_are(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    port, replay = free_ports(2)
+    pub = FramePublisher(port, replay)
+    engine = build(tmp_path, f"gpu-0=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay}")
+    good = stream("tagged_int")
+    ahead = msgspec.msgpack.decode(good[1][2])
+    ahead[0] = time.time() + 10_000  # an engine host's clock hours ahead
+    frames = [good[0], [b"", good[1][1], msgspec.msgpack.encode(ahead)], good[2]]
+
+    async def scenario() -> None:
+        await engine.start()
+        await asyncio.sleep(0.3)
+        for f in frames:
+            pub.publish(f)
+        await until(lambda: len(logged_ids(engine)) == 2, "the two on time")
+        await asyncio.sleep(0.3)
+        await engine.close()
+
+    with caplog.at_level(logging.WARNING, logger="app.engine"):
+        try:
+            run(scenario)
+        finally:
+            pub.close()
+    assert logged_ids(engine) == ids_of("gpu-0", 0, [good[0], good[2]])
+    assert engine.metrics.events_refused_by_time.labels("clock_skew")._value.get() == 1
+    assert any("vLLM batches refused: ts" in r.getMessage() for r in caplog.records)
