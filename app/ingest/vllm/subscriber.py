@@ -13,8 +13,8 @@ numbers its batches from 0; this follows them:
   buffer was empty then: the replay socket's whole buffer, so what the engine sent before this
   subscriber heard it is not lost either. A buffered batch under a number already handed on but
   with another id (its ts differs) means a new engine: a restart.
-Batches already handed on are remembered by sequence number and event id (instance, rank,
-sequence, ts), so a replay overlapping the live stream hands nothing on twice; should one still
+Batches already handed on are remembered by sequence number and ts (with instance and rank, the
+event id), so a replay overlapping the live stream hands nothing on twice; should one still
 come twice (a second subscriber, a restart of this one), the ingestor drops it as a duplicate.
 A message that does not decode is counted (`bad_input`, by reason) and logged with its publisher
 and sequence number, and the stream goes on.
@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 MAX_MESSAGES_PER_DELIVERY = 512
 _POLL_MS = 100
 _RETRY_SECONDS = 0.5
-_RECENT_BATCHES = 20_000
+# As many as vLLM's replay buffer holds by default (buffer_steps): about 1 MB a publisher.
+_RECENT_BATCHES = 10_000
 _NO_END = 2**64
 
 
@@ -91,9 +92,10 @@ class _Stream:
     expected: int | None = None  # the next sequence number; None: none seen yet
     reconnected: bool = False  # the publisher went away since the last message
     pending: list[tuple[int, bytes]] = field(default_factory=list)
-    # sequence -> event id of the batches handed on lately (this epoch): a replay overlapping
-    # the live stream is told apart from a restarted engine reusing the numbers.
-    recent: dict[int, str] = field(default_factory=dict)
+    # sequence -> ts of the batches handed on lately (this epoch; with the sequence, the ts makes
+    # the event id): a replay overlapping the live stream is told apart from a restarted engine
+    # reusing the numbers.
+    recent: dict[int, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -232,7 +234,7 @@ class VllmSubscriber:
                 # missed, under numbers that look like the old one's next. Its buffer says.
                 out.extend(self._catch_up(s))
                 s.reconnected = False
-            if batch is not None and s.recent.get(seq) == batch.event_id:
+            if batch is not None and s.recent.get(seq) == batch.ts:
                 continue  # handed on already, from the replay socket
             expected = s.expected
             if expected is None:
@@ -269,7 +271,7 @@ class VllmSubscriber:
 
     def _handed(self, s: _Stream, seq: int, batch: VllmKvEvents) -> VllmKvEvents:
         recent = s.recent
-        recent[seq] = batch.event_id
+        recent[seq] = batch.ts
         if len(recent) > _RECENT_BATCHES:
             for old in sorted(recent)[: _RECENT_BATCHES // 2]:
                 del recent[old]
@@ -291,7 +293,7 @@ class VllmSubscriber:
         expected = s.expected
         first, last = min(got), max(got)
         new_epoch = expected is not None and any(
-            s.recent.get(seq, batch.event_id) != batch.event_id for seq, batch in got.items()
+            s.recent.get(seq, batch.ts) != batch.ts for seq, batch in got.items()
         )
         if new_epoch:
             assert expected is not None
@@ -366,7 +368,7 @@ class VllmSubscriber:
         out = [
             self._handed(s, seq, got[seq])
             for seq in sorted(got)
-            if s.recent.get(seq) != got[seq].event_id
+            if s.recent.get(seq) != got[seq].ts
         ]
         if out:
             self.totals.recovered += len(out)
