@@ -146,7 +146,13 @@ def _zmq_round(tag: str, publishers: int, batches: int, seed: int, workdir: Path
             await engine.start()
             try:
                 assert engine.vllm is not None
-                await asyncio.sleep(1.0)  # every SUB connected (a PUB sends to none before)
+                # Every SUB connected: a PUB sends to none before (no replay socket here).
+                connect_by = time.perf_counter() + 30
+                while engine.vllm.totals.connects < publishers:
+                    if time.perf_counter() > connect_by:
+                        raise BenchError("the subscriber did not connect to every publisher")
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)  # and its subscription reached the publisher
                 child.stdin.write("go\n")  # type: ignore[union-attr]
                 child.stdin.flush()  # type: ignore[union-attr]
                 t0 = time.perf_counter()

@@ -108,6 +108,7 @@ class IntakeTotals:
     lost: int = 0
     restarts: int = 0
     bad_input: dict[str, int] = field(default_factory=dict)
+    connects: int = 0  # SUB connections made (one per publisher, and one per reconnect)
 
 
 class VllmSubscriber:
@@ -202,6 +203,7 @@ class VllmSubscriber:
                     log.info("vLLM publisher %s disconnected", s.endpoint.name)
                     s.reconnected = True
                 elif event == zmq.EVENT_CONNECTED:
+                    self.totals.connects += 1
                     # What it sent before this SUB was connected (at startup, or an engine that
                     # came back and published before we did reconnect) is only in its buffer.
                     out.extend(self._catch_up(s))
