@@ -22,6 +22,12 @@ bench_cli = typer.Typer(
     help="Benchmarks, each printing one JSON object with --json.",
 )
 cli.add_typer(bench_cli, name="bench")
+connect_cli = typer.Typer(
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="Feed an engine's own event stream to a running service.",
+)
+cli.add_typer(connect_cli, name="connect")
 
 
 def _print_result(result: dict[str, Any], as_json: bool) -> None:
@@ -74,6 +80,43 @@ def bench_ingest(
             fsync=fsync,
             data_dir=data_dir,
             seed=seed,
+        ),
+        as_json,
+    )
+
+
+@bench_cli.command("vllm-intake")
+def bench_vllm_intake(
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds; each measures both paths.")] = 3,
+    publishers: Annotated[int, typer.Option(min=1, help="vLLM publishers (ZMQ PUB).")] = 8,
+    batches: Annotated[
+        int, typer.Option(min=1, help="Batches per publisher per round (16 KV events each).")
+    ] = 250,
+    per_post: Annotated[int, typer.Option(min=1, help="vLLM batches per HTTP POST.")] = 32,
+    concurrency: Annotated[int, typer.Option(min=1, help="HTTP client connections.")] = 3,
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where the temporary event logs go (default: the system's temp dir)."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the generated events.")] = 0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """
+    KV events/s from vLLM ZMQ publishers through the subscriber into the engine, beside HTTP.
+    """
+    from bench.vllm_intake import run
+
+    _print_result(
+        run(
+            rounds=rounds,
+            publishers=publishers,
+            batches=batches,
+            per_post=per_post,
+            concurrency=concurrency,
+            seed=seed,
+            data_dir=data_dir,
         ),
         as_json,
     )
@@ -718,6 +761,56 @@ def agent(ctx: typer.Context) -> None:
         )
 
     raise typer.Exit(agent_main(ctx.args, prog="kvprefetch agent", stream_defaults=from_settings))
+
+
+@connect_cli.command("vllm")
+def connect_vllm(
+    service: Annotated[str, typer.Option(help="The service's base URL, e.g. http://kvp:8000.")],
+    endpoint: Annotated[
+        str, typer.Option(help="vLLM's KV-event PUB endpoint, e.g. tcp://127.0.0.1:5557.")
+    ],
+    instance_id: Annotated[
+        str, typer.Option(help="The instance id the router uses for this engine.")
+    ],
+    replay_endpoint: Annotated[
+        str | None,
+        typer.Option(help="vLLM's replay_endpoint (recovers gaps and restarts): tcp://host:port."),
+    ] = None,
+    dp: Annotated[
+        int, typer.Option(min=1, help="Data-parallel ranks: rank r publishes on port + r.")
+    ] = 1,
+    topic: Annotated[str, typer.Option(help="vLLM's kv-events topic (default: all).")] = "",
+    token: Annotated[
+        str | None,
+        typer.Option(envvar="KVP_INGEST_TOKEN", help="A token with the ingest scope."),
+    ] = None,
+    replay_timeout_seconds: Annotated[
+        float, typer.Option(min=0.01, help="Longest wait for a replay before a gap is lost.")
+    ] = 2.0,
+) -> None:
+    """Subscribe to a vLLM engine's KV events (ZMQ) and post them to a running service."""
+    from app.ingest.vllm.connect import connect
+    from app.ingest.vllm.wire import parse_endpoints
+
+    spec = f"{instance_id}={endpoint}"
+    if replay_endpoint:
+        spec += f",replay={replay_endpoint}"
+    spec += f",dp={dp}"
+    if topic:
+        spec += f",topic={topic}"
+    try:
+        endpoints = parse_endpoints(spec)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    totals = connect(endpoints, service, token=token, replay_timeout_seconds=replay_timeout_seconds)
+    typer.echo(
+        f"kvprefetch connect vllm: {totals.batches} batches ({totals.events} events) posted, "
+        f"{totals.recovered} recovered by replay, {totals.lost} lost, {totals.restarts} restarts, "
+        f"{sum(totals.bad_input.values())} refused"
+    )
 
 
 def main() -> None:

@@ -36,6 +36,8 @@ from app.deliver import LmcacheSink, OrderSink, PullQueue, build_sink
 from app.ingest.backlog import Backlog
 from app.ingest.eventlog import EventLog
 from app.ingest.ingestor import Ingestor, IngestResult, Observer
+from app.ingest.vllm.subscriber import VllmSubscriber
+from app.ingest.vllm.wire import parse_endpoints
 from app.observe.ledger import AdviceLedger
 from app.observe.metrics import Metrics, multiprocess_dir
 from app.observe.outcomes import RequestOutcome, outcome_observer
@@ -46,7 +48,7 @@ from app.predict.retrain import Retrainer
 from app.state import MemoryStore, StateStore, build_store
 from app.state.base import LogPosition, SessionView
 from app.state.storethread import StoreHealth, StoreThread
-from kvprefetch_client.events import Event, OrderProgress
+from kvprefetch_client.events import Event, OrderProgress, VllmKvEvents
 
 log = logging.getLogger("kvprefetch")
 
@@ -96,6 +98,9 @@ class Engine:
         load_model: bool = True,
     ) -> None:
         self.settings = settings
+        # First too: a bad KVP_VLLM_KV_ENDPOINTS entry stops startup, named.
+        self.vllm_endpoints = parse_endpoints(settings.vllm_kv_endpoints)
+        self.vllm: VllmSubscriber | None = None
         self.clock: Clock = clock or (
             SystemClock() if settings.clock_speed == 1 else ScaledClock(settings.clock_speed)
         )
@@ -376,6 +381,14 @@ class Engine:
             if settings.retrain_every_seconds > 0
             else None
         )
+        if self.vllm_endpoints:
+            self.vllm = VllmSubscriber(
+                self.vllm_endpoints,
+                self._deliver_vllm,
+                counters=self.metrics,
+                replay_timeout_seconds=settings.vllm_replay_timeout_seconds,
+            )
+            self.vllm.start()
         self._tasks = [
             t
             for t in (
@@ -389,12 +402,33 @@ class Engine:
             if t is not None
         ]
 
+    def _deliver_vllm(self, batches: list[VllmKvEvents]) -> None:
+        """The vLLM subscriber's thread hands its batches to the loop, as POST /v1/events does
+        (the same ingest, on the store thread), and waits until they are durable."""
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self._ingest_vllm(batches), self._loop).result()
+
+    async def _ingest_vllm(self, batches: list[VllmKvEvents]) -> None:
+        def admit_and_ingest() -> IngestResult | None:
+            if not self.backlog.has_room(len(batches)):
+                return None
+            return self.ingest(batches)
+
+        # A full backlog holds the stream back (the publishers buffer, then replay) rather than
+        # dropping it.
+        while (result := await self.store_thread.run(admit_and_ingest)) is None:
+            await asyncio.sleep(0.05)
+        if result.rejected:  # counted by kvprefetch_events_refused_total; the first one said
+            log.warning("vLLM batches refused: %s", result.rejected[0].message)
+
     async def close(self) -> None:
         """Stop the loops, hand the backlog to the observers, and close what the engine built.
         A second call does nothing."""
         if self.closed:
             return
         self.closed = True
+        if self.vllm is not None:  # first: it waits on the loop for its batch in progress
+            await asyncio.to_thread(self.vllm.stop)
         for task in self._tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

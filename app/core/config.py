@@ -298,6 +298,16 @@ class Settings(BaseSettings):
     # agent renews it (POST /v1/orders/renew; the reference agent does, a third of this apart).
     order_lease_seconds: float = Field(30.0, gt=0)
 
+    # vLLM's ZMQ KV-event stream (app/ingest/vllm/, docs/integrations/vllm.md): the publishers
+    # the service subscribes to, separated by spaces or `;`, each
+    # `instance_id=tcp://host:port[,replay=tcp://host:port][,dp=N][,topic=T]` (dp: that many
+    # data-parallel ranks, rank r on both ports + r, as vLLM binds them). Empty: no subscription.
+    # Parsed when the engine is built (app/ingest/vllm/wire.py parse_endpoints): a bad entry
+    # stops startup, named.
+    vllm_kv_endpoints: str = ""
+    # How long a publisher's replay socket may take to resend a gap before it is reported lost.
+    vllm_replay_timeout_seconds: float = Field(2.0, gt=0)
+
     @model_validator(mode="after")
     def _batch_fits_the_backlog(self) -> Settings:
         if self.max_batch_events > self.backlog_max_events:

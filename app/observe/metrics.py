@@ -54,6 +54,7 @@ from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
 from app.deliver.lmcache import CALLS as LMCACHE_CALLS
 from app.deliver.lmcache import FAILURE_KINDS as LMCACHE_FAILURES
 from app.ingest.ingestor import CLOCK_SKEW, PAST_RETENTION
+from app.ingest.vllm.wire import BAD_INPUT_REASONS
 from app.observe.judge import JudgeStats
 from app.observe.ledger import SLOTS, LedgerStats
 from app.observe.outcomes import OUTCOMES, RequestOutcome
@@ -422,6 +423,44 @@ class Metrics:
             registry=r,
             buckets=INFERENCE_BUCKETS_SECONDS,
         )
+        # vLLM's ZMQ KV-event stream (app/ingest/vllm/), when KVP_VLLM_KV_ENDPOINTS is set.
+        self.vllm_batches = Counter(
+            "kvprefetch_vllm_batches",
+            "vLLM KV-event batches taken from the publishers and handed to the ingestor "
+            "(replayed ones included; duplicates among them are counted by "
+            "kvprefetch_events_duplicate_total).",
+            registry=r,
+        )
+        self.vllm_events = Counter(
+            "kvprefetch_vllm_events",
+            "vLLM KV events (BlockStored, BlockRemoved, AllBlocksCleared) in those batches.",
+            registry=r,
+        )
+        self.vllm_bad_input = Counter(
+            "kvprefetch_vllm_bad_input",
+            "vLLM messages refused, by reason: frames, msgpack, shape, event_type, hash, field, "
+            "replay; session_id: a session id dropped from a batch otherwise taken (each logged "
+            "with its publisher and sequence number).",
+            ["reason"],
+            registry=r,
+        )
+        self.vllm_recovered = Counter(
+            "kvprefetch_vllm_batches_recovered",
+            "vLLM batches fetched from a publisher's replay socket after a gap, a restart or a "
+            "reconnect.",
+            registry=r,
+        )
+        self.vllm_lost = Counter(
+            "kvprefetch_vllm_batches_lost",
+            "vLLM batches of a sequence gap that the publisher's replay buffer no longer held "
+            "(or that no replay socket could give): lost, and logged.",
+            registry=r,
+        )
+        self.vllm_restarts = Counter(
+            "kvprefetch_vllm_publisher_restarts",
+            "vLLM publishers seen restarting (a sequence number going back: a new engine).",
+            registry=r,
+        )
 
         # Children made once: a labelled counter's lookup costs more than its increment, and the
         # bounded label sets show as 0 from the first scrape rather than appearing later.
@@ -451,6 +490,8 @@ class Metrics:
         for call in LMCACHE_CALLS:
             self.lmcache_retries.labels(call)
         self._slot_started("live")
+        for reason in BAD_INPUT_REASONS:
+            self.vllm_bad_input.labels(reason)
         for outcome in ("promoted", "discarded", "failed", "skipped"):
             self.retrain_runs.labels(outcome)
         for slot in SLOTS:
@@ -561,6 +602,23 @@ class Metrics:
 
     def lmcache_call_retried(self, call: str) -> None:
         self.lmcache_retries.labels(call).inc()
+
+    # The vLLM subscriber's counters (app/ingest/vllm/subscriber.py IntakeCounters).
+    def vllm_batches_taken(self, batches: int, events: int) -> None:
+        self.vllm_batches.inc(batches)
+        self.vllm_events.inc(events)
+
+    def vllm_input_refused(self, reason: str) -> None:
+        self.vllm_bad_input.labels(reason).inc()
+
+    def vllm_batches_recovered(self, batches: int) -> None:
+        self.vllm_recovered.inc(batches)
+
+    def vllm_batches_lost(self, batches: int) -> None:
+        self.vllm_lost.inc(batches)
+
+    def vllm_publisher_restarted(self) -> None:
+        self.vllm_restarts.inc()
 
     def batch_refused(self, status_code: int) -> None:
         self.batches_refused.labels(str(status_code)).inc()

@@ -163,12 +163,21 @@ _VLLM_FIELDS = {
         "group_idx",
         "kv_cache_spec_kind",
         "kv_cache_spec_sliding_window",
+        "locality",
+        "ownership",
+        "session_id",
+        "lookahead_token_ids",
     ),
-    "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+    "BlockRemoved": ("block_hashes", "medium", "group_idx", "locality", "ownership"),
     "AllBlocksCleared": (),
 }
 # vLLM's medium names for where a block lives, mapped to our tiers.
-VLLM_MEDIUM_TIERS: dict[str, Tier] = {"GPU": "hbm", "CPU": "host", "DISK": "disk"}
+VLLM_MEDIUM_TIERS: dict[str, Tier] = {
+    "GPU": "hbm",
+    "CPU": "host",
+    "STORAGE": "disk",
+    "DISK": "disk",
+}
 
 
 class _VllmEvent(BaseModel):
@@ -204,6 +213,9 @@ class VllmBlockStored(_VllmEvent):
     block_size: BlockTokens
     lora_id: StrictInt | None = None
     medium: Annotated[str, StringConstraints(max_length=32)] | None = None
+    # The OpenAI request's stable session identity, when the request carried one: the session of
+    # the router's events (session_id) whose context these blocks hold.
+    session_id: SessionId | None = None
 
 
 class VllmBlockRemoved(_VllmEvent):
