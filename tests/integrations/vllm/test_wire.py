@@ -142,16 +142,16 @@ def test_a_session_id_that_is_no_session_id_is_dropped_and_the_blocks_kept() -> 
     assert batch.data_parallel_rank == 0  # a payload without the rank: the publisher's
 
 
-@pytest.mark.skipif(
-    not os.environ.get("KVP_TEST_VLLM_KV_EVENTS"),
-    reason="set KVP_TEST_VLLM_KV_EVENTS to vllm/distributed/kv_events.py from vLLM's wheel",
-)
+VENDORED = Path(__file__).resolve().parent / "vendor" / "vllm_0_33_0" / "kv_events.py"
+
+
 def test_the_fixture_is_what_vllms_own_publisher_sends(tmp_path: Path) -> None:
-    """Captures again with vLLM's publisher (fixed stamps, fixed hashes): the same bytes."""
+    """Captures again with vLLM's publisher (fixed stamps, fixed hashes): the same bytes. The
+    publisher is the released 0.33.0 file (vendor/), or the one KVP_TEST_VLLM_KV_EVENTS names."""
     out = tmp_path / "frames.json"
     done = subprocess.run(
         [sys.executable, "-m", "tests.integrations.vllm.capture",
-         os.environ["KVP_TEST_VLLM_KV_EVENTS"], str(out)],
+         os.environ.get("KVP_TEST_VLLM_KV_EVENTS", str(VENDORED)), str(out)],
         cwd=Path(__file__).resolve().parents[3],
         capture_output=True,
         text=True,
