@@ -27,7 +27,13 @@ from typing import cast
 
 from app.decide.advisor import Retention, SessionAdvice
 from app.observe.judge import PairedJudge
-from kvprefetch_client.events import Event, RequestRouted, SessionClosed
+from kvprefetch_client.events import (
+    Event,
+    RequestFinished,
+    RequestRouted,
+    RequestStarted,
+    SessionClosed,
+)
 
 SLOTS = ("live", "shadow")
 # Advice records kept per session and model: enough to find the advice in force when a
@@ -180,7 +186,7 @@ class AdviceLedger:
                 for s in slots:
                     s.sessions.pop(closed, None)
             elif kind == "request_started" or kind == "request_finished":
-                sid: str = e.session_id  # type: ignore[union-attr]
+                sid = cast(RequestStarted | RequestFinished, e).session_id
                 for s in slots:
                     entry = s.sessions.get(sid)
                     if entry is not None and ts > entry.last_ts:

@@ -38,6 +38,7 @@ from app.state.rules import (
     tombstone_floor,
 )
 from kvprefetch_client.events import (
+    MAX_BLOCKS_PER_EVENT,
     BlockHash,
     Event,
     InstanceStatus,
@@ -472,6 +473,17 @@ class MemoryStore:
         if e.instance_id is not None:
             self._instance(e.instance_id, e.ts)
         self._location(e.tier, e.instance_id, e.block_tokens).store(e.block_hashes, e.ts)
+        if e.session_id is not None and e.tier == "hbm":
+            s = self._sessions.get(e.session_id)
+            # Only a session the router started, not forgotten: an engine's blocks start none.
+            if s is not None and not s.signal_only and s.last_ts >= self._cutoff:
+                s.join_blocks(
+                    e.parent_block_hash,
+                    e.block_hashes,
+                    e.block_tokens or self.block_tokens,
+                    e.ts,
+                    MAX_BLOCKS_PER_EVENT,
+                )
 
     def _removed(self, e: KvBlocksRemoved) -> None:
         if e.instance_id is not None:

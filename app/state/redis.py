@@ -135,6 +135,7 @@ from app.state.rules import (
     session_state,
 )
 from kvprefetch_client.events import (
+    MAX_BLOCKS_PER_EVENT,
     BlockHash,
     Event,
     InstanceStatus,
@@ -488,6 +489,19 @@ class RedisStore:
             str(len(e.block_hashes)),
         )
         ops += _enc_blocks(e.block_hashes)
+        if e.session_id is not None and e.tier == "hbm":
+            # rules.SessionRecord.join_blocks; the parent encoded as the context's elements are.
+            parent = "" if e.parent_block_hash is None else _enc_blocks([e.parent_block_hash])[0]
+            ops += (
+                "J",
+                e.session_id,
+                _ts(e.ts),
+                parent,
+                ",".join(_enc_blocks(e.block_hashes)),
+                str(len(e.block_hashes)),
+                str(e.block_tokens or self.block_tokens),
+                str(MAX_BLOCKS_PER_EVENT),
+            )
 
     def _enc_removed(self, e: KvBlocksRemoved, ops: list[str]) -> None:
         ops += ("X", *self._where(e), _ts(e.ts), str(self.block_tokens), str(len(e.block_hashes)))

@@ -175,6 +175,63 @@ local function set_blocks(s, blocks, bt, ts_s, ts)
   if blocks ~= '' and ts >= num(s.bts) then s.b, s.bts, s.k = blocks, ts_s, bt end
 end
 
+-- A context's blocks ('[5,"ab",...]', as RedisStore._blocks_json writes them) up to and
+-- including the first element equal to `parent` (encoded the same way), and how many elements
+-- that is; nil when no element is. Walks the string, so a comma inside a string hash is no
+-- separator.
+local function cut_after(ctx, parent)
+  local n, i, len = 0, 2, #ctx - 1
+  while i <= len do
+    local j
+    if ctx:sub(i, i) == '"' then
+      j = i + 1
+      while true do
+        if j > len then return nil end  -- not a context this store wrote
+        local c = ctx:sub(j, j)
+        if c == '\\' then j = j + 2
+        elseif c == '"' then break
+        else j = j + 1 end
+      end
+    else
+      j = (ctx:find(',', i, true) or (len + 1)) - 1
+    end
+    n = n + 1
+    if ctx:sub(i, j) == parent then return ctx:sub(1, j), n end
+    i = j + 2
+  end
+  return nil
+end
+
+-- rules.SessionRecord.join_blocks, on a session the router started and the store still holds
+local function join_blocks(sid, ts_s, parent, blocks, added, bt, max_blocks)
+  local ts = tonumber(ts_s)
+  if ts < cutoff then return end
+  local s = sessions[sid]
+  if not s then
+    local v = redis.call('HMGET', P .. ':s:' .. sid, unpack(SESSION_FIELDS))
+    if not v[1] then return end
+    s = {}
+    for n, name in ipairs(SESSION_FIELDS) do s[name] = v[n] end
+    sessions[sid] = s
+    session_order[#session_order + 1] = sid
+  end
+  if not s.f or s.o == '1' or tonumber(s.l) < cutoff or ts < num(s.bts) then return end
+  local chain, count
+  added = tonumber(added)
+  if parent == '' then
+    chain, count = '[' .. blocks .. ']', added
+  else
+    -- A session forgotten and started again this call has no context yet (the old hash goes
+    -- at the write-back).
+    local ctx = s.b or (not s.reset and redis.call('HGET', P .. ':s:' .. sid, 'b'))
+    if not ctx then return end
+    local head, n = cut_after(ctx, parent)
+    if not head then return end
+    chain, count = head .. ',' .. blocks .. ']', n + added
+  end
+  if count <= tonumber(max_blocks) then s.b, s.bts, s.k = chain, ts_s, bt end
+end
+
 -- rules.request_rank
 local function rank(r)
   local routed = tonumber(r[4])
@@ -296,6 +353,11 @@ local function apply_ops(i, last)
         name_request(r, iid, ts_s, ts)
         trim_requests(s)
       end
+    elseif op == 'J' then
+      local a = i + 1
+      join_blocks(argv[a], argv[a + 1], argv[a + 2], argv[a + 3], argv[a + 4], argv[a + 5],
+        argv[a + 6])
+      i = i + 8
     elseif op == 'C' then
       -- MemoryStore._closed, rules.SessionRecord.closed
       local sid, ts_s = argv[i + 1], argv[i + 2]

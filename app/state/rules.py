@@ -279,6 +279,34 @@ class SessionRecord:
         if block_hashes is not None and ts >= self.blocks_ts:
             self.blocks, self.blocks_ts, self.block_tokens = pack(block_hashes), ts, block_tokens
 
+    def join_blocks(
+        self,
+        parent: BlockHash | None,
+        block_hashes: list[BlockHash],
+        block_tokens: int,
+        ts: float,
+        max_blocks: int,
+    ) -> None:
+        """An engine stored blocks for this session (vLLM's BlockStored `session_id`): they follow
+        `parent` in its context, which is cut after the parent's first place and extended (no
+        parent: they start it). A parent the context does not hold, a chain longer than
+        `max_blocks`, or an event older than the context's: nothing changes."""
+        if ts < self.blocks_ts:
+            return
+        if parent is None:
+            chain = list(block_hashes)
+        else:
+            current = list(self.blocks)
+            try:
+                at = next(
+                    i for i, h in enumerate(current) if type(h) is type(parent) and h == parent
+                )
+            except StopIteration:
+                return
+            chain = current[: at + 1] + list(block_hashes)
+        if len(chain) <= max_blocks:
+            self.blocks, self.blocks_ts, self.block_tokens = pack(chain), ts, block_tokens
+
     def trim_requests(self) -> None:
         """Keep the RECENT_REQUESTS latest requests: a stable sort by rank, the oldest dropped."""
         if len(self.requests) > RECENT_REQUESTS:

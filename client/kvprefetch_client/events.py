@@ -135,6 +135,9 @@ class KvBlocksStored(_Located):
     # The blocks' tokens, in order, when the engine reports them (vLLM's BlockStored does): a tier
     # keyed by tokens rather than block hashes (LMCache) needs them to fetch a context.
     token_ids: Annotated[list[StrictInt], Field(max_length=MAX_TOKENS)] | None = None
+    # The session whose context these blocks extend (vLLM's BlockStored `session_id`): in HBM,
+    # they join that session's context after their parent (a session the router started only).
+    session_id: SessionId | None = None
 
 
 class KvBlocksRemoved(_Located):
@@ -262,6 +265,7 @@ class VllmKvEvents(_Event):
                         parent_block_hash=e.parent_block_hash,
                         block_tokens=e.block_size,
                         token_ids=e.token_ids or None,
+                        session_id=e.session_id,
                     )
                 )
             elif isinstance(e, VllmBlockRemoved):

@@ -1017,3 +1017,64 @@ def test_signal_ties_order_by_code_point_on_both_stores(store: StateStore) -> No
     store.apply([signal("s", 1.0, "tool_started", tool=t) for t in tools])
     kept = [x.tool for x in store.session("s").signals]
     assert kept == sorted(tools)[-RECENT_SIGNALS:]
+
+
+# -- an engine's blocks joined to the router's session (vLLM's BlockStored session_id) ---------
+
+
+def test_blocks_stored_for_a_session_extend_its_context_after_their_parent(
+    store: StateStore,
+) -> None:
+    store.apply([routed("s", "r1", 10.0, block_hashes=[1, 2])])
+    store.apply([stored([3, 4], 11.0, session_id="s", parent_block_hash=2)])
+    assert store.session("s").block_hashes == [1, 2, 3, 4]
+    # A new turn that diverges after block 1: the context is cut there.
+    store.apply([stored([9], 12.0, session_id="s", parent_block_hash=1)])
+    assert store.session("s").block_hashes == [1, 9]
+    # No parent: a chain from the root starts the context again.
+    store.apply([stored([7, 8], 13.0, session_id="s")])
+    assert store.session("s").block_hashes == [7, 8]
+
+
+def test_a_join_that_cannot_be_placed_changes_nothing(store: StateStore) -> None:
+    store.apply([routed("s", "r1", 10.0, block_hashes=[1, 2])])
+    store.apply(
+        [
+            stored([5], 11.0, session_id="s", parent_block_hash=99),  # parent not in the context
+            stored([5], 11.0, session_id="s", parent_block_hash="2"),  # "2" is not 2
+            stored([5], 9.0, session_id="s", parent_block_hash=2),  # older than the context
+            stored([5], 11.0, session_id="s", parent_block_hash=2, tier="host"),  # not HBM
+        ]
+    )
+    assert store.session("s").block_hashes == [1, 2]
+    assert store.holds("hbm", "gpu-0", [5]) == [True]  # the blocks are stored all the same
+
+
+def test_an_engine_s_blocks_start_no_session(store: StateStore) -> None:
+    store.apply([stored([1, 2], 10.0, session_id="ghost")])
+    assert store.session("ghost") is None
+    store.apply([ev("session_signal", 11.0, session_id="sig", kind="opened")])
+    store.apply([stored([1, 2], 12.0, session_id="sig")])
+    assert store.session("sig").block_hashes == []  # known from a signal only: no context
+
+
+def test_a_join_finds_its_parent_whole_among_string_hashes(store: StateStore) -> None:
+    context = ["x,1,y", 'q"1', "1", 1]
+    store.apply([routed("s", "r1", 10.0, block_hashes=context)])
+    store.apply([stored([2], 11.0, session_id="s", parent_block_hash=1)])
+    assert store.session("s").block_hashes == [*context, 2]
+    store.apply([stored(["z"], 12.0, session_id="s", parent_block_hash="1")])
+    assert store.session("s").block_hashes == ["x,1,y", 'q"1', "1", "z"]
+    store.apply([stored([3], 13.0, session_id="s", parent_block_hash='q"1')])
+    assert store.session("s").block_hashes == ["x,1,y", 'q"1', 3]
+
+
+def test_a_join_in_the_same_apply_as_the_routing_sees_its_context(store: StateStore) -> None:
+    store.apply(
+        [
+            routed("s", "r1", 10.0, block_hashes=[1, 2]),
+            stored([3], 10.5, session_id="s", parent_block_hash=2),
+            stored([4], 10.6, session_id="s", parent_block_hash=3),
+        ]
+    )
+    assert store.session("s").block_hashes == [1, 2, 3, 4]

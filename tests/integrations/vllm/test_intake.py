@@ -421,3 +421,40 @@ def test_a_batch_from_a_clock_far_ahead_is_refused_as_posted_ones_are(
     assert logged_ids(engine) == ids_of("gpu-0", 0, [good[0], good[2]])
     assert engine.metrics.events_refused_by_time.labels("clock_skew")._value.get() == 1
     assert any("vLLM batches refused: ts" in r.getMessage() for r in caplog.records)
+
+
+def test_a_block_stored_for_a_router_session_joins_its_context(tmp_path: Path) -> None:
+    """vLLM's session_id is the router's: the first batch's blocks (no parent) start
+    a-session-0's context; a-session-1's blocks name a parent its context does not hold (the
+    captured engine chained them after a-session-0's), so they join nothing."""
+    from kvprefetch_client.events import RequestRouted
+
+    port, replay_port = free_ports(2)
+    pub = FramePublisher(port, replay_port)
+    engine = build(tmp_path, f"gpu-a=tcp://127.0.0.1:{port},replay=tcp://127.0.0.1:{replay_port}")
+    frames = stream("tagged_int")
+    first = decode_batch(VllmEndpoint("gpu-a", 0, "x"), *split_live(frames[0]))
+    t0 = first.ts - 1.0
+    engine.ingest(
+        [
+            RequestRouted(event_id=f"route-{s}", ts=t0, session_id=s, request_id=f"{s}-r1",
+                          instance_id="gpu-a", prompt_tokens=32)
+            for s in ("a-session-0", "a-session-1")
+        ]
+    )  # fmt: skip
+
+    async def scenario() -> None:
+        await engine.start()
+        await asyncio.sleep(0.3)
+        for f in frames:
+            pub.publish(f)
+        want = len(ids_of("gpu-a", 0, frames)) + 2
+        await until(lambda: len(set(logged_ids(engine))) == want, "every batch logged")
+        await engine.close()
+
+    try:
+        run(scenario)
+    finally:
+        pub.close()
+    assert engine.store.session("a-session-0").block_hashes == first.events[0].block_hashes  # type: ignore[union-attr]
+    assert engine.store.session("a-session-1").block_hashes == []
