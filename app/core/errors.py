@@ -14,6 +14,8 @@ the agent raise into the same tree without importing the service. The service's 
     |   +-- ModelDirRefused      app.predict.registry: a model directory outside the allowed ones
     +-- SinkError                app.deliver.base: an order sink failed
     |   +-- SinkUnavailable, SinkRejected, SinkClosed
+    +-- UnknownTokens            app.deliver.token_index: an order's blocks whose tokens are unknown
+    +-- BadInput                 app.ingest.vllm.wire: a vLLM frame or event that does not decode
     +-- HttpError                app.api.errors: answered with its own status and field
     |   +-- Refused              app.api.auth: 401, 403, 429
     |   +-- BatchError           app.api.batch: a POST /v1/events body unusable as a whole

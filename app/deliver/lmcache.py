@@ -44,6 +44,7 @@ from typing import Any, Literal, Protocol
 
 import httpx
 
+from app.core.errors import KvpError
 from app.core.redact import mask_url
 from app.deliver._dedupe import RecentIds
 from app.deliver.base import SinkClosed
@@ -90,7 +91,7 @@ class LmcacheMetrics(Protocol):
     def lmcache_call_retried(self, call: str) -> None: ...
 
 
-class _Failed(Exception):
+class _Failed(KvpError):
     def __init__(self, kind: str, reason: str) -> None:
         super().__init__(reason)
         self.kind = kind

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from app.core.errors import KvpError
 from kvprefetch_client.events import BlockHash, Event, KvBlocksStored, VllmKvEvents
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ _TOKEN_TYPECODE = "q"
 _TOKEN_MIN, _TOKEN_MAX = -(2**63), 2**63 - 1
 
 
-class UnknownTokens(LookupError):
+class UnknownTokens(KvpError):
     """An order's tokens cannot be rebuilt; `str()` says which block is missing."""
 
 

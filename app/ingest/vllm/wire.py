@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 from pydantic import TypeAdapter, ValidationError
 
+from app.core.errors import KvpError
 from kvprefetch_client.events import SessionId, VllmKvEvents
 
 SEQ_BYTES = 8
@@ -38,7 +39,7 @@ SESSION_ID = "session_id"
 BAD_INPUT_REASONS = (FRAMES, MSGPACK, SHAPE, EVENT_TYPE, HASH, FIELD, REPLAY, SESSION_ID)
 
 
-class BadInput(ValueError):
+class BadInput(KvpError):
     """A message refused, with its reason (one of BAD_INPUT_REASONS)."""
 
     def __init__(self, reason: str, message: str) -> None:

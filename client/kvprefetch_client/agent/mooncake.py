@@ -125,7 +125,7 @@ class MooncakeError(KvpError):
     """The store cannot be used (the wheel missing, its setup refused)."""
 
 
-class _Unreachable(Exception):
+class _Unreachable(KvpError):
     """The master did not answer this time; worth another try."""
 
 
