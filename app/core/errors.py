@@ -4,7 +4,7 @@ The root, `KvpError`, is the light client's (kvprefetch_client/errors.py), so th
 the agent raise into the same tree without importing the service. The service's errors:
 
     KvpError                     kvprefetch_client.errors
-    +-- BufferFull               kvprefetch_client.agent.tiers: no room without evicting pins
+    +-- BufferFull               kvprefetch_client.agent.buffer: no room without evicting pins
     +-- ConfigError              bad settings or scenario files
     +-- EventLogError            the durable log cannot be written or read (API: 503)
     |   +-- CorruptLogError      a log line that is not a valid event (file and line named)

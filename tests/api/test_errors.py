@@ -29,7 +29,7 @@ from app.api.routes import (
     state,
 )
 from app.core.errors import ConfigError, CorruptLogError, KvpError, StoreError, StoreUnavailable
-from kvprefetch_client.agent.tiers import BufferFull
+from kvprefetch_client.agent.buffer import BufferFull
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 ROUTE_MODULES = (config, dashboard, events, health, hints, metrics, model, orders, scheduler, state)

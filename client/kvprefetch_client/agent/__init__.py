@@ -15,6 +15,7 @@ says what it promises.
               pool_dir=Path("pool"), capacity_bytes=8 << 30, stop=threading.Event())
 """
 
+from kvprefetch_client.agent.buffer import BufferFull, HbmBuffer, PoolDir, block_file_name
 from kvprefetch_client.agent.consumer import (
     GROUP,
     Delivery,
@@ -36,7 +37,6 @@ from kvprefetch_client.agent.runner import (
     run_agent,
 )
 from kvprefetch_client.agent.tier import BufferTier, Done, Tier
-from kvprefetch_client.agent.tiers import BufferFull, HbmBuffer, PoolDir, block_file_name
 
 __all__ = [
     "GROUP",

@@ -35,9 +35,9 @@ from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel
 
+from kvprefetch_client.agent.buffer import HbmBuffer, PoolDir
 from kvprefetch_client.agent.consumer import Delivery, OrderSource
 from kvprefetch_client.agent.tier import BufferTier, Done, Tier
-from kvprefetch_client.agent.tiers import HbmBuffer, PoolDir
 from kvprefetch_client.events import (
     BlockHash,
     KvBlocksCleared,

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvprefetch_client.agent.tiers import BufferFull, HbmBuffer, PoolDir
+from kvprefetch_client.agent.buffer import BufferFull, HbmBuffer, PoolDir
 from kvprefetch_client.events import BlockHash
 from kvprefetch_client.orders import Order
 

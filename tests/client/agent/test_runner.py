@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from kvprefetch_client.agent.buffer import HbmBuffer, PoolDir
 from kvprefetch_client.agent.runner import Agent, progress_event_id
-from kvprefetch_client.agent.tiers import HbmBuffer, PoolDir
 from kvprefetch_client.orders import Cancel
 from tests.client.agent.fakes import T0, FakeClock, FakeReporter, FakeSource, order
 

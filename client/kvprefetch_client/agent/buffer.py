@@ -1,4 +1,4 @@
-"""The reference agent's two tiers: a pool of files on disk, and a bounded in-memory instance tier.
+"""The reference agent's storage: a pool of files on disk, and a bounded in-memory instance buffer.
 
 PoolDir stands for the shared pool (Mooncake Store, LMCache's remote backend): one file per block,
 named by the block's hash. HbmBuffer stands for the instance's HBM: a byte budget, least recently

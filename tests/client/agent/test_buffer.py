@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvprefetch_client.agent.tiers import BufferFull, HbmBuffer, PoolDir, block_file_name
+from kvprefetch_client.agent.buffer import BufferFull, HbmBuffer, PoolDir, block_file_name
 
 
 def test_block_file_names_keep_ints_and_strings_apart_and_stay_inside_the_pool() -> None:
