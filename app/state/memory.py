@@ -473,7 +473,7 @@ class MemoryStore:
         if e.instance_id is not None:
             self._instance(e.instance_id, e.ts)
         self._location(e.tier, e.instance_id, e.block_tokens).store(e.block_hashes, e.ts)
-        if e.session_id is not None and e.tier == "hbm":
+        if e.session_id is not None and e.tier == "hbm" and e.ts >= self._cutoff:
             s = self._sessions.get(e.session_id)
             # Only a session the router started, not forgotten: an engine's blocks start none.
             if s is not None and not s.signal_only and s.last_ts >= self._cutoff:
