@@ -335,6 +335,9 @@ class Engine:
                 await asyncio.sleep(0.5)
 
     async def _lose_lease(self) -> None:
+        # Its open orders are the next planner's now: followed here too, their completions would
+        # count on two replicas.
+        await self.store_thread.run(self.scheduler.take_over, 0, {}, fail_fast=False)
         self.metrics.planning_leader.set(0)
 
     def _check_clock(self) -> None:

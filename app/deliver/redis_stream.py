@@ -30,6 +30,11 @@ Once per order id: a Lua script sets the id key with SET NX EX and, only when th
 the entry, both atomically, so a resubmission from this or any other replica, or after a restart,
 within the window adds nothing; and no id is ever marked without its entry being added.
 
+With a planning lease (several replicas, decisions.md 23) the engine sets `fence`: the lease's key
+and this replica's value while it holds it. Both scripts then add nothing unless the lease still
+holds that value, in the same call, so a planner that paused past its lease sends nothing when
+it wakes (the call fails with a FENCED error).
+
 A Cancel carries only the order id: the cancel script reads the order's id key, in the same call,
 for the instance, and adds the Cancel to that instance's stream. A cancel for an id this sink
 never added (or whose id key expired) sets the cancel key only, and is added to no stream: an
