@@ -148,7 +148,13 @@ class PlanningLease:
                     self.terms += 1
                     log.info("planning lease taken: term %d", token)
                     if self.on_gain is not None:
-                        await self.on_gain(token, dict(self._written))
+                        try:
+                            await self.on_gain(token, dict(self._written))
+                        except Exception:
+                            # Not ready to plan this term (its state not loaded): let another.
+                            log.exception("planning term %d not begun: lease given up", token)
+                            await self.release()
+                            return False
                     return True
             else:
                 self._valid_until = started + self.lease_seconds * (1 - DRIFT_SHARE)
@@ -183,7 +189,10 @@ class PlanningLease:
     async def run(self) -> None:
         """Step every third of the lease until cancelled."""
         while True:
-            await self.step()
+            try:
+                await self.step()
+            except Exception:  # one bad step must not end the lease for the life of the process
+                log.exception("planning lease step failed")
             await asyncio.sleep(self.lease_seconds / 3)
 
     async def release(self) -> None:

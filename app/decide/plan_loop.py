@@ -102,6 +102,9 @@ class Dispatcher:
                 # Lost the lease while planning: the next planner takes over from the state the
                 # last tick wrote, and this replica's own is replaced when it plans again.
                 log.warning("planning lease lost mid-tick: %d orders not sent", len(plan.orders))
+                # Not out: planned again by whoever plans next (this replica, once it holds the
+                # lease again, starts from the hand-over state anyway).
+                await self._run(self._failed, plan, fail_fast=False)
                 return Plan(orders=[], cancels=[])
         if plan.cancels:
             try:
