@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -224,7 +225,9 @@ class Engine:
             FleetFeed(
                 settings.redis_url.get_secret_value(),
                 settings.redis_prefix,
-                settings.replica_id,
+                # Per process: the workers of `serve --workers N` share a replica id, and each
+                # must read its siblings' events.
+                f"{settings.replica_id}:{os.getpid()}",
                 timeout_seconds=settings.redis_timeout_seconds,
             )
             if self.lease is not None

@@ -1,7 +1,8 @@
 """The fleet's accepted events, shared among replicas for planning (decisions.md, 23).
 
-    <prefix>:feed    a stream; one entry per accepted batch: `replica` (its KVP_REPLICA_ID) and
-                     `events` (a JSON array of the events, as posted); MAXLEN ~ FEED_MAXLEN
+    <prefix>:feed    a stream; one entry per accepted batch: `replica` (its KVP_REPLICA_ID and
+                     process id: each worker of a replica reads its siblings' batches) and
+                     `events` (a JSON array of the accepted events); MAXLEN ~ FEED_MAXLEN
 
 Each replica applies what it accepts to the shared store, but the planning side (the scorer's
 arrivals, the route tracker, the scheduler's feedback: order progress, a session routed or
