@@ -17,22 +17,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from app.core.clock import Clock, ScaledClock, SystemClock
 from app.core.cluster import ClusterSpec
 from app.core.config import Settings
-from app.core.errors import StoreError
+from app.core.errors import ConfigError, StoreError
 from app.decide.advisor import Thresholds
+from app.decide.fleet_feed import FleetFeed
 from app.decide.guard import GuardConfig, LruGuard
 from app.decide.hints import HintConfig
+from app.decide.lease import PlanningLease
 from app.decide.plan_loop import Dispatcher, feedback_observer
 from app.decide.popularity import PrefixPopularity
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
 from app.decide.score_loop import Scorer
-from app.deliver import LmcacheSink, OrderSink, PullQueue, build_sink
+from app.deliver import LmcacheSink, OrderSink, PullQueue, RedisStreamSink, build_sink
 from app.ingest.backlog import Backlog
 from app.ingest.eventlog import EventLog
 from app.ingest.ingestor import Ingestor, IngestResult, Observer
@@ -180,12 +183,15 @@ class Engine:
             thresholds=self.thresholds,
             guard=self.guard,
         )
+        self.lease = self._planning_lease(settings)
         self.dispatcher = Dispatcher(
             self.scheduler,
             self.order_sink,
             self.clock,
             observe_seconds=self.metrics.planned,
             offload=self.store_thread.run,
+            lease=self.lease,
+            skipped=self.metrics.planning_skipped_ticks.inc,
         )
         landed, self._measured = LandedPrefetches(self.scheduler), MeasuredStall()
         self.timeline = Timeline(
@@ -208,12 +214,27 @@ class Engine:
             metrics=self.metrics,
         )
         # landed before the scheduler's feedback, which forgets a completed order.
-        observers: list[Observer] = [
-            self.ledger.observe,
+        planning_side: list[Observer] = [
             self.scorer.observe,
             landed.observe,
             feedback_observer(self.scheduler, self.routes, self.popularity),
         ]
+        # With a planning lease, the other replicas' accepted events reach the planning side
+        # (app/decide/fleet_feed.py); the ledger, outcomes and metrics count this replica's own.
+        self.feed = (
+            FleetFeed(
+                settings.redis_url.get_secret_value(),
+                settings.redis_prefix,
+                # Per process: the workers of `serve --workers N` share a replica id, and each
+                # must read its siblings' events.
+                f"{settings.replica_id}:{os.getpid()}",
+                timeout_seconds=settings.redis_timeout_seconds,
+            )
+            if self.lease is not None
+            else None
+        )
+        self._fleet_observer = compose_observers(planning_side)
+        observers: list[Observer] = [self.ledger.observe, *planning_side]
         if isinstance(self.order_sink, PullQueue):
             # order_progress: started, done. The queue is the loop's (GET /v1/orders, the
             # planning loop's delivery), so a store thread's drain hands it over there.
@@ -238,7 +259,10 @@ class Engine:
             clock=self.clock,
             max_clock_skew_seconds=settings.max_clock_skew_seconds,
             # At once, not from the backlog: the next score reads what was just applied.
-            observer=compose_observers([self.deployment.observe, self.backlog.put]),
+            observer=compose_observers(
+                [self.deployment.observe, self.backlog.put]
+                + ([self.feed.publish] if self.feed is not None else [])
+            ),
             refused=self.metrics.events_refused,
         )
         if isinstance(self.order_sink, LmcacheSink):
@@ -253,11 +277,71 @@ class Engine:
         self.scoring_task: asyncio.Task[None] | None = None
         self.planning_task: asyncio.Task[None] | None = None
         self.sampling_task: asyncio.Task[None] | None = None
+        self.lease_task: asyncio.Task[None] | None = None
+        self.feed_task: asyncio.Task[None] | None = None
         self.retrain_task: asyncio.Task[None] | None = None
         self.running = False
         self.closed = False
         self.replayed = self.ingestor.recover() if recover else 0
         self._check_clock()
+
+    def _planning_lease(self, settings: Settings) -> PlanningLease | None:
+        """With KVP_PLANNING_LEASE_SECONDS, the lease this replica plans under (decisions.md,
+        23); None: it plans for itself (and counts as planning in kvprefetch_planning_leader)."""
+        if settings.planning_lease_seconds <= 0:
+            self.metrics.planning_leader.set(1)
+            return None
+        if settings.store != "redis":
+            raise ConfigError("KVP_PLANNING_LEASE_SECONDS needs KVP_STORE=redis")
+        if isinstance(self.order_sink, PullQueue):
+            raise ConfigError(
+                "KVP_PLANNING_LEASE_SECONDS needs an order sink every replica reaches: "
+                "KVP_ORDER_SINK=redis (agents read the streams in Redis), webhook or lmcache; "
+                "the pull sink's queues live in one replica"
+            )
+        lease = PlanningLease.from_url(
+            settings.redis_url.get_secret_value(),
+            settings.redis_prefix,
+            settings.replica_id,
+            settings.planning_lease_seconds,
+            timeout_seconds=settings.redis_timeout_seconds,
+        )
+        lease.on_gain = self._take_over
+        lease.on_loss = self._lose_lease
+        if isinstance(self.order_sink, RedisStreamSink):
+            self.order_sink.fence = (lease.key, lambda: lease.value if lease.held else None)
+        self.metrics.planning_leader.set(0)
+        return lease
+
+    async def _take_over(self, token: int, state: dict[str, str]) -> None:
+        adopted = await self.store_thread.run(
+            self.scheduler.take_over, token, state, fail_fast=False
+        )
+        self.metrics.planning_terms.inc()
+        self.metrics.planning_adopted_orders.inc(adopted)
+        self.metrics.planning_leader.set(1)
+        log.info("planning: term %d, %d open orders taken over", token, adopted)
+
+    async def _follow_feed(self, feed: FleetFeed) -> None:
+        """The other replicas' accepted events, to the planning side, on the store thread."""
+        failing = False
+        while True:
+            try:
+                events = await feed.read()
+                if events:
+                    await self.store_thread.run(self._fleet_observer, events, fail_fast=False)
+                failing = False
+            except Exception as exc:  # Redis away: read again once it answers
+                if not failing:
+                    log.warning("the fleet's events not read: %s", exc)
+                    failing = True
+                await asyncio.sleep(0.5)
+
+    async def _lose_lease(self) -> None:
+        # Its open orders are the next planner's now: followed here too, their completions would
+        # count on two replicas.
+        await self.store_thread.run(self.scheduler.take_over, 0, {}, fail_fast=False)
+        self.metrics.planning_leader.set(0)
 
     def _check_clock(self) -> None:
         try:
@@ -366,6 +450,11 @@ class Engine:
             if settings.score_interval_seconds > 0
             else None
         )
+        if self.lease is not None:
+            await self.lease.step()  # a replica alone plans from its first tick
+            self.lease_task = asyncio.create_task(self.lease.run())
+        if self.feed is not None:
+            self.feed_task = asyncio.create_task(self._follow_feed(self.feed))
         self.planning_task = (
             asyncio.create_task(self.dispatcher.run(settings.plan_interval_seconds * per_clock))
             if settings.plan_interval_seconds > 0
@@ -398,6 +487,8 @@ class Engine:
                 self.sampling_task,
                 self.backlog_task,
                 self.probe_task,
+                self.lease_task,
+                self.feed_task,
             )
             if t is not None
         ]
@@ -434,6 +525,10 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        if self.lease is not None:  # a clean stop hands planning over at once
+            await self.lease.close()
+        if self.feed is not None:
+            await self.feed.close()
         await self.store_thread.run(self.backlog.drain, fail_fast=False)
         self.running = False
         self.store_thread.close()

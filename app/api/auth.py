@@ -15,7 +15,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from app.api.errors import Error, HttpError
-from app.core.ratelimit import RateLimiter, retry_after
+from app.core.ratelimit import Limiter, retry_after
 from app.core.security import LOCAL, Principal, Scope
 
 _bearer = HTTPBearer(auto_error=False, description="A token from KVP_*_TOKEN or KVP_TOKENS_FILE")
@@ -37,11 +37,13 @@ def client_key(request: Request, principal: Principal) -> str:
     return f"addr:{request.client.host if request.client else 'unknown'}"
 
 
-def charge(
-    request: Request, principal: Principal, limiter: RateLimiter, what: str, cost: float
+async def charge(
+    request: Request, principal: Principal, limiter: Limiter, what: str, cost: float
 ) -> None:
     """Spend `cost` of the caller's `what` (requests, events) or refuse with 429."""
-    wait = limiter.take(client_key(request, principal), cost)
+    if not limiter.enabled:
+        return
+    wait = await limiter.spend(client_key(request, principal), cost)
     if wait > 0:
         raise Refused(
             429,
@@ -81,7 +83,7 @@ def requires(*scopes: Scope) -> Callable[..., Awaitable[Principal]]:
                     },
                 )
             principal = found
-        charge(request, principal, request.app.state.request_limiter, "requests", 1.0)
+        await charge(request, principal, request.app.state.request_limiter, "requests", 1.0)
         return principal
 
     # Read by the route audit test; a function object takes the attribute, its type does not say so.

@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from app.api.batch import BatchParser
 from app.core.clock import Clock
 from app.core.config import Settings
-from app.core.ratelimit import RateLimiter
+from app.core.ratelimit import Limiter
 from app.core.security import TokenTable
 from app.decide.hints import HintConfig
 from app.decide.scheduler import Scheduler
@@ -102,7 +102,7 @@ async def get_tokens(request: Request) -> TokenTable:
     return request.app.state.tokens
 
 
-async def get_event_limiter(request: Request) -> RateLimiter:
+async def get_event_limiter(request: Request) -> Limiter:
     """KVP_RATE_LIMIT_EVENTS_PER_SECOND's limiter: the HTTP layer's, per caller."""
     return request.app.state.event_limiter
 
@@ -137,5 +137,5 @@ StoreHealthDep = Annotated[StoreHealth, Depends(get_store_health)]
 TimelineDep = Annotated[Timeline, Depends(get_timeline)]
 BatchParserDep = Annotated[BatchParser, Depends(get_batch_parser)]
 TokensDep = Annotated[TokenTable, Depends(get_tokens)]
-EventLimiterDep = Annotated[RateLimiter, Depends(get_event_limiter)]
+EventLimiterDep = Annotated[Limiter, Depends(get_event_limiter)]
 HintConfigDep = Annotated[HintConfig, Depends(get_hint_config)]

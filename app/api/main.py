@@ -39,7 +39,9 @@ from app.api.routes import (
 from app.api.timeouts import TimeoutMiddleware
 from app.core.clock import Clock
 from app.core.config import Settings
-from app.core.ratelimit import RateLimiter
+from app.core.errors import ConfigError
+from app.core.fleet_ratelimit import FleetRateLimiter
+from app.core.ratelimit import Limiter, RateLimiter
 from app.core.redact import mask_url
 from app.core.security import check_bind, load_tokens
 from app.deliver import OrderSink
@@ -65,6 +67,32 @@ SERVICE_RESPONSES: dict[int | str, dict[str, Any]] = {
     },
 }
 SCOPED_RESPONSES = {**SERVICE_RESPONSES, **AUTH_RESPONSES}
+
+
+def limiters(settings: Settings) -> tuple[Limiter, Limiter]:
+    """The requests' and the events' rate limits: this replica's, or with
+    KVP_RATE_LIMIT_SCOPE=fleet shared by every replica in Redis (decisions.md, 23)."""
+    rates = (
+        ("requests", settings.rate_limit_requests_per_second),
+        ("events", settings.rate_limit_events_per_second),
+    )
+    if settings.rate_limit_scope == "replica":
+        local = [RateLimiter(rate, settings.rate_limit_burst_seconds) for _, rate in rates]
+        return local[0], local[1]
+    if settings.store != "redis":
+        raise ConfigError("KVP_RATE_LIMIT_SCOPE=fleet needs KVP_STORE=redis")
+    fleet = [
+        FleetRateLimiter.from_url(
+            settings.redis_url.get_secret_value(),
+            settings.redis_prefix,
+            what,
+            rate,
+            settings.rate_limit_burst_seconds,
+            timeout_seconds=settings.redis_timeout_seconds,
+        )
+        for what, rate in rates
+    ]
+    return fleet[0], fleet[1]
 
 
 def create_app(
@@ -94,12 +122,7 @@ def create_app(
         app.state.settings = settings
         app.state.tokens = load_tokens(settings)
         access = check_bind(settings.host, app.state.tokens)
-        app.state.request_limiter = RateLimiter(
-            settings.rate_limit_requests_per_second, settings.rate_limit_burst_seconds
-        )
-        app.state.event_limiter = RateLimiter(
-            settings.rate_limit_events_per_second, settings.rate_limit_burst_seconds
-        )
+        app.state.request_limiter, app.state.event_limiter = limiters(settings)
         app.state.batch_parser = BatchParser(settings.max_batch_events)
         built = given or Engine(settings, store=store, clock=clock, order_sink=order_sink)
         app.state.engine = built
@@ -121,6 +144,9 @@ def create_app(
             yield
         finally:
             await built.close()
+            for limiter in (app.state.request_limiter, app.state.event_limiter):
+                if isinstance(limiter, FleetRateLimiter):
+                    await limiter.close()
 
     app = FastAPI(
         title="kvprefetch",

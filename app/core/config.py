@@ -308,6 +308,15 @@ class Settings(BaseSettings):
     # How long a publisher's replay socket may take to resend a gap before it is reported lost.
     vllm_replay_timeout_seconds: float = Field(2.0, gt=0)
 
+    # Several replicas on one Redis (decisions.md, 23). > 0: one replica plans at a time, under a
+    # lease in Redis of this many seconds (renewed every third; taken over within about one and
+    # a third of it once its holder dies). Needs KVP_STORE=redis and an order sink every replica
+    # reaches (redis, webhook, lmcache: not pull). 0: every replica plans for itself, as one.
+    planning_lease_seconds: float = Field(0.0, ge=0)
+    # Where the per-client rate limits count: in each replica (a client spreading its posts over
+    # N replicas gets N times its rate) or fleet-wide, in a Redis token bucket per client.
+    rate_limit_scope: Literal["replica", "fleet"] = "replica"
+
     @model_validator(mode="after")
     def _batch_fits_the_backlog(self) -> Settings:
         if self.max_batch_events > self.backlog_max_events:

@@ -8,6 +8,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 # Idle buckets are dropped past this many clients, the least recently seen first: a client
 # forgotten this way starts again with a full bucket, which only errs on the generous side.
@@ -63,6 +64,19 @@ class RateLimiter:
             bucket.tokens -= cost
             return 0.0
         return (needed - bucket.tokens) / self.rate
+
+    async def spend(self, client: str, cost: float = 1.0) -> float:
+        """`take`, as the routes call a limiter (the fleet's one awaits Redis)."""
+        return self.take(client, cost)
+
+
+class Limiter(Protocol):
+    """What the routes charge: a limiter in this replica or the fleet's (fleet_ratelimit.py)."""
+
+    @property
+    def enabled(self) -> bool: ...
+
+    async def spend(self, client: str, cost: float = 1.0) -> float: ...
 
 
 def retry_after(wait_seconds: float) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
+from app.decide.lease import PlanningLease
 from app.decide.popularity import PrefixPopularity
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler
@@ -54,8 +55,14 @@ class Dispatcher:
         *,
         observe_seconds: Callable[[float], None] | None = None,
         offload: Offload | None = None,
+        lease: PlanningLease | None = None,
+        skipped: Callable[[], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        # With a planning lease (several replicas, decisions.md 23) a tick plans only while this
+        # replica holds it; `skipped` is told of each tick it did not.
+        self.lease = lease
+        self.skipped = skipped
         self.sink = sink
         self.clock = clock
         self.observe_seconds = observe_seconds
@@ -79,8 +86,26 @@ class Dispatcher:
             self.scheduler.on_progress(order.order_id, "failed")
 
     async def tick(self) -> Plan:
-        """Plan now (by the injected clock) and deliver; returns the plan."""
+        """Plan now (by the injected clock) and deliver; returns the plan. With a lease, only
+        while this replica holds it: the hand-over state is written before the orders go out, so
+        a planner taking over after a crash between the two knows them (it may count an order
+        open that never went out: given up once overdue, it is ordered again; never twice)."""
+        lease = self.lease
+        if lease is not None and not lease.held:
+            if self.skipped is not None:
+                self.skipped()
+            return Plan(orders=[], cancels=[])
         plan: Plan = await self._run(self._plan)
+        if lease is not None:
+            state = await self._run(self.scheduler.handover_state)
+            if not lease.held or not await lease.write_state(state):
+                # Lost the lease while planning: the next planner takes over from the state the
+                # last tick wrote, and this replica's own is replaced when it plans again.
+                log.warning("planning lease lost mid-tick: %d orders not sent", len(plan.orders))
+                # Not out: planned again by whoever plans next (this replica, once it holds the
+                # lease again, starts from the hand-over state anyway).
+                await self._run(self._failed, plan, fail_fast=False)
+                return Plan(orders=[], cancels=[])
         if plan.cancels:
             try:
                 await self.sink.cancel(plan.cancels)

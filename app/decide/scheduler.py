@@ -48,8 +48,11 @@ ordered again and its bytes stop holding the destination's room.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+import orjson
 
 from app.core.cluster import (
     BLOCK_TOKENS,
@@ -62,7 +65,13 @@ from app.core.cluster import (
 from app.decide.advisor import SessionAdvice, Thresholds
 from app.state.base import StateStore
 from kvprefetch_client.events import BlockHash, Tier
-from kvprefetch_client.orders import Cancel, Order, OrderKind, order_id_for
+from kvprefetch_client.orders import Cancel, Order, OrderKind, from_json, order_id_for
+
+log = logging.getLogger(__name__)
+
+# A planning term's order ids start at its lease token times this (decisions.md, 23): ids of
+# different terms never meet, so the sinks' fleet-wide dedupe never drops a new term's order.
+TERM_GENERATIONS = 10**9
 
 # The thresholds' defaults (the settings' too: KVP_LEAD_SECONDS and the rest).
 _THRESHOLDS = Thresholds()
@@ -207,6 +216,8 @@ class Scheduler:
         self._generation = 0
         # What a tick cut short by a store failure decided: handed out by the next plan().
         self._carried: tuple[list[Cancel], list[Order]] = ([], [])
+        # order id -> (the order, its hand-over value), so an unchanged order is not re-encoded.
+        self._encoded: dict[str, tuple[Order, bool, str]] = {}
 
     # -- input ------------------------------------------------------------------------------
 
@@ -263,6 +274,64 @@ class Scheduler:
                 self._has_landed(order_id, entry)
             else:
                 self.totals.failed += 1
+
+    # -- a planning replica's hand-over (decisions.md, 23) ------------------------------------
+
+    def handover_state(self) -> dict[str, str]:
+        """What a planner taking over from this one needs so as not to order anything twice:
+        the open orders (`o:<id>`), the pinned (`p:<session>`) and demoted (`d:<session>`)
+        spells. Field -> value, for a Redis hash."""
+        out: dict[str, str] = {}
+        encoded: dict[str, tuple[Order, bool, str]] = {}
+        for order_id, e in list(self._open.items()):
+            cached = self._encoded.get(order_id)
+            if cached is None or cached[0] is not e.order or cached[1] != e.started:
+                value = ("1" if e.started else "0") + e.order.to_json().decode()
+                cached = (e.order, e.started, value)
+            encoded[order_id] = cached
+            out[f"o:{order_id}"] = cached[2]
+        self._encoded = encoded
+        for session_id, (spell, until) in list(self._pinned.items()):
+            out[f"p:{session_id}"] = orjson.dumps([spell, until]).decode()
+        for session_id, spell in list(self._demoted.items()):
+            out[f"d:{session_id}"] = orjson.dumps(spell).decode()
+        return out
+
+    def take_over(self, token: int, state: dict[str, str]) -> int:
+        """Start planning term `token` from the hand-over state the last planner wrote: its open
+        orders count as open here (so their blocks are not ordered again; a completion or the
+        blocks landing closes them as any), its pins and demotes as done. Returns the orders
+        adopted. What this replica planned in an earlier term of its own is dropped first."""
+        self._generation = token * TERM_GENERATIONS
+        self._carried = ([], [])
+        self._open.clear()
+        self._booking.clear()
+        self._link_booked.clear()
+        self._served_by.clear()
+        self._pinned.clear()
+        self._demoted.clear()
+        self._encoded.clear()
+        for field_, value in state.items():
+            kind, _, key = field_.partition(":")
+            try:
+                if kind == "o":
+                    order = from_json(value[1:])
+                    if not isinstance(order, Order):
+                        continue
+                    sessions = set(order.session_ids)
+                    self._open[key] = _Open(
+                        order, started=value[0] == "1", sessions=sessions, served=set(sessions)
+                    )
+                    for sid in sessions:
+                        self._served_by.setdefault(sid, set()).add(key)
+                elif kind == "p":
+                    spell, until = orjson.loads(value)
+                    self._pinned[key] = (tuple(spell), float(until))
+                elif kind == "d":
+                    self._demoted[key] = tuple(orjson.loads(value))
+            except (ValueError, TypeError) as exc:  # one bad entry must not stop the take-over
+                log.warning("hand-over entry %r unreadable: %s", field_, exc)
+        return len(self._open)
 
     # -- views ------------------------------------------------------------------------------
 

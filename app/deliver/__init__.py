@@ -10,7 +10,7 @@ sinks:
 - `RedisStreamSink` (redis): a Redis stream per instance, read by agents with a consumer group
   (`kvprefetch_client.agent.StreamSource` is the agents' side).
 - `PullQueue` (pull, the default): per-instance queues in this replica, leased to agents by
-  GET /v1/orders.
+  GET /v1/orders. Not with a planning lease: a fleet's agents read the Redis streams.
 - `LmcacheSink` (lmcache): carried out by LMCache's coordinator over HTTP, each order's blocks
   turned into tokens by a `TokenIndex` fed from kv_blocks_stored events; outcomes come back as
   order_progress events (the engine binds where they go).

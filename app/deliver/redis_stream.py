@@ -30,6 +30,11 @@ Once per order id: a Lua script sets the id key with SET NX EX and, only when th
 the entry, both atomically, so a resubmission from this or any other replica, or after a restart,
 within the window adds nothing; and no id is ever marked without its entry being added.
 
+With a planning lease (several replicas, decisions.md 23) the engine sets `fence`: the lease's key
+and this replica's value while it holds it. Both scripts then add nothing unless the lease still
+holds that value, in the same call, so a planner that paused past its lease sends nothing when
+it wakes (the call fails with a FENCED error).
+
 A Cancel carries only the order id: the cancel script reads the order's id key, in the same call,
 for the instance, and adds the Cancel to that instance's stream. A cancel for an id this sink
 never added (or whose id key expired) sets the cancel key only, and is added to no stream: an
@@ -47,7 +52,7 @@ for one instance's backlog.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -80,19 +85,28 @@ local function ensure_group(stream)
 end
 """
 
+# With a planning lease (decisions.md, 23): ARGV[4] the lease's key ('' for none), ARGV[5] its
+# value while the submitting replica holds it; anything else adds nothing (fencing).
+_FENCE = """
+if ARGV[4] ~= '' and redis.call('GET', ARGV[4]) ~= ARGV[5] then
+  return redis.error_reply('FENCED the planning lease is not ' .. ARGV[5])
+end
+"""
+
 # KEYS: per message, its stream then its order id key; ARGV[1] maxlen, ARGV[2] ttl seconds,
-# ARGV[3] the group, then per message its instance id then its JSON. Returns the 1-based
-# positions of the messages added.
+# ARGV[3] the group, ARGV[4..5] the fence, then per message its instance id then its JSON.
+# Returns the 1-based positions of the messages added.
 _SUBMIT = (
     _ENSURE_GROUP
+    + _FENCE
     + """
 local added = {}
 for i = 1, #KEYS / 2 do
   local stream = KEYS[2 * i - 1]
   local failed = ensure_group(stream)
   if failed then return failed end
-  if redis.call('SET', KEYS[2 * i], ARGV[2 + 2 * i], 'NX', 'EX', ARGV[2]) then
-    redis.call('XADD', stream, 'MAXLEN', '~', ARGV[1], '*', 'msg', ARGV[3 + 2 * i])
+  if redis.call('SET', KEYS[2 * i], ARGV[4 + 2 * i], 'NX', 'EX', ARGV[2]) then
+    redis.call('XADD', stream, 'MAXLEN', '~', ARGV[1], '*', 'msg', ARGV[5 + 2 * i])
     added[#added + 1] = i
   end
 end
@@ -101,24 +115,25 @@ return added
 )
 
 # KEYS: per message, its cancel key then its order id key; ARGV[1] maxlen, ARGV[2] ttl seconds,
-# ARGV[3] the group, ARGV[4] the streams' key up to the instance id, then per message its JSON.
-# The stream is the one the order id key names (none when it is gone: the cancel key alone).
-# Returns the 1-based positions of the messages whose cancel key it set.
+# ARGV[3] the group, ARGV[4..5] the fence, ARGV[6] the streams' key up to the instance id, then
+# per message its JSON. The stream is the one the order id key names (none when it is gone: the
+# cancel key alone). Returns the 1-based positions of the messages whose cancel key it set.
 _CANCEL = (
     _ENSURE_GROUP
+    + _FENCE
     + """
 local added = {}
 for i = 1, #KEYS / 2 do
   local instance = redis.call('GET', KEYS[2 * i])
   local stream = nil
   if instance then
-    stream = ARGV[4] .. instance
+    stream = ARGV[6] .. instance
     local failed = ensure_group(stream)
     if failed then return failed end
   end
   if redis.call('SET', KEYS[2 * i - 1], '1', 'NX', 'EX', ARGV[2]) then
     if stream then
-      redis.call('XADD', stream, 'MAXLEN', '~', ARGV[1], '*', 'msg', ARGV[4 + i])
+      redis.call('XADD', stream, 'MAXLEN', '~', ARGV[1], '*', 'msg', ARGV[6 + i])
     end
     added[#added + 1] = i
   end
@@ -161,6 +176,14 @@ class RedisStreamSink:
         self._submit = client.register_script(_SUBMIT)
         self._cancel = client.register_script(_CANCEL)
         self._closed = False
+        # Set by the engine with a planning lease: its key, and its value while held (or None).
+        self.fence: tuple[str, Callable[[], str | None]] | None = None
+
+    def _fence_args(self) -> list[str]:
+        if self.fence is None:
+            return ["", ""]
+        key, value = self.fence
+        return [key, value() or "not held"]
 
     @classmethod
     def from_url(
@@ -177,7 +200,7 @@ class RedisStreamSink:
     async def submit(self, orders: Sequence[Order]) -> list[str]:
         def call(chunk: list[Order]) -> tuple[list[Any], list[Any]]:
             keys: list[Any] = []
-            args: list[Any] = [self.maxlen, self.dedupe_seconds, GROUP]
+            args: list[Any] = [self.maxlen, self.dedupe_seconds, GROUP, *self._fence_args()]
             for o in chunk:
                 keys += [self.stream_key(o.instance_id), order_key(self.prefix, o.order_id)]
                 args += [o.instance_id, o.to_json()]
@@ -194,6 +217,7 @@ class RedisStreamSink:
                 self.maxlen,
                 self.dedupe_seconds,
                 GROUP,
+                *self._fence_args(),
                 self.stream_key(""),
                 *(c.to_json() for c in chunk),
             ]

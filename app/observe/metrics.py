@@ -462,6 +462,30 @@ class Metrics:
             registry=r,
         )
 
+        # The planning lease (app/decide/lease.py, KVP_PLANNING_LEASE_SECONDS): per replica, so a
+        # fleet's sum of the gauge is how many plan (1 when healthy).
+        self.planning_leader = Gauge(
+            "kvprefetch_planning_leader",
+            "1 while this replica holds the planning lease (or plans without one), else 0.",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.planning_terms = Counter(
+            "kvprefetch_planning_terms",
+            "Planning terms this replica began: each time it took the planning lease.",
+            registry=r,
+        )
+        self.planning_adopted_orders = Counter(
+            "kvprefetch_planning_adopted_orders",
+            "Open orders taken over from the previous planner's hand-over state.",
+            registry=r,
+        )
+        self.planning_skipped_ticks = Counter(
+            "kvprefetch_planning_skipped_ticks",
+            "Planning ticks skipped because this replica does not hold the planning lease.",
+            registry=r,
+        )
+
         # Children made once: a labelled counter's lookup costs more than its increment, and the
         # bounded label sets show as 0 from the first scrape rather than appearing later.
         self._ingested = {t: self.events_ingested.labels(t) for t in EVENT_TYPES}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 from fastapi.testclient import TestClient
@@ -12,7 +13,7 @@ from app.ingest.eventlog import iter_log
 from tests.api.conftest import routed
 
 
-def replica(tmp_path: Path, name: str, redis_url: str, prefix: str) -> TestClient:
+def replica(tmp_path: Path, name: str, redis_url: str, prefix: str, **kw: object) -> TestClient:
     settings = Settings(
         data_dir=tmp_path / name,
         store="redis",
@@ -20,6 +21,7 @@ def replica(tmp_path: Path, name: str, redis_url: str, prefix: str) -> TestClien
         redis_prefix=prefix,
         replica_id=name,
         log_fsync=False,
+        **kw,  # type: ignore[arg-type]
     )
     return TestClient(create_app(settings))
 
@@ -74,3 +76,24 @@ def test_a_service_whose_redis_is_unreachable_does_not_start(tmp_path: Path) -> 
     # Startup replays the log tail into the store: without it the service would serve a blind state.
     with pytest.raises(StoreUnavailable), TestClient(create_app(settings)):
         pass
+
+
+def test_with_a_lease_one_replica_plans_and_hands_over_on_a_clean_stop(
+    tmp_path: Path, redis_url: str, clean_redis: str
+) -> None:
+    lease = {"planning_lease_seconds": 30.0, "order_sink": "redis"}
+    with replica(tmp_path, "b", redis_url, clean_redis, **lease) as b:
+        with replica(tmp_path, "a", redis_url, clean_redis, **lease) as a:
+            # b started first: it plans; a does not.
+            assert b.get("/v1/scheduler").json()["planning"] is True
+            assert a.get("/v1/scheduler").json()["planning"] is False
+            assert "kvprefetch_planning_leader 0.0" in a.get("/metrics").text
+        with replica(tmp_path, "c", redis_url, clean_redis, **lease) as c:
+            assert c.get("/v1/scheduler").json()["planning"] is False
+            # b stops cleanly and releases the lease: c takes it at its next step, not 30 s on.
+            engine = b.app.state.engine
+            assert asyncio.run_coroutine_threadsafe(engine.close(), engine._loop).result(10) is None
+            engine = c.app.state.engine
+            assert asyncio.run_coroutine_threadsafe(engine.lease.step(), engine._loop).result(10)
+            assert c.get("/v1/scheduler").json()["planning"] is True
+            assert "kvprefetch_planning_terms_total 1.0" in c.get("/metrics").text

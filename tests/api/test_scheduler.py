@@ -169,6 +169,7 @@ def test_order_progress_reaches_the_scheduler(client: TestClient) -> None:
 
 def test_an_empty_service_reports_an_idle_scheduler(client: TestClient) -> None:
     assert client.get("/v1/scheduler").json() == {
+        "planning": True,
         "tracked_sessions": 0,
         "candidates": 0,
         "open_orders": 0,

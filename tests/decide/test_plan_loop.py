@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Sequence
 
 from app.core.clock import ManualClock
+from app.decide.lease import PlanningLease
 from app.decide.plan_loop import Dispatcher, feedback_observer
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Scheduler
@@ -81,3 +82,31 @@ def test_the_observer_forgets_routed_and_closed_sessions_and_follows_progress() 
         ]
     )
     assert sched.totals.completed == 1
+
+
+def test_only_the_lease_holder_plans_and_it_writes_its_handover_state_first(
+    redis_url: str, clean_redis: str
+) -> None:
+    async def body() -> None:
+        mine = PlanningLease.from_url(redis_url, clean_redis, "me", 5.0, timeout_seconds=1.0)
+        other = PlanningLease.from_url(redis_url, clean_redis, "other", 5.0, timeout_seconds=1.0)
+        sched, sink, skipped = scheduler_with_a_candidate(), InProcessSink(), []
+        dispatcher = Dispatcher(
+            sched, sink, ManualClock(0.0), lease=mine, skipped=lambda: skipped.append(1)
+        )
+        try:
+            assert await other.step()
+            assert not await mine.step()
+            assert (await dispatcher.tick()).orders == [] and sink.drain() == []
+            assert skipped == [1] and sched.open_orders() == []  # nothing planned either
+            await other.release()
+            assert await mine.step()
+            plan = await dispatcher.tick()
+            assert [m.order_id for m in sink.drain()] == [o.order_id for o in plan.orders]
+            state = await mine.client.hgetall(mine.state_key)
+            assert set(state) == {f"o:{o.order_id}".encode() for o in plan.orders}
+        finally:
+            await mine.close()
+            await other.close()
+
+    asyncio.run(body())

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from app.decide.advisor import SessionAdvice
-from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
+from app.decide.scheduler import TERM_GENERATIONS, Plan, Scheduler, SchedulerConfig
 from app.state import MemoryStore
 from kvprefetch_client.events import InstanceStatus, KvBlocksRemoved, KvBlocksStored, OrderProgress
 from kvprefetch_client.orders import Order
@@ -454,3 +454,33 @@ def test_needed_by_follows_the_advice_s_arrival_curve() -> None:
     (now,) = tick(sched, [replace(advice("now", [2, 3]), needed_in_seconds=0.5)], 50.0).orders
     assert now.start_by_ts == 50.0
     assert now.needed_by_ts == pytest.approx(50.0 + transfer_seconds + 0.25)
+
+
+def test_a_planner_taking_over_orders_nothing_its_predecessor_ordered() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10), hbm={"gpu-0": [20]})
+    old = Scheduler(store, config())
+    old.take_over(1, {})
+    moving = advice("a", [0, 1, 2])
+    keep = advice("k", [20], p_soon=0.1, p_keep=0.6, retention="keep")
+    first = tick(old, [moving, keep], 0.0)
+    assert sorted(o.kind for o in first.orders) == ["pin", "prefetch"]
+    assert all(o.order_id.endswith(f"-{TERM_GENERATIONS + 1}") for o in first.orders)
+
+    new = Scheduler(store, config())
+    assert new.take_over(2, old.handover_state()) == 1
+    assert tick(new, [moving, keep], 1.0).orders == []  # open, and pinned: nothing again
+    assert [e.order_id for e in new.open_orders()] == [o.order_id for o in prefetches(first.orders)]
+    # Its completion, reported to the new planner, closes it there.
+    (taken,) = prefetches(first.orders)
+    new.on_progress(taken.order_id, "completed")
+    assert new.open_orders() == []
+    # A later order for the same blocks is the new term's: an id no sink has seen.
+    new.forget("a")
+    again = tick(new, [moving], 2.0)
+    assert [o.order_id.rsplit("-", 1)[1] for o in again.orders] == [str(2 * TERM_GENERATIONS + 2)]
+
+
+def test_an_unreadable_handover_entry_is_skipped() -> None:
+    sched = Scheduler(store_with(free_bytes={"gpu-0": 0}), config())
+    assert sched.take_over(3, {"o:x": "1{not json", "p:s": "[", "zz": "?"}) == 0
+    assert sched.open_orders() == []

@@ -113,7 +113,7 @@ async def post_events(
         metrics.batch_refused(exc.status_code)
         return error_response(exc.status_code, exc.field, exc.message)
     try:
-        charge(request, caller, limiter, "events", len(parsed.events))
+        await charge(request, caller, limiter, "events", len(parsed.events))
     except Refused:
         metrics.batch_refused(429)
         raise

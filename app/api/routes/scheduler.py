@@ -5,13 +5,16 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import BaseModel
 
-from app.api.deps import SchedulerDep, StoreThreadDep
+from app.api.deps import EngineDep, SchedulerDep, StoreThreadDep
 from app.decide.scheduler import Scheduler
 
 router = APIRouter(tags=["orders"])
 
 
 class SchedulerStatus(BaseModel):
+    # Whether this replica plans: it holds the planning lease (KVP_PLANNING_LEASE_SECONDS), or
+    # plans without one. Only the planner's open orders and totals grow (decisions.md, 23).
+    planning: bool
     tracked_sessions: int
     candidates: int
     open_orders: int
@@ -30,16 +33,18 @@ class SchedulerStatus(BaseModel):
     "/scheduler", response_model=SchedulerStatus, summary="The scheduler's state and totals"
 )
 async def scheduler_status(
-    scheduler: SchedulerDep, store_thread: StoreThreadDep
+    engine: EngineDep, scheduler: SchedulerDep, store_thread: StoreThreadDep
 ) -> SchedulerStatus:
+    planning = engine.lease is None or engine.lease.held
     # Where the planning side runs (app/state/storethread.py): one consistent view of it.
-    return await store_thread.run(_status, scheduler, fail_fast=False)
+    return await store_thread.run(_status, scheduler, planning, fail_fast=False)
 
 
-def _status(scheduler: Scheduler) -> SchedulerStatus:
+def _status(scheduler: Scheduler, planning: bool) -> SchedulerStatus:
     t = scheduler.totals
     open_orders = scheduler.open_orders()
     return SchedulerStatus(
+        planning=planning,
         tracked_sessions=scheduler.tracked_sessions,
         candidates=scheduler.candidates,
         open_orders=len(open_orders),

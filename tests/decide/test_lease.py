@@ -1,0 +1,173 @@
+"""The planning lease on the real Redis: one holder at a time, renewed by it, taken over once it
+runs out with a new token, the hand-over state and the stream sink fenced by it; the fleet's
+feed of accepted events; what a lease needs of the settings."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from app.core.config import Settings
+from app.core.errors import ConfigError
+from app.decide.fleet_feed import FleetFeed
+from app.decide.lease import PlanningLease, lease_key
+from app.deliver import RedisStreamSink, SinkError
+from app.engine import Engine
+from kvprefetch_client.events import SessionClosed
+from tests.deliver.conftest import order
+
+LEASE_SECONDS = 0.3
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def r(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+def lease(url: str, prefix: str, replica: str, clock: Clock | None = None) -> PlanningLease:
+    made = PlanningLease.from_url(url, prefix, replica, LEASE_SECONDS, timeout_seconds=1.0)
+    if clock is not None:
+        made._now = clock
+    return made
+
+
+def test_one_holder_renews_and_another_takes_over_once_it_runs_out(
+    redis_url: str, clean_redis: str, r: redis.Redis
+) -> None:
+    async def body() -> None:
+        a, b = lease(redis_url, clean_redis, "a"), lease(redis_url, clean_redis, "b")
+        gained: list[tuple[str, int, dict[str, str]]] = []
+
+        def on_gain(name: str):
+            async def gain(token: int, state: dict[str, str]) -> None:
+                gained.append((name, token, state))
+
+            return gain
+
+        a.on_gain, b.on_gain = on_gain("a"), on_gain("b")
+        try:
+            assert await a.step() and a.held and a.token == 1
+            assert not await b.step() and not b.held
+            assert await a.write_state({"o:x": "1{}", "p:s": "[]"})
+            assert await a.write_state({"o:x": "1{}"})  # p:s deleted
+            await asyncio.sleep(LEASE_SECONDS * 0.6)
+            assert await a.step()  # renewed: still a's
+            await asyncio.sleep(LEASE_SECONDS * 0.6)
+            assert not await b.step()
+            # a stops renewing (as a killed process would): b takes over once it runs out.
+            await asyncio.sleep(LEASE_SECONDS * 1.1)
+            assert await b.step() and b.token == 2
+            assert gained == [("a", 1, {}), ("b", 2, {"o:x": "1{}"})]
+            assert r.get(lease_key(clean_redis)) == b"b|2"
+            # a, back, finds it lost: it neither holds it nor writes the hand-over state.
+            assert not await a.step() and not a.held
+            assert not await a.write_state({"o:y": "0{}"})
+            assert r.hgetall(f"{clean_redis}:planner-state") == {b"o:x": b"1{}"}
+            # A clean stop releases it at once.
+            await b.close()
+            assert r.get(lease_key(clean_redis)) is None
+            assert await a.step() and a.token == 3
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(body())
+
+
+def test_a_holder_stops_counting_itself_the_holder_before_redis_lets_it_go(
+    redis_url: str, clean_redis: str
+) -> None:
+    async def body() -> None:
+        clock = Clock()
+        a = lease(redis_url, clean_redis, "a", clock)
+        try:
+            assert await a.step()
+            clock.now = LEASE_SECONDS * 0.85
+            assert a.held
+            clock.now = LEASE_SECONDS * 0.95  # past the drift margin, not yet the lease
+            assert not a.held
+        finally:
+            await a.close()
+
+    asyncio.run(body())
+
+
+def test_the_stream_sink_adds_nothing_for_a_replica_that_does_not_hold_the_lease(
+    redis_url: str, clean_redis: str, r: redis.Redis
+) -> None:
+    async def body() -> None:
+        a, b = lease(redis_url, clean_redis, "a"), lease(redis_url, clean_redis, "b")
+        sink = RedisStreamSink.from_url(redis_url, f"{clean_redis}:sink")
+        try:
+            assert await a.step()
+            sink.fence = (a.key, lambda: a.value if a.held else None)
+            assert await sink.submit([order("one")]) == ["one"]
+            r.delete(lease_key(clean_redis))  # ran out (a paused past it) and b took it
+            assert await b.step()
+            with pytest.raises(SinkError, match="FENCED"):
+                await sink.submit([order("two")])
+            assert r.xlen(f"{clean_redis}:sink:orders:gpu-0") == 1
+            assert r.get(f"{clean_redis}:sink:order-ids:two") is None  # not marked either
+        finally:
+            await sink.close()
+            await a.close()
+            await b.close()
+
+    asyncio.run(body())
+
+
+def test_each_replica_reads_the_others_accepted_events_from_the_feed(
+    redis_url: str, clean_redis: str
+) -> None:
+    async def body() -> None:
+        a = FleetFeed(redis_url, clean_redis, "a", timeout_seconds=1.0)
+        b = FleetFeed(redis_url, clean_redis, "b", timeout_seconds=1.0)
+        try:
+            a.publish([closed("before")])  # before b's first read: not b's to see
+            assert await b.read() == []
+            a.publish([closed("e1"), closed("e2")])
+            b.publish([closed("e3")])
+            assert [e.event_id for e in await b.read()] == ["e1", "e2"]
+            assert [e.event_id for e in await a.read()] == []  # a started after its own
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(body())
+
+
+def closed(event_id: str) -> SessionClosed:
+    return SessionClosed(event_id=event_id, ts=1.0, session_id="s")
+
+
+@pytest.mark.parametrize(
+    ("store", "sink", "needs"),
+    [("memory", "redis", "KVP_STORE=redis"), ("redis", "pull", "pull sink's queues")],
+)
+def test_a_lease_needs_the_redis_store_and_a_sink_every_replica_reaches(
+    tmp_path: Path, redis_url: str, clean_redis: str, store: str, sink: str, needs: str
+) -> None:
+    settings = Settings(
+        data_dir=tmp_path,
+        store=store,  # type: ignore[arg-type]
+        redis_url=redis_url,
+        redis_prefix=clean_redis,
+        order_sink=sink,  # type: ignore[arg-type]
+        planning_lease_seconds=1.0,
+    )
+    with pytest.raises(ConfigError, match=needs):
+        Engine(settings)
