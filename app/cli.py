@@ -244,6 +244,9 @@ def bench_train_fleet(
     trace_requests: Annotated[
         int | None, typer.Option(min=50, help="Copy only each trace's first N requests.")
     ] = None,
+    dask_only: Annotated[
+        bool, typer.Option("--dask-only", help="Skip the single-process path (too big for it).")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Dataset build, training time and peak RSS: one process beside Dask, on a fleet log."""
@@ -255,6 +258,7 @@ def bench_train_fleet(
         max_rounds=max_rounds,
         work_dir=work_dir,
         trace_requests=trace_requests,
+        paths=("dask",) if dask_only else ("single", "dask"),
     )
     _print_result(result, as_json)
 
