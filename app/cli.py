@@ -820,18 +820,19 @@ def _train_dask(
 ) -> None:
     """`train --dask`: shards replayed on the cluster (training/fleet.py), then lightgbm.dask."""
     import json
+    import tempfile
 
     from training import save_model
     from training.dask_train import dask_client, train_dask
-    from training.fleet import build_dataset_fleet
+    from training.fleet import build_rows_fleet
 
     say = (lambda _: None) if quiet or as_json else (lambda msg: typer.echo(msg, err=True))
     try:
-        with dask_client(address) as client:
+        with dask_client(address) as client, tempfile.TemporaryDirectory() as tmp:
             workers = max(len(client.scheduler_info().get("workers", {})), 1)
             say(f"building rows from {len(events)} log(s) on {workers} Dask worker(s)")
-            rows = build_dataset_fleet(events, workers=workers, client=client)
-            say(f"{len(rows):,} rows; training on the cluster")
+            rows = build_rows_fleet(events, Path(tmp), workers=workers, client=client)
+            say("training on the cluster")
             model = train_dask(
                 rows, client, valid_fraction=valid_fraction, seed=seed, num_boost_round=max_rounds
             )

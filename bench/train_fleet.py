@@ -12,8 +12,9 @@ Each path runs in a process of its own, its peak RSS sampled with its children's
 workers' included) every SAMPLE_SECONDS:
 
 - `single`: training.dataset.build_dataset (one MemoryStore, one process), training.train;
-- `dask`: training.fleet.build_dataset_fleet on a LocalCluster of `--workers` workers (Polars
-  partitions, the workers replay the shards), training.dask_train.train_dask (lightgbm.dask).
+- `dask`: training.fleet.build_rows_fleet on a LocalCluster of `--workers` workers (DuckDB
+  scans, Polars partitions, the workers replay the shards into Parquet files), then
+  training.dask_train.train_dask (lightgbm.dask) with the workers reading those files.
 
 `engines`: the columnar step alone (read, parse ts/type/session, dedupe, order) by Polars and by
 DuckDB on the log. `quality`: both models' Brier score and log loss on the same held-out part
@@ -119,26 +120,28 @@ def _path_single(log: Path, max_rounds: int) -> dict[str, Any]:
     build = time.perf_counter() - t
     t = time.perf_counter()
     model = train(rows, num_boost_round=max_rounds)
-    return _result(rows, model, build, time.perf_counter() - t)
+    return _result(len(rows), model, build, time.perf_counter() - t)
 
 
 def _path_dask(log: Path, max_rounds: int, workers: int) -> dict[str, Any]:
     from training.dask_train import dask_client, train_dask
-    from training.fleet import build_dataset_fleet
+    from training.fleet import build_rows_fleet
 
-    with dask_client(f"local:{workers}") as client:
+    with dask_client(f"local:{workers}") as client, tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
-        rows = build_dataset_fleet([log], workers=workers, client=client)
+        rows = build_rows_fleet([log], Path(tmp), workers=workers, client=client)
         build = time.perf_counter() - t
         t = time.perf_counter()
+        # The workers read the shards' rows themselves: only the validation part comes here.
         model = train_dask(rows, client, num_boost_round=max_rounds)
-        return _result(rows, model, build, time.perf_counter() - t)
+        fit = time.perf_counter() - t
+        return _result(model.data["rows_train"] + model.data["rows_valid"], model, build, fit)
 
 
-def _result(rows: Any, model: Any, build: float, fit: float) -> dict[str, Any]:
+def _result(rows: int, model: Any, build: float, fit: float) -> dict[str, Any]:
     m = model.metrics
     return {
-        "rows": len(rows),
+        "rows": rows,
         "build_seconds": round(build, 2),
         "train_seconds": round(fit, 2),
         "best_iteration": m["best_iteration"],

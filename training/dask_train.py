@@ -19,6 +19,7 @@ from typing import Any
 import pandas as pd
 
 from app.predict.features import FEATURES
+from training.fleet import FleetRows
 from training.train import (
     DEFAULT_PARAMS,
     TrainedModel,
@@ -70,7 +71,7 @@ def stopping_iteration(losses: list[float], early_stopping_rounds: int) -> int:
 
 
 def train_dask(
-    df: pd.DataFrame,
+    rows: pd.DataFrame | FleetRows,
     client: Any,
     params: dict[str, Any] | None = None,
     *,
@@ -79,31 +80,40 @@ def train_dask(
     num_boost_round: int = 1000,
     early_stopping_rounds: int = 50,
 ) -> TrainedModel:
-    """training.train on the cluster behind `client`; the card's metrics are computed here."""
+    """training.train on the cluster behind `client`; the card's metrics are computed here.
+
+    `rows`: a DataFrame (sent to the workers), or FleetRows, the shards' Parquet files that the
+    workers read themselves: then only the validation part comes to this process."""
     import dask.dataframe as dd
     import lightgbm as lgb
 
-    if df.empty:
-        raise ValueError("no training rows")
-    train_df, valid_df = split_by_time(df, valid_fraction)
-    if train_df.empty or valid_df.empty:
-        raise ValueError(
-            f"splitting {len(df)} rows at {1 - valid_fraction:.0%} of the time span leaves a "
-            "side empty"
-        )
+    features = list(FEATURES)
     workers = max(len(client.scheduler_info().get("workers", {})), 1)
+    cut = 1.0 - valid_fraction
+    if isinstance(rows, FleetRows):
+        if not rows.files:
+            raise ValueError("no training rows")
+        # One partition per shard file, read by a worker. Not read_parquet: it fuses small
+        # partitions by the projected columns' size, so the labels' partitions stop matching the
+        # features' and lightgbm.dask refuses them.
+        table = dd.from_map(_read_rows, [str(p) for p in rows.files])
+        train_part = table[table.time_fraction < cut]
+        valid_df = table[table.time_fraction >= cut].compute()
+        rows_train = int(train_part.shape[0].compute())
+        logs, signals = sorted(rows.log_names), _signals(rows.signals)
+    else:
+        if rows.empty:
+            raise ValueError("no training rows")
+        train_df, valid_df = split_by_time(rows, valid_fraction)
+        train_part = dd.from_pandas(train_df[[*features, "label"]], npartitions=workers)
+        rows_train = len(train_df)
+        logs, signals = sorted(rows.log.unique().tolist()), train_signals(rows)
+    if rows_train == 0 or valid_df.empty:
+        raise ValueError(f"splitting the rows at {cut:.0%} of the time span leaves a side empty")
     merged = {**DEFAULT_PARAMS, **(params or {}), "seed": seed}
     # One thread per worker: the workers share the machine's cores between them.
     merged["num_threads"] = 1
-    features = list(FEATURES)
-
-    def frame(part: pd.DataFrame) -> tuple[Any, Any]:
-        x = dd.from_pandas(part[features], npartitions=workers)
-        y = dd.from_pandas(part["label"], npartitions=workers)
-        return x, y
-
-    x_train, y_train = frame(train_df)
-    x_valid, y_valid = frame(valid_df)
+    valid_part = dd.from_pandas(valid_df[[*features, "label"]], npartitions=workers)
     kwargs = {k: v for k, v in merged.items() if k not in ("objective", "verbose")}
     model = lgb.DaskLGBMClassifier(
         client=client,
@@ -113,9 +123,9 @@ def train_dask(
         **kwargs,
     )
     model.fit(
-        x_train,
-        y_train,
-        eval_set=[(x_valid, y_valid)],
+        train_part[features],
+        train_part["label"],
+        eval_set=[(valid_part[features], valid_part["label"])],
         eval_names=["valid"],
         eval_metric="binary_logloss",
     )
@@ -130,14 +140,25 @@ def train_dask(
         f: round(float(g) / total, 4) for f, g in sorted(zip(features, gain), key=lambda kv: -kv[1])
     }
     data = {
-        "rows_train": len(train_df),
+        "rows_train": rows_train,
         "rows_valid": len(valid_df),
-        "logs": sorted(df.log.unique().tolist()),
+        "logs": logs,
         "valid_fraction": valid_fraction,
-        "signals": train_signals(df),
+        "signals": signals,
         "dask_workers": workers,
     }
     return TrainedModel(booster, metrics, calibration, importance, merged, data)
+
+
+def _read_rows(path: str) -> pd.DataFrame:
+    return pd.read_parquet(path, columns=[*FEATURES, "label", "time_fraction"])
+
+
+def _signals(counts: dict[str, dict[str, int]]) -> dict[str, dict[str, float]]:
+    """train_signals' card entry from FleetRows' counts."""
+    frame = pd.DataFrame()
+    frame.attrs["signals"] = counts
+    return train_signals(frame)
 
 
 __all__ = ["dask_client", "stopping_iteration", "train_dask"]

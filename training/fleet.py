@@ -29,6 +29,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -204,13 +205,14 @@ class DeploymentAt:
 def shard_rows(
     shard: Path, log_name: str, span: tuple[float, float], timeline: Path, out: Path
 ) -> int:
-    """Replay one shard (in a worker); write its rows to `out` (Parquet); return the count."""
+    """Replay one shard (in a worker); write its rows, if any, to `out` (Parquet); the count."""
     with np.load(timeline) as t:
         deployment_at = DeploymentAt(t["ts"], t["feats"])
     rows = rows_from_events(
         load_events(shard), log_name=log_name, span=span, deployment_at=deployment_at
     )
-    rows.to_parquet(out, index=False)
+    if not rows.empty:  # an empty frame's columns have no types to agree with the others'
+        rows.to_parquet(out, index=False)
     return len(rows)
 
 
@@ -232,64 +234,102 @@ def _log_rows(shards: list[pd.DataFrame]) -> pd.DataFrame:
     return rows
 
 
+@dataclass
+class FleetRows:
+    """Rows left where the workers wrote them: one Parquet file per shard, per log (in the logs'
+    order), and the signals' follow-through counts (DataFrame.attrs["signals"] elsewhere)."""
+
+    logs: list[list[Path]]
+    log_names: list[str]
+    signals: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def files(self) -> list[Path]:
+        return [path for log in self.logs for path in log]
+
+
+def build_rows_fleet(
+    logs: Iterable[Path | str],
+    work_dir: Path,
+    *,
+    workers: int = 2,
+    shards: int | None = None,
+    engine: str = "duckdb",
+    client: Any = None,
+) -> FleetRows:
+    """Replay each log's session-shards in parallel; the rows stay in Parquet under `work_dir`.
+
+    `client`: a dask.distributed Client to replay the shards on (its workers must see
+    `work_dir`); else a pool of `workers` processes. `shards` defaults to 4 per worker (smaller
+    shards even out the workers' loads)."""
+    if engine not in SCANNERS:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}")
+    shards = shards or 4 * max(workers, 1)
+    rows = FleetRows([], [])
+    for n, log in enumerate(Path(p) for p in logs):
+        folder = work_dir / f"log-{n:04d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        ordered = ordered_events(log, engine, folder)
+        span = (float(ordered["ts"][0]), float(ordered["ts"][-1]))
+        ts, feats, deployment_events = deployment_timeline(ordered)
+        timeline = folder / "deployment.npz"
+        np.savez(timeline, ts=ts, feats=feats)
+        for kind, counts in signal_follow_through(deployment_events).items():
+            total = rows.signals.setdefault(kind, {"signals": 0, "followed": 0})
+            total["signals"] += counts["signals"]
+            total["followed"] += counts["followed"]
+        del deployment_events
+        paths = partition(ordered, shards, folder)
+        del ordered
+        outs = [p.with_suffix(".parquet") for p in paths]
+        args = [(p, log.name, span, timeline, o) for p, o in zip(paths, outs)]
+        if client is not None:
+            futures = [client.submit(shard_rows, *a, pure=False) for a in args]
+            client.gather(futures)
+        else:
+            # Spawned, not forked: a fork of a process running Polars' threads can hang.
+            context = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(max_workers=max(workers, 1), mp_context=context) as pool:
+                list(pool.map(shard_rows, *zip(*args)))
+        rows.logs.append([o for o in outs if o.exists()])
+        rows.log_names.append(log.name)
+    if not rows.logs:
+        raise ValueError("no event logs given")
+    return rows
+
+
 def build_dataset_fleet(
     logs: Iterable[Path | str],
     *,
     workers: int = 2,
     shards: int | None = None,
-    engine: str = "polars",
+    engine: str = "duckdb",
     client: Any = None,
     work_dir: Path | None = None,
 ) -> pd.DataFrame:
-    """The rows of training.dataset.build_dataset, built shard by shard in parallel.
-
-    `client`: a dask.distributed Client to replay the shards on (its workers must share this
-    machine's file system); else a pool of `workers` processes. `shards` defaults to 4 per worker
-    (smaller shards even out the workers' loads)."""
-    if engine not in SCANNERS:
-        raise ValueError(f"engine must be one of {', '.join(ENGINES)}")
-    shards = shards or 4 * max(workers, 1)
-    own_dir = work_dir is None
+    """The rows of training.dataset.build_dataset (the same, in the same order), built shard by
+    shard in parallel (build_rows_fleet) and gathered here."""
     base = Path(tempfile.mkdtemp(prefix="kvp-fleet-")) if work_dir is None else work_dir
-    frames = []
-    signals: dict[str, dict[str, int]] = {}
     try:
-        for n, log in enumerate(Path(p) for p in logs):
-            folder = base / f"log-{n:04d}"
-            folder.mkdir(parents=True, exist_ok=True)
-            ordered = ordered_events(log, engine, folder)
-            span = (float(ordered["ts"][0]), float(ordered["ts"][-1]))
-            ts, feats, deployment_events = deployment_timeline(ordered)
-            timeline = folder / "deployment.npz"
-            np.savez(timeline, ts=ts, feats=feats)
-            for kind, counts in signal_follow_through(deployment_events).items():
-                total = signals.setdefault(kind, {"signals": 0, "followed": 0})
-                total["signals"] += counts["signals"]
-                total["followed"] += counts["followed"]
-            del deployment_events
-            paths = partition(ordered, shards, folder)
-            del ordered
-            outs = [p.with_suffix(".parquet") for p in paths]
-            args = [(p, log.name, span, timeline, o) for p, o in zip(paths, outs)]
-            if client is not None:
-                futures = [client.submit(shard_rows, *a, pure=False) for a in args]
-                client.gather(futures)
-            else:
-                # Spawned, not forked: a fork of a process running Polars' threads can hang.
-                context = multiprocessing.get_context("spawn")
-                with ProcessPoolExecutor(max_workers=max(workers, 1), mp_context=context) as pool:
-                    list(pool.map(shard_rows, *zip(*args)))
-            frames.append(_log_rows([pd.read_parquet(o) for o in outs]))
-        if not frames:
-            raise ValueError("no event logs given")
-        data = pd.concat(frames, ignore_index=True)
-        if data.empty:
-            raise EventLogError("the logs hold no finished request to learn from")
+        rows = build_rows_fleet(
+            logs, base, workers=workers, shards=shards, engine=engine, client=client
+        )
+        frames = [_log_rows([pd.read_parquet(o) for o in outs]) for outs in rows.logs if outs]
+        data = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     finally:
-        if own_dir:
+        if work_dir is None:
             shutil.rmtree(base, ignore_errors=True)
-    data.attrs["signals"] = signals
+    if data.empty:
+        raise EventLogError("the logs hold no finished request to learn from")
+    data.attrs["signals"] = rows.signals
     return data
 
 
-__all__ = ["ENGINES", "build_dataset_fleet", "ordered_events", "partition"]
+__all__ = [
+    "ENGINES",
+    "FleetRows",
+    "build_dataset_fleet",
+    "build_rows_fleet",
+    "ordered_events",
+    "partition",
+]

@@ -35,7 +35,9 @@ def test_compacted_log_reads_the_same_in_pandas_polars_and_duckdb(
     tmp_path: Path, log_dir: Path
 ) -> None:
     out = tmp_path / "events.parquet"
-    result = CliRunner().invoke(cli, ["log", "compact", "--events", str(log_dir), "--out", str(out)])
+    result = CliRunner().invoke(
+        cli, ["log", "compact", "--events", str(log_dir), "--out", str(out)]
+    )
     assert result.exit_code == 0, result.output
     unique = list({e.event_id: e for e in reversed(list(read_events([log_dir])))}.values())[::-1]
     expected = sorted(unique, key=lambda e: e.event_id)

@@ -23,7 +23,7 @@ from tests.conftest import TRACES
 from tests.training.test_signals import chat_with_signals
 from training import build_dataset, train
 from training.dask_train import dask_client, stopping_iteration, train_dask
-from training.fleet import ENGINES, build_dataset_fleet
+from training.fleet import ENGINES, build_dataset_fleet, build_rows_fleet
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +107,21 @@ def test_dask_training_matches_the_single_process_model(client: Any, trace_log: 
         assert abs(fleet.metrics[key] - single.metrics[key]) <= tolerance, key
     assert fleet.metrics["brier"] < fleet.metrics["brier_of_base_rate"]
     assert 1 <= fleet.metrics["best_iteration"] <= 120
+
+
+def test_dask_training_from_the_shards_files(client: Any, trace_log: Path, tmp_path: Path) -> None:
+    """The workers read the shards' Parquet rows themselves: the same rows, the same model
+    within the tolerance, as from the gathered DataFrame."""
+    gathered = build_dataset([trace_log])
+    rows = build_rows_fleet([trace_log], tmp_path, client=client, shards=6)
+    assert rows.log_names == [trace_log.name] and len(rows.files) == 6
+    assert sum(len(pd.read_parquet(f)) for f in rows.files) == len(gathered)
+    from_files = train_dask(rows, client, num_boost_round=120, early_stopping_rounds=20)
+    from_frame = train_dask(gathered, client, num_boost_round=120, early_stopping_rounds=20)
+    assert from_files.data["rows_train"] == from_frame.data["rows_train"]
+    assert from_files.metrics["rows"] == from_frame.metrics["rows"]
+    for key, tolerance in QUALITY_TOLERANCE.items():
+        assert abs(from_files.metrics[key] - from_frame.metrics[key]) <= tolerance, key
 
 
 def test_train_dask_local_writes_a_model(tmp_path: Path, trace_log: Path) -> None:
