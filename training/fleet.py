@@ -1,8 +1,8 @@
 """Training rows from a fleet's event logs: a columnar engine partitions, processes replay.
 
 `build_dataset` (training/dataset.py) replays a whole log through one MemoryStore in one
-process. Here a columnar engine (Polars; DuckDB measured beside it, bench/train_fleet.py) reads
-each log's lines as text, pulls `ts`, `type`, `session_id` and `event_id` out of the JSON,
+process. Here a columnar engine (DuckDB by default; Polars, measured slower on the same lines by
+bench/train_fleet.py, is the other) reads each log's lines as text, pulls `ts`, `type`, `session_id` and `event_id` out of the JSON,
 drops repeated event ids, orders by event time (file order breaks ties, as load_events does),
 and writes the lines of each session-shard (a hash of session_id) to a file of its own. Each
 shard is replayed by the same `rows_from_events`, in a worker process (or a Dask worker), through
