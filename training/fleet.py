@@ -7,7 +7,8 @@ bench/train_fleet.py, is the other) reads each log's lines as text, pulls `ts`, 
 (file order breaks ties, as load_events does); Polars writes the lines of each session-shard (a
 hash of session_id) to a file of its own. Each shard is replayed by the same
 `rows_from_events`, in a worker process (or a Dask worker), through its own MemoryStore and
-app.predict.features: a session's features depend on its own events only, so the shard computes them as the whole log would.
+app.predict.features: a session's features depend on its own events only, so the shard
+computes them as the whole log would.
 
 The deployment's features (DeploymentSignals) depend on the whole stream. They are computed in
 one streaming pass over the log's request_routed and session_signal lines (the only events they
