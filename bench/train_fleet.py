@@ -166,10 +166,12 @@ def _run_path(args: list[str]) -> dict[str, Any]:
     """`args` in a process of its own; its result and the peak RSS of it and its children."""
     import psutil
 
+    # Dask's logs: only their end, and only on a failure.
+    errors = tempfile.TemporaryFile()  # noqa: SIM115 - closed below, or with the process
     proc = subprocess.Popen(
         [sys.executable, "-m", "bench.train_fleet", *args],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=errors,
         env={**os.environ, "PYTHONWARNINGS": "ignore"},
     )
     peak = 0
@@ -184,7 +186,10 @@ def _run_path(args: list[str]) -> dict[str, Any]:
         time.sleep(SAMPLE_SECONDS)
     out = proc.stdout.read() if proc.stdout else b""
     if proc.returncode != 0:
-        raise RuntimeError(f"bench train-fleet {args[0]} failed ({proc.returncode})")
+        errors.seek(0)
+        tail = errors.read().decode(errors="replace")[-3000:]
+        raise RuntimeError(f"bench train-fleet {args[0]} failed ({proc.returncode}):\n{tail}")
+    errors.close()
     result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     result["peak_rss_bytes"] = peak
     return result
