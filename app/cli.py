@@ -28,6 +28,12 @@ connect_cli = typer.Typer(
     help="Feed an engine's own event stream to a running service.",
 )
 cli.add_typer(connect_cli, name="connect")
+log_cli = typer.Typer(
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="Work with the durable event log (JSON Lines segments).",
+)
+cli.add_typer(log_cli, name="log")
 
 
 def _print_result(result: dict[str, Any], as_json: bool) -> None:
@@ -223,6 +229,38 @@ def bench_plan(
     from bench.plan import run
 
     _print_result(run(sessions=sessions, instances=instances, ticks=ticks, page=page), as_json)
+
+
+@bench_cli.command("train-fleet")
+def bench_train_fleet(
+    events: Annotated[
+        int, typer.Option(min=10_000, help="Events in the synthetic fleet log.")
+    ] = 20_000_000,
+    workers: Annotated[int, typer.Option(min=1, help="Dask workers (and build processes).")] = 2,
+    max_rounds: Annotated[int, typer.Option(min=1, help="Most boosting rounds.")] = 300,
+    work_dir: Annotated[
+        Path | None, typer.Option(help="Where the fleet log goes (default: a temp dir).")
+    ] = None,
+    trace_requests: Annotated[
+        int | None, typer.Option(min=50, help="Copy only each trace's first N requests.")
+    ] = None,
+    dask_only: Annotated[
+        bool, typer.Option("--dask-only", help="Skip the single-process path (too big for it).")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Dataset build, training time and peak RSS: one process beside Dask, on a fleet log."""
+    from bench.train_fleet import run
+
+    result = run(
+        events=events,
+        workers=workers,
+        max_rounds=max_rounds,
+        work_dir=work_dir,
+        trace_requests=trace_requests,
+        paths=("dask",) if dask_only else ("single", "dask"),
+    )
+    _print_result(result, as_json)
 
 
 @bench_cli.command("load")
@@ -641,6 +679,23 @@ def events_from_trace(
     typer.echo(f"wrote {n} events to {out}", err=True)
 
 
+@log_cli.command("compact")
+def log_compact(
+    events: Annotated[
+        list[Path], typer.Option(help="Event logs: JSON Lines files or log directories (repeat).")
+    ],
+    out: Annotated[Path, typer.Option(help="The Parquet file to write.")],
+) -> None:
+    """Compact event logs to one Parquet file (pandas, Polars and DuckDB read it)."""
+    from training.compact import compact_log
+
+    try:
+        n = compact_log(events, out)
+    except KvpError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(f"wrote {n} events to {out}", err=True)
+
+
 @cli.command()
 def train(
     events: Annotated[
@@ -676,6 +731,14 @@ def train(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the validation metrics as one JSON object.")
     ] = False,
+    dask: Annotated[
+        str | None,
+        typer.Option(
+            metavar="ADDRESS",
+            help="Replay the logs and train (lightgbm.dask) on a Dask cluster: a scheduler's "
+            "address, or local:N for N local workers. Not with --tune.",
+        ),
+    ] = None,
 ) -> None:
     """Train the arrival model from event logs, split by time; write model.txt and card.json.
 
@@ -698,6 +761,11 @@ def train(
             require_optuna()  # before minutes of replaying logs, not after
         except MissingExtraError as exc:
             raise typer.BadParameter(str(exc), param_hint="'--tune'") from None
+    if dask is not None:
+        if tune:
+            raise typer.BadParameter("not with --tune", param_hint="'--dask'")
+        _train_dask(events, out, dask, valid_fraction, seed, max_rounds, quiet, as_json)
+        return
     bars = not quiet and stderr_is_terminal()
     # Without bars (stderr piped or captured), one line per stage unless the output is for machines.
     say = (lambda _: None) if quiet or as_json or bars else (lambda msg: typer.echo(msg, err=True))
@@ -734,6 +802,47 @@ def train(
         typer.echo(json.dumps(model.metrics))
     else:
         m = model.metrics
+        typer.echo(
+            f"wrote {out}: validation AUC {m['auc']}, Brier {m['brier']} "
+            f"(base rate {m['brier_of_base_rate']}), {model.data['rows_train']:,} training rows"
+        )
+
+
+def _train_dask(
+    events: list[Path],
+    out: Path,
+    address: str,
+    valid_fraction: float,
+    seed: int,
+    max_rounds: int,
+    quiet: bool,
+    as_json: bool,
+) -> None:
+    """`train --dask`: shards replayed on the cluster (training/fleet.py), then lightgbm.dask."""
+    import json
+    import tempfile
+
+    from training import save_model
+    from training.dask_train import dask_client, train_dask
+    from training.fleet import build_rows_fleet
+
+    say = (lambda _: None) if quiet or as_json else (lambda msg: typer.echo(msg, err=True))
+    try:
+        with dask_client(address) as client, tempfile.TemporaryDirectory() as tmp:
+            workers = max(len(client.scheduler_info().get("workers", {})), 1)
+            say(f"building rows from {len(events)} log(s) on {workers} Dask worker(s)")
+            rows = build_rows_fleet(events, Path(tmp), workers=workers, client=client)
+            say("training on the cluster")
+            model = train_dask(
+                rows, client, valid_fraction=valid_fraction, seed=seed, num_boost_round=max_rounds
+            )
+    except (KvpError, ValueError, OSError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    save_model(model, out, extra={"trained_on": f"dask {address}"})
+    m = model.metrics
+    if as_json:
+        typer.echo(json.dumps(m))
+    else:
         typer.echo(
             f"wrote {out}: validation AUC {m['auc']}, Brier {m['brier']} "
             f"(base rate {m['brier_of_base_rate']}), {model.data['rows_train']:,} training rows"

@@ -91,16 +91,23 @@ def rows_from_events(
     signal_checkpoints: Sequence[float] = SIGNAL_CHECKPOINTS,
     horizons: Sequence[float] = HORIZONS,
     applied: Callable[[int], None] | None = None,
+    span: tuple[float, float] | None = None,
+    deployment_at: Callable[[float], list[float]] | None = None,
 ) -> pd.DataFrame:
-    """`applied(n)`, when given, hears now and then how many events the replay has applied."""
+    """`applied(n)`, when given, hears now and then how many events the replay has applied.
+
+    A shard of a log (training/fleet.py: some sessions' events only) gives the whole log's
+    `span` (first, last event ts: the time fractions and the censoring) and `deployment_at(ts)`,
+    the whole log's DEPLOYMENT_FEATURES after its events up to ts (a shard's are not the
+    deployment's)."""
     arrivals: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for e in events:
         if isinstance(e, RequestRouted):
             arrivals[e.session_id].append((e.ts, e.instance_id))
     for a in arrivals.values():
         a.sort()
-    start, end = events[0].ts, events[-1].ts
-    span = max(end - start, 1e-9)
+    start, end = span if span is not None else (events[0].ts, events[-1].ts)
+    span_seconds = max(end - start, 1e-9)
 
     # (decision ts, anchor ts, session, checkpoint, anchor): the anchor is a finish or a signal.
     decisions: list[tuple[float, float, str, float, str]] = []
@@ -125,7 +132,8 @@ def rows_from_events(
         if decision_ts > end:
             break
         while i < len(events) and events[i].ts <= decision_ts:
-            if store.apply([events[i]])[0]:  # the service's ingest tells it accepted events only
+            accepted = store.apply([events[i]])[0]
+            if accepted and deployment_at is None:  # the ingest tells it accepted events only
                 deployment.observe([events[i]])
             i += 1
             if applied is not None and i % report_every == 0:
@@ -145,7 +153,10 @@ def rows_from_events(
         k = bisect.bisect_right(times, decision_ts)
         time_to_next = times[k] - decision_ts if k < len(times) else float("inf")
         next_instance = arrivals[session_id][k][1] if k < len(times) else None
-        base = [*session_features(view, decision_ts), *deployment.features()]
+        deployment_now = (
+            deployment.features() if deployment_at is None else deployment_at(decision_ts)
+        )
+        base = [*session_features(view, decision_ts), *deployment_now]
         for h in horizons:
             if decision_ts + h > end:
                 continue  # censored: the log ends before the answer is known
@@ -155,7 +166,7 @@ def rows_from_events(
                     log_name,
                     session_id,
                     decision_ts,
-                    (decision_ts - start) / span,
+                    (decision_ts - start) / span_seconds,
                     checkpoint,
                     anchor,
                     time_to_next,

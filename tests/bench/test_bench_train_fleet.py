@@ -1,0 +1,38 @@
+"""`kvprefetch bench train-fleet` at a tiny size: a fleet log of copied traces, both paths on a
+2-worker LocalCluster, the documented JSON (no timing thresholds)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.bench.conftest import positive, run_bench
+
+pytestmark = pytest.mark.slow
+
+
+def test_bench_train_fleet_prints_the_documented_json() -> None:
+    r = run_bench(
+        "train-fleet",
+        "--events",
+        "30000",
+        "--trace-requests",
+        "400",
+        "--max-rounds",
+        "30",
+        timeout=300,
+    )
+    assert r["events"] == 30000 and positive(r["log_bytes"]) and r["workers"] == 2
+    for engine in ("polars", "duckdb"):
+        assert r["engines"][engine]["events"] == 30000 and positive(r["engines"][engine]["seconds"])
+    assert r["single"]["rows"] == r["dask"]["rows"] > 0
+    for path in ("single", "dask"):
+        p = r[path]
+        for key in ("build_seconds", "train_seconds", "peak_rss_bytes"):
+            assert positive(p[key]), (path, key)
+        assert 1 <= p["best_iteration"] <= 30
+        assert 0.0 <= p["valid"]["brier"] <= 1.0 and p["valid"]["rows"] > 0
+    q = r["quality"]
+    assert set(q["difference"]) == set(q["tolerance"]) == {"brier", "log_loss"}
+    assert q["equal_within_tolerance"] == all(
+        q["difference"][k] <= q["tolerance"][k] for k in q["tolerance"]
+    )
