@@ -300,3 +300,39 @@ def check_each_event_once(
     assert state["remembered_event_ids"] == len(sent_ids) + len(extra_ids)
     assert state["sessions"] == len(turns) + extra_sessions
     return views
+
+
+def regular_sessions(
+    sessions: dict[str, list[int]],
+    now: float,
+    *,
+    instance_id: str = "gpu-0",
+    turn_gap_seconds: float = 10.0,
+    room_event_id: str = "room",
+) -> list[dict[str, Any]]:
+    """Sessions with a turn every `turn_gap_seconds` on `instance_id`, the last just finished,
+    their contexts (the blocks given) in the pool; and the instance's room. The heuristic
+    predictor then expects each back within the lead time and the scheduler orders each context
+    prefetched from the pool."""
+    events: list[dict[str, Any]] = []
+    for sid, blocks in sessions.items():
+        for n in range(6):
+            # The last turn 6 s ago: due again in 4 s, so the planner's needed_by (from the
+            # arrival curve) is seconds ahead and an agent holds the orders until their start_by.
+            ts = now + 4.0 - turn_gap_seconds * (6 - n)
+            common = {"session_id": sid, "request_id": f"{sid}-r{n}", "instance_id": instance_id}
+            events += [
+                {"type": "request_routed", "event_id": f"{sid}-q{n}", "ts": ts, **common,
+                 "prompt_tokens": 3900, "block_hashes": blocks},
+                {"type": "request_finished", "event_id": f"{sid}-f{n}", "ts": ts + 1.0, **common,
+                 "output_tokens": 100, "context_tokens": 4096, "block_hashes": blocks},
+            ]  # fmt: skip
+        events.append(
+            {"type": "kv_blocks_stored", "event_id": f"{sid}-pool", "ts": now - 1.0,
+             "tier": "pool", "instance_id": None, "block_hashes": blocks}
+        )  # fmt: skip
+    events.append(
+        {"type": "instance_status", "event_id": room_event_id, "ts": now - 1.0,
+         "instance_id": instance_id, "free_kv_bytes": 1 << 40}
+    )  # fmt: skip
+    return events

@@ -39,6 +39,7 @@ from app.ingest.eventlog import iter_log
 from app.state.redis import RedisStore
 from kvprefetch_client.agent import GROUP, PoolDir, cancel_key, default_stream_prefix, stream_key
 from kvprefetch_client.orders import Cancel, Order, order_id_for
+from tests.e2e import streams
 
 if TYPE_CHECKING:
     from tests.e2e.conftest import ServiceProcess
@@ -330,55 +331,10 @@ TURN_GAP_SECONDS = 10.0
 
 
 def regular_sessions(now: float) -> list[dict[str, Any]]:
-    """Sessions with a turn every TURN_GAP_SECONDS on INSTANCE, the last just finished, their
-    contexts in the pool; and INSTANCE's room. The heuristic predictor then expects each back
-    within the lead time and the scheduler orders each context prefetched from the pool."""
-    events: list[dict[str, Any]] = []
-    for sid, blocks in PULL_SESSIONS.items():
-        for n in range(6):
-            # The last turn 6 s ago: due again in 4 s, so the planner's needed_by (from the
-            # arrival curve) is seconds ahead and the agent holds the orders until their start_by.
-            ts = now + 4.0 - TURN_GAP_SECONDS * (6 - n)
-            common = {"session_id": sid, "request_id": f"{sid}-r{n}", "instance_id": INSTANCE}
-            events += [
-                {
-                    "type": "request_routed",
-                    "event_id": f"{sid}-q{n}",
-                    "ts": ts,
-                    **common,
-                    "prompt_tokens": 3900,
-                    "block_hashes": blocks,
-                },
-                {
-                    "type": "request_finished",
-                    "event_id": f"{sid}-f{n}",
-                    "ts": ts + 1.0,
-                    **common,
-                    "output_tokens": 100,
-                    "context_tokens": 4096,
-                    "block_hashes": blocks,
-                },
-            ]
-        events.append(
-            {
-                "type": "kv_blocks_stored",
-                "event_id": f"{sid}-pool",
-                "ts": now - 1.0,
-                "tier": "pool",
-                "instance_id": None,
-                "block_hashes": blocks,
-            }
-        )
-    events.append(
-        {
-            "type": "instance_status",
-            "event_id": "room",
-            "ts": now - 1.0,
-            "instance_id": INSTANCE,
-            "free_kv_bytes": 1 << 40,
-        }
+    """PULL_SESSIONS, each back every TURN_GAP_SECONDS, the last turn just finished."""
+    return streams.regular_sessions(
+        PULL_SESSIONS, now, instance_id=INSTANCE, turn_gap_seconds=TURN_GAP_SECONDS
     )
-    return events
 
 
 def test_pulled_orders_of_an_agent_killed_9_go_to_another_after_the_lease_and_complete_once(

@@ -19,6 +19,7 @@ import redis
 from app.decide.lease import lease_key
 from app.decide.scheduler import TERM_GENERATIONS
 from kvprefetch_client.orders import Cancel, Order, from_json
+from tests.e2e import streams
 from tests.e2e.streams import (
     SESSIONS,
     EventSource,
@@ -66,55 +67,19 @@ class StickySource(EventSource):
 
 
 def order_sessions(tag: str, now: float, first_block: int) -> list[dict[str, Any]]:
-    """Sessions on INSTANCE with a turn every TURN_GAP_SECONDS, the last just finished, their
-    contexts in the pool, and INSTANCE's room: the heuristic expects each back within the lead
-    time and the planner orders each context prefetched (as tests/e2e/test_agent_e2e.py)."""
-    events: list[dict[str, Any]] = []
-    for k in range(3):
-        sid = f"{tag}-s{k}"
-        blocks = list(range(first_block + 100 * k, first_block + 100 * k + 8))
-        for n in range(6):
-            ts = now + 4.0 - TURN_GAP_SECONDS * (6 - n)
-            common = {"session_id": sid, "request_id": f"{sid}-r{n}", "instance_id": INSTANCE}
-            events += [
-                {
-                    "type": "request_routed",
-                    "event_id": f"{sid}-q{n}",
-                    "ts": ts,
-                    **common,
-                    "prompt_tokens": 3900,
-                    "block_hashes": blocks,
-                },
-                {
-                    "type": "request_finished",
-                    "event_id": f"{sid}-f{n}",
-                    "ts": ts + 1.0,
-                    **common,
-                    "output_tokens": 100,
-                    "context_tokens": 4096,
-                    "block_hashes": blocks,
-                },
-            ]
-        events.append(
-            {
-                "type": "kv_blocks_stored",
-                "event_id": f"{sid}-pool",
-                "ts": now - 1.0,
-                "tier": "pool",
-                "instance_id": None,
-                "block_hashes": blocks,
-            }
-        )
-    events.append(
-        {
-            "type": "instance_status",
-            "event_id": f"{tag}-room",
-            "ts": now - 1.0,
-            "instance_id": INSTANCE,
-            "free_kv_bytes": 1 << 40,
-        }
+    """Three sessions on INSTANCE the planner orders prefetched (tests/e2e/streams.py
+    regular_sessions, as tests/e2e/test_agent_e2e.py uses)."""
+    sessions = {
+        f"{tag}-s{k}": list(range(first_block + 100 * k, first_block + 100 * k + 8))
+        for k in range(3)
+    }
+    return streams.regular_sessions(
+        sessions,
+        now,
+        instance_id=INSTANCE,
+        turn_gap_seconds=TURN_GAP_SECONDS,
+        room_event_id=f"{tag}-room",
     )
-    return events
 
 
 def stream_entries(r: redis.Redis, prefix: str) -> list[tuple[float, Order | Cancel]]:
