@@ -20,11 +20,7 @@ scheduler then orders for the landed contexts are orders of their own, each run 
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -39,6 +35,8 @@ from app.ingest.eventlog import iter_log
 from app.state.redis import RedisStore
 from kvprefetch_client.agent import GROUP, PoolDir, cancel_key, default_stream_prefix, stream_key
 from kvprefetch_client.orders import Cancel, Order, order_id_for
+from tests import agent_process
+from tests.agent_process import AgentProcess
 from tests.e2e import streams
 
 if TYPE_CHECKING:
@@ -46,7 +44,6 @@ if TYPE_CHECKING:
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 INSTANCE = "gpu-0"
 CLAIM_IDLE_SECONDS = 1.5
 HOLD_START_IN_SECONDS = 7.0
@@ -56,24 +53,14 @@ BULK_BLOCKS = list(range(2000, 2008))  # 4 MiB each
 WAIT_LIMIT_SECONDS = 20.0
 
 
-class AgentProcess:
-    """`kvprefetch agent` for INSTANCE on the stream source (`stream()`) or the pull source
-    (`pull()`)."""
-
-    def __init__(
-        self,
-        name: str,
-        work: Path,
-        service_url: str,
-        pool: Path,
-        source_args: list[str],
-        env: dict[str, str],
-    ) -> None:
-        self.name = name
-        self.status_path = work / f"{name}.json"
-        self.log_path = work / f"{name}.log"
-        self.args = [
-            sys.executable,
+def agent(
+    name: str, work: Path, service_url: str, pool: Path, source_args: list[str], **env: str
+) -> AgentProcess:
+    """`kvprefetch agent` for INSTANCE on the buffer tier in `pool`."""
+    return AgentProcess(
+        name,
+        work,
+        [
             "-m",
             "app.cli",
             "agent",
@@ -87,76 +74,39 @@ class AgentProcess:
             service_url,
             "--poll-seconds",
             "0.1",
-            "--status-file",
-            str(self.status_path),
             *source_args,
-        ]
-        self.work = work
-        self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
+        ],
+        env,
+    )
 
-    @classmethod
-    def stream(
-        cls, name: str, work: Path, service_url: str, redis_url: str, redis_prefix: str, pool: Path
-    ) -> AgentProcess:
-        # The stream's Redis and prefix come as the service's own settings do.
-        return cls(
-            name,
-            work,
-            service_url,
-            pool,
-            ["--consumer-name", name, "--claim-idle-seconds", str(CLAIM_IDLE_SECONDS)],
-            {"KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": redis_prefix},
-        )
 
-    @classmethod
-    def pull(cls, name: str, work: Path, service_url: str, pool: Path) -> AgentProcess:
-        return cls(name, work, service_url, pool, ["--source", "pull"], {})
+def stream_agent(
+    name: str, work: Path, service_url: str, redis_url: str, redis_prefix: str, pool: Path
+) -> AgentProcess:
+    # The stream's Redis and prefix come as the service's own settings do.
+    return agent(
+        name,
+        work,
+        service_url,
+        pool,
+        ["--consumer-name", name, "--claim-idle-seconds", str(CLAIM_IDLE_SECONDS)],
+        KVP_REDIS_URL=redis_url,
+        KVP_REDIS_PREFIX=redis_prefix,
+    )
 
-    def start(self) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-        # The checkout's client too (as pytest's pythonpath has it), not an installed one.
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "client")])
-        env.update(self.env)
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.args,
-                cwd=self.work,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
 
-    def wait_ready(self) -> None:
-        # The status file appears once the agent has joined the group and told the service its
-        # buffer is empty.
-        wait_for(lambda: self.status_path.exists(), f"{self.name} to start", self)
+def pull_agent(name: str, work: Path, service_url: str, pool: Path) -> AgentProcess:
+    return agent(name, work, service_url, pool, ["--source", "pull"])
 
-    def status(self) -> dict[str, Any]:
-        return json.loads(self.status_path.read_text())
 
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+def wait_ready(a: AgentProcess) -> None:
+    # The status file appears once the agent has joined the group and told the service its
+    # buffer is empty.
+    wait_for(a.status_path.exists, f"{a.name} to start", a)
 
 
 def wait_for(condition: Callable[[], Any], what: str, *agents: AgentProcess) -> Any:
-    deadline = time.monotonic() + WAIT_LIMIT_SECONDS
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        for a in agents:
-            assert a.proc is None or a.proc.poll() is None, f"{a.name} exited:\n{a.log_tail()}"
-        time.sleep(0.05)
-    logs = "\n".join(f"--- {a.name}\n{a.log_tail()}" for a in agents)
-    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+    return agent_process.wait_for(condition, what, *agents, limit_seconds=WAIT_LIMIT_SECONDS)
 
 
 def prefetch(
@@ -208,12 +158,10 @@ def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
     for h in BULK_BLOCKS:
         pool.write(h, os.urandom(4 * MIB))
     for name in ("agent-a", "agent-b"):
-        agents.append(
-            AgentProcess.stream(name, tmp_path, svc.url, redis_url, prefix, pool.directory)
-        )
+        agents.append(stream_agent(name, tmp_path, svc.url, redis_url, prefix, pool.directory))
         agents[-1].start()
     for a in agents:
-        a.wait_ready()
+        wait_ready(a)
     r = redis.Redis.from_url(redis_url)
     stream_prefix = default_stream_prefix(prefix)  # what the service's sink writes to by default
     key = stream_key(stream_prefix, INSTANCE)
@@ -354,10 +302,10 @@ def test_pulled_orders_of_an_agent_killed_9_go_to_another_after_the_lease_and_co
         for h in blocks:
             pool.write(h, os.urandom(64 * 1024))
     for name in ("agent-a", "agent-b"):
-        agents.append(AgentProcess.pull(name, tmp_path, svc.url, pool.directory))
+        agents.append(pull_agent(name, tmp_path, svc.url, pool.directory))
         agents[-1].start()
     for a in agents:
-        a.wait_ready()
+        wait_ready(a)
 
     posted_at = time.time()
     r = httpx.post(f"{svc.url}/v1/events", json={"events": regular_sessions(posted_at)}, timeout=10)

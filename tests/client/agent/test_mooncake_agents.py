@@ -10,12 +10,7 @@ service does; the service itself is tested with the buffer tier in tests/e2e/tes
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,9 +20,11 @@ from typing import Any
 import pytest
 import redis
 
-from bench.mooncake_cluster import REPO, Holder, Master, free_port
+from bench.mooncake_cluster import Holder, Master, free_port
 from kvprefetch_client.agent.consumer import GROUP, default_stream_prefix, stream_key
 from kvprefetch_client.agent.mooncake import store_key
+from tests import agent_process
+from tests.agent_process import AgentProcess
 from tests.client.agent.test_mooncake import NS
 from tests.e2e.test_agent_e2e import prefetch
 
@@ -77,15 +74,13 @@ class Recorder:
         self.server.shutdown()
 
 
-class AgentProcess:
-    def __init__(
-        self, name: str, work: Path, master: Master, service_url: str, redis_url: str, prefix: str
-    ) -> None:
-        self.name = name
-        self.status_path = work / f"{name}.json"
-        self.log_path = work / f"{name}.log"
-        self.args = [
-            sys.executable,
+def mooncake_agent(
+    name: str, work: Path, master: Master, service_url: str, redis_url: str, prefix: str
+) -> AgentProcess:
+    return AgentProcess(
+        name,
+        work,
+        [
             "-m",
             "kvprefetch_client.agent",
             "--instance-id",
@@ -106,58 +101,19 @@ class AgentProcess:
             service_url,
             "--poll-seconds",
             "0.1",
-            "--status-file",
-            str(self.status_path),
             "--consumer-name",
             name,
             "--claim-idle-seconds",
             str(CLAIM_IDLE_SECONDS),
-        ]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "client")])
-        env.update({"KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": prefix})
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.args,
-                cwd=work,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    def status(self) -> dict[str, Any]:
-        return json.loads(self.status_path.read_text()) if self.status_path.exists() else {}
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def log_tail(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+        ],
+        {"KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": prefix},
+    ).start()
 
 
 def wait_for(condition: Callable[[], Any], what: str, *agents: AgentProcess) -> Any:
-    deadline = time.monotonic() + WAIT_LIMIT_SECONDS
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        for a in agents:
-            assert a.proc.poll() is None, f"{a.name} exited:\n{a.log_tail()}"
-        time.sleep(0.01)
-    logs = "\n".join(f"--- {a.name}\n{a.log_tail()}" for a in agents)
-    raise AssertionError(f"timed out waiting for {what}\n{logs}")
+    return agent_process.wait_for(
+        condition, what, *agents, limit_seconds=WAIT_LIMIT_SECONDS, poll_seconds=0.01
+    )
 
 
 @pytest.fixture
@@ -195,7 +151,7 @@ def test_an_agent_killed_mid_copy_leaves_the_order_to_another_that_does_it_once(
     master, holder, recorder = cluster
     for h in BLOCKS:
         assert holder.put(store_key(NS, h), BLOCK_BYTES) == 0
-    victim = AgentProcess("agent-a", tmp_path, master, recorder.url, redis_url, clean_redis)
+    victim = mooncake_agent("agent-a", tmp_path, master, recorder.url, redis_url, clean_redis)
     survivor: AgentProcess | None = None
     try:
         wait_for(victim.status_path.exists, "agent-a to start", victim)
@@ -208,7 +164,7 @@ def test_an_agent_killed_mid_copy_leaves_the_order_to_another_that_does_it_once(
         assert [e["status"] for e in recorder.progress("o1")] == ["accepted"]
         assert r.xpending(key, GROUP)["pending"] == 1  # held, unacked, by the dead agent
 
-        survivor = AgentProcess("agent-b", tmp_path, master, recorder.url, redis_url, clean_redis)
+        survivor = mooncake_agent("agent-b", tmp_path, master, recorder.url, redis_url, clean_redis)
         done = wait_for(
             lambda: [e for e in recorder.progress("o1") if e["status"] != "accepted"],
             "agent-b to finish the order",
