@@ -3,7 +3,7 @@ estimates."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -151,8 +151,8 @@ class CountingStore:
         self.calls: list[list[tuple[str, str | None, int]]] = []
 
     def present_many(self, queries: Sequence[Any]) -> list[set[Any]]:
-        queries = [(tier, instance_id, list(blocks)) for tier, instance_id, blocks in queries]
-        self.calls.append([(tier, instance_id, len(blocks)) for tier, instance_id, blocks in queries])
+        queries = [(tier, instance, list(blocks)) for tier, instance, blocks in queries]
+        self.calls.append([(tier, instance, len(blocks)) for tier, instance, blocks in queries])
         return self.store.present_many(queries)
 
 
