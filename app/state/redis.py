@@ -375,26 +375,7 @@ class RedisStore:
     def apply(self, events: Sequence[Event]) -> list[bool]:
         if not events:
             return []
-        # Chunks of events, one script call each, all in one pipeline: one round trip. A chunk
-        # is atomic; chunks stay small so no call holds Redis for long.
-        head = self._head()
-        calls: list[list[str]] = []
-        sizes: list[int] = []
-        args, count = head[:], 0
-        for e in events:
-            ops: list[str] = []
-            self._encode[e.type](e, ops)
-            if count and (count >= _CHUNK_EVENTS or len(args) + len(ops) > _CHUNK_ARGS):
-                calls.append(args)
-                sizes.append(count)
-                args, count = head[:], 0
-            args.append(e.event_id)
-            args.append(str(len(ops)))
-            args += ops
-            count += 1
-        calls.append(args)
-        sizes.append(count)
-
+        calls, sizes = self._apply_calls(events)
         results: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         with self._errors():
@@ -415,6 +396,34 @@ class RedisStore:
                     raise StoreError("Redis keeps forgetting the apply script (NOSCRIPT)")
                 self._apply_script.sha = self._r.script_load(_APPLY_LUA)
                 todo = missing
+        return self._apply_outcome(results, sizes)
+
+    def _apply_calls(self, events: Sequence[Event]) -> tuple[list[list[str]], list[int]]:
+        """The apply script's calls for `events` (each its arguments) and how many events each
+        takes. Chunks of events, one script call each, all sent in one pipeline: one round trip.
+        A chunk is atomic; chunks stay small so no call holds Redis for long."""
+        head = self._head()
+        calls: list[list[str]] = []
+        sizes: list[int] = []
+        args, count = head[:], 0
+        for e in events:
+            ops: list[str] = []
+            self._encode[e.type](e, ops)
+            if count and (count >= _CHUNK_EVENTS or len(args) + len(ops) > _CHUNK_ARGS):
+                calls.append(args)
+                sizes.append(count)
+                args, count = head[:], 0
+            args.append(e.event_id)
+            args.append(str(len(ops)))
+            args += ops
+            count += 1
+        calls.append(args)
+        sizes.append(count)
+        return calls, sizes
+
+    @staticmethod
+    def _apply_outcome(results: Sequence[Any], sizes: Sequence[int]) -> list[bool]:
+        """apply()'s answer from the script calls' replies (pipelined, errors as values)."""
         out: list[bool] = []
         for res, size in zip(results, sizes):
             if isinstance(res, (redis.ConnectionError, redis.TimeoutError)):
