@@ -13,8 +13,10 @@ the store's hot calls as the service makes them:
 - `live_sessions_256`: a scoring tick's page (`live_sessions(256)` from one of the first pages,
   active within the advisor's MAX_IDLE_SECONDS).
 
-Each is run these ways, by `callers` concurrent tasks on one event loop (uvloop, as `serve` runs
-when it is installed), the way the events route's several posts meet:
+Each is run these ways on one event loop (uvloop, as `serve` runs when it is installed, and the
+service's garbage collector settings), the ingest calls by `callers` concurrent tasks, the way
+the events route's several posts meet, the reads by one (the backlog's drain and the scoring
+loop each make one at a time):
 
 - `store_thread`: the service's way (docs/decisions.md, 16): the sync RedisStore's method on the
   one store thread, `await StoreThread.run(...)`, one job at a time;
@@ -27,15 +29,15 @@ when it is installed), the way the events route's several posts meet:
   keeps the log's order the apply order; the reads run side by side on the client's pool;
 - `asyncio_c_pack`: the same, the client packing commands with hiredis (C) as the sync client
   does when hiredis is installed; redis.asyncio packs them in Python, argument by argument, and
-  the store's calls carry thousands (a 1000-event apply: ~20k);
+  the store's calls carry thousands (the apply script call of 1000 events here: ~9,600);
 - `inline`: the sync store called on the loop (the floor: it blocks the loop for every call).
 
 Rounds interleave the four (their order rotating), each on fresh events; figures are medians
 over rounds: calls/s (events/s for ingest) and the event loop's lag while each ran, from a ticker
-task that sleeps 1 ms and notes its oversleep (median and max over the run's ticks), beside the
-lag of the idle loop. Every path's every answer is checked: each ingest applies each of its
-events (none seen before), and the reads answer the same on every path; at the end every event
-posted on any path is found applied.
+task that sleeps 1 ms and notes its oversleep (median, p99 and max over every round's ticks),
+beside the lag of the idle loop. Every path's every answer is checked: each ingest applies each
+of its events (none seen before), and the reads answer the same on every path; at the end every
+event posted on any path is found applied.
 """
 
 from __future__ import annotations
@@ -195,10 +197,20 @@ class _Ticker:
 
 
 @dataclass
+class _Call:
+    """One call: fn(store); `key` checks its answer (ingest: its events' count; a read: which
+    of the few distinct reads it is); an ingest's batch and log position."""
+
+    fn: Callable[[Any], Any]
+    key: int
+    events: list[Any] | None = None
+    position: Any = None
+
+
+@dataclass
 class _Figures:
     seconds: list[float] = field(default_factory=list)
-    lag_median: list[float] = field(default_factory=list)
-    lag_max: list[float] = field(default_factory=list)
+    lags: list[float] = field(default_factory=list)  # every tick's, over the rounds
     calls: int = 0
     events: int = 0
 
@@ -226,12 +238,12 @@ class _Bench:
         self.thread = StoreThread(offload=True)
         timeout = self.settings.redis_timeout_seconds
 
-        def twin(cls: type[Any]) -> RedisStore:
-            """A RedisStore like the service's over another client class (same settings)."""
+        def twin(cls: type[Any]) -> tuple[Any, RedisStore]:
+            """A client of another class, and a RedisStore like the service's over it."""
             client = cls.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout, decode_responses=True
             )
-            return RedisStore(
+            return client, RedisStore(
                 client,
                 prefix=prefix,
                 bytes_per_token=store.bytes_per_token,
@@ -241,8 +253,7 @@ class _Bench:
                 session_retention_seconds=store.session_retention_seconds,
             )
 
-        self.recorder = twin(_recording_client_class())
-        self.recorder._r.trips = []
+        self.recording, self.recorder = twin(_recording_client_class())
         # One answering store per caller: each replays its own call's round trips.
         self.answering = [twin(_answering_client_class()) for _ in range(callers)]
         self.aclients = {
@@ -281,61 +292,69 @@ class _Bench:
 
     def record(self, fn: Callable[[Any], Any]) -> tuple[list[_Trip], Any]:
         """fn(store) on the recording store: the round trips it made, and its answer."""
-        self.recorder._r.trips = []
+        trips: list[_Trip] = []
+        self.recording.trips = trips
         answer = fn(self.recorder)
-        return self.recorder._r.trips, answer
+        return trips, answer
 
     async def replayed(
         self, path: str, k: int, trips: list[_Trip], fn: Callable[[Any], Any]
     ) -> Any:
         """The round trips sent with redis.asyncio, then fn(store) answered from the replies."""
-        store = self.answering[k]
-        store._r.load(trips, await _send(self.aclients[path], trips))
+        client, store = self.answering[k]
+        client.load(trips, await _send(self.aclients[path], trips))
         answer = fn(store)
-        store._r.done()
+        client.done()
         return answer
 
     # -- segments ------------------------------------------------------------------------------
 
-    def calls(self, op: str, calls: int) -> tuple[list[tuple[Callable[[Any], Any], Any]], int]:
-        """The segment's calls, each fn(store) and what checks its answer (ingest: its events'
-        count; reads: which of the few distinct reads it is), and the events they post."""
+    def calls(self, op: str, calls: int) -> tuple[list[_Call], int]:
+        """The segment's calls, and the events they post."""
         from app.decide.advisor import MAX_IDLE_SECONDS
         from app.observe.outcomes import judge
         from app.state.base import LogPosition, cursor_of
 
         if op.startswith("ingest_"):
             batches = self.batches(calls, int(op.rsplit("_", 1)[1]))
-            fns: list[tuple[Callable[[Any], Any], Any]] = []
+            out = []
             for b in batches:
                 self.position += 1
                 p = LogPosition(0, self.position)
-                fns.append((lambda s, b=b, p=p: self.ingest(s, b, p), len(b)))
+
+                def ingest(s: Any, b: list[Any] = b, p: LogPosition = p) -> list[bool]:
+                    return self.ingest(s, b, p)
+
+                out.append(_Call(ingest, len(b), b, p))
                 self.posted += (e.event_id for e in b)
             if op == "ingest_1000":
                 self.judged = batches[-4:]
-            return fns, sum(map(len, batches))
+            return out, sum(map(len, batches))
+        distinct: list[_Call] = []
         if op == "judge_1000":
-            distinct = [
-                (lambda s, b=b: judge(s, b, self.cluster), i) for i, b in enumerate(self.judged)
-            ]
+            for i, b in enumerate(self.judged):
+
+                def judged(s: Any, b: list[Any] = b) -> Any:
+                    return judge(s, b, self.cluster)
+
+                distinct.append(_Call(judged, i))
         else:
             # The first few pages, as a scoring tick walks them.
             since = self.traffic.ts - MAX_IDLE_SECONDS
-            distinct, before = [], None
+            before = None
             for i in range(4):
 
                 def page_of(s: Any, before: Any = before) -> Any:
                     return s.live_sessions(PAGE_SESSIONS, before=before, active_since_ts=since)
 
-                distinct.append((page_of, i))
+                distinct.append(_Call(page_of, i))
                 page = page_of(self.store)
                 if len(page) < PAGE_SESSIONS:
                     break
                 before = cursor_of(page[-1])
         return [distinct[i % len(distinct)] for i in range(calls)], 0
 
-    def check(self, op: str, path: str, key: Any, answer: Any) -> None:
+    def check(self, op: str, path: str, key: int, answer: Any) -> None:
         if op.startswith("ingest_"):
             if len(answer) != key or not all(answer):
                 raise BenchError(f"{op} on {path}: {answer.count(False)} events not applied")
@@ -345,42 +364,53 @@ class _Bench:
     async def segment(self, op: str, path: str, calls: int) -> None:
         fns, events = self.calls(op, calls)
         store, thread = self.store, self.thread
-        ingest = op.startswith("ingest_")
-        # The asyncio path's round trips, recorded beforehand: a read's; an ingest's dedupe
+        # The asyncio paths' round trips, recorded beforehand: a read's; an ingest's dedupe
         # read (before its batch is applied) and checkpoint write (made again when sent).
         plans: list[Any] = []
         if path in ASYNC_PATHS:
-            for fn, _ in fns:
-                if ingest:
-                    b, p = fn.__defaults__  # type: ignore[attr-defined]
-                    seen, _ = self.record(lambda s, b=b: s.seen_and_newest([e.event_id for e in b]))
-                    ckpt, _ = self.record(lambda s, p=p: s.set_checkpoint(REPLICA, p))
-                    plans.append((seen, ckpt, b, p))
+            for c in fns:
+                if c.events is not None:
+                    ids, p = [e.event_id for e in c.events], c.position
+
+                    def dedupe(s: Any, ids: list[str] = ids) -> Any:
+                        return s.seen_and_newest(ids)
+
+                    def checkpoint(s: Any, p: Any = p) -> None:
+                        s.set_checkpoint(REPLICA, p)
+
+                    seen, _ = self.record(dedupe)
+                    ckpt, _ = self.record(checkpoint)
+                    plans.append((seen, ckpt, c.events, p))
                 else:
-                    plans.append(self.record(fn)[0])
+                    plans.append(self.record(c.fn)[0])
         todo = iter(range(len(fns)))
 
         async def caller(k: int) -> None:
             for n in todo:
-                fn, key = fns[n]
+                fn, key = fns[n].fn, fns[n].key
                 if path == "inline":
                     answer = fn(store)
                 elif path == "store_thread":
                     answer = await thread.run(fn, store)
-                elif ingest:
+                elif fns[n].events is not None:
                     answer = await self.ingest_async(path, k, *plans[n])
                 else:
                     answer = await self.replayed(path, k, plans[n], fn)
                 self.check(op, path, key, answer)
+                # A request's handler gives the loop back between calls: inline, the ticker
+                # then sees each call's hold, not the whole segment's.
+                await asyncio.sleep(0)
 
         with _Ticker() as ticker:
             t0 = time.perf_counter()
-            await asyncio.gather(*(caller(k) for k in range(self.callers)))
+            # The route's several posts meet on the loop; the judging (the backlog's drain) and
+            # a scoring tick each come one at a time.
+            callers = self.callers if op.startswith("ingest_") else 1
+            await asyncio.gather(*(caller(k) for k in range(callers)))
             seconds = time.perf_counter() - t0
         f = self.figures[(op, path)]
         f.seconds.append(seconds)
-        f.lag_median.append(statistics.median(ticker.lags) if ticker.lags else math.nan)
-        f.lag_max.append(max(ticker.lags) if ticker.lags else math.nan)
+        f.lags += ticker.lags
         f.calls, f.events = len(fns), events
 
     async def ingest_async(
@@ -425,8 +455,8 @@ class _Bench:
     def close(self) -> None:
         self.thread.close()
         self.recorder.close()
-        for s in self.answering:
-            s._r.close()
+        for _, s in self.answering:
+            s.close()
         self.store.close()
 
 
@@ -445,7 +475,7 @@ async def _run(
             for path in PATHS:
                 await bench.segment(op, path, min(2, _calls(op, events, reads)))
         for f in bench.figures.values():
-            f.seconds.clear(), f.lag_median.clear(), f.lag_max.clear()
+            f.seconds, f.lags = [], []
         for r in range(rounds):
             await bench.idle()
             order = PATHS[r % len(PATHS) :] + PATHS[: r % len(PATHS)]
@@ -469,10 +499,7 @@ async def _run(
                 "calls": f.calls,
                 "calls_per_second": round(median([f.calls / s for s in f.seconds]), 1),
                 "ms_per_call": _ms(median([s / f.calls for s in f.seconds])),
-                "loop_lag_ms": {
-                    "median": _ms(median(f.lag_median)),
-                    "max": _ms(max(f.lag_max)),
-                },
+                "loop_lag_ms": _lag(f.lags),
             }
             if f.events:
                 row["events"] = f.events
@@ -488,11 +515,9 @@ async def _run(
     return {
         "rounds": rounds,
         "callers": callers,
+        "read_callers": 1,
         "events_applied": applied,
-        "idle_loop_lag_ms": {
-            "median": _ms(median(bench.idle_lags)),
-            "max": _ms(max(bench.idle_lags)),
-        },
+        "idle_loop_lag_ms": _lag(bench.idle_lags),
         "tick_ms": TICK_SECONDS * 1e3,
         "ops": ops,
     }
@@ -500,6 +525,20 @@ async def _run(
 
 def _ms(x: float) -> float:
     return round(x * 1e3, 3)
+
+
+def _lag(lags: list[float]) -> dict[str, float]:
+    """The ticks' oversleep: median, 99th percentile and max, ms (a call holding the loop for
+    longer than a tick shows as one long tick: fewer ticks, each late)."""
+    if not lags:  # a loop held throughout: no tick came back
+        return {"ticks": 0, "median": math.nan, "p99": math.nan, "max": math.nan}
+    xs = sorted(lags)
+    return {
+        "ticks": len(xs),
+        "median": _ms(statistics.median(xs)),
+        "p99": _ms(xs[min(len(xs) - 1, int(0.99 * len(xs)))]),
+        "max": _ms(xs[-1]),
+    }
 
 
 def run(
@@ -512,15 +551,21 @@ def run(
     callers: int = 4,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """The figures of module's docstring; BenchError when Redis does not answer."""
+    """The figures of the module's docstring; BenchError when Redis does not answer."""
     import os
 
     import redis
 
+    from app.core.runtime import tune_gc
+
+    runner: Callable[[Any], Any] = asyncio.run
+    loop_name = "asyncio"
     try:
         import uvloop
+
+        runner, loop_name = uvloop.run, "uvloop"
     except ImportError:  # the service runs on asyncio's own loop then too
-        uvloop = None
+        pass
 
     url = f"{redis_url.rstrip('/')}/{db}"
     probe = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
@@ -535,7 +580,9 @@ def run(
         probe.close()
     prefix = f"kvp-bench-redis-io-{uuid.uuid4().hex[:12]}"
     info(f"bench redis-io: {url}, keys under {prefix}:*")
-    runner = uvloop.run if uvloop is not None else asyncio.run
+    # The service's garbage collector settings (app.core.runtime): its full collections, not the
+    # default's, are what the loop meets.
+    tune_gc()
     load_before = os.getloadavg()
     try:
         result = runner(_run(url, prefix, rounds, events, reads, callers, seed))
@@ -548,7 +595,7 @@ def run(
             "prefix": prefix,
             "keys_removed": removed,
         },
-        "loop": "uvloop" if uvloop is not None else "asyncio",
+        "loop": loop_name,
         "events_per_ingest_segment": events,
         "reads_per_segment": reads,
         **result,
