@@ -6,8 +6,14 @@ The health, metrics and dashboard paths never wait on Redis (docs/decisions.md, 
 while Redis is still stopped, i.e. before the test sends SIGCONT, whether Redis is stopped for
 longer than KVP_REDIS_TIMEOUT_SECONDS (posts are then refused 503 with Retry-After, each counted
 in kvprefetch_event_batches_refused_total) or for less (posts wait and are acknowledged once it
-answers). Either way every event is acknowledged once and applied once after SIGCONT. Latencies
-are measured and printed, never asserted.
+answers). Either way every event is acknowledged once and applied once after SIGCONT.
+
+Latencies are measured and printed (issue 16's figure: /healthz under 100 ms while Redis is
+stopped; bench/README.md has the runs), never held to that figure: CI's two shared cores stall
+a process for tens of ms at times. What is asserted is that no /healthz or /metrics answer
+waited on Redis: one that did would take a Redis timeout (1 s) or the whole stop (3 s), so each
+is checked to be under NEVER_WAITED_SECONDS (1 s), far above a scheduling stall (and /metrics's
+own wait of at most 0.5 s for the planning side) and not above either.
 """
 
 from __future__ import annotations
@@ -46,6 +52,10 @@ HIGH_WATER = 5_000
 STREAM_BEFORE_SECONDS = 1.0
 # Redis stopped long enough for the service to be deep in it (the routers post all along).
 SETTLE_IN_SECONDS = 0.5
+# What an answer that waited on Redis takes at least: the first test's Redis timeout; the
+# second's stop (3 s). /metrics's own wait for the planning side, at most
+# KVP_OBSERVABILITY_WAIT_SECONDS (0.5 s, docs/decisions.md 16), fits under it.
+NEVER_WAITED_SECONDS = 1.0
 
 
 class Poller:
@@ -202,6 +212,8 @@ def test_a_redis_hung_past_the_timeout_is_refused_503_counted_and_health_answers
         client_503 = sum(c.counts[503] for c in counters)
         counted = refused_503(http.get("/metrics").text)
     assert counted == client_503 + 1, (counted, client_503)
+    assert healthz[0] < NEVER_WAITED_SECONDS, healthz
+    assert metrics[0] < NEVER_WAITED_SECONDS, metrics
     assert set(poller_statuses(poller)) == {200}, poller_statuses(poller)
     check_each_event_once(
         routers, stats, svc.url, svc.events_dir, extra_ids={"probe-1"}, extra_sessions=1
@@ -260,6 +272,8 @@ def test_a_redis_hung_within_the_timeout_holds_only_the_posts(
         healthz = poller.max_latency("/healthz", stopped_at, cont_at)
         metrics = poller.max_latency("/metrics", stopped_at, cont_at)
     assert set(poller_statuses(poller)) == {200}, poller_statuses(poller)
+    assert healthz[0] < NEVER_WAITED_SECONDS, healthz
+    assert metrics[0] < NEVER_WAITED_SECONDS, metrics
     check_each_event_once(routers, stats, svc.url, svc.events_dir)
     statuses = sum((c.counts for c in counters), start=Counter())
     assert svc.running
