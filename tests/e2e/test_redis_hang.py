@@ -18,6 +18,7 @@ own wait of at most 0.5 s for the planning side) and not above either.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -65,6 +66,7 @@ class Poller:
     def __init__(self, url: str) -> None:
         self.client = httpx.Client(base_url=url, timeout=60.0)
         self.answers: list[tuple[str, float, float, int | str]] = []
+        self.stopped: tuple[float, float] | None = None  # while Redis was (time.monotonic())
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="poller", daemon=True)
 
@@ -92,7 +94,7 @@ class Poller:
 
 
 @contextmanager
-def polling(url: str) -> Iterator[Poller]:
+def polling(url: str, name: str) -> Iterator[Poller]:
     poller = Poller(url)
     poller.thread.start()
     try:
@@ -101,6 +103,12 @@ def polling(url: str) -> Iterator[Poller]:
         poller.stop.set()
         poller.thread.join(70)
         poller.client.close()
+        # For `python -m bench.stallwatch` (bench/README.md): what a slow answer met in the
+        # service.
+        out = os.environ.get("STALLWATCH_OUT")
+        if out:
+            with open(os.path.join(out, f"poller-{name}.json"), "w") as f:
+                json.dump({"answers": poller.answers, "stopped": poller.stopped}, f)
 
 
 @contextmanager
@@ -169,7 +177,8 @@ def test_a_redis_hung_past_the_timeout_is_refused_503_counted_and_health_answers
 ) -> None:
     timeout_seconds, stop_seconds = 1.0, 5.0
     svc, counters = start(service_factory, private_redis, timeout_seconds, routers)
-    with polling(svc.url) as poller, httpx.Client(base_url=svc.url, timeout=30.0) as http:
+    poll = polling(svc.url, "past-the-timeout")
+    with poll as poller, httpx.Client(base_url=svc.url, timeout=30.0) as http:
         with stopped(private_redis) as stopped_for:
             stopped_at = time.monotonic()
             time.sleep(SETTLE_IN_SECONDS)
@@ -189,6 +198,7 @@ def test_a_redis_hung_past_the_timeout_is_refused_503_counted_and_health_answers
             )
             time.sleep(max(0.0, stop_seconds - stopped_for()))
             cont_at = time.monotonic()
+        poller.stopped = (stopped_at, cont_at)
         assert answered_by < stop_seconds  # every answer above came before SIGCONT
         assert health.status_code == 200
         assert ready.status_code == 503 and ready.json()["store_ok"] is False, ready.text
@@ -241,7 +251,8 @@ def test_a_redis_hung_within_the_timeout_holds_only_the_posts(
     # Redis answers again before any call times out: posts wait for it; nothing else may.
     timeout_seconds, stop_seconds = 30.0, 3.0
     svc, counters = start(service_factory, private_redis, timeout_seconds, routers)
-    with polling(svc.url) as poller, httpx.Client(base_url=svc.url, timeout=30.0) as http:
+    poll = polling(svc.url, "within-the-timeout")
+    with poll as poller, httpx.Client(base_url=svc.url, timeout=30.0) as http:
         before = http.get("/v1/dashboard/now")
         assert before.status_code == 200 and "stale_seconds" not in before.json(), before.text
         with stopped(private_redis) as stopped_for:
@@ -259,6 +270,7 @@ def test_a_redis_hung_within_the_timeout_holds_only_the_posts(
             acked_while_stopped = sum(len(r.answers) for r in routers) - answers_at_stop
             time.sleep(max(0.0, stop_seconds - stopped_for()))
             cont_at = time.monotonic()
+        poller.stopped = (stopped_at, cont_at)
         assert answered_by < stop_seconds
         assert health.status_code == 200 and metrics_during.status_code == 200
         assert ready.status_code == 503 and ready.json()["store_ok"] is False, ready.text
