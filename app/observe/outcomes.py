@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Literal, cast
 
 from app.core.cluster import ClusterSpec
@@ -96,7 +97,7 @@ def judge(
     # keeps this a fraction of applying the batch.
     found = store.present_many(
         [(tier, inst, blocks) for inst, blocks in wanted.items() for tier in _NEAR]
-        + [("pool", None, set().union(*wanted.values()))]
+        + [("pool", None, chain.from_iterable(wanted.values()))]  # a store dedupes as it reads
     )
     in_hbm: dict[str, set[BlockHash]] = {}
     on_host: dict[str, set[BlockHash]] = {}

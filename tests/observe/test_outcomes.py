@@ -152,7 +152,8 @@ class CountingStore:
 
     def present_many(self, queries: Sequence[Any]) -> list[set[Any]]:
         queries = [(tier, instance, list(blocks)) for tier, instance, blocks in queries]
-        self.calls.append([(tier, instance, len(blocks)) for tier, instance, blocks in queries])
+        # Distinct blocks: a query may name one twice (the store reads it once).
+        self.calls.append([(tier, inst, len(set(blocks))) for tier, inst, blocks in queries])
         return self.store.present_many(queries)
 
 
