@@ -384,6 +384,46 @@ def bench_load(
     _print_result(result, as_json)
 
 
+@bench_cli.command("redis-io")
+def bench_redis_io(
+    redis_url: Annotated[
+        str, typer.Option(help="The Redis server, without a database (see --db).")
+    ] = "redis://127.0.0.1:6379",
+    db: Annotated[
+        int, typer.Option(min=0, help="The database; keys under a prefix removed afterwards.")
+    ] = 0,
+    rounds: Annotated[int, typer.Option(min=1, help="Rounds (medians).")] = 5,
+    events: Annotated[
+        int, typer.Option(min=1, help="Events each way posts per batch size, a round.")
+    ] = 8000,
+    reads: Annotated[
+        int, typer.Option(min=1, help="Judging and page reads each way, a round.")
+    ] = 16,
+    callers: Annotated[int, typer.Option(min=1, help="Concurrent callers on the loop.")] = 4,
+    seed: Annotated[int, typer.Option(help="Seed of the generated traffic.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The Redis store's hot calls on the store thread, through redis.asyncio, and inline:
+    calls/s and the event loop's lag."""
+    from bench._util import BenchError
+    from bench.redis_io import run
+
+    try:
+        result = run(
+            redis_url=redis_url,
+            db=db,
+            rounds=rounds,
+            events=events,
+            reads=reads,
+            callers=callers,
+            seed=seed,
+        )
+    except BenchError as exc:
+        typer.echo(f"kvprefetch bench redis-io: {exc}", err=True)
+        raise typer.Exit(1) from None
+    _print_result(result, as_json)
+
+
 @cli.command()
 def serve(
     host: Annotated[str | None, typer.Option(help="Bind address (KVP_HOST).")] = None,

@@ -20,19 +20,21 @@ side, those held nowhere recomputed meanwhile, or all of them recomputed when th
 (what an engine does). **Avoided**: what the resident reused blocks would have cost from the
 pool, or their recompute if sooner. Neither counts queueing or contention on the link.
 
-Limits: a context held only in another instance's HBM is not looked for (three lookups per
-instance per batch keep this bounded on the ingest path), so a request sent away from its context
-with no pool or host copy counts as having no reuse rather than as a miss. Residency is as the
+Limits: a context held only in another instance's HBM is not looked for (two lookups per
+instance and one of the pool per batch, in one round trip, keep this bounded on the ingest path),
+so a request sent away from its context with no pool or host copy counts as having no reuse
+rather than as a miss. Residency is as the
 events posted so far say: a request posted after later residency changes is judged on them.
 
-Cost: a few store lookups per instance per batch plus some microseconds per routed request that
-names its blocks (README.md, "Metrics", has the measurement).
+Cost: one store read per batch (a few lookups per instance, one round trip in Redis) plus some
+microseconds per routed request that names its blocks (README.md, "Metrics", has the measurement).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Literal, cast
 
 from app.core.cluster import ClusterSpec
@@ -43,11 +45,13 @@ from kvprefetch_client.events import (
     Event,
     KvBlocksStored,
     RequestRouted,
+    Tier,
     VllmKvEvents,
 )
 
 Outcome = Literal["hit", "partial", "miss"]
 OUTCOMES: tuple[Outcome, ...] = ("hit", "partial", "miss")
+_NEAR: tuple[Tier, Tier] = ("hbm", "host")  # an instance's own tiers, asked in this order
 
 
 # The cluster's numbers (app/core/cluster.py), the ones the scheduler and route hints use.
@@ -72,8 +76,9 @@ def judge(
 ) -> list[RequestOutcome]:
     """The outcome of every `request_routed` in `events` with a reused block, in order.
 
-    Three store lookups per instance per call (HBM, host, then the pool for what is in neither),
-    not per request: on the ingest path a batch of a thousand routed requests costs a few calls.
+    One store read per call (`present_many`: HBM and host per instance, and the pool), not per
+    request or per instance: on the ingest path a batch of a thousand routed requests costs one
+    round trip to Redis.
     The store answers as of the end of the batch; blocks a later event of the same batch stored
     in the request's HBM (the engine computing or loading them for it) count as not there: later
     in the batch and not earlier in time (an engine that stores a request's blocks at the very
@@ -86,20 +91,26 @@ def judge(
     for _, e in routed:
         # _scan keeps only the requests that name blocks.
         wanted.setdefault(e.instance_id, set()).update(cast("list[BlockHash]", e.block_hashes))
-    # Sets of what is held, built from the lookups: the per-block work below is then set
-    # operations in C, which is what keeps this a fraction of applying the batch.
+    # One store read (one round trip in Redis): each instance's HBM and host and the pool asked
+    # about every block named; the host's and pool's answers are then cut to what was not nearer.
+    # Sets of what is held: the per-block work below is then set operations in C, which is what
+    # keeps this a fraction of applying the batch.
+    found = store.present_many(
+        [(tier, inst, blocks) for inst, blocks in wanted.items() for tier in _NEAR]
+        + [("pool", None, chain.from_iterable(wanted.values()))]  # a store dedupes as it reads
+    )
     in_hbm: dict[str, set[BlockHash]] = {}
     on_host: dict[str, set[BlockHash]] = {}
     pool_ask: set[BlockHash] = set()
-    for inst, blocks in wanted.items():
-        in_hbm[inst] = here = store.present("hbm", inst, blocks)
+    for k, (inst, blocks) in enumerate(wanted.items()):
+        in_hbm[inst] = here = found[2 * k]
         rest = blocks - here
         for _, _, stored in landed.get(inst, ()):
             # Where blocks that landed in HBM during the batch came from, for requests before them.
             rest.update(here.intersection(stored))
-        on_host[inst] = host = store.present("host", inst, rest) if rest else set()
+        on_host[inst] = host = found[2 * k + 1] & rest
         pool_ask |= rest - host
-    in_pool = store.present("pool", None, pool_ask) if pool_ask else set()
+    in_pool = found[-1] & pool_ask
     held = {
         inst: in_hbm[inst] | on_host[inst] | (blocks & in_pool) for inst, blocks in wanted.items()
     }

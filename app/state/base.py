@@ -150,6 +150,8 @@ class SessionContext:
 
 # One residency question: does (tier, instance) hold each of these blocks?
 HoldsQuery = tuple[Tier, str | None, Sequence[BlockHash]]
+# The same question put as `present` puts it: which of these blocks does it hold?
+PresentQuery = tuple[Tier, str | None, Iterable[BlockHash]]
 # A place blocks are held: (tier, instance id), the instance None for the pool.
 Location = tuple[Tier, str | None]
 
@@ -262,6 +264,10 @@ class StateStore(Protocol):
     ) -> set[BlockHash]:
         """The blocks of `block_hashes` the location holds now (`holds` as a set, for callers that
         ask about many blocks at once: the arrival judging on the ingest path)."""
+        ...
+
+    def present_many(self, queries: Sequence[PresentQuery]) -> list[set[BlockHash]]:
+        """`present` for each query, in one round trip (the arrival judging's read of a batch)."""
         ...
 
     def order(self, order_id: str) -> OrderView | None: ...

@@ -20,6 +20,7 @@ from app.state.base import (
     LocationView,
     LogPosition,
     OrderView,
+    PresentQuery,
     RequestView,
     SessionContext,
     SessionCursor,
@@ -758,6 +759,9 @@ class MemoryStore:
     ) -> set[BlockHash]:
         loc = self._locations.get((tier, instance_id))
         return loc.present.keys() & block_hashes if loc is not None else set()
+
+    def present_many(self, queries: Sequence[PresentQuery]) -> list[set[BlockHash]]:
+        return [self.present(tier, instance_id, blocks) for tier, instance_id, blocks in queries]
 
     def order(self, order_id: str) -> OrderView | None:
         o = self._orders.get(order_id)

@@ -116,6 +116,7 @@ from app.state.base import (
     LocationView,
     LogPosition,
     OrderView,
+    PresentQuery,
     RequestView,
     SessionContext,
     SessionCursor,
@@ -374,26 +375,7 @@ class RedisStore:
     def apply(self, events: Sequence[Event]) -> list[bool]:
         if not events:
             return []
-        # Chunks of events, one script call each, all in one pipeline: one round trip. A chunk
-        # is atomic; chunks stay small so no call holds Redis for long.
-        head = self._head()
-        calls: list[list[str]] = []
-        sizes: list[int] = []
-        args, count = head[:], 0
-        for e in events:
-            ops: list[str] = []
-            self._encode[e.type](e, ops)
-            if count and (count >= _CHUNK_EVENTS or len(args) + len(ops) > _CHUNK_ARGS):
-                calls.append(args)
-                sizes.append(count)
-                args, count = head[:], 0
-            args.append(e.event_id)
-            args.append(str(len(ops)))
-            args += ops
-            count += 1
-        calls.append(args)
-        sizes.append(count)
-
+        calls, sizes = self._apply_calls(events)
         results: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         with self._errors():
@@ -414,6 +396,34 @@ class RedisStore:
                     raise StoreError("Redis keeps forgetting the apply script (NOSCRIPT)")
                 self._apply_script.sha = self._r.script_load(_APPLY_LUA)
                 todo = missing
+        return self._apply_outcome(results, sizes)
+
+    def _apply_calls(self, events: Sequence[Event]) -> tuple[list[list[str]], list[int]]:
+        """The apply script's calls for `events` (each its arguments) and how many events each
+        takes. Chunks of events, one script call each, all sent in one pipeline: one round trip.
+        A chunk is atomic; chunks stay small so no call holds Redis for long."""
+        head = self._head()
+        calls: list[list[str]] = []
+        sizes: list[int] = []
+        args, count = head[:], 0
+        for e in events:
+            ops: list[str] = []
+            self._encode[e.type](e, ops)
+            if count and (count >= _CHUNK_EVENTS or len(args) + len(ops) > _CHUNK_ARGS):
+                calls.append(args)
+                sizes.append(count)
+                args, count = head[:], 0
+            args.append(e.event_id)
+            args.append(str(len(ops)))
+            args += ops
+            count += 1
+        calls.append(args)
+        sizes.append(count)
+        return calls, sizes
+
+    @staticmethod
+    def _apply_outcome(results: Sequence[Any], sizes: Sequence[int]) -> list[bool]:
+        """apply()'s answer from the script calls' replies (pipelined, errors as values)."""
         out: list[bool] = []
         for res, size in zip(results, sizes):
             if isinstance(res, (redis.ConnectionError, redis.TimeoutError)):
@@ -887,6 +897,24 @@ class RedisStore:
     ) -> set[BlockHash]:
         blocks = list(dict.fromkeys(block_hashes))
         return {h for h, held in zip(blocks, self.holds(tier, instance_id, blocks)) if held}
+
+    def present_many(self, queries: Sequence[PresentQuery]) -> list[set[BlockHash]]:
+        # One pipeline of ZMSCOREs, one round trip: the arrival judging asks a few locations
+        # about many blocks each, where ZMSCORE costs Redis less than the holds script's ZSCORE
+        # per block. Judging a 1000-event batch of bench._util.Traffic (32 instances): 16-17 ms
+        # against 25-31 ms for a present() per instance and tier, 65 round trips (bench/README).
+        asked = [list(dict.fromkeys(blocks)) for _, _, blocks in queries]
+        with self._errors():
+            pipe = self._r.pipeline(transaction=False)
+            for (tier, instance_id, _), blocks in zip(queries, asked):
+                if blocks:
+                    key = f"{self.prefix}:loc:{location_name(tier, instance_id)}"
+                    pipe.zmscore(key, _enc_blocks(blocks))
+            replies = iter(pipe.execute() if len(pipe) else ())
+        return [
+            {h for h, score in zip(blocks, next(replies)) if score is not None} if blocks else set()
+            for blocks in asked
+        ]
 
     def order(self, order_id: str) -> OrderView | None:
         with self._errors():

@@ -6,12 +6,19 @@ The health, metrics and dashboard paths never wait on Redis (docs/decisions.md, 
 while Redis is still stopped, i.e. before the test sends SIGCONT, whether Redis is stopped for
 longer than KVP_REDIS_TIMEOUT_SECONDS (posts are then refused 503 with Retry-After, each counted
 in kvprefetch_event_batches_refused_total) or for less (posts wait and are acknowledged once it
-answers). Either way every event is acknowledged once and applied once after SIGCONT. Latencies
-are measured and printed, never asserted.
+answers). Either way every event is acknowledged once and applied once after SIGCONT.
+
+Latencies are measured and printed (issue 16's figure: /healthz under 100 ms while Redis is
+stopped; bench/README.md has the runs), never held to that figure: CI's two shared cores stall
+a process for tens of ms at times. What is asserted is that no /healthz or /metrics answer
+waited on Redis: one that did would take a Redis timeout (1 s) or the whole stop (3 s), so each
+is checked to be under NEVER_WAITED_SECONDS (1 s), far above a scheduling stall (and /metrics's
+own wait of at most 0.5 s for the planning side) and not above either.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -46,6 +53,10 @@ HIGH_WATER = 5_000
 STREAM_BEFORE_SECONDS = 1.0
 # Redis stopped long enough for the service to be deep in it (the routers post all along).
 SETTLE_IN_SECONDS = 0.5
+# What an answer that waited on Redis takes at least: the first test's Redis timeout; the
+# second's stop (3 s). /metrics's own wait for the planning side, at most
+# KVP_OBSERVABILITY_WAIT_SECONDS (0.5 s, docs/decisions.md 16), fits under it.
+NEVER_WAITED_SECONDS = 1.0
 
 
 class Poller:
@@ -55,6 +66,7 @@ class Poller:
     def __init__(self, url: str) -> None:
         self.client = httpx.Client(base_url=url, timeout=60.0)
         self.answers: list[tuple[str, float, float, int | str]] = []
+        self.stopped: tuple[float, float] | None = None  # while Redis was (time.monotonic())
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="poller", daemon=True)
 
@@ -82,7 +94,7 @@ class Poller:
 
 
 @contextmanager
-def polling(url: str) -> Iterator[Poller]:
+def polling(url: str, name: str) -> Iterator[Poller]:
     poller = Poller(url)
     poller.thread.start()
     try:
@@ -91,6 +103,12 @@ def polling(url: str) -> Iterator[Poller]:
         poller.stop.set()
         poller.thread.join(70)
         poller.client.close()
+        # For `python -m bench.stallwatch` (bench/README.md): what a slow answer met in the
+        # service.
+        out = os.environ.get("STALLWATCH_OUT")
+        if out:
+            with open(os.path.join(out, f"poller-{name}.json"), "w") as f:
+                json.dump({"answers": poller.answers, "stopped": poller.stopped}, f)
 
 
 @contextmanager
@@ -159,7 +177,8 @@ def test_a_redis_hung_past_the_timeout_is_refused_503_counted_and_health_answers
 ) -> None:
     timeout_seconds, stop_seconds = 1.0, 5.0
     svc, counters = start(service_factory, private_redis, timeout_seconds, routers)
-    with polling(svc.url) as poller, httpx.Client(base_url=svc.url, timeout=30.0) as http:
+    poll = polling(svc.url, "past-the-timeout")
+    with poll as poller, httpx.Client(base_url=svc.url, timeout=30.0) as http:
         with stopped(private_redis) as stopped_for:
             stopped_at = time.monotonic()
             time.sleep(SETTLE_IN_SECONDS)
@@ -179,6 +198,7 @@ def test_a_redis_hung_past_the_timeout_is_refused_503_counted_and_health_answers
             )
             time.sleep(max(0.0, stop_seconds - stopped_for()))
             cont_at = time.monotonic()
+        poller.stopped = (stopped_at, cont_at)
         assert answered_by < stop_seconds  # every answer above came before SIGCONT
         assert health.status_code == 200
         assert ready.status_code == 503 and ready.json()["store_ok"] is False, ready.text
@@ -202,6 +222,8 @@ def test_a_redis_hung_past_the_timeout_is_refused_503_counted_and_health_answers
         client_503 = sum(c.counts[503] for c in counters)
         counted = refused_503(http.get("/metrics").text)
     assert counted == client_503 + 1, (counted, client_503)
+    assert healthz[0] < NEVER_WAITED_SECONDS, healthz
+    assert metrics[0] < NEVER_WAITED_SECONDS, metrics
     assert set(poller_statuses(poller)) == {200}, poller_statuses(poller)
     check_each_event_once(
         routers, stats, svc.url, svc.events_dir, extra_ids={"probe-1"}, extra_sessions=1
@@ -229,7 +251,8 @@ def test_a_redis_hung_within_the_timeout_holds_only_the_posts(
     # Redis answers again before any call times out: posts wait for it; nothing else may.
     timeout_seconds, stop_seconds = 30.0, 3.0
     svc, counters = start(service_factory, private_redis, timeout_seconds, routers)
-    with polling(svc.url) as poller, httpx.Client(base_url=svc.url, timeout=30.0) as http:
+    poll = polling(svc.url, "within-the-timeout")
+    with poll as poller, httpx.Client(base_url=svc.url, timeout=30.0) as http:
         before = http.get("/v1/dashboard/now")
         assert before.status_code == 200 and "stale_seconds" not in before.json(), before.text
         with stopped(private_redis) as stopped_for:
@@ -247,6 +270,7 @@ def test_a_redis_hung_within_the_timeout_holds_only_the_posts(
             acked_while_stopped = sum(len(r.answers) for r in routers) - answers_at_stop
             time.sleep(max(0.0, stop_seconds - stopped_for()))
             cont_at = time.monotonic()
+        poller.stopped = (stopped_at, cont_at)
         assert answered_by < stop_seconds
         assert health.status_code == 200 and metrics_during.status_code == 200
         assert ready.status_code == 503 and ready.json()["store_ok"] is False, ready.text
@@ -260,6 +284,8 @@ def test_a_redis_hung_within_the_timeout_holds_only_the_posts(
         healthz = poller.max_latency("/healthz", stopped_at, cont_at)
         metrics = poller.max_latency("/metrics", stopped_at, cont_at)
     assert set(poller_statuses(poller)) == {200}, poller_statuses(poller)
+    assert healthz[0] < NEVER_WAITED_SECONDS, healthz
+    assert metrics[0] < NEVER_WAITED_SECONDS, metrics
     check_each_event_once(routers, stats, svc.url, svc.events_dir)
     statuses = sum((c.counts for c in counters), start=Counter())
     assert svc.running

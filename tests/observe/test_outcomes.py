@@ -3,7 +3,7 @@ estimates."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -144,19 +144,20 @@ def test_the_requests_own_block_size_counts(store: MemoryStore) -> None:
 
 
 class CountingStore:
-    """A store that counts its residency lookups."""
+    """A store that counts its residency reads and what each asked."""
 
     def __init__(self, store: MemoryStore) -> None:
         self.store = store
-        self.calls: list[tuple[str, str | None, int]] = []
+        self.calls: list[list[tuple[str, str | None, int]]] = []
 
-    def present(self, tier: Any, instance_id: str | None, blocks: Iterable[Any]) -> set[Any]:
-        blocks = list(blocks)
-        self.calls.append((tier, instance_id, len(blocks)))
-        return self.store.present(tier, instance_id, blocks)
+    def present_many(self, queries: Sequence[Any]) -> list[set[Any]]:
+        queries = [(tier, instance, list(blocks)) for tier, instance, blocks in queries]
+        # Distinct blocks: a query may name one twice (the store reads it once).
+        self.calls.append([(tier, inst, len(set(blocks))) for tier, inst, blocks in queries])
+        return self.store.present_many(queries)
 
 
-def test_a_batch_costs_a_few_lookups_per_instance_not_per_request(store: MemoryStore) -> None:
+def test_a_batch_costs_one_read_not_one_per_request_or_instance(store: MemoryStore) -> None:
     store.apply(
         [stored("h0", "hbm", [1, 2]), stored("h1", "hbm", [1], "gpu-1"), stored("p", "pool", [2])]
     )
@@ -165,9 +166,61 @@ def test_a_batch_costs_a_few_lookups_per_instance_not_per_request(store: MemoryS
     counting = CountingStore(store)
     found = judge(counting, batch, CONFIG)  # type: ignore[arg-type]
     assert [o.outcome for o in found] == ["hit", "partial"] * 50
-    assert (
-        len(counting.calls) == 5
-    )  # hbm and host per instance (gpu-0's host: only block 3), one pool
+    # One read: hbm and host per instance, then the pool, each about the blocks named there.
+    assert counting.calls == [
+        [
+            ("hbm", "gpu-0", 3),
+            ("host", "gpu-0", 3),
+            ("hbm", "gpu-1", 3),
+            ("host", "gpu-1", 3),
+            ("pool", None, 3),
+        ]
+    ]
+
+
+def test_with_the_redis_store_a_batch_is_judged_in_one_round_trip_and_the_same(
+    store: MemoryStore, redis_url: str, clean_redis: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import redis
+
+    from app.state.redis import RedisStore
+
+    shared = RedisStore.from_url(
+        redis_url, prefix=clean_redis, bytes_per_token=BYTES_PER_TOKEN, block_tokens=BLOCK_TOKENS
+    )
+    setup = [
+        stored("h0", "hbm", [1, 2]),
+        stored("h1", "hbm", [1], "gpu-1"),
+        stored("o1", "host", [2, 3], "gpu-1"),
+        stored("p", "pool", [2, 4]),
+    ]
+    batch = [routed(f"r{i}", [1, 2, 3, 4, 5][: 2 + i % 4], f"gpu-{i % 3}") for i in range(30)]
+    batch.insert(10, stored("late", "hbm", [3, 4], "gpu-1"))
+    for s in (store, shared):
+        s.apply(setup)
+        s.apply(batch)
+    trips: list[str] = []
+    single = redis.Redis.execute_command
+    piped = redis.client.Pipeline.execute
+
+    def one(self: redis.Redis, *args: Any, **options: Any) -> Any:
+        trips.append(str(args[0]))
+        return single(self, *args, **options)
+
+    def many(self: redis.client.Pipeline, *args: Any, **kw: Any) -> Any:
+        trips.append(f"pipeline of {len(self)}")
+        return piped(self, *args, **kw)
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", many)
+    monkeypatch.setattr(redis.Redis, "execute_command", one)
+    try:
+        found = judge(shared, batch, CONFIG)
+    finally:
+        monkeypatch.undo()
+        shared.close()
+    assert trips == ["pipeline of 7"]  # 3 instances' hbm and host, and the pool
+    assert found == judge(store, batch, CONFIG)
+    assert {o.outcome for o in found} == {"hit", "partial", "miss"}
 
 
 def test_the_observer_hands_over_a_batch_and_stays_quiet_without_one(store: MemoryStore) -> None:

@@ -426,6 +426,17 @@ def test_residency_is_deduplicated_per_location(store: StateStore) -> None:
     assert (
         store.present("host", "gpu-0", [10]) == set() and store.present("pool", None, []) == set()
     )
+    # All of it in one read, in the order asked, each answer `present`'s.
+    asked: list[tuple[Any, str | None, list[int]]] = [
+        ("hbm", "gpu-0", [10, 20, 99]),
+        ("host", "gpu-0", [10]),
+        ("pool", None, []),
+        ("pool", None, [10, 20, 30, 20]),
+        ("hbm", "gpu-9", [10]),
+    ]
+    assert store.present_many(asked) == [store.present(*q) for q in asked]
+    assert store.present_many([asked[0], ("pool", None, iter([30, 10]))]) == [{10, 20}, {10}]
+    assert store.present_many([]) == []
 
 
 def test_stored_after_removed_in_event_time_wins_and_vice_versa(store: StateStore) -> None:
