@@ -182,6 +182,8 @@ class Engine:
             observe_seconds=self.metrics.scored,
             thresholds=self.thresholds,
             guard=self.guard,
+            every_live=settings.score_all_live,
+            chunk_sessions=settings.score_chunk_sessions,
         )
         self.lease = self._planning_lease(settings)
         self.dispatcher = Dispatcher(

@@ -35,6 +35,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -63,6 +64,8 @@ from kvprefetch_client.events import Event, RequestFinished, RequestRouted, Sess
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 MAX_NEWS_QUEUE = 100_000
 # Sessions per chunk of a pass over every live session: a chunk is what holds the event loop in
 # one piece (about 20 ms a model at 4096 on the 2-core development machine).
@@ -82,6 +85,10 @@ _IDLE, _QUEUED = STATE_CODES["idle"], STATE_CODES["queued"]
 # The table's marks: what the scheduler was last told of the session (retention code * 2 +
 # prefetch, p_soon, p_keep) and when; NaN: never, or the session changed since.
 _M_CODE, _M_SOON, _M_KEEP, _M_AT = range(4)
+
+
+async def _inline(fn: Callable[..., T], *args: Any) -> T:
+    return fn(*args)
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,15 +430,24 @@ class Scorer:
 
     async def run(self, interval_seconds: float, offload: Offload | None = None) -> None:
         """Tick every `interval_seconds` until cancelled; `offload`, when given, runs each tick
-        (on the store thread, app/state/storethread.py)."""
+        (on the store thread, app/state/storethread.py; inline with the memory store). A pass
+        over every live session starts every `interval_seconds` (at once when the last one took
+        longer) and runs a chunk per job, yielding the event loop between chunks, so ingestion's
+        jobs and the loop's other tasks wait at most a chunk."""
+        started = time.monotonic()
         while True:
-            await asyncio.sleep(interval_seconds)
+            if self.every_live:
+                await asyncio.sleep(max(interval_seconds - (time.monotonic() - started), 0.0))
+                started = time.monotonic()
+            else:
+                await asyncio.sleep(interval_seconds)
             # Nothing a tick raises ends scoring for the life of the process; a store blip is
             # expected (and says so once a tick), anything else is a bug worth its traceback.
             try:
-                if offload is None and self.every_live:
-                    # On the event loop: one chunk at a time, other tasks between them.
-                    for _ in self.passes():
+                if self.every_live:
+                    steps = self.passes()
+                    step = offload if offload is not None else _inline
+                    while await step(next, steps, False):
                         await asyncio.sleep(0)
                 elif offload is None:
                     self.tick()
@@ -444,10 +460,10 @@ class Scorer:
 
     # -- the pass over every live session ------------------------------------------------------
 
-    def passes(self) -> Iterator[None]:
-        """One pass over every live session, a chunk per step: a driver that must not hold its
-        loop (`run`) does other work between the steps; `tick` runs them all at once. Sets
-        `last_pass` when done."""
+    def passes(self) -> Iterator[bool]:
+        """One pass over every live session, a chunk per step (each yields True): a driver that
+        must not hold its loop (`run`) does other work between the steps; `tick` runs them all at
+        once. Sets `last_pass` when done."""
         started = time.perf_counter()
         now = self.clock.now()
         if not self._built:
@@ -463,7 +479,7 @@ class Scorer:
         self._check_guard(now)
         for start in range(0, len(ids), self.chunk_sessions):
             if start:
-                yield
+                yield True
             chunk_started = time.perf_counter()
             self._refresh()  # what the observers saw while other work ran
             now = self.clock.now()
@@ -486,7 +502,7 @@ class Scorer:
             len(ids), advised, handed, chunks, time.perf_counter() - started, longest
         )
 
-    def _rebuild(self, now: float) -> Iterator[None]:
+    def _rebuild(self, now: float) -> Iterator[bool]:
         """The table from the store's listing (the sessions the page path would read)."""
         cursor: SessionCursor | None = None
         while True:
@@ -497,7 +513,7 @@ class Scorer:
             if len(page) < REBUILD_PAGE_SESSIONS:
                 break
             cursor = cursor_of(page[-1])
-            yield
+            yield True
         self._built = True
 
     def _sweep(self, now: float) -> None:
