@@ -19,7 +19,7 @@ Two ways to pick the sessions, one Advisor (app/decide/advisor.py) and one ledge
   advice never goes stale and its intake costs the changes, not the sessions. A pass goes in
   chunks of `chunk_sessions`; `run` yields the event loop between them (the memory store's
   pass runs on it), and each chunk first re-reads the rows that changed meanwhile, so no
-  advice is made on a row an observed arrival made stale. docs/decisions.md (25) has the
+  advice is made on a row an observed arrival made stale. docs/decisions.md (24) has the
   figures.
 - **A page per tick** (the default of the class, what the replay drives): one tick reads a page
   of live sessions (at most `sessions_per_tick`, newest activity first, each tick continuing
