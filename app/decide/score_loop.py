@@ -33,9 +33,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -60,7 +60,13 @@ from app.predict.predictors import Predictor
 from app.predict.registry import ModelRegistry
 from app.state.base import SessionCursor, SessionView, StateStore, cursor_of
 from app.state.storethread import Offload
-from kvprefetch_client.events import Event, RequestFinished, RequestRouted, SessionSignal
+from kvprefetch_client.events import (
+    BlockHash,
+    Event,
+    RequestFinished,
+    RequestRouted,
+    SessionSignal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +95,40 @@ _M_CODE, _M_SOON, _M_KEEP, _M_AT = range(4)
 
 async def _inline(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
+
+
+class Held(NamedTuple):
+    """What the scorer keeps of a session beside its table row: what the advice carries and the
+    signal floor reads (a full view is ~3.7 KB; this, its blocks' pointers and ~100 bytes), and a
+    fingerprint of what the table and the advice read, to tell a re-read that brings news."""
+
+    instance_id: str | None
+    block_hashes: tuple[BlockHash, ...]
+    signal_kind: str | None
+    fingerprint: int
+
+
+def held_of(view: SessionView) -> Held:
+    return Held(
+        view.instance_id,
+        tuple(view.block_hashes),
+        view.signals[-1].kind if view.signals else None,
+        hash(
+            (
+                view.last_activity_ts,
+                view.state,
+                view.turns,
+                view.signals_total,
+                view.instance_id,
+                view.context_tokens,
+                len(view.block_hashes),
+                view.block_hashes[-1] if view.block_hashes else None,
+                view.last_request,
+                view.signals[-1] if view.signals else None,
+                tuple(view.recent_arrivals_ts),
+            )
+        ),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,16 +167,18 @@ def _interp_rows(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
 def advise_rows(
     advisor: Advisor,
     table: FeatureTable,
-    views: dict[str, SessionView],
+    held: Mapping[str, Held],
     rows: np.ndarray,
     now: float,
     matrices: dict[bytes, np.ndarray] | None = None,
+    read: Callable[[Sequence[str]], list[SessionView | None]] | None = None,
 ) -> TableAdvice:
     """`advisor.advise` of the sessions in these rows, as columns: the same numbers (the table's
     features, the advisor's thresholds, curve, signal floor) with numpy instead of a loop.
-    `views`: the sessions as the table last read them (for a model without `p_within_table`, and
-    for the kinds of the signals that set a floor); `matrices`: feature matrices shared by the
-    models that advise on the same rows at the same time (LearnedPredictor.p_within_table)."""
+    `held`: what the scorer keeps of each session (the kinds of the signals that set a floor);
+    `matrices`: feature matrices shared by the models that advise on the same rows at the same
+    time (LearnedPredictor.p_within_table); `read`: the store's bulk read, for a model that scores
+    views only (the heuristic), which reads the rows' sessions from the store."""
     state, blocks, last = table.advisor_columns(rows)
     signal_ts = table.signal_ts(rows)
     with np.errstate(invalid="ignore"):  # NaN (no signal) compares False
@@ -152,7 +194,12 @@ def advise_rows(
     elif by_table is not None:
         p = by_table(table, now, grid_times, live, matrices=matrices)
     else:
-        p = predictor.p_within([views[s] for s in table.ids_of(live)], now, grid_times)
+        if read is None:
+            raise ValueError(f"{predictor.name} scores views only: advise_rows needs `read`")
+        views = [v for v in read(table.ids_of(live)) if v is not None]
+        if len(views) != len(live):
+            raise StoreError("sessions went from the store while their rows were advised")
+        p = predictor.p_within(views, now, grid_times)
     grid = np.maximum.accumulate(np.clip(p, 0.0, 1.0), axis=1)
     p_same = advisor.routes.p_same if advisor.routes is not None else 1.0
     grid *= p_same
@@ -169,7 +216,8 @@ def advise_rows(
         if len(floored):
             ids = table.ids_of(live[floored])
             bound = advisor.deployment.followed_lower_bound
-            floor = np.array([bound(views[s].signals[-1].kind) for s in ids]) * p_same
+            kinds = [held[s].signal_kind for s in ids]
+            floor = np.array([bound(k) if k is not None else 0.0 for k in kinds]) * p_same
             lift = floor > p_soon[floored]
             p_soon[floored[lift]] = floor[lift]
             needed[floored[lift]] = 0.0
@@ -194,13 +242,13 @@ def advise_rows(
 def session_advice(
     advisor: Advisor,
     table: FeatureTable,
-    views: dict[str, SessionView],
+    held: Mapping[str, Held],
     advice: TableAdvice,
     take: np.ndarray,
     now: float,
 ) -> list[SessionAdvice]:
     """The SessionAdvice of the idle rows at positions `take` of `advice` (what the scheduler
-    reads), in that order."""
+    reads), in that order, then of every queued row (Advisor._queued's)."""
     out = []
     ids = table.ids_of(advice.rows[take])
     columns = zip(
@@ -213,41 +261,47 @@ def session_advice(
         advice.needed_in_seconds[take].tolist(),
     )
     for session_id, code, p_keep, p_soon, p_return, prefetch, needed_in in columns:
-        view = views[session_id]
+        h = held[session_id]
         out.append(
             SessionAdvice(
                 session_id,
-                view.instance_id,
-                tuple(view.block_hashes),
+                h.instance_id,
+                h.block_hashes,
                 RETENTIONS[code],
                 advice.keep_seconds if code == _KEEP else 0.0,
                 p_keep,
                 p_soon,
                 p_return,
                 prefetch,
-                advisor._shared_blocks(view, now),
+                _shared_blocks(advisor, h.block_hashes, now),
                 needed_in,
+            )
+        )
+    for session_id in table.ids_of(advice.queued):
+        h = held[session_id]
+        # Advisor._queued: a request already routed, its context wanted at once.
+        out.append(
+            SessionAdvice(
+                session_id,
+                h.instance_id,
+                h.block_hashes,
+                "lru",
+                0.0,
+                1.0,
+                1.0,
+                1.0,
+                True,
+                _shared_blocks(advisor, h.block_hashes, now),
+                0.0,
+                queued=True,
             )
         )
     return out
 
 
-def _same_session(held: SessionView | None, view: SessionView) -> bool:
-    """Whether `view` says nothing new of the session the table holds as `held`: the same in
-    every field but the residency counts (which neither the features nor the advice read)."""
-    return (
-        held is not None
-        and held.last_activity_ts == view.last_activity_ts
-        and held.state == view.state
-        and held.turns == view.turns
-        and held.signals_total == view.signals_total
-        and held.instance_id == view.instance_id
-        and held.context_tokens == view.context_tokens
-        and held.block_hashes == view.block_hashes
-        and held.last_request == view.last_request
-        and held.signals == view.signals
-        and held.recent_arrivals_ts == view.recent_arrivals_ts
-    )
+def _shared_blocks(advisor: Advisor, block_hashes: tuple[BlockHash, ...], now: float) -> int:
+    popularity = advisor.popularity
+    return popularity.shared_prefix(block_hashes, now) if popularity is not None else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +373,7 @@ class Scorer:
         # advice carries: the instance, the blocks; the signals' kinds), the sessions touched
         # since their rows were read, and whether the table was built yet.
         self.table = FeatureTable(marks=4)
-        self._views: dict[str, SessionView] = {}
+        self._held: dict[str, Held] = {}
         self._dirty: dict[str, None] = {}
         self._built = False
         # Per instance, whether the guard let its advice act when it was last handed on: a
@@ -530,11 +584,18 @@ class Scorer:
         table or the advice reads (a sweep's re-read of an unchanged session is no news to the
         scheduler)."""
         if changed_only:
-            held = self._views
-            views = [v for v in views if not _same_session(held.get(v.session_id), v)]
-        if views:
-            self.table.upsert_many(views)
-            self._views.update((v.session_id, v) for v in views)
+            kept = [(v, held_of(v)) for v in views]
+            now_held = self._held
+            fresh = [
+                (v, h)
+                for v, h in kept
+                if (old := now_held.get(v.session_id)) is None or old.fingerprint != h.fingerprint
+            ]
+        else:
+            fresh = [(v, held_of(v)) for v in views]
+        if fresh:
+            self.table.upsert_many([v for v, _ in fresh])
+            self._held.update((v.session_id, h) for v, h in fresh)
 
     def _refresh(self) -> None:
         """The dirty rows re-read from the store in one bulk read; the closed and the forgotten
@@ -554,7 +615,7 @@ class Scorer:
 
     def _remove(self, session_id: str) -> None:
         self.table.remove(session_id)
-        self._views.pop(session_id, None)
+        self._held.pop(session_id, None)
 
     def _drop_idle(self, now: float) -> None:
         """Rows idle past the planner's horizon with no fresh signal: the page path does not
@@ -592,7 +653,8 @@ class Scorer:
         started = time.perf_counter()
         advisor = self._advisor(self.models.serving.predictor)
         matrices: dict[bytes, np.ndarray] = {}  # the models share the chunk's features
-        advice = advise_rows(advisor, self.table, self._views, rows, now, matrices)
+        read = self.store.sessions
+        advice = advise_rows(advisor, self.table, self._held, rows, now, matrices, read)
         model_seconds["live"] += time.perf_counter() - started
         self._record("live", advice, now)
         handed = self._hand_on(advisor, advice, now) if self.scheduler is not None else 0
@@ -601,7 +663,13 @@ class Scorer:
             started = time.perf_counter()
             try:
                 shadow_advice = advise_rows(
-                    self._advisor(shadow.predictor), self.table, self._views, rows, now, matrices
+                    self._advisor(shadow.predictor),
+                    self.table,
+                    self._held,
+                    rows,
+                    now,
+                    matrices,
+                    read,
                 )
             except Exception:  # a broken shadow must never cost the serving model its scoring
                 log.exception(
@@ -641,8 +709,7 @@ class Scorer:
             | (np.abs(advice.p_keep - old[:, _M_KEEP]) >= HANDOFF_P_STEP)
         )
         take = np.flatnonzero(changed)
-        out = session_advice(advisor, self.table, self._views, advice, take, now)
-        out += [advisor._queued(self._views[s], now) for s in self.table.ids_of(advice.queued)]
+        out = session_advice(advisor, self.table, self._held, advice, take, now)
         if not out:
             return 0
         told = rows[take]

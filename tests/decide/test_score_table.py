@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from app.core.bundle import DEFAULT_MODEL_DIR
@@ -21,10 +22,11 @@ from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler, SchedulerConfig
 from app.decide.score_loop import HANDOFF_REFRESH_SECONDS, Scorer, advise_rows, session_advice
 from app.observe.ledger import AdviceLedger
+from app.predict.features import SESSION_FEATURES
 from app.predict.predictors import LearnedPredictor
 from app.predict.registry import ModelRegistry, Serving
 from app.state import MemoryStore
-from app.state.base import SessionView, StateStore
+from app.state.base import StateStore
 from app.state.redis import RedisStore
 from kvprefetch_client.events import Event, event_adapter
 from tests.decide.test_score_loop import Fixed
@@ -151,13 +153,10 @@ def view_path_advice(scorer: Scorer, advisor: Advisor, now: float) -> dict[str, 
 
 
 def table_path_advice(scorer: Scorer, advisor: Advisor, now: float) -> dict[str, SessionAdvice]:
-    import numpy as np
-
     table = scorer.table
     rows = np.arange(len(table))
-    advice = advise_rows(advisor, table, scorer._views, rows, now)
-    out = session_advice(advisor, table, scorer._views, advice, np.arange(len(advice.rows)), now)
-    out += [advisor._queued(scorer._views[s], now) for s in table.ids_of(advice.queued)]
+    advice = advise_rows(advisor, table, scorer._held, rows, now, read=scorer.store.sessions)
+    out = session_advice(advisor, table, scorer._held, advice, np.arange(len(advice.rows)), now)
     return {a.session_id: a for a in out}
 
 
@@ -285,9 +284,11 @@ def test_dirty_rows_are_refreshed_and_closed_sessions_dropped(memory: MemoryStor
     memory.apply(more + closed)
     scorer.observe(more + closed)
     scorer.tick()
-    assert "s4" not in scorer.table and "s4" not in scorer._views
-    assert scorer._views["s3"].block_hashes == [7, 8, 9]
-    assert scorer._views["s3"].turns == 2
+    assert "s4" not in scorer.table and "s4" not in scorer._held
+    assert scorer._held["s3"].block_hashes == (7, 8, 9)
+    row = scorer.table.row("s3")
+    turns = SESSION_FEATURES.index("turns")
+    assert row is not None and scorer.table.session_matrix(NOW, np.array([row]))[0, turns] == 2.0
     assert len(scorer.table) == 9
 
 
@@ -298,7 +299,7 @@ def test_a_change_no_observer_saw_comes_in_with_the_sweep(memory: MemoryStore) -
     memory.apply(turn("s2", NOW - 3.0, NOW - 2.0, blocks=[5]))  # never observed
     for _ in range(3):  # three pages of two cover the six sessions
         scorer.tick()
-    assert scorer._views["s2"].block_hashes == [5]
+    assert scorer._held["s2"].block_hashes == (5,)
 
 
 def test_sessions_idle_past_the_horizon_leave_the_table_until_an_event(
@@ -358,7 +359,7 @@ def test_a_view_without_blocks_or_a_closed_listing_is_not_advised(memory: Memory
     scorer.tick()
     assert ledger.latest("live", "a") is not None
     assert ledger.latest("live", "only-signal") is None  # no context to keep
-    assert isinstance(scorer._views["a"], SessionView)
+    assert scorer._held["a"].block_hashes == (1, 2)
 
 
 def test_run_yields_the_event_loop_between_chunks(memory: MemoryStore) -> None:
