@@ -393,7 +393,7 @@ class Scorer:
                 and len(self._news) < MAX_NEWS_QUEUE
             ):
                 self._news[e.session_id] = None
-        if self.every_live:
+        if self._built:  # before the first pass builds the table, nothing is held to refresh
             dirty = self._dirty
             for e in events:
                 # Every event naming a session may change its row; vLLM's block events may name
