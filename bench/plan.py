@@ -26,6 +26,7 @@ and a page's refreshed advice moves some sessions in and out of that set.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any
@@ -127,6 +128,7 @@ def run(
     from app.decide.scheduler import Scheduler, SchedulerConfig
     from bench.predict import _sessions
 
+    load_before = os.getloadavg()[0]
     bytes_per_block = 512 * 327_680
     info(
         f"building the state: {sessions:,} sessions x {BLOCKS_PER_SESSION} blocks "
@@ -204,5 +206,7 @@ def run(
         "score_page_ms_median": score_ms,
         "target_p99_ms": TARGET_P99_MS,
         "service": service,
+        # Other jobs on a shared machine inflate every figure.
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         **machine(),
     }

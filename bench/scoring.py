@@ -297,12 +297,14 @@ def measure_plan(n: int, *, rounds: int, churn: float = 0.01, seed: int = 0) -> 
     started = time.perf_counter()
     first = s.scheduler.plan(now)
     first_plan_ms = (time.perf_counter() - started) * 1000
-    pass_ms, plan_ms, handed, orders = [], [], [], 0
+    pass_ms, pass_cpu_ms, plan_ms, handed, orders = [], [], [], [], 0
     for step in range(1, rounds + 1):
         now += 1.0
         s.clock.set(now)
         s.observe(churn_events(store, n, churn, step, now))
+        cpu = time.process_time()
         s.tick()
+        pass_cpu_ms.append((time.process_time() - cpu) * 1000)
         pass_ms.append(s.last_pass.seconds * 1000)
         handed.append(s.last_pass.handed)
         started = time.perf_counter()
@@ -315,6 +317,7 @@ def measure_plan(n: int, *, rounds: int, churn: float = 0.01, seed: int = 0) -> 
         "sessions": n,
         "churn_share": churn,
         "pass_live_ms": round(live, 1),
+        "pass_live_cpu_ms": round(statistics.median(pass_cpu_ms), 1),
         "table_p_within_ms": round(table_ms, 1),
         "pass_live_over_table_p_within": round(live / table_ms, 2),
         "handed_to_scheduler": int(statistics.median(handed)),

@@ -77,7 +77,7 @@ MAX_NEWS_QUEUE = 100_000
 # one piece (about 20 ms a model at 4096 on the 2-core development machine).
 CHUNK_SESSIONS = 4096
 # The first pass builds the table from the store's listing, this many sessions a read.
-REBUILD_PAGE_SESSIONS = 8192
+REBUILD_PAGE_SESSIONS = 1024
 # The scheduler is told again when a chance moved this much since it was last told ...
 HANDOFF_P_STEP = 0.02
 # ... and at least this often whatever moved (a quarter of its advice TTL when that is shorter),
