@@ -369,12 +369,14 @@ class Scorer:
         self._news: dict[str, None] = {}
         self.every_live = every_live
         self.chunk_sessions = chunk_sessions
-        # The pass over every live session: its table, the views it was built from (what the
-        # advice carries: the instance, the blocks; the signals' kinds), the sessions touched
-        # since their rows were read, and whether the table was built yet.
+        # The pass over every live session: its table, what it holds beside each row (what the
+        # advice carries: the instance, the blocks; the latest signal's kind), the sessions
+        # touched since their rows were read, whether the observer marks them (from the moment
+        # the first pass starts reading the store) and whether the table was built yet.
         self.table = FeatureTable(marks=4)
         self._held: dict[str, Held] = {}
         self._dirty: dict[str, None] = {}
+        self._tracking = False
         self._built = False
         # Per instance, whether the guard let its advice act when it was last handed on: a
         # verdict that flips hands everything on again.
@@ -382,8 +384,14 @@ class Scorer:
         self.last_pass: PassStats | None = None
 
     def observe(self, events: Sequence[Event]) -> None:
-        """The ingest observer: notes finishes and signals (bounded; past the bound the page
-        covers them)."""
+        """The ingest observer: notes finishes and signals for the page path (bounded; past the
+        bound the page covers them), and, for the pass over every live session, the sessions
+        whose rows the events may change."""
+        if self._tracking:
+            self._mark_dirty(events)
+            return
+        if self.every_live:
+            return  # nothing read yet: the first pass reads everything
         for e in events:
             # A finish changes what to keep; a signal says the session may be back soon; a
             # routed request may wait for a slot (its context is then fetched): all are advised
@@ -393,19 +401,20 @@ class Scorer:
                 and len(self._news) < MAX_NEWS_QUEUE
             ):
                 self._news[e.session_id] = None
-        if self._built:  # before the first pass builds the table, nothing is held to refresh
-            dirty = self._dirty
-            for e in events:
-                # Every event naming a session may change its row; vLLM's block events may name
-                # one inside (its context grows).
-                session_id = getattr(e, "session_id", None)
-                if session_id is not None:
-                    dirty[session_id] = None
-                elif e.type == "vllm_kv_events":
-                    for inner in e.events:
-                        inner_id = getattr(inner, "session_id", None)
-                        if inner_id is not None:
-                            dirty[inner_id] = None
+
+    def _mark_dirty(self, events: Sequence[Event]) -> None:
+        dirty = self._dirty
+        for e in events:
+            # Every event naming a session may change its row; vLLM's block events may name one
+            # inside (its context grows).
+            session_id = getattr(e, "session_id", None)
+            if session_id is not None:
+                dirty[session_id] = None
+            elif e.type == "vllm_kv_events":
+                for inner in e.events:
+                    inner_id = getattr(inner, "session_id", None)
+                    if inner_id is not None:
+                        dirty[inner_id] = None
 
     def _advisor(self, predictor: Predictor) -> Advisor:
         return Advisor(
@@ -557,7 +566,9 @@ class Scorer:
         )
 
     def _rebuild(self, now: float) -> Iterator[bool]:
-        """The table from the store's listing (the sessions the page path would read)."""
+        """The table from the store's listing (the sessions the page path would read); what
+        changes from the first read on is marked dirty, and re-read after."""
+        self._tracking = True
         cursor: SessionCursor | None = None
         while True:
             page = self.store.live_sessions(

@@ -382,3 +382,26 @@ def test_run_yields_the_event_loop_between_chunks(memory: MemoryStore) -> None:
     asyncio.run(drive())
     # This task ran between the chunks of one pass: it saw every chunk's records land.
     assert {10, 20, 30, 40, 50, 60} <= set(seen)
+
+
+def test_what_changes_while_the_first_pass_builds_the_table_is_reread(
+    memory: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import app.decide.score_loop as score_loop
+
+    monkeypatch.setattr(score_loop, "REBUILD_PAGE_SESSIONS", 2)
+    idle_sessions(memory, 6)
+    scorer, _ = scorer_for(memory, Fixed(0.9))
+    early = turn("s9", NOW - 1.0, None)  # before the first pass: the pass reads it anyway
+    memory.apply(early)
+    scorer.observe(early)
+    steps = scorer.passes()
+    next(steps)  # the first page of the listing is read: s9 (the newest), s0
+    assert set(scorer._held) == {"s9", "s0"}
+    more = turn("s0", NOW - 0.5, NOW - 0.2, blocks=[42])
+    memory.apply(more)
+    scorer.observe(more)
+    for _ in steps:
+        pass
+    assert scorer._held["s0"].block_hashes == (42,)
+    assert len(scorer.table) == 7
