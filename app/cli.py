@@ -187,6 +187,17 @@ def bench_replay(
     _print_result(result, as_json)
 
 
+def _counts(text: str, option: str) -> tuple[int, ...]:
+    """A comma-separated list of positive counts ('' for none)."""
+    try:
+        counts = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{option}: {text!r} is not a list of counts") from None
+    if any(n < 1 for n in counts):
+        raise typer.BadParameter(f"{option}: counts must be positive")
+    return counts
+
+
 @bench_cli.command("predict")
 def bench_predict(
     sessions: Annotated[int, typer.Option(min=1, help="How many live sessions to score.")] = 10_000,
@@ -194,12 +205,31 @@ def bench_predict(
     model: Annotated[
         Path | None, typer.Option(help="Model directory (default: the bundled one).")
     ] = None,
+    pass_sessions: Annotated[
+        str,
+        typer.Option(
+            help="Live sessions of the service's own scoring pass, comma-separated ('' skips it)."
+        ),
+    ] = "10000,100000",
+    redis_url: Annotated[
+        str | None,
+        typer.Option(help="Also time the pass over a RedisStore here (a key prefix of its own)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Scoring latency of the learned predictor beside the raw LightGBM Booster."""
+    """Scoring latency of the learned predictor beside the raw LightGBM Booster, and the
+    service's scoring pass over every live session beside the table path."""
     from bench.predict import run
 
-    _print_result(run(sessions=sessions, rounds=rounds, model_dir=model), as_json)
+    sizes = _counts(pass_sessions, "--pass-sessions")
+    result = run(
+        sessions=sessions,
+        rounds=rounds,
+        model_dir=model,
+        pass_sessions=sizes,
+        redis_url=redis_url,
+    )
+    _print_result(result, as_json)
 
 
 @bench_cli.command("mooncake")
@@ -223,12 +253,26 @@ def bench_plan(
     instances: Annotated[int, typer.Option(min=1, help="Serving instances.")] = 16,
     ticks: Annotated[int, typer.Option(min=1, help="Ticks measured (p50, p99).")] = 200,
     page: Annotated[int, typer.Option(min=1, help="Sessions re-advised per tick.")] = 256,
+    pass_sessions: Annotated[
+        str,
+        typer.Option(
+            help="Live sessions of the service's own scoring pass, comma-separated ('' skips it)."
+        ),
+    ] = "10000,100000",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Planning time per tick of the scheduler, beside re-reading every session each tick."""
+    """Planning time per tick of the scheduler, beside re-reading every session each tick, and
+    the service's scoring pass and plan over every live session."""
     from bench.plan import run
 
-    _print_result(run(sessions=sessions, instances=instances, ticks=ticks, page=page), as_json)
+    result = run(
+        sessions=sessions,
+        instances=instances,
+        ticks=ticks,
+        page=page,
+        pass_sessions=_counts(pass_sessions, "--pass-sessions"),
+    )
+    _print_result(result, as_json)
 
 
 @bench_cli.command("train-fleet")

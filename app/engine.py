@@ -182,6 +182,8 @@ class Engine:
             observe_seconds=self.metrics.scored,
             thresholds=self.thresholds,
             guard=self.guard,
+            every_live=settings.score_all_live,
+            chunk_sessions=settings.score_chunk_sessions,
         )
         self.lease = self._planning_lease(settings)
         self.dispatcher = Dispatcher(
@@ -414,9 +416,10 @@ class Engine:
         *,
         views: Sequence[SessionView] | None = None,
     ) -> int:
-        """One scoring tick now (by the engine's clock): a page of live sessions, or exactly
-        `session_ids` in that order (a driver that decides which, like the replay's policy), or
-        `views`, those sessions as the driver just read them from the store."""
+        """One scoring tick now (by the engine's clock): a pass over every live session
+        (KVP_SCORE_ALL_LIVE; else a page of them), or exactly `session_ids` in that order (a
+        driver that decides which, like the replay's policy), or `views`, those sessions as the
+        driver just read them from the store."""
         if not self.running:
             self.backlog.drain()
         return self.scorer.tick(session_ids, views=views)

@@ -1,6 +1,7 @@
 """Planning time per tick: the scheduler with 100,000 tracked sessions on 16 instances.
 
-    kvprefetch bench plan [--sessions 100000] [--instances 16] [--ticks 200] [--page 256] [--json]
+    kvprefetch bench plan [--sessions 100000] [--instances 16] [--ticks 200] [--page 256]
+        [--pass-sessions 10000,100000] [--json]
 
 What a service tick does (app/decide/scheduler.py): take the advice for one page of freshly
 scored sessions (`advise`), then `plan`: retire landed orders, drop stale advice, cancel what
@@ -12,6 +13,11 @@ cost for one page is reported here too, with the bundled model, so the two add u
 The baseline, in the same run: a planner that keeps nothing between ticks and so re-reads every
 tracked session's advice each tick (`advise` of all of them, then `plan`).
 
+`service` (in the same run, at each of `pass_sessions`): the service's own path, the Scorer's pass
+over every live session of a real MemoryStore (KVP_SCORE_ALL_LIVE) handing the scheduler the
+advice that changed, then `plan`; beside it the table path alone (the serving model's
+`p_within_table` over the same sessions): bench/scoring.py `measure_plan`.
+
 The state: every session's context (10 blocks) is in the pool; a share `resident_share` is in
 its instance's HBM; instances report their free KV bytes. Chances are drawn so that about
 `candidate_share` of sessions are prefetch candidates (P(back within 30 s) >= 0.5) at any time,
@@ -20,6 +26,7 @@ and a page's refreshed advice moves some sessions in and out of that set.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from typing import Any
@@ -115,10 +122,13 @@ def run(
     candidate_share: float = 0.005,
     resident_share: float = 0.5,
     seed: int = 0,
+    pass_sessions: tuple[int, ...] = (10_000, 100_000),
+    pass_rounds: int = 5,
 ) -> dict[str, Any]:
     from app.decide.scheduler import Scheduler, SchedulerConfig
     from bench.predict import _sessions
 
+    load_before = os.getloadavg()[0]
     bytes_per_block = 512 * 327_680
     info(
         f"building the state: {sessions:,} sessions x {BLOCKS_PER_SESSION} blocks "
@@ -174,6 +184,13 @@ def run(
     except Exception as exc:  # the scheduler's figures stand without it
         info(f"scoring a page was not measured: {exc}")
 
+    from bench.scoring import measure_plan
+
+    service = {}
+    for n in pass_sessions:
+        info(f"the service's pass and plan over {n:,} live sessions, {pass_rounds} rounds")
+        service[str(n)] = measure_plan(n, rounds=pass_rounds, seed=seed)
+
     p50, p99 = _percentile(tick_ms, 0.5), _percentile(tick_ms, 0.99)
     base_p50 = _percentile(base_ms, 0.5)
     return {
@@ -188,5 +205,8 @@ def run(
         "speedup_p50": round(base_p50 / p50, 1) if p50 > 0 else None,
         "score_page_ms_median": score_ms,
         "target_p99_ms": TARGET_P99_MS,
+        "service": service,
+        # Other jobs on a shared machine inflate every figure.
+        "load_average_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         **machine(),
     }

@@ -1,6 +1,7 @@
 """Scoring live sessions: the service's predictor beside the raw LightGBM Booster, in one run.
 
-    kvprefetch bench predict [--sessions 10000] [--rounds 7] [--model DIR] [--json]
+    kvprefetch bench predict [--sessions 10000] [--rounds 7] [--model DIR]
+        [--pass-sessions 10000,100000] [--redis-url URL] [--json]
 
 Two horizon sets: what a planner tick asks (PLANNER_HORIZONS, 3) and the whole HORIZON_GRID (9,
 the horizons a hint or a finish reads). For each, medians over rounds of:
@@ -15,6 +16,14 @@ the horizons a hint or a finish reads). For each, medians over rounds of:
 - `features_from_views` (the bulk features alone) and `features_reference` (the per-session Python
   reference, `session_features`, what the service ran before: the same numbers);
 - `table_from_views`: building a FeatureTable from every view at once (a restart).
+
+`service` (the service's own path, beside the table path, at each of `pass_sessions`, in the same
+run): the Scorer's real pass over N live sessions of a real MemoryStore, as the service runs it
+(KVP_SCORE_ALL_LIVE: the table kept current from events, every live session advised, the ledger,
+the scheduler's intake), with the serving model and with a shadow too; the table path alone
+(`table_p_within_ms`, at the advisor's horizons); and the page path it replaced (views read from
+the store, `pages_path_live_ms`): bench/scoring.py. With `redis_url`, `service_redis`: the same
+pass over a RedisStore (at the smallest N).
 
 `single_session_ms`: one session at the full grid (what one session costs on a finish) through
 the service, the Booster and the compiled model alone, and `table_upsert` (what a session change
@@ -167,8 +176,43 @@ def _batch(
     }
 
 
+def _service(pass_sessions: tuple[int, ...], rounds: int, redis_url: str | None) -> dict[str, Any]:
+    """The Scorer's pass at each size (bench/scoring.py), and over Redis at the smallest."""
+    from bench import scoring
+
+    out: dict[str, Any] = {}
+    for n in pass_sessions:
+        info(f"the service's pass over {n:,} live sessions of a MemoryStore, {rounds} rounds")
+        out[str(n)] = scoring.measure(n, rounds=rounds)
+    if redis_url is None or not pass_sessions:
+        return {"memory": out}
+    import uuid
+
+    from app.state.redis import RedisStore
+
+    n = min(pass_sessions)
+    prefix = f"kvp-bench-{uuid.uuid4().hex[:8]}"
+    store = RedisStore.from_url(
+        redis_url, prefix=prefix, bytes_per_token=4096, block_tokens=scoring.BLOCK_TOKENS
+    )
+    try:
+        info(f"the service's pass over {n:,} live sessions of a RedisStore, {rounds} rounds")
+        scoring.build_store(n, into=store)
+        redis = scoring.measure(n, rounds=rounds, store=store, pages=False)
+    finally:
+        store.clear()
+        store.close()
+    return {"memory": out, "redis": {str(n): redis}}
+
+
 def run(
-    *, sessions: int = 10_000, rounds: int = 7, model_dir: Path | None = None, seed: int = 0
+    *,
+    sessions: int = 10_000,
+    rounds: int = 7,
+    model_dir: Path | None = None,
+    seed: int = 0,
+    pass_sessions: tuple[int, ...] = (10_000, 100_000),
+    redis_url: str | None = None,
 ) -> dict[str, Any]:
     from app.core.bundle import DEFAULT_MODEL_DIR
     from app.predict.feature_table import FeatureTable, feature_matrix
@@ -218,6 +262,7 @@ def run(
             "horizons": len(HORIZON_GRID),
             **{k: measured.get(k) for k in singles},
         }
+    result["service"] = _service(pass_sessions, rounds, redis_url)
     tick = result["planner"]["batch_ms"]["table_p_within"]
     result["target"] = {
         "ms_for_10000_sessions": TARGET_MS_FOR_10K,

@@ -1,13 +1,31 @@
-"""The scoring loop: advises on live idle sessions with the serving model and the shadow, so the
-advice ledger can tell, when each session's next request comes, whether the model had it right.
+"""The scoring loop: advises on live sessions with the serving model and the shadow, so the
+advice ledger can tell, when each session's next request comes, whether the model had it right,
+and hands the serving model's advice to the scheduler.
 
-One tick reads a page of live sessions (at most `sessions_per_tick`, newest activity first, each
-tick continuing where the last one stopped, back to the newest after the oldest), runs the same
-Advisor the policies use for each model, and records the advice. A tick does not yield: its
-store read and its records happen with no ingestion in between, so no advice is recorded on a
-view that an already-ingested arrival made stale. The page bound is what keeps one tick from
-holding the event loop long: a page of 256 takes 10-30 ms with two learned models on the 2-core
-development machine, most of it building the session views.
+Two ways to pick the sessions, one Advisor (app/decide/advisor.py) and one ledger behind both:
+
+- **Every live session, every tick** (`every_live`, what the service runs: KVP_SCORE_ALL_LIVE).
+  The scorer keeps a FeatureTable (app/predict/feature_table.py) of the live sessions current
+  as the store applies events: its ingest observer marks each touched session dirty, and each
+  pass first re-reads the dirty rows from the store in one bulk read (`StateStore.sessions`),
+  dropping the closed and the forgotten, plus one page of the store's listing (a sweep that
+  catches what no observer saw: a backlog that overflowed, events from before the start); the
+  first pass builds the table from the store's listing. A pass then scores every row: the
+  model reads the table's columns (`p_within_table`), the advice is computed as columns
+  (`advise_rows`, equal to `Advisor.advise` on the same sessions at the same time:
+  tests/decide/test_score_table.py), the ledger records columns (`record_columns`), and the
+  scheduler is handed only the advice that changed (retention, prefetch, a chance moved by
+  HANDOFF_P_STEP, a changed session) or that it has held for HANDOFF_REFRESH_SECONDS, so its
+  advice never goes stale and its intake costs the changes, not the sessions. A pass goes in
+  chunks of `chunk_sessions`; `run` yields the event loop between them (the memory store's
+  pass runs on it), and each chunk first re-reads the rows that changed meanwhile, so no
+  advice is made on a row an observed arrival made stale. docs/decisions.md (24) has the
+  figures.
+- **A page per tick** (the default of the class, what the replay drives): one tick reads a page
+  of live sessions (at most `sessions_per_tick`, newest activity first, each tick continuing
+  where the last one stopped), plus the sessions with news, and advises on their views; or
+  exactly the sessions a driver names (`tick(session_ids, views=...)`: the replay). A tick does
+  not yield: its store read and its records happen with no ingestion in between.
 """
 
 from __future__ import annotations
@@ -15,26 +33,289 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, TypeVar
+
+import numpy as np
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
-from app.decide.advisor import MAX_IDLE_SECONDS, Advisor, Thresholds
+from app.decide.advisor import (
+    MAX_IDLE_SECONDS,
+    NEEDED_SHARE,
+    Advisor,
+    Retention,
+    SessionAdvice,
+    Thresholds,
+)
 from app.decide.guard import LruGuard
 from app.decide.popularity import PrefixPopularity
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler
 from app.observe.ledger import AdviceLedger
+from app.predict.feature_table import STATE_CODES, FeatureTable
 from app.predict.features import DeploymentSignals
 from app.predict.predictors import Predictor
 from app.predict.registry import ModelRegistry
 from app.state.base import SessionCursor, SessionView, StateStore, cursor_of
 from app.state.storethread import Offload
-from kvprefetch_client.events import Event, RequestFinished, RequestRouted, SessionSignal
+from kvprefetch_client.events import (
+    BlockHash,
+    Event,
+    RequestFinished,
+    RequestRouted,
+    SessionSignal,
+)
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 MAX_NEWS_QUEUE = 100_000
+# Sessions per chunk of a pass over every live session: a chunk is what holds the event loop in
+# one piece (about 20 ms a model at 4096 on the 2-core development machine).
+CHUNK_SESSIONS = 4096
+# The first pass builds the table from the store's listing, this many sessions a read.
+REBUILD_PAGE_SESSIONS = 1024
+# The scheduler is told again when a chance moved this much since it was last told ...
+HANDOFF_P_STEP = 0.02
+# ... and at least this often whatever moved (a quarter of its advice TTL when that is shorter),
+# so advice it holds never expires under a session that is still advised.
+HANDOFF_REFRESH_SECONDS = 30.0
+# Retention codes of the columns, in this order.
+RETENTIONS: tuple[Retention, ...] = ("keep", "demote", "lru")
+_KEEP, _DEMOTE, _LRU = 0, 1, 2
+_RETENTION_NAMES = np.array(RETENTIONS, dtype=object)
+_IDLE, _QUEUED = STATE_CODES["idle"], STATE_CODES["queued"]
+# The table's marks: what the scheduler was last told of the session (retention code * 2 +
+# prefetch, p_soon, p_keep) and when; NaN: never, or the session changed since.
+_M_CODE, _M_SOON, _M_KEEP, _M_AT = range(4)
+
+
+async def _inline(fn: Callable[..., T], *args: Any) -> T:
+    return fn(*args)
+
+
+class Held(NamedTuple):
+    """What the scorer keeps of a session beside its table row: what the advice carries and the
+    signal floor reads (a full view is ~3.7 KB; this, its blocks' pointers and ~100 bytes), and a
+    fingerprint of what the table and the advice read, to tell a re-read that brings news."""
+
+    instance_id: str | None
+    block_hashes: tuple[BlockHash, ...]
+    signal_kind: str | None
+    fingerprint: int
+
+
+def held_of(view: SessionView) -> Held:
+    return Held(
+        view.instance_id,
+        tuple(view.block_hashes),
+        view.signals[-1].kind if view.signals else None,
+        hash(
+            (
+                view.last_activity_ts,
+                view.state,
+                view.turns,
+                view.signals_total,
+                view.instance_id,
+                view.context_tokens,
+                len(view.block_hashes),
+                view.block_hashes[-1] if view.block_hashes else None,
+                view.last_request,
+                view.signals[-1] if view.signals else None,
+                tuple(view.recent_arrivals_ts),
+            )
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class TableAdvice:
+    """An Advisor's advice on some rows of a FeatureTable, as columns: `rows` (the idle sessions
+    advised, in the order given) and `queued` (rows whose request waits for a slot)."""
+
+    rows: np.ndarray
+    retention: np.ndarray  # codes into RETENTIONS
+    keep_seconds: float
+    p_keep: np.ndarray
+    p_soon: np.ndarray
+    p_return: np.ndarray
+    prefetch: np.ndarray
+    needed_in_seconds: np.ndarray
+    queued: np.ndarray
+
+
+def _interp_rows(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
+    """np.interp(x[i], xp[i], fp) for every row i at once (xp[i] non-decreasing), with numpy's
+    own arithmetic, so each value equals the scalar call's."""
+    m = xp.shape[1]
+    j = (xp <= x[:, None]).sum(axis=1) - 1  # the last point at or below x
+    lo = np.clip(j, 0, m - 1)
+    hi = np.clip(j + 1, 0, m - 1)
+    take = np.arange(len(x))
+    x_lo, x_hi = xp[take, lo], xp[take, hi]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        slope = (fp[hi] - fp[lo]) / (x_hi - x_lo)
+        out = slope * (x - x_lo) + fp[lo]
+    out = np.where(x_lo == x, fp[lo], out)
+    out = np.where(j >= m - 1, fp[m - 1], out)
+    return np.where(j < 0, fp[0], out)
+
+
+def advise_rows(
+    advisor: Advisor,
+    table: FeatureTable,
+    held: Mapping[str, Held],
+    rows: np.ndarray,
+    now: float,
+    matrices: dict[bytes, np.ndarray] | None = None,
+    read: Callable[[Sequence[str]], list[SessionView | None]] | None = None,
+) -> TableAdvice:
+    """`advisor.advise` of the sessions in these rows, as columns: the same numbers (the table's
+    features, the advisor's thresholds, curve, signal floor) with numpy instead of a loop.
+    `held`: what the scorer keeps of each session (the kinds of the signals that set a floor);
+    `matrices`: feature matrices shared by the models that advise on the same rows at the same
+    time (LearnedPredictor.p_within_table); `read`: the store's bulk read, for a model that scores
+    views only (the heuristic), which reads the rows' sessions from the store."""
+    state, blocks, last = table.advisor_columns(rows)
+    signal_ts = table.signal_ts(rows)
+    with np.errstate(invalid="ignore"):  # NaN (no signal) compares False
+        signalled = (signal_ts >= last) & (now - signal_ts <= advisor.lead_seconds)
+    idle = (state == _IDLE) & (blocks > 0) & ((now - last <= advisor.max_idle_seconds) | signalled)
+    live = rows[idle]
+    queued = rows[(state == _QUEUED) & (blocks > 0)]
+    grid_times = advisor._grid
+    predictor = advisor.predictor
+    by_table = getattr(predictor, "p_within_table", None)
+    if not len(live):
+        p = np.zeros((0, len(grid_times)))
+    elif by_table is not None:
+        p = by_table(table, now, grid_times, live, matrices=matrices)
+    else:
+        if read is None:
+            raise ValueError(f"{predictor.name} scores views only: advise_rows needs `read`")
+        views = [v for v in read(table.ids_of(live)) if v is not None]
+        if len(views) != len(live):
+            raise StoreError("sessions went from the store while their rows were advised")
+        p = predictor.p_within(views, now, grid_times)
+    grid = np.maximum.accumulate(np.clip(p, 0.0, 1.0), axis=1)
+    p_same = advisor.routes.p_same if advisor.routes is not None else 1.0
+    grid *= p_same
+    p_soon, p_keep, p_return = (grid[:, j].copy() for j in advisor._at)
+    # When a prefetch must have landed (Advisor._needed_in), every row at once.
+    lead_at = advisor._lead_at
+    xp = np.concatenate([np.zeros((len(grid), 1)), grid[:, : lead_at + 1]], axis=1)
+    fp = np.asarray(advisor._times[: lead_at + 2], dtype=np.float64)
+    needed = np.where(
+        p_soon <= 0.0, advisor.lead_seconds, _interp_rows(NEEDED_SHARE * p_soon, xp, fp)
+    )
+    if advisor.deployment is not None:
+        floored = np.flatnonzero(signalled[idle])
+        if len(floored):
+            ids = table.ids_of(live[floored])
+            bound = advisor.deployment.followed_lower_bound
+            kinds = [held[s].signal_kind for s in ids]
+            floor = np.array([bound(k) if k is not None else 0.0 for k in kinds]) * p_same
+            lift = floor > p_soon[floored]
+            p_soon[floored[lift]] = floor[lift]
+            needed[floored[lift]] = 0.0
+    retention = np.where(
+        p_keep >= advisor.keep_min_p,
+        _KEEP,
+        np.where(p_return <= advisor.demote_max_p, _DEMOTE, _LRU),
+    )
+    return TableAdvice(
+        live,
+        retention,
+        advisor.keep_horizon_seconds,
+        p_keep,
+        p_soon,
+        p_return,
+        p_soon >= advisor.prefetch_min_p,
+        needed,
+        queued,
+    )
+
+
+def session_advice(
+    advisor: Advisor,
+    table: FeatureTable,
+    held: Mapping[str, Held],
+    advice: TableAdvice,
+    take: np.ndarray,
+    now: float,
+) -> list[SessionAdvice]:
+    """The SessionAdvice of the idle rows at positions `take` of `advice` (what the scheduler
+    reads), in that order, then of every queued row (Advisor._queued's)."""
+    out = []
+    ids = table.ids_of(advice.rows[take])
+    columns = zip(
+        ids,
+        advice.retention[take].tolist(),
+        advice.p_keep[take].tolist(),
+        advice.p_soon[take].tolist(),
+        advice.p_return[take].tolist(),
+        advice.prefetch[take].tolist(),
+        advice.needed_in_seconds[take].tolist(),
+    )
+    for session_id, code, p_keep, p_soon, p_return, prefetch, needed_in in columns:
+        h = held[session_id]
+        out.append(
+            SessionAdvice(
+                session_id,
+                h.instance_id,
+                h.block_hashes,
+                RETENTIONS[code],
+                advice.keep_seconds if code == _KEEP else 0.0,
+                p_keep,
+                p_soon,
+                p_return,
+                prefetch,
+                _shared_blocks(advisor, h.block_hashes, now),
+                needed_in,
+            )
+        )
+    for session_id in table.ids_of(advice.queued):
+        h = held[session_id]
+        # Advisor._queued: a request already routed, its context wanted at once.
+        out.append(
+            SessionAdvice(
+                session_id,
+                h.instance_id,
+                h.block_hashes,
+                "lru",
+                0.0,
+                1.0,
+                1.0,
+                1.0,
+                True,
+                _shared_blocks(advisor, h.block_hashes, now),
+                0.0,
+                queued=True,
+            )
+        )
+    return out
+
+
+def _shared_blocks(advisor: Advisor, block_hashes: tuple[BlockHash, ...], now: float) -> int:
+    popularity = advisor.popularity
+    return popularity.shared_prefix(block_hashes, now) if popularity is not None else 0
+
+
+@dataclass(frozen=True, slots=True)
+class PassStats:
+    """What the last pass over every live session did: `sessions` (table rows it covered),
+    `advised` (idle and queued sessions advised by the serving model), `handed` (advice handed to
+    the scheduler), `chunks`, `seconds` (the pass, wall) and `longest_chunk_seconds`."""
+
+    sessions: int
+    advised: int
+    handed: int
+    chunks: int
+    seconds: float
+    longest_chunk_seconds: float
 
 
 class Scorer:
@@ -43,8 +324,10 @@ class Scorer:
     advice lost to LRU, hands the scheduler LRU's instead (app/decide/guard.py); `popularity`, which
     context heads other sessions share (never demoted: app/decide/popularity.py); `deployment`,
     what each kind of signal has been worth here (a fresh one's floor); `observe_seconds`,
-        when given, is told each model's time to score the page (slot, seconds), after its advice is
-        recorded (the metrics' latency histogram); `thresholds`, the advisor's (the settings')."""
+    when given, is told each model's time to score the page, or the pass (slot, seconds), after its
+    advice is recorded (the metrics' latency histogram); `thresholds`, the advisor's (the
+    settings'). `every_live`: each tick is a pass over every live session (the module doc), in
+    chunks of `chunk_sessions`, with a sweep page of `sessions_per_tick`."""
 
     def __init__(
         self,
@@ -61,7 +344,11 @@ class Scorer:
         observe_seconds: Callable[[str, float], None] | None = None,
         thresholds: Thresholds | None = None,
         guard: LruGuard | None = None,
+        every_live: bool = False,
+        chunk_sessions: int = CHUNK_SESSIONS,
     ) -> None:
+        if chunk_sessions < 1:
+            raise ValueError("chunk_sessions must be positive")
         self.store = store
         # Where the advice lost to plain LRU, the scheduler gets LRU's (the ledger, the model's).
         self.guard = guard
@@ -80,10 +367,31 @@ class Scorer:
         # tick, ahead of the page, so a fresh context's keep or demote, or a signal's prefetch,
         # does not wait for the page to come round.
         self._news: dict[str, None] = {}
+        self.every_live = every_live
+        self.chunk_sessions = chunk_sessions
+        # The pass over every live session: its table, what it holds beside each row (what the
+        # advice carries: the instance, the blocks; the latest signal's kind), the sessions
+        # touched since their rows were read, whether the observer marks them (from the moment
+        # the first pass starts reading the store) and whether the table was built yet.
+        self.table = FeatureTable(marks=4)
+        self._held: dict[str, Held] = {}
+        self._dirty: dict[str, None] = {}
+        self._tracking = False
+        self._built = False
+        # Per instance, whether the guard let its advice act when it was last handed on: a
+        # verdict that flips hands everything on again.
+        self._allowed: dict[str | None, bool] = {}
+        self.last_pass: PassStats | None = None
 
     def observe(self, events: Sequence[Event]) -> None:
-        """The ingest observer: notes finishes and signals (bounded; past the bound the page
-        covers them)."""
+        """The ingest observer: notes finishes and signals for the page path (bounded; past the
+        bound the page covers them), and, for the pass over every live session, the sessions
+        whose rows the events may change."""
+        if self._tracking:
+            self._mark_dirty(events)
+            return
+        if self.every_live:
+            return  # nothing read yet: the first pass reads everything
         for e in events:
             # A finish changes what to keep; a signal says the session may be back soon; a
             # routed request may wait for a slot (its context is then fetched): all are advised
@@ -93,6 +401,20 @@ class Scorer:
                 and len(self._news) < MAX_NEWS_QUEUE
             ):
                 self._news[e.session_id] = None
+
+    def _mark_dirty(self, events: Sequence[Event]) -> None:
+        dirty = self._dirty
+        for e in events:
+            # Every event naming a session may change its row; vLLM's block events may name one
+            # inside (its context grows).
+            session_id = getattr(e, "session_id", None)
+            if session_id is not None:
+                dirty[session_id] = None
+            elif e.type == "vllm_kv_events":
+                for inner in e.events:
+                    inner_id = getattr(inner, "session_id", None)
+                    if inner_id is not None:
+                        dirty[inner_id] = None
 
     def _advisor(self, predictor: Predictor) -> Advisor:
         return Advisor(
@@ -109,10 +431,15 @@ class Scorer:
         *,
         views: Sequence[SessionView] | None = None,
     ) -> int:
-        """Score one page of live sessions now (by the injected clock); returns how many were read.
+        """Score one page of live sessions now (by the injected clock), or with `every_live` every
+        live session (a whole pass); returns how many were read (the pass: its table's rows).
         `session_ids`: score exactly these, in this order, instead (the page and the finished
         queue are left as they are): for a driver that decides which, like the replay; `views`:
         those sessions as the driver just read them (not read again)."""
+        if self.every_live and session_ids is None and views is None:
+            for _ in self.passes():
+                pass
+            return self.last_pass.sessions if self.last_pass is not None else 0
         now = self.clock.now()
         if views is not None:
             page = list(views)
@@ -166,13 +493,26 @@ class Scorer:
 
     async def run(self, interval_seconds: float, offload: Offload | None = None) -> None:
         """Tick every `interval_seconds` until cancelled; `offload`, when given, runs each tick
-        (on the store thread, app/state/storethread.py)."""
+        (on the store thread, app/state/storethread.py; inline with the memory store). A pass
+        over every live session starts every `interval_seconds` (at once when the last one took
+        longer) and runs a chunk per job, yielding the event loop between chunks, so ingestion's
+        jobs and the loop's other tasks wait at most a chunk."""
+        started = time.monotonic()
         while True:
-            await asyncio.sleep(interval_seconds)
+            if self.every_live:
+                await asyncio.sleep(max(interval_seconds - (time.monotonic() - started), 0.0))
+                started = time.monotonic()
+            else:
+                await asyncio.sleep(interval_seconds)
             # Nothing a tick raises ends scoring for the life of the process; a store blip is
             # expected (and says so once a tick), anything else is a bug worth its traceback.
             try:
-                if offload is None:
+                if self.every_live:
+                    steps = self.passes()
+                    step = offload if offload is not None else _inline
+                    while await step(next, steps, False):
+                        await asyncio.sleep(0)
+                elif offload is None:
                     self.tick()
                 else:
                     await offload(self.tick)
@@ -180,3 +520,218 @@ class Scorer:
                 log.warning("scoring tick skipped: %s", exc)
             except Exception:
                 log.exception("scoring tick failed")
+
+    # -- the pass over every live session ------------------------------------------------------
+
+    def passes(self) -> Iterator[bool]:
+        """One pass over every live session, a chunk per step (each yields True): a driver that
+        must not hold its loop (`run`) does other work between the steps; `tick` runs them all at
+        once. Sets `last_pass` when done."""
+        started = time.perf_counter()
+        now = self.clock.now()
+        if not self._built:
+            yield from self._rebuild(now)
+        else:
+            self._sweep(now)
+        self._refresh()
+        self._drop_idle(now)
+        ids = self.table.session_ids
+        removals = self.table.removals
+        chunks, longest, advised, handed = 0, 0.0, 0, 0
+        model_seconds = {"live": 0.0, "shadow": 0.0}
+        self._check_guard(now)
+        for start in range(0, len(ids), self.chunk_sessions):
+            if start:
+                yield True
+            chunk_started = time.perf_counter()
+            self._refresh()  # what the observers saw while other work ran
+            now = self.clock.now()
+            end = start + self.chunk_sessions
+            if self.table.removals == removals:  # no row has moved since the pass began
+                rows = np.arange(start, min(end, len(ids)))
+            else:
+                found = (self.table.row(s) for s in ids[start:end])
+                rows = np.array([r for r in found if r is not None], dtype=np.intp)
+            n_advised, n_handed = self._score_chunk(rows, now, model_seconds)
+            advised += n_advised
+            handed += n_handed
+            chunks += 1
+            longest = max(longest, time.perf_counter() - chunk_started)
+        if self.observe_seconds is not None and chunks:
+            self.observe_seconds("live", model_seconds["live"])
+            if self.models.shadow is not None:
+                self.observe_seconds("shadow", model_seconds["shadow"])
+        self.last_pass = PassStats(
+            len(ids), advised, handed, chunks, time.perf_counter() - started, longest
+        )
+
+    def _rebuild(self, now: float) -> Iterator[bool]:
+        """The table from the store's listing (the sessions the page path would read); what
+        changes from the first read on is marked dirty, and re-read after."""
+        self._tracking = True
+        cursor: SessionCursor | None = None
+        while True:
+            page = self.store.live_sessions(
+                REBUILD_PAGE_SESSIONS, before=cursor, active_since_ts=now - MAX_IDLE_SECONDS
+            )
+            self._upsert(page)
+            if len(page) < REBUILD_PAGE_SESSIONS:
+                break
+            cursor = cursor_of(page[-1])
+            yield True
+        self._built = True
+
+    def _sweep(self, now: float) -> None:
+        """One page of the store's listing re-read, continuing where the last one stopped: what
+        no observer saw comes into the table within a round of pages."""
+        page = self.store.live_sessions(
+            self.sessions_per_tick, before=self._cursor, active_since_ts=now - MAX_IDLE_SECONDS
+        )
+        self._cursor = cursor_of(page[-1]) if len(page) == self.sessions_per_tick else None
+        self._upsert(page, changed_only=True)
+
+    def _upsert(self, views: Sequence[SessionView], *, changed_only: bool = False) -> None:
+        """Rows for these views; `changed_only`: only those whose session changed in what the
+        table or the advice reads (a sweep's re-read of an unchanged session is no news to the
+        scheduler)."""
+        if changed_only:
+            kept = [(v, held_of(v)) for v in views]
+            now_held = self._held
+            fresh = [
+                (v, h)
+                for v, h in kept
+                if (old := now_held.get(v.session_id)) is None or old.fingerprint != h.fingerprint
+            ]
+        else:
+            fresh = [(v, held_of(v)) for v in views]
+        if fresh:
+            self.table.upsert_many([v for v, _ in fresh])
+            self._held.update((v.session_id, h) for v, h in fresh)
+
+    def _refresh(self) -> None:
+        """The dirty rows re-read from the store in one bulk read; the closed and the forgotten
+        dropped. A failed read leaves them dirty."""
+        if not self._dirty:
+            return
+        ids = list(self._dirty)
+        views = self.store.sessions(ids)
+        self._dirty.clear()
+        fresh = []
+        for session_id, view in zip(ids, views):
+            if view is None or view.state == "closed":
+                self._remove(session_id)
+            else:
+                fresh.append(view)
+        self._upsert(fresh)
+
+    def _remove(self, session_id: str) -> None:
+        self.table.remove(session_id)
+        self._held.pop(session_id, None)
+
+    def _drop_idle(self, now: float) -> None:
+        """Rows idle past the planner's horizon with no fresh signal: the page path does not
+        read them, no advice covers them, and the store forgets them without an event; an event
+        brings one back."""
+        n = len(self.table)
+        if not n:
+            return
+        rows = np.arange(n)
+        _, _, last = self.table.advisor_columns(rows)
+        signal_ts = self.table.signal_ts(rows)
+        with np.errstate(invalid="ignore"):
+            gone = (now - last > MAX_IDLE_SECONDS) & ~(
+                (signal_ts >= last) & (now - signal_ts <= self.thresholds.lead_seconds)
+            )
+        for session_id in self.table.ids_of(np.flatnonzero(gone)):
+            self._remove(session_id)
+
+    def _check_guard(self, now: float) -> None:
+        """An instance whose guard verdict flipped since its advice was handed on: hand every
+        row on again this pass (rare: a verdict holds for minutes)."""
+        if self.guard is None or self.scheduler is None:
+            return
+        if any(self.guard.allowed(i, now) != was for i, was in self._allowed.items()):
+            self.table.marks[:, _M_AT] = np.nan
+            self._allowed.clear()
+
+    def _score_chunk(
+        self, rows: np.ndarray, now: float, model_seconds: dict[str, float]
+    ) -> tuple[int, int]:
+        """Advise on these rows with the serving model (ledger, scheduler) and the shadow
+        (ledger); returns how many were advised and how many handed to the scheduler."""
+        if not len(rows):
+            return 0, 0
+        started = time.perf_counter()
+        advisor = self._advisor(self.models.serving.predictor)
+        matrices: dict[bytes, np.ndarray] = {}  # the models share the chunk's features
+        read = self.store.sessions
+        advice = advise_rows(advisor, self.table, self._held, rows, now, matrices, read)
+        model_seconds["live"] += time.perf_counter() - started
+        self._record("live", advice, now)
+        handed = self._hand_on(advisor, advice, now) if self.scheduler is not None else 0
+        shadow = self.models.shadow
+        if shadow is not None:
+            started = time.perf_counter()
+            try:
+                shadow_advice = advise_rows(
+                    self._advisor(shadow.predictor),
+                    self.table,
+                    self._held,
+                    rows,
+                    now,
+                    matrices,
+                    read,
+                )
+            except Exception:  # a broken shadow must never cost the serving model its scoring
+                log.exception(
+                    "the shadow model %s failed to score %d sessions", shadow.version, len(rows)
+                )
+            else:
+                model_seconds["shadow"] += time.perf_counter() - started
+                self._record("shadow", shadow_advice, now)
+        return len(advice.rows) + len(advice.queued), handed
+
+    def _record(self, slot: str, advice: TableAdvice, now: float) -> None:
+        retention = _RETENTION_NAMES[advice.retention].tolist()
+        self.ledger.record_columns(
+            slot,
+            self.table.ids_of(advice.rows),
+            retention,
+            advice.prefetch.tolist(),
+            advice.p_keep.tolist(),
+            now,
+        )
+
+    def _hand_on(self, advisor: Advisor, advice: TableAdvice, now: float) -> int:
+        """The advice the scheduler must hear: what changed since it last heard of the session,
+        or what it has held long enough to need refreshing, and every queued request's."""
+        assert self.scheduler is not None
+        marks = self.table.marks
+        rows = advice.rows
+        code = advice.retention * 2 + advice.prefetch
+        old = marks[rows]
+        refresh = min(HANDOFF_REFRESH_SECONDS, self.scheduler.advice_ttl_seconds / 4)
+        with np.errstate(invalid="ignore"):  # NaN marks: never told, or changed since
+            stale = ~(now - old[:, _M_AT] < refresh)
+        changed = (
+            stale
+            | (code != old[:, _M_CODE])
+            | (np.abs(advice.p_soon - old[:, _M_SOON]) >= HANDOFF_P_STEP)
+            | (np.abs(advice.p_keep - old[:, _M_KEEP]) >= HANDOFF_P_STEP)
+        )
+        take = np.flatnonzero(changed)
+        out = session_advice(advisor, self.table, self._held, advice, take, now)
+        if not out:
+            return 0
+        told = rows[take]
+        marks[told, _M_CODE] = code[take]
+        marks[told, _M_SOON] = advice.p_soon[take]
+        marks[told, _M_KEEP] = advice.p_keep[take]
+        marks[told, _M_AT] = now
+        if self.guard is not None:
+            for a in out:
+                if a.instance_id not in self._allowed:
+                    self._allowed[a.instance_id] = self.guard.allowed(a.instance_id, now)
+            out = self.guard.filter(out, now)
+        self.scheduler.advise(out, now)
+        return len(out)

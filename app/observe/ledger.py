@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from itertools import repeat
+from typing import NamedTuple, cast
 
 from app.decide.advisor import Retention, SessionAdvice
 from app.observe.judge import PairedJudge
@@ -44,8 +45,9 @@ ADVICE_HISTORY = 4
 MAX_SESSIONS = 200_000
 
 
-@dataclass(frozen=True, slots=True)
-class AdviceRecord:
+class AdviceRecord(NamedTuple):
+    # A tuple, not a dataclass: one is made per session per pass (100,000 a second), and a
+    # tuple is made in half the time.
     made_ts: float
     retention: Retention
     prefetch: bool
@@ -115,26 +117,52 @@ class AdviceLedger:
     def record(self, slot: str, advice: Iterable[SessionAdvice], made_ts: float) -> None:
         """The advice a model gave at `made_ts` (the scoring loop's clock); the slot must be
         started."""
+        # A queued request's advice predicts nothing: left out.
+        scored = [a for a in advice if not a.queued]
+        self.record_columns(
+            slot,
+            [a.session_id for a in scored],
+            [a.retention for a in scored],
+            [a.prefetch for a in scored],
+            [a.p_keep for a in scored],
+            made_ts,
+        )
+
+    def record_columns(
+        self,
+        slot: str,
+        session_ids: Sequence[str],
+        retention: Sequence[Retention],
+        prefetch: Sequence[bool],
+        p_keep: Sequence[float],
+        made_ts: float,
+    ) -> None:
+        """`record` for advice given as columns (no queued ones): what the scoring loop's pass
+        over every live session hands over, without an object per session."""
         s = self._slots[slot]
         if slot == "shadow":
-            advice = list(advice)  # read twice
-            self._pair(advice, made_ts)
-        for a in advice:
-            if a.queued:
-                continue  # a request already here: nothing predicted
-            rec = AdviceRecord(made_ts, a.retention, a.prefetch, a.p_keep)
-            entry = s.sessions.pop(a.session_id, None)  # re-inserted last: dict order is recency
-            if entry is None or entry.last_ts < self._cutoff:
+            self._pair(session_ids, p_keep, made_ts)
+        sessions, cutoff = s.sessions, self._cutoff
+        fresh_ts = max(self._newest, made_ts)
+        pop = sessions.pop
+        # The records in bulk: AdviceRecord's own __new__ is a Python call per record.
+        records = map(
+            tuple.__new__, repeat(AdviceRecord), zip(repeat(made_ts), retention, prefetch, p_keep)
+        )
+        for session_id, rec in zip(session_ids, records):
+            entry = pop(session_id, None)  # re-inserted last: dict order is recency
+            if entry is None or entry.last_ts < cutoff:
                 # Live in the store now (only live sessions are advised): active until at least
                 # the newest event, or the scoring clock before any event was seen.
-                entry = _Entry(max(self._newest, made_ts))
+                entry = _Entry(fresh_ts)
             history = entry.history
             history.append(rec)
             if len(history) > ADVICE_HISTORY:
                 del history[0]
-            s.sessions[a.session_id] = entry
-            s.predictions += 1
-            s.keep_predictions += rec.kept
+            sessions[session_id] = entry
+        keeps = sum(1 for r, pf in zip(retention, prefetch) if pf or r == "keep")
+        s.predictions += len(session_ids)
+        s.keep_predictions += keeps
         self._trim(s)
 
     def observe(self, events: Sequence[Event]) -> None:
@@ -195,14 +223,14 @@ class AdviceLedger:
                         del s.sessions[sid]
                         s.sessions[sid] = entry
 
-    def _pair(self, advice: Iterable[SessionAdvice], made_ts: float) -> None:
+    def _pair(self, session_ids: Sequence[str], p_keep: Sequence[float], made_ts: float) -> None:
         """The shadow's advice beside the serving model's of the same tick, for the judge."""
         live = self._slots["live"].sessions
         judge = self.judge
-        for a in advice:
-            entry = live.get(a.session_id)
+        for session_id, p in zip(session_ids, p_keep):
+            entry = live.get(session_id)
             if entry is not None and entry.history and entry.history[-1].made_ts == made_ts:
-                judge.pair(a.session_id, made_ts, entry.history[-1].p_keep, a.p_keep)
+                judge.pair(session_id, made_ts, entry.history[-1].p_keep, p)
 
     @staticmethod
     def _arrival(s: _Slot, entry: _Entry, request_id: str, ts: float) -> None:

@@ -16,6 +16,11 @@ each age at zero) are recomputed term by term: a tick never sees them, a replay 
 
 `feature_matrix(views, now, horizons)`, the bulk entry point, picks between the two: the
 reference for a few views, a table built for the call from many.
+
+Beside the features, each row holds what an advisor reads of the session without the model (its
+state, how many context blocks, its latest signal's time: `advisor_columns`) and `marks`, columns
+a caller owns (the scoring loop's record of the advice it last handed on), reset to NaN whenever
+the row is upserted: a changed session is news to whoever keeps them.
 """
 
 from __future__ import annotations
@@ -90,6 +95,8 @@ _LAST_ACTIVITY, _LAST_ARRIVAL, _DECAY_REF, _DECAY_SUMS = 0, 1, 2, 3
 _SIGNAL_TS = _DECAY_SUMS + len(DECAYED_FEATURES)
 _SIGNAL_DUE = _SIGNAL_TS + len(SIGNAL_AGE_KINDS)
 _AUX = _SIGNAL_DUE + 1
+# A session's state as a number, for the advisor's columns.
+STATE_CODES = {"idle": 0, "queued": 1, "running": 2, "closed": 3}
 
 
 def _median(values: Sequence[float]) -> float:
@@ -147,15 +154,22 @@ class FeatureTable:
     with a handful of numpy operations. `FeatureTable.from_views(views)` builds one in bulk.
     """
 
-    def __init__(self, capacity: int = 1024) -> None:
+    def __init__(self, capacity: int = 1024, *, marks: int = 0) -> None:
         capacity = max(capacity, 1)
         self._static = np.full((capacity, len(SESSION_FEATURES)), NAN)
         self._aux = np.zeros((capacity, _AUX))
         self._closed = np.zeros(capacity, dtype=bool)
+        # The advisor's columns: state code, context blocks, latest signal ts (NaN: none).
+        self._state = np.zeros(capacity, dtype=np.int8)
+        self._blocks = np.zeros(capacity, dtype=np.int64)
+        self._signal_ts = np.full(capacity, NAN)
+        self._marks = np.full((capacity, marks), NAN)
         # Arrival times per row, read only for rows whose newest arrival is after `now`.
         self._arrivals: list[Sequence[float]] = []
         self._ids: list[str] = []
         self._row: dict[str, int] = {}
+        # Rows removed since the table was made: while it holds still, no row has moved.
+        self.removals = 0
 
     @classmethod
     def from_views(cls, views: Sequence[SessionView]) -> FeatureTable:
@@ -178,6 +192,29 @@ class FeatureTable:
         """Row indices of these sessions, for `matrix(rows=...)`; KeyError for one not held."""
         return np.fromiter((self._row[s] for s in session_ids), dtype=np.intp)
 
+    def row(self, session_id: str) -> int | None:
+        """The session's row, None when not held."""
+        return self._row.get(session_id)
+
+    def ids_of(self, rows: np.ndarray) -> list[str]:
+        """The session ids of these rows, in that order."""
+        ids = self._ids
+        return [ids[r] for r in rows.tolist()]
+
+    def advisor_columns(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For these rows: the state code (STATE_CODES), the context's block count, and the
+        last activity ts; `signal_ts(rows)` has the latest signal's."""
+        return self._state[rows], self._blocks[rows], self._aux[rows, _LAST_ACTIVITY]
+
+    def signal_ts(self, rows: np.ndarray) -> np.ndarray:
+        """The ts of each row's latest signal (the greatest; NaN: none)."""
+        return self._signal_ts[rows]
+
+    @property
+    def marks(self) -> np.ndarray:
+        """The caller's columns, one row per session (a view: write through it)."""
+        return self._marks[: len(self._ids)]
+
     def closed(self, rows: np.ndarray | None = None) -> np.ndarray:
         """Whether each row's session is closed (the predictor answers 0 for those)."""
         n = len(self._ids)
@@ -194,6 +231,10 @@ class FeatureTable:
         self._static[row, _STATIC_COLUMNS] = static
         self._aux[row] = aux
         self._closed[row] = closed
+        self._state[row] = STATE_CODES[view.state]
+        self._blocks[row] = len(view.block_hashes)
+        self._signal_ts[row] = view.signals[-1].ts if view.signals else NAN
+        self._marks[row] = NAN
 
     def upsert_many(self, views: Sequence[SessionView]) -> None:
         """`upsert` for each view (the last wins for a repeated id), vectorised over the views."""
@@ -220,18 +261,27 @@ class FeatureTable:
         self._static[np.ix_(rows, _STATIC_COLUMNS)] = static
         self._aux[rows] = aux
         self._closed[rows] = closed
+        self._state[rows] = [STATE_CODES[v.state] for v in views]
+        self._blocks[rows] = [len(v.block_hashes) for v in views]
+        self._signal_ts[rows] = [v.signals[-1].ts if v.signals else NAN for v in views]
+        self._marks[rows] = NAN
 
     def remove(self, session_id: str) -> bool:
         """Drop the session's row (the last row moves into its place); False if not held."""
         row = self._row.pop(session_id, None)
         if row is None:
             return False
+        self.removals += 1
         last = len(self._ids) - 1
         if row != last:
             moved = self._ids[last]
             self._static[row] = self._static[last]
             self._aux[row] = self._aux[last]
             self._closed[row] = self._closed[last]
+            self._state[row] = self._state[last]
+            self._blocks[row] = self._blocks[last]
+            self._signal_ts[row] = self._signal_ts[last]
+            self._marks[row] = self._marks[last]
             self._arrivals[row] = self._arrivals[last]
             self._ids[row] = moved
             self._row[moved] = row
@@ -303,6 +353,12 @@ class FeatureTable:
         closed = np.zeros(capacity, dtype=bool)
         closed[:n] = self._closed
         self._static, self._aux, self._closed = static, aux, closed
+        self._state = np.concatenate([self._state, np.zeros(capacity - n, dtype=np.int8)])
+        self._blocks = np.concatenate([self._blocks, np.zeros(capacity - n, dtype=np.int64)])
+        self._signal_ts = np.concatenate([self._signal_ts, np.full(capacity - n, NAN)])
+        self._marks = np.concatenate(
+            [self._marks, np.full((capacity - n, self._marks.shape[1]), NAN)]
+        )
 
 
 # Below this many sessions the per-session reference is quicker than numpy's fixed costs

@@ -190,10 +190,21 @@ class LearnedPredictor:
         now: float,
         horizons: Sequence[float],
         rows: np.ndarray | None = None,
+        *,
+        matrices: dict[bytes, np.ndarray] | None = None,
     ) -> np.ndarray:
-        """`p_within` for the table's sessions (all rows, or `rows`), shape (sessions, horizons)."""
+        """`p_within` for the table's sessions (all rows, or `rows`), shape (sessions, horizons).
+        `matrices`: feature matrices of these rows at this time and horizons, by deployment
+        features, shared with other models asked the same (the serving model and the shadow read
+        one matrix); a new one is added."""
         n = len(table) if rows is None else len(rows)
-        x = table.matrix(now, horizons, rows, deployment_features(self.deployment))
+        deployment = deployment_features(self.deployment)
+        key = np.asarray(deployment, dtype=np.float64).tobytes()
+        x = matrices.get(key) if matrices is not None else None
+        if x is None:
+            x = table.matrix(now, horizons, rows, deployment)
+            if matrices is not None:
+                matrices[key] = x
         out = self.p_from_matrix(x).reshape(n, len(horizons))
         out[table.closed(rows)] = 0.0
         return out

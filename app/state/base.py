@@ -193,6 +193,11 @@ class StateStore(Protocol):
 
     def session(self, session_id: str) -> SessionView | None: ...
 
+    def sessions(self, session_ids: Sequence[str]) -> list[SessionView | None]:
+        """`session()` of each id, in that order, in one read (one pipeline in Redis): what the
+        scoring loop refreshes its table's changed rows with."""
+        ...
+
     def context(self, session_id: str) -> SessionContext | None:
         """The session's context for a route hint (None where `session()` is None); costs one
         read, whatever the length of the context."""

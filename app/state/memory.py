@@ -603,6 +603,9 @@ class MemoryStore:
             signals_total=s.signals_total,
         )
 
+    def sessions(self, session_ids: Sequence[str]) -> list[SessionView | None]:
+        return [self.session(session_id) for session_id in session_ids]
+
     def live_sessions(
         self,
         limit: int,

@@ -573,6 +573,29 @@ class RedisStore:
                         resident[name] = n
         return self._session_view(session_id, h, blocks, resident)
 
+    def sessions(self, session_ids: Sequence[str]) -> list[SessionView | None]:
+        if not session_ids:
+            return []
+        p = self.prefix
+        with self._errors():
+            pipe = self._r.pipeline(transaction=False)
+            pipe.get(self._k_newest)
+            for session_id in session_ids:
+                pipe.hgetall(f"{p}:s:{session_id}")
+            newest, *hashes = pipe.execute()
+            cutoff = self._cutoff(newest)
+            found = [
+                (session_id, h, json.loads(h["b"]) if "b" in h else [])
+                for session_id, h in zip(session_ids, hashes)
+                if h and float(h["l"]) >= cutoff
+            ]
+            resident = self._resident_many([blocks for _, _, blocks in found])
+        views = {
+            session_id: self._session_view(session_id, h, blocks, res)
+            for (session_id, h, blocks), res in zip(found, resident)
+        }
+        return [views.get(session_id) for session_id in session_ids]
+
     def context(self, session_id: str) -> SessionContext | None:
         with self._errors():
             pipe = self._r.pipeline(transaction=False)

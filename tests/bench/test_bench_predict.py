@@ -26,7 +26,18 @@ BATCH = {
 
 def test_bench_predict_reports_the_service_beside_the_booster_at_both_horizon_sets() -> None:
     result = CliRunner().invoke(
-        cli, ["bench", "predict", "--sessions", "50", "--rounds", "1", "--json"]
+        cli,
+        [
+            "bench",
+            "predict",
+            "--sessions",
+            "50",
+            "--rounds",
+            "1",
+            "--pass-sessions",
+            "60,90",
+            "--json",
+        ],
     )
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout.strip().splitlines()[-1])
@@ -58,3 +69,15 @@ def test_bench_predict_reports_the_service_beside_the_booster_at_both_horizon_se
             doc["compiled_load_seconds"]["compile"] > 0
             and doc["compiled_load_seconds"]["from_cache"] > 0
         )
+    # The service's own pass beside the table path, at each size asked, in the same run.
+    service = doc["service"]["memory"]
+    assert set(service) == {"60", "90"}
+    for n, part in service.items():
+        assert part["sessions"] == int(n)
+        for label in ("pass_live", "pass_live_and_shadow"):
+            figures = part[label]
+            assert figures["table_rows"] == int(n) and figures["advised"] <= int(n)
+            assert figures["advised"] > 0 and figures["chunks"] >= 1
+            assert all(figures[k] > 0 for k in ("ms", "cpu_ms", "longest_chunk_ms"))
+        assert part["table_p_within_ms"] > 0 and part["pages_path_live_ms"] > 0
+        assert all(v > 0 for v in part["ratios"].values())

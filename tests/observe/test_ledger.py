@@ -248,3 +248,34 @@ def test_a_queued_request_s_advice_is_not_a_prediction() -> None:
     assert ledger.stats("live") == LedgerStats(
         predictions=0, keep_predictions=0, hits=0, misses=0, unscored=1
     )
+
+
+def test_columns_record_what_the_same_advice_records() -> None:
+    made = [
+        [advice("a", "keep"), advice("b", "demote", p_keep=0.05), advice("c", "lru", True)],
+        [advice("a", "lru", p_keep=0.1), advice("c", "keep"), advice("d", "demote")],
+    ]
+    by_advice, by_columns = AdviceLedger(), AdviceLedger()
+    for ledger in (by_advice, by_columns):
+        ledger.start("shadow")
+    for tick, batch in enumerate(made):
+        ts = 10.0 * (tick + 1)
+        for slot in ("live", "shadow"):
+            by_advice.record(slot, batch, ts)
+            by_columns.record_columns(
+                slot,
+                [a.session_id for a in batch],
+                [a.retention for a in batch],
+                [a.prefetch for a in batch],
+                [a.p_keep for a in batch],
+                ts,
+            )
+    arrivals = [routed("a", 25.0), routed("b", 26.0), routed("c", 27.0), closed("d", 28.0)]
+    for ledger in (by_advice, by_columns):
+        ledger.observe(arrivals)
+    for slot in ("live", "shadow"):
+        assert by_columns.stats(slot) == by_advice.stats(slot)
+        assert by_columns.stats(slot).predictions == 6
+        for s in "abcd":
+            assert by_columns.latest(slot, s) == by_advice.latest(slot, s)
+    assert by_columns.judge.pending == by_advice.judge.pending > 0

@@ -1,0 +1,74 @@
+"""`StateStore.sessions(ids)`: each id's `session()`, in order, in one read, on both stores."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from app.state import MemoryStore
+from app.state.base import StateStore
+from app.state.redis import RedisStore
+from kvprefetch_client.events import Event, event_adapter
+
+
+def ev(n: int, type_: str, ts: float, **fields: object) -> Event:
+    return event_adapter.validate_python({"type": type_, "event_id": f"b{n}", "ts": ts, **fields})
+
+
+def events() -> list[Event]:
+    out = []
+    for i in range(6):
+        sid = f"s{i}"
+        out.append(
+            ev(
+                10 * i,
+                "request_routed",
+                100.0 + i,
+                session_id=sid,
+                request_id=f"r{i}",
+                instance_id="gpu-0",
+                prompt_tokens=1000,
+                block_hashes=[i, i + 1, 99],
+            )
+        )
+        if i % 2:
+            out.append(
+                ev(
+                    10 * i + 1,
+                    "request_finished",
+                    110.0 + i,
+                    session_id=sid,
+                    request_id=f"r{i}",
+                    instance_id="gpu-0",
+                    output_tokens=20,
+                )
+            )
+    out.append(ev(900, "session_closed", 120.0, session_id="s3"))
+    out.append(ev(901, "session_signal", 121.0, session_id="s5", kind="typing"))
+    out.append(
+        ev(902, "kv_blocks_stored", 122.0, tier="hbm", instance_id="gpu-0", block_hashes=[99, 1])
+    )
+    return out
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
+    if request.param == "memory":
+        yield MemoryStore(bytes_per_token=2, block_tokens=16)
+        return
+    url = request.getfixturevalue("redis_url")
+    prefix = request.getfixturevalue("clean_redis")
+    s = RedisStore.from_url(url, prefix=prefix, bytes_per_token=2, block_tokens=16)
+    yield s
+    s.close()
+
+
+def test_sessions_reads_each_session_as_session_does(store: StateStore) -> None:
+    store.apply(events())
+    ids = ["s5", "nobody", "s0", "s3", "s1", "s5"]
+    views = store.sessions(ids)
+    assert views == [store.session(s) for s in ids]
+    assert views[1] is None and views[3] is not None and views[3].state == "closed"
+    assert views[0] is not None and views[0].signals and views[0].resident_blocks
+    assert store.sessions([]) == []
