@@ -5,12 +5,10 @@ from __future__ import annotations
 import gc
 from collections.abc import Sized
 
-# Events between two collections of the youngest generation by the pacer, and how many of those
-# make one collection of the two young generations: a pause walks at most what the service
-# allocated and still held over YOUNG_GENERATIONS_EVENTS events (docs/decisions.md, "The cyclic
-# GC, paced by events", has the measurement).
-YOUNG_COLLECTION_EVENTS = 5_000
-YOUNG_GENERATIONS_EVERY = 4
+# Events between two collections of the young generations by the pacer: a pause walks what the
+# service allocated and still held over this many events (docs/decisions.md, "Ingest at half
+# the ceiling, and steady", has the measurements).
+YOUNG_COLLECTION_EVENTS = 20_000
 # The collector's own full collections: never (the count of young collections they wait for).
 _NO_FULL_COLLECTIONS = 2**31 - 1
 
@@ -36,36 +34,28 @@ def tune_gc() -> None:
 
 
 class YoungCollector:
-    """An ingest observer: collects the youngest generation every `every_events` events, and
-    both young generations every `generations_every`-th time, so that a pause walks at most
-    what `every_events * generations_every` events left alive.
+    """An ingest observer: collects the young generations (0 and 1) every `every_events`
+    events, so that a pause walks at most what that many events left alive.
 
-    Not both every time: what is alive at a collection of both goes to the oldest generation,
-    which is never collected (full collections walk the whole heap: seconds). Objects in flight
-    then (a request's, in reference cycles) would stay there once dead; in the middle generation
-    they are collected at the next collection of both, by when they are gone.
+    Both at once: each object then is walked once on its way to the oldest generation. What is
+    alive at a collection goes there, in flight or not; collecting the youngest alone in between
+    would walk the long-lived twice and move nothing less (the objects in flight at the
+    collection of both are the same).
     """
 
-    def __init__(
-        self,
-        every_events: int = YOUNG_COLLECTION_EVENTS,
-        generations_every: int = YOUNG_GENERATIONS_EVERY,
-    ) -> None:
-        if every_events < 1 or generations_every < 1:
-            raise ValueError("every_events and generations_every must be at least 1")
+    def __init__(self, every_events: int = YOUNG_COLLECTION_EVENTS) -> None:
+        if every_events < 1:
+            raise ValueError("every_events must be at least 1")
         self.every_events = every_events
-        self.generations_every = generations_every
-        self.collections = [0, 0]  # of the youngest generation alone, and of both
+        self.collections = 0
         self._events = 0
 
     def observe(self, events: Sized) -> None:
         self._events += len(events)
         if self._events >= self.every_events:
             self._events = 0
-            done = self.collections[0] + self.collections[1] + 1
-            generation = 1 if done % self.generations_every == 0 else 0
-            self.collections[generation] += 1
-            gc.collect(generation)
+            self.collections += 1
+            gc.collect(1)
 
 
 def young_collector() -> YoungCollector | None:

@@ -61,8 +61,8 @@ class RouteTracker:
         self.retention_seconds = retention_seconds
         # session -> (its last instance, its last activity ts); least recently touched first.
         # An OrderedDict: `see` takes from the front, and a dict's first key after many deletes
-        # there is found by scanning every freed slot (decisions.md, "Ingest at half the
-        # ceiling": a third of the cost per event once retention starts forgetting).
+        # there is found by scanning every freed slot (docs/decisions.md, "Ingest at half the
+        # ceiling, and steady": 3x the cost per event once retention starts forgetting).
         self._last: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._cutoff = -math.inf
 

@@ -15,40 +15,31 @@ def test_the_pacer_collects_the_young_generations_every_so_many_events(
 ) -> None:
     collected: list[int] = []
     monkeypatch.setattr(runtime.gc, "collect", lambda generation=2: collected.append(generation))
-    pacer = YoungCollector(every_events=5, generations_every=3)
+    pacer = YoungCollector(every_events=5)
     pacer.observe([1, 2, 3])
     assert collected == []
-    pacer.observe([4, 5])  # the fifth event: the youngest generation
-    assert collected == [0] and pacer.collections == [1, 0]
+    pacer.observe([4, 5])  # the fifth event
+    assert collected == [1] and pacer.collections == 1
     pacer.observe(list(range(4)))
-    assert collected == [0]  # counted afresh from the last collection
+    assert collected == [1]  # counted afresh from the last collection
     pacer.observe(list(range(12)))  # one collection for a batch, however big
-    assert collected == [0, 0]
-    pacer.observe(list(range(5)))  # every third: both young generations
-    assert collected == [0, 0, 1] and pacer.collections == [2, 1]
-    for _ in range(3):
-        pacer.observe(list(range(5)))
-    assert collected == [0, 0, 1, 0, 0, 1]
+    assert collected == [1, 1]
     with pytest.raises(ValueError):
         YoungCollector(every_events=0)
-    with pytest.raises(ValueError):
-        YoungCollector(generations_every=0)
 
 
-def test_a_collection_empties_the_young_generation() -> None:
+def test_a_collection_empties_both_young_generations() -> None:
     enabled = gc.isenabled()
     gc.disable()  # no automatic collection moves them meanwhile
     try:
         kept = [[i] for i in range(10_000)]  # tracked containers, alive
-        pacer = YoungCollector(every_events=1, generations_every=2)
+        gc.collect(0)  # some in the middle generation, the rest made after
+        kept += [[i] for i in range(10_000)]
+        pacer = YoungCollector(every_events=1)
         pacer.observe([None])
-        young, middle = ({id(o) for o in gc.get_objects(g)} for g in (0, 1))
+        young = {id(o) for g in (0, 1) for o in gc.get_objects(g)}
         assert not any(id(o) in young for o in kept)
-        assert all(id(o) in middle for o in kept)  # not yet in the oldest: a second chance
-        pacer.observe([None])
-        middle = {id(o) for o in gc.get_objects(1)}
-        assert not any(id(o) in middle for o in kept)
-        assert pacer.collections == [1, 1]
+        assert pacer.collections == 1
     finally:
         if enabled:
             gc.enable()
@@ -60,4 +51,3 @@ def test_only_a_tuned_process_paces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime, "_paced", True)
     pacer = runtime.young_collector()
     assert pacer is not None and pacer.every_events == runtime.YOUNG_COLLECTION_EVENTS
-    assert pacer.generations_every == runtime.YOUNG_GENERATIONS_EVERY
