@@ -9,7 +9,8 @@
 Python code is not inflated): parse (app.api.batch.BatchParser.parse), dedupe (the in-batch set and
 MemoryStore.seen, as Ingestor.ingest does them), log encode (encode_events), log write+flush,
 fsync, apply (MemoryStore.apply), response encode (the route's orjson.dumps), and a real
-Ingestor.ingest on the same kind of batches as a cross-check of the sum. Medians per batch.
+Ingestor.ingest on the same kind of batches as a cross-check of the sum. Medians per batch; the
+collector's thresholds as `serve` sets them.
 
 `cprofile` runs the real service (create_app, memory store, event log in a temp dir) in this
 process under cProfile, uvicorn on the asyncio loop (so the loop's idle wait is visible as
@@ -86,10 +87,12 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
 
     from app.api.batch import BatchParser
     from app.core.clock import SystemClock
+    from app.core.runtime import tune_gc
     from app.ingest.eventlog import EventLog, encode_events, segment_path
     from app.ingest.ingestor import Ingestor
     from app.state.memory import MemoryStore
 
+    tune_gc()  # the thresholds `serve` sets (its pacer is an Engine's observer: not here)
     parser = BatchParser(10_000)
     traffic = Traffic(seed=seed)
     bodies = traffic.batches(batches, 1000)
