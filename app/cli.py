@@ -69,6 +69,13 @@ def bench_ingest(
         typer.Option(help="Where the temporary event log goes (default: the system's temp dir)."),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the generated traffic.")] = 0,
+    store: Annotated[
+        str,
+        typer.Option(
+            help="The service's store: memory, or redis (at KVP_REDIS_URL, under a prefix "
+            "removed afterwards)."
+        ),
+    ] = "memory",
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
@@ -76,19 +83,25 @@ def bench_ingest(
     """
     Events/s through POST /v1/events over HTTP (one uvicorn worker) against a bare FastAPI ceiling.
     """
+    from bench._util import BenchError
     from bench.ingest import run
 
-    _print_result(
-        run(
+    try:
+        result = run(
             rounds=rounds,
             batches=batches,
             concurrency=concurrency,
             fsync=fsync,
             data_dir=data_dir,
             seed=seed,
-        ),
-        as_json,
-    )
+            store=store,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except BenchError as exc:  # no Redis, or a server did not start or died: the message says
+        typer.echo(f"kvprefetch bench ingest: {exc}", err=True)
+        raise typer.Exit(1) from None
+    _print_result(result, as_json)
 
 
 @bench_cli.command("vllm-intake")

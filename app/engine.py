@@ -25,6 +25,7 @@ from app.core.clock import Clock, ScaledClock, SystemClock
 from app.core.cluster import ClusterSpec
 from app.core.config import Settings
 from app.core.errors import ConfigError, StoreError
+from app.core.runtime import young_collector
 from app.decide.advisor import Thresholds
 from app.decide.fleet_feed import FleetFeed
 from app.decide.guard import GuardConfig, LruGuard
@@ -254,6 +255,7 @@ class Engine:
         # Last: it syncs the counters with what the ledger and the scheduler counted just now.
         observers.append(self.metrics.observe)
         self.backlog = Backlog(compose_observers(observers), settings.backlog_max_events)
+        self.young_gc = young_collector()
         self.ingestor = Ingestor(
             self.store,
             self.event_log,  # type: ignore[arg-type]  # a NullEventLog appends like one
@@ -264,6 +266,9 @@ class Engine:
             observer=compose_observers(
                 [self.deployment.observe, self.backlog.put]
                 + ([self.feed.publish] if self.feed is not None else [])
+                # Under `serve`: the young generations collected every so many events
+                # (app/core/runtime.py), not once the store forgets as fast as it learns.
+                + ([self.young_gc.observe] if self.young_gc is not None else [])
             ),
             refused=self.metrics.events_refused,
         )

@@ -30,6 +30,32 @@ class BenchError(KvpError):
     """A bench's server did not start, died or answered wrong (the message holds its log)."""
 
 
+def check_redis(url: str) -> None:
+    """Raises BenchError, saying what to do, when no Redis answers at `url`."""
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        raise BenchError(
+            f"--store redis: no Redis answers at {redact_url(url)} ({exc}); start one there or "
+            "point KVP_REDIS_URL at one"
+        ) from None
+    finally:
+        client.close()
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for messages."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if not sep or not at:
+        return url
+    user = creds.partition(":")[0]
+    return f"{scheme}://{user + ':***' if user else '***'}@{host}"
+
+
 def info(msg: str) -> None:
     """Progress and info go to stderr; stdout is kept for the one JSON object."""
     print(msg, file=sys.stderr, flush=True)

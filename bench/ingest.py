@@ -2,7 +2,8 @@
 ceiling.
 
 Two servers, each one uvicorn worker in its own process (bench/_server.py):
-- service: the real app (create_app with the memory store, the event log in a temp dir, fsync at
+- service: the real app (create_app with the memory store, or `store="redis"` the Redis at
+  KVP_REDIS_URL under a unique prefix removed afterwards; the event log in a temp dir, fsync at
   its default), as `kvprefetch serve` runs it;
 - ceiling: bench/ceiling_app.py, which only reads the body and parses it into the same models.
 
@@ -16,15 +17,26 @@ over the whole run, so the service accepts every event (checked on every answer)
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench._util import BenchError, Server, Traffic, info, machine, median
+from bench._util import (
+    BenchError,
+    Server,
+    Traffic,
+    check_redis,
+    info,
+    machine,
+    median,
+    redact_url,
+)
 
 BATCH_SIZES = (100, 1000)
 DEFAULT_EVENTS_PER_ROUND = 100_000
@@ -96,9 +108,16 @@ def run(
     fsync: bool = True,
     data_dir: Path | None = None,
     seed: int = 0,
+    store: str = "memory",
 ) -> dict[str, Any]:
     if rounds < 1 or concurrency < 1 or (batches is not None and batches < 1):
         raise ValueError("rounds, batches and concurrency must be at least 1")
+    if store not in ("memory", "redis"):
+        raise ValueError("store must be memory or redis")
+    redis_url = os.environ.get("KVP_REDIS_URL", "redis://127.0.0.1:6379/0")
+    prefix = f"kvp-bench-ingest-{uuid.uuid4().hex[:12]}"
+    if store == "redis":
+        check_redis(redis_url)
     n_batches = {size: batches or max(1, DEFAULT_EVENTS_PER_ROUND // size) for size in BATCH_SIZES}
 
     info(
@@ -111,11 +130,15 @@ def run(
     workdir = Path(tempfile.mkdtemp(prefix="kvp-bench-ingest-", dir=data_dir))
     info(f"bench ingest: servers in {workdir} (event log fsync={'on' if fsync else 'off'})")
     service_env = {
-        "KVP_STORE": "memory",
+        "KVP_STORE": store,
         "KVP_DATA_DIR": str(workdir / "data"),
         "KVP_LOG_FSYNC": "true" if fsync else "false",
         "KVP_REPLICA_ID": "bench",
     }
+    if store == "redis":
+        service_env.update({"KVP_REDIS_URL": redis_url, "KVP_REDIS_PREFIX": prefix})
+        info(f"bench ingest: the service's store is the Redis at {redact_url(redis_url)}")
+    keys_removed = None
     samples: dict[str, dict[int, list[float]]] = {
         n: {s: [] for s in BATCH_SIZES} for n in ("service", "ceiling")
     }
@@ -155,6 +178,10 @@ def run(
                 c.close()
             t.server.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+        if store == "redis":
+            from bench.load.probes import redis_clean
+
+            keys_removed = redis_clean(redis_url, prefix)
 
     def medians(name: str) -> dict[str, float]:
         return {f"batch_{s}": round(median(samples[name][s]), 1) for s in BATCH_SIZES}
@@ -164,6 +191,8 @@ def run(
         "events_per_second": eps,
         "ceiling_events_per_second": ceil,
         "ratio_to_ceiling": {k: round(eps[k] / ceil[k], 3) for k in eps},
+        "store": store,
+        "redis": None if store != "redis" else {"prefix": prefix, "keys_removed": keys_removed},
         "rounds": rounds,
         "batches_per_round": {f"batch_{s}": n for s, n in n_batches.items()},
         "concurrency": concurrency,

@@ -3,19 +3,28 @@
     python -m bench.profile_ingest stages   [--batches 60] [--no-fsync]
     python -m bench.profile_ingest cprofile [--batches 200] [--no-fsync] [--top 25]
                                             [--out FILE.pstats]
+    python -m bench.profile_ingest observers [--batches 200] [--no-fsync]
 
 `stages` times each step of the ingest path in-process with perf_counter, no profiler (so pure
 Python code is not inflated): parse (app.api.batch.BatchParser.parse), dedupe (the in-batch set and
 MemoryStore.seen, as Ingestor.ingest does them), log encode (encode_events), log write+flush,
 fsync, apply (MemoryStore.apply), response encode (the route's orjson.dumps), and a real
-Ingestor.ingest on the same kind of batches as a cross-check of the sum. Medians per batch.
+Ingestor.ingest on the same kind of batches as a cross-check of the sum. Medians per batch; the
+collector's thresholds as `serve` sets them.
 
 `cprofile` runs the real service (create_app, memory store, event log in a temp dir) in this
 process under cProfile, uvicorn on the asyncio loop (so the loop's idle wait is visible as
 epoll.poll; `serve` would pick uvloop), while a client subprocess posts batches of 1000 over
 HTTP with keep-alive. It prints the breakdown of the server's busy time by step and the top
 functions. Profiling inflates Python-heavy steps (apply, the framework) relative to C ones
-(pydantic, orjson, fsync): read it next to `stages`.
+(pydantic, orjson, fsync): read it next to `stages`. The server's GC is tuned as `serve` tunes
+it (app/core/runtime.py, `tune_gc`).
+
+`observers` builds the service's Engine (every ingest observer, the memory store, the event log
+in a temp dir; no loops, no HTTP) and times, with perf_counter, parse, `Engine.ingest` (the
+Ingestor and the observers it calls at once) and each observer the backlog hands the events to
+(app/engine.py, `compose_observers`), on batches of 1000 drained one at a time. Medians per batch
+and the mean of the cyclic GC's pauses.
 """
 
 from __future__ import annotations
@@ -78,10 +87,12 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
 
     from app.api.batch import BatchParser
     from app.core.clock import SystemClock
+    from app.core.runtime import tune_gc
     from app.ingest.eventlog import EventLog, encode_events, segment_path
     from app.ingest.ingestor import Ingestor
     from app.state.memory import MemoryStore
 
+    tune_gc()  # the thresholds `serve` sets (its pacer is an Engine's observer: not here)
     parser = BatchParser(10_000)
     traffic = Traffic(seed=seed)
     bodies = traffic.batches(batches, 1000)
@@ -178,6 +189,98 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
     }
 
 
+# -- observers -------------------------------------------------------------------------------
+
+
+def _observer_name(observer: Any) -> str:
+    """`LruGuard.observe`, `feedback_observer`, ...: what the timings are keyed by."""
+    name = getattr(observer, "__qualname__", None) or type(observer).__qualname__
+    return name.replace(".<locals>.observe", "").replace(".<locals>", "")
+
+
+def observers(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
+    import asyncio
+
+    import app.engine as engine_module
+    from app.api.batch import BatchParser
+    from app.core.config import Settings
+    from app.core.runtime import tune_gc
+
+    tune_gc()
+    times: dict[str, list[float]] = {}
+    clock = time.perf_counter
+    real_compose = engine_module.compose_observers
+
+    def timed_compose(observers_: Any) -> Any:
+        timed = []
+        for observer in observers_:
+            name = _observer_name(observer)
+            times.setdefault(name, [])
+
+            def wrapped(events: Any, _o: Any = observer, _n: str = name) -> None:
+                t0 = clock()
+                _o(events)
+                times[_n].append(clock() - t0)
+
+            timed.append(wrapped)
+        return real_compose(timed)
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvp-bench-observers-"))
+    engine_module.compose_observers = timed_compose  # type: ignore[assignment]
+    try:
+        settings = Settings(
+            _env_file=None, data_dir=workdir, log_fsync=fsync, replica_id="bench", store="memory"
+        )
+        engine = engine_module.Engine(settings)
+    finally:
+        engine_module.compose_observers = real_compose  # type: ignore[assignment]
+    parser = BatchParser(settings.max_batch_events)
+    bodies = Traffic(seed=seed).batches(batches + 10, 1000)
+    steps: dict[str, list[float]] = {"parse": [], "Engine.ingest": [], "Backlog.drain": []}
+    try:
+        for body in bodies[:10]:  # warm-up
+            engine.ingest(parser.parse(body).events, body)
+            engine.drain()
+        for v in times.values():
+            v.clear()
+        with GcTimer() as gc_timer:
+            for body in bodies[10:]:
+                t0 = clock()
+                parsed = parser.parse(body)
+                t1 = clock()
+                result = engine.ingest(parsed.events, body)
+                t2 = clock()
+                engine.drain()
+                t3 = clock()
+                if len(result.accepted) != 1000:
+                    raise RuntimeError(f"expected 1000 accepted, got {len(result.accepted)}")
+                steps["parse"].append(t1 - t0)
+                steps["Engine.ingest"].append(t2 - t1)
+                steps["Backlog.drain"].append(t3 - t2)
+        asyncio.run(engine.close())
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    ms = {k: round(median(v) * 1e3, 3) for k, v in steps.items()}
+    per_observer = {
+        k: round(median(v) * 1e3, 3)
+        for k, v in sorted(times.items(), key=lambda kv: -sum(kv[1]))
+        if v
+    }
+    return {
+        "batch_size": 1000,
+        "batches": batches,
+        "fsync": fsync,
+        "ms_per_batch": ms,
+        "sum_ms_per_batch": round(sum(ms.values()), 3),
+        # Engine.ingest's own observers (the deployment signals, the backlog's put) and the
+        # backlog's (the planning side, the outcomes, the metrics), each timed where it runs.
+        "observers_ms_per_batch": per_observer,
+        "gc": gc_timer.summary(batches),
+        "implied_events_per_second_without_http": round(1000 / (sum(ms.values()) / 1e3), 1),
+    }
+
+
 # -- cProfile ----------------------------------------------------------------------------------
 
 # Steps of the request, each the cumulative time of one function (name, file suffix).
@@ -241,6 +344,9 @@ def profile(batches: int, fsync: bool, top: int, out: Path | None, concurrency: 
 
     from app.api.main import create_app
     from app.core.config import Settings
+    from app.core.runtime import tune_gc
+
+    tune_gc()  # as `serve` does
 
     workdir = Path(tempfile.mkdtemp(prefix="kvp-bench-profile-"))
     port = free_port()
@@ -377,6 +483,9 @@ def main(argv: list[str] | None = None) -> None:
     p_pr.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True)
     p_pr.add_argument("--top", type=int, default=25)
     p_pr.add_argument("--out", type=Path, default=None)
+    p_ob = sub.add_parser("observers")
+    p_ob.add_argument("--batches", type=int, default=200)
+    p_ob.add_argument("--fsync", action=argparse.BooleanOptionalAction, default=True)
     p_cl = sub.add_parser("client")
     p_cl.add_argument("--url", required=True)
     p_cl.add_argument("--batches", type=int, required=True)
@@ -386,6 +495,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.cmd == "stages":
         info(f"stages: {args.batches} batches of 1000, fsync={'on' if args.fsync else 'off'}")
         print(json.dumps(stages(args.batches, args.fsync), indent=2))
+    elif args.cmd == "observers":
+        info(f"observers: {args.batches} batches of 1000, fsync={'on' if args.fsync else 'off'}")
+        print(json.dumps(observers(args.batches, args.fsync), indent=2))
     elif args.cmd == "cprofile":
         print(profile(args.batches, args.fsync, args.top, args.out))
     else:

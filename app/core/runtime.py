@@ -3,14 +3,62 @@
 from __future__ import annotations
 
 import gc
+from collections.abc import Sized
+
+# Events between two collections of the young generations by the pacer: a pause walks what the
+# service allocated and still held over this many events (docs/decisions.md, "Ingest at half
+# the ceiling, and steady", has the measurements).
+YOUNG_COLLECTION_EVENTS = 20_000
+# The collector's own full collections: never (the count of young collections they wait for).
+_NO_FULL_COLLECTIONS = 2**31 - 1
+
+_paced = False
 
 
 def tune_gc() -> None:
-    """Collect young objects far less often.
+    """Collect young objects far less often, by count and by the pacer; never the whole heap.
 
     Ingestion allocates many short-lived objects and the live state holds millions of long-lived
     ones that form no reference cycles, so the default thresholds (700, 10, 10) run full
     collections that free nothing: 17% of the server's busy time under load (bench/README.md).
+    A high first threshold alone is not enough: the collector counts allocations *less
+    deallocations*, and once the store forgets as fast as it learns (retention) the count stays
+    near zero while the young generation grows to most of the heap, collected at last in one
+    pause of seconds. So `serve` also collects the young generations by the events it ingests
+    (`young_collector`).
     """
-    gc.set_threshold(100_000, 50, 1000)
+    global _paced
+    gc.set_threshold(100_000, 50, _NO_FULL_COLLECTIONS)
     gc.freeze()  # what exists at startup is never garbage
+    _paced = True
+
+
+class YoungCollector:
+    """An ingest observer: collects the young generations (0 and 1) every `every_events`
+    events, so that a pause walks at most what that many events left alive.
+
+    Both at once: each object then is walked once on its way to the oldest generation. What is
+    alive at a collection goes there, in flight or not; collecting the youngest alone in between
+    would walk the long-lived twice and move nothing less (the objects in flight at the
+    collection of both are the same).
+    """
+
+    def __init__(self, every_events: int = YOUNG_COLLECTION_EVENTS) -> None:
+        if every_events < 1:
+            raise ValueError("every_events must be at least 1")
+        self.every_events = every_events
+        self.collections = 0
+        self._events = 0
+
+    def observe(self, events: Sized) -> None:
+        self._events += len(events)
+        if self._events >= self.every_events:
+            self._events = 0
+            self.collections += 1
+            gc.collect(1)
+
+
+def young_collector() -> YoungCollector | None:
+    """The pacer, in a process `tune_gc` tuned (`serve`); None elsewhere (tests, tools), whose
+    collector keeps Python's defaults."""
+    return YoungCollector() if _paced else None

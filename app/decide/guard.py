@@ -86,20 +86,29 @@ class InstanceVerdict:
 
 @dataclass(slots=True)
 class _Shadow:
+    """An exact LRU of block hashes. Every routed and finished request moves all its blocks, on
+    the ingest path: one dict operation per block where it can (a block already held is moved,
+    a new one appended), and the lookups in C."""
+
     capacity_blocks: int = 0
     blocks: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)
 
     def held(self, hashes: Sequence[BlockHash]) -> list[bool]:
-        blocks = self.blocks
-        return [b in blocks for b in hashes]
+        return list(map(self.blocks.__contains__, hashes))
 
     def use(self, hashes: Sequence[BlockHash]) -> None:
         blocks = self.blocks
+        move_to_end = blocks.move_to_end
         for b in hashes:
-            blocks[b] = None
-            blocks.move_to_end(b)
-        while len(blocks) > self.capacity_blocks:
-            blocks.popitem(last=False)
+            if b in blocks:
+                move_to_end(b)
+            else:
+                blocks[b] = None
+        over = len(blocks) - self.capacity_blocks
+        if over > 0:
+            popitem = blocks.popitem
+            for _ in range(over):
+                popitem(False)
 
 
 class LruGuard:

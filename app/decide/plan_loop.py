@@ -18,7 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
@@ -32,7 +32,6 @@ from app.state.storethread import Offload
 from kvprefetch_client.events import (
     Event,
     OrderProgress,
-    RequestFinished,
     RequestRouted,
     RequestStarted,
     SessionClosed,
@@ -148,21 +147,28 @@ class Dispatcher:
 def feedback_observer(
     scheduler: Scheduler, routes: RouteTracker, popularity: PrefixPopularity | None = None
 ) -> Observer:
+    touched, see = routes.touched, routes.see
+
     def observe(events: Sequence[Event]) -> None:
+        # By type name, which says the class (cheaper than isinstance on the ingest path).
         for e in events:
-            if isinstance(e, RequestRouted):
-                routes.routed(e.session_id, e.instance_id, e.ts)
-                if popularity is not None and e.block_hashes:
-                    popularity.routed(e.session_id, e.block_hashes, e.ts)
-                scheduler.forget(e.session_id, routed_to=e.instance_id)
-            elif isinstance(e, (RequestStarted, RequestFinished)):
-                routes.touched(e.session_id, e.ts)
-            elif isinstance(e, SessionClosed):
-                routes.closed(e.session_id, e.ts)
-                scheduler.forget(e.session_id)
+            kind = e.type
+            if kind == "request_started" or kind == "request_finished":
+                touched(cast(RequestStarted, e).session_id, e.ts)
+            elif kind == "request_routed":
+                routed = cast(RequestRouted, e)
+                routes.routed(routed.session_id, routed.instance_id, routed.ts)
+                if popularity is not None and routed.block_hashes:
+                    popularity.routed(routed.session_id, routed.block_hashes, routed.ts)
+                scheduler.forget(routed.session_id, routed_to=routed.instance_id)
+            elif kind == "session_closed":
+                closed = cast(SessionClosed, e)
+                routes.closed(closed.session_id, closed.ts)
+                scheduler.forget(closed.session_id)
             else:
-                routes.see(e.ts)  # every event moves the store's cutoff
-                if isinstance(e, OrderProgress):
-                    scheduler.on_progress(e.order_id, e.status)
+                see(e.ts)  # every event moves the store's cutoff
+                if kind == "order_progress":
+                    progress = cast(OrderProgress, e)
+                    scheduler.on_progress(progress.order_id, progress.status)
 
     return observe

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from kvprefetch_client.events import BlockHash
 
@@ -35,8 +36,11 @@ class PrefixPopularity:
         self.window_seconds = window_seconds
         self.prefix_blocks = prefix_blocks
         self.max_blocks = max_blocks
-        # block -> (the last session that used it, when, shared until when); oldest touch first.
-        self._blocks: OrderedDict[BlockHash, tuple[str, float, float]] = OrderedDict()
+        # block -> [the last session that used it, when, shared until when]; oldest touch first.
+        # Lists changed in place and moved: the common case (a session's own blocks again) is a
+        # lookup, two comparisons and a move, no new entry (this runs per block of every routed
+        # request, on the ingest path).
+        self._blocks: OrderedDict[BlockHash, list[Any]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -44,17 +48,25 @@ class PrefixPopularity:
     def routed(self, session_id: str, block_hashes: Sequence[BlockHash], ts: float) -> None:
         """A request of `session_id` carrying `block_hashes` was routed at `ts`."""
         blocks = self._blocks
+        get, move_to_end = blocks.get, blocks.move_to_end
+        window = self.window_seconds
         for b in block_hashes[: self.prefix_blocks]:
-            entry = blocks.pop(b, None)
+            entry = get(b)
             if entry is None:
-                blocks[b] = (session_id, ts, -1.0)
+                blocks[b] = [session_id, ts, -1.0]
                 continue
-            last_session, last_ts, shared_until = entry
-            if last_session != session_id and ts - last_ts <= self.window_seconds:
-                shared_until = max(shared_until, ts + self.window_seconds)
-            blocks[b] = (session_id, max(ts, last_ts), shared_until)
-        while len(blocks) > self.max_blocks:
-            blocks.popitem(last=False)
+            if entry[0] != session_id:
+                if ts - entry[1] <= window and ts + window > entry[2]:
+                    entry[2] = ts + window
+                entry[0] = session_id
+            if ts > entry[1]:
+                entry[1] = ts
+            move_to_end(b)
+        over = len(blocks) - self.max_blocks
+        if over > 0:
+            popitem = blocks.popitem
+            for _ in range(over):
+                popitem(False)
 
     def shared_prefix(self, block_hashes: Sequence[BlockHash], now: float) -> int:
         """How many leading blocks of a context are shared at `now`."""

@@ -10,6 +10,7 @@ on one router's logs would carry that router's habit to every deployment.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 
 class SameInstanceEstimate:
@@ -59,7 +60,10 @@ class RouteTracker:
         self.max_sessions = max_sessions
         self.retention_seconds = retention_seconds
         # session -> (its last instance, its last activity ts); least recently touched first.
-        self._last: dict[str, tuple[str, float]] = {}
+        # An OrderedDict: `see` takes from the front, and a dict's first key after many deletes
+        # there is found by scanning every freed slot (docs/decisions.md, "Ingest at half the
+        # ceiling, and steady": 3x the cost per event once retention starts forgetting).
+        self._last: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._cutoff = -math.inf
 
     def __len__(self) -> int:
@@ -89,15 +93,15 @@ class RouteTracker:
         self.estimate.observe(previous[0] if previous is not None else None, instance_id)
         self._last[session_id] = (instance_id, max(ts, previous[1]) if previous is not None else ts)
         if len(self._last) > self.max_sessions:
-            del self._last[next(iter(self._last))]
+            self._last.popitem(last=False)
 
     def touched(self, session_id: str, ts: float) -> None:
         """Another event of the session (started, finished): it is still active."""
         self.see(ts)
         entry = self._last.get(session_id)
         if entry is not None and ts > entry[1] and entry[1] >= self._cutoff:
-            del self._last[session_id]
             self._last[session_id] = (entry[0], ts)
+            self._last.move_to_end(session_id)
 
     def closed(self, session_id: str, ts: float | None = None) -> None:
         if ts is not None:

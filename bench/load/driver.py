@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench._util import free_port, info
+from bench._util import check_redis, free_port, info
 from bench.load import probes, report
 from bench.load.calibrate import calibrate, modes
 from bench.load.ceiling import ceiling_phase
@@ -71,6 +71,8 @@ def run(
     bench_started = time.monotonic()
     headers = {"authorization": f"Bearer {token}"} if token else {}
     redis_url = os.environ.get("KVP_REDIS_URL", "redis://127.0.0.1:6379/0")
+    if store == "redis":
+        check_redis(redis_url)  # before the calibration, which needs it too
     prefix = f"kvp-bench-load-{uuid.uuid4().hex[:12]}"
 
     env = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,8 +12,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_bench(*args: str, timeout: float = 120) -> dict[str, Any]:
-    """`kvprefetch bench ARGS --json`: exit 0 and exactly one JSON object on stdout."""
+def run_bench(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """`kvprefetch bench ARGS --json`: exit 0 and exactly one JSON object on stdout. `env`: set
+    in the command's environment."""
     done = subprocess.run(
         [sys.executable, "-m", "app.cli", "bench", *args, "--json"],
         cwd=REPO,
@@ -20,6 +24,7 @@ def run_bench(*args: str, timeout: float = 120) -> dict[str, Any]:
         text=True,
         timeout=timeout,
         check=False,
+        env={**os.environ, **env} if env else None,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [line for line in done.stdout.splitlines() if line.strip()]

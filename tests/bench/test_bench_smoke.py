@@ -3,9 +3,13 @@ thresholds)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from tests.bench.conftest import positive, run_bench
+from tests.bench.conftest import REPO, positive, run_bench
 
 pytestmark = pytest.mark.slow
 
@@ -18,9 +22,50 @@ def test_bench_ingest_prints_the_documented_json() -> None:
     assert r["rounds"] == 1
     assert r["batches_per_round"] == {"batch_100": 3, "batch_1000": 3}
     assert r["fsync"] is True
+    assert r["store"] == "memory" and r["redis"] is None
     assert isinstance(r["python"], str) and positive(r["cpu_count"])
     for name in ("service", "ceiling"):
         assert all(len(xs) == 1 and positive(xs[0]) for xs in r["samples"][name].values())
+
+
+def test_bench_ingest_against_redis_removes_its_keys(redis_url: str) -> None:
+    import redis
+
+    r = run_bench(
+        "ingest",
+        *("--rounds", "1", "--batches", "2", "--concurrency", "2", "--store", "redis"),
+        env={"KVP_REDIS_URL": redis_url},
+    )
+    assert r["store"] == "redis"
+    assert all(positive(v) for v in r["events_per_second"].values())
+    prefix = r["redis"]["prefix"]
+    assert prefix.startswith("kvp-bench-ingest-") and positive(r["redis"]["keys_removed"])
+    client = redis.Redis.from_url(redis_url)
+    try:
+        assert list(client.scan_iter(match=f"{prefix}:*", count=1000)) == []
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("bench", ["ingest", "load"])
+def test_a_redis_bench_without_redis_says_so(bench: str) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "bench", bench, "--store", "redis", "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "KVP_REDIS_URL": f"redis://:secret@127.0.0.1:{port}/0"},
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    assert f"--store redis: no Redis answers at redis://***@127.0.0.1:{port}/0" in done.stderr
+    assert "secret" not in done.stderr
 
 
 def test_bench_memory_prints_the_documented_json() -> None:

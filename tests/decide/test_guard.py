@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import random
+from collections import OrderedDict
 from typing import Any
 
+import pytest
+
 from app.decide.advisor import SessionAdvice
-from app.decide.guard import GuardConfig, LruGuard
+from app.decide.guard import GuardConfig, LruGuard, _Shadow
 from app.observe.outcomes import RequestOutcome
 from kvprefetch_client.events import Event, event_adapter
 
@@ -126,3 +130,24 @@ def test_a_small_loss_or_one_bad_arrival_is_not_a_verdict() -> None:
     # The totals count both sides whatever the verdict.
     assert g.lru_bytes_total == 410 * 4 * BLOCK
     assert g.served_bytes_total == g.lru_bytes_total - (4 + 4) * BLOCK
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_shadow_moves_blocks_as_an_lru_moving_one_at_a_time(seed: int) -> None:
+    """Blocks named twice in a request, capacity changes, evictions: the shadow holds what an
+    LRU moving a block at a time holds, in the same order."""
+    rng = random.Random(seed)
+    shadow = _Shadow(capacity_blocks=20)
+    reference: OrderedDict[int, None] = OrderedDict()
+    for _ in range(2_000):
+        if rng.random() < 0.02:
+            shadow.capacity_blocks = rng.randint(0, 40)
+        hashes = [rng.randrange(80) for _ in range(rng.randint(0, 12))]
+        assert shadow.held(hashes) == [b in reference for b in hashes]
+        shadow.use(hashes)
+        for b in hashes:
+            reference[b] = None
+            reference.move_to_end(b)
+        while len(reference) > shadow.capacity_blocks:
+            reference.popitem(last=False)
+        assert list(shadow.blocks) == list(reference)
