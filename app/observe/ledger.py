@@ -21,6 +21,7 @@ start of it.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -88,7 +89,9 @@ class _Slot:
     __slots__ = ("hits", "keep_predictions", "misses", "predictions", "sessions", "unscored")
 
     def __init__(self) -> None:
-        self.sessions: dict[str, _Entry] = {}
+        # Recency order (the least recently advised or arrived first): an OrderedDict, as taking
+        # from the front of a dict scans every slot freed there (docs/decisions.md, 25).
+        self.sessions: OrderedDict[str, _Entry] = OrderedDict()
         self.predictions = self.keep_predictions = self.hits = self.misses = self.unscored = 0
 
 
@@ -202,8 +205,7 @@ class AdviceLedger:
                     else:
                         if ts > entry.last_ts:
                             entry.last_ts = ts
-                            del s.sessions[entry_id]
-                            s.sessions[entry_id] = entry
+                            s.sessions.move_to_end(entry_id)
                         if entry.last_request_id != routed.request_id:
                             self._arrival(s, entry, routed.request_id, ts)
                         # else: the same request routed again (a retry elsewhere): one outcome
@@ -220,8 +222,7 @@ class AdviceLedger:
                     if entry is not None and ts > entry.last_ts:
                         entry.last_ts = ts
                         # Last in the dict, so forgotten sessions reach its front.
-                        del s.sessions[sid]
-                        s.sessions[sid] = entry
+                        s.sessions.move_to_end(sid)
 
     def _pair(self, session_ids: Sequence[str], p_keep: Sequence[float], made_ts: float) -> None:
         """The shadow's advice beside the serving model's of the same tick, for the judge."""
@@ -265,7 +266,7 @@ class AdviceLedger:
         one touched since it was put back waits its turn, and lookups check the cutoff meanwhile."""
         sessions, cutoff = s.sessions, self._cutoff
         while sessions:
-            first = next(iter(sessions))
+            first = next(iter(sessions))  # O(1) on an OrderedDict, its own linked list
             if sessions[first].last_ts >= cutoff:
                 return
             del sessions[first]
