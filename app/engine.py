@@ -185,6 +185,7 @@ class Engine:
             guard=self.guard,
             every_live=settings.score_all_live,
             chunk_sessions=settings.score_chunk_sessions,
+            session_retention_seconds=settings.session_retention_seconds,
         )
         self.lease = self._planning_lease(settings)
         self.dispatcher = Dispatcher(

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ from app.predict.features import DeploymentSignals
 from app.predict.predictors import Predictor
 from app.predict.registry import ModelRegistry
 from app.state.base import SessionCursor, SessionView, StateStore, cursor_of
+from app.state.rules import retention_cutoff
 from app.state.storethread import Offload
 from kvprefetch_client.events import (
     BlockHash,
@@ -346,6 +348,7 @@ class Scorer:
         guard: LruGuard | None = None,
         every_live: bool = False,
         chunk_sessions: int = CHUNK_SESSIONS,
+        session_retention_seconds: float = math.inf,
     ) -> None:
         if chunk_sessions < 1:
             raise ValueError("chunk_sessions must be positive")
@@ -369,6 +372,10 @@ class Scorer:
         self._news: dict[str, None] = {}
         self.every_live = every_live
         self.chunk_sessions = chunk_sessions
+        # The store forgets a session idle past its retention without an event (by the newest
+        # event ts, app/state/rules.py): the table lets its row go by the same rule.
+        self.session_retention_seconds = session_retention_seconds
+        self._newest_ts = -math.inf
         # The pass over every live session: its table, what it holds beside each row (what the
         # advice carries: the instance, the blocks; the latest signal's kind), the sessions
         # touched since their rows were read, whether the observer marks them (from the moment
@@ -404,7 +411,10 @@ class Scorer:
 
     def _mark_dirty(self, events: Sequence[Event]) -> None:
         dirty = self._dirty
+        newest = self._newest_ts
         for e in events:
+            if e.ts > newest:
+                newest = e.ts
             # Every event naming a session may change its row; vLLM's block events may name one
             # inside (its context grows).
             session_id = getattr(e, "session_id", None)
@@ -415,6 +425,7 @@ class Scorer:
                     inner_id = getattr(inner, "session_id", None)
                     if inner_id is not None:
                         dirty[inner_id] = None
+        self._newest_ts = newest
 
     def _advisor(self, predictor: Predictor) -> Advisor:
         return Advisor(
@@ -629,9 +640,9 @@ class Scorer:
         self._held.pop(session_id, None)
 
     def _drop_idle(self, now: float) -> None:
-        """Rows idle past the planner's horizon with no fresh signal: the page path does not
-        read them, no advice covers them, and the store forgets them without an event; an event
-        brings one back."""
+        """Rows idle past the planner's horizon with no fresh signal (the page path does not
+        read them, no advice covers them), and rows the store has forgotten (idle since before
+        its retention cutoff): neither is announced by an event; an event brings one back."""
         n = len(self.table)
         if not n:
             return
@@ -642,6 +653,7 @@ class Scorer:
             gone = (now - last > MAX_IDLE_SECONDS) & ~(
                 (signal_ts >= last) & (now - signal_ts <= self.thresholds.lead_seconds)
             )
+        gone |= last < retention_cutoff(self._newest_ts, self.session_retention_seconds)
         for session_id in self.table.ids_of(np.flatnonzero(gone)):
             self._remove(session_id)
 

@@ -322,6 +322,34 @@ def test_sessions_idle_past_the_horizon_leave_the_table_until_an_event(
     assert scorer.table.session_ids == ["s1"]
 
 
+def test_sessions_the_store_forgets_by_retention_leave_the_table() -> None:
+    # The store forgets a session idle past its retention by the newest event's ts, with no
+    # event for it: the table must not keep advising it (nor the ledger keep it) for the 30
+    # minutes of the planner's horizon.
+    retention_seconds = 400.0
+    store = MemoryStore(
+        bytes_per_token=1, block_tokens=512, session_retention_seconds=retention_seconds
+    )
+    ids = idle_sessions(store, 3)  # last active NOW-300 .. NOW-302
+    fresh = turn("fresh", NOW - 20.0, NOW - 10.0)
+    store.apply(fresh)
+    scorer, ledger = scorer_for(store, Fixed(0.9), session_retention_seconds=retention_seconds)
+    scorer.observe(fresh)
+    scorer.tick()  # built from the listing: the store had forgotten none yet (newest NOW-10)
+    assert sorted(scorer.table.session_ids) == sorted([*ids, "fresh"])
+    later = turn("other", NOW + 100.0, NOW + 105.0)  # moves the store's cutoff past s0..s2
+    store.apply(later)
+    scorer.observe(later)
+    scorer.clock.set(NOW + 106.0)  # type: ignore[attr-defined]
+    assert all(store.session(s) is None for s in ids)  # forgotten, no event said so
+    scorer.tick()
+    assert sorted(scorer.table.session_ids) == ["fresh", "other"]
+    assert scorer.last_pass is not None and scorer.last_pass.advised == 2
+    before = ledger.stats("live").predictions
+    scorer.tick()
+    assert ledger.stats("live").predictions - before == 2  # nor is it advised again
+
+
 def test_only_advice_that_changed_goes_to_the_scheduler(memory: MemoryStore) -> None:
     ids = idle_sessions(memory, 20)
     fixed = Fixed(0.9)
