@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
@@ -78,8 +79,15 @@ MAX_NEWS_QUEUE = 100_000
 # Sessions per chunk of a pass over every live session: a chunk is what holds the event loop in
 # one piece (about 20 ms a model at 4096 on the 2-core development machine).
 CHUNK_SESSIONS = 4096
-# The first pass builds the table from the store's listing, this many sessions a read.
+# The first pass builds the table from the store's listing, this many sessions a read; dirty
+# rows are re-read as many a step.
 REBUILD_PAGE_SESSIONS = 1024
+REFRESH_SESSIONS = 1024
+# The share of its time a pass may hold the loop (or the store thread): after each step it waits
+# as long again. A bare yield gave ingestion's requests one turn of the loop per chunk while a
+# pass ran back to back, and a request needs several (body, parse, apply, answer): under `bench
+# load` that halved the events ingested.
+LOOP_SHARE = 0.5
 # The scheduler is told again when a chance moved this much since it was last told ...
 HANDOFF_P_STEP = 0.02
 # ... and at least this often whatever moved (a quarter of its advice TTL when that is shorter),
@@ -521,8 +529,12 @@ class Scorer:
                 if self.every_live:
                     steps = self.passes()
                     step = offload if offload is not None else _inline
-                    while await step(next, steps, False):
-                        await asyncio.sleep(0)
+                    while True:
+                        step_started = time.perf_counter()
+                        if not await step(next, steps, False):
+                            break
+                        held = time.perf_counter() - step_started
+                        await asyncio.sleep(held * (1.0 - LOOP_SHARE) / LOOP_SHARE)
                 elif offload is None:
                     self.tick()
                 else:
@@ -544,6 +556,7 @@ class Scorer:
             yield from self._rebuild(now)
         else:
             self._sweep(now)
+        yield from self._refreshing()
         self._refresh()
         self._drop_idle(now)
         ids = self.table.session_ids
@@ -552,10 +565,10 @@ class Scorer:
         model_seconds = {"live": 0.0, "shadow": 0.0}
         self._check_guard(now)
         for start in range(0, len(ids), self.chunk_sessions):
-            if start:
-                yield True
+            yield True
+            yield from self._refreshing()
             chunk_started = time.perf_counter()
-            self._refresh()  # what the observers saw while other work ran
+            self._refresh()  # what the observers saw since the last step
             now = self.clock.now()
             end = start + self.chunk_sessions
             if self.table.removals == removals:  # no row has moved since the pass began
@@ -619,14 +632,25 @@ class Scorer:
             self.table.upsert_many([v for v, _ in fresh])
             self._held.update((v.session_id, h) for v, h in fresh)
 
-    def _refresh(self) -> None:
-        """The dirty rows re-read from the store in one bulk read; the closed and the forgotten
-        dropped. A failed read leaves them dirty."""
+    def _refreshing(self) -> Iterator[bool]:
+        """The dirty rows re-read REFRESH_SESSIONS a step while more are dirty (under heavy
+        ingest most live sessions are): the step that scores a chunk reads only what came since."""
+        while len(self._dirty) > REFRESH_SESSIONS:
+            self._refresh(REFRESH_SESSIONS)
+            yield True
+
+    def _refresh(self, limit: int | None = None) -> None:
+        """The dirty rows (the first `limit` of them) re-read from the store in one bulk read;
+        the closed and the forgotten dropped. A failed read leaves them dirty."""
         if not self._dirty:
             return
-        ids = list(self._dirty)
+        ids = list(islice(self._dirty, limit))
         views = self.store.sessions(ids)
-        self._dirty.clear()
+        if limit is None:
+            self._dirty.clear()
+        else:
+            for session_id in ids:
+                del self._dirty[session_id]
         fresh = []
         for session_id, view in zip(ids, views):
             if view is None or view.state == "closed":

@@ -258,8 +258,9 @@ def test_the_pass_yields_between_chunks_and_rereads_what_changed_meanwhile(
     scorer.tick()  # the table is built
     order = scorer.table.session_ids
     steps = scorer.passes()
-    next(steps)  # the first chunk is done; the loop may run other work now
-    assert ledger.stats("live").predictions == 100 + 25
+    while ledger.stats("live").predictions < 100 + 25:
+        next(steps)  # a step at a time; the loop may run other work between them
+    assert ledger.stats("live").predictions == 100 + 25  # the first chunk is done
     late = order[-1]  # in the last chunk
     back = turn(late, NOW, None)
     memory.apply(back)
@@ -270,6 +271,37 @@ def test_the_pass_yields_between_chunks_and_rereads_what_changed_meanwhile(
     assert ledger.stats("live").predictions == 100 + 99  # `late` is queued now: not predicted
     assert ledger.latest("live", late) is not None and ledger.latest("live", late).made_ts == NOW
     assert set(ids) == set(order)
+
+
+def test_many_dirty_rows_are_reread_a_slice_a_step(
+    memory: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import app.decide.score_loop as score_loop
+
+    monkeypatch.setattr(score_loop, "REFRESH_SESSIONS", 2)
+    ids = idle_sessions(memory, 10)
+    scorer, ledger = scorer_for(memory, Fixed(0.9))
+    scorer.tick()
+    for sid in ids[:7]:
+        more = turn(sid, NOW - 10.0, NOW - 5.0)
+        memory.apply(more)
+        scorer.observe(more)
+    reads: list[int] = []
+    bulk = memory.sessions
+
+    def spy(session_ids: Any) -> Any:
+        reads.append(len(session_ids))
+        return bulk(session_ids)
+
+    monkeypatch.setattr(memory, "sessions", spy)
+    steps = 0
+    for _ in scorer.passes():
+        steps += 1
+    # Three slices of two, each a step of its own; the last one with the chunk it precedes (the
+    # heuristic model then reads its views: the fifth read).
+    assert reads[:4] == [2, 2, 2, 1] and steps == 4
+    assert ledger.stats("live").predictions == 20
+    assert all(scorer._held[s].block_hashes for s in ids)
 
 
 def test_dirty_rows_are_refreshed_and_closed_sessions_dropped(memory: MemoryStore) -> None:
@@ -399,7 +431,9 @@ def test_run_yields_the_event_loop_between_chunks(memory: MemoryStore) -> None:
 
     async def drive() -> None:
         task = asyncio.create_task(scorer.run(0.0))
-        for _ in range(200):  # a bound on the loop's turns, not a timing
+        # A bound on the loop's turns, not a timing (the pass waits as long as each step held
+        # the loop: LOOP_SHARE).
+        for _ in range(100_000):
             await asyncio.sleep(0)
             seen.append(ledger.stats("live").predictions)
             if seen[-1] >= 100:
