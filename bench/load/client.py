@@ -38,6 +38,7 @@ class _Log:
         self.errors: Counter[str] = Counter()
         self.dropped = 0
         self.unexpected = 0  # a 200 to a first attempt that reported duplicates or rejects
+        self.first_refusal: str | None = None  # the first answer not retried, as the service said
 
 
 def _error_key(status: int | None, exc: BaseException | None) -> str:
@@ -80,6 +81,8 @@ def _call(
             return True
         log.errors[_error_key(r.status_code, None)] += 1
         if r.status_code not in (429, 503):
+            if log.first_refusal is None:
+                log.first_refusal = f"HTTP {r.status_code}: {r.text[:1000]}"
             break  # the request itself is wrong: resending it cannot help
         if stop.wait(_retry_after(r.headers)):
             return False
@@ -246,12 +249,14 @@ class Load:
     def errors(self) -> dict[str, Any]:
         by_kind: dict[str, dict[str, int]] = {}
         total = rate_limited = dropped = unexpected = 0
+        first_refusal: str | None = None
         for kind, logs in self.logs.items():
             c: Counter[str] = Counter()
             for log in logs:
                 c.update(log.errors)
                 dropped += log.dropped
                 unexpected += log.unexpected
+                first_refusal = first_refusal or log.first_refusal
             by_kind[kind] = dict(sorted(c.items()))
             total += sum(c.values())
             rate_limited += c.get("429", 0)
@@ -261,6 +266,7 @@ class Load:
             "by_kind": by_kind,
             "dropped_after_retries": dropped,
             "unexpected_duplicates_or_rejects": unexpected,
+            "first_refusal": first_refusal,
         }
 
 

@@ -56,6 +56,7 @@ def _run(*args: str, env: dict[str, str]) -> dict[str, Any]:
 def _no_errors(r: dict[str, Any]) -> None:
     e = r["errors"]
     assert e["total"] == 0 and e["rate_limited_429"] == 0, e
+    assert e["first_refusal"] is None, e
     assert e["dropped_after_retries"] == 0 and e["unexpected_duplicates_or_rejects"] == 0, e
 
 
