@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from app.predict.features import FEATURES
@@ -90,30 +91,40 @@ def train_dask(
     features = list(FEATURES)
     workers = max(len(client.scheduler_info().get("workers", {})), 1)
     cut = 1.0 - valid_fraction
+    valid_table = None
     if isinstance(rows, FleetRows):
         if not rows.files:
             raise ValueError("no training rows")
+        files = [str(p) for p in rows.files]
+        # Each file's rows on either side of the cut, counted here from one column: the
+        # arrays' chunk sizes, so that nothing is read twice to learn them.
+        sides = [_sides(f, cut) for f in files]
         # One partition per shard file, read by a worker. Not read_parquet: it fuses small
         # partitions by the projected columns' size, so the labels' partitions stop matching the
         # features' and lightgbm.dask refuses them.
-        table = dd.from_map(_read_rows, [str(p) for p in rows.files])
+        table = dd.from_map(_read_rows, files)
         train_part = table[table.time_fraction < cut]
-        valid_df = table[table.time_fraction >= cut].compute()
-        rows_train = int(train_part.shape[0].compute())
+        valid_table = table[table.time_fraction >= cut]
+        rows_train = sum(n for n, _ in sides)
+        rows_valid = sum(n for _, n in sides)
+        x_train, y_train = _arrays(train_part, [n for n, _ in sides], features)
+        x_valid, y_valid = _arrays(valid_table, [n for _, n in sides], features)
         logs, signals = sorted(rows.log_names), _signals(rows.signals)
     else:
         if rows.empty:
             raise ValueError("no training rows")
         train_df, valid_df = split_by_time(rows, valid_fraction)
+        rows_train, rows_valid = len(train_df), len(valid_df)
         train_part = dd.from_pandas(train_df[[*features, "label"]], npartitions=workers)
-        rows_train = len(train_df)
+        valid_part = dd.from_pandas(valid_df[[*features, "label"]], npartitions=workers)
+        x_train, y_train = train_part[features], train_part["label"]
+        x_valid, y_valid = valid_part[features], valid_part["label"]
         logs, signals = sorted(rows.log.unique().tolist()), train_signals(rows)
-    if rows_train == 0 or valid_df.empty:
+    if rows_train == 0 or rows_valid == 0:
         raise ValueError(f"splitting the rows at {cut:.0%} of the time span leaves a side empty")
     merged = {**DEFAULT_PARAMS, **(params or {}), "seed": seed}
     # One thread per worker: the workers share the machine's cores between them.
     merged["num_threads"] = 1
-    valid_part = dd.from_pandas(valid_df[[*features, "label"]], npartitions=workers)
     kwargs = {k: v for k, v in merged.items() if k not in ("objective", "verbose")}
     model = lgb.DaskLGBMClassifier(
         client=client,
@@ -123,15 +134,19 @@ def train_dask(
         **kwargs,
     )
     model.fit(
-        train_part[features],
-        train_part["label"],
-        eval_set=[(valid_part[features], valid_part["label"])],
+        x_train,
+        y_train,
+        eval_set=[(x_valid, y_valid)],
         eval_names=["valid"],
         eval_metric="binary_logloss",
+        feature_name=features,
     )
     booster: lgb.Booster = model.booster_
     losses = model.evals_result_["valid"]["binary_logloss"]
     booster.best_iteration = stopping_iteration(list(losses), early_stopping_rounds)
+    if valid_table is not None:
+        # Here only now: while the workers trained, their rows were theirs alone.
+        valid_df = valid_table.compute()
     metrics, calibration = evaluate_rows(booster, valid_df)
     metrics["best_iteration"] = int(booster.best_iteration)
     gain = booster.feature_importance(importance_type="gain", iteration=booster.best_iteration)
@@ -141,7 +156,7 @@ def train_dask(
     }
     data = {
         "rows_train": rows_train,
-        "rows_valid": len(valid_df),
+        "rows_valid": rows_valid,
         "logs": logs,
         "valid_fraction": valid_fraction,
         "signals": signals,
@@ -151,7 +166,25 @@ def train_dask(
 
 
 def _read_rows(path: str) -> pd.DataFrame:
-    return pd.read_parquet(path, columns=[*FEATURES, "label", "time_fraction"])
+    """A shard's training columns, the features as float32: half the memory of the workers'
+    copies, and LightGBM bins float32 as it bins float64 (to its bins' float edges)."""
+    rows = pd.read_parquet(path, columns=[*FEATURES, "label", "time_fraction"])
+    return rows.astype(dict.fromkeys(FEATURES, np.float32))
+
+
+def _sides(path: str, cut: float) -> tuple[int, int]:
+    """A shard's rows before and after `cut` of the time span."""
+    fraction = pd.read_parquet(path, columns=["time_fraction"]).time_fraction
+    before = int((fraction < cut).sum())
+    return before, int((fraction >= cut).sum())
+
+
+def _arrays(table: Any, lengths: list[int], features: list[str]) -> tuple[Any, Any]:
+    """The features and labels as Dask arrays with known chunks: lightgbm.dask then stacks
+    numpy arrays on each worker, one copy of its rows (a DataFrame's would be two)."""
+    x = table[features].to_dask_array(lengths=lengths)
+    y = table["label"].to_dask_array(lengths=lengths)
+    return x, y
 
 
 def _signals(counts: dict[str, dict[str, int]]) -> dict[str, dict[str, float]]:
