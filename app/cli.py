@@ -247,6 +247,12 @@ def bench_train_fleet(
     dask_only: Annotated[
         bool, typer.Option("--dask-only", help="Skip the single-process path (too big for it).")
     ] = False,
+    reference_events: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Replay vs columnar build, rows compared, on this many events (0: skip)."
+        ),
+    ] = 200_000,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Dataset build, training time and peak RSS: one process beside Dask, on a fleet log."""
@@ -259,6 +265,7 @@ def bench_train_fleet(
         work_dir=work_dir,
         trace_requests=trace_requests,
         paths=("dask",) if dask_only else ("single", "dask"),
+        reference_events=reference_events,
     )
     _print_result(result, as_json)
 

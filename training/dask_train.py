@@ -12,7 +12,7 @@ any other address is a running scheduler's (`tcp://host:8786`).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -80,6 +80,7 @@ def train_dask(
     seed: int = 0,
     num_boost_round: int = 1000,
     early_stopping_rounds: int = 50,
+    stage: Callable[[str], None] | None = None,
 ) -> TrainedModel:
     """training.train on the cluster behind `client`; the card's metrics are computed here.
 
@@ -133,6 +134,8 @@ def train_dask(
         verbose=-1,
         **kwargs,
     )
+    if stage is not None:
+        stage("fit")
     model.fit(
         x_train,
         y_train,
@@ -144,6 +147,8 @@ def train_dask(
     booster: lgb.Booster = model.booster_
     losses = model.evals_result_["valid"]["binary_logloss"]
     booster.best_iteration = stopping_iteration(list(losses), early_stopping_rounds)
+    if stage is not None:
+        stage("evaluate")
     if valid_table is not None:
         # Here only now: while the workers trained, their rows were theirs alone.
         valid_df = valid_table.compute()

@@ -269,6 +269,7 @@ def shard_log_duckdb(
     con = duckdb.connect(str(db))
     try:
         spill = folder / "spill"
+        con.execute("SET enable_progress_bar = false").fetchall()  # stdout is the caller's
         con.execute(f"SET memory_limit = '{memory_limit}'").fetchall()
         con.execute("SET temp_directory = '" + str(spill).replace("'", "''") + "'").fetchall()
         # Kept (the default) for rowid: the lines' file order.
@@ -530,14 +531,17 @@ def build_dataset_fleet(
     engine: str = "duckdb",
     client: Any = None,
     work_dir: Path | None = None,
+    stage: Stage | None = None,
 ) -> pd.DataFrame:
     """The rows of training.dataset.build_dataset (the same, in the same order), built shard by
     shard in parallel (build_rows_fleet) and gathered here."""
     base = Path(tempfile.mkdtemp(prefix="kvp-fleet-")) if work_dir is None else work_dir
     try:
         rows = build_rows_fleet(
-            logs, base, workers=workers, shards=shards, engine=engine, client=client
+            logs, base, workers=workers, shards=shards, engine=engine, client=client, stage=stage
         )
+        if stage is not None:
+            stage("gather")
         frames = [_log_rows([pd.read_parquet(o) for o in outs]) for outs in rows.logs if outs]
         data = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     finally:
