@@ -146,18 +146,22 @@ def _stage(name: str) -> None:
 
 
 def _path_single(log: Path, max_rounds: int) -> dict[str, Any]:
-    from training import train
-    from training.fleet import build_dataset_fleet
+    from training.dask_train import train_files
+    from training.fleet import build_rows_fleet
+    from training.train import DEFAULT_PARAMS
 
     with tempfile.TemporaryDirectory() as tmp:
         t = time.perf_counter()
         # workers=0: the shards are replayed here, one after another.
-        rows = build_dataset_fleet([log], workers=0, work_dir=Path(tmp), stage=_stage)
+        rows = build_rows_fleet([log], Path(tmp), workers=0, stage=_stage)
         build = time.perf_counter() - t
-    _stage("train")
-    t = time.perf_counter()
-    model = train(rows, num_boost_round=max_rounds)
-    return _result(len(rows), model, build, time.perf_counter() - t)
+        _stage("train")
+        t = time.perf_counter()
+        # No client: LightGBM's serial learner here, training.train's parameters (2 threads).
+        params = {**DEFAULT_PARAMS, "seed": 0}
+        model = train_files(rows, None, params, num_boost_round=max_rounds, stage=_stage)
+        fit = time.perf_counter() - t
+        return _result(model.data["rows_train"] + model.data["rows_valid"], model, build, fit)
 
 
 def _path_dask(log: Path, max_rounds: int, workers: int) -> dict[str, Any]:

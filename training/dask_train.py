@@ -164,7 +164,7 @@ def _trained(
 
 def train_files(
     rows: FleetRows,
-    client: Any,
+    client: Any | None,
     params: dict[str, Any],
     *,
     valid_fraction: float = 0.2,
@@ -180,14 +180,56 @@ def train_files(
     merge histograms as lightgbm.dask's do; lightgbm.dask's port assignment is reused.
 
     Each worker scores its own part of the validation rows each round; the rounds' log loss
-    over all of them (weighted by rows) decides the cut, as in train_dask."""
-    from dask.distributed import wait
-    from lightgbm.dask import _assign_open_ports_to_workers
-
+    over all of them (weighted by rows) decides the cut, as in train_dask. `client` None: the
+    same in this process alone (LightGBM's serial learner, `params`' threads), bounded alike."""
     if not rows.files:
         raise ValueError("no training rows")
     cut = 1.0 - valid_fraction
     files = [str(p) for p in rows.files]
+    if client is None:
+        if stage is not None:
+            stage("fit")
+        results = [_train_share(files, cut, params, num_boost_round, None)]
+        workers = 0
+    else:
+        results = _train_on_cluster(client, files, cut, params, num_boost_round, stage)
+        workers = len(client.scheduler_info().get("workers", {}))
+    rows_train = sum(r["rows_train"] for r in results)
+    rows_valid = sum(r["rows_valid"] for r in results)
+    if rows_train == 0 or rows_valid == 0:
+        raise ValueError(f"splitting the rows at {cut:.0%} of the time span leaves a side empty")
+    losses = [
+        sum(r["rows_valid"] * r["losses"][i] for r in results if r["rows_valid"]) / rows_valid
+        for i in range(num_boost_round)
+    ]
+    booster = lgb.Booster(model_str=results[0]["model"])
+    booster.best_iteration = stopping_iteration(losses, early_stopping_rounds)
+    if stage is not None:
+        stage("evaluate")
+    valid_df = pd.concat([_read_side(f, cut, valid=True) for f in files], ignore_index=True)
+    data = {
+        "rows_train": rows_train,
+        "rows_valid": rows_valid,
+        "logs": sorted(rows.log_names),
+        "valid_fraction": valid_fraction,
+        "signals": _signals(rows.signals),
+        "dask_workers": workers,
+    }
+    return _trained(booster, valid_df, params, data)
+
+
+def _train_on_cluster(
+    client: Any,
+    files: list[str],
+    cut: float,
+    params: dict[str, Any],
+    rounds: int,
+    stage: Callable[[str], None] | None,
+) -> list[dict[str, Any]]:
+    """_train_share on each worker, with its share of the files, networked."""
+    from dask.distributed import wait
+    from lightgbm.dask import _assign_open_ports_to_workers
+
     addresses = sorted(client.scheduler_info().get("workers", {}))
     if not addresses:
         raise ValueError("the Dask cluster has no workers")
@@ -211,7 +253,7 @@ def train_files(
                 "time_out": 120,
                 "tree_learner": "data",
             },
-            num_boost_round,
+            rounds,
             sockets[a],
             workers=[a],
             allow_other_workers=False,
@@ -220,29 +262,8 @@ def train_files(
         for a, share in shares.items()
     ]
     wait(futures)
-    results = client.gather(futures)
-    rows_train = sum(r["rows_train"] for r in results)
-    rows_valid = sum(r["rows_valid"] for r in results)
-    if rows_train == 0 or rows_valid == 0:
-        raise ValueError(f"splitting the rows at {cut:.0%} of the time span leaves a side empty")
-    losses = [
-        sum(r["rows_valid"] * r["losses"][i] for r in results if r["rows_valid"]) / rows_valid
-        for i in range(num_boost_round)
-    ]
-    booster = lgb.Booster(model_str=results[0]["model"])
-    booster.best_iteration = stopping_iteration(losses, early_stopping_rounds)
-    if stage is not None:
-        stage("evaluate")
-    valid_df = pd.concat([_read_side(f, cut, valid=True) for f in files], ignore_index=True)
-    data = {
-        "rows_train": rows_train,
-        "rows_valid": rows_valid,
-        "logs": sorted(rows.log_names),
-        "valid_fraction": valid_fraction,
-        "signals": _signals(rows.signals),
-        "dask_workers": len(addresses),
-    }
-    return _trained(booster, valid_df, params, data)
+    results: list[dict[str, Any]] = client.gather(futures)
+    return results
 
 
 def _read_side(path: str, cut: float, *, valid: bool) -> pd.DataFrame:
@@ -305,28 +326,36 @@ def _train_share(
             if len(y):
                 labels[valid].append(y)
                 seqs[valid].append(_FileRows(f, cut, valid, len(y)))
+    if not seqs[False]:
+        raise ValueError(f"no training rows in {len(files)} shard file(s) before the cut")
     train_set = lgb.Dataset(
         seqs[False], label=np.concatenate(labels[False]), feature_name=list(FEATURES)
     )
-    valid_set = lgb.Dataset(seqs[True], label=np.concatenate(labels[True]), reference=train_set)
+    valid_sets = []
+    if seqs[True]:  # a share can end before the cut
+        valid_sets.append(
+            lgb.Dataset(seqs[True], label=np.concatenate(labels[True]), reference=train_set)
+        )
     evals: dict[str, Any] = {}
-    socket.release()  # LightGBM listens on the port now
+    if socket is not None:
+        socket.release()  # LightGBM listens on the port now
     try:
         booster = lgb.train(
             params,
             train_set,
             num_boost_round=rounds,
-            valid_sets=[valid_set],
-            valid_names=["valid"],
+            valid_sets=valid_sets,
+            valid_names=["valid"][: len(valid_sets)],
             callbacks=[lgb.record_evaluation(evals)],
         )
     finally:
         _LAST = (None, None)
     model = booster.model_to_string()
-    booster.free_network()
+    if socket is not None:
+        booster.free_network()
     return {
         "model": model,
-        "losses": list(evals["valid"]["binary_logloss"]),
+        "losses": list(evals["valid"]["binary_logloss"]) if valid_sets else [],
         "rows_train": int(sum(len(y) for y in labels[False])),
         "rows_valid": int(sum(len(y) for y in labels[True])),
     }

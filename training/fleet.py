@@ -531,6 +531,7 @@ def build_dataset_fleet(
     engine: str = "duckdb",
     client: Any = None,
     work_dir: Path | None = None,
+    memory_limit: str = DUCKDB_MEMORY_LIMIT,
     stage: Stage | None = None,
 ) -> pd.DataFrame:
     """The rows of training.dataset.build_dataset (the same, in the same order), built shard by
@@ -538,7 +539,14 @@ def build_dataset_fleet(
     base = Path(tempfile.mkdtemp(prefix="kvp-fleet-")) if work_dir is None else work_dir
     try:
         rows = build_rows_fleet(
-            logs, base, workers=workers, shards=shards, engine=engine, client=client, stage=stage
+            logs,
+            base,
+            workers=workers,
+            shards=shards,
+            engine=engine,
+            client=client,
+            memory_limit=memory_limit,
+            stage=stage,
         )
         if stage is not None:
             stage("gather")
