@@ -1,25 +1,36 @@
 """Training at fleet scale: one process beside a Dask cluster, on one synthetic fleet log.
 
     kvprefetch bench train-fleet [--events 20000000] [--workers 2] [--max-rounds 300] [--dask-only]
-        [--trace-requests N] [--work-dir DIR] [--json]
+        [--reference-events 200000] [--trace-requests N] [--work-dir DIR] [--json]
 
 The fleet log: the shared traces (`../shared/traces` beside the checkout, as the tests find
 them) turned into events (`kvprefetch events-from-trace`), copied until the log holds `--events`,
 each copy with its own session, request, event and instance ids and its times shifted (copies
 overlap in time, as a fleet's deployments do), all in event-time order in one JSON Lines file.
+DuckDB writes it out of core (fleet_log): its size is not bounded by this machine's memory.
 
 Each path runs in a process of its own, its peak RSS sampled with its children's (the Dask
-workers' included) every SAMPLE_SECONDS:
+workers' included) every SAMPLE_SECONDS, and per stage (the process names its stages: scan,
+dedupe, shard, timeline, replay, fit, evaluate ...; a stage shorter than a sample may not show):
 
-- `single`: training.dataset.build_dataset (one MemoryStore, one process), training.train;
-- `dask`: training.fleet.build_rows_fleet on a LocalCluster of `--workers` workers (DuckDB
-  scans, Polars partitions, the workers replay the shards into Parquet files), then
-  training.dask_train.train_dask (lightgbm.dask) with the workers reading those files.
+- `single`: one process, no Dask: training.fleet.build_rows_fleet with workers=0 (DuckDB orders
+  and shards the log out of core, this process replays the shards one after another into
+  Parquet files), then training.dask_train.train_files without a cluster (LightGBM's serial
+  learner, training.train's parameters, the Dataset built from the files in batches);
+- `dask`: the same build with the shards replayed on a LocalCluster of `--workers` workers,
+  then train_files on the cluster (each worker builds its Dataset from its share of the files;
+  LightGBM's data-parallel learner across them).
 
-`engines`: the columnar step alone (read, parse ts/type/session, dedupe, order) by Polars and by
-DuckDB on the log. `quality`: both models' Brier score and log loss on the same held-out part
-(the last 20% of the log's time span); equal within QUALITY_TOLERANCE. `--dask-only` skips the
-single path, for a log too big for one process.
+The old single-process path (training.dataset.build_dataset: one MemoryStore replaying the whole
+log, then training.train on the rows in memory) takes hours and more memory than the machine at
+20M events, so it is not a path here: `reference` runs it on the log's first
+`--reference-events` events beside the columnar build (one process) and says whether the rows
+are equal (`rows_equal`), with both times.
+
+`engines`: the in-memory scan alone (read, parse ts/type/session, dedupe, order) by Polars and
+by DuckDB, on the log's first ENGINE_EVENTS events (both hold what they scan). `quality`: both
+models' Brier score and log loss on the same held-out part (the last 20% of the log's time
+span); equal within QUALITY_TOLERANCE. `--dask-only` skips the single path.
 """
 
 from __future__ import annotations

@@ -1,10 +1,14 @@
-"""The arrival model trained on a Dask cluster (lightgbm.dask), as training.train trains it.
+"""The arrival model trained on a Dask cluster, as training.train trains it.
 
 The same model as `training.train`: a binary LightGBM classifier with DEFAULT_PARAMS on
-FEATURES, the rows split by time (the last `valid_fraction` validates). lightgbm.dask has no
-early stopping, so the cluster boosts `num_boost_round` rounds while scoring the validation part
-each round, and the model is cut where early stopping (`early_stopping_rounds` without a better
-log loss) would have stopped: the same rule, applied after the rounds instead of during them.
+FEATURES, the rows split by time (the last `valid_fraction` validates), trained by LightGBM's
+data-parallel learner across the workers. From the shards' Parquet files (FleetRows:
+`train_files`) each worker builds its Dataset from its share of the files in batches, so its
+memory is its rows binned, not its rows as numbers twice (lightgbm.dask's estimators); from a
+DataFrame, lightgbm.dask.DaskLGBMClassifier. The distributed learner has no early stopping, so
+the cluster boosts `num_boost_round` rounds while scoring the validation part each round, and
+the model is cut where early stopping (`early_stopping_rounds` without a better log loss) would
+have stopped: the same rule, applied after the rounds instead of during them.
 
 `dask_client("local:2")` starts a LocalCluster of 2 worker processes (one thread each);
 any other address is a running scheduler's (`tcp://host:8786`).

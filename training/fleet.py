@@ -1,21 +1,22 @@
 """Training rows from a fleet's event logs: a columnar engine partitions, processes replay.
 
 `build_dataset` (training/dataset.py) replays a whole log through one MemoryStore in one
-process. Here a columnar engine (DuckDB by default; Polars, measured slower on the same lines by
-bench/train_fleet.py, is the other) reads each log's lines as text, pulls `ts`, `type`,
-`session_id` and `event_id` out of the JSON, drops repeated event ids, orders by event time
-(file order breaks ties, as load_events does); Polars writes the lines of each session-shard (a
-hash of session_id) to a file of its own. Each shard is replayed by the same
-`rows_from_events`, in a worker process (or a Dask worker), through its own MemoryStore and
-app.predict.features: a session's features depend on its own events only, so the shard
-computes them as the whole log would.
+process. Here DuckDB (the default; Polars, in memory, is the other engine) reads each log's
+lines as text into a database file, pulls `ts`, `type`, `session_id` and `event_id` out of the
+JSON, drops repeated event ids, and streams the lines out ordered by (session-shard, event
+time, file order: load_events' order), each shard (a hash of session_id) to a file of its own:
+out of core, under a memory limit, so the log is never in this process's memory. Each shard is
+replayed by the same `rows_from_events`, in a worker process (or a Dask worker, or this process),
+through its own MemoryStore and app.predict.features: a session's features depend on its own
+events only, so the shard computes them as the whole log would. Shards are capped at
+EVENTS_PER_SHARD events: a replay holds its shard's events as objects.
 
 The deployment's features (DeploymentSignals) depend on the whole stream. They are computed in
 one streaming pass over the log's request_routed and session_signal lines (the only events they
 read), in the same order, through the same DeploymentSignals, and kept as a step function of
-event time: a shard's decision at `ts` reads the features after the last of those events at or
-before `ts`, what the single-process replay reads. So the rows are the single-process rows, in
-the same order (tests/training/test_fleet.py checks equality).
+event time (an entry where they change): a shard's decision at `ts` reads the features after the
+last of those events at or before `ts`, what the single-process replay reads. So the rows are the
+single-process rows, in the same order (tests/training/test_fleet.py checks equality).
 
 Events without a session (blocks stored or removed without one, instance status, orders) do
 not change a session's view, so the shards skip them; events that carry sessions only inside
