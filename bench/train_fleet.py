@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -345,6 +346,8 @@ def run(
         log = folder / f"fleet-{events}.jsonl"
         written = fleet_log(base_logs(folder, TRACES, trace_requests), events, log)
         made = time.perf_counter() - t
+        # This process's peak so far: the fleet log's writing (the paths run in children).
+        log_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
         print(f"train-fleet: {written} events in {made:.1f} s", file=sys.stderr, flush=True)
         engines = _run_path(["engines", str(log), str(min(events, ENGINE_EVENTS))])
         reference = None
@@ -366,6 +369,7 @@ def run(
         "events": written,
         "log_bytes": log_bytes,
         "log_seconds": round(made, 2),
+        "log_peak_rss_bytes": log_peak,
         "workers": workers,
         "max_rounds": max_rounds,
         "trace_requests": trace_requests,

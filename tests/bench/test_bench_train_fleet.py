@@ -23,6 +23,7 @@ def test_bench_train_fleet_prints_the_documented_json() -> None:
         timeout=300,
     )
     assert r["events"] == 30000 and positive(r["log_bytes"]) and r["workers"] == 2
+    assert positive(r["log_peak_rss_bytes"])
     for engine in ("polars", "duckdb"):
         assert r["engines"][engine]["events"] == 30000 and positive(r["engines"][engine]["seconds"])
     assert r["single"]["rows"] == r["dask"]["rows"] > 0
