@@ -742,8 +742,8 @@ def train(
         str | None,
         typer.Option(
             metavar="ADDRESS",
-            help="Replay the logs and train (lightgbm.dask) on a Dask cluster: a scheduler's "
-            "address, or local:N for N local workers. Not with --tune.",
+            help="Replay the logs and train (LightGBM's data-parallel learner) on a Dask "
+            "cluster: a scheduler's address, or local:N for N local workers. Not with --tune.",
         ),
     ] = None,
 ) -> None:
@@ -825,7 +825,8 @@ def _train_dask(
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """`train --dask`: shards replayed on the cluster (training/fleet.py), then lightgbm.dask."""
+    """`train --dask`: shards replayed on the cluster (training/fleet.py), then trained there
+    from their files (training/dask_train.py)."""
     import json
     import tempfile
 
