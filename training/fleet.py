@@ -55,8 +55,8 @@ ENGINES = ("polars", "duckdb")
 # Events whose sessions are inside the event (a vLLM batch): every shard gets them.
 EVERY_SHARD_TYPES = ("vllm_kv_events",)
 DEPLOYMENT_TYPES = ("request_routed", "session_signal")
-# A shard's replay holds its events as objects (~2 KB each): shards of at most this many events
-# keep a worker's replay small whatever the log's size.
+# A shard's replay holds its events as objects and its store (about 1.2 GB for 200,000 events,
+# bench/README.md): shards of at most this many keep a replay's memory whatever the log's size.
 EVENTS_PER_SHARD = 200_000
 # DuckDB's memory while it orders and shards a log; past it, it spills under the work directory
 # (a fleet's log can be larger than the machine's memory).
