@@ -63,6 +63,10 @@ EVENTS_PER_SHARD = 200_000
 DUCKDB_MEMORY_LIMIT = "2GB"
 # Lines fetched from DuckDB at a time (the shards' files, the deployment's events).
 FETCH_ROWS = 50_000
+# The longest log line DuckDB reads: a whole posted batch is at most max_body_bytes (32 MiB).
+# Not more: DuckDB's read buffer is a multiple of it (16x unless set), and a 1.6 GB buffer
+# broke a 2 GB memory limit on a 5.6 GB log.
+MAX_LINE_BYTES = 40_000_000
 
 Stage = Callable[[str], None]
 
@@ -225,12 +229,13 @@ _READ_LINES = """
            json_extract_string(line, '$.event_id') AS event_id
     FROM read_csv({names}, columns = {{'line': 'VARCHAR'}}, delim = '\x01', quote = '',
                   escape = '', header = false, auto_detect = false,
-                  max_line_size = 100000000)
+                  max_line_size = {max_line}, buffer_size = {buffer})
 """
 
 
-def _sql_list(paths: Sequence[Path]) -> str:
-    return "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
+def _read_lines(paths: Sequence[Path]) -> str:
+    names = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
+    return _READ_LINES.format(names=names, max_line=MAX_LINE_BYTES, buffer=2 * MAX_LINE_BYTES)
 
 
 @dataclass
@@ -276,11 +281,11 @@ def shard_log_duckdb(
         # Kept (the default) for rowid: the lines' file order.
         con.execute("SET preserve_insertion_order = true").fetchall()
         say("scan")
-        con.execute(_READ_LINES.format(names=_sql_list(files))).fetchall()
+        con.execute(_read_lines(files)).fetchall()
         if _one(con, "SELECT count(*) FROM lines WHERE type IS NULL")[0]:
             # Whole posted batches ({"events": [...]}): expanded by the log's own reader first.
             canonical = _canonical_copy(files, folder / f"{log.name}.canonical.jsonl")
-            con.execute(_READ_LINES.format(names=_sql_list(canonical))).fetchall()
+            con.execute(_read_lines(canonical)).fetchall()
         say("dedupe")
         con.execute(
             """
