@@ -304,6 +304,12 @@ def bench_train_fleet(
     dask_only: Annotated[
         bool, typer.Option("--dask-only", help="Skip the single-process path (too big for it).")
     ] = False,
+    reference_events: Annotated[
+        int,
+        typer.Option(
+            min=0, help="Replay vs columnar build, rows compared, on this many events (0: skip)."
+        ),
+    ] = 200_000,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Dataset build, training time and peak RSS: one process beside Dask, on a fleet log."""
@@ -316,6 +322,7 @@ def bench_train_fleet(
         work_dir=work_dir,
         trace_requests=trace_requests,
         paths=("dask",) if dask_only else ("single", "dask"),
+        reference_events=reference_events,
     )
     _print_result(result, as_json)
 
@@ -832,8 +839,8 @@ def train(
         str | None,
         typer.Option(
             metavar="ADDRESS",
-            help="Replay the logs and train (lightgbm.dask) on a Dask cluster: a scheduler's "
-            "address, or local:N for N local workers. Not with --tune.",
+            help="Replay the logs and train (LightGBM's data-parallel learner) on a Dask "
+            "cluster: a scheduler's address, or local:N for N local workers. Not with --tune.",
         ),
     ] = None,
 ) -> None:
@@ -915,7 +922,8 @@ def _train_dask(
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """`train --dask`: shards replayed on the cluster (training/fleet.py), then lightgbm.dask."""
+    """`train --dask`: shards replayed on the cluster (training/fleet.py), then trained there
+    from their files (training/dask_train.py)."""
     import json
     import tempfile
 

@@ -1,21 +1,22 @@
 """Training rows from a fleet's event logs: a columnar engine partitions, processes replay.
 
 `build_dataset` (training/dataset.py) replays a whole log through one MemoryStore in one
-process. Here a columnar engine (DuckDB by default; Polars, measured slower on the same lines by
-bench/train_fleet.py, is the other) reads each log's lines as text, pulls `ts`, `type`,
-`session_id` and `event_id` out of the JSON, drops repeated event ids, orders by event time
-(file order breaks ties, as load_events does); Polars writes the lines of each session-shard (a
-hash of session_id) to a file of its own. Each shard is replayed by the same
-`rows_from_events`, in a worker process (or a Dask worker), through its own MemoryStore and
-app.predict.features: a session's features depend on its own events only, so the shard
-computes them as the whole log would.
+process. Here DuckDB (the default; Polars, in memory, is the other engine) reads each log's
+lines as text into a database file, pulls `ts`, `type`, `session_id` and `event_id` out of the
+JSON, drops repeated event ids, and streams the lines out ordered by (session-shard, event
+time, file order: load_events' order), each shard (a hash of session_id) to a file of its own:
+out of core, under a memory limit, so the log is never in this process's memory. Each shard is
+replayed by the same `rows_from_events`, in a worker process (or a Dask worker, or this process),
+through its own MemoryStore and app.predict.features: a session's features depend on its own
+events only, so the shard computes them as the whole log would. Shards are capped at
+EVENTS_PER_SHARD events: a replay holds its shard's events as objects.
 
 The deployment's features (DeploymentSignals) depend on the whole stream. They are computed in
 one streaming pass over the log's request_routed and session_signal lines (the only events they
 read), in the same order, through the same DeploymentSignals, and kept as a step function of
-event time: a shard's decision at `ts` reads the features after the last of those events at or
-before `ts`, what the single-process replay reads. So the rows are the single-process rows, in
-the same order (tests/training/test_fleet.py checks equality).
+event time (an entry where they change): a shard's decision at `ts` reads the features after the
+last of those events at or before `ts`, what the single-process replay reads. So the rows are the
+single-process rows, in the same order (tests/training/test_fleet.py checks equality).
 
 Events without a session (blocks stored or removed without one, instance status, orders) do
 not change a session's view, so the shards skip them; events that carry sessions only inside
@@ -25,9 +26,11 @@ not change a session's view, so the shards skip them; events that carry sessions
 from __future__ import annotations
 
 import bisect
+import math
 import multiprocessing
 import shutil
 import tempfile
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -39,14 +42,33 @@ import pandas as pd
 
 from app.core.errors import EventLogError
 from app.ingest.eventlog import encode_events, list_segments, read_events
-from app.predict.features import DEPLOYMENT_FEATURES, NAN, DeploymentSignals
-from kvprefetch_client.events import event_adapter
-from training.dataset import META_COLUMNS, load_events, rows_from_events, signal_follow_through
+from app.predict.features import (
+    DEPLOYMENT_FEATURES,
+    NAN,
+    SIGNAL_FOLLOW_SECONDS,
+    DeploymentSignals,
+)
+from kvprefetch_client.events import RequestRouted, SessionSignal, event_adapter
+from training.dataset import META_COLUMNS, load_events, rows_from_events
 
 ENGINES = ("polars", "duckdb")
 # Events whose sessions are inside the event (a vLLM batch): every shard gets them.
 EVERY_SHARD_TYPES = ("vllm_kv_events",)
 DEPLOYMENT_TYPES = ("request_routed", "session_signal")
+# A shard's replay holds its events as objects and its store (about 1.2 GB for 200,000 events,
+# bench/README.md): shards of at most this many keep a replay's memory whatever the log's size.
+EVENTS_PER_SHARD = 200_000
+# DuckDB's memory while it orders and shards a log; past it, it spills under the work directory
+# (a fleet's log can be larger than the machine's memory).
+DUCKDB_MEMORY_LIMIT = "2GB"
+# Lines fetched from DuckDB at a time (the shards' files, the deployment's events).
+FETCH_ROWS = 50_000
+# The longest log line DuckDB reads: a whole posted batch is at most max_body_bytes (32 MiB).
+# Not more: DuckDB's read buffer is a multiple of it (16x unless set), and a 1.6 GB buffer
+# broke a 2 GB memory limit on a 5.6 GB log.
+MAX_LINE_BYTES = 40_000_000
+
+Stage = Callable[[str], None]
 
 
 def log_files(log: Path) -> list[Path]:
@@ -149,6 +171,26 @@ def ordered_events(log: Path, engine: str, work_dir: Path) -> Any:
     return frame
 
 
+def _shard_log_polars(
+    log: Path, folder: Path, *, shards: int | None, workers: int, stage: Stage
+) -> ShardedLog:
+    """shard_log_duckdb's result, the log held in memory by Polars."""
+    import polars as pl
+
+    stage("scan")
+    ordered = ordered_events(log, "polars", folder)
+    n = shards or shard_count(ordered.height, workers)
+    stage("shard")
+    paths = partition(ordered, n, folder)
+    stage("timeline")
+    deployment = ordered.filter(pl.col("type").is_in(DEPLOYMENT_TYPES))
+    signalled = deployment.filter(pl.col("type") == "session_signal").height
+    lines = deployment.get_column("line").to_list()
+    ts, feats, signals = deployment_timeline([lines], follow_through=bool(signalled))
+    span = (float(ordered["ts"][0]), float(ordered["ts"][-1]))
+    return ShardedLog(paths, span, ordered.height, ts, feats, signals)
+
+
 def partition(frame: Any, shards: int, out_dir: Path) -> list[Path]:
     """Write each session-shard's lines (and every-shard events) to its own file, in order."""
     import polars as pl
@@ -173,33 +215,211 @@ def partition(frame: Any, shards: int, out_dir: Path) -> list[Path]:
     return paths
 
 
-def deployment_timeline(frame: Any) -> tuple[np.ndarray, np.ndarray, list[Any]]:
-    """DEPLOYMENT_FEATURES after each routed or signal event of the log, in the log's order:
-    (ts, features), and the events (for the signals' follow-through)."""
-    import polars as pl
+def shard_count(events: int, workers: int) -> int:
+    """4 shards a worker (smaller shards even out their loads), more for a long log."""
+    return max(4 * max(workers, 1), math.ceil(events / EVENTS_PER_SHARD))
 
-    lines = frame.filter(pl.col("type").is_in(DEPLOYMENT_TYPES)).get_column("line").to_list()
+
+_READ_LINES = """
+    CREATE OR REPLACE TABLE lines AS
+    SELECT line,
+           CAST(json_extract(line, '$.ts') AS DOUBLE) AS ts,
+           json_extract_string(line, '$.type') AS type,
+           json_extract_string(line, '$.session_id') AS session_id,
+           json_extract_string(line, '$.event_id') AS event_id
+    FROM read_csv({names}, columns = {{'line': 'VARCHAR'}}, delim = '\x01', quote = '',
+                  escape = '', header = false, auto_detect = false,
+                  max_line_size = {max_line}, buffer_size = {buffer})
+"""
+
+
+def _read_lines(paths: Sequence[Path]) -> str:
+    names = "[" + ", ".join("'" + str(p).replace("'", "''") + "'" for p in paths) + "]"
+    return _READ_LINES.format(names=names, max_line=MAX_LINE_BYTES, buffer=2 * MAX_LINE_BYTES)
+
+
+@dataclass
+class ShardedLog:
+    """A log split into session-shards' files (each in event-time order), its time span, its
+    event count and the deployment's step function with the signals' follow-through."""
+
+    shards: list[Path]
+    span: tuple[float, float]
+    events: int
+    ts: np.ndarray
+    feats: np.ndarray
+    signals: dict[str, dict[str, int]]
+
+
+def shard_log_duckdb(
+    log: Path,
+    folder: Path,
+    *,
+    shards: int | None = None,
+    workers: int = 2,
+    memory_limit: str = DUCKDB_MEMORY_LIMIT,
+    stage: Stage | None = None,
+) -> ShardedLog:
+    """ordered_events and partition without the log in memory: DuckDB (a database file under
+    `folder`, spilling past `memory_limit`) reads the lines, drops repeated event ids (the
+    first stays), and streams them out ordered by (shard, ts, file order), one shard's file
+    after another; then the deployment's events, in (ts, file order), through
+    deployment_timeline."""
+    import duckdb
+
+    files = [p for p in log_files(log) if p.stat().st_size]
+    if not files:
+        raise EventLogError(f"{log}: the log holds no events")
+    say = stage or (lambda _: None)
+    db = folder / "scan.duckdb"
+    con = duckdb.connect(str(db))
+    try:
+        spill = folder / "spill"
+        con.execute("SET enable_progress_bar = false").fetchall()  # stdout is the caller's
+        con.execute(f"SET memory_limit = '{memory_limit}'").fetchall()
+        con.execute("SET temp_directory = '" + str(spill).replace("'", "''") + "'").fetchall()
+        # Kept (the default) for rowid: the lines' file order.
+        con.execute("SET preserve_insertion_order = true").fetchall()
+        say("scan")
+        con.execute(_read_lines(files)).fetchall()
+        if _one(con, "SELECT count(*) FROM lines WHERE type IS NULL")[0]:
+            # Whole posted batches ({"events": [...]}): expanded by the log's own reader first.
+            canonical = _canonical_copy(files, folder / f"{log.name}.canonical.jsonl")
+            con.execute(_read_lines(canonical)).fetchall()
+        say("dedupe")
+        con.execute(
+            """
+            CREATE TABLE events AS
+            SELECT rowid AS ord, ts, type, session_id, line FROM lines
+            WHERE rowid IN (SELECT min(rowid) FROM lines GROUP BY event_id)
+            """
+        ).fetchall()
+        con.execute("DROP TABLE lines").fetchall()
+        count, first, last = _one(con, "SELECT count(*), min(ts), max(ts) FROM events")
+        if not count:
+            raise EventLogError(f"{log}: the log holds no events")
+        n = shards or shard_count(count, workers)
+        every = ", ".join(f"'{t}'" for t in EVERY_SHARD_TYPES)
+        say("shard")
+        reader: Any = con.sql(
+            f"""
+            WITH tagged AS (
+                SELECT CASE WHEN type IN ({every}) THEN -1
+                            WHEN session_id IS NULL THEN -2
+                            ELSE CAST(hash(session_id) % {n} AS BIGINT) END AS shard,
+                       ts, ord, line
+                FROM events
+            )
+            SELECT shard, line FROM (
+                SELECT shard, ts, ord, line FROM tagged WHERE shard >= 0
+                UNION ALL
+                SELECT s.i AS shard, ts, ord, line FROM tagged, range({n}) s(i)
+                WHERE tagged.shard = -1
+            ) ORDER BY shard, ts, ord
+            """
+        ).to_arrow_reader(FETCH_ROWS)
+        paths = _write_shards(reader, folder)
+        say("timeline")
+        kinds = ", ".join(f"'{t}'" for t in DEPLOYMENT_TYPES)
+        (signalled,) = _one(con, "SELECT count(*) FROM events WHERE type = 'session_signal'")
+        reader = con.sql(
+            f"SELECT line FROM events WHERE type IN ({kinds}) ORDER BY ts, ord"
+        ).to_arrow_reader(FETCH_ROWS)
+        batches = (b.column(0).to_pylist() for b in reader)
+        ts, feats, signals = deployment_timeline(batches, follow_through=bool(signalled))
+    finally:
+        con.close()
+        db.unlink(missing_ok=True)
+        shutil.rmtree(folder / "spill", ignore_errors=True)
+    return ShardedLog(paths, (float(first), float(last)), int(count), ts, feats, signals)
+
+
+def _one(con: Any, sql: str) -> tuple[Any, ...]:
+    rows = con.execute(sql).fetchall()  # all: a result left pending blocks the connection
+    return tuple(rows[0])
+
+
+def _write_shards(reader: Any, folder: Path) -> list[Path]:
+    """Each shard's lines (the batches come ordered by shard) to shard-NNNN.jsonl."""
+    paths: list[Path] = []
+    out: Any = None
+    current = None
+    try:
+        for batch in reader:
+            shard = batch.column(0).to_numpy()
+            lines = batch.column(1).to_pylist()
+            cuts = [0, *(np.flatnonzero(np.diff(shard)) + 1).tolist(), len(lines)]
+            for a, b in zip(cuts, cuts[1:]):
+                if shard[a] != current:
+                    if out is not None:
+                        out.close()
+                    current = int(shard[a])
+                    paths.append(folder / f"shard-{current:04d}.jsonl")
+                    out = open(paths[-1], "w")  # noqa: SIM115 - closed at the next shard or below
+                out.write("\n".join(lines[a:b]))
+                out.write("\n")
+    finally:
+        if out is not None:
+            out.close()
+    return paths
+
+
+def _same(a: Sequence[float], b: Sequence[float]) -> bool:
+    return all(x == y or (x != x and y != y) for x, y in zip(a, b))  # NaN equals NaN here
+
+
+def deployment_timeline(
+    batches: Iterable[Sequence[str]], *, follow_through: bool = True
+) -> tuple[np.ndarray, np.ndarray, dict[str, dict[str, int]]]:
+    """DEPLOYMENT_FEATURES after the log's routed and signal events (`batches` of their lines,
+    in the log's order), as a step function: (ts, features) where they change, and the
+    signals' follow-through counts (training.dataset.signal_follow_through's, from the same
+    events). One event at a time: only the step function and the arrivals' times are kept."""
     deployment = DeploymentSignals()
-    events = [event_adapter.validate_json(line) for line in lines]
-    ts = np.empty(len(events), dtype=np.float64)
-    feats = np.empty((len(events), len(DEPLOYMENT_FEATURES)), dtype=np.float64)
-    for i, e in enumerate(events):
-        deployment.observe([e])
-        ts[i] = e.ts
-        feats[i] = deployment.features()
-    return ts, feats, events
+    ts: list[float] = []
+    feats: list[list[float]] = []
+    arrivals: dict[str, list[float]] = defaultdict(list)
+    signals: list[tuple[str, float, str]] = []
+    for batch in batches:
+        for line in batch:
+            e = event_adapter.validate_json(line)
+            deployment.observe([e])
+            if follow_through:
+                if isinstance(e, RequestRouted):
+                    arrivals[e.session_id].append(e.ts)
+                elif isinstance(e, SessionSignal):
+                    signals.append((e.session_id, e.ts, e.kind))
+            now = deployment.features()
+            # An unchanged step reads the same from the one before it: not kept.
+            if feats and _same(now, feats[-1]):
+                continue
+            ts.append(e.ts)
+            feats.append(now)
+    for times in arrivals.values() if signals else ():
+        times.sort()
+    counts: dict[str, dict[str, int]] = {}
+    for session_id, at, kind in signals:
+        times = arrivals.get(session_id, [])
+        k = bisect.bisect_right(times, at)
+        followed = k < len(times) and times[k] - at <= SIGNAL_FOLLOW_SECONDS
+        entry = counts.setdefault(kind, {"signals": 0, "followed": 0})
+        entry["signals"] += 1
+        entry["followed"] += int(followed)
+    shape = (len(feats), len(DEPLOYMENT_FEATURES))
+    steps = np.asarray(feats, dtype=np.float64).reshape(shape)
+    return np.asarray(ts, dtype=np.float64), steps, counts
 
 
 class DeploymentAt:
     """The step function: the features after the last timeline event at or before `ts`."""
 
     def __init__(self, ts: np.ndarray, feats: np.ndarray) -> None:
-        self.ts = ts.tolist()
+        self.ts = ts
         self.feats = feats
         self.before = [NAN] * len(DEPLOYMENT_FEATURES)
 
     def __call__(self, ts: float) -> list[float]:
-        k = bisect.bisect_right(self.ts, ts)
+        k = int(np.searchsorted(self.ts, ts, side="right"))
         return self.before if k == 0 else self.feats[k - 1].tolist()
 
 
@@ -257,36 +477,46 @@ def build_rows_fleet(
     shards: int | None = None,
     engine: str = "duckdb",
     client: Any = None,
+    memory_limit: str = DUCKDB_MEMORY_LIMIT,
+    stage: Stage | None = None,
 ) -> FleetRows:
     """Replay each log's session-shards in parallel; the rows stay in Parquet under `work_dir`.
 
     `client`: a dask.distributed Client to replay the shards on (its workers must see
-    `work_dir`); else a pool of `workers` processes. `shards` defaults to 4 per worker (smaller
-    shards even out the workers' loads)."""
+    `work_dir`); else a pool of `workers` processes (0: this process replays them, one after
+    another). `shards` defaults to shard_count's. `engine` "duckdb" orders and shards the log
+    out of core (`memory_limit`); "polars" does it in memory. `stage(name)` hears each step
+    begin (scan, dedupe, shard, timeline, replay)."""
     if engine not in SCANNERS:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}")
-    shards = shards or 4 * max(workers, 1)
+    say = stage or (lambda _: None)
     rows = FleetRows([], [])
     for n, log in enumerate(Path(p) for p in logs):
         folder = work_dir / f"log-{n:04d}"
         folder.mkdir(parents=True, exist_ok=True)
-        ordered = ordered_events(log, engine, folder)
-        span = (float(ordered["ts"][0]), float(ordered["ts"][-1]))
-        ts, feats, deployment_events = deployment_timeline(ordered)
+        if engine == "duckdb":
+            sharded = shard_log_duckdb(
+                log, folder, shards=shards, workers=workers, memory_limit=memory_limit, stage=say
+            )
+        else:
+            sharded = _shard_log_polars(log, folder, shards=shards, workers=workers, stage=say)
+        span, paths = sharded.span, sharded.shards
         timeline = folder / "deployment.npz"
-        np.savez(timeline, ts=ts, feats=feats)
-        for kind, counts in signal_follow_through(deployment_events).items():
+        np.savez(timeline, ts=sharded.ts, feats=sharded.feats)
+        for kind, counts in sharded.signals.items():
             total = rows.signals.setdefault(kind, {"signals": 0, "followed": 0})
             total["signals"] += counts["signals"]
             total["followed"] += counts["followed"]
-        del deployment_events
-        paths = partition(ordered, shards, folder)
-        del ordered
+        del sharded
+        say("replay")
         outs = [p.with_suffix(".parquet") for p in paths]
         args = [(p, log.name, span, timeline, o) for p, o in zip(paths, outs)]
         if client is not None:
             futures = [client.submit(shard_rows, *a, pure=False) for a in args]
             client.gather(futures)
+        elif workers == 0:
+            for a in args:
+                shard_rows(*a)
         else:
             # Spawned, not forked: a fork of a process running Polars' threads can hang.
             context = multiprocessing.get_context("spawn")
@@ -307,14 +537,25 @@ def build_dataset_fleet(
     engine: str = "duckdb",
     client: Any = None,
     work_dir: Path | None = None,
+    memory_limit: str = DUCKDB_MEMORY_LIMIT,
+    stage: Stage | None = None,
 ) -> pd.DataFrame:
     """The rows of training.dataset.build_dataset (the same, in the same order), built shard by
     shard in parallel (build_rows_fleet) and gathered here."""
     base = Path(tempfile.mkdtemp(prefix="kvp-fleet-")) if work_dir is None else work_dir
     try:
         rows = build_rows_fleet(
-            logs, base, workers=workers, shards=shards, engine=engine, client=client
+            logs,
+            base,
+            workers=workers,
+            shards=shards,
+            engine=engine,
+            client=client,
+            memory_limit=memory_limit,
+            stage=stage,
         )
+        if stage is not None:
+            stage("gather")
         frames = [_log_rows([pd.read_parquet(o) for o in outs]) for outs in rows.logs if outs]
         data = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     finally:
@@ -333,4 +574,6 @@ __all__ = [
     "build_rows_fleet",
     "ordered_events",
     "partition",
+    "shard_count",
+    "shard_log_duckdb",
 ]

@@ -1,5 +1,6 @@
-"""`kvprefetch bench train-fleet` at a tiny size: a fleet log of copied traces, both paths on a
-2-worker LocalCluster, the documented JSON (no timing thresholds)."""
+"""`kvprefetch bench train-fleet` at a tiny size: a fleet log of copied traces, the single path
+beside a 2-worker LocalCluster, the old replay's rows against the columnar build's, the
+documented JSON (no timing thresholds)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,22 @@ def test_bench_train_fleet_prints_the_documented_json() -> None:
         timeout=300,
     )
     assert r["events"] == 30000 and positive(r["log_bytes"]) and r["workers"] == 2
+    assert positive(r["log_peak_rss_bytes"])
     for engine in ("polars", "duckdb"):
         assert r["engines"][engine]["events"] == 30000 and positive(r["engines"][engine]["seconds"])
     assert r["single"]["rows"] == r["dask"]["rows"] > 0
+    ref = r["reference"]
+    assert ref["events"] == 30000 and ref["rows"] == r["single"]["rows"]
+    assert ref["rows_equal"] is True
+    assert positive(ref["replay_seconds"]) and positive(ref["columnar_seconds"])
     for path in ("single", "dask"):
         p = r[path]
         for key in ("build_seconds", "train_seconds", "peak_rss_bytes"):
             assert positive(p[key]), (path, key)
+        # The stages that last longer than a sample: the replay and the training.
+        assert {"replay", "fit"} <= set(p["stages"]), (path, p["stages"])
+        for stage in p["stages"].values():
+            assert 0 < stage["peak_rss_bytes"] <= p["peak_rss_bytes"]
         assert 1 <= p["best_iteration"] <= 30
         assert 0.0 <= p["valid"]["brier"] <= 1.0 and p["valid"]["rows"] > 0
     q = r["quality"]

@@ -22,8 +22,15 @@ from sim.commands import events_from_trace
 from tests.conftest import TRACES
 from tests.training.test_signals import chat_with_signals
 from training import build_dataset, train
-from training.dask_train import dask_client, stopping_iteration, train_dask
-from training.fleet import ENGINES, build_dataset_fleet, build_rows_fleet
+from training.dask_train import dask_client, stopping_iteration, train_dask, train_files
+from training.fleet import (
+    ENGINES,
+    DeploymentAt,
+    build_dataset_fleet,
+    build_rows_fleet,
+    shard_count,
+)
+from training.train import DEFAULT_PARAMS
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +94,50 @@ def test_dask_workers_replay_the_shards(client: Any, signal_log: Path, tiny_log:
     single = build_dataset([tiny_log, signal_log])
     fleet = build_dataset_fleet([tiny_log, signal_log], client=client, shards=4)
     pd.testing.assert_frame_equal(single, fleet)
+
+
+def test_the_duckdb_build_under_a_memory_limit_gives_the_same_rows(
+    trace_log: Path, tmp_path: Path
+) -> None:
+    """DuckDB holds at most memory_limit while it orders and shards (past it, it spills under
+    the work directory): the rows do not change; its database and spill files are removed."""
+    single = build_dataset([trace_log])
+    stages: list[str] = []
+    fleet = build_dataset_fleet(
+        [trace_log], workers=0, memory_limit="64MB", work_dir=tmp_path, stage=stages.append
+    )
+    pd.testing.assert_frame_equal(single, fleet)
+    assert stages == ["scan", "dedupe", "shard", "timeline", "replay", "gather"]
+    left = {p.name for p in (tmp_path / "log-0000").iterdir()}
+    assert "scan.duckdb" not in left and "spill" not in left and "deployment.npz" in left
+
+
+def test_shards_grow_with_the_log() -> None:
+    assert shard_count(10_000, 2) == 8  # 4 a worker
+    assert shard_count(20_000_000, 2) == 100  # at most EVENTS_PER_SHARD each
+    assert shard_count(1000, 0) == 4
+
+
+def test_deployment_step_function_keeps_only_changes() -> None:
+    at = DeploymentAt(np.array([1.0, 3.0]), np.array([[0.5] * 8, [0.25] * 8]))
+    assert all(np.isnan(at(0.5)))
+    assert at(1.0) == [0.5] * 8 and at(2.9) == [0.5] * 8 and at(3.0) == [0.25] * 8
+
+
+def test_training_from_files_in_one_process(trace_log: Path, tmp_path: Path) -> None:
+    """train_files without a cluster: the serial learner on the files read in batches, the
+    same model as training.train on the gathered rows, within the bench's tolerance."""
+    gathered = build_dataset([trace_log])
+    rows = build_rows_fleet([trace_log], tmp_path, workers=0, shards=6)
+    params = {**DEFAULT_PARAMS, "seed": 0}
+    from_files = train_files(rows, None, params, num_boost_round=120, early_stopping_rounds=20)
+    single = train(gathered, num_boost_round=120, early_stopping_rounds=20)
+    assert from_files.data["dask_workers"] == 0
+    assert from_files.data["rows_train"] == single.data["rows_train"]
+    assert from_files.metrics["rows"] == single.metrics["rows"]
+    for key, tolerance in QUALITY_TOLERANCE.items():
+        assert abs(from_files.metrics[key] - single.metrics[key]) <= tolerance, key
+    assert from_files.metrics["brier"] < from_files.metrics["brier_of_base_rate"]
 
 
 def test_stopping_iteration_is_early_stoppings_rule() -> None:
