@@ -633,9 +633,11 @@ class Scorer:
             self._held.update((v.session_id, h) for v, h in fresh)
 
     def _refreshing(self) -> Iterator[bool]:
-        """The dirty rows re-read REFRESH_SESSIONS a step while more are dirty (under heavy
-        ingest most live sessions are): the step that scores a chunk reads only what came since."""
-        while len(self._dirty) > REFRESH_SESSIONS:
+        """The rows dirty now re-read REFRESH_SESSIONS a step (under heavy ingest most live
+        sessions are): the step that scores a chunk reads only what came since. As many steps
+        as there were slices at the start, so ingest that dirties rows faster than they are read
+        cannot hold the pass here."""
+        for _ in range(len(self._dirty) // REFRESH_SESSIONS):
             self._refresh(REFRESH_SESSIONS)
             yield True
 

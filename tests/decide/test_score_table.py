@@ -304,6 +304,27 @@ def test_many_dirty_rows_are_reread_a_slice_a_step(
     assert all(scorer._held[s].block_hashes for s in ids)
 
 
+def test_ingest_dirtying_rows_faster_than_they_are_read_cannot_hold_the_pass(
+    memory: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import app.decide.score_loop as score_loop
+
+    monkeypatch.setattr(score_loop, "REFRESH_SESSIONS", 2)
+    ids = idle_sessions(memory, 10)
+    scorer, ledger = scorer_for(memory, Fixed(0.9))
+    scorer.tick()
+    steps = scorer.passes()
+    for k in range(100):  # between steps, three sessions change: more than a slice reads
+        if next(steps, None) is None:
+            break
+        for sid in ids[(3 * k) % 9 : (3 * k) % 9 + 3]:
+            more = turn(sid, NOW - 10.0 + k * 0.01, NOW - 5.0 + k * 0.01)
+            memory.apply(more)
+            scorer.observe(more)
+    assert k < 10, k  # the pass ended
+    assert ledger.stats("live").predictions == 20
+
+
 def test_dirty_rows_are_refreshed_and_closed_sessions_dropped(memory: MemoryStore) -> None:
     idle_sessions(memory, 10)
     scorer, _ = scorer_for(memory, Fixed(0.9), sessions_per_tick=1)
