@@ -187,35 +187,45 @@ class Advisor:
                     p_soon,
                     p_return,
                     p_soon >= self.prefetch_min_p,
-                    self._shared_blocks(view, now),
+                    self.shared_blocks(view.block_hashes, now),
                     needed_in,
                 )
             )
         return out + queued
 
     def _queued(self, view: SessionView, now: float) -> SessionAdvice:
+        return self.queued_advice(view.session_id, view.instance_id, tuple(view.block_hashes), now)
+
+    def queued_advice(
+        self,
+        session_id: str,
+        instance_id: str | None,
+        block_hashes: tuple[BlockHash, ...],
+        now: float,
+    ) -> SessionAdvice:
         """A queued request's context, fetched to where it waits as soon as can be (what
         `lookahead` does in replay, CachedAttention's prefetch during the queueing): it is
         certain, so it outranks every idle context."""
         return SessionAdvice(
-            view.session_id,
-            view.instance_id,
-            tuple(view.block_hashes),
+            session_id,
+            instance_id,
+            block_hashes,
             "lru",
             0.0,
             1.0,
             1.0,
             1.0,
             True,
-            self._shared_blocks(view, now),
+            self.shared_blocks(block_hashes, now),
             0.0,
             queued=True,
         )
 
-    def _shared_blocks(self, view: SessionView, now: float) -> int:
+    def shared_blocks(self, block_hashes: Sequence[BlockHash], now: float) -> int:
+        """How many leading blocks of a context other sessions share now (never demoted)."""
         if self.popularity is None:
             return 0
-        return self.popularity.shared_prefix(view.block_hashes, now)
+        return self.popularity.shared_prefix(block_hashes, now)
 
     def _signalled(self, view: SessionView, now: float) -> bool:
         """A signal this idle spell, within the lead: the session is scored however long it has

@@ -258,7 +258,7 @@ def session_advice(
     now: float,
 ) -> list[SessionAdvice]:
     """The SessionAdvice of the idle rows at positions `take` of `advice` (what the scheduler
-    reads), in that order, then of every queued row (Advisor._queued's)."""
+    reads), in that order, then of every queued row (Advisor.queued_advice)."""
     out = []
     ids = table.ids_of(advice.rows[take])
     columns = zip(
@@ -283,35 +283,14 @@ def session_advice(
                 p_soon,
                 p_return,
                 prefetch,
-                _shared_blocks(advisor, h.block_hashes, now),
+                advisor.shared_blocks(h.block_hashes, now),
                 needed_in,
             )
         )
     for session_id in table.ids_of(advice.queued):
         h = held[session_id]
-        # Advisor._queued: a request already routed, its context wanted at once.
-        out.append(
-            SessionAdvice(
-                session_id,
-                h.instance_id,
-                h.block_hashes,
-                "lru",
-                0.0,
-                1.0,
-                1.0,
-                1.0,
-                True,
-                _shared_blocks(advisor, h.block_hashes, now),
-                0.0,
-                queued=True,
-            )
-        )
+        out.append(advisor.queued_advice(session_id, h.instance_id, h.block_hashes, now))
     return out
-
-
-def _shared_blocks(advisor: Advisor, block_hashes: tuple[BlockHash, ...], now: float) -> int:
-    popularity = advisor.popularity
-    return popularity.shared_prefix(block_hashes, now) if popularity is not None else 0
 
 
 @dataclass(frozen=True, slots=True)
