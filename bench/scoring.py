@@ -13,6 +13,8 @@ scheduler taking the advice, as the service wires them:
 - `table_p_within_ms`: the table path alone, the serving model's `p_within_table` over the same
   table at the advisor's horizons: what the pass adds to it is the advice, the ledger and the
   scheduler's intake.
+- `refresh_read`: a pass's re-read of one slice of changed rows (`StateStore.sessions`, no
+  residency, as the Scorer reads) beside the same read with residency (`session()`'s views).
 - `pages_path_live_ms`: the page path it replaced, `ceil(n / 256)` ticks of 256 sessions read
   from the store as views (what covering every session took before), measured as one tick of all
   `n` (a page's cost scales with its sessions: a listing, views, the advisor).
@@ -205,6 +207,30 @@ def _table_p_within(s: Any, now: float, rounds: int) -> float:
     return statistics.median(times)
 
 
+def _refresh_read(store: Any, rounds: int) -> dict[str, Any]:
+    """The pass's re-read of a slice of dirty rows (REFRESH_SESSIONS ids in one bulk read),
+    as the Scorer reads it (no residency) beside the full views (`session()`'s, with each
+    block's locations): median ms, alternating, in the same rounds."""
+    import statistics
+
+    from app.decide.score_loop import REFRESH_SESSIONS
+
+    ids = [v.session_id for v in store.live_sessions(REFRESH_SESSIONS)]
+    ms: dict[bool, list[float]] = {True: [], False: []}
+    for _ in range(max(3, rounds)):
+        for resident in (True, False):
+            started = time.perf_counter()
+            store.sessions(ids, resident=resident)
+            ms[resident].append((time.perf_counter() - started) * 1000)
+    full, bare = statistics.median(ms[True]), statistics.median(ms[False])
+    return {
+        "sessions": len(ids),
+        "ms": round(bare, 2),
+        "with_residency_ms": round(full, 2),
+        "with_residency_over_ms": round(full / bare, 2) if bare else None,
+    }
+
+
 def measure(
     n: int,
     *,
@@ -264,6 +290,7 @@ def measure(
         if not shadow:
             out["table_p_within_ms"] = round(_table_p_within(s, now, rounds), 1)
             out["advisor_horizons"] = len(s._advisor(s.models.serving.predictor)._grid)
+    out["refresh_read"] = _refresh_read(store, rounds)
     live = out["pass_live"]["ms"]
     out["ratios"] = {
         "pass_live_over_table_p_within": round(live / out["table_p_within_ms"], 2),

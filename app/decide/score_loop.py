@@ -36,6 +36,7 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import islice
 from typing import Any, NamedTuple, TypeVar
 
@@ -626,7 +627,7 @@ class Scorer:
         if not self._dirty:
             return
         ids = list(islice(self._dirty, limit))
-        views = self.store.sessions(ids)
+        views = self.store.sessions(ids, resident=False)
         if limit is None:
             self._dirty.clear()
         else:
@@ -681,7 +682,7 @@ class Scorer:
         started = time.perf_counter()
         advisor = self._advisor(self.models.serving.predictor)
         matrices: dict[bytes, np.ndarray] = {}  # the models share the chunk's features
-        read = self.store.sessions
+        read = partial(self.store.sessions, resident=False)  # no model reads residency
         advice = advise_rows(advisor, self.table, self._held, rows, now, matrices, read)
         model_seconds["live"] += time.perf_counter() - started
         self._record("live", advice, now)

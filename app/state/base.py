@@ -193,9 +193,13 @@ class StateStore(Protocol):
 
     def session(self, session_id: str) -> SessionView | None: ...
 
-    def sessions(self, session_ids: Sequence[str]) -> list[SessionView | None]:
+    def sessions(
+        self, session_ids: Sequence[str], *, resident: bool = True
+    ) -> list[SessionView | None]:
         """`session()` of each id, in that order, in one read (one pipeline in Redis): what the
-        scoring loop refreshes its table's changed rows with."""
+        scoring loop refreshes its table's changed rows with. `resident=False` leaves every
+        `resident_blocks` empty: the scoring loop never reads it, and finding it checks each
+        block against every location (most of a read's cost, with many instances)."""
         ...
 
     def context(self, session_id: str) -> SessionContext | None:

@@ -572,16 +572,17 @@ class MemoryStore:
 
     def session(self, session_id: str) -> SessionView | None:
         s = self._live(session_id)
-        if s is None:
-            return None
+        return None if s is None else self._view(session_id, s, resident=True)
+
+    def _view(self, session_id: str, s: SessionRecord, *, resident: bool) -> SessionView:
         latest = s.latest()
         context_tokens = latest_context_tokens(latest)
-        resident: dict[str, int] = {}
-        if s.blocks:
+        where: dict[str, int] = {}
+        if resident and s.blocks:
             for (tier, instance_id), loc in self._locations.items():
                 n = sum(map(loc.present.__contains__, s.blocks))
                 if n:
-                    resident[location_name(tier, instance_id)] = n
+                    where[location_name(tier, instance_id)] = n
         arrivals = list(s.arrivals)
         return SessionView(
             session_id=session_id,
@@ -598,13 +599,19 @@ class MemoryStore:
             recent_arrivals_ts=arrivals,
             inter_turn_gaps_seconds=[b - a for a, b in zip(arrivals, arrivals[1:])],
             last_request=_request_view(latest) if latest is not None else None,
-            resident_blocks=resident,
+            resident_blocks=where,
             signals=[_signal_view(x) for x in s.signals],
             signals_total=s.signals_total,
         )
 
-    def sessions(self, session_ids: Sequence[str]) -> list[SessionView | None]:
-        return [self.session(session_id) for session_id in session_ids]
+    def sessions(
+        self, session_ids: Sequence[str], *, resident: bool = True
+    ) -> list[SessionView | None]:
+        live, view = self._live, self._view
+        return [
+            None if (s := live(session_id)) is None else view(session_id, s, resident=resident)
+            for session_id in session_ids
+        ]
 
     def live_sessions(
         self,

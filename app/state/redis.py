@@ -573,7 +573,9 @@ class RedisStore:
                         resident[name] = n
         return self._session_view(session_id, h, blocks, resident)
 
-    def sessions(self, session_ids: Sequence[str]) -> list[SessionView | None]:
+    def sessions(
+        self, session_ids: Sequence[str], *, resident: bool = True
+    ) -> list[SessionView | None]:
         if not session_ids:
             return []
         p = self.prefix
@@ -589,10 +591,11 @@ class RedisStore:
                 for session_id, h in zip(session_ids, hashes)
                 if h and float(h["l"]) >= cutoff
             ]
-            resident = self._resident_many([blocks for _, _, blocks in found])
+            lists = [blocks for _, _, blocks in found]
+            where = self._resident_many(lists) if resident else [{} for _ in lists]
         views = {
             session_id: self._session_view(session_id, h, blocks, res)
-            for (session_id, h, blocks), res in zip(found, resident)
+            for (session_id, h, blocks), res in zip(found, where)
         }
         return [views.get(session_id) for session_id in session_ids]
 

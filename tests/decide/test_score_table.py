@@ -289,9 +289,10 @@ def test_many_dirty_rows_are_reread_a_slice_a_step(
     reads: list[int] = []
     bulk = memory.sessions
 
-    def spy(session_ids: Any) -> Any:
+    def spy(session_ids: Any, *, resident: bool = True) -> Any:
+        assert not resident  # the table never reads residency: the pass skips finding it
         reads.append(len(session_ids))
-        return bulk(session_ids)
+        return bulk(session_ids, resident=resident)
 
     monkeypatch.setattr(memory, "sessions", spy)
     steps = 0

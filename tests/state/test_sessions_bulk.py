@@ -72,3 +72,18 @@ def test_sessions_reads_each_session_as_session_does(store: StateStore) -> None:
     assert views[1] is None and views[3] is not None and views[3].state == "closed"
     assert views[0] is not None and views[0].signals and views[0].resident_blocks
     assert store.sessions([]) == []
+
+
+def test_sessions_without_residency_is_the_same_view_less_resident_blocks(
+    store: StateStore,
+) -> None:
+    store.apply(events())
+    ids = ["s5", "nobody", "s0", "s3"]
+    full = store.sessions(ids)
+    bare = store.sessions(ids, resident=False)
+    assert [v is None for v in bare] == [v is None for v in full]
+    assert any(v is not None and v.resident_blocks for v in full)
+    for f, b in zip(full, bare):
+        if f is not None:
+            assert b is not None and b.resident_blocks == {}
+            assert b == f.model_copy(update={"resident_blocks": {}})
