@@ -5,22 +5,22 @@ and hands the serving model's advice to the scheduler.
 Two ways to pick the sessions, one Advisor (app/decide/advisor.py) and one ledger behind both:
 
 - **Every live session, every tick** (`every_live`, what the service runs: KVP_SCORE_ALL_LIVE).
-  The scorer keeps a FeatureTable (app/predict/feature_table.py) of the live sessions current
-  as the store applies events: its ingest observer marks each touched session dirty, and each
-  pass first re-reads the dirty rows from the store in one bulk read (`StateStore.sessions`),
+  The scorer keeps a FeatureTable (app/predict/feature_table.py) of the live sessions current as
+  the store applies events: its ingest observer marks each touched session dirty, and each pass
+  first re-reads the dirty rows from the store in one bulk read (`StateStore.sessions`),
   dropping the closed and the forgotten, plus one page of the store's listing (a sweep that
   catches what no observer saw: a backlog that overflowed, events from before the start); the
-  first pass builds the table from the store's listing. A pass then scores every row: the
-  model reads the table's columns (`p_within_table`), the advice is computed as columns
-  (`advise_rows`, equal to `Advisor.advise` on the same sessions at the same time:
-  tests/decide/test_score_table.py), the ledger records columns (`record_columns`), and the
-  scheduler is handed only the advice that changed (retention, prefetch, a chance moved by
-  HANDOFF_P_STEP, a changed session) or that it has held for HANDOFF_REFRESH_SECONDS, so its
-  advice never goes stale and its intake costs the changes, not the sessions. A pass goes in
-  chunks of `chunk_sessions`; `run` yields the event loop between them (the memory store's
-  pass runs on it), and each chunk first re-reads the rows that changed meanwhile, so no
-  advice is made on a row an observed arrival made stale. docs/decisions.md (24) has the
-  figures.
+  first pass builds the table from the store's listing. A pass then scores every row: the model
+  reads the table's columns (`p_within_table`), the advice is computed as columns
+  (app/decide/table_advice.py: `advise_rows`, equal to `Advisor.advise` on the same sessions at
+  the same time: tests/decide/test_score_table.py), the ledger records columns
+  (`record_columns`), and the scheduler is handed only the advice that changed (retention,
+  prefetch, a chance moved by HANDOFF_P_STEP, a changed session) or that it has held for
+  HANDOFF_REFRESH_SECONDS, so its advice never goes stale and its intake costs the changes, not
+  the sessions. A pass goes in chunks of `chunk_sessions`; `run` yields the event loop between
+  them (the memory store's pass runs on it), and each chunk first re-reads the rows that changed
+  meanwhile, so no advice is made on a row an observed arrival made stale. docs/decisions.md
+  (24) has the figures.
 - **A page per tick** (the default of the class, what the replay drives): one tick reads a page
   of live sessions (at most `sessions_per_tick`, newest activity first, each tick continuing
   where the last one stopped), plus the sessions with news, and advises on their views; or
@@ -34,30 +34,31 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from itertools import islice
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
-from app.decide.advisor import (
-    MAX_IDLE_SECONDS,
-    NEEDED_SHARE,
-    Advisor,
-    Retention,
-    SessionAdvice,
-    Thresholds,
-)
+from app.decide.advisor import MAX_IDLE_SECONDS, Advisor, Thresholds
 from app.decide.guard import LruGuard
 from app.decide.popularity import PrefixPopularity
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler
+from app.decide.table_advice import (
+    RETENTION_NAMES,
+    Held,
+    TableAdvice,
+    advise_rows,
+    held_of,
+    session_advice,
+)
 from app.observe.ledger import AdviceLedger
-from app.predict.feature_table import STATE_CODES, FeatureTable
+from app.predict.feature_table import FeatureTable
 from app.predict.features import DeploymentSignals
 from app.predict.predictors import Predictor
 from app.predict.registry import ModelRegistry
@@ -65,7 +66,6 @@ from app.state.base import SessionCursor, SessionView, StateStore, cursor_of
 from app.state.rules import retention_cutoff
 from app.state.storethread import Offload
 from kvprefetch_client.events import (
-    BlockHash,
     Event,
     RequestFinished,
     RequestRouted,
@@ -94,11 +94,6 @@ HANDOFF_P_STEP = 0.02
 # ... and at least this often whatever moved (a quarter of its advice TTL when that is shorter),
 # so advice it holds never expires under a session that is still advised.
 HANDOFF_REFRESH_SECONDS = 30.0
-# Retention codes of the columns, in this order.
-RETENTIONS: tuple[Retention, ...] = ("keep", "demote", "lru")
-_KEEP, _DEMOTE, _LRU = 0, 1, 2
-_RETENTION_NAMES = np.array(RETENTIONS, dtype=object)
-_IDLE, _QUEUED = STATE_CODES["idle"], STATE_CODES["queued"]
 # The table's marks: what the scheduler was last told of the session (retention code * 2 +
 # prefetch, p_soon, p_keep) and when; NaN: never, or the session changed since.
 _M_CODE, _M_SOON, _M_KEEP, _M_AT = range(4)
@@ -106,192 +101,6 @@ _M_CODE, _M_SOON, _M_KEEP, _M_AT = range(4)
 
 async def _inline(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
-
-
-class Held(NamedTuple):
-    """What the scorer keeps of a session beside its table row: what the advice carries and the
-    signal floor reads (a full view is ~3.7 KB; this, its blocks' pointers and ~100 bytes), and a
-    fingerprint of what the table and the advice read, to tell a re-read that brings news."""
-
-    instance_id: str | None
-    block_hashes: tuple[BlockHash, ...]
-    signal_kind: str | None
-    fingerprint: int
-
-
-def held_of(view: SessionView) -> Held:
-    return Held(
-        view.instance_id,
-        tuple(view.block_hashes),
-        view.signals[-1].kind if view.signals else None,
-        hash(
-            (
-                view.last_activity_ts,
-                view.state,
-                view.turns,
-                view.signals_total,
-                view.instance_id,
-                view.context_tokens,
-                len(view.block_hashes),
-                view.block_hashes[-1] if view.block_hashes else None,
-                view.last_request,
-                view.signals[-1] if view.signals else None,
-                tuple(view.recent_arrivals_ts),
-            )
-        ),
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class TableAdvice:
-    """An Advisor's advice on some rows of a FeatureTable, as columns: `rows` (the idle sessions
-    advised, in the order given) and `queued` (rows whose request waits for a slot)."""
-
-    rows: np.ndarray
-    retention: np.ndarray  # codes into RETENTIONS
-    keep_seconds: float
-    p_keep: np.ndarray
-    p_soon: np.ndarray
-    p_return: np.ndarray
-    prefetch: np.ndarray
-    needed_in_seconds: np.ndarray
-    queued: np.ndarray
-
-
-def _interp_rows(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
-    """np.interp(x[i], xp[i], fp) for every row i at once (xp[i] non-decreasing), with numpy's
-    own arithmetic, so each value equals the scalar call's."""
-    m = xp.shape[1]
-    j = (xp <= x[:, None]).sum(axis=1) - 1  # the last point at or below x
-    lo = np.clip(j, 0, m - 1)
-    hi = np.clip(j + 1, 0, m - 1)
-    take = np.arange(len(x))
-    x_lo, x_hi = xp[take, lo], xp[take, hi]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        slope = (fp[hi] - fp[lo]) / (x_hi - x_lo)
-        out = slope * (x - x_lo) + fp[lo]
-    out = np.where(x_lo == x, fp[lo], out)
-    out = np.where(j >= m - 1, fp[m - 1], out)
-    return np.where(j < 0, fp[0], out)
-
-
-def advise_rows(
-    advisor: Advisor,
-    table: FeatureTable,
-    held: Mapping[str, Held],
-    rows: np.ndarray,
-    now: float,
-    matrices: dict[bytes, np.ndarray] | None = None,
-    read: Callable[[Sequence[str]], list[SessionView | None]] | None = None,
-) -> TableAdvice:
-    """`advisor.advise` of the sessions in these rows, as columns: the same numbers (the table's
-    features, the advisor's thresholds, curve, signal floor) with numpy instead of a loop.
-    `held`: what the scorer keeps of each session (the kinds of the signals that set a floor);
-    `matrices`: feature matrices shared by the models that advise on the same rows at the same
-    time (LearnedPredictor.p_within_table); `read`: the store's bulk read, for a model that scores
-    views only (the heuristic), which reads the rows' sessions from the store."""
-    state, blocks, last = table.advisor_columns(rows)
-    signal_ts = table.signal_ts(rows)
-    with np.errstate(invalid="ignore"):  # NaN (no signal) compares False
-        signalled = (signal_ts >= last) & (now - signal_ts <= advisor.lead_seconds)
-    idle = (state == _IDLE) & (blocks > 0) & ((now - last <= advisor.max_idle_seconds) | signalled)
-    live = rows[idle]
-    queued = rows[(state == _QUEUED) & (blocks > 0)]
-    grid_times = advisor._grid
-    predictor = advisor.predictor
-    by_table = getattr(predictor, "p_within_table", None)
-    if not len(live):
-        p = np.zeros((0, len(grid_times)))
-    elif by_table is not None:
-        p = by_table(table, now, grid_times, live, matrices=matrices)
-    else:
-        if read is None:
-            raise ValueError(f"{predictor.name} scores views only: advise_rows needs `read`")
-        views = [v for v in read(table.ids_of(live)) if v is not None]
-        if len(views) != len(live):
-            raise StoreError("sessions went from the store while their rows were advised")
-        p = predictor.p_within(views, now, grid_times)
-    grid = np.maximum.accumulate(np.clip(p, 0.0, 1.0), axis=1)
-    p_same = advisor.routes.p_same if advisor.routes is not None else 1.0
-    grid *= p_same
-    p_soon, p_keep, p_return = (grid[:, j].copy() for j in advisor._at)
-    # When a prefetch must have landed (Advisor._needed_in), every row at once.
-    lead_at = advisor._lead_at
-    xp = np.concatenate([np.zeros((len(grid), 1)), grid[:, : lead_at + 1]], axis=1)
-    fp = np.asarray(advisor._times[: lead_at + 2], dtype=np.float64)
-    needed = np.where(
-        p_soon <= 0.0, advisor.lead_seconds, _interp_rows(NEEDED_SHARE * p_soon, xp, fp)
-    )
-    if advisor.deployment is not None:
-        floored = np.flatnonzero(signalled[idle])
-        if len(floored):
-            ids = table.ids_of(live[floored])
-            bound = advisor.deployment.followed_lower_bound
-            kinds = [held[s].signal_kind for s in ids]
-            floor = np.array([bound(k) if k is not None else 0.0 for k in kinds]) * p_same
-            lift = floor > p_soon[floored]
-            p_soon[floored[lift]] = floor[lift]
-            needed[floored[lift]] = 0.0
-    retention = np.where(
-        p_keep >= advisor.keep_min_p,
-        _KEEP,
-        np.where(p_return <= advisor.demote_max_p, _DEMOTE, _LRU),
-    )
-    return TableAdvice(
-        live,
-        retention,
-        advisor.keep_horizon_seconds,
-        p_keep,
-        p_soon,
-        p_return,
-        p_soon >= advisor.prefetch_min_p,
-        needed,
-        queued,
-    )
-
-
-def session_advice(
-    advisor: Advisor,
-    table: FeatureTable,
-    held: Mapping[str, Held],
-    advice: TableAdvice,
-    take: np.ndarray,
-    now: float,
-) -> list[SessionAdvice]:
-    """The SessionAdvice of the idle rows at positions `take` of `advice` (what the scheduler
-    reads), in that order, then of every queued row (Advisor.queued_advice)."""
-    out = []
-    ids = table.ids_of(advice.rows[take])
-    columns = zip(
-        ids,
-        advice.retention[take].tolist(),
-        advice.p_keep[take].tolist(),
-        advice.p_soon[take].tolist(),
-        advice.p_return[take].tolist(),
-        advice.prefetch[take].tolist(),
-        advice.needed_in_seconds[take].tolist(),
-    )
-    for session_id, code, p_keep, p_soon, p_return, prefetch, needed_in in columns:
-        h = held[session_id]
-        out.append(
-            SessionAdvice(
-                session_id,
-                h.instance_id,
-                h.block_hashes,
-                RETENTIONS[code],
-                advice.keep_seconds if code == _KEEP else 0.0,
-                p_keep,
-                p_soon,
-                p_return,
-                prefetch,
-                advisor.shared_blocks(h.block_hashes, now),
-                needed_in,
-            )
-        )
-    for session_id in table.ids_of(advice.queued):
-        h = held[session_id]
-        out.append(advisor.queued_advice(session_id, h.instance_id, h.block_hashes, now))
-    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -710,7 +519,7 @@ class Scorer:
         return len(advice.rows) + len(advice.queued), handed
 
     def _record(self, slot: str, advice: TableAdvice, now: float) -> None:
-        retention = _RETENTION_NAMES[advice.retention].tolist()
+        retention = RETENTION_NAMES[advice.retention].tolist()
         self.ledger.record_columns(
             slot,
             self.table.ids_of(advice.rows),

@@ -20,7 +20,8 @@ from app.decide.advisor import MAX_IDLE_SECONDS, Advisor, SessionAdvice, Thresho
 from app.decide.popularity import PrefixPopularity
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler, SchedulerConfig
-from app.decide.score_loop import HANDOFF_REFRESH_SECONDS, Scorer, advise_rows, session_advice
+from app.decide.score_loop import HANDOFF_REFRESH_SECONDS, Scorer
+from app.decide.table_advice import advise_rows, session_advice
 from app.observe.ledger import AdviceLedger
 from app.predict.features import SESSION_FEATURES
 from app.predict.predictors import LearnedPredictor
