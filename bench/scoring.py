@@ -13,6 +13,8 @@ scheduler taking the advice, as the service wires them:
 - `table_p_within_ms`: the table path alone, the serving model's `p_within_table` over the same
   table at the advisor's horizons: what the pass adds to it is the advice, the ledger and the
   scheduler's intake.
+- `pass_in_loop`: the pass as the service's loop runs it (`Scorer.run`, back to back), on a quiet
+  loop and while batches come in (paced: LOOP_SHARE), median wall ms.
 - `refresh_read`: a pass's re-read of one slice of changed rows (`StateStore.sessions`, no
   residency, as the Scorer reads) beside the same read with residency (`session()`'s views).
 - `pages_path_live_ms`: the page path it replaced, `ceil(n / 256)` ticks of 256 sessions read
@@ -207,6 +209,45 @@ def _table_p_within(s: Any, now: float, rounds: int) -> float:
     return statistics.median(times)
 
 
+def _in_loop(store: Any, now: float, passes: int) -> dict[str, Any]:
+    """The pass as the service's loop runs it (`Scorer.run`, passes back to back; the serving
+    model, and with a shadow too): median wall ms of `passes` passes on a quiet loop (no
+    ingest: a step is followed by a yield) and while batches come in (every 20 ms an observed
+    batch, empty so that the pass's work is the same: each step is followed by a wait as long,
+    LOOP_SHARE)."""
+    import asyncio
+    import statistics
+
+    async def passes_of(s: Any, busy: bool) -> list[float]:
+        out: list[float] = []
+        last = s.last_pass
+        task = asyncio.create_task(s.run(0.0))
+        try:
+            while len(out) < passes:
+                if busy:
+                    s.observe([])
+                await asyncio.sleep(0.02)
+                if s.last_pass is not last:
+                    last = s.last_pass
+                    out.append(last.seconds * 1000)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        return out
+
+    out: dict[str, Any] = {"passes": passes}
+    for label, shadow in (("live", False), ("live_and_shadow", True)):
+        s = scorer(store, now, shadow=shadow, every_live=True, page=PAGE_SESSIONS)
+        s.tick()  # the table built, as in the service after its first pass
+        quiet = asyncio.run(passes_of(s, False))
+        busy = asyncio.run(passes_of(s, True))
+        out[label] = {
+            "quiet_ms": round(statistics.median(quiet), 1),
+            "ingesting_ms": round(statistics.median(busy), 1),
+        }
+    return out
+
+
 def _refresh_read(store: Any, rounds: int) -> dict[str, Any]:
     """The pass's re-read of a slice of dirty rows (REFRESH_SESSIONS ids in one bulk read),
     as the Scorer reads it (no residency) beside the full views (`session()`'s, with each
@@ -291,6 +332,7 @@ def measure(
             out["table_p_within_ms"] = round(_table_p_within(s, now, rounds), 1)
             out["advisor_horizons"] = len(s._advisor(s.models.serving.predictor)._grid)
     out["refresh_read"] = _refresh_read(store, rounds)
+    out["pass_in_loop"] = _in_loop(store, now, max(3, min(rounds, 5)))
     live = out["pass_live"]["ms"]
     out["ratios"] = {
         "pass_live_over_table_p_within": round(live / out["table_p_within_ms"], 2),

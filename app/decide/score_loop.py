@@ -89,6 +89,10 @@ REFRESH_SESSIONS = 1024
 # pass ran back to back, and a request needs several (body, parse, apply, answer): under `bench
 # load` that halved the events ingested.
 LOOP_SHARE = 0.5
+# ... while events came in this recently (the scorer observes every accepted batch); on a loop
+# with no ingest a pass runs its steps back to back, yielding once between them, so it takes its
+# working time rather than twice that.
+BUSY_SECONDS = 1.0
 # The scheduler is told again when a chance moved this much since it was last told ...
 HANDOFF_P_STEP = 0.02
 # ... and at least this often whatever moved (a quarter of its advice TTL when that is shorter),
@@ -186,11 +190,13 @@ class Scorer:
         # verdict that flips hands everything on again.
         self._allowed: dict[str | None, bool] = {}
         self.last_pass: PassStats | None = None
+        self._observed_at = -math.inf  # time.monotonic() of the last observed batch
 
     def observe(self, events: Sequence[Event]) -> None:
         """The ingest observer: notes finishes and signals for the page path (bounded; past the
         bound the page covers them), and, for the pass over every live session, the sessions
         whose rows the events may change."""
+        self._observed_at = time.monotonic()
         if self._tracking:
             self._mark_dirty(events)
             return
@@ -323,7 +329,7 @@ class Scorer:
                         if not await step(next, steps, False):
                             break
                         held = time.perf_counter() - step_started
-                        await asyncio.sleep(held * (1.0 - LOOP_SHARE) / LOOP_SHARE)
+                        await asyncio.sleep(self.pause_after(held, time.monotonic()))
                 elif offload is None:
                     self.tick()
                 else:
@@ -332,6 +338,14 @@ class Scorer:
                 log.warning("scoring tick skipped: %s", exc)
             except Exception:
                 log.exception("scoring tick failed")
+
+    def pause_after(self, held_seconds: float, now_monotonic: float) -> float:
+        """How long `run` waits after a step that held the loop `held_seconds`: as long again
+        (LOOP_SHARE) while events come in, so ingest gets the loop's other half; no more than a
+        yield on a loop that has had none for BUSY_SECONDS."""
+        if now_monotonic - self._observed_at > BUSY_SECONDS:
+            return 0.0
+        return held_seconds * (1.0 - LOOP_SHARE) / LOOP_SHARE
 
     # -- the pass over every live session ------------------------------------------------------
 

@@ -80,6 +80,9 @@ def test_bench_predict_reports_the_service_beside_the_booster_at_both_horizon_se
             assert figures["advised"] > 0 and figures["chunks"] >= 1
             assert all(figures[k] > 0 for k in ("ms", "cpu_ms", "longest_chunk_ms"))
         assert part["table_p_within_ms"] > 0 and part["pages_path_live_ms"] > 0
+        in_loop = part["pass_in_loop"]
+        for label in ("live", "live_and_shadow"):
+            assert in_loop[label]["quiet_ms"] > 0 and in_loop[label]["ingesting_ms"] > 0
         read = part["refresh_read"]
         assert read["sessions"] == int(n) and read["ms"] > 0 and read["with_residency_ms"] > 0
         assert all(v > 0 for v in part["ratios"].values())

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -467,6 +468,23 @@ def test_run_yields_the_event_loop_between_chunks(memory: MemoryStore) -> None:
     asyncio.run(drive())
     # This task ran between the chunks of one pass: it saw every chunk's records land.
     assert {10, 20, 30, 40, 50, 60} <= set(seen)
+
+
+def test_a_pass_paces_itself_only_while_events_come_in(memory: MemoryStore) -> None:
+    """After each step `run` waits as long as the step held the loop while ingest is flowing
+    (LOOP_SHARE: ingest gets the other half), and only yields on a loop that has had none for
+    BUSY_SECONDS, so a quiet service's pass takes its working time, not twice it."""
+    from app.decide import score_loop
+
+    scorer, _ = scorer_for(memory, Fixed(0.9))
+    now = time.monotonic()
+    assert scorer.pause_after(0.02, now) == 0.0  # nothing observed yet
+    scorer.observe([])
+    observed = time.monotonic()
+    paced = 0.02 * (1.0 - score_loop.LOOP_SHARE) / score_loop.LOOP_SHARE
+    assert scorer.pause_after(0.02, observed) == pytest.approx(paced)
+    assert scorer.pause_after(0.02, observed + score_loop.BUSY_SECONDS / 2) == pytest.approx(paced)
+    assert scorer.pause_after(0.02, observed + score_loop.BUSY_SECONDS + 0.5) == 0.0
 
 
 def test_what_changes_while_the_first_pass_builds_the_table_is_reread(
