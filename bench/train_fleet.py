@@ -9,9 +9,11 @@ each copy with its own session, request, event and instance ids and its times sh
 overlap in time, as a fleet's deployments do), all in event-time order in one JSON Lines file.
 DuckDB writes it out of core (fleet_log): its size is not bounded by this machine's memory.
 
-Each path runs in a process of its own, its peak RSS sampled with its children's (the Dask
-workers' included) every SAMPLE_SECONDS, and per stage (the process names its stages: scan,
-dedupe, shard, timeline, replay, fit, evaluate ...; a stage shorter than a sample may not show):
+Each path runs in a process of its own, its peak RSS and CPU seconds sampled with its
+children's (the Dask workers' included) every SAMPLE_SECONDS, and per stage (the process names
+its stages: scan, dedupe, shard, timeline, replay, fit, evaluate ...; a stage shorter than a
+sample may not show). On a shared machine the CPU seconds are the steadier figure: other jobs
+lengthen a stage's wall time, not its CPU time (much).
 
 - `single`: one process, no Dask: training.fleet.build_rows_fleet with workers=0 (DuckDB orders
   and shards the log out of core, this process replays the shards one after another into
@@ -286,6 +288,9 @@ def _run_path(args: list[str]) -> dict[str, Any]:
     stages: dict[str, dict[str, Any]] = {}
     current, since = "start", started
     parent = psutil.Process(proc.pid)
+    # Each process's CPU seconds when last sampled (a child's last <SAMPLE_SECONDS are missed).
+    cpu_seen: dict[int, float] = {}
+    cpu_since = 0.0
     try:
         while proc.poll() is None:
             total = 0
@@ -293,21 +298,26 @@ def _run_path(args: list[str]) -> dict[str, Any]:
                 for p in [parent, *parent.children(recursive=True)]:
                     with contextlib.suppress(psutil.Error):
                         total += p.memory_info().rss
+                        t = p.cpu_times()
+                        cpu_seen[p.pid] = t.user + t.system
+            cpu = sum(cpu_seen.values())
             now = Path(stage_file.name).read_text() or current
             if now != current:
-                _close_stage(stages, current, since)
-                current, since = now, time.perf_counter()
+                _close_stage(stages, current, since, cpu - cpu_since)
+                current, since, cpu_since = now, time.perf_counter(), cpu
                 print(
                     f"train-fleet {args[0]}: {now} at {since - started:.1f} s, "
-                    f"RSS {total / 1e9:.2f} GB",
+                    f"RSS {total / 1e9:.2f} GB, CPU {cpu:.1f} s",
                     file=sys.stderr,
                     flush=True,
                 )
-            entry = stages.setdefault(current, {"seconds": 0.0, "peak_rss_bytes": 0})
+            entry = stages.setdefault(
+                current, {"seconds": 0.0, "cpu_seconds": 0.0, "peak_rss_bytes": 0}
+            )
             entry["peak_rss_bytes"] = max(entry["peak_rss_bytes"], total)
             peak = max(peak, total)
             time.sleep(SAMPLE_SECONDS)
-        _close_stage(stages, current, since)
+        _close_stage(stages, current, since, sum(cpu_seen.values()) - cpu_since)
     finally:
         os.unlink(stage_file.name)
     out = proc.stdout.read() if proc.stdout else b""
@@ -318,13 +328,15 @@ def _run_path(args: list[str]) -> dict[str, Any]:
     errors.close()
     result: dict[str, Any] = json.loads(out.decode().strip().splitlines()[-1])
     result["peak_rss_bytes"] = peak
+    result["cpu_seconds"] = round(sum(cpu_seen.values()), 2)
     result["stages"] = stages
     return result
 
 
-def _close_stage(stages: dict[str, dict[str, Any]], name: str, since: float) -> None:
-    entry = stages.setdefault(name, {"seconds": 0.0, "peak_rss_bytes": 0})
+def _close_stage(stages: dict[str, dict[str, Any]], name: str, since: float, cpu: float) -> None:
+    entry = stages.setdefault(name, {"seconds": 0.0, "cpu_seconds": 0.0, "peak_rss_bytes": 0})
     entry["seconds"] = round(entry["seconds"] + time.perf_counter() - since, 2)
+    entry["cpu_seconds"] = round(entry["cpu_seconds"] + cpu, 2)
 
 
 def run(

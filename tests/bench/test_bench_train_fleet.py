@@ -39,6 +39,9 @@ def test_bench_train_fleet_prints_the_documented_json() -> None:
         assert {"replay", "fit"} <= set(p["stages"]), (path, p["stages"])
         for stage in p["stages"].values():
             assert 0 < stage["peak_rss_bytes"] <= p["peak_rss_bytes"]
+            assert 0 <= stage["cpu_seconds"] <= p["cpu_seconds"]
+        # The learner's work is counted, its workers' included.
+        assert p["stages"]["fit"]["cpu_seconds"] > 0
         assert 1 <= p["best_iteration"] <= 30
         assert 0.0 <= p["valid"]["brier"] <= 1.0 and p["valid"]["rows"] > 0
     q = r["quality"]
