@@ -139,7 +139,10 @@ class Engine:
         self.hint_config = HintConfig.for_cluster(self.cluster)
         self.thresholds = Thresholds.from_settings(settings)
         self.scheduler = Scheduler(
-            self.store, SchedulerConfig.from_cluster(self.cluster, self.thresholds)
+            self.store,
+            SchedulerConfig.from_cluster(
+                self.cluster, self.thresholds, overdue_seconds=settings.order_overdue_seconds
+            ),
         )
         self.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)
         self.popularity = PrefixPopularity()

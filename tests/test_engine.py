@@ -123,6 +123,27 @@ def test_an_ingested_session_is_scored_and_its_prefetch_reaches_the_sink(tmp_pat
     asyncio.run(built.close())
 
 
+def test_a_started_prefetch_is_given_up_order_overdue_seconds_past_its_needed_by(
+    tmp_path: Path,
+) -> None:
+    for overdue_seconds, given_up in ((60.0, True), (600.0, False)):
+        built, _, _ = engine(tmp_path / str(overdue_seconds), order_overdue_seconds=overdue_seconds)
+        assert built.scheduler.config.overdue_seconds == overdue_seconds
+        built.ingest(a_finished_turn_whose_context_is_in_the_pool())
+        built.clock.set(10.0)  # type: ignore[attr-defined]
+        built.score_tick()
+        (order,) = [o for o in asyncio.run(built.plan_tick()).orders if o.kind == "prefetch"]
+        built.ingest([ev("order_progress", 11.0, order_id=order.order_id, status="accepted")])
+        built.drain()
+        # Two minutes past its needed_by, and no word of its end.
+        built.clock.set(order.needed_by_ts + 120.0)  # type: ignore[attr-defined]
+        asyncio.run(built.plan_tick())
+        still_open = [o.order_id for o in built.scheduler.open_orders()]
+        assert (order.order_id not in still_open) is given_up
+        assert built.scheduler.totals.failed == (1 if given_up else 0)
+        asyncio.run(built.close())
+
+
 def test_score_tick_given_session_ids_scores_exactly_those(tmp_path: Path) -> None:
     built, _, _ = engine(tmp_path)
     built.ingest(

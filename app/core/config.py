@@ -304,6 +304,10 @@ class Settings(BaseSettings):
     # The pull queue: how long a pulled order is leased before it is handed out again, unless the
     # agent renews it (POST /v1/orders/renew; the reference agent does, a third of this apart).
     order_lease_seconds: float = Field(30.0, gt=0)
+    # The scheduler gives up an open prefetch not done this long past its needed_by (its agent
+    # died mid-transfer, or nobody took it up): long enough for a dead agent's order to be
+    # claimed and finished, short enough that its room and link time are not held for good.
+    order_overdue_seconds: float = Field(60.0, gt=0)
 
     # vLLM's ZMQ KV-event stream (app/ingest/vllm/, docs/integrations/vllm.md): the publishers
     # the service subscribes to, separated by spaces or `;`, each
