@@ -404,6 +404,18 @@ def bench_load(
         Path | None, typer.Option(help="Where the temporary data dir goes.")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the generated traffic.")] = 0,
+    events_per_second: Annotated[
+        float | None,
+        typer.Option(
+            min=0.001,
+            help="Offer this many events/s in all (open-loop; latency from each batch's "
+            "scheduled start). Default: closed-loop, full speed.",
+        ),
+    ] = None,
+    hints_per_second: Annotated[
+        float | None,
+        typer.Option(min=0.001, help="Offer this many route hints/s in all (open-loop)."),
+    ] = None,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
@@ -439,6 +451,8 @@ def bench_load(
             service_env=env,
             data_dir=data_dir,
             seed=seed,
+            events_per_second=events_per_second,
+            hints_per_second=hints_per_second,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

@@ -1,9 +1,12 @@
-"""The client: closed-loop connections posting event batches and asking for route hints.
+"""The client: connections posting event batches and asking for route hints.
 
-Each connection is one thread with one keep-alive httpx.Client that sends its next call as soon
-as the last one is answered, so the latencies are those of a saturated server, not of a fixed
-offered rate. Every answer is logged with when it came, so any window of the run can be read
-afterwards (`Load.window`).
+Each connection is one thread with one keep-alive httpx.Client. By default it is closed-loop: it
+sends its next call as soon as the last one is answered, so the latencies are those of a
+saturated server. Given an offered rate (`events_per_second`, `hints_per_second`) it is
+open-loop: each call has a scheduled start, one interval after the last one's, and its latency is
+counted from that start, not from when it could be sent, so a server that falls behind shows it
+in the latencies (no coordinated omission). Every answer is logged with when it came, so any
+window of the run can be read afterwards (`Load.window`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,31 @@ def _retry_after(headers: Any) -> float:
         return 0.5
 
 
+class _Pacer:
+    """The scheduled starts of an open-loop connection: `interval_seconds` apart from the first.
+    `next` waits for the next one (at once when behind) and returns it; None without a rate
+    (closed-loop) or once `stop` is set."""
+
+    def __init__(self, interval_seconds: float | None, stop: threading.Event) -> None:
+        self.interval_seconds = interval_seconds
+        self.stop = stop
+        self._next: float | None = None
+
+    def next(self) -> float | None:
+        if self.interval_seconds is None:
+            return None
+        now = time.perf_counter()
+        due = now if self._next is None else self._next
+        if due > now and self.stop.wait(due - now):
+            return None
+        self._next = due + self.interval_seconds
+        return due
+
+
+def _interval(units_per_call: int, rate_per_second: float | None) -> float | None:
+    return None if rate_per_second is None else units_per_call / rate_per_second
+
+
 def _call(
     client: Any,
     url: str,
@@ -60,9 +88,11 @@ def _call(
     log: _Log,
     stop: threading.Event,
     ok: Callable[[Any, int], bool],
+    scheduled: float | None = None,
 ) -> bool:
     """POSTs until answered 200 (retrying what a real client would: 429, 503, transport errors),
-    logging each answer. Returns whether it got through."""
+    logging each answer. Returns whether it got through. The latency logged is from `scheduled`
+    (open-loop) or from the answered attempt's send."""
     for attempt in range(MAX_ATTEMPTS):
         t0 = time.perf_counter()
         try:
@@ -77,7 +107,7 @@ def _call(
             if not ok(r, attempt):
                 log.unexpected += 1
             log.ends.append(t1)
-            log.latencies.append(t1 - t0)
+            log.latencies.append(t1 - (t0 if scheduled is None else scheduled))
             return True
         log.errors[_error_key(r.status_code, None)] += 1
         if r.status_code not in (429, 503):
@@ -103,6 +133,7 @@ def _event_worker(
     headers: dict[str, str],
     log: _Log,
     stop: threading.Event,
+    events_per_second: float | None = None,
 ) -> None:
     # A generator thread makes the next bodies while this one waits for answers (the GIL is free
     # then), so generating costs the client CPU but not latency.
@@ -125,13 +156,17 @@ def _event_worker(
         # A retry may find its events applied already; the ceiling's answer names no duplicates.
         return attempt > 0 or EVENTS_OK in r.content or b'"duplicates"' not in r.content
 
+    pacer = _Pacer(_interval(batch_size, events_per_second), stop)
     with _new_client() as client:
         while not stop.is_set():
             try:
                 body, n, publish, held = bodies.get(timeout=0.2)
             except queue.Empty:
                 continue
-            if _call(client, url + "/v1/events", body, headers, log, stop, ok):
+            scheduled = pacer.next()
+            if stop.is_set():
+                break
+            if _call(client, url + "/v1/events", body, headers, log, stop, ok, scheduled):
                 log.events.append(n)
                 for slot, sid in publish:
                     shard.hintable[slot] = sid
@@ -148,6 +183,7 @@ def _hint_worker(
     headers: dict[str, str],
     log: _Log,
     stop: threading.Event,
+    hints_per_second: float | None = None,
 ) -> None:
     rng = random.Random(seed)
     candidates = [orjson.dumps(s.instances) for s in shards]
@@ -155,6 +191,7 @@ def _hint_worker(
     def ok(r: Any, attempt: int) -> bool:
         return b'"recommended"' in r.content
 
+    pacer = _Pacer(_interval(1, hints_per_second), stop)
     with _new_client() as client:
         while not stop.is_set():
             k = rng.randrange(len(shards))
@@ -163,13 +200,17 @@ def _hint_worker(
                 stop.wait(0.01)
                 continue
             body = b'{"session_id":"' + sid.encode() + b'","candidates":' + candidates[k] + b"}"
-            if _call(client, url + "/v1/route-hint", body, headers, log, stop, ok):
+            scheduled = pacer.next()
+            if stop.is_set():
+                break
+            if _call(client, url + "/v1/route-hint", body, headers, log, stop, ok, scheduled):
                 log.events.append(0)
 
 
 class Load:
     """The client threads of one phase: `event_connections` routers posting batches and
-    `hint_connections` asking for route hints, all closed-loop."""
+    `hint_connections` asking for route hints; closed-loop, or open-loop at the offered rates
+    (in all, shared evenly among the connections of each kind)."""
 
     def __init__(
         self,
@@ -180,6 +221,8 @@ class Load:
         batch_size: int,
         token: str | None,
         seed: int,
+        events_per_second: float | None = None,
+        hints_per_second: float | None = None,
     ) -> None:
         headers = {"content-type": "application/json"}
         if token:
@@ -196,7 +239,15 @@ class Load:
                     target=_event_worker,
                     name=f"load-events-{i}",
                     daemon=True,
-                    args=(url, shard, batch_size, headers, log, self.stop),
+                    args=(
+                        url,
+                        shard,
+                        batch_size,
+                        headers,
+                        log,
+                        self.stop,
+                        None if events_per_second is None else events_per_second / len(shards),
+                    ),
                 )
             )
         for i in range(hint_connections):
@@ -207,7 +258,15 @@ class Load:
                     target=_hint_worker,
                     name=f"load-hints-{i}",
                     daemon=True,
-                    args=(url, shards, seed * 1000 + i, headers, log, self.stop),
+                    args=(
+                        url,
+                        shards,
+                        seed * 1000 + i,
+                        headers,
+                        log,
+                        self.stop,
+                        None if hints_per_second is None else hints_per_second / hint_connections,
+                    ),
                 )
             )
 

@@ -46,6 +46,8 @@ def run(
     service_env: dict[str, str] | None = None,
     data_dir: Path | None = None,
     seed: int = 0,
+    events_per_second: float | None = None,
+    hints_per_second: float | None = None,
 ) -> dict[str, Any]:
     if store not in ("memory", "redis"):
         raise ValueError("store must be memory or redis")
@@ -62,6 +64,12 @@ def run(
         raise ValueError(
             "sessions, instances, hbm blocks, batch size and event connections must be at least 1"
         )
+    if (events_per_second is not None and events_per_second <= 0) or (
+        hints_per_second is not None and hints_per_second <= 0
+    ):
+        raise ValueError("offered rates must be positive (or unset: closed-loop)")
+    if hints_per_second is not None and hint_connections == 0:
+        raise ValueError("an offered hint rate needs hint connections")
     if instances < event_connections:
         raise ValueError(
             "every event connection needs an instance of its own: instances >= event connections"
@@ -118,7 +126,9 @@ def run(
         "calibrate_sessions": calibrate_sessions,
         "token": "set" if token else None,
         "seed": seed,
-        "mode": "closed-loop, full speed",
+        "mode": _mode(events_per_second, hints_per_second),
+        "events_per_second_offered": events_per_second,
+        "hints_per_second_offered": hints_per_second,
         # In force in the service, from --service-env, the options, or its defaults.
         "dedupe_max_ids": settings["dedupe_max_ids"],
         "session_retention_seconds": settings["session_retention_seconds"],
@@ -199,7 +209,14 @@ def run(
         config["hint_candidates"] = "the instances of the session's shard: " + ", ".join(
             str(len(sh.instances)) for sh in shards
         )
-        load = Load(service.url, shards, **load_kw)
+        # The offered rates are the service's alone: the ceiling phases measure full speed.
+        load = Load(
+            service.url,
+            shards,
+            **load_kw,
+            events_per_second=events_per_second,
+            hints_per_second=hints_per_second,
+        )
         points, first = _service_phase(
             service,
             load,
@@ -315,3 +332,13 @@ def _service_phase(
             f"hint {w['route_hints']['latency_ms']['p99']} ms"
         )
     return points, first
+
+
+def _mode(events_per_second: float | None, hints_per_second: float | None) -> str:
+    if events_per_second is None and hints_per_second is None:
+        return "closed-loop, full speed"
+    parts = [
+        f"{rate:g} {what}/s offered" if rate is not None else f"{what} closed-loop"
+        for rate, what in ((events_per_second, "events"), (hints_per_second, "hints"))
+    ]
+    return "open-loop: " + ", ".join(parts) + "; latency from each call's scheduled start"

@@ -8,10 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from bench.load.client import _call, _Log, _Pacer
 from tests.bench.conftest import REPO, positive, run_bench
 
 pytestmark = pytest.mark.slow
@@ -296,3 +300,72 @@ def test_bench_load_sends_its_token_and_counts_refusals() -> None:
     assert refused["errors"]["total"] > 0 and refused["errors"]["dropped_after_retries"] > 0
     assert set(by_kind["event_batches"]) <= {"401", "403"} and by_kind["event_batches"], by_kind
     assert refused["throughput"]["event_batches"]["events"] == 0
+
+
+def test_an_open_loop_pacer_keeps_its_schedule_and_never_runs_ahead() -> None:
+    stop = threading.Event()
+    assert _Pacer(None, stop).next() is None  # closed-loop: no schedule
+    pacer = _Pacer(0.02, stop)
+    starts = [pacer.next() for _ in range(3)]
+    assert all(s is not None for s in starts)
+    first, second, third = (s for s in starts if s is not None)
+    # Each start one interval after the last, and never before it is due.
+    assert second - first == pytest.approx(0.02) and third - second == pytest.approx(0.02)
+    assert time.perf_counter() >= third
+    # Behind schedule (a slow answer): the next start is the one that was due, at once.
+    time.sleep(0.1)
+    assert pacer.next() == pytest.approx(third + 0.02)
+    stop.set()
+    assert _Pacer(60.0, stop).next() is not None  # the first start is now
+    late = _Pacer(60.0, stop)
+    late.next()
+    assert late.next() is None  # stopped while waiting
+
+
+def test_an_open_loop_call_counts_its_latency_from_its_scheduled_start() -> None:
+    class Client:
+        def post(self, url: str, content: bytes, headers: dict[str, str]) -> Any:
+            return SimpleNamespace(status_code=200, content=b"ok", headers={})
+
+    log = _Log()
+    scheduled = time.perf_counter() - 0.5  # due half a second ago: the server fell behind
+    assert _call(
+        Client(), "http://x", b"{}", {}, log, threading.Event(), lambda r, a: True, scheduled
+    )
+    assert _call(Client(), "http://x", b"{}", {}, log, threading.Event(), lambda r, a: True)
+    assert log.latencies[0] >= 0.5 and log.latencies[1] < 0.5
+
+
+def test_bench_load_open_loop_offers_no_more_than_its_rates() -> None:
+    rate, hints, seconds, warmup = 2000.0, 20.0, 3.0, 1.0
+    r = run_bench(
+        "load",
+        *SHORT,
+        "--duration-seconds",
+        str(seconds),
+        "--warmup-seconds",
+        str(warmup),
+        "--ceiling-seconds",
+        "0",
+        "--calibrate-sessions",
+        "0",
+        "--events-per-second",
+        str(rate),
+        "--hints-per-second",
+        str(hints),
+        timeout=240,
+    )
+    _no_errors(r)
+    assert r["config"]["mode"].startswith("open-loop: 2000 events/s offered, 20 hints/s")
+    assert (r["config"]["events_per_second_offered"], r["config"]["hints_per_second_offered"]) == (
+        rate,
+        hints,
+    )
+    # The schedule started with the warm-up: what was answered in the measured window cannot be
+    # more than was due by its end (each connection's first call is due at once; a second more
+    # for the client's own start). Closed-loop, the service takes several times the rate.
+    t = r["throughput"]
+    due_seconds = warmup + t["seconds"] + 1.0
+    connections, batch = 2, 100
+    assert 0 < t["event_batches"]["events"] <= rate * due_seconds + connections * batch
+    assert 0 < t["route_hints"]["requests"] <= hints * due_seconds + 2
