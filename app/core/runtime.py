@@ -6,9 +6,11 @@ import gc
 from collections.abc import Sized
 
 # Events between two collections of the young generations by the pacer: a pause walks what the
-# service allocated and still held over this many events (docs/decisions.md, "Ingest at half
-# the ceiling, and steady", has the measurements).
-YOUNG_COLLECTION_EVENTS = 20_000
+# service allocated and still held over this many events, so the pause scales with it and the
+# total does not. At 20,000 the pauses (60-100 ms) were the longest holds of the event loop
+# under `bench load` at half its capacity (docs/decisions.md, "Ingest at half the ceiling, and
+# steady", has the measurements).
+YOUNG_COLLECTION_EVENTS = 5_000
 # The collector's own full collections: never (the count of young collections they wait for).
 _NO_FULL_COLLECTIONS = 2**31 - 1
 

@@ -80,10 +80,11 @@ MAX_NEWS_QUEUE = 100_000
 # Sessions per chunk of a pass over every live session: a chunk is what holds the event loop in
 # one piece (about 20 ms a model at 4096 on the 2-core development machine).
 CHUNK_SESSIONS = 4096
-# The first pass builds the table from the store's listing, this many sessions a read; dirty
-# rows are re-read as many a step.
+# The first pass builds the table from the store's listing, this many sessions a read.
 REBUILD_PAGE_SESSIONS = 1024
-REFRESH_SESSIONS = 1024
+# Dirty rows re-read a step: a re-read costs about 57 us a session (memory store), so 1024 held
+# the loop about 60 ms a step, the scorer's longest hold under `bench load`.
+REFRESH_SESSIONS = 256
 # The share of its time a pass may hold the loop (or the store thread): after each step it waits
 # as long again. A bare yield gave ingestion's requests one turn of the loop per chunk while a
 # pass ran back to back, and a request needs several (body, parse, apply, answer): under `bench
