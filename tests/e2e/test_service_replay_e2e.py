@@ -81,9 +81,10 @@ def serve(factory: Callable[..., ServiceProcess], model_dir: Path) -> ServicePro
             "KVP_MODEL_DIR": str(model_dir),
             "KVP_CLOCK_SPEED": str(SPEED),
             "KVP_LOG_FSYNC": "false",
-            # 60 s of the service's clock is 1.5 s of wall time at 40x: on a loaded machine the
-            # cluster's completion reports came later than that, every started prefetch was
-            # given up as overdue (counted failed), and none as completed. 15 s of wall time.
+            # The default, 60 s of the service's clock, is 1.5 s of wall time at 40x: on a
+            # loaded machine the cluster's reports came later than that and the scheduler gave
+            # its prefetches up as overdue (8 busy loops on the 2 cores: 14 of 15 cancelled, the
+            # test failed 1 run in 2; with 600 s, 15 s of wall time, it passed 3 in 3).
             "KVP_ORDER_OVERDUE_SECONDS": "600",
         }
     )
