@@ -2,7 +2,8 @@
 slowest /healthz answers while Redis was stopped and what the service met meanwhile: its own
 stalls (a sleeping thread woke late: the whole process stood still), its garbage collections,
 and how long its event loop's thread ran and waited on the kernel's run queue (kept off the CPU
-by other processes)."""
+by other processes). Then, under `loop_holds`, for each service file: the holds of its event
+loop over 40 ms and what ran in the longest (any run of the service: `bench load` too)."""
 
 from __future__ import annotations
 
@@ -65,7 +66,25 @@ def report(directory: Path) -> dict[str, Any]:
     return out
 
 
+def loop_holds(directory: Path, longest: int = 5) -> dict[str, Any]:
+    """Per service file: how often its event loop was held over 40 ms and over 100 ms, and the
+    `longest` holds with what the main thread was seen running in them."""
+    out: dict[str, Any] = {}
+    for path in sorted(directory.glob("service-*.json")):
+        holds = json.loads(path.read_text()).get("holds", [])
+        out[path.stem] = {
+            "over_40_ms": len(holds),
+            "over_100_ms": sum(1 for h in holds if h[1] > 100),
+            "longest": [
+                {"at": at, "ms": ms, "ran": dict(seen)}
+                for at, ms, seen in sorted(holds, key=lambda h: -h[1])[:longest]
+            ],
+        }
+    return out
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         sys.exit("usage: python -m bench.stallwatch DIR")
-    print(json.dumps(report(Path(sys.argv[1])), indent=2))
+    directory = Path(sys.argv[1])
+    print(json.dumps({**report(directory), "loop_holds": loop_holds(directory)}, indent=2))

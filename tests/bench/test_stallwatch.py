@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-from bench.stallwatch.__main__ import report
+from bench.stallwatch.__main__ import loop_holds, report
+from tests.bench.conftest import REPO
 
 
 def test_the_slowest_answers_while_stopped_come_with_the_services_stalls_gc_and_cpu_wait(
@@ -41,3 +45,46 @@ def test_the_slowest_answers_while_stopped_come_with_the_services_stalls_gc_and_
     assert slowest["gc"] == [[10.98, 15.0, 2, "MainThread"]]
     assert slowest["loop_thread"] == {"over_ms": 180.0, "ran_ms": 2.0, "waited_for_cpu_ms": 110.0}
     assert a["slowest"][1]["healthz_ms"] == 5.0 and a["slowest"][1]["stalls_ms"] == []
+
+
+def test_loop_holds_are_counted_and_the_longest_come_with_what_ran(tmp_path: Path) -> None:
+    holds = [
+        [10.0, 45.0, [["a > b", 3]]],
+        [11.0, 180.0, [["Scorer.passes > _refresh", 5], ["post_events > ingest", 2]]],
+        [12.0, 101.0, [["gc", 1]]],
+    ]
+    (tmp_path / "service-7.json").write_text(json.dumps({"stalls": [], "holds": holds}))
+    (tmp_path / "service-8.json").write_text(json.dumps({"stalls": []}))  # an older file
+    r = loop_holds(tmp_path, longest=2)
+    assert r["service-8"] == {"over_40_ms": 0, "over_100_ms": 0, "longest": []}
+    seven = r["service-7"]
+    assert (seven["over_40_ms"], seven["over_100_ms"]) == (3, 2)
+    assert [h["ms"] for h in seven["longest"]] == [180.0, 101.0]
+    assert seven["longest"][0]["ran"] == {"Scorer.passes > _refresh": 5, "post_events > ingest": 2}
+
+
+HOLDER = """
+import asyncio, time
+
+def hold_the_loop():
+    time.sleep(0.15)  # blocks the event loop: its heartbeat cannot beat meanwhile
+
+async def main():
+    await asyncio.sleep(0.05)
+    hold_the_loop()
+    await asyncio.sleep(0.05)
+
+asyncio.run(main())
+"""
+
+
+def test_a_process_that_holds_its_loop_is_caught_holding_it(tmp_path: Path) -> None:
+    # Active only in a process whose arguments say `serve`, as `python -m app.cli serve`'s do.
+    env = {**os.environ, "PYTHONPATH": str(REPO / "bench" / "stallwatch")}
+    env["STALLWATCH_OUT"] = str(tmp_path)
+    subprocess.run([sys.executable, "-c", HOLDER, "serve"], env=env, check=True, timeout=60)
+    (service,) = loop_holds(tmp_path).values()
+    assert service["over_100_ms"] >= 1, service
+    longest = service["longest"][0]
+    assert longest["ms"] >= 150.0
+    assert any("hold_the_loop" in frames for frames in longest["ran"]), longest
