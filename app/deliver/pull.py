@@ -17,8 +17,8 @@ An order's life here:
   `lost` to the renewing agent, which must not start it.
 - **started**: an `order_progress` event with status `accepted` arrived. It is never handed out
   again, lease or not; if the agent dies mid-transfer, no completion comes: the scheduler gives
-  the order up `overdue_seconds` past its needed_by and may plan its blocks again (a new
-  generation, so a new id).
+  the order up `overdue_seconds` (KVP_ORDER_OVERDUE_SECONDS) past its needed_by and may plan
+  its blocks again (a new generation, so a new id).
 - **done**: `completed` or `failed` arrived; the order is forgotten (its id stays in the dedupe
   window, so a resubmission is still dropped).
 - **expired**: held `lease_seconds` past its `needed_by_ts` without finishing: too late to be of
