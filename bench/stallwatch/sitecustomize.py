@@ -13,7 +13,8 @@ It notes, in STALLWATCH_OUT/service-<pid>.json (rewritten every second and at ex
   on the loop (`asyncio.Runner.run` wrapped) notes the time every 5 ms, and while it is late a
   thread samples the main thread's stack every 2 ms (the innermost three frames of each sample,
   counted). The sampler needs the GIL, so code that holds it (the collector, C calls that keep
-  it) shows in fewer samples than it took: read the counts as what ran, not as shares.
+  it) shows in fewer samples than it took: read the counts as what ran, not as shares. The
+  start-up, before the loop first runs, shows as one long hold of imports.
 
 `python -m bench.stallwatch DIR` reads them beside the hung-Redis test's poller (see there).
 """
