@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from app.core.clock import Clock, ScaledClock, SystemClock
@@ -117,6 +118,10 @@ class Engine:
         self.offload = not isinstance(self.store, MemoryStore)
         self.store_thread = StoreThread(offload=self.offload)
         self.store_health = StoreHealth(self.store, offload=self.offload)
+        # With the memory store: the event log's writes and fsyncs, off the loop, and the turn of
+        # the batch that waits on one (`ingest_async`).
+        self._log_thread = ThreadPoolExecutor(1, thread_name_prefix="kvp-log")
+        self._ingest_lock = asyncio.Lock()
         self.event_log: EventLog | NullEventLog = (
             event_log
             if event_log is not None
@@ -377,8 +382,8 @@ class Engine:
             self.guard.record(outcomes, self.clock.now())
 
     async def _report_progress(self, events: Sequence[OrderProgress]) -> None:
-        """A sink's own order_progress (the lmcache sink's), ingested on the store thread."""
-        await self.store_thread.run(self.ingest, events)
+        """A sink's own order_progress (the lmcache sink's), ingested as posted events are."""
+        await self.ingest_async(events)
 
     async def _model_sample(self) -> list[SessionView]:
         """Live sessions a retrained model must answer for (as POST /v1/model/reload checks)."""
@@ -413,6 +418,47 @@ class Engine:
         if not self.running and self.backlog.events >= DRAIN_EVENTS:
             self.backlog.drain()
         return result
+
+    async def ingest_async(
+        self,
+        events: Sequence[Event],
+        body: bytes | None = None,
+        admit: Callable[[], bool] | None = None,
+    ) -> IngestResult | None:
+        """`ingest` for the drivers on the event loop: None when `admit()` (asked in the same
+        turn as the ingest, so nothing comes between) says no. With a blocking store the whole
+        ingest runs on the store thread; with the memory store, on the loop but for the log's
+        write and fsync, which run on the log thread meanwhile. Batches go one at a time, and a
+        caller cancelled midway (a request timed out) leaves its batch to finish: once logged it
+        must be applied."""
+        if self.offload:
+
+            def admit_and_ingest() -> IngestResult | None:
+                if admit is not None and not admit():
+                    return None
+                return self.ingest(events, body)
+
+            return await self.store_thread.run(admit_and_ingest)
+        task = asyncio.ensure_future(self._ingest_on_loop(events, body, admit))
+        # A caller cancelled midway never reads its batch's outcome: taken here, so asyncio does
+        # not log it as lost (its client retries and finds its events duplicates or not there).
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return await asyncio.shield(task)
+
+    async def _ingest_on_loop(
+        self, events: Sequence[Event], body: bytes | None, admit: Callable[[], bool] | None
+    ) -> IngestResult | None:
+        async with self._ingest_lock:
+            if admit is not None and not admit():
+                return None
+            result = await self.ingestor.ingest_writing_with(events, body, self._write_log)
+            if not self.running and self.backlog.events >= DRAIN_EVENTS:
+                self.backlog.drain()
+            return result
+
+    async def _write_log(self, data: bytes) -> LogPosition:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._log_thread, self.event_log.append, data)
 
     def drain(self) -> int:
         """Tell the observers what the backlog holds, now (without the loops: a driver reading
@@ -512,14 +558,12 @@ class Engine:
         asyncio.run_coroutine_threadsafe(self._ingest_vllm(batches), self._loop).result()
 
     async def _ingest_vllm(self, batches: list[VllmKvEvents]) -> None:
-        def admit_and_ingest() -> IngestResult | None:
-            if not self.backlog.has_room(len(batches)):
-                return None
-            return self.ingest(batches)
+        def admit() -> bool:
+            return self.backlog.has_room(len(batches))
 
         # A full backlog holds the stream back (the publishers buffer, then replay) rather than
         # dropping it.
-        while (result := await self.store_thread.run(admit_and_ingest)) is None:
+        while (result := await self.ingest_async(batches, admit=admit)) is None:
             await asyncio.sleep(0.05)
         if result.rejected:  # counted by kvprefetch_events_refused_total; the first one said
             log.warning("vLLM batches refused: %s", result.rejected[0].message)
@@ -541,9 +585,11 @@ class Engine:
             await self.lease.close()
         if self.feed is not None:
             await self.feed.close()
-        await self.store_thread.run(self.backlog.drain, fail_fast=False)
+        async with self._ingest_lock:  # the batch whose log write is under way, applied
+            await self.store_thread.run(self.backlog.drain, fail_fast=False)
         self.running = False
         self.store_thread.close()
+        self._log_thread.shutdown(wait=True)
         self.store_health.close()
         await asyncio.sleep(0)  # what the drain handed to the loop (_on_loop)
         if self._owns_log:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 from pathlib import Path
 
 import pytest
@@ -363,3 +364,83 @@ def test_the_lru_guard_is_on_by_default_and_off_when_told(tmp_path: Path) -> Non
     assert built.guard is not None and built.scorer.guard is built.guard
     built, _, _ = engine(tmp_path / "off", lru_guard=False)
     assert built.guard is None and built.scorer.guard is None
+
+
+# -- the event log's writes off the loop (memory store) ---------------------------------------------
+
+
+def _blocking_log(built: Engine) -> tuple[threading.Event, threading.Event, list[int]]:
+    """The engine's log appends, held until `release` is set; `entered` set at each, whose sizes
+    are listed."""
+    entered, release, sizes = threading.Event(), threading.Event(), []
+    append = built.event_log.append
+
+    def held(data: bytes):  # type: ignore[no-untyped-def]
+        sizes.append(len(data))
+        entered.set()
+        release.wait(5)
+        return append(data)
+
+    built.event_log.append = held  # type: ignore[method-assign]
+    return entered, release, sizes
+
+
+def test_the_loop_runs_on_while_a_batch_waits_on_its_log_write(tmp_path: Path) -> None:
+    built, store, _ = engine(tmp_path)
+    entered, release, sizes = _blocking_log(built)
+    turn = a_finished_turn_whose_context_is_in_the_pool()
+
+    async def main() -> None:
+        first = asyncio.create_task(built.ingest_async(turn[:1]))
+        second = asyncio.create_task(built.ingest_async(turn[1:]))
+        # Were the write on the loop, the loop would sit in it until `release` timed out.
+        assert await asyncio.to_thread(entered.wait, 5)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not first.done() and not second.done()
+        assert store.session("s1") is None  # applied only once logged
+        assert len(sizes) == 1  # the second batch waits its turn
+        release.set()
+        one, two = await first, await second
+        assert one is not None and two is not None
+        assert one.accepted == [turn[0].event_id]
+        assert two.accepted == [e.event_id for e in turn[1:]]
+
+    asyncio.run(main())
+    assert len(sizes) == 2
+    assert store.checkpoint("test-engine") == built.event_log.position
+    assert store.session("s1") is not None
+
+
+def test_a_caller_cancelled_midway_leaves_its_batch_logged_and_applied(tmp_path: Path) -> None:
+    built, store, _ = engine(tmp_path)
+    entered, release, _ = _blocking_log(built)
+    turn = a_finished_turn_whose_context_is_in_the_pool()
+
+    async def main() -> None:
+        caller = asyncio.create_task(built.ingest_async(turn))
+        assert await asyncio.to_thread(entered.wait, 5)
+        caller.cancel()  # a request that timed out
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        closing = asyncio.create_task(built.close())
+        await asyncio.sleep(0.05)
+        assert not closing.done()  # close waits for the batch under way
+        release.set()
+        await closing
+
+    asyncio.run(main())
+    assert store.session("s1") is not None
+    assert store.checkpoint("test-engine") == built.event_log.position
+    # The client's retry finds its events taken.
+    retry = built.ingestor.ingest(turn)
+    assert retry.accepted == [] and len(retry.duplicates) == len(turn)
+
+
+def test_a_full_backlog_refuses_before_anything_is_logged(tmp_path: Path) -> None:
+    built, store, _ = engine(tmp_path)
+    _, _, sizes = _blocking_log(built)
+    result = asyncio.run(
+        built.ingest_async(a_finished_turn_whose_context_is_in_the_pool(), admit=lambda: False)
+    )
+    assert result is None and sizes == [] and store.session("s1") is None

@@ -10,6 +10,9 @@ Order matters for the promise "nothing acknowledged is ever lost, nothing applie
 5. only then does the caller acknowledge.
 A crash after 2 replays the log tail from the checkpoint on restart; a crash before 2 leaves the
 client unacknowledged, and its retry carries the same event ids.
+
+The service writes step 2 on a thread of its own (`ingest_writing_with`): an fsync can take tens
+of milliseconds, and on the event loop it held every request for as long (docs/decisions.md, 26).
 """
 
 from __future__ import annotations
@@ -18,14 +21,13 @@ import logging
 import math
 import operator
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 from app.core.clock import Clock
 from app.ingest.eventlog import EventLog, encode_batch, encode_events, iter_log
-from app.state.base import StateStore
+from app.state.base import LogPosition, StateStore
 from kvprefetch_client.events import Event, VllmKvEvents
 
 log = logging.getLogger(__name__)
@@ -102,80 +104,120 @@ class Ingestor:
         # Set when events reached the log but the store failed to apply them: the log tail
         # is replayed before anything new is taken, so a retry is not logged twice.
         self._behind_log = False
+        # Set while a batch's log write is awaited (ingest_writing_with).
+        self._writing = False
 
     def ingest(self, events: Sequence[Event], body: bytes | None = None) -> IngestResult:
         """`body`, when given, is the posted batch these events were parsed from, whole."""
+        with self._lock:
+            self._check_idle()
+            result, fresh, data = self._admit(events, body)
+            if fresh:
+                self._apply(fresh, self.event_log.append(data), result)
+            self._finish(result)
+        return result
+
+    async def ingest_writing_with(
+        self,
+        events: Sequence[Event],
+        body: bytes | None,
+        write: Callable[[bytes], Awaitable[LogPosition]],
+    ) -> IngestResult:
+        """`ingest`, with the log's write and fsync done by `write` (the engine's log thread), so
+        that the event loop serves other requests while the disk syncs; the checks before it and
+        the apply after it run on the calling thread. The caller runs one at a time (nothing may
+        ingest between a batch's checks and its apply) and does not cancel it midway (after
+        `write`, the batch is in the log and must reach the store)."""
+        with self._lock:
+            self._check_idle()
+            result, fresh, data = self._admit(events, body)
+            if not fresh:
+                self._finish(result)
+                return result
+            self._writing = True
+        try:
+            position = await write(data)
+        finally:
+            self._writing = False
+        with self._lock:
+            self._apply(fresh, position, result)
+            self._finish(result)
+        return result
+
+    def _check_idle(self) -> None:
+        if self._writing:
+            raise RuntimeError("an ingest started while another waits on its log write")
+
+    def _admit(
+        self, events: Sequence[Event], body: bytes | None
+    ) -> tuple[IngestResult, list[Event], bytes]:
+        """The events to log and apply (refused ones and duplicates in the result), and the bytes
+        that log them."""
         result = IngestResult()
         latest_ts = self.clock.now() + self.max_clock_skew_seconds
-        with self._lock:
-            if self._behind_log:
-                self._replay_tail()
-            given = events
-            # One pass over the events' ts, reused below: passes over a batch add up on this path.
+        if self._behind_log:
+            self._replay_tail()
+        given = events
+        # One pass over the events' ts, reused below: passes over a batch add up on this path.
+        stamps = list(map(_TS, events))
+        if stamps and max(stamps) > latest_ts:
+            events = self._reject_from_the_future(events, latest_ts, result)
             stamps = list(map(_TS, events))
-            if stamps and max(stamps) > latest_ts:
-                events = self._reject_from_the_future(events, latest_ts, result)
-                stamps = list(map(_TS, events))
-            ids = [e.event_id for e in events]
-            if len(set(ids)) == len(ids):
-                unique = list(events)
+        ids = [e.event_id for e in events]
+        if len(set(ids)) == len(ids):
+            unique = list(events)
+        else:
+            unique, in_batch = [], set()
+            for e in events:
+                if e.event_id in in_batch:
+                    result.duplicates.append(e.event_id)
+                else:
+                    in_batch.add(e.event_id)
+                    unique.append(e)
+            ids = [e.event_id for e in unique]
+        seen, newest = self.store.seen_and_newest(ids)
+        if any(seen):
+            fresh = [e for e, was_seen in zip(unique, seen) if not was_seen]
+            result.duplicates.extend(e.event_id for e, was_seen in zip(unique, seen) if was_seen)
+        else:
+            fresh = unique
+        retention = self.store.session_retention_seconds
+        if fresh and retention < math.inf:
+            if len(fresh) != len(events):
+                stamps = list(map(_TS, fresh))
+            # No event is older than the cutoff the newest of them all would make: none is
+            # refused (the common case, checked without a walk in order).
+            if min(stamps) < max(newest, max(stamps)) - retention:
+                fresh = self._reject_past_retention(fresh, newest, retention, given, result)
+        if not fresh or not self._encodes:  # a log that keeps nothing (a replay's): no bytes
+            return result, fresh, b""
+        # A batch is logged as posted only when that is exactly what was validated: every event
+        # of it taken, none in vLLM's encoding (arrays, fields we drop).
+        if body is not None and len(fresh) == len(given) and VllmKvEvents not in map(type, fresh):
+            return result, fresh, encode_batch(body)
+        return result, fresh, encode_events(fresh)
+
+    def _apply(self, fresh: list[Event], position: LogPosition, result: IngestResult) -> None:
+        """Apply what is in the log up to `position` (the events `fresh`) and tell the observer."""
+        try:
+            applied = self.store.apply(fresh)
+            self.store.set_checkpoint(self.replica_id, position)
+        except Exception:
+            self._behind_log = True
+            raise
+        for e, ok in zip(fresh, applied):
+            if ok:
+                result.accepted.append(e.event_id)
             else:
-                unique, in_batch = [], set()
-                for e in events:
-                    if e.event_id in in_batch:
-                        result.duplicates.append(e.event_id)
-                    else:
-                        in_batch.add(e.event_id)
-                        unique.append(e)
-                ids = [e.event_id for e in unique]
-            seen, newest = self.store.seen_and_newest(ids)
-            if any(seen):
-                fresh = [e for e, was_seen in zip(unique, seen) if not was_seen]
-                result.duplicates.extend(
-                    e.event_id for e, was_seen in zip(unique, seen) if was_seen
-                )
-            else:
-                fresh = unique
-            retention = self.store.session_retention_seconds
-            if fresh and retention < math.inf:
-                if len(fresh) != len(events):
-                    stamps = list(map(_TS, fresh))
-                # No event is older than the cutoff the newest of them all would make: none is
-                # refused (the common case, checked without a walk in order).
-                if min(stamps) < max(newest, max(stamps)) - retention:
-                    fresh = self._reject_past_retention(fresh, newest, retention, given, result)
-            if fresh:
-                # A batch is logged as posted only when that is exactly what was validated:
-                # every event of it taken, none in vLLM's encoding (arrays, fields we drop).
-                whole = (
-                    body is not None
-                    and len(fresh) == len(given)
-                    and VllmKvEvents not in map(type, fresh)
-                )
-                if not self._encodes:  # a log that keeps nothing (a replay's): nothing to encode
-                    position = self.event_log.append(b"")
-                else:  # `whole` implies a body.
-                    position = self.event_log.append(
-                        encode_batch(cast(bytes, body)) if whole else encode_events(fresh)
-                    )
-                try:
-                    applied = self.store.apply(fresh)
-                    self.store.set_checkpoint(self.replica_id, position)
-                except Exception:
-                    self._behind_log = True
-                    raise
-                for e, ok in zip(fresh, applied):
-                    if ok:
-                        result.accepted.append(e.event_id)
-                    else:
-                        result.duplicates.append(e.event_id)
-                if self.observer is not None:
-                    accepted = fresh if all(applied) else [e for e, ok in zip(fresh, applied) if ok]
-                    if accepted:
-                        self._notify(accepted)
-            if result.rejected and self.refused is not None:
-                self._count_refused(result.rejected)
-        return result
+                result.duplicates.append(e.event_id)
+        if self.observer is not None:
+            accepted = fresh if all(applied) else [e for e, ok in zip(fresh, applied) if ok]
+            if accepted:
+                self._notify(accepted)
+
+    def _finish(self, result: IngestResult) -> None:
+        if result.rejected and self.refused is not None:
+            self._count_refused(result.rejected)
 
     def _reject_from_the_future(
         self, events: Sequence[Event], latest_ts: float, result: IngestResult

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 
 from app.core.clock import SystemClock
+from app.core.errors import EventLogError
 from app.ingest.eventlog import EventLog, iter_log
 from app.ingest.ingestor import Ingestor
 from app.state import MemoryStore
@@ -196,3 +198,58 @@ def test_signals_are_logged_replayed_and_deduplicated(tmp_path: Path) -> None:
     )
     assert again.ingest([sig]).duplicates == ["g1"]
     assert again.store.session("s").signals_total == 1
+
+
+# -- the log written by another thread (ingest_writing_with, as the service does it) ---------------
+
+
+def test_a_batch_written_by_another_thread_is_applied_after_its_write(tmp_path: Path) -> None:
+    ing = make(tmp_path)
+    store_at_write: list[int] = []
+
+    async def write(data: bytes):  # type: ignore[no-untyped-def]
+        # The checks ran, nothing is applied yet: what the log gets is what the store will get.
+        store_at_write.append(ing.store.stats()["remembered_event_ids"])
+        return await asyncio.to_thread(ing.event_log.append, data)
+
+    result = asyncio.run(ing.ingest_writing_with([routed(1), routed(2), routed(1)], None, write))
+    assert (result.accepted, result.duplicates) == (["e1", "e2"], ["e1"])
+    assert store_at_write == [0]
+    assert [e.event_id for _, e in iter_log(tmp_path)] == ["e1", "e2"]
+    assert ing.store.checkpoint("r1") == ing.event_log.position
+    # A batch of duplicates only writes nothing.
+    again = asyncio.run(ing.ingest_writing_with([routed(2)], None, write))
+    assert (again.accepted, again.duplicates, len(store_at_write)) == ([], ["e2"], 1)
+
+
+def test_a_failed_write_applies_nothing_and_the_retry_is_taken(tmp_path: Path) -> None:
+    ing = make(tmp_path)
+
+    async def failing(data: bytes):  # type: ignore[no-untyped-def]
+        raise EventLogError("the disk is full")
+
+    with pytest.raises(EventLogError):
+        asyncio.run(ing.ingest_writing_with([routed(1)], None, failing))
+    assert ing.store.stats()["remembered_event_ids"] == 0
+    assert ing.ingest([routed(1)]).accepted == ["e1"]
+
+
+def test_no_ingest_may_start_while_a_batch_waits_on_its_write(tmp_path: Path) -> None:
+    ing = make(tmp_path)
+
+    async def main() -> list[str]:
+        release = asyncio.Event()
+
+        async def write(data: bytes):  # type: ignore[no-untyped-def]
+            await release.wait()
+            return ing.event_log.append(data)
+
+        first = asyncio.create_task(ing.ingest_writing_with([routed(1)], None, write))
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError, match="waits on its log write"):
+            ing.ingest([routed(2)])
+        release.set()
+        return (await first).accepted
+
+    assert asyncio.run(main()) == ["e1"]
+    assert ing.ingest([routed(2)]).accepted == ["e2"]

@@ -16,12 +16,10 @@ from app.api.deps import (
     EventLimiterDep,
     MetricsDep,
     SettingsDep,
-    StoreThreadDep,
 )
 from app.api.errors import Error, error_response
 from app.core.errors import EventLogError, StoreError
 from app.core.security import Principal, Scope
-from app.ingest.ingestor import IngestResult
 from kvprefetch_client.events import Event
 
 router = APIRouter(tags=["events"])
@@ -92,7 +90,6 @@ async def post_events(
     settings: SettingsDep,
     metrics: MetricsDep,
     backlog: BacklogDep,
-    store_thread: StoreThreadDep,
     parser: BatchParserDep,
     limiter: EventLimiterDep,
 ) -> Response:
@@ -118,15 +115,15 @@ async def post_events(
         metrics.batch_refused(429)
         raise
 
-    def admit_and_ingest() -> IngestResult | None:
+    def admit() -> bool:
         # On the store thread with the Redis store (app/state/storethread.py), where the backlog
         # is filled and drained too: the room asked for is the room there.
-        if not backlog.has_room(len(parsed.events)):
-            return None
-        return engine.ingest(parsed.events, body if not parsed.rejected else None)
+        return backlog.has_room(len(parsed.events))
 
     try:
-        result = await store_thread.run(admit_and_ingest)
+        result = await engine.ingest_async(
+            parsed.events, body if not parsed.rejected else None, admit=admit
+        )
     except (StoreError, EventLogError):  # answered 503 by the app's handlers; nothing was accepted
         metrics.batch_refused(503)
         raise
