@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from app.decide.score_loop import Scorer
 from app.deliver import LmcacheSink, OrderSink, PullQueue, RedisStreamSink, build_sink
 from app.ingest.backlog import Backlog
 from app.ingest.eventlog import EventLog
-from app.ingest.ingestor import Ingestor, IngestResult, Observer
+from app.ingest.ingestor import Ingestor, IngestResult, Observer, Prepared
 from app.ingest.vllm.subscriber import VllmSubscriber
 from app.ingest.vllm.wire import parse_endpoints
 from app.observe.ledger import AdviceLedger
@@ -118,10 +118,11 @@ class Engine:
         self.offload = not isinstance(self.store, MemoryStore)
         self.store_thread = StoreThread(offload=self.offload)
         self.store_health = StoreHealth(self.store, offload=self.offload)
-        # With the memory store: the event log's writes and fsyncs, off the loop, and the turn of
-        # the batch that waits on one (`ingest_async`).
+        # With the memory store: the event log's writes and fsyncs, off the loop (`ingest_async`);
+        # the last batch handed to it, settled once applied or refused; the events it holds.
         self._log_thread = ThreadPoolExecutor(1, thread_name_prefix="kvp-log")
-        self._ingest_lock = asyncio.Lock()
+        self._settled: asyncio.Future[None] | None = None
+        self._logging_events = 0
         self.event_log: EventLog | NullEventLog = (
             event_log
             if event_log is not None
@@ -420,45 +421,67 @@ class Engine:
         return result
 
     async def ingest_async(
-        self,
-        events: Sequence[Event],
-        body: bytes | None = None,
-        admit: Callable[[], bool] | None = None,
+        self, events: Sequence[Event], body: bytes | None = None, *, check_room: bool = False
     ) -> IngestResult | None:
-        """`ingest` for the drivers on the event loop: None when `admit()` (asked in the same
-        turn as the ingest, so nothing comes between) says no. With a blocking store the whole
-        ingest runs on the store thread; with the memory store, on the loop but for the log's
-        write and fsync, which run on the log thread meanwhile. Batches go one at a time, and a
-        caller cancelled midway (a request timed out) leaves its batch to finish: once logged it
-        must be applied."""
+        """`ingest` for the drivers on the event loop; with `check_room`, None when the backlog
+        has no room for the batch (counting the batches still being logged).
+
+        With a blocking store the whole ingest runs on the store thread. With the memory store
+        it runs on the loop but for the log's write and fsync, on the log thread meanwhile: the
+        next batch is checked and handed to the log while one is written (docs/decisions.md, 26),
+        and batches are applied in the order logged. A caller cancelled midway (a request that
+        timed out) leaves its batch to finish: once logged it must be applied."""
         if self.offload:
 
             def admit_and_ingest() -> IngestResult | None:
-                if admit is not None and not admit():
+                if check_room and not self.backlog.has_room(len(events)):
                     return None
                 return self.ingest(events, body)
 
             return await self.store_thread.run(admit_and_ingest)
-        task = asyncio.ensure_future(self._ingest_on_loop(events, body, admit))
+        if check_room and not self.backlog.has_room(len(events), self._logging_events):
+            return None
+        prepared = self.ingestor.prepare(events, body)
+        if not prepared.fresh:
+            return prepared.result
+        # Handed to the log thread in this same turn of the loop: the log takes batches in the
+        # order they were prepared.
+        loop = asyncio.get_running_loop()
+        written = loop.run_in_executor(self._log_thread, self.event_log.append, prepared.data)
+        before, self._settled = self._settled, loop.create_future()
+        self._logging_events += len(prepared.fresh)
+        task = asyncio.ensure_future(self._settle(prepared, written, before, self._settled))
         # A caller cancelled midway never reads its batch's outcome: taken here, so asyncio does
-        # not log it as lost (its client retries and finds its events duplicates or not there).
+        # not log it as lost (its client retries and finds its events applied or not there).
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return await asyncio.shield(task)
 
-    async def _ingest_on_loop(
-        self, events: Sequence[Event], body: bytes | None, admit: Callable[[], bool] | None
-    ) -> IngestResult | None:
-        async with self._ingest_lock:
-            if admit is not None and not admit():
-                return None
-            result = await self.ingestor.ingest_writing_with(events, body, self._write_log)
+    async def _settle(
+        self,
+        prepared: Prepared,
+        written: asyncio.Future[LogPosition],
+        before: asyncio.Future[None] | None,
+        settled: asyncio.Future[None],
+    ) -> IngestResult:
+        """Commit a batch once the log has it and the batch before it is settled; abandon it when
+        the log refused it."""
+        try:
+            try:
+                position = await written
+            finally:
+                if before is not None:
+                    await before
+            result = self.ingestor.commit(prepared, position)
             if not self.running and self.backlog.events >= DRAIN_EVENTS:
                 self.backlog.drain()
             return result
-
-    async def _write_log(self, data: bytes) -> LogPosition:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._log_thread, self.event_log.append, data)
+        except BaseException:
+            if not written.done() or written.exception() is not None:
+                self.ingestor.abandon(prepared)
+            raise
+        finally:
+            self._logging_events -= len(prepared.fresh)
+            settled.set_result(None)
 
     def drain(self) -> int:
         """Tell the observers what the backlog holds, now (without the loops: a driver reading
@@ -558,12 +581,9 @@ class Engine:
         asyncio.run_coroutine_threadsafe(self._ingest_vllm(batches), self._loop).result()
 
     async def _ingest_vllm(self, batches: list[VllmKvEvents]) -> None:
-        def admit() -> bool:
-            return self.backlog.has_room(len(batches))
-
         # A full backlog holds the stream back (the publishers buffer, then replay) rather than
         # dropping it.
-        while (result := await self.ingest_async(batches, admit=admit)) is None:
+        while (result := await self.ingest_async(batches, check_room=True)) is None:
             await asyncio.sleep(0.05)
         if result.rejected:  # counted by kvprefetch_events_refused_total; the first one said
             log.warning("vLLM batches refused: %s", result.rejected[0].message)
@@ -585,8 +605,9 @@ class Engine:
             await self.lease.close()
         if self.feed is not None:
             await self.feed.close()
-        async with self._ingest_lock:  # the batch whose log write is under way, applied
-            await self.store_thread.run(self.backlog.drain, fail_fast=False)
+        if self._settled is not None:  # the batches whose log write is under way, applied
+            await self._settled
+        await self.store_thread.run(self.backlog.drain, fail_fast=False)
         self.running = False
         self.store_thread.close()
         self._log_thread.shutdown(wait=True)

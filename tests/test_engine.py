@@ -366,7 +366,7 @@ def test_the_lru_guard_is_on_by_default_and_off_when_told(tmp_path: Path) -> Non
     assert built.guard is None and built.scorer.guard is None
 
 
-# -- the event log's writes off the loop (memory store) ---------------------------------------------
+# -- the event log written off the loop (memory store) -----------------------------------------
 
 
 def _blocking_log(built: Engine) -> tuple[threading.Event, threading.Event, list[int]]:
@@ -399,7 +399,7 @@ def test_the_loop_runs_on_while_a_batch_waits_on_its_log_write(tmp_path: Path) -
             await asyncio.sleep(0)
         assert not first.done() and not second.done()
         assert store.session("s1") is None  # applied only once logged
-        assert len(sizes) == 1  # the second batch waits its turn
+        assert len(sizes) == 1  # the log thread takes the second batch after the first
         release.set()
         one, two = await first, await second
         assert one is not None and two is not None
@@ -437,10 +437,19 @@ def test_a_caller_cancelled_midway_leaves_its_batch_logged_and_applied(tmp_path:
     assert retry.accepted == [] and len(retry.duplicates) == len(turn)
 
 
-def test_a_full_backlog_refuses_before_anything_is_logged(tmp_path: Path) -> None:
-    built, store, _ = engine(tmp_path)
-    _, _, sizes = _blocking_log(built)
-    result = asyncio.run(
-        built.ingest_async(a_finished_turn_whose_context_is_in_the_pool(), admit=lambda: False)
-    )
-    assert result is None and sizes == [] and store.session("s1") is None
+def test_batches_being_logged_count_against_the_backlogs_room(tmp_path: Path) -> None:
+    built, store, _ = engine(tmp_path, backlog_max_events=3, max_batch_events=3)
+    entered, release, sizes = _blocking_log(built)
+    turn = a_finished_turn_whose_context_is_in_the_pool()  # three events
+
+    async def main() -> None:
+        first = asyncio.create_task(built.ingest_async(turn[:2], check_room=True))
+        assert await asyncio.to_thread(entered.wait, 5)
+        # Two events on their way to the backlog: no room for two more, nothing logged of them.
+        assert await built.ingest_async(turn[2:] * 2, check_room=True) is None
+        assert len(sizes) == 1
+        release.set()
+        assert (await first) is not None
+
+    asyncio.run(main())
+    assert store.session("s1") is not None

@@ -44,9 +44,12 @@ class Backlog:
     def events(self) -> int:
         return self._events
 
-    def has_room(self, events: int) -> bool:
+    def has_room(self, events: int, coming: int = 0) -> bool:
+        """Room for a batch of `events` once `coming` more (batches accepted, being logged) are
+        put."""
+        held = self._events + coming
         # An empty backlog takes any batch the batch limit allows (Settings checks it fits).
-        return self._events == 0 or self._events + events <= self.max_events
+        return held == 0 or held + events <= self.max_events
 
     def put(self, events: Sequence[Event]) -> None:
         """The Ingestor's observer: never refuses, since `has_room` was asked before the batch was

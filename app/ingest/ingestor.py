@@ -11,8 +11,10 @@ Order matters for the promise "nothing acknowledged is ever lost, nothing applie
 A crash after 2 replays the log tail from the checkpoint on restart; a crash before 2 leaves the
 client unacknowledged, and its retry carries the same event ids.
 
-The service writes step 2 on a thread of its own (`ingest_writing_with`): an fsync can take tens
-of milliseconds, and on the event loop it held every request for as long (docs/decisions.md, 26).
+The service writes step 2 on a thread of its own (`prepare`, then `commit`): an fsync can take
+tens of milliseconds, and on the event loop it held every request for as long (decisions.md, 26).
+A batch prepared while another is being written does not see the other's events as applied: an
+event in both is logged twice and applied once (the store dedupes; so do recovery and training).
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ import logging
 import math
 import operator
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.core.clock import Clock
+from app.core.errors import StoreError
 from app.ingest.eventlog import EventLog, encode_batch, encode_events, iter_log
 from app.state.base import LogPosition, StateStore
 from kvprefetch_client.events import Event, VllmKvEvents
@@ -68,6 +71,17 @@ class IngestResult:
     rejected: list[TimeRejection] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class Prepared:
+    """A batch checked (`result` so far) and encoded (`data`), its `fresh` events to be logged
+    and applied; `sequence` is its turn (0: nothing to log)."""
+
+    result: IngestResult
+    fresh: list[Event]
+    data: bytes
+    sequence: int
+
+
 # Told of the events a call to ingest() accepted, in the order they were applied.
 Observer = Callable[[Sequence[Event]], None]
 # Told how many events were refused for their time, and why (CLOCK_SKEW, PAST_RETENTION).
@@ -100,53 +114,70 @@ class Ingestor:
         # Sees newly accepted events only: never a duplicate, and not the log replayed at startup,
         # whose events happened before anything now observing them existed.
         self.observer = observer
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         # Set when events reached the log but the store failed to apply them: the log tail
         # is replayed before anything new is taken, so a retry is not logged twice.
         self._behind_log = False
-        # Set while a batch's log write is awaited (ingest_writing_with).
-        self._writing = False
+        # Batches prepared and settled (committed or abandoned), counted: they settle in turn.
+        self._prepared = self._settled = 0
+        # The newest ts prepared: the store's cutoff once the batches in flight are applied.
+        self._newest_prepared = -math.inf
 
     def ingest(self, events: Sequence[Event], body: bytes | None = None) -> IngestResult:
         """`body`, when given, is the posted batch these events were parsed from, whole."""
-        with self._lock:
-            self._check_idle()
-            result, fresh, data = self._admit(events, body)
-            if fresh:
-                self._apply(fresh, self.event_log.append(data), result)
-            self._finish(result)
-        return result
+        with self._lock:  # the three steps as one, to a thread calling them
+            if self._prepared != self._settled:
+                raise RuntimeError("ingest() called while a prepared batch is being logged")
+            prepared = self.prepare(events, body)
+            if not prepared.fresh:
+                return prepared.result
+            try:
+                position = self.event_log.append(prepared.data)
+            except BaseException:
+                self.abandon(prepared)
+                raise
+            return self.commit(prepared, position)
 
-    async def ingest_writing_with(
-        self,
-        events: Sequence[Event],
-        body: bytes | None,
-        write: Callable[[bytes], Awaitable[LogPosition]],
-    ) -> IngestResult:
-        """`ingest`, with the log's write and fsync done by `write` (the engine's log thread), so
-        that the event loop serves other requests while the disk syncs; the checks before it and
-        the apply after it run on the calling thread. The caller runs one at a time (nothing may
-        ingest between a batch's checks and its apply) and does not cancel it midway (after
-        `write`, the batch is in the log and must reach the store)."""
+    def prepare(self, events: Sequence[Event], body: bytes | None = None) -> Prepared:
+        """Steps 1 and the encoding of 2: the batch checked, and the bytes that log its fresh
+        events. When there are some, the caller appends `data` to the event log and then calls
+        `commit` (or `abandon` when the append failed), batch by batch in the order prepared:
+        the service appends on a thread of its own (Engine.ingest_async), so that the event loop
+        serves other requests while the disk syncs, and prepares the next batch meanwhile."""
         with self._lock:
-            self._check_idle()
             result, fresh, data = self._admit(events, body)
             if not fresh:
                 self._finish(result)
-                return result
-            self._writing = True
-        try:
-            position = await write(data)
-        finally:
-            self._writing = False
-        with self._lock:
-            self._apply(fresh, position, result)
-            self._finish(result)
-        return result
+                return Prepared(result, fresh, data, 0)
+            self._prepared += 1
+            self._newest_prepared = max(self._newest_prepared, max(map(_TS, fresh)))
+            return Prepared(result, fresh, data, self._prepared)
 
-    def _check_idle(self) -> None:
-        if self._writing:
-            raise RuntimeError("an ingest started while another waits on its log write")
+    def commit(self, prepared: Prepared, position: LogPosition) -> IngestResult:
+        """Steps 3 to 5 for a prepared batch whose bytes the log holds up to `position`."""
+        with self._lock:
+            self._next_in_turn(prepared)
+            if self._behind_log:
+                # An earlier batch reached the log but not the store; the replay applies it and
+                # this one, but cannot say which of this one's events were new: the client's
+                # retry finds them applied.
+                self._replay_tail()
+                raise StoreError("an earlier batch was caught up from the event log; retry")
+            self._apply(prepared.fresh, position, prepared.result)
+            self._finish(prepared.result)
+            return prepared.result
+
+    def abandon(self, prepared: Prepared) -> None:
+        """A prepared batch the log did not take (its append failed): nothing of it is kept."""
+        with self._lock:
+            self._next_in_turn(prepared)
+
+    def _next_in_turn(self, prepared: Prepared) -> None:
+        if prepared.sequence != self._settled + 1:
+            raise RuntimeError(
+                f"batch {prepared.sequence} settled out of turn (batch {self._settled + 1} is next)"
+            )
+        self._settled = prepared.sequence
 
     def _admit(
         self, events: Sequence[Event], body: bytes | None
@@ -155,7 +186,7 @@ class Ingestor:
         that log them."""
         result = IngestResult()
         latest_ts = self.clock.now() + self.max_clock_skew_seconds
-        if self._behind_log:
+        if self._behind_log and self._prepared == self._settled:
             self._replay_tail()
         given = events
         # One pass over the events' ts, reused below: passes over a batch add up on this path.
@@ -176,6 +207,7 @@ class Ingestor:
                     unique.append(e)
             ids = [e.event_id for e in unique]
         seen, newest = self.store.seen_and_newest(ids)
+        newest = max(newest, self._newest_prepared)
         if any(seen):
             fresh = [e for e, was_seen in zip(unique, seen) if not was_seen]
             result.duplicates.extend(e.event_id for e, was_seen in zip(unique, seen) if was_seen)

@@ -34,6 +34,12 @@ def test_room_is_counted_in_events_and_an_empty_backlog_takes_any_batch() -> Non
     assert backlog.events == 0 and backlog.has_room(3)
 
 
+def test_events_still_coming_count_against_the_room() -> None:
+    backlog = Backlog(Recorder(), max_events=3)
+    # Two events accepted and being logged: room for one more, not for two.
+    assert backlog.has_room(1, coming=2) and not backlog.has_room(2, coming=2)
+
+
 def test_drain_hands_every_event_once_in_order() -> None:
     recorder = Recorder()
     backlog = Backlog(recorder, max_events=100)

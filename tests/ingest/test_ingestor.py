@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
 
 from app.core.clock import SystemClock
-from app.core.errors import EventLogError
 from app.ingest.eventlog import EventLog, iter_log
 from app.ingest.ingestor import Ingestor
 from app.state import MemoryStore
@@ -200,56 +198,61 @@ def test_signals_are_logged_replayed_and_deduplicated(tmp_path: Path) -> None:
     assert again.store.session("s").signals_total == 1
 
 
-# -- the log written by another thread (ingest_writing_with, as the service does it) ---------------
+# -- prepare, log, commit: the service's path, with the log written on a thread of its own ------
 
 
-def test_a_batch_written_by_another_thread_is_applied_after_its_write(tmp_path: Path) -> None:
+def test_a_prepared_batch_is_applied_only_when_committed(tmp_path: Path) -> None:
     ing = make(tmp_path)
-    store_at_write: list[int] = []
-
-    async def write(data: bytes):  # type: ignore[no-untyped-def]
-        # The checks ran, nothing is applied yet: what the log gets is what the store will get.
-        store_at_write.append(ing.store.stats()["remembered_event_ids"])
-        return await asyncio.to_thread(ing.event_log.append, data)
-
-    result = asyncio.run(ing.ingest_writing_with([routed(1), routed(2), routed(1)], None, write))
+    prepared = ing.prepare([routed(1), routed(2), routed(1)])
+    assert [e.event_id for e in prepared.fresh] == ["e1", "e2"]
+    assert prepared.result.duplicates == ["e1"]  # the repeat in the batch
+    assert ing.store.stats()["remembered_event_ids"] == 0  # checked, not applied
+    result = ing.commit(prepared, ing.event_log.append(prepared.data))
     assert (result.accepted, result.duplicates) == (["e1", "e2"], ["e1"])
-    assert store_at_write == [0]
     assert [e.event_id for _, e in iter_log(tmp_path)] == ["e1", "e2"]
     assert ing.store.checkpoint("r1") == ing.event_log.position
-    # A batch of duplicates only writes nothing.
-    again = asyncio.run(ing.ingest_writing_with([routed(2)], None, write))
-    assert (again.accepted, again.duplicates, len(store_at_write)) == ([], ["e2"], 1)
+    # A batch of duplicates only has nothing to log.
+    again = ing.prepare([routed(2)])
+    assert (again.fresh, again.data, again.result.duplicates) == ([], b"", ["e2"])
 
 
-def test_a_failed_write_applies_nothing_and_the_retry_is_taken(tmp_path: Path) -> None:
+def test_batches_settle_in_the_order_prepared(tmp_path: Path) -> None:
     ing = make(tmp_path)
+    first, second = ing.prepare([routed(1)]), ing.prepare([routed(2)])
+    second_at = ing.event_log.append(first.data)
+    with pytest.raises(RuntimeError, match="out of turn"):
+        ing.commit(second, second_at)
+    with pytest.raises(RuntimeError, match="being logged"):
+        ing.ingest([routed(3)])  # the blocking path waits for nothing: it is refused
+    assert ing.commit(first, second_at).accepted == ["e1"]
 
-    async def failing(data: bytes):  # type: ignore[no-untyped-def]
-        raise EventLogError("the disk is full")
 
-    with pytest.raises(EventLogError):
-        asyncio.run(ing.ingest_writing_with([routed(1)], None, failing))
-    assert ing.store.stats()["remembered_event_ids"] == 0
+def test_an_abandoned_batch_applies_nothing_and_its_retry_is_taken(tmp_path: Path) -> None:
+    ing = make(tmp_path)
+    failed, after = ing.prepare([routed(1)]), ing.prepare([routed(2)])
+    ing.abandon(failed)  # its append failed: the log has none of it
+    assert ing.commit(after, ing.event_log.append(after.data)).accepted == ["e2"]
+    assert ing.store.stats()["remembered_event_ids"] == 1
     assert ing.ingest([routed(1)]).accepted == ["e1"]
 
 
-def test_no_ingest_may_start_while_a_batch_waits_on_its_write(tmp_path: Path) -> None:
+def test_an_event_in_two_batches_in_flight_is_logged_twice_and_applied_once(
+    tmp_path: Path,
+) -> None:
     ing = make(tmp_path)
+    first, second = ing.prepare([routed(1)]), ing.prepare([routed(1), routed(2)])
+    one = ing.commit(first, ing.event_log.append(first.data))
+    two = ing.commit(second, ing.event_log.append(second.data))
+    assert (one.accepted, two.accepted, two.duplicates) == (["e1"], ["e2"], ["e1"])
+    assert [e.event_id for _, e in iter_log(tmp_path)] == ["e1", "e1", "e2"]
+    again = make(tmp_path / "copy")
+    again.event_log = ing.event_log
+    assert again.recover() == 2  # recovery applies it once
 
-    async def main() -> list[str]:
-        release = asyncio.Event()
 
-        async def write(data: bytes):  # type: ignore[no-untyped-def]
-            await release.wait()
-            return ing.event_log.append(data)
-
-        first = asyncio.create_task(ing.ingest_writing_with([routed(1)], None, write))
-        await asyncio.sleep(0)
-        with pytest.raises(RuntimeError, match="waits on its log write"):
-            ing.ingest([routed(2)])
-        release.set()
-        return (await first).accepted
-
-    assert asyncio.run(main()) == ["e1"]
-    assert ing.ingest([routed(2)]).accepted == ["e2"]
+def test_the_retention_cutoff_counts_the_batches_in_flight(tmp_path: Path) -> None:
+    store = MemoryStore(bytes_per_token=1, block_tokens=512, session_retention_seconds=100.0)
+    ing = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
+    ing.prepare([routed(1000)])  # in flight: once applied, the store forgets what is idle 100 s
+    late = ing.prepare([routed(800)])
+    assert late.fresh == [] and [r.reason for r in late.result.rejected] == ["past_retention"]

@@ -115,14 +115,9 @@ async def post_events(
         metrics.batch_refused(429)
         raise
 
-    def admit() -> bool:
-        # On the store thread with the Redis store (app/state/storethread.py), where the backlog
-        # is filled and drained too: the room asked for is the room there.
-        return backlog.has_room(len(parsed.events))
-
     try:
         result = await engine.ingest_async(
-            parsed.events, body if not parsed.rejected else None, admit=admit
+            parsed.events, body if not parsed.rejected else None, check_room=True
         )
     except (StoreError, EventLogError):  # answered 503 by the app's handlers; nothing was accepted
         metrics.batch_refused(503)
