@@ -426,12 +426,13 @@ class Engine:
         """`ingest` for the drivers on the event loop; with `check_room`, None when the backlog
         has no room for the batch (counting the batches still being logged).
 
-        With a blocking store the whole ingest runs on the store thread. With the memory store
-        it runs on the loop but for the log's write and fsync, on the log thread meanwhile: the
-        next batch is checked and handed to the log while one is written (docs/decisions.md, 26),
-        and batches are applied in the order logged. A caller cancelled midway (a request that
-        timed out) leaves its batch to finish: once logged it must be applied."""
-        if self.offload:
+        With a blocking store the whole ingest runs on the store thread (with the memory store
+        and KVP_LOG_THREAD off, inline on the loop). With the memory store it runs on the loop but
+        for the log's write and fsync, on the log thread meanwhile: the next batch is checked and
+        handed to the log while one is written (docs/decisions.md, 26), and batches are applied in
+        the order logged. A caller cancelled midway (a request that timed out) leaves its batch
+        to finish: once logged it must be applied."""
+        if self.offload or not self.settings.log_thread:
 
             def admit_and_ingest() -> IngestResult | None:
                 if check_room and not self.backlog.has_room(len(events)):
@@ -476,7 +477,7 @@ class Engine:
                 self.backlog.drain()
             return result
         except BaseException:
-            if not written.done() or written.exception() is not None:
+            if not written.done() or written.cancelled() or written.exception() is not None:
                 self.ingestor.abandon(prepared)
             raise
         finally:

@@ -453,3 +453,53 @@ def test_batches_being_logged_count_against_the_backlogs_room(tmp_path: Path) ->
 
     asyncio.run(main())
     assert store.session("s1") is not None
+
+
+def test_with_the_log_thread_off_a_batch_is_written_on_the_loop(tmp_path: Path) -> None:
+    built, store, _ = engine(tmp_path, log_thread=False)
+    writers: list[str] = []
+    append = built.event_log.append
+
+    def recorded(data: bytes):  # type: ignore[no-untyped-def]
+        writers.append(threading.current_thread().name)
+        return append(data)
+
+    built.event_log.append = recorded  # type: ignore[method-assign]
+
+    async def main() -> str:
+        assert await built.ingest_async(a_finished_turn_whose_context_is_in_the_pool()) is not None
+        return threading.current_thread().name
+
+    assert writers == [asyncio.run(main())]
+    assert store.session("s1") is not None
+
+
+def test_a_batch_the_log_refuses_is_abandoned_and_the_next_one_still_applies(
+    tmp_path: Path,
+) -> None:
+    from app.core.errors import EventLogError
+
+    built, store, _ = engine(tmp_path)
+    append, calls = built.event_log.append, []
+
+    def full_once(data: bytes):  # type: ignore[no-untyped-def]
+        calls.append(len(data))
+        if len(calls) == 1:
+            raise EventLogError("No space left on device")
+        return append(data)
+
+    built.event_log.append = full_once  # type: ignore[method-assign]
+    turn = a_finished_turn_whose_context_is_in_the_pool()
+
+    async def main() -> None:
+        first = asyncio.create_task(built.ingest_async(turn[:1]))
+        second = asyncio.create_task(built.ingest_async(turn[1:]))
+        with pytest.raises(EventLogError):
+            await first
+        taken = await second
+        assert taken is not None and taken.accepted == [e.event_id for e in turn[1:]]
+        retry = await built.ingest_async(turn[:1])  # the client's retry of the refused batch
+        assert retry is not None and retry.accepted == [turn[0].event_id]
+
+    asyncio.run(main())
+    assert store.checkpoint("test-engine") == built.event_log.position

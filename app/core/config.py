@@ -50,6 +50,10 @@ class Settings(BaseSettings):
     log_segment_bytes: int = Field(64 * 1024 * 1024, ge=4096)
     # fsync each acknowledged batch: survives power loss, not only a process crash.
     log_fsync: bool = True
+    # With the memory store, write and fsync the log on a thread of its own, so that a slow disk
+    # never holds the event loop (/healthz, route hints) for as long; off: on the loop, one hop
+    # per batch cheaper (a disk whose fsync takes microseconds). docs/decisions.md, 26.
+    log_thread: bool = True
 
     max_batch_events: int = Field(10_000, ge=1)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
