@@ -120,7 +120,7 @@ class Ingestor:
         self._behind_log = False
         # Batches prepared and settled (committed or abandoned), counted: they settle in turn.
         self._prepared = self._settled = 0
-        # The newest ts prepared: the store's cutoff once the batches in flight are applied.
+        # The newest ts of the batches in flight: the store's once they are applied.
         self._newest_prepared = -math.inf
 
     def ingest(self, events: Sequence[Event], body: bytes | None = None) -> IngestResult:
@@ -178,6 +178,8 @@ class Ingestor:
                 f"batch {prepared.sequence} settled out of turn (batch {self._settled + 1} is next)"
             )
         self._settled = prepared.sequence
+        if self._settled == self._prepared:  # nothing in flight: the store's newest says it all
+            self._newest_prepared = -math.inf
 
     def _admit(
         self, events: Sequence[Event], body: bytes | None

@@ -256,3 +256,10 @@ def test_the_retention_cutoff_counts_the_batches_in_flight(tmp_path: Path) -> No
     ing.prepare([routed(1000)])  # in flight: once applied, the store forgets what is idle 100 s
     late = ing.prepare([routed(800)])
     assert late.fresh == [] and [r.reason for r in late.result.rejected] == ["past_retention"]
+
+
+def test_an_abandoned_batch_leaves_the_cutoff_where_the_store_has_it(tmp_path: Path) -> None:
+    store = MemoryStore(bytes_per_token=1, block_tokens=512, session_retention_seconds=100.0)
+    ing = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
+    ing.abandon(ing.prepare([routed(1000)]))  # never logged: the store's cutoff did not move
+    assert ing.ingest([routed(800)]).accepted == ["e800"]
