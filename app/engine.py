@@ -416,8 +416,7 @@ class Engine:
         were parsed from. The observers hear of them from the backlog: its loop's, when the
         loops run; else `drain` (the ticks drain first), or this once the backlog holds a chunk."""
         result = self.ingestor.ingest(events, body)
-        if not self.running and self.backlog.events >= DRAIN_EVENTS:
-            self.backlog.drain()
+        self._drain_without_loops()
         return result
 
     async def ingest_async(
@@ -473,8 +472,7 @@ class Engine:
                 if before is not None:
                     await before
             result = self.ingestor.commit(prepared, position)
-            if not self.running and self.backlog.events >= DRAIN_EVENTS:
-                self.backlog.drain()
+            self._drain_without_loops()
             return result
         except BaseException:
             if not written.done() or written.cancelled() or written.exception() is not None:
@@ -483,6 +481,11 @@ class Engine:
         finally:
             self._logging_events -= len(prepared.fresh)
             settled.set_result(None)
+
+    def _drain_without_loops(self) -> None:
+        """Without the backlog's loop, hand the observers what a chunk's worth of ingests left."""
+        if not self.running and self.backlog.events >= DRAIN_EVENTS:
+            self.backlog.drain()
 
     def drain(self) -> int:
         """Tell the observers what the backlog holds, now (without the loops: a driver reading

@@ -219,12 +219,12 @@ def test_a_prepared_batch_is_applied_only_when_committed(tmp_path: Path) -> None
 def test_batches_settle_in_the_order_prepared(tmp_path: Path) -> None:
     ing = make(tmp_path)
     first, second = ing.prepare([routed(1)]), ing.prepare([routed(2)])
-    second_at = ing.event_log.append(first.data)
+    first_at = ing.event_log.append(first.data)
     with pytest.raises(RuntimeError, match="out of turn"):
-        ing.commit(second, second_at)
+        ing.commit(second, first_at)
     with pytest.raises(RuntimeError, match="being logged"):
         ing.ingest([routed(3)])  # the blocking path waits for nothing: it is refused
-    assert ing.commit(first, second_at).accepted == ["e1"]
+    assert ing.commit(first, first_at).accepted == ["e1"]
 
 
 def test_an_abandoned_batch_applies_nothing_and_its_retry_is_taken(tmp_path: Path) -> None:
@@ -263,3 +263,23 @@ def test_an_abandoned_batch_leaves_the_cutoff_where_the_store_has_it(tmp_path: P
     ing = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
     ing.abandon(ing.prepare([routed(1000)]))  # never logged: the store's cutoff did not move
     assert ing.ingest([routed(800)]).accepted == ["e800"]
+
+
+def test_a_batch_committed_after_a_failed_apply_catches_both_up_and_asks_for_a_retry(
+    tmp_path: Path,
+) -> None:
+    from app.core.errors import StoreError, StoreUnavailable
+
+    store = FailingOnce(bytes_per_token=1, block_tokens=512)
+    ing = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
+    first, second = ing.prepare([routed(1)]), ing.prepare([routed(2)])
+    first_at = ing.event_log.append(first.data)
+    second_at = ing.event_log.append(second.data)
+    store.fail_next = True
+    with pytest.raises(StoreUnavailable):
+        ing.commit(first, first_at)
+    # The log holds both; the replay applies both, but cannot say which of the second were new.
+    with pytest.raises(StoreError, match="retry"):
+        ing.commit(second, second_at)
+    assert store.session("s").turns == 2
+    assert ing.ingest([routed(1), routed(2)]).duplicates == ["e1", "e2"]
