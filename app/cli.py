@@ -508,9 +508,17 @@ def serve(
     port: Annotated[int | None, typer.Option(help="Port (KVP_PORT).")] = None,
     store: Annotated[str | None, typer.Option(help="memory or redis (KVP_STORE).")] = None,
     workers: Annotated[int, typer.Option(help="uvicorn worker processes (memory store: 1).")] = 1,
+    fd: Annotated[
+        int | None,
+        typer.Option(
+            help="Serve on this inherited listening TCP socket (socket activation, a supervisor) "
+            "instead of binding --host and --port."
+        ),
+    ] = None,
 ) -> None:
     """Run the service."""
     import os
+    import socket
 
     # Settings' own field names: it validates each value.
     overrides: dict[str, Any] = {
@@ -525,8 +533,18 @@ def serve(
         )
     from app.core.security import check_bind, load_tokens
 
+    listener, bound_host = None, settings.host
+    if fd is not None:
+        try:
+            listener = socket.socket(fileno=fd)
+            bound_host = str(listener.getsockname()[0])
+        except OSError as exc:
+            raise typer.BadParameter(
+                f"not a listening socket: {exc}", param_hint="'--fd'"
+            ) from None
     try:
-        access = check_bind(settings.host, load_tokens(settings))
+        # The address actually served is what the loopback rule judges.
+        access = check_bind(bound_host, load_tokens(settings))
     except KvpError as exc:
         typer.echo(f"kvprefetch serve: {exc}", err=True)
         raise typer.Exit(2) from None
@@ -551,13 +569,19 @@ def serve(
     from app.api.edge import serve as serve_app
 
     if workers > 1:
-        serve_app("app.api.worker:create_worker_app", settings, workers=workers, factory=True)
+        serve_app(
+            "app.api.worker:create_worker_app",
+            settings,
+            workers=workers,
+            factory=True,
+            listener=listener,
+        )
         return
     from app.api.main import create_app
     from app.core.runtime import tune_gc
 
     tune_gc()
-    serve_app(create_app(settings), settings)
+    serve_app(create_app(settings), settings, listener=listener)
 
 
 @cli.command()

@@ -123,6 +123,9 @@ class Engine:
         self._log_thread = ThreadPoolExecutor(1, thread_name_prefix="kvp-log")
         self._settled: asyncio.Future[None] | None = None
         self._logging_events = 0
+        # The ids of the batches being logged: a batch holding one of them waits for them to
+        # settle, so a client's retry that overlaps its first try is never logged twice.
+        self._logging_ids: set[str] = set()
         self.event_log: EventLog | NullEventLog = (
             event_log
             if event_log is not None
@@ -441,6 +444,10 @@ class Engine:
             return await self.store_thread.run(admit_and_ingest)
         if check_room and not self.backlog.has_room(len(events), self._logging_events):
             return None
+        while self._logging_ids and self._settled is not None:
+            if self._logging_ids.isdisjoint(e.event_id for e in events):
+                break
+            await asyncio.shield(self._settled)
         prepared = self.ingestor.prepare(events, body)
         if not prepared.fresh:
             return prepared.result
@@ -450,6 +457,7 @@ class Engine:
         written = loop.run_in_executor(self._log_thread, self.event_log.append, prepared.data)
         before, self._settled = self._settled, loop.create_future()
         self._logging_events += len(prepared.fresh)
+        self._logging_ids.update(e.event_id for e in prepared.fresh)
         task = asyncio.ensure_future(self._settle(prepared, written, before, self._settled))
         # A caller cancelled midway never reads its batch's outcome: taken here, so asyncio does
         # not log it as lost (its client retries and finds its events applied or not there).
@@ -480,6 +488,7 @@ class Engine:
             raise
         finally:
             self._logging_events -= len(prepared.fresh)
+            self._logging_ids.difference_update(e.event_id for e in prepared.fresh)
             settled.set_result(None)
 
     def _drain_without_loops(self) -> None:

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -21,6 +20,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+
+from tests.ports import listener, port_of
 
 REPO = Path(__file__).resolve().parent.parent
 # What a wheel is built from; the rest (tests, docs, .git, the venv) stays behind.
@@ -156,19 +157,17 @@ def run(
     return done
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
-def serving(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], url: str) -> Iterator[str]:
-    """Run the service command until its /readyz answers 200; yields `url`, then kills it."""
+def serving(cmd: Sequence[str], *, cwd: Path, env: dict[str, str]) -> Iterator[str]:
+    """Run the service command (`... serve`) on a socket the test holds (`--fd`) until its
+    /readyz answers 200; yields its URL, then kills it."""
     log_path = cwd / "service.log"
-    with open(log_path, "wb") as log:
+    sock = listener()
+    url = f"http://127.0.0.1:{port_of(sock)}"
+    with sock, open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            list(cmd),
+            [*cmd, "--fd", str(sock.fileno())],
+            pass_fds=[sock.fileno()],
             cwd=cwd,
             env=env,
             stdin=subprocess.DEVNULL,

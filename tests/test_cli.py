@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 
@@ -54,3 +55,28 @@ def test_serve_without_tokens_refuses_a_public_address(
         "no tokens are configured, so the service may listen on 127.0.0.1 only, not 0.0.0.0"
         in result.output
     )
+
+
+def test_serve_judges_an_inherited_socket_by_the_address_it_is_bound_to(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import socket
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("KVP_INGEST_TOKEN", "KVP_AGENT_TOKEN", "KVP_ADMIN_TOKEN", "KVP_TOKENS_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as public:
+        public.bind(("0.0.0.0", 0))
+        # --host says loopback; the socket handed over is bound to every address. The command
+        # owns the descriptor it is given: a copy.
+        handed = os.dup(public.fileno())
+        result = CliRunner().invoke(cli, ["serve", "--host", "127.0.0.1", "--fd", str(handed)])
+    assert result.exit_code == 2
+    assert "may listen on 127.0.0.1 only, not 0.0.0.0" in result.output
+
+
+def test_serve_refuses_an_fd_that_is_not_a_socket(tmp_path: Path) -> None:
+    with (tmp_path / "file").open("w") as f:
+        result = CliRunner().invoke(cli, ["serve", "--fd", str(os.dup(f.fileno()))])
+    assert result.exit_code == 2
+    assert "'--fd'" in result.output and "not a listening socket" in result.output

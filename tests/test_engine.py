@@ -503,3 +503,69 @@ def test_a_batch_the_log_refuses_is_abandoned_and_the_next_one_still_applies(
 
     asyncio.run(main())
     assert store.checkpoint("test-engine") == built.event_log.position
+
+
+def _log_ids(built: Engine) -> list[str]:
+    from app.ingest.eventlog import iter_log
+
+    return [e.event_id for _, e in iter_log(Path(built.event_log.directory), None)]
+
+
+def test_a_retry_overlapping_its_original_waits_and_is_logged_once(tmp_path: Path) -> None:
+    built, store, _ = engine(tmp_path)
+    entered, release, sizes = _blocking_log(built)
+    turn = a_finished_turn_whose_context_is_in_the_pool()
+
+    async def main() -> None:
+        original = asyncio.create_task(built.ingest_async(turn))
+        assert await asyncio.to_thread(entered.wait, 5)
+        # The client gave up on the original and retries the same ids while it is written.
+        retry = asyncio.create_task(built.ingest_async(turn))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert not retry.done() and len(sizes) == 1  # held back, nothing handed to the log
+        release.set()
+        first, again = await original, await retry
+        assert first is not None and first.accepted == [e.event_id for e in turn]
+        assert again is not None and again.accepted == []
+        assert again.duplicates == [e.event_id for e in turn]
+
+    asyncio.run(main())
+    assert len(sizes) == 1
+    assert _log_ids(built) == [e.event_id for e in turn]
+    assert store.session("s1") is not None
+
+
+def test_a_retry_of_a_batch_the_log_refused_is_logged(tmp_path: Path) -> None:
+    from app.core.errors import EventLogError
+
+    built, store, _ = engine(tmp_path)
+    entered, release, _ = _blocking_log(built)
+    held_append, calls = built.event_log.append, []
+
+    def full_once(data: bytes):  # type: ignore[no-untyped-def]
+        calls.append(len(data))
+        if len(calls) == 1:
+            entered.set()
+            release.wait(5)
+            raise EventLogError("No space left on device")
+        return held_append(data)
+
+    built.event_log.append = full_once  # type: ignore[method-assign]
+    turn = a_finished_turn_whose_context_is_in_the_pool()
+
+    async def main() -> None:
+        original = asyncio.create_task(built.ingest_async(turn))
+        assert await asyncio.to_thread(entered.wait, 5)
+        retry = asyncio.create_task(built.ingest_async(turn))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        release.set()
+        with pytest.raises(EventLogError):
+            await original
+        again = await retry
+        assert again is not None and again.accepted == [e.event_id for e in turn]
+
+    asyncio.run(main())
+    assert _log_ids(built) == [e.event_id for e in turn]
+    assert store.session("s1") is not None

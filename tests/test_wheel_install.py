@@ -14,7 +14,7 @@ import pytest
 
 from app.core.bundle import DEFAULT_MODEL_DIR, SCENARIO_DIR
 from tests.conftest import trace_slice
-from tests.fresh_venv import REPO, build_wheels, clean_env, free_port, make_venv, run, serving
+from tests.fresh_venv import REPO, build_wheels, clean_env, make_venv, run, serving
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -76,16 +76,10 @@ def test_the_wheels_serve_the_bundled_model_and_replay_the_shipped_scenarios(
         for name in names:
             assert (installed / name).read_bytes() == (checkout / name).read_bytes(), name
 
-    port = free_port()
     service_env = clean_env(
         KVP_STORE="memory", KVP_HOST="127.0.0.1", KVP_DATA_DIR=str(tmp_path / "data")
     )
-    with serving(
-        [str(bin_dir / "kvprefetch"), "serve", "--port", str(port)],
-        cwd=work,
-        env=service_env,
-        url=f"http://127.0.0.1:{port}",
-    ) as url:
+    with serving([str(bin_dir / "kvprefetch"), "serve"], cwd=work, env=service_env) as url:
         model = httpx.get(f"{url}/v1/model", timeout=5).json()
     # The heuristic (version null) serves when the model is missing or does not load.
     assert (model["predictor"], model["version"]) == ("learned (default)", "default")

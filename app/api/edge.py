@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -259,9 +260,11 @@ def serve(
     workers: int = 1,
     factory: bool = False,
     log_level: str = "info",
+    listener: socket.socket | None = None,
 ) -> None:
     """Run `app` (an ASGI app, or an import string with `factory` or `workers`) behind the edge's
-    limits: the one way `kvprefetch serve` runs a server, with one worker or several."""
+    limits: the one way `kvprefetch serve` runs a server, with one worker or several. `listener`,
+    a bound socket, is served instead of binding the settings' host and port."""
     config = EdgeConfig(
         app,
         limits=EdgeLimits.from_settings(settings),
@@ -276,12 +279,12 @@ def serve(
     )
     server = uvicorn.Server(config)
     if workers > 1:
-        sock = config.bind_socket()
+        sock = listener or config.bind_socket()
         if "target" in inspect.signature(Multiprocess).parameters:  # uvicorn < 0.50
             Multiprocess(config, target=server.run, sockets=[sock]).run()  # type: ignore[call-arg]
         else:
             Multiprocess(config, sockets=[sock]).run()
         return
-    server.run()
+    server.run(sockets=[listener] if listener is not None else None)
     if not server.started:
         sys.exit(STARTUP_FAILURE)

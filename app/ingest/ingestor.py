@@ -13,8 +13,10 @@ client unacknowledged, and its retry carries the same event ids.
 
 The service writes step 2 on a thread of its own (`prepare`, then `commit`): an fsync can take
 tens of milliseconds, and on the event loop it held every request for as long (decisions.md, 26).
-A batch prepared while another is being written does not see the other's events as applied: an
-event in both is logged twice and applied once (the store dedupes; so do recovery and training).
+A batch prepared while another is being written does not see the other's events as applied: the
+engine holds a batch back until the batches in flight that share an event id with it have settled,
+so a client's retry overlapping its first try is answered as duplicates, not logged twice (the
+store, recovery and training dedupe by id all the same).
 """
 
 from __future__ import annotations

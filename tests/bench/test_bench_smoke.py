@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.bench.conftest import REPO, positive, run_bench
+from tests.ports import dead_port
 
 pytestmark = pytest.mark.slow
 
@@ -49,20 +50,16 @@ def test_bench_ingest_against_redis_removes_its_keys(redis_url: str) -> None:
 
 @pytest.mark.parametrize("bench", ["ingest", "load"])
 def test_a_redis_bench_without_redis_says_so(bench: str) -> None:
-    import socket
-
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", bench, "--store", "redis", "--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        env={**os.environ, "KVP_REDIS_URL": f"redis://:secret@127.0.0.1:{port}/0"},
-    )
+    with dead_port() as port:
+        done = subprocess.run(
+            [sys.executable, "-m", "app.cli", "bench", bench, "--store", "redis", "--json"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={**os.environ, "KVP_REDIS_URL": f"redis://:secret@127.0.0.1:{port}/0"},
+        )
     assert done.returncode == 1 and done.stdout == ""
     assert f"--store redis: no Redis answers at redis://***@127.0.0.1:{port}/0" in done.stderr
     assert "secret" not in done.stderr

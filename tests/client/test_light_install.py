@@ -14,7 +14,6 @@ from tests.fresh_venv import (
     REPO,
     build_wheels,
     clean_env,
-    free_port,
     installed,
     make_venv,
     run,
@@ -125,19 +124,13 @@ def test_the_client_alone_installs_light_and_talks_to_a_running_service(tmp_path
     assert no_redis.returncode == 2 and "kvprefetch-client[redis]" in no_redis.stderr
 
     # The service runs from this checkout, with the test's own interpreter.
-    port = free_port()
     service_env = clean_env(
         PYTHONPATH=f"{REPO}:{REPO / 'client'}",
         KVP_STORE="memory",
         KVP_HOST="127.0.0.1",
         KVP_DATA_DIR=str(tmp_path / "data"),
     )
-    with serving(
-        [sys.executable, "-m", "app.cli", "serve", "--port", str(port)],
-        cwd=work,
-        env=service_env,
-        url=f"http://127.0.0.1:{port}",
-    ) as url:
+    with serving([sys.executable, "-m", "app.cli", "serve"], cwd=work, env=service_env) as url:
         done = run(
             [str(bin_dir / "python"), "-c", CLIENT_SCRIPT, url, ",".join(HEAVY_MODULES)],
             cwd=work,

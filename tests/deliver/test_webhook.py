@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import socket
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -19,6 +18,7 @@ from app.deliver import SinkRejected, SinkUnavailable, WebhookSink
 from app.deliver.webhook import idempotency_key, parse_retry_after
 from kvprefetch_client.orders import Cancel
 from tests.deliver.conftest import Receiver, order
+from tests.ports import dead_port
 
 URL = "http://receiver.test/orders"
 # How errors name it: a webhook URL's path is often its secret (app/core/redact.py).
@@ -242,11 +242,7 @@ def test_a_real_server_that_keeps_failing_is_given_up_on(receiver: tuple[Receive
 
 
 def test_nobody_listening_is_a_connection_error_retried_then_given_up_on() -> None:
-    with socket.socket() as s:  # a port just freed: nothing listens there
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-
-    async def body() -> None:
+    async def body(port: int) -> None:
         sink = WebhookSink(f"http://127.0.0.1:{port}/orders", backoff_seconds=0.01, max_attempts=2)
         with pytest.raises(
             SinkUnavailable, match=r"gave up after 2 attempt\(s\); last: ConnectError"
@@ -254,4 +250,5 @@ def test_nobody_listening_is_a_connection_error_retried_then_given_up_on() -> No
             await sink.submit([order("a")])
         await sink.close()
 
-    run(body)
+    with dead_port() as port:
+        run(lambda: body(port))

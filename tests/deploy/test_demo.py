@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import REPO, TRACES
+from tests.ports import is_in_use, retry_in_use
 
 pytestmark = pytest.mark.slow
 
@@ -29,12 +29,6 @@ SCRIPT = REPO / "deploy" / "demo.sh"
 TRACE = TRACES / "mooncake_conversation_first60.jsonl"
 REQUESTS = 300  # 102 s of the trace
 SPEED = 25.0  # about 4 s
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(what: str, check, timeout: float = 90.0):  # type: ignore[no-untyped-def]
@@ -63,46 +57,59 @@ def totals(url: str) -> dict[str, float]:
 
 @pytest.fixture
 def demo(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path, Path]]:
-    port = free_port()
-    out, err = tmp_path / "stdout", tmp_path / "stderr"
-    env = {
-        **os.environ,
-        "VENV": str(Path(sys.executable).parent.parent),
-        "KVP_PORT": str(port),
-        "DEMO_TRACE": str(TRACE),
-        "DEMO_REQUESTS": str(REQUESTS),
-        "DEMO_SPEED": str(SPEED),
-        "DEMO_DATA_DIR": str(tmp_path / "demo"),
-    }
-    with out.open("wb") as o, err.open("wb") as e:
-        # Its own process group, as a terminal's foreground job: Ctrl-C signals the whole group.
-        # SIGINT as a terminal has it: a shell started with it ignored (pytest run as a background
-        # job inherits that) can't trap it, and the script would not see the Ctrl-C.
-        proc = subprocess.Popen(
-            ["bash", str(SCRIPT)],
-            stdout=o,
-            stderr=e,
-            env=env,
-            cwd=REPO,
-            start_new_session=True,
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    made: list[subprocess.Popen[bytes]] = []
+
+    def start(port: int) -> tuple[subprocess.Popen[bytes], str, Path, Path]:
+        run_dir = tmp_path / str(port)
+        run_dir.mkdir()
+        out, err = run_dir / "stdout", run_dir / "stderr"
+        env = {
+            **os.environ,
+            "VENV": str(Path(sys.executable).parent.parent),
+            "KVP_PORT": str(port),
+            "DEMO_TRACE": str(TRACE),
+            "DEMO_REQUESTS": str(REQUESTS),
+            "DEMO_SPEED": str(SPEED),
+            "DEMO_DATA_DIR": str(run_dir / "demo"),
+        }
+        with out.open("wb") as o, err.open("wb") as e:
+            # Its own process group, as a terminal's foreground job: Ctrl-C signals the whole
+            # group. SIGINT as a terminal has it: a shell started with it ignored (pytest run as a
+            # background job inherits that) can't trap it, and the script would not see the
+            # Ctrl-C.
+            proc = subprocess.Popen(
+                ["bash", str(SCRIPT)],
+                stdout=o,
+                stderr=e,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+            )
+        made.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_for(
+            "the dashboard URL",
+            lambda: f"{url}/dashboard" in out.read_text() or proc.poll() is not None,
         )
+        # The script binds the port it is given: taken meanwhile, it is started on another.
+        if proc.poll() is not None and is_in_use(err.read_text()):
+            raise RuntimeError(f"port {port}: address in use")
+        return proc, url, out, err
+
     try:
-        yield proc, f"http://127.0.0.1:{port}", out, err
+        yield retry_in_use(start)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        for proc in made:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
 
 
 def test_the_demo_fills_the_metrics_and_ctrl_c_stops_it(
     demo: tuple[subprocess.Popen[bytes], str, Path, Path],
 ) -> None:
     proc, url, out, err = demo
-    wait_for(
-        "the dashboard URL",
-        lambda: f"{url}/dashboard" in out.read_text() or proc.poll() is not None,
-    )
     assert proc.poll() is None, err.read_text()
 
     # While the replay runs, the counters grow: events arrive, requests find (or miss) their

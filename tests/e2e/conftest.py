@@ -1,15 +1,17 @@
-"""Run the service as a real, separate process: `python -m app.cli serve` on a free port.
+"""Run the service as a real, separate process: `python -m app.cli serve --fd N` on a listening
+socket the test holds (tests/ports.py), so no other process can take its port.
 
 `service_factory(data_dir=None)` returns a `ServiceProcess` (not yet started) with a temp data
-dir of its own. It can be started, killed with SIGKILL, and started again on the same port and
+dir of its own. It can be started, killed with SIGKILL, and started again on the same socket and
 data dir, which is what a crash and a restart look like to the service. Every process started
 through the factory is killed in the fixture's teardown, whether the test passed or not.
 
 `routers` is a list the test fills with `tests.e2e.streams.Router`s; whatever happened, their
 threads are stopped and their clients closed at teardown (without waiting on their queues).
 
-`private_redis` is a `RedisServer`: a redis-server of the test's own on a free port, that the test
-may stop and start again on the same port and data dir (its append-only file keeps the data).
+`private_redis` is a `RedisServer`: a redis-server of the test's own on a quiet port (retried on
+another when taken), that the test may stop and start again on the same port and data dir (its
+append-only file keeps the data).
 A missing redis-server binary fails the test, never skips it.
 """
 
@@ -18,7 +20,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,15 +32,10 @@ import pytest
 import redis
 
 from tests.e2e.streams import Router
+from tests.ports import listener, port_of, retry_in_use
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_SECONDS = 30.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager
@@ -56,7 +52,8 @@ def redis_workers(
     group."""
     work = tmp_path / "work"
     work.mkdir()
-    port = free_port()
+    sock = listener()
+    port = port_of(sock)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
     env.update(
         {
@@ -83,8 +80,8 @@ def redis_workers(
                 "-m",
                 "app.cli",
                 "serve",
-                "--port",
-                str(port),
+                "--fd",
+                str(sock.fileno()),
                 "--store",
                 "redis",
                 "--workers",
@@ -92,6 +89,7 @@ def redis_workers(
             ],
             cwd=work,
             env=env,
+            pass_fds=[sock.fileno()],
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -124,19 +122,20 @@ def redis_workers(
             except subprocess.TimeoutExpired:
                 os.killpg(with_group, signal.SIGKILL)
                 proc.wait(timeout=10)
+        sock.close()
 
 
 class ServiceProcess:
-    """One service: a port and a data dir that outlive the processes started on them."""
+    """One service: a listening socket and a data dir that outlive the processes started on them.
+    While no process serves, connections wait in the socket's backlog for the next one."""
 
-    def __init__(
-        self, data_dir: Path, port: int, work_dir: Path, env: dict[str, str] | None = None
-    ) -> None:
+    def __init__(self, data_dir: Path, work_dir: Path, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
-        self.port = port
+        self.listener = listener()
+        self.port = port_of(self.listener)
         self.work_dir = work_dir
         self.extra_env = dict(env or {})
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0
         self._log_path: Path | None = None
@@ -173,10 +172,12 @@ class ServiceProcess:
         self._log_path = self.work_dir / f"server-{self.starts}.log"
         with open(self._log_path, "wb") as log:
             # cwd is a scratch dir so that no .env of the checkout is read by Settings.
+            fd = self.listener.fileno()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", "serve", "--port", str(self.port)],
+                [sys.executable, "-m", "app.cli", "serve", "--fd", str(fd)],
                 cwd=self.work_dir,
                 env=self._env(),
+                pass_fds=[fd],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -234,7 +235,7 @@ def service_factory(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
         n = len(made)
         work_dir = tmp_path / f"service-{n}"
         work_dir.mkdir()
-        svc = ServiceProcess(data_dir or work_dir / "data", free_port(), work_dir, env)
+        svc = ServiceProcess(data_dir or work_dir / "data", work_dir, env)
         made.append(svc)
         return svc
 
@@ -247,6 +248,7 @@ def service_factory(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
             except Exception:
                 if svc.proc is not None and svc.proc.poll() is None:
                     svc.proc.kill()
+            svc.listener.close()
 
 
 @pytest.fixture
@@ -367,12 +369,19 @@ def redis_server_binary() -> str:
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
     """A started redis-server of this test's own; killed at teardown whatever happened."""
-    server = RedisServer(redis_server_binary(), tmp_path / "redis", free_port())
+    binary = redis_server_binary()
+    made: list[RedisServer] = []
+
+    def start(port: int) -> RedisServer:
+        made.append(RedisServer(binary, tmp_path / "redis" / str(port), port))
+        made[-1].start()
+        return made[-1]
+
     try:
-        server.start()
-        yield server
+        yield retry_in_use(start)
     finally:
-        server.kill()
+        for server in made:
+            server.kill()
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ differed from the in-process ones would show in its summary.
 from __future__ import annotations
 
 import functools
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +31,7 @@ from sim.replay import EngineFeed, ReplayResult, replay, sim_engine
 from sim.scenario import Scenario, load_scenario
 from sim.traces import TraceRequest, load_trace
 from tests.conftest import TRACES, live_server
+from tests.ports import dead_port
 
 pytestmark = pytest.mark.slow
 
@@ -188,12 +188,10 @@ def test_keep_events_keeps_what_an_in_process_replay_keeps(
 
 
 def test_an_unreachable_service_is_named(trace: list[TraceRequest], scenario: Scenario) -> None:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    sock.close()  # nothing listens there now
-    with pytest.raises(ServiceUnreachable, match=f"no kvprefetch service answers at {url} "):
-        replay_via(url, trace[:10], scenario)
+    with dead_port() as port:
+        url = f"http://127.0.0.1:{port}"
+        with pytest.raises(ServiceUnreachable, match=f"no kvprefetch service answers at {url} "):
+            replay_via(url, trace[:10], scenario)
 
 
 @pytest.mark.parametrize(

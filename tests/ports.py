@@ -1,0 +1,94 @@
+"""Ports for the processes the tests start, with no window in which another process can take one.
+
+A port picked free, closed and bound later by someone else can be taken meanwhile on a busy
+machine ("Address already in use"), and the suite's verdict then hangs on what else runs. So:
+
+- `listener()`: a listening socket the test holds; a service is handed it (`kvprefetch serve
+  --fd`) and never binds, and a restart is handed the same socket, so the port cannot change
+  hands between two processes.
+- `dead_port()`: a port bound but never listening, held for the test: a connection is refused
+  there, and no other process can start listening on it meanwhile.
+- `quiet_port()` with `retry_in_use`: for a server that must bind a port itself (redis-server,
+  LMCache's coordinator, the demo script). The port is drawn from outside the kernel's range of
+  local ports, which it gives to outgoing connections and to port-0 binds, so only another
+  process doing the same can take it; an "in use" at start is retried on another port.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
+
+IN_USE = ("address already in use", "eaddrinuse", "errno 98", "address in use")
+START_TRIES = 8
+
+
+def listener(host: str = "127.0.0.1") -> socket.socket:
+    """A socket bound to a port of the kernel's choosing and listening, inheritable by a child
+    process (pass its fileno in `pass_fds`)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def port_of(sock: socket.socket) -> int:
+    return int(sock.getsockname()[1])
+
+
+@contextmanager
+def dead_port() -> Iterator[int]:
+    """A port where nothing listens for as long as the block runs."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield port_of(sock)
+
+
+def _local_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def quiet_port(rng: random.Random | None = None) -> int:
+    """A port outside the local port range that can be bound now."""
+    low, high = _local_port_range()
+    # The larger of the spans below and above the local range, clear of the well-known ports.
+    spans = [(10000, low - 1), (high + 1, 65535)]
+    start, stop = max(spans, key=lambda span: span[1] - span[0])
+    draw = rng or random.SystemRandom()
+    for _ in range(200):
+        port = draw.randint(start, stop)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}-{stop}")
+
+
+def is_in_use(text: str) -> bool:
+    lowered = text.lower()
+    return any(mark in lowered for mark in IN_USE)
+
+
+def retry_in_use(start: Callable[[int], T], tries: int = START_TRIES) -> T:
+    """`start(port)` on a quiet port; again on another while it fails because the port was
+    taken (a RuntimeError or OSError whose text says so)."""
+    for attempt in range(tries):
+        try:
+            return start(quiet_port())
+        except (RuntimeError, OSError) as exc:
+            if attempt == tries - 1 or not is_in_use(str(exc)):
+                raise
+    raise AssertionError("unreachable")
