@@ -5,7 +5,8 @@ machine ("Address already in use"), and the suite's verdict then hangs on what e
 
 - `listener()`: a listening socket the test holds; a service is handed it (`kvprefetch serve
   --fd`) and never binds, and a restart is handed the same socket, so the port cannot change
-  hands between two processes.
+  hands between two processes. `Refuser` resets what connects while no process serves it, as
+  the kernel would refuse a port nobody listens on.
 - `dead_port()`: a port bound but never listening, held for the test: a connection is refused
   there, and no other process can start listening on it meanwhile.
 - `quiet_port()` with `retry_in_use`: for a server that must bind a port itself (redis-server,
@@ -17,7 +18,10 @@ machine ("Address already in use"), and the suite's verdict then hangs on what e
 from __future__ import annotations
 
 import random
+import select
 import socket
+import struct
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +45,45 @@ def listener(host: str = "127.0.0.1") -> socket.socket:
 
 def port_of(sock: socket.socket) -> int:
     return int(sock.getsockname()[1])
+
+
+class Refuser:
+    """While started, accepts each connection on `sock` and resets it at once: what a client of
+    a stopped server sees (a reset, where a closed port gives a refusal), while the test keeps
+    the port."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, daemon=True, name="refuser")
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(10)
+            self._thread = None
+
+    def _run(self) -> None:
+        # Readiness by select, not a timeout on the socket: that would change the blocking mode
+        # the served process shares with it.
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self.sock], [], [], 0.02)
+            if not ready:
+                continue
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return  # the test closed the socket
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
 
 
 @contextmanager

@@ -32,7 +32,7 @@ import pytest
 import redis
 
 from tests.e2e.streams import Router
-from tests.ports import listener, port_of, retry_in_use
+from tests.ports import Refuser, listener, port_of, retry_in_use
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_SECONDS = 30.0
@@ -127,12 +127,14 @@ def redis_workers(
 
 class ServiceProcess:
     """One service: a listening socket and a data dir that outlive the processes started on them.
-    While no process serves, connections wait in the socket's backlog for the next one."""
+    While no process serves it, a connection is reset, as a crashed server's port would refuse it
+    (never queued for the next process: a client's abandoned try must not be served later)."""
 
     def __init__(self, data_dir: Path, work_dir: Path, env: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
         self.listener = listener()
         self.port = port_of(self.listener)
+        self.refuser = Refuser(self.listener)
         self.work_dir = work_dir
         self.extra_env = dict(env or {})
         self.url = f"http://127.0.0.1:{self.port}"
@@ -168,6 +170,7 @@ class ServiceProcess:
     def start(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
         """Start the process and wait until GET /readyz answers 200."""
         assert not self.running, "the service is already running"
+        self.refuser.stop()
         self.starts += 1
         self._log_path = self.work_dir / f"server-{self.starts}.log"
         with open(self._log_path, "wb") as log:
@@ -212,6 +215,7 @@ class ServiceProcess:
             with suppress(ProcessLookupError):
                 os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait(timeout=10)
+        self.refuser.start()
 
     def restart(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
         self.kill()
@@ -248,6 +252,7 @@ def service_factory(tmp_path: Path) -> Iterator[Callable[..., ServiceProcess]]:
             except Exception:
                 if svc.proc is not None and svc.proc.poll() is None:
                     svc.proc.kill()
+            svc.refuser.stop()
             svc.listener.close()
 
 
