@@ -37,7 +37,15 @@ from app.decide.popularity import PrefixPopularity
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
 from app.decide.score_loop import Scorer
-from app.deliver import LmcacheSink, OrderSink, PullQueue, RedisStreamSink, build_sink
+from app.deliver import (
+    Fence,
+    LmcacheSink,
+    OrderSink,
+    PullQueue,
+    RedisStreamSink,
+    WebhookSink,
+    build_sink,
+)
 from app.ingest.backlog import Backlog
 from app.ingest.eventlog import EventLog
 from app.ingest.ingestor import Ingestor, IngestResult, Observer, Prepared
@@ -325,8 +333,9 @@ class Engine:
         )
         lease.on_gain = self._take_over
         lease.on_loss = self._lose_lease
-        if isinstance(self.order_sink, RedisStreamSink):
-            self.order_sink.fence = (lease.key, lambda: lease.value if lease.held else None)
+        if isinstance(self.order_sink, (RedisStreamSink, WebhookSink, LmcacheSink)):
+            # Every sink that sends outside: nothing of a lapsed term goes out.
+            self.order_sink.fence = Fence(lease.key, lambda: lease.value if lease.held else None)
         self.metrics.planning_leader.set(0)
         return lease
 

@@ -15,7 +15,7 @@ from app.core.config import Settings
 from app.core.errors import ConfigError
 from app.decide.fleet_feed import FleetFeed
 from app.decide.lease import PlanningLease, lease_key
-from app.deliver import RedisStreamSink, SinkError
+from app.deliver import Fence, RedisStreamSink, SinkError
 from app.engine import Engine
 from kvprefetch_client.events import SessionClosed
 from tests.deliver.conftest import order
@@ -195,7 +195,7 @@ def test_the_stream_sink_adds_nothing_for_a_replica_that_does_not_hold_the_lease
         sink = RedisStreamSink.from_url(redis_url, f"{clean_redis}:sink")
         try:
             assert await a.step()
-            sink.fence = (a.key, lambda: a.value if a.held else None)
+            sink.fence = Fence(a.key, lambda: a.value if a.held else None)
             assert await sink.submit([order("one")]) == ["one"]
             r.delete(lease_key(clean_redis))  # ran out (a paused past it) and b took it
             assert await b.step()
