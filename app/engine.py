@@ -369,6 +369,17 @@ class Engine:
         await self.store_thread.run(self.scheduler.take_over, 0, {}, fail_fast=False)
         self.metrics.planning_leader.set(0)
 
+    def order_owner(self, order_id: str) -> tuple[str | None, str | None]:
+        """An order's instance and the agent it is leased to, as far as this replica knows
+        (the pull queue knows both; the planner's open orders the instance): (None, None) for
+        an order it does not know. What a bound token's order_progress is checked against."""
+        if isinstance(self.order_sink, PullQueue):
+            owned = self.order_sink.owner(order_id)
+            if owned is not None:
+                return owned
+        order = self.scheduler.open_order(order_id)
+        return (order.instance_id if order is not None else None), None
+
     def _check_clock(self) -> None:
         try:
             ahead = self.ingestor.newest_ahead_of_clock()
