@@ -252,3 +252,32 @@ def test_a_lease_needs_the_redis_store_and_a_sink_every_replica_reaches(
     )
     with pytest.raises(ConfigError, match=needs):
         Engine(settings)
+
+
+@pytest.mark.parametrize("sink", ["redis", "webhook", "lmcache"])
+def test_every_sink_that_sends_outside_is_fenced_by_the_lease(
+    tmp_path: Path, redis_url: str, clean_redis: str, sink: str
+) -> None:
+    async def body() -> None:
+        settings = Settings(
+            data_dir=tmp_path,
+            store="redis",
+            redis_url=redis_url,
+            redis_prefix=clean_redis,
+            order_sink=sink,  # type: ignore[arg-type]
+            order_webhook_url="http://127.0.0.1:9/orders",
+            lmcache_model_name="m",
+            planning_lease_seconds=1.0,
+            log_fsync=False,
+        )
+        engine = Engine(settings)
+        try:
+            fence = engine.order_sink.fence  # type: ignore[attr-defined]
+            assert isinstance(fence, Fence) and fence.key == lease_key(clean_redis)
+            assert fence.value() is None  # not taken yet: nothing may go out
+            assert engine.lease is not None and await engine.lease.step()
+            assert fence.value() == engine.lease.value
+        finally:
+            await engine.close()
+
+    asyncio.run(body())
