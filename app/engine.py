@@ -37,7 +37,15 @@ from app.decide.popularity import PrefixPopularity
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
 from app.decide.score_loop import Scorer
-from app.deliver import LmcacheSink, OrderSink, PullQueue, RedisStreamSink, build_sink
+from app.deliver import (
+    Fence,
+    LmcacheSink,
+    OrderSink,
+    PullQueue,
+    RedisStreamSink,
+    WebhookSink,
+    build_sink,
+)
 from app.ingest.backlog import Backlog
 from app.ingest.eventlog import EventLog
 from app.ingest.ingestor import Ingestor, IngestResult, Observer, Prepared
@@ -328,8 +336,9 @@ class Engine:
         )
         lease.on_gain = self._take_over
         lease.on_loss = self._lose_lease
-        if isinstance(self.order_sink, RedisStreamSink):
-            self.order_sink.fence = (lease.key, lambda: lease.value if lease.held else None)
+        if isinstance(self.order_sink, (RedisStreamSink, WebhookSink, LmcacheSink)):
+            # Every sink that sends outside: nothing of a lapsed term goes out.
+            self.order_sink.fence = Fence(lease.key, lambda: lease.value if lease.held else None)
         self.metrics.planning_leader.set(0)
         return lease
 
@@ -362,6 +371,17 @@ class Engine:
         # count on two replicas.
         await self.store_thread.run(self.scheduler.take_over, 0, {}, fail_fast=False)
         self.metrics.planning_leader.set(0)
+
+    def order_owner(self, order_id: str) -> tuple[str | None, str | None]:
+        """An order's instance and the agent it is leased to, as far as this replica knows
+        (the pull queue knows both; the planner's open orders the instance): (None, None) for
+        an order it does not know. What a bound token's order_progress is checked against."""
+        if isinstance(self.order_sink, PullQueue):
+            owned = self.order_sink.owner(order_id)
+            if owned is not None:
+                return owned
+        order = self.scheduler.open_order(order_id)
+        return (order.instance_id if order is not None else None), None
 
     def _check_clock(self) -> None:
         try:

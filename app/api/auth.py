@@ -110,6 +110,8 @@ IngestScope = Depends(requires(Scope.INGEST))
 AgentScope = Depends(requires(Scope.AGENT))
 AdminScope = Depends(requires(Scope.ADMIN))
 ObservabilityScope = Depends(_observability)
+# The orders routes: the same dependency as their router's, so FastAPI runs it once.
+AgentCaller = Annotated[Principal, AgentScope]
 # POST /v1/events: agents post their order progress and block residency through it too.
 EventsCaller = Annotated[Principal, Depends(requires(Scope.INGEST, Scope.AGENT))]
 

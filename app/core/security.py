@@ -6,6 +6,10 @@ A token grants one or more scopes:
   admin   operators: reload or shadow the model, read the configuration
   read    the state, scheduler and model views; every token has it
 
+A token from KVP_TOKENS_FILE may also be bound (`instances`, `agents`: fnmatch patterns): it then
+acts only for those instances and agent names (app/api/bindings.py says where that is checked).
+Unbound, it acts for all, as the env tokens do.
+
 Tokens come from KVP_INGEST_TOKEN / KVP_AGENT_TOKEN / KVP_ADMIN_TOKEN and from KVP_TOKENS_FILE
 (TOML, see docs/operators/security.md). Only SHA-256 digests are kept once loaded, so a token never
 reaches a log, a repr or a dump of the settings. With no token at all, authentication is off and
@@ -20,6 +24,7 @@ import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,13 +46,35 @@ class Scope(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Principal:
-    """Who a request authenticated as: the token's name (never the token) and its scopes."""
+    """Who a request authenticated as: the token's name (never the token), its scopes, and the
+    instance ids and agent names it acts for (fnmatch patterns; None: any)."""
 
     name: str
     scopes: frozenset[Scope]
+    instances: tuple[str, ...] | None = None
+    agents: tuple[str, ...] | None = None
 
     def allows(self, scopes: Iterable[Scope]) -> bool:
         return any(s in self.scopes for s in scopes)
+
+    def acts_for_instance(self, instance_id: str | None) -> bool:
+        """Whether this token may speak for `instance_id` (None: a shared tier, no instance's:
+        only an unbound token may)."""
+        if self.instances is None:
+            return True
+        return instance_id is not None and any(fnmatchcase(instance_id, p) for p in self.instances)
+
+    def acts_as_agent(self, agent: str | None) -> bool:
+        if self.agents is None:
+            return True
+        return agent is not None and any(fnmatchcase(agent, p) for p in self.agents)
+
+
+def _union(a: tuple[str, ...] | None, b: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """Bindings of one token given in several places: what any of them grants (unbound: all)."""
+    if a is None or b is None:
+        return None
+    return tuple(dict.fromkeys(a + b))
 
 
 # Authentication off (no tokens configured): the caller is on loopback and may do anything.
@@ -79,6 +106,8 @@ class TokenTable:
         *,
         token: str | None = None,
         sha256: str | None = None,
+        instances: Iterable[str] | None = None,
+        agents: Iterable[str] | None = None,
     ) -> None:
         if (token is None) == (sha256 is None):
             raise ConfigError(f"token {name!r}: give exactly one of token and sha256")
@@ -88,11 +117,15 @@ class TokenTable:
         if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
             raise ConfigError(f"token {name!r}: sha256 must be 64 hex digits")
         granted = frozenset(scopes) | {Scope.READ}
+        bound_instances = tuple(instances) if instances is not None else None
+        bound_agents = tuple(agents) if agents is not None else None
         held = self._by_digest.get(digest)
         if held is not None:  # one token named in several places holds every scope given to it
             granted |= held.scopes
             name = held.name
-        self._by_digest[digest] = Principal(name, granted)
+            bound_instances = _union(held.instances, bound_instances)
+            bound_agents = _union(held.agents, bound_agents)
+        self._by_digest[digest] = Principal(name, granted, bound_instances, bound_agents)
 
     def authenticate(self, token: str) -> Principal | None:
         return self._by_digest.get(token_digest(token))
@@ -100,6 +133,19 @@ class TokenTable:
     def names(self) -> dict[str, list[str]]:
         """Each token's name and scopes, for the configuration view (no digests)."""
         return {p.name: sorted(p.scopes) for p in self._by_digest.values()}
+
+    def bindings(self) -> dict[str, dict[str, list[str]]]:
+        """Each bound token's instance and agent patterns, for the configuration view."""
+        out: dict[str, dict[str, list[str]]] = {}
+        for p in self._by_digest.values():
+            bound = {
+                key: list(patterns)
+                for key, patterns in (("instances", p.instances), ("agents", p.agents))
+                if patterns is not None
+            }
+            if bound:
+                out[p.name] = bound
+        return out
 
 
 def load_tokens(settings: Settings) -> TokenTable:
@@ -128,7 +174,7 @@ def _load_file(table: TokenTable, path: Path) -> None:
         where = f"KVP_TOKENS_FILE {path}: tokens[{i}]"
         if not isinstance(entry, dict):
             raise ConfigError(f"{where}: expected a table")
-        unknown = sorted(set(entry) - {"name", "scopes", "token", "sha256"})
+        unknown = sorted(set(entry) - {"name", "scopes", "token", "sha256", "instances", "agents"})
         if unknown:
             raise ConfigError(f"{where}: unknown key {unknown[0]!r}")
         name, scopes = entry.get("name"), entry.get("scopes")
@@ -144,10 +190,32 @@ def _load_file(table: TokenTable, path: Path) -> None:
             raise ConfigError(
                 f"{where} ({name}): scopes must be among ingest, agent, admin, read"
             ) from None
+        bound = {key: _patterns(entry, key, f"{where} ({name})") for key in ("instances", "agents")}
         try:
-            table.add(name, parsed, token=entry.get("token"), sha256=entry.get("sha256"))
+            table.add(
+                name,
+                parsed,
+                token=entry.get("token"),
+                sha256=entry.get("sha256"),
+                instances=bound["instances"],
+                agents=bound["agents"],
+            )
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+
+
+def _patterns(entry: dict[str, object], key: str, where: str) -> list[str] | None:
+    """An entry's `instances` or `agents`: None when absent (unbound), else a non-empty list of
+    fnmatch patterns."""
+    if key not in entry:
+        return None
+    value = entry[key]
+    if not isinstance(value, list) or not value or not all(isinstance(p, str) and p for p in value):
+        raise ConfigError(
+            f"{where}: {key} must be a non-empty list of names or fnmatch patterns "
+            f'(e.g. ["gpu-a-*"]); leave it out to act for all'
+        )
+    return list(value)
 
 
 def is_loopback(host: str) -> bool:

@@ -106,6 +106,9 @@ class PlanningLease:
         self._valid_until = 0.0
         self._written: dict[str, str] = {}  # the hand-over state as last written
         self.terms = 0  # terms won by this replica
+        # Between a term's on_gain and its on_loss: what makes on_loss run once per term, even
+        # when `held` lapsed by the clock before this replica noticed (a pause, an outage).
+        self.leading = False
         self.on_gain: Callable[[int, dict[str, str]], Awaitable[None]] | None = None
         self.on_loss: Callable[[], Awaitable[None]] | None = None
 
@@ -127,13 +130,19 @@ class PlanningLease:
     async def step(self) -> bool:
         """Take or renew the lease once; whether this replica holds it afterwards."""
         started = self._now()
-        was = self.held
+        if self.value is not None and not self.held:
+            # Lapsed while this replica was paused or cut off: another may plan already. Step
+            # down before anything else, whatever Redis now says; a term begun afresh is new.
+            log.warning("planning lease lapsed (%s): stepping down", self.value)
+            await self.release()
+            await self._step_down()
         try:
             if self.value is not None:
                 kept = bool(await self._renew(keys=[self.key], args=[self.value, self._ms]))
                 if not kept:
                     log.warning("planning lease lost (%s): another replica plans", self.value)
                     self.value = None
+                    await self._step_down()
             if self.value is None:
                 token = int(
                     await self._acquire(
@@ -155,14 +164,22 @@ class PlanningLease:
                             log.exception("planning term %d not begun: lease given up", token)
                             await self.release()
                             return False
+                    self.leading = True
                     return True
             else:
                 self._valid_until = started + self.lease_seconds * (1 - DRIFT_SHARE)
         except redis.RedisError as exc:
             log.warning("planning lease not renewed: %s", exc)
-        if was and not self.held and self.on_loss is not None:
-            await self.on_loss()
+        if not self.held:
+            await self._step_down()
         return self.held
+
+    async def _step_down(self) -> None:
+        """End this replica's term, once: `on_loss` hands its open orders over."""
+        if self.leading:
+            self.leading = False
+            if self.on_loss is not None:
+                await self.on_loss()
 
     async def write_state(self, state: Mapping[str, str]) -> bool:
         """Write what changed in the hand-over state since the last write, only while this

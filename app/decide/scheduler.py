@@ -335,6 +335,11 @@ class Scheduler:
 
     # -- views ------------------------------------------------------------------------------
 
+    def open_order(self, order_id: str) -> Order | None:
+        """One open order by id (a dict read: safe from the loop while the store thread plans)."""
+        e = self._open.get(order_id)
+        return None if e is None else e.order
+
     def open_orders(self) -> list[Order]:
         # Copied at once (one C call): with the Redis store the planning side changes _open on
         # the store thread while a route on the loop reads (app/state/storethread.py).

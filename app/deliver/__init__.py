@@ -22,7 +22,15 @@ from typing import TYPE_CHECKING
 
 from app.core.errors import ConfigError
 from app.core.redact import mask_url
-from app.deliver.base import OrderSink, SinkClosed, SinkError, SinkRejected, SinkUnavailable
+from app.deliver.base import (
+    OrderSink,
+    SinkClosed,
+    SinkError,
+    SinkFenced,
+    SinkRejected,
+    SinkUnavailable,
+)
+from app.deliver.fence import Fence
 from app.deliver.lmcache import LmcacheSink
 from app.deliver.memory import InProcessSink
 from app.deliver.pull import Lease, PullQueue
@@ -42,6 +50,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GROUP",
+    "Fence",
     "InProcessSink",
     "Lease",
     "LmcacheSink",
@@ -50,6 +59,7 @@ __all__ = [
     "RedisStreamSink",
     "SinkClosed",
     "SinkError",
+    "SinkFenced",
     "SinkRejected",
     "SinkUnavailable",
     "TokenIndex",

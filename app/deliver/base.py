@@ -25,6 +25,8 @@ Errors, under app.core.errors.KvpError:
         +-- SinkRejected     the receiver refused the messages (HTTP 4xx other than 429): do not
         |                    retry them as they are
         +-- SinkClosed       the sink was closed
+        +-- SinkFenced       this replica no longer holds the planning lease: nothing sent
+                             (app/deliver/fence.py)
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ class SinkRejected(SinkError):
 
 
 class SinkClosed(SinkError):
+    pass
+
+
+class SinkFenced(SinkError):
     pass
 
 

@@ -29,6 +29,10 @@ planner but SinkClosed.
 `MAX_PENDING_ORDERS` wait or talk: past that an order fails at once); it returns the ids taken. A
 cancel withdraws an order still waiting for its turn; one whose first call was made runs on
 (LMCache has no cancel). Ids are taken once per dedupe window, as every sink does.
+
+With a planning lease the engine sets `fence` (app/deliver/fence.py): each call that changes
+LMCache (prefetch, pin, delete) is made only while this replica holds the lease; else the order
+fails `fenced`, nothing sent. Polls, and the release of the pins this sink made, are not fenced.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ import httpx
 from app.core.errors import KvpError
 from app.core.redact import mask_url
 from app.deliver._dedupe import RecentIds
-from app.deliver.base import SinkClosed
+from app.deliver.base import SinkClosed, SinkFenced
+from app.deliver.fence import Fence
 from app.deliver.token_index import TokenIndex, UnknownTokens
 from kvprefetch_client.agent.runner import progress_event_id
 from kvprefetch_client.events import OrderProgress
@@ -76,8 +81,11 @@ FAILURE_KINDS = (
     "timeout",  # a prefetch still pending at its deadline
     "not_found",  # a prefetch done, none of its chunks in LMCache
     "lmcache_error",  # a prefetch LMCache reported as neither pending nor completed
+    "fenced",  # this replica no longer holds the planning lease (app/deliver/fence.py)
 )
 CALLS = ("prefetch", "poll", "pin", "unpin", "delete")
+# What a replica that lost the planning lease must not do: act on an order of its old term.
+FENCED_CALLS = frozenset({"prefetch", "pin", "delete"})
 
 Reporter = Callable[[Sequence[OrderProgress]], Awaitable[None]]
 DemoteTier = Literal["l1", "l2", "all"]
@@ -166,6 +174,7 @@ class LmcacheSink:
         self._turns = asyncio.Semaphore(MAX_CONCURRENT_ORDERS)
         self._closed = False
         self.last_error: str | None = None
+        self.fence: Fence | None = None  # set by the engine with a planning lease
 
     def bind(
         self,
@@ -390,6 +399,11 @@ class LmcacheSink:
         problem = ""
         where = order.instance_id if order is not None else "the coordinator"
         for attempt in range(1, self.max_attempts + 1):
+            if self.fence is not None and call in FENCED_CALLS:
+                try:
+                    self.fence.check()
+                except SinkFenced as exc:
+                    raise _Failed("fenced", f"lmcache: {call} not made: {exc}") from None
             try:
                 response = await self._http.request(method, path, json=body)
             except httpx.TimeoutException:
@@ -499,4 +513,4 @@ def _detail(response: httpx.Response) -> str:
     return str(body)[:300]
 
 
-__all__ = ["CALLS", "FAILURE_KINDS", "LmcacheMetrics", "LmcacheSink", "Reporter"]
+__all__ = ["CALLS", "FAILURE_KINDS", "FENCED_CALLS", "LmcacheMetrics", "LmcacheSink", "Reporter"]

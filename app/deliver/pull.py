@@ -247,6 +247,12 @@ class PullQueue:
                 self._forget(e.order_id)
                 self.stats["done"] += 1
 
+    def owner(self, order_id: str) -> tuple[str, str | None] | None:
+        """A held order's instance and the agent it was leased to last (None: unnamed or not
+        leased yet); None when this queue does not hold it."""
+        held = self._held(order_id)
+        return None if held is None else (held.order.instance_id, held.holder)
+
     def held(self, instance_id: str | None = None) -> int:
         """Orders held (pending or started), for one instance or all."""
         if instance_id is None:

@@ -30,10 +30,10 @@ Once per order id: a Lua script sets the id key with SET NX EX and, only when th
 the entry, both atomically, so a resubmission from this or any other replica, or after a restart,
 within the window adds nothing; and no id is ever marked without its entry being added.
 
-With a planning lease (several replicas, decisions.md 23) the engine sets `fence`: the lease's key
-and this replica's value while it holds it. Both scripts then add nothing unless the lease still
-holds that value, in the same call, so a planner that paused past its lease sends nothing when
-it wakes (the call fails with a FENCED error).
+With a planning lease (several replicas, decisions.md 23) the engine sets `fence`
+(app/deliver/fence.py): the lease's key and this replica's value while it holds it. Both
+scripts then add nothing unless the lease still holds that value, in the same call, so a planner
+that paused past its lease sends nothing when it wakes (SinkFenced, a FENCED error).
 
 A Cancel carries only the order id: the cancel script reads the order's id key, in the same call,
 for the instance, and adds the Cancel to that instance's stream. A cancel for an id this sink
@@ -52,13 +52,14 @@ for one instance's backlog.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import redis
 import redis.asyncio as aredis
 
-from app.deliver.base import SinkClosed, SinkError, SinkUnavailable
+from app.deliver.base import SinkClosed, SinkError, SinkFenced, SinkUnavailable
+from app.deliver.fence import Fence
 from kvprefetch_client.orders import Cancel, Order
 
 GROUP = "kvp-agents"
@@ -176,14 +177,14 @@ class RedisStreamSink:
         self._submit = client.register_script(_SUBMIT)
         self._cancel = client.register_script(_CANCEL)
         self._closed = False
-        # Set by the engine with a planning lease: its key, and its value while held (or None).
-        self.fence: tuple[str, Callable[[], str | None]] | None = None
+        # Set by the engine with a planning lease (app/deliver/fence.py).
+        self.fence: Fence | None = None
 
     def _fence_args(self) -> list[str]:
         if self.fence is None:
             return ["", ""]
-        key, value = self.fence
-        return [key, value() or "not held"]
+        # Checked here too, so a lapsed holder does not even call; the script checks Redis.
+        return [self.fence.key, self.fence.check()]
 
     @classmethod
     def from_url(
@@ -248,6 +249,13 @@ class RedisStreamSink:
                 keys, args = call(chunk)
                 positions = await script(keys=keys, args=args)
                 added.extend(chunk[int(p) - 1].order_id for p in positions)
+        except redis.ResponseError as exc:
+            if str(exc).startswith("FENCED"):
+                raise SinkFenced(str(exc)) from exc
+            raise SinkError(
+                f"Redis at {self._where()} failed adding to the streams "
+                f"{self.stream_key('*')}: {exc}"
+            ) from exc
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise SinkUnavailable(f"Redis at {self._where()} did not answer: {exc}") from exc
         except redis.RedisError as exc:

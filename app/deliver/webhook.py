@@ -12,6 +12,9 @@ at `max_backoff_seconds`), or after the receiver's `Retry-After` when it sends o
 longer than `max_backoff_seconds` is honoured by giving up at once (SinkUnavailable naming it)
 rather than by holding the caller that long. Other 4xx answers are the receiver refusing the batch:
 SinkRejected at once, no retry. The last failure is also kept on `last_error`.
+
+With a planning lease the engine sets `fence` (app/deliver/fence.py): each POST, retries
+included, goes out only while this replica holds the lease; else SinkFenced, nothing sent.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import httpx
 from app.core.redact import mask_url
 from app.deliver._dedupe import RecentIds
 from app.deliver.base import SinkClosed, SinkRejected, SinkUnavailable
+from app.deliver.fence import Fence
 from kvprefetch_client.orders import Cancel, Order
 
 # Messages per POST: about 1 KB each with a few dozen blocks, so a batch stays well under the
@@ -73,6 +77,7 @@ class WebhookSink:
         self._orders = RecentIds(dedupe_seconds, clock=clock)
         self._cancels = RecentIds(dedupe_seconds, clock=clock)
         self._closed = False
+        self.fence: Fence | None = None  # set by the engine with a planning lease
 
     async def submit(self, orders: Sequence[Order]) -> list[str]:
         return await self._deliver(orders, self._orders)
@@ -109,6 +114,8 @@ class WebhookSink:
         problem = ""
         for attempt in range(1, self.max_attempts + 1):
             wait = self._backoff(attempt)
+            if self.fence is not None:
+                self.fence.check()  # a holder that paused past its lease sends nothing
             try:
                 response = await self._http.post(self.url, content=body, headers=headers)
             except httpx.TransportError as exc:

@@ -13,9 +13,13 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from app.api.main import create_app
+from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.core.errors import ConfigError
+from app.deliver import PullQueue
+from kvprefetch_client.orders import Cancel
 from tests.api.conftest import routed
+from tests.deliver.conftest import order
 
 INGEST = "ingest-token-0123456789"
 AGENT = "agent-token-0123456789a"
@@ -398,3 +402,150 @@ def test_the_startup_line_names_the_redis_store_without_its_password(
         pass
     assert "store=redis at redis://:****@cache.internal:6380/2" in caplog.text
     assert REDIS_PASSWORD not in caplog.text
+
+
+# -- tokens bound to instances and agents -------------------------------------------------------
+
+FLEET_A = "fleet-a-token-0123456789"
+FLEET_B = "fleet-b-token-0123456789"
+
+
+@pytest.fixture
+def bound(tmp_path: Path) -> Iterator[TestClient]:
+    """Two fleets' agent tokens, each bound to its instances and agent names; the env's agent
+    token unbound, as before bindings existed."""
+    tokens = tmp_path / "tokens.toml"
+    tokens.write_text(
+        f"""
+[[tokens]]
+name = "fleet-a"
+scopes = ["agent"]
+token = "{FLEET_A}"
+instances = ["gpu-a-*"]
+agents = ["agent-a*"]
+
+[[tokens]]
+name = "fleet-b"
+scopes = ["agent"]
+token = "{FLEET_B}"
+instances = ["gpu-b-*"]
+agents = ["agent-b"]
+"""
+    )
+    settings = Settings(
+        data_dir=tmp_path,
+        log_fsync=False,
+        agent_token=AGENT,
+        admin_token=ADMIN,
+        tokens_file=tokens,
+        score_interval_seconds=0,
+        plan_interval_seconds=0,
+        dashboard_sample_seconds=0,
+    )
+    with TestClient(create_app(settings, clock=ManualClock(11.0))) as c:
+        yield c
+
+
+def blocks(kind: str, event_id: str, instance_id: str | None, **kw: Any) -> dict[str, Any]:
+    event: dict[str, Any] = {"type": kind, "event_id": event_id, "ts": 11.0, **kw}
+    if instance_id is None:
+        event["tier"] = "pool"
+    else:
+        event["instance_id"] = instance_id
+    if kind != "kv_blocks_cleared":
+        event["block_hashes"] = [1, 2]
+    return event
+
+
+def refused(response: Any, field: str, *words: str) -> None:
+    assert response.status_code == 403, response.text
+    body = response.json()
+    assert body["field"] == field, body
+    assert all(w in body["detail"] for w in words), body
+
+
+def pull_queue(client: TestClient) -> PullQueue:
+    sink = client.app.state.engine.order_sink  # type: ignore[attr-defined]
+    assert isinstance(sink, PullQueue)
+    return sink
+
+
+@pytest.mark.parametrize("kind", ["kv_blocks_stored", "kv_blocks_removed", "kv_blocks_cleared"])
+def test_a_bound_token_posts_block_events_only_for_its_instances(
+    bound: TestClient, kind: str
+) -> None:
+    ok = [blocks(kind, "e0", "gpu-a-0")]
+    assert post_events(bound, ok, FLEET_A).status_code == 200
+    # Fleet b's instance, second in the batch: refused by its index, nothing of it taken.
+    batch = [blocks(kind, "e1", "gpu-a-1"), blocks(kind, "e2", "gpu-b-0")]
+    refused(post_events(bound, batch, FLEET_A), "events[1].instance_id", "gpu-b-0", "fleet-a")
+    # The shared pool is no instance's: a bound token does not speak for it.
+    refused(post_events(bound, [blocks(kind, "e3", None)], FLEET_A), "events[0].instance_id")
+    answer = post_events(bound, batch, FLEET_B)
+    refused(answer, "events[0].instance_id", "gpu-a-1")
+    # Unbound, as before: anything.
+    batch = [*batch, blocks(kind, "e3", None)]
+    assert post_events(bound, batch, AGENT).json()["accepted"] == ["e1", "e2", "e3"]
+
+
+def test_a_bound_token_may_not_report_progress_of_another_agents_order(bound: TestClient) -> None:
+    queue = pull_queue(bound)
+    queue.submit_nowait([order("oa", "gpu-a-0"), order("ob", "gpu-b-0")])
+    got = bound.get("/v1/orders?instance_id=gpu-a-0&agent=agent-a1", headers=bearer(FLEET_A))
+    assert [o["order_id"] for o in got.json()["orders"]] == ["oa"]
+    # Fleet b marks a's leased order failed: refused, and a's renewal still holds it.
+    failed = {**progress("p1", "oa"), "status": "failed", "reason": "no"}
+    refused(post_events(bound, [failed], FLEET_B), "events[0].order_id", "oa", "gpu-a-0")
+    # Within fleet a, another agent name than the one it is leased to: refused too.
+    fleet_a_too = bound.get(
+        "/v1/orders?instance_id=gpu-a-0&agent=agent-a2", headers=bearer(FLEET_A)
+    )
+    assert fleet_a_too.json()["orders"] == []
+    renew = {"instance_id": "gpu-a-0", "agent": "agent-a1", "order_ids": ["oa"]}
+    answer = bound.post("/v1/orders/renew", json=renew, headers=bearer(FLEET_A))
+    assert answer.json()["renewed"] == ["oa"]
+    # Its own agent reports it; an order of b's instance it may not.
+    assert post_events(bound, [progress("p2", "oa")], FLEET_A).status_code == 200
+    refused(post_events(bound, [progress("p3", "ob")], FLEET_A), "events[0].order_id", "gpu-b-0")
+    # An order leased to an agent name the token does not have.
+    got = bound.get("/v1/orders?instance_id=gpu-b-0&agent=agent-x", headers=bearer(AGENT))
+    assert [o["order_id"] for o in got.json()["orders"]] == ["ob"]
+    refused(
+        post_events(bound, [progress("p4", "ob")], FLEET_B),
+        "events[0].order_id",
+        "agent-x",
+        "fleet-b",
+    )
+    # The unbound agent token may, as before.
+    assert post_events(bound, [progress("p5", "ob")], AGENT).status_code == 200
+
+
+def test_a_bound_token_pulls_and_renews_only_for_its_instances_and_agents(
+    bound: TestClient,
+) -> None:
+    queue = pull_queue(bound)
+    queue.submit_nowait([order("oa", "gpu-a-0")])
+    queue.cancel_nowait([Cancel(order_id="oa", reason="closed")])
+    # Fleet b pulling gpu-a-0 would take its orders and consume its pending cancels.
+    answer = bound.get("/v1/orders?instance_id=gpu-a-0&agent=agent-b", headers=bearer(FLEET_B))
+    refused(answer, "instance_id", "gpu-a-0", "fleet-b")
+    answer = bound.get("/v1/orders?instance_id=gpu-b-0&agent=agent-a1", headers=bearer(FLEET_B))
+    refused(answer, "agent", "agent-a1")
+    # A token that names agents leases under one of them only.
+    refused(bound.get("/v1/orders?instance_id=gpu-b-0", headers=bearer(FLEET_B)), "agent")
+    renew = {"instance_id": "gpu-a-0", "agent": "agent-b", "order_ids": ["oa"]}
+    answer = bound.post("/v1/orders/renew", json=renew, headers=bearer(FLEET_B))
+    refused(answer, "instance_id", "gpu-a-0")
+    # The cancel is still there for fleet a's own pull.
+    answer = bound.get("/v1/orders?instance_id=gpu-a-0&agent=agent-a1", headers=bearer(FLEET_A))
+    assert answer.json()["cancelled"] == ["oa"]
+    # The unbound agent token pulls any instance, as before.
+    assert bound.get("/v1/orders?instance_id=gpu-z", headers=bearer(AGENT)).status_code == 200
+
+
+def test_config_shows_the_bindings(bound: TestClient) -> None:
+    body = bound.get("/v1/config", headers=bearer(ADMIN)).json()
+    assert body["bindings"] == {
+        "fleet-a": {"instances": ["gpu-a-*"], "agents": ["agent-a*"]},
+        "fleet-b": {"instances": ["gpu-b-*"], "agents": ["agent-b"]},
+    }

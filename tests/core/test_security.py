@@ -18,6 +18,7 @@ from app.core.security import (
 
 INGEST = "ingest-token-0123456789"
 ADMIN = "admin-token-0123456789ab"
+AGENT = "agent-token-0123456789a"
 
 
 def test_env_tokens_grant_their_scope_and_read() -> None:
@@ -133,3 +134,37 @@ def test_an_unauthenticated_service_may_not_bind_a_public_address(host: str) -> 
 
 def test_the_local_principal_holds_every_scope() -> None:
     assert LOCAL.allows([Scope.ADMIN]) and LOCAL.allows([Scope.AGENT])
+
+
+def test_a_token_may_be_bound_to_instances_and_agents(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.toml"
+    path.write_text(f'''
+[[tokens]]
+name = "fleet-a"
+scopes = ["agent"]
+token = "{AGENT}"
+instances = ["gpu-a-*", "gpu-x"]
+agents = ["agent-a?"]
+''')
+    table = load_tokens(Settings(tokens_file=path, ingest_token=INGEST))
+    fleet = table.authenticate(AGENT)
+    assert fleet is not None and fleet.instances == ("gpu-a-*", "gpu-x")
+    assert fleet.acts_for_instance("gpu-a-7") and fleet.acts_for_instance("gpu-x")
+    assert not fleet.acts_for_instance("gpu-b-0") and not fleet.acts_for_instance(None)
+    assert fleet.acts_as_agent("agent-a1") and not fleet.acts_as_agent("agent-b1")
+    assert not fleet.acts_as_agent(None)
+    router = table.authenticate(INGEST)  # unbound: acts for all, as before
+    assert router is not None and router.acts_for_instance("gpu-b-0") and router.acts_as_agent(None)
+    assert table.bindings() == {
+        "fleet-a": {"instances": ["gpu-a-*", "gpu-x"], "agents": ["agent-a?"]}
+    }
+
+
+@pytest.mark.parametrize("value", ["[]", '"gpu-a-*"', '[""]', "[1]"])
+def test_a_binding_is_a_non_empty_list_of_patterns(tmp_path: Path, value: str) -> None:
+    path = tmp_path / "tokens.toml"
+    path.write_text(
+        f'[[tokens]]\nname = "a"\nscopes = ["agent"]\ntoken = "{AGENT}"\ninstances = {value}\n'
+    )
+    with pytest.raises(ConfigError, match=r"tokens\[0\] \(a\): instances must be a non-empty"):
+        load_tokens(Settings(tokens_file=path))

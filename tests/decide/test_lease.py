@@ -15,7 +15,7 @@ from app.core.config import Settings
 from app.core.errors import ConfigError
 from app.decide.fleet_feed import FleetFeed
 from app.decide.lease import PlanningLease, lease_key
-from app.deliver import RedisStreamSink, SinkError
+from app.deliver import Fence, RedisStreamSink, SinkError
 from app.engine import Engine
 from kvprefetch_client.events import SessionClosed
 from tests.deliver.conftest import order
@@ -106,6 +106,87 @@ def test_a_holder_stops_counting_itself_the_holder_before_redis_lets_it_go(
     asyncio.run(body())
 
 
+def test_a_holder_paused_past_its_lease_steps_down_once_on_resuming(
+    redis_url: str, clean_redis: str, r: redis.Redis
+) -> None:
+    async def body() -> None:
+        clock_a, clock_b = Clock(), Clock()
+        a = lease(redis_url, clean_redis, "a", clock_a)
+        b = lease(redis_url, clean_redis, "b", clock_b)
+        calls: list[tuple[str, object]] = []
+
+        def on_gain(name: str):
+            async def gain(token: int, state: dict[str, str]) -> None:
+                calls.append((f"gain {name}", state))
+
+            return gain
+
+        def on_loss(name: str):
+            async def loss() -> None:
+                calls.append((f"loss {name}", None))
+
+            return loss
+
+        a.on_gain, a.on_loss = on_gain("a"), on_loss("a")
+        b.on_gain, b.on_loss = on_gain("b"), on_loss("b")
+        try:
+            assert await a.step()
+            assert await a.write_state({"o:x": "1{}"})
+            # a pauses (SIGSTOP) past its lease: its key runs out in Redis and b takes over.
+            clock_a.now = LEASE_SECONDS * 5
+            r.delete(lease_key(clean_redis))
+            assert await b.step()
+            # a resumes: it finds its lease lapsed and steps down at once, once.
+            assert not a.held
+            assert not await a.step()
+            assert not await a.step()
+            assert not a.leading
+            assert calls == [
+                ("gain a", {}),
+                ("gain b", {"o:x": "1{}"}),  # a's open order handed over, once
+                ("loss a", None),
+            ]
+            assert r.get(lease_key(clean_redis)) == b"b|2"  # b's lease untouched by a
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(body())
+
+
+def test_a_holder_cut_off_past_its_lease_steps_down_once_and_may_begin_a_new_term(
+    redis_url: str, clean_redis: str, r: redis.Redis
+) -> None:
+    async def body() -> None:
+        clock = Clock()
+        a = lease(redis_url, clean_redis, "a", clock)
+        losses: list[int] = []
+
+        async def gain(token: int, state: dict[str, str]) -> None:
+            pass
+
+        async def loss() -> None:
+            losses.append(a.token)
+
+        a.on_gain, a.on_loss = gain, loss
+        try:
+            assert await a.step() and a.token == 1
+            # Nobody took it while a was away (its key ran out): a steps down, then takes a
+            # new term, whose loss is a loss of its own.
+            clock.now = LEASE_SECONDS * 5
+            r.delete(lease_key(clean_redis))
+            assert await a.step() and a.token == 2 and a.leading
+            assert losses == [1]
+            clock.now = LEASE_SECONDS * 10
+            r.set(lease_key(clean_redis), "b|3")
+            assert not await a.step()
+            assert losses == [1, 2]
+        finally:
+            await a.close()
+
+    asyncio.run(body())
+
+
 def test_the_stream_sink_adds_nothing_for_a_replica_that_does_not_hold_the_lease(
     redis_url: str, clean_redis: str, r: redis.Redis
 ) -> None:
@@ -114,7 +195,7 @@ def test_the_stream_sink_adds_nothing_for_a_replica_that_does_not_hold_the_lease
         sink = RedisStreamSink.from_url(redis_url, f"{clean_redis}:sink")
         try:
             assert await a.step()
-            sink.fence = (a.key, lambda: a.value if a.held else None)
+            sink.fence = Fence(a.key, lambda: a.value if a.held else None)
             assert await sink.submit([order("one")]) == ["one"]
             r.delete(lease_key(clean_redis))  # ran out (a paused past it) and b took it
             assert await b.step()
@@ -171,3 +252,32 @@ def test_a_lease_needs_the_redis_store_and_a_sink_every_replica_reaches(
     )
     with pytest.raises(ConfigError, match=needs):
         Engine(settings)
+
+
+@pytest.mark.parametrize("sink", ["redis", "webhook", "lmcache"])
+def test_every_sink_that_sends_outside_is_fenced_by_the_lease(
+    tmp_path: Path, redis_url: str, clean_redis: str, sink: str
+) -> None:
+    async def body() -> None:
+        settings = Settings(
+            data_dir=tmp_path,
+            store="redis",
+            redis_url=redis_url,
+            redis_prefix=clean_redis,
+            order_sink=sink,  # type: ignore[arg-type]
+            order_webhook_url="http://127.0.0.1:9/orders",
+            lmcache_model_name="m",
+            planning_lease_seconds=1.0,
+            log_fsync=False,
+        )
+        engine = Engine(settings)
+        try:
+            fence = engine.order_sink.fence  # type: ignore[attr-defined]
+            assert isinstance(fence, Fence) and fence.key == lease_key(clean_redis)
+            assert fence.value() is None  # not taken yet: nothing may go out
+            assert engine.lease is not None and await engine.lease.step()
+            assert fence.value() == engine.lease.value
+        finally:
+            await engine.close()
+
+    asyncio.run(body())

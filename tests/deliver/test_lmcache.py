@@ -30,7 +30,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from app.core.config import Settings
-from app.deliver import LmcacheSink, TokenIndex, build_sink
+from app.deliver import Fence, LmcacheSink, TokenIndex, build_sink
 from app.engine import Engine
 from app.observe.metrics import Metrics
 from kvprefetch_client.events import KvBlocksStored, OrderProgress
@@ -735,3 +735,31 @@ def test_build_sink_needs_the_model_name_and_an_http_url() -> None:
                 order_sink="lmcache", lmcache_model_name=MODEL, lmcache_coordinator_url="tcp://x"
             )
         )
+
+
+def test_a_holder_fenced_out_after_taking_orders_sends_lmcache_nothing(coordinator: str) -> None:
+    """The planning lease lapses between the submit and the orders' calls (the holder paused
+    past it): the orders fail `fenced` and the coordinator is asked nothing."""
+
+    async def main() -> None:
+        sink, reports, metrics = make_sink(coordinator)
+        holding: list[str | None] = ["a|1"]
+        sink.fence = Fence("kvp:planner", lambda: holding[0])
+        try:
+            demote = order("dm-f", MP_INSTANCE, kind="demote", source_tier=None, block_hashes=CHAIN)
+            assert await sink.submit([pin_order("pin-f", ttl_seconds=3600.0), demote]) == [
+                "pin-f",
+                "dm-f",
+            ]
+            holding[0] = None  # before either order's first call
+            await sink.settle()
+            assert pins(coordinator) == []
+            assert sink.pins_held == 0
+        finally:
+            await sink.close()
+        for order_id in ("pin-f", "dm-f"):
+            [(status, reason)] = reports.of(order_id)
+            assert status == "failed" and reason is not None and "FENCED" in reason
+        assert sample(metrics, "kvprefetch_lmcache_order_failures_total", reason="fenced") == 2
+
+    asyncio.run(main())

@@ -14,7 +14,7 @@ import httpx
 import orjson
 import pytest
 
-from app.deliver import SinkRejected, SinkUnavailable, WebhookSink
+from app.deliver import Fence, SinkFenced, SinkRejected, SinkUnavailable, WebhookSink
 from app.deliver.webhook import idempotency_key, parse_retry_after
 from kvprefetch_client.orders import Cancel
 from tests.deliver.conftest import Receiver, order
@@ -252,3 +252,33 @@ def test_nobody_listening_is_a_connection_error_retried_then_given_up_on() -> No
 
     with dead_port() as port:
         run(lambda: body(port))
+
+
+def test_a_holder_fenced_out_mid_submit_posts_nothing_more(
+    receiver: tuple[Receiver, str],
+) -> None:
+    """The planning lease lapses while the first try waits to be retried (the holder paused past
+    it): the retry is not posted, nor is anything after, until the lease is held again."""
+    server, url = receiver
+    server.fail_next = [(503, {})]
+    holding: list[str | None] = ["a|1"]
+
+    async def paused(seconds: float) -> None:
+        holding[0] = None  # woke past its lease: another replica plans
+
+    async def body() -> None:
+        sink = WebhookSink(url, max_attempts=3, sleep=paused)
+        sink.fence = Fence("kvp:planner", lambda: holding[0])
+        try:
+            with pytest.raises(SinkFenced, match="FENCED"):
+                await sink.submit([order("a")])
+            with pytest.raises(SinkFenced):
+                await sink.cancel([Cancel(order_id="a", reason="closed")])
+            assert server.calls == 1 and server.batches == []
+            holding[0] = "a|3"  # a term of its own again: what was fenced is not marked sent
+            assert await sink.submit([order("a")]) == ["a"]
+        finally:
+            await sink.close()
+
+    run(body)
+    assert server.take() == [order("a")]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -134,3 +135,51 @@ def test_without_tokens_the_service_will_not_listen_beyond_loopback(tmp_path: Pa
         in done.stderr
     )
     assert not (tmp_path / "events").exists()  # it stopped before opening anything
+
+
+def test_a_token_bound_to_its_fleet_acts_for_no_other_on_the_real_service(
+    service_factory: Callable[..., ServiceProcess], tmp_path: Path
+) -> None:
+    """Two fleets' agent tokens, each bound (lines added to the entry `kvprefetch token`
+    wrote): one fleet can neither clear the other's HBM nor pull its orders."""
+    tokens_file = tmp_path / "tokens.toml"
+    fleet_a = make_token(tokens_file, "fleet-a", "agent")
+    with open(tokens_file, "a") as f:
+        f.write('instances = ["gpu-a-*"]\nagents = ["gpu-a-*"]\n')
+    fleet_b = make_token(tokens_file, "fleet-b", "agent")
+    with open(tokens_file, "a") as f:
+        f.write('instances = ["gpu-b-*"]\n')
+    svc = service_factory(env={"KVP_TOKENS_FILE": str(tokens_file)})
+    svc.start()
+
+    def post(token: str, events: list[dict[str, object]]) -> httpx.Response:
+        headers = {"authorization": f"Bearer {token}"}
+        return httpx.post(f"{svc.url}/v1/events", json={"events": events}, headers=headers)
+
+    stored = {
+        "type": "kv_blocks_stored",
+        "event_id": "b-stored",
+        "ts": time.time(),
+        "instance_id": "gpu-b-0",
+        "block_hashes": [1, 2, 3],
+    }
+    assert post(fleet_b, [stored]).status_code == 200
+    clear = {"type": "kv_blocks_cleared", "event_id": "a-clear", "ts": time.time()}
+    answer = post(fleet_a, [{**clear, "instance_id": "gpu-b-0"}])
+    assert answer.status_code == 403, answer.text
+    assert answer.json()["field"] == "events[0].instance_id"
+    locations = httpx.get(
+        f"{svc.url}/v1/locations", headers={"authorization": f"Bearer {fleet_b}"}
+    ).json()["locations"]
+    assert any(loc.get("instance_id") == "gpu-b-0" for loc in locations), locations
+    assert post(fleet_a, [{**clear, "instance_id": "gpu-a-0"}]).status_code == 200
+
+    # The agent's pull source, as run: fleet a's for its own instance, not for fleet b's.
+    own = PullSource(svc.url, "gpu-a-0", token=fleet_a)
+    other = PullSource(svc.url, "gpu-b-0", token=fleet_a)
+    try:
+        assert own.poll(0) == [] and not own._failing
+        assert other.poll(0) == [] and other._failing
+    finally:
+        own.close()
+        other.close()

@@ -1,11 +1,14 @@
 """Three replicas of the real service on one Redis, one planning under the lease (decisions.md,
 23): routers stream through the real client to all three, the planning replica is killed with
 SIGKILL mid-stream, and another takes over. Every acknowledged event is applied once, no order
-is issued twice fleet-wide, and planning resumes within the bound of decision 23.
+is issued twice fleet-wide, and planning resumes within the bound of decision 23. And a planner
+SIGSTOPped past its lease, then resumed, steps down.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -240,3 +243,98 @@ def test_the_planner_killed_9_is_taken_over_once_and_in_bound(
     assert {tuple(o.block_hashes) for o in orders if term_of(o.order_id) == 1} == wave_a_blocks
     survivors_metrics = "".join(httpx.get(f"{s.url}/metrics", timeout=10).text for s in others)
     assert "kvprefetch_planning_adopted_orders_total 3.0" in survivors_metrics
+
+
+# Longer than the failover test's: r1 must renew through whatever stalls a busy machine, so that
+# the lease stays its own while r0's stepping down is watched.
+PAUSE_LEASE_SECONDS = 3.0
+
+
+def gauge(svc: ServiceProcess, name: str) -> float | None:
+    for line in httpx.get(f"{svc.url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return None
+
+
+def test_a_planner_paused_past_its_lease_steps_down_when_it_resumes(
+    service_factory: Callable[..., ServiceProcess],
+    redis_url: str,
+    clean_redis: str,
+    tmp_path: Path,
+) -> None:
+    """The planner is SIGSTOPped until another replica holds the lease, then SIGCONTed: it finds
+    its lease lapsed and steps down (its gauge 0, so the fleet's sum is 1), sends nothing of its
+    old term after the new one began, and its open orders are the new planner's, taken over
+    once."""
+    prefix = clean_redis
+    r = redis.Redis.from_url(redis_url)
+    replicas = []
+    for n in range(2):
+        svc = service_factory(
+            env={
+                "KVP_STORE": "redis",
+                "KVP_REDIS_URL": redis_url,
+                "KVP_REDIS_PREFIX": prefix,
+                "KVP_REPLICA_ID": f"r{n}",
+                "KVP_ORDER_SINK": "redis",
+                "KVP_PLANNING_LEASE_SECONDS": str(PAUSE_LEASE_SECONDS),
+                "KVP_SCORE_INTERVAL_SECONDS": str(SCORE_SECONDS),
+                "KVP_PLAN_INTERVAL_SECONDS": str(PLAN_SECONDS),
+                "KVP_DASHBOARD_SAMPLE_SECONDS": "0",
+                "KVP_LOG_FSYNC": "false",
+                "KVP_MODEL_DIR": str(tmp_path / "no-model"),
+            }
+        )
+        svc.start()
+        replicas.append(svc)
+    planner, other = replicas
+    leader = "kvprefetch_planning_leader"
+    # Deadlines only: generous multiples of the lease, polled for the condition.
+    limit = 20 * PAUSE_LEASE_SECONDS
+
+    def holder() -> str:
+        value = r.get(lease_key(prefix))
+        return value.decode().split("|")[0] if value else ""
+
+    assert holder() == "r0"
+    wait_until(lambda: gauge(planner, leader) == 1.0, "r0 to count itself the planner", limit)
+    assert gauge(other, leader) == 0.0
+
+    wave_a = order_sessions("a", time.time(), 10_000)
+    resp = httpx.post(f"{other.url}/v1/events", json={"events": wave_a}, timeout=10)
+    assert resp.status_code == 200, resp.text
+    wait_until(
+        lambda: sum(isinstance(m, Order) for _, m in stream_entries(r, prefix)) >= 3,
+        "the planner to order wave A",
+        limit,
+    )
+    assert planner.proc is not None
+    os.kill(planner.proc.pid, signal.SIGSTOP)
+    try:
+        wait_until(lambda: holder() == "r1", "r1 to take the lapsed lease over", limit)
+        taken_at = time.time()
+        wave_b = order_sessions("b", time.time(), 20_000)
+        resp = httpx.post(f"{other.url}/v1/events", json={"events": wave_b}, timeout=10)
+        assert resp.status_code == 200, resp.text
+    finally:
+        os.kill(planner.proc.pid, signal.SIGCONT)
+    resumed = time.monotonic()
+    waited = wait_until(lambda: gauge(planner, leader) == 0.0, "r0 to step down", limit)
+    print(f"r0 stepped down {waited:.2f} s after SIGCONT (lease {PAUSE_LEASE_SECONDS} s)")
+    wait_until(lambda: gauge(other, leader) == 1.0, "r1 to count itself the planner", limit)
+    # A few of r0's own ticks later it still does not plan, nor count itself the planner.
+    wait_until(
+        lambda: time.monotonic() - resumed > PAUSE_LEASE_SECONDS, "a lease past the resume", limit
+    )
+    assert gauge(planner, leader) == 0.0 and holder() == "r1"
+    assert planner.log_text().count("stepping down") == 1, planner.log_tail()
+
+    messages = stream_entries(r, prefix)
+    orders = [(ts, m) for ts, m in messages if isinstance(m, Order)]
+    late = [m.order_id for ts, m in orders if term_of(m.order_id) == 1 and ts > taken_at]
+    assert not late, f"the old term's orders sent after the new one began: {late}"
+    terms = [term_of(m.order_id) for _, m in orders]
+    assert terms == sorted(terms), terms
+    assert gauge(other, "kvprefetch_planning_adopted_orders_total") == 3.0
+    assert gauge(planner, "kvprefetch_planning_adopted_orders_total") == 0.0

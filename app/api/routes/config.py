@@ -21,6 +21,11 @@ class ConfigView(BaseModel):
     tokens: dict[str, list[str]] = Field(
         description="Each configured token's name and scopes (never the token or its digest)"
     )
+    bindings: dict[str, dict[str, list[str]]] = Field(
+        default_factory=dict,
+        description="Each bound token's name and the instance and agent patterns it acts for "
+        "(KVP_TOKENS_FILE instances, agents); a token not listed acts for all",
+    )
 
 
 @router.get("/config", response_model=ConfigView, summary="The running configuration")
@@ -31,4 +36,4 @@ async def get_config(settings: SettingsDep, tokens: TokensDep) -> ConfigView:
     if settings.order_webhook_url is not None:
         webhook = settings.order_webhook_url.get_secret_value()
         shown["order_webhook_url"] = mask_url(webhook, keep_path=False)
-    return ConfigView(settings=shown, tokens=tokens.names())
+    return ConfigView(settings=shown, tokens=tokens.names(), bindings=tokens.bindings())

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 
 from app.api.auth import EventsCaller, Refused, charge
 from app.api.batch import BatchError, IngestResponse
+from app.api.bindings import check_bound_events
 from app.api.deps import (
     BacklogDep,
     BatchParserDep,
@@ -34,7 +35,8 @@ _RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": Error, "description": "The body is not JSON."},
     403: {
         "model": Error,
-        "description": "An agent-scope token posted an event type only the ingest scope may post.",
+        "description": "An agent-scope token posted an event type only the ingest scope may "
+        "post, or a bound token an event of an instance or agent it does not act for.",
     },
     413: {"model": Error, "description": "The body or the batch is too large."},
     415: {
@@ -106,6 +108,7 @@ async def post_events(
         body = await read_body(request, settings.max_body_bytes)
         parsed = parser.parse(body)
         check_agent_events(caller, parsed.events)
+        check_bound_events(caller, parsed.events, parsed.indices, engine.order_owner)
     except BatchError as exc:
         metrics.batch_refused(exc.status_code)
         return error_response(exc.status_code, exc.field, exc.message)

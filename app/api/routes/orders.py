@@ -8,8 +8,11 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request, Response
 from pydantic import BaseModel, Field
 
+from app.api.auth import AgentCaller
+from app.api.bindings import agent_refusal, instance_refusal
 from app.api.deps import ClockDep, OrderSinkDep, SettingsDep
 from app.api.errors import Error, body_error, error_response
+from app.core.security import Principal
 from app.deliver import PullQueue
 from kvprefetch_client.events import Ident
 from kvprefetch_client.orders import Order
@@ -67,16 +70,38 @@ def _not_pull(settings: SettingsDep, route: str) -> Response:
     )
 
 
+def _refusal(caller: Principal, instance_id: str, agent: str | None) -> Response | None:
+    """403 naming the field a bound token may not act for (app/api/bindings.py)."""
+    why = instance_refusal(caller, instance_id)
+    if why is not None:
+        return error_response(403, "instance_id", why)
+    why = agent_refusal(caller, agent)
+    if why is not None:
+        return error_response(403, "agent", why)
+    return None
+
+
+_BOUND: dict[int | str, dict[str, Any]] = {
+    403: {
+        "model": Error,
+        "description": "A bound token names an instance or agent it does not act for "
+        "(KVP_TOKENS_FILE instances, agents).",
+    }
+}
+
+
 @router.get(
     "/orders",
     response_model=OrdersResponse,
     responses={
         409: {"model": Error, "description": "The configured order sink is not the pull queue."},
         422: {"model": Error, "description": "A query parameter is missing or out of range."},
+        **_BOUND,
     },
     summary="Lease an instance's pending orders",
 )
 async def get_orders(
+    caller: AgentCaller,
     sink: OrderSinkDep,
     settings: SettingsDep,
     clock: ClockDep,
@@ -97,6 +122,9 @@ async def get_orders(
     KVP_ORDER_LEASE_SECONDS, to `agent`: renew them while holding them, and report
     `order_progress` `accepted` when one starts), and the ids of its orders cancelled since its
     last pull. Served only when KVP_ORDER_SINK is `pull`."""
+    refused = _refusal(caller, instance_id, agent)
+    if refused is not None:
+        return refused
     if not isinstance(sink, PullQueue):
         return _not_pull(settings, "GET /v1/orders")
     lease = sink.lease(instance_id, limit, clock.now(), agent)
@@ -110,17 +138,25 @@ async def get_orders(
         400: {"model": Error, "description": "The body is not JSON."},
         409: {"model": Error, "description": "The configured order sink is not the pull queue."},
         422: {"model": Error, "description": "A body field is missing or out of range."},
+        **_BOUND,
     },
     summary="Keep the leases of orders an agent holds",
 )
 async def renew_orders(
-    body: RenewRequest, sink: OrderSinkDep, settings: SettingsDep, clock: ClockDep
+    caller: AgentCaller,
+    body: RenewRequest,
+    sink: OrderSinkDep,
+    settings: SettingsDep,
+    clock: ClockDep,
 ) -> Response:
     """For each order: leased to `agent` for KVP_ORDER_LEASE_SECONDS more (`renewed`; a started
     order needs no lease and is renewed as it is), or `lost` (done, cancelled, expired, unknown,
     or leased to another agent after this one's lease ran out): the agent must not start a lost
     order. An agent renews what it holds a third of a lease apart, so a long transfer, or orders
     waiting behind one, are not handed to a second agent."""
+    refused = _refusal(caller, body.instance_id, body.agent)
+    if refused is not None:
+        return refused
     if not isinstance(sink, PullQueue):
         return _not_pull(settings, "POST /v1/orders/renew")
     renewed, lost = sink.renew(body.instance_id, body.agent, body.order_ids, clock.now())
