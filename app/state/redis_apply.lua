@@ -12,10 +12,14 @@ local RECENT_ARRIVALS = __RECENT_ARRIVALS__
 local RECENT_SIGNALS = __RECENT_SIGNALS__
 local WINDOW = tonumber(argv[4])     -- reorder window (inf: tombstones never expire)
 local RETENTION = tonumber(argv[5])  -- session retention (inf: sessions are never forgotten)
+local IRETENTION = tonumber(argv[6])  -- instance retention (inf: instances are never forgotten)
+local MAX_INSTANCES = tonumber(argv[7])  -- the most instances held (inf: no cap)
 local SESSIONS = P .. ':sessions'
 local INSTANCES = P .. ':instance-ids'
+local INSTANCE_ACTIVITY = P .. ':instance-activity'
 local ORDER_ACTIVITY = P .. ':order-activity'
 local LOCS, LOCBT, LOCCL, LOCHW = P .. ':locs', P .. ':locbt', P .. ':loccl', P .. ':lochw'
+local LOCNAMES = P .. ':loc-names'
 local NEWEST = P .. ':newest'
 
 -- a stored number, or -1 ("none") when absent
@@ -35,11 +39,13 @@ local newest_s = redis.call('GET', NEWEST)
 local newest = newest_s and tonumber(newest_s) or -math.huge
 local newest_moved = false
 local cutoff = newest - RETENTION
+local icutoff = newest - IRETENTION
 
 local function see(ts_s, ts)
   if ts > newest then
     newest, newest_s, newest_moved = ts, ts_s, true
     cutoff = ts - RETENTION
+    icutoff = ts - IRETENTION
   end
 end
 
@@ -145,10 +151,29 @@ local function add_signal(s, entry)
   end
 end
 
--- instances read in this call: iid -> {l, st, new, status (fields to write, or nil)}
+-- instances read in this call: iid -> {l, st, status (fields to write, or nil)}
 local instances, instance_order = {}, {}
+local INSTANCE_TIERS = {'hbm', 'host', 'disk'}
 
--- MemoryStore._instance
+-- MemoryStore._drop_instance: an instance and its locations gone
+local function drop_instance(iid)
+  for _, tier in ipairs(INSTANCE_TIERS) do
+    local name = tier .. '@' .. iid
+    redis.call('UNLINK', P .. ':loc:' .. name, P .. ':tomb:' .. name)
+    redis.call('HDEL', LOCS, name)
+    redis.call('HDEL', LOCBT, name)
+    redis.call('HDEL', LOCCL, name)
+    redis.call('HDEL', LOCHW, name)
+    redis.call('ZREM', LOCNAMES, name)
+    hws[name] = nil
+  end
+  redis.call('DEL', P .. ':i:' .. iid)
+  redis.call('ZREM', INSTANCES, iid)
+  redis.call('ZREM', INSTANCE_ACTIVITY, iid)
+end
+
+-- MemoryStore._instance: nil when the store holds MAX_INSTANCES others (the event is ignored
+-- whole); one not heard of since before the cutoff is forgotten, locations too, and starts afresh
 local function touch_instance(iid, ts_s, ts)
   local inst = instances[iid]
   if not inst then
@@ -157,10 +182,21 @@ local function touch_instance(iid, ts_s, ts)
     instances[iid] = inst
     instance_order[#instance_order + 1] = iid
   end
+  if inst.l and tonumber(inst.l) < icutoff then
+    drop_instance(iid)
+    inst.l, inst.st, inst.status = false, false, nil
+  end
   if not inst.l then
-    inst.l, inst.new = ts_s, true
+    if MAX_INSTANCES < math.huge and
+        redis.call('ZCOUNT', INSTANCE_ACTIVITY, fmt(icutoff), '+inf') >= MAX_INSTANCES then
+      return nil
+    end
+    inst.l = ts_s
+    redis.call('ZADD', INSTANCES, 0, iid)
+    redis.call('ZADD', INSTANCE_ACTIVITY, ts_s, iid)
   elseif ts > tonumber(inst.l) then
     inst.l = ts_s
+    redis.call('ZADD', INSTANCE_ACTIVITY, ts_s, iid)
   end
   return inst
 end
@@ -294,12 +330,15 @@ end
 local function location(name, meta, bt_new, bt_update)
   if redis.call('HSETNX', LOCS, name, meta) == 1 then
     redis.call('HSET', LOCBT, name, bt_new)
+    redis.call('ZADD', LOCNAMES, 0, name)
   elseif bt_update ~= '' then
     redis.call('HSET', LOCBT, name, bt_update)
   end
 end
 
 local function apply_ops(i, last)
+  -- the event's instance was refused (touch_instance): the rest of it is ignored too
+  local refused = false
   while i <= last do
     local op = argv[i]
     if op == 'R' then
@@ -309,8 +348,7 @@ local function apply_ops(i, last)
       i = i + 8
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      local s = touch_session(sid, ts_s, ts)
-      touch_instance(iid, ts_s, ts)
+      local s = touch_instance(iid, ts_s, ts) and touch_session(sid, ts_s, ts)
       if s then
         s.t = tostring((s.t and tonumber(s.t) or 0) + 1)
         add_arrival(s, ts_s, ts)
@@ -327,8 +365,7 @@ local function apply_ops(i, last)
       i = i + 5
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      local s = touch_session(sid, ts_s, ts)
-      touch_instance(iid, ts_s, ts)
+      local s = touch_instance(iid, ts_s, ts) and touch_session(sid, ts_s, ts)
       if s then
         name_session(s, iid, ts_s, ts)
         local r = find_request(s, rid)
@@ -343,8 +380,7 @@ local function apply_ops(i, last)
       i = i + 9
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      local s = touch_session(sid, ts_s, ts)
-      touch_instance(iid, ts_s, ts)
+      local s = touch_instance(iid, ts_s, ts) and touch_session(sid, ts_s, ts)
       if s then
         name_session(s, iid, ts_s, ts)
         set_blocks(s, blocks, bt, ts_s, ts)
@@ -355,8 +391,10 @@ local function apply_ops(i, last)
       end
     elseif op == 'J' then
       local a = i + 1
-      join_blocks(argv[a], argv[a + 1], argv[a + 2], argv[a + 3], argv[a + 4], argv[a + 5],
-        argv[a + 6])
+      if not refused then
+        join_blocks(argv[a], argv[a + 1], argv[a + 2], argv[a + 3], argv[a + 4], argv[a + 5],
+          argv[a + 6])
+      end
       i = i + 8
     elseif op == 'C' then
       -- MemoryStore._closed, rules.SessionRecord.closed
@@ -383,10 +421,10 @@ local function apply_ops(i, last)
       i = first + n
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      if iid ~= '' then touch_instance(iid, ts_s, ts) end
-      location(name, meta, bt_new, bt_update)
-      advance(name, ts_s, ts)  -- what tombstones are left are in force
-      if ts > num(redis.call('HGET', LOCCL, name)) then
+      refused = iid ~= '' and not touch_instance(iid, ts_s, ts)
+      if not refused then location(name, meta, bt_new, bt_update) end
+      if not refused then advance(name, ts_s, ts) end  -- what tombstones are left are in force
+      if not refused and ts > num(redis.call('HGET', LOCCL, name)) then
         local present, tomb = P .. ':loc:' .. name, P .. ':tomb:' .. name
         for j = first, first + n - 1 do
           local h = argv[j]
@@ -408,9 +446,9 @@ local function apply_ops(i, last)
       i = first + n
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      if iid ~= '' then touch_instance(iid, ts_s, ts) end
-      location(name, meta, bt_new, '')
-      local keep = ts >= advance(name, ts_s, ts)  -- a tombstone dead on arrival is not kept
+      refused = iid ~= '' and not touch_instance(iid, ts_s, ts)
+      if refused then n = 0 else location(name, meta, bt_new, '') end
+      local keep = not refused and ts >= advance(name, ts_s, ts)  -- dead on arrival: not kept
       local present, tomb = P .. ':loc:' .. name, P .. ':tomb:' .. name
       for j = first, first + n - 1 do
         local h = argv[j]
@@ -432,10 +470,12 @@ local function apply_ops(i, last)
       i = i + 6
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      if iid ~= '' then touch_instance(iid, ts_s, ts) end
-      location(name, meta, bt_new, '')
-      advance(name, ts_s, ts)
-      if ts > num(redis.call('HGET', LOCCL, name)) then
+      refused = iid ~= '' and not touch_instance(iid, ts_s, ts)
+      if not refused then
+        location(name, meta, bt_new, '')
+        advance(name, ts_s, ts)
+      end
+      if not refused and ts > num(redis.call('HGET', LOCCL, name)) then
         redis.call('HSET', LOCCL, name, ts_s)
         redis.call('ZREMRANGEBYSCORE', P .. ':loc:' .. name, '-inf', ts_s)
         redis.call('ZREMRANGEBYSCORE', P .. ':tomb:' .. name, '-inf', ts_s)
@@ -449,7 +489,7 @@ local function apply_ops(i, last)
       local ts = tonumber(ts_s)
       see(ts_s, ts)
       local inst = touch_instance(iid, ts_s, ts)
-      if ts >= num(inst.st) then inst.st, inst.status = ts_s, status end
+      if inst and ts >= num(inst.st) then inst.st, inst.status = ts_s, status end
     elseif op == 'O' then
       -- MemoryStore._order: (rank, ts, status) replaces the old one when greater; an order is
       -- forgotten like a session (its last activity before the cutoff), and an event older
@@ -488,7 +528,7 @@ local function apply_ops(i, last)
 end
 
 local results, applied, in_call = {}, {}, {}
-local i = 6
+local i = 8
 while i <= nargv do
   local eid, n = argv[i], tonumber(argv[i + 1])
   local first, last = i + 2, i + 1 + n
@@ -526,7 +566,10 @@ for _, sid in ipairs(session_order) do
   if s.moved then redis.call('ZADD', SESSIONS, s.l, sid) end
 end
 if newest_moved then redis.call('SET', NEWEST, newest_s) end
-for _, name in ipairs(hw_order) do redis.call('HSET', LOCHW, name, hws[name][2]) end
+for _, name in ipairs(hw_order) do
+  local hw = hws[name]  -- nil: its instance was forgotten in this call
+  if hw and hw[2] then redis.call('HSET', LOCHW, name, hw[2]) end
+end
 
 -- MemoryStore._expire_sessions: forget sessions idle since before the cutoff, the oldest first,
 -- at most twice as many per call as events (a call creates at most one per event: this keeps
@@ -548,10 +591,18 @@ if cutoff > -math.huge then
 end
 for _, iid in ipairs(instance_order) do
   local inst = instances[iid]
-  local k = P .. ':i:' .. iid
-  redis.call('HSET', k, 'l', inst.l)
-  if inst.status then redis.call('HSET', k, unpack(inst.status)) end
-  if inst.new then redis.call('ZADD', INSTANCES, 0, iid) end
+  if inst.l then  -- false: refused, or forgotten and not started again
+    local k = P .. ':i:' .. iid
+    redis.call('HSET', k, 'l', inst.l)
+    if inst.status then redis.call('HSET', k, unpack(inst.status)) end
+  end
+end
+-- MemoryStore._expire_instances: forget instances not heard of since before the cutoff, with
+-- their locations, as many per call as sessions (the reads ignore any left for the next call)
+if icutoff > -math.huge then
+  local old = redis.call('ZRANGEBYSCORE', INSTANCE_ACTIVITY, '-inf', '(' .. fmt(icutoff),
+                         'LIMIT', 0, 2 * #results + 16)
+  for _, iid in ipairs(old) do drop_instance(iid) end
 end
 
 -- mark the ids, and count them for stats()
