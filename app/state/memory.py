@@ -240,6 +240,8 @@ class MemoryStore:
         self._instances_by_second: dict[int, set[str]] = {}
         self._instance_seconds: list[int] = []
         self._location_names: list[str] = []
+        # Blocks held over every location, kept as they change: stats() costs no pass over them.
+        self._resident = 0
         self._checkpoints: dict[str, LogPosition] = {}
         # Each handler takes its own event type; the dispatch on `type` is what narrows.
         self._apply_one: dict[str, Callable[[Any], None]] = {
@@ -317,7 +319,9 @@ class MemoryStore:
         ids = self._instance_ids
         del ids[bisect.bisect_left(ids, instance_id)]
         for tier in _INSTANCE_TIERS:
-            if self._locations.pop((tier, instance_id), None) is not None:
+            loc = self._locations.pop((tier, instance_id), None)
+            if loc is not None:
+                self._resident -= len(loc.present)
                 names = self._location_names
                 del names[bisect.bisect_left(names, location_name(tier, instance_id))]
 
@@ -589,7 +593,10 @@ class MemoryStore:
     def _stored(self, e: KvBlocksStored) -> None:
         if e.instance_id is not None and self._instance(e.instance_id, e.ts) is None:
             return
-        self._location(e.tier, e.instance_id, e.block_tokens).store(e.block_hashes, e.ts)
+        loc = self._location(e.tier, e.instance_id, e.block_tokens)
+        held = len(loc.present)
+        loc.store(e.block_hashes, e.ts)
+        self._resident += len(loc.present) - held
         if e.session_id is not None and e.tier == "hbm" and e.ts >= self._cutoff:
             s = self._sessions.get(e.session_id)
             # Only a session the router started, not forgotten: an engine's blocks start none.
@@ -605,12 +612,18 @@ class MemoryStore:
     def _removed(self, e: KvBlocksRemoved) -> None:
         if e.instance_id is not None and self._instance(e.instance_id, e.ts) is None:
             return
-        self._location(e.tier, e.instance_id, None).remove(e.block_hashes, e.ts)
+        loc = self._location(e.tier, e.instance_id, None)
+        held = len(loc.present)
+        loc.remove(e.block_hashes, e.ts)
+        self._resident += len(loc.present) - held
 
     def _cleared(self, e: KvBlocksCleared) -> None:
         if e.instance_id is not None and self._instance(e.instance_id, e.ts) is None:
             return
-        self._location(e.tier, e.instance_id, None).clear(e.ts)
+        loc = self._location(e.tier, e.instance_id, None)
+        held = len(loc.present)
+        loc.clear(e.ts)
+        self._resident += len(loc.present) - held
 
     def _vllm(self, e: VllmKvEvents) -> None:
         for sub in e.expand():
@@ -945,14 +958,12 @@ class MemoryStore:
             else 0
         )
         stale = self._stale_instances()
-        gone = {(tier, i) for i in stale for tier in _INSTANCE_TIERS}
+        gone = [loc for i in stale for t in _INSTANCE_TIERS if (loc := self._locations.get((t, i)))]
         return {
             "sessions": len(self._sessions) - forgotten,
             "instances": len(self._instances) - len(stale),
-            "locations": len(self._locations) - sum(1 for key in gone if key in self._locations),
-            "resident_blocks": sum(
-                len(loc.present) for key, loc in self._locations.items() if key not in gone
-            ),
+            "locations": len(self._locations) - len(gone),
+            "resident_blocks": self._resident - sum(len(loc.present) for loc in gone),
             "orders": len(self._orders) - forgotten_orders,
             "remembered_event_ids": len(self._seen) + len(self._seen_old),
         }
@@ -981,6 +992,7 @@ class MemoryStore:
         self._instances_by_second.clear()
         self._instance_seconds.clear()
         self._location_names.clear()
+        self._resident = 0
         self._icutoff = -math.inf
         self._checkpoints.clear()
 

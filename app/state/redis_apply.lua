@@ -20,6 +20,15 @@ local INSTANCE_ACTIVITY = P .. ':instance-activity'
 local ORDER_ACTIVITY = P .. ':order-activity'
 local LOCS, LOCBT, LOCCL, LOCHW = P .. ':locs', P .. ':locbt', P .. ':loccl', P .. ':lochw'
 local LOCNAMES = P .. ':loc-names'
+-- MemoryStore._resident: blocks held over every location, kept as they change (counted once
+-- where a store of an older version has none yet)
+local NBLOCKS = P .. ':nblocks'
+local resident = 0
+if redis.call('EXISTS', NBLOCKS) == 0 then
+  for _, name in ipairs(redis.call('HKEYS', LOCS)) do
+    resident = resident + redis.call('ZCARD', P .. ':loc:' .. name)
+  end
+end
 local NEWEST = P .. ':newest'
 
 -- a stored number, or -1 ("none") when absent
@@ -159,6 +168,7 @@ local INSTANCE_TIERS = {'hbm', 'host', 'disk'}
 local function drop_instance(iid)
   for _, tier in ipairs(INSTANCE_TIERS) do
     local name = tier .. '@' .. iid
+    resident = resident - redis.call('ZCARD', P .. ':loc:' .. name)
     redis.call('UNLINK', P .. ':loc:' .. name, P .. ':tomb:' .. name)
     redis.call('HDEL', LOCS, name)
     redis.call('HDEL', LOCBT, name)
@@ -432,7 +442,7 @@ local function apply_ops(i, last)
           if not removed or ts > tonumber(removed) then
             local stored = redis.call('ZSCORE', present, h)
             if not stored or ts > tonumber(stored) then
-              redis.call('ZADD', present, ts_s, h)
+              resident = resident + redis.call('ZADD', present, ts_s, h)
             end
             if removed then redis.call('ZREM', tomb, h) end
           end
@@ -454,7 +464,7 @@ local function apply_ops(i, last)
         local h = argv[j]
         local stored = redis.call('ZSCORE', present, h)
         if not stored or tonumber(stored) <= ts then
-          if stored then redis.call('ZREM', present, h) end
+          if stored then resident = resident - redis.call('ZREM', present, h) end
           if keep then
             local removed = redis.call('ZSCORE', tomb, h)
             if not removed or ts > tonumber(removed) then
@@ -477,7 +487,7 @@ local function apply_ops(i, last)
       end
       if not refused and ts > num(redis.call('HGET', LOCCL, name)) then
         redis.call('HSET', LOCCL, name, ts_s)
-        redis.call('ZREMRANGEBYSCORE', P .. ':loc:' .. name, '-inf', ts_s)
+        resident = resident - redis.call('ZREMRANGEBYSCORE', P .. ':loc:' .. name, '-inf', ts_s)
         redis.call('ZREMRANGEBYSCORE', P .. ':tomb:' .. name, '-inf', ts_s)
       end
     elseif op == 'I' then
@@ -603,6 +613,10 @@ if icutoff > -math.huge then
   local old = redis.call('ZRANGEBYSCORE', INSTANCE_ACTIVITY, '-inf', '(' .. fmt(icutoff),
                          'LIMIT', 0, 2 * #results + 16)
   for _, iid in ipairs(old) do drop_instance(iid) end
+end
+
+if resident ~= 0 or redis.call('EXISTS', NBLOCKS) == 0 then
+  redis.call('INCRBY', NBLOCKS, resident)
 end
 
 -- mark the ids, and count them for stats()

@@ -13,12 +13,24 @@ if icutoff > -math.huge then
                          '(' .. string.format('%.17g', icutoff))
   for _, iid in ipairs(old) do stale[iid], nstale = true, nstale + 1 end
 end
-local blocks, locations = 0, 0
-for _, name in ipairs(redis.call('HKEYS', P .. ':locs')) do
-  local at = string.find(name, '@', 1, true)
-  if not (at and stale[string.sub(name, at + 1)]) then
-    locations = locations + 1
+-- the apply script keeps the blocks counted (nblocks); a store it has not written yet counts them
+local locations = redis.call('HLEN', P .. ':locs')
+local blocks = redis.call('GET', P .. ':nblocks')
+if blocks then
+  blocks = tonumber(blocks)
+else
+  blocks = 0
+  for _, name in ipairs(redis.call('HKEYS', P .. ':locs')) do
     blocks = blocks + redis.call('ZCARD', P .. ':loc:' .. name)
+  end
+end
+for iid in pairs(stale) do
+  for _, tier in ipairs({'hbm', 'host', 'disk'}) do
+    local name = tier .. '@' .. iid
+    if redis.call('HEXISTS', P .. ':locs', name) == 1 then
+      locations = locations - 1
+      blocks = blocks - redis.call('ZCARD', P .. ':loc:' .. name)
+    end
   end
 end
 local now = tonumber(redis.call('TIME')[1])
