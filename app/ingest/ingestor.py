@@ -245,7 +245,7 @@ class Ingestor:
                 fresh = self._reject_past_retention(fresh, newest, retention, given, result)
         cap = self.store.max_instances
         if fresh and cap is not None:
-            fresh = self._reject_past_the_cap(fresh, cap, given, result)
+            fresh = self._reject_past_the_cap(fresh, cap, newest, given, result)
         if not fresh or not self._encodes:  # a log that keeps nothing (a replay's): no bytes
             return result, fresh, b""
         # A batch is logged as posted only when that is exactly what was validated: every event
@@ -330,10 +330,17 @@ class Ingestor:
         return kept
 
     def _reject_past_the_cap(
-        self, fresh: list[Event], cap: int, given: Sequence[Event], result: IngestResult
+        self,
+        fresh: list[Event],
+        cap: int,
+        newest: float,
+        given: Sequence[Event],
+        result: IngestResult,
     ) -> list[Event]:
         """Events naming an instance the store does not hold, once it holds `cap` (with those
-        this batch, and the batches in flight, start first): the store would ignore them."""
+        this batch, and the batches in flight, start first): the store would ignore them. The
+        batch's own events move the instances' cutoff as the store applies them; where the room
+        runs out, the store is asked again at the cutoff the batch has reached by then."""
         named = [
             e.instance_id if e.type in INSTANCE_EVENT_TYPES else None  # type: ignore[union-attr]
             for e in fresh
@@ -343,22 +350,30 @@ class Ingestor:
         if not asked:
             return fresh
         known, held = self.store.known_instances(asked)
-        live = {i for i, k in zip(asked, known) if k} | pending
+        live = {i for i, k in zip(asked, known) if k}
         room = cap - held - len(pending)
-        if len(asked) - len(live & set(asked)) <= room:  # room for all: the common case
+        if sum(1 for i in asked if i not in live) <= room:  # room for all: the common case
             pending.update(i for i in asked if i not in live)
             return fresh
+        live |= pending
         kept, refused = [], []
+        reached = asked_at = newest
         for e, instance_id in zip(fresh, named):
-            if instance_id is None or instance_id in live:
-                kept.append(e)
-            elif room > 0:
-                live.add(instance_id)
-                pending.add(instance_id)
-                room -= 1
-                kept.append(e)
-            else:
-                refused.append(e)
+            if instance_id is not None and instance_id not in live:
+                if room <= 0 and max(reached, e.ts) > asked_at:
+                    asked_at = max(reached, e.ts)
+                    known, held = self.store.known_instances(asked, asked_at)
+                    live = {i for i, k in zip(asked, known) if k} | pending
+                    room = cap - held - len(pending)
+                if instance_id not in live:
+                    if room <= 0:
+                        refused.append(e)
+                        continue
+                    live.add(instance_id)
+                    pending.add(instance_id)
+                    room -= 1
+            kept.append(e)
+            reached = max(reached, e.ts)
         index = _positions(given, result)
         for e in refused:
             result.rejected.append(

@@ -243,9 +243,12 @@ class StateStore(Protocol):
         costs its own instances, not the fleet's."""
         ...
 
-    def known_instances(self, instance_ids: Sequence[str]) -> tuple[list[bool], int]:
-        """Whether the store holds each of these instances now (not forgotten), and how many it
-        holds: what the ingestor checks a batch against `max_instances` with."""
+    def known_instances(
+        self, instance_ids: Sequence[str], newest_ts: float | None = None
+    ) -> tuple[list[bool], int]:
+        """Whether the store holds each of these instances (not forgotten), and how many it
+        holds: now, or once an event at `newest_ts` has moved the cutoff. What the ingestor
+        checks a batch against `max_instances` with."""
         ...
 
     def locations(

@@ -352,10 +352,11 @@ class MemoryStore:
             bisect.insort(seconds, second)
         members.add(instance_id)
 
-    def _stale_instances(self) -> list[str]:
-        """The instances forgotten but not dropped yet: after _expire_instances, only the
-        cutoff's own second holds any."""
-        cutoff, instances, by_second = self._icutoff, self._instances, self._instances_by_second
+    def _stale_instances(self, cutoff: float | None = None) -> list[str]:
+        """The instances forgotten but not dropped yet (after _expire_instances, only the
+        cutoff's own second holds any), or those a later `cutoff` would forget."""
+        instances, by_second = self._instances, self._instances_by_second
+        cutoff = self._icutoff if cutoff is None else max(cutoff, self._icutoff)
         if cutoff == -math.inf:
             return []
         n = bisect.bisect_right(self._instance_seconds, math.floor(cutoff))
@@ -370,9 +371,17 @@ class MemoryStore:
         self._expire_instances()
         return len(self._instances) - len(self._stale_instances())
 
-    def known_instances(self, instance_ids: Sequence[str]) -> tuple[list[bool], int]:
-        live = self._instance_live
-        return [live(i) for i in instance_ids], len(self._instances) - len(self._stale_instances())
+    def known_instances(
+        self, instance_ids: Sequence[str], newest_ts: float | None = None
+    ) -> tuple[list[bool], int]:
+        cutoff = self._icutoff
+        if newest_ts is not None:
+            cutoff = max(cutoff, retention_cutoff(newest_ts, self.instance_retention_seconds))
+        instances = self._instances
+        known = [
+            (i := instances.get(x)) is not None and i.last_seen_ts >= cutoff for x in instance_ids
+        ]
+        return known, len(instances) - len(self._stale_instances(cutoff))
 
     def _held_at(self, key: tuple[str, str | None]) -> _Location | None:
         """The location, unless its instance is forgotten (a whole second is dropped at once:

@@ -835,7 +835,9 @@ class RedisStore:
             )
         return out
 
-    def known_instances(self, instance_ids: Sequence[str]) -> tuple[list[bool], int]:
+    def known_instances(
+        self, instance_ids: Sequence[str], newest_ts: float | None = None
+    ) -> tuple[list[bool], int]:
         with self._errors():
             pipe = self._r.pipeline(transaction=False)
             pipe.get(self._k_newest)
@@ -843,6 +845,8 @@ class RedisStore:
                 pipe.zmscore(self._k_instance_activity, list(instance_ids))
             newest, *scores = pipe.execute()
             icutoff = self._icutoff(newest)
+            if newest_ts is not None:
+                icutoff = max(icutoff, self._icutoff(_ts(newest_ts)))
             low = "-inf" if icutoff == -math.inf else f"{icutoff:.17g}"
             count = int(self._r.zcount(self._k_instance_activity, low, "+inf"))
         live = [x is not None and float(x) >= icutoff for x in (scores[0] if scores else [])]

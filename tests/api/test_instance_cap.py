@@ -102,6 +102,31 @@ def test_events_naming_instances_past_the_cap_are_422_and_the_rest_taken(
         )
 
 
+def test_a_batch_that_moves_past_the_retention_finds_the_room_it_makes(
+    settings: Settings,
+) -> None:
+    settings = settings.model_copy(update={"instance_retention_seconds": 100.0})
+    now = time.time()
+    with TestClient(create_app(settings)) as c:
+        first = [stored(f"a{i}", f"old-{i}", now - 500) for i in range(CAP)]
+        assert c.post("/v1/events", json={"events": first}).status_code == 200
+        # At the cap; the batch's second event moves the cutoff past every old instance.
+        batch = [
+            stored("b0", "new-0", now - 450),
+            stored("b1", "new-1", now - 300),
+            stored("b2", "new-2", now - 300),
+            stored("b3", "new-3", now - 300),
+            stored("b4", "old-0", now - 300),
+        ]
+        r = c.post("/v1/events", json={"events": batch})
+        assert r.status_code == 422, r.text
+        assert [x["field"] for x in r.json()["rejected"]] == [
+            "events[0].instance_id",
+            "events[4].instance_id",
+        ]
+        assert instance_ids(c) == ["new-1", "new-2", "new-3"]
+
+
 def test_a_log_holding_more_instances_than_the_cap_replays_within_it(
     settings: Settings,
 ) -> None:
