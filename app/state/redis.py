@@ -54,8 +54,15 @@ from the prefix, so they must all live on one node):
                                     output, context], strings, "-1" for none; in MemoryStore's
                                     list order, at most 3)
     <p>:instance-ids        zset  instance id -> 0: in id order, for the pages of instances()
+    <p>:instance-activity   zset  instance id -> the newest ts that named it: the cap counts
+                                  from the instances' cutoff (ZCOUNT), and the apply script
+                                  deletes the instances below it, with their locations
     <p>:i:<instance_id>     hash  l last seen ts, st status ts, free, total, qd, rr
     <p>:locs                hash  location name (`hbm@gpu-0`, `pool`) -> JSON [tier, instance|null]
+    <p>:loc-names           zset  location name -> 0: in name order, for the pages of locations()
+    <p>:nblocks             string the blocks held over every location, kept as they change
+                                  (stats() reads it; counted once where an older version left
+                                  none)
     <p>:locbt               hash  location name -> block tokens
     <p>:loccl               hash  location name -> cleared ts
     <p>:lochw               hash  location name -> the newest ts of an event there
@@ -172,8 +179,8 @@ _REQ_ID, _REQ_INSTANCE, _REQ_INSTANCE_TS, _REQ_ROUTED, _REQ_STARTED, _REQ_FINISH
 _REQ_PROMPT, _REQ_OUTPUT, _REQ_CONTEXT = 6, 7, 8
 
 # One call applies a chunk of events (see RedisStore.apply for the chunking).
-# ARGV: prefix, ttl seconds, stats bucket seconds, reorder window, session retention (each
-# `inf` for never), then per event: its event_id, how many
+# ARGV: prefix, ttl seconds, stats bucket seconds, reorder window, session retention, instance
+# retention (each `inf` for never), the most instances held (`inf`: no cap), then per event: its event_id, how many
 # operation fields follow, and the operations, each an opcode and its fields (strings; "" means
 # None where a field is optional):
 #   R sid rid iid ts prompt blocks_json|"" session_block_tokens          request_routed
@@ -196,7 +203,7 @@ _APPLY_LUA = (
     .replace("__RECENT_SIGNALS__", str(RECENT_SIGNALS))
 )
 
-# ARGV: prefix, ttl seconds, bucket seconds, session retention. Returns sessions, instances,
+# ARGV: prefix, ttl seconds, bucket seconds, session retention, instance retention. Returns sessions, instances,
 # locations, resident blocks, orders, remembered event ids.
 _STATS_LUA = _lua("redis_stats.lua")
 # ARGV: prefix, then per query: location name, n, n members. Returns 1/0 per member.
