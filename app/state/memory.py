@@ -852,7 +852,7 @@ class MemoryStore:
             out.append(
                 LocationView(
                     location=name,
-                    tier=tier,  # type: ignore[arg-type]
+                    tier=tier,
                     instance_id=instance_id,
                     blocks=len(loc.present),
                     bytes=len(loc.present) * loc.block_tokens * self.bytes_per_token,

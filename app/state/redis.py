@@ -180,9 +180,9 @@ _REQ_PROMPT, _REQ_OUTPUT, _REQ_CONTEXT = 6, 7, 8
 
 # One call applies a chunk of events (see RedisStore.apply for the chunking).
 # ARGV: prefix, ttl seconds, stats bucket seconds, reorder window, session retention, instance
-# retention (each `inf` for never), the most instances held (`inf`: no cap), then per event: its event_id, how many
-# operation fields follow, and the operations, each an opcode and its fields (strings; "" means
-# None where a field is optional):
+# retention (each `inf` for never), the most instances held (`inf`: no cap), then per event: its
+# event_id, how many operation fields follow, and the operations, each an opcode and its fields
+# (strings; "" means None where a field is optional):
 #   R sid rid iid ts prompt blocks_json|"" session_block_tokens          request_routed
 #   S sid rid iid ts                                                     request_started
 #   F sid rid iid ts output context|"-1" blocks_json|"" session_bt       request_finished
@@ -203,8 +203,8 @@ _APPLY_LUA = (
     .replace("__RECENT_SIGNALS__", str(RECENT_SIGNALS))
 )
 
-# ARGV: prefix, ttl seconds, bucket seconds, session retention, instance retention. Returns sessions, instances,
-# locations, resident blocks, orders, remembered event ids.
+# ARGV: prefix, ttl seconds, bucket seconds, session retention, instance retention. Returns
+# sessions, instances, locations, resident blocks, orders, remembered event ids.
 _STATS_LUA = _lua("redis_stats.lua")
 # ARGV: prefix, then per query: location name, n, n members. Returns 1/0 per member.
 _HOLDS_LUA = _lua("redis_holds.lua")
