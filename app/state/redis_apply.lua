@@ -20,6 +20,17 @@ local INSTANCE_ACTIVITY = P .. ':instance-activity'
 local ORDER_ACTIVITY = P .. ':order-activity'
 local LOCS, LOCBT, LOCCL, LOCHW = P .. ':locs', P .. ':locbt', P .. ':loccl', P .. ':lochw'
 local LOCNAMES = P .. ':loc-names'
+-- The indexes an older version did not keep, built once from what it did: the instances' last
+-- activity (the cap and the retention count from it) and the location names (the pages).
+if redis.call('EXISTS', INSTANCE_ACTIVITY) == 0 and redis.call('EXISTS', INSTANCES) == 1 then
+  for _, iid in ipairs(redis.call('ZRANGE', INSTANCES, 0, -1)) do
+    local l = redis.call('HGET', P .. ':i:' .. iid, 'l')
+    if l then redis.call('ZADD', INSTANCE_ACTIVITY, l, iid) end
+  end
+end
+if redis.call('EXISTS', LOCNAMES) == 0 and redis.call('EXISTS', LOCS) == 1 then
+  for _, name in ipairs(redis.call('HKEYS', LOCS)) do redis.call('ZADD', LOCNAMES, 0, name) end
+end
 -- MemoryStore._resident: blocks held over every location, kept as they change (counted once
 -- where a store of an older version has none yet)
 local NBLOCKS = P .. ':nblocks'

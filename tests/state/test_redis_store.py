@@ -748,3 +748,41 @@ def test_clear_deletes_only_its_own_prefix(redis_url: str, clean_redis: str) -> 
 
 def _escape(s: str) -> str:
     return "".join("\\" + ch if ch in "\\*?[]" else ch for ch in s)
+
+
+def test_a_store_an_older_version_wrote_is_indexed_by_the_first_batch(
+    redis_url: str, clean_redis: str
+) -> None:
+    bounds: dict[str, Any] = dict(max_instances=3, instance_retention_seconds=50.0)
+    store = RedisStore.from_url(
+        redis_url, prefix=clean_redis, bytes_per_token=BPT, block_tokens=BLOCK, **bounds
+    )
+    memory = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK, **bounds)
+    first = [
+        _ev(
+            type="kv_blocks_stored",
+            event_id=f"k{i}",
+            ts=10.0 * i,
+            instance_id=f"g{i}",
+            block_hashes=[i, 100 + i],
+        )
+        for i in range(3)
+    ] + [_ev(type="kv_blocks_stored", event_id="p", ts=1.0, tier="pool", block_hashes=[7])]
+    for s in (store, memory):
+        s.apply(first)
+    # What an older version kept: no activity index, no location names, no block count.
+    r = redis_lib.Redis.from_url(redis_url)
+    r.delete(
+        f"{clean_redis}:instance-activity", f"{clean_redis}:loc-names", f"{clean_redis}:nblocks"
+    )
+    r.close()
+    # At the cap; the next batch moves the cutoff past g0 (heard of at 0), which makes room.
+    later = [_ev(type="instance_status", event_id="s", ts=55.0, instance_id="g9", free_kv_bytes=1)]
+    for s in (store, memory):
+        s.apply(later)
+    assert _views(store) == _views(memory)
+    assert [i.instance_id for i in store.instances()] == ["g1", "g2", "g9"]
+    try:
+        assert store.stats()["resident_blocks"] == 5
+    finally:
+        store.close()
