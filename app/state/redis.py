@@ -208,6 +208,7 @@ _APPLY_LUA = (
 _STATS_LUA = _lua("redis_stats.lua")
 # ARGV: prefix, then per query: location name, n, n members. Returns 1/0 per member.
 _HOLDS_LUA = _lua("redis_holds.lua")
+_KNOWN_LUA = _lua("redis_known.lua")
 # One round of held_prefixes: ARGV prefix, levels, trees, members, then per location name and tree.
 _HELD_LUA = _lua("redis_held.lua")
 # Levels of a held-prefix search per script call: a 65,536-block context (17 levels) takes 5
@@ -287,6 +288,7 @@ class RedisStore:
         self._apply_script = client.register_script(_APPLY_LUA)
         self._stats_script = client.register_script(_STATS_LUA)
         self._holds_script = client.register_script(_HOLDS_LUA)
+        self._known_script = client.register_script(_KNOWN_LUA)
         self._held_script = client.register_script(_HELD_LUA)
         p = prefix
         self._k_instances = f"{p}:instance-ids"
@@ -845,19 +847,11 @@ class RedisStore:
     def known_instances(
         self, instance_ids: Sequence[str], newest_ts: float | None = None
     ) -> tuple[list[bool], int]:
+        args = [self.prefix, _ts(self.instance_retention_seconds)]
+        args.append(_ts(newest_ts) if newest_ts is not None else "")
         with self._errors():
-            pipe = self._r.pipeline(transaction=False)
-            pipe.get(self._k_newest)
-            if instance_ids:
-                pipe.zmscore(self._k_instance_activity, list(instance_ids))
-            newest, *scores = pipe.execute()
-            icutoff = self._icutoff(newest)
-            if newest_ts is not None:
-                icutoff = max(icutoff, self._icutoff(_ts(newest_ts)))
-            low = "-inf" if icutoff == -math.inf else f"{icutoff:.17g}"
-            count = int(self._r.zcount(self._k_instance_activity, low, "+inf"))
-        live = [x is not None and float(x) >= icutoff for x in (scores[0] if scores else [])]
-        return live, count
+            count, *flags = self._known_script(args=[*args, *instance_ids])
+        return [f == 1 for f in flags], int(count)
 
     def locations(
         self, *, after: str | None = None, limit: int | None = None
