@@ -915,11 +915,11 @@ class MemoryStore:
         return out
 
     def instance_loads(self, ids: Sequence[str]) -> dict[str, tuple[int | None, int | None]]:
-        instances = self._instances
+        instances, cutoff = self._instances, self._icutoff
         return {
             i: (r.queue_depth, r.running_requests)
             for i in ids
-            if (r := instances.get(i)) is not None
+            if (r := instances.get(i)) is not None and r.last_seen_ts >= cutoff
         }
 
     def present(

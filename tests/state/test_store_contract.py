@@ -1172,6 +1172,7 @@ def test_an_instance_unheard_of_past_its_retention_is_forgotten_with_its_locatio
     assert capped.holds("hbm", "a", [1, 2]) == [False, False]
     assert capped.holds("host", "a", [3]) == [False]
     assert capped.instances(ids=["a", "b"]) == capped.instances(ids=["b"])
+    assert list(capped.instance_loads(["a", "b"])) == ["b"]
     assert capped.stats()["instances"] == 2 and capped.stats()["locations"] == 2
     # The room it left is taken by a new instance; "a" comes back afresh, with nothing held.
     capped.apply([stored([9], 61.0, instance="d"), stored([2], 61.0, instance="a")])
