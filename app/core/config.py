@@ -121,6 +121,13 @@ class Settings(BaseSettings):
     # starts it afresh; a session event older than that newest ts minus this is ignored. Order
     # records, the route tracker and the advice ledger forget by the same rule.
     session_retention_seconds: float = Field(3600.0, gt=0)
+    # The most instances the store holds (each with up to three locations: its hbm, host and
+    # disk), sized for a large fleet: an event naming one more is rejected (422 on
+    # events[i].instance_id) and the rest of its batch taken.
+    max_instances: int = Field(10_000, ge=1)
+    # An instance nothing has named for this long, measured like the session retention, is
+    # forgotten with its locations (the blocks it held); a later event starts it afresh.
+    instance_retention_seconds: float = Field(3600.0, gt=0)
     # Both windows count from the newest event ts, so one event stamped in the future would
     # move them for everyone: an event more than this ahead of the service clock is rejected
     # (422 on events[i].ts), and skipped when replayed from the log.

@@ -394,7 +394,13 @@ class Scheduler:
         self._pins_and_demotes(list(self._fresh.values()), now, orders)
         self._fresh.clear()
 
-        free = {i.instance_id: i.free_kv_bytes for i in self.store.instances()}
+        # Only the instances this plan may send to: a tick costs its candidates, not the fleet.
+        dests = {c.instance_id for c in self._candidates.values() if c.instance_id is not None}
+        free = (
+            {i.instance_id: i.free_kv_bytes for i in self.store.instances(ids=list(dests))}
+            if dests
+            else {}
+        )
         for inst, nbytes in self._inflight_by_instance().items():
             if free.get(inst) is not None:
                 free[inst] = max(free[inst] - nbytes, 0)  # type: ignore[operator]

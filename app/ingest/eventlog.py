@@ -221,12 +221,16 @@ def _parse(raw: bytes, path: Path, line_no: int | None) -> list[Event]:
     try:
         return _validate(doc)
     except ValidationError as exc:
-        legacy = _with_legacy_session_ids(doc, exc)
+        legacy = _with_legacy_ids(doc, exc)
         if legacy is not None:
             return legacy
         first = exc.errors()[0]
         field = ".".join(str(p) for p in first["loc"][1:]) or "event"
         raise CorruptLogError(str(path), line_no or -1, f"{field}: {first['msg']}") from exc
+
+
+# The id fields whose rules were tightened after logs were written with looser ones.
+_LEGACY_ID_FIELDS = frozenset({"session_id", "instance_id"})
 
 
 def _validate(doc: Any) -> list[Event]:
@@ -236,32 +240,32 @@ def _validate(doc: Any) -> list[Event]:
     return [event_adapter.validate_python(doc, strict=False)]
 
 
-def _with_legacy_session_ids(doc: Any, exc: ValidationError) -> list[Event] | None:
-    """The events of a line whose only fault is session ids older versions accepted and the
-    schema now refuses ('/', '.', control characters): validated with a stand-in id, then given
-    their own back. None when the line has other faults."""
+def _with_legacy_ids(doc: Any, exc: ValidationError) -> list[Event] | None:
+    """The events of a line whose only fault is session or instance ids older versions accepted
+    and the schema now refuses ('/', '.', control characters): validated with a stand-in id, then
+    given their own back. None when the line has other faults."""
     errors = exc.errors()
     if not all(
-        e["type"] == "string_pattern_mismatch" and e["loc"][-1] == "session_id" for e in errors
+        e["type"] == "string_pattern_mismatch" and e["loc"][-1] in _LEGACY_ID_FIELDS for e in errors
     ):
         return None
     batch = isinstance(doc, dict) and "type" not in doc and "events" in doc
-    originals: dict[int, str] = {}
+    originals: dict[tuple[int, str], str] = {}
     for e in errors:
         index = e["loc"][1] if batch else 0
         if not isinstance(index, int):
             return None
-        originals[index] = e["input"]
+        originals[(index, str(e["loc"][-1]))] = e["input"]
     doc = {**doc, "events": list(doc["events"])} if batch else dict(doc)
-    for index in originals:
+    for index, name in originals:
         if batch:
-            doc["events"][index] = {**doc["events"][index], "session_id": "legacy"}
+            doc["events"][index] = {**doc["events"][index], name: "legacy"}
         else:
-            doc["session_id"] = "legacy"
+            doc[name] = "legacy"
     try:
         events = _validate(doc)
     except ValidationError:
         return None
-    for index, session_id in originals.items():
-        events[index] = events[index].model_copy(update={"session_id": session_id})
+    for (index, name), value in originals.items():
+        events[index] = events[index].model_copy(update={name: value})
     return events

@@ -52,18 +52,35 @@ RETAINED_EVENT_TYPES = frozenset(
         "order_progress",
     }
 )
-# Why an event was refused for its time (the label of kvprefetch_events_refused_total).
-CLOCK_SKEW, PAST_RETENTION = "clock_skew", "past_retention"
+# The events that start an instance the store does not hold (a signal's instance is a hint only).
+INSTANCE_EVENT_TYPES = frozenset(
+    {
+        "request_routed",
+        "request_started",
+        "request_finished",
+        "kv_blocks_stored",
+        "kv_blocks_removed",
+        "kv_blocks_cleared",
+        "vllm_kv_events",
+        "instance_status",
+    }
+)
+# Why an event was refused (the label of kvprefetch_events_refused_total): for its time, or for
+# naming one instance more than the store holds (KVP_MAX_INSTANCES).
+CLOCK_SKEW, PAST_RETENTION, INSTANCE_CAP = "clock_skew", "past_retention", "instance_cap"
+REFUSAL_REASONS = (CLOCK_SKEW, PAST_RETENTION, INSTANCE_CAP)
 
 
 @dataclass(frozen=True, slots=True)
 class TimeRejection:
-    """An event refused for its `ts`; `index` is its place in the sequence given to ingest()."""
+    """An event refused for its `field` (`ts`, or `instance_id` past the cap); `index` is its
+    place in the sequence given to ingest()."""
 
     index: int
     event_id: str
     reason: str
     message: str
+    field: str = "ts"
 
 
 @dataclass(slots=True)
@@ -124,6 +141,8 @@ class Ingestor:
         self._prepared = self._settled = 0
         # The newest ts of the batches in flight: the store's once they are applied.
         self._newest_prepared = -math.inf
+        # The instances the batches in flight start: the store holds them once they are applied.
+        self._instances_prepared: set[str] = set()
 
     def ingest(self, events: Sequence[Event], body: bytes | None = None) -> IngestResult:
         """`body`, when given, is the posted batch these events were parsed from, whole."""
@@ -182,6 +201,7 @@ class Ingestor:
         self._settled = prepared.sequence
         if self._settled == self._prepared:  # nothing in flight: the store's newest says it all
             self._newest_prepared = -math.inf
+            self._instances_prepared = set()
 
     def _admit(
         self, events: Sequence[Event], body: bytes | None
@@ -225,6 +245,9 @@ class Ingestor:
             # refused (the common case, checked without a walk in order).
             if min(stamps) < max(newest, max(stamps)) - retention:
                 fresh = self._reject_past_retention(fresh, newest, retention, given, result)
+        cap = self.store.max_instances
+        if fresh and cap is not None:
+            fresh = self._reject_past_the_cap(fresh, cap, newest, given, result)
         if not fresh or not self._encodes:  # a log that keeps nothing (a replay's): no bytes
             return result, fresh, b""
         # A batch is logged as posted only when that is exactly what was validated: every event
@@ -292,13 +315,7 @@ class Ingestor:
                 continue
             kept.append(e)
             newest = max(newest, e.ts)
-        # Where each refused event is in the batch (rare: a scan is fine); an id's copies that
-        # were rejected already or came later are not it.
-        taken = {r.index for r in result.rejected}
-        index: dict[str, int] = {}
-        for i, e in enumerate(given):
-            if i not in taken and e.event_id not in index:
-                index[e.event_id] = i
+        index = _positions(given, result)
         for e, newest_then in refused:
             result.rejected.append(
                 TimeRejection(
@@ -314,8 +331,69 @@ class Ingestor:
         result.rejected.sort(key=lambda r: r.index)
         return kept
 
+    def _reject_past_the_cap(
+        self,
+        fresh: list[Event],
+        cap: int,
+        newest: float,
+        given: Sequence[Event],
+        result: IngestResult,
+    ) -> list[Event]:
+        """Events naming an instance the store does not hold, once it holds `cap` (with those
+        this batch, and the batches in flight, start first): the store would ignore them. The
+        batch's own events move the instances' cutoff as the store applies them; where the room
+        runs out, the store is asked again at the cutoff the batch has reached by then."""
+        named = [
+            e.instance_id if e.type in INSTANCE_EVENT_TYPES else None  # type: ignore[union-attr]
+            for e in fresh
+        ]
+        pending = self._instances_prepared
+        asked = list({i for i in named if i is not None and i not in pending})
+        if not asked:
+            return fresh
+        known, held = self.store.known_instances(asked)
+        live = {i for i, k in zip(asked, known) if k}
+        room = cap - held - len(pending)
+        if sum(1 for i in asked if i not in live) <= room:  # room for all: the common case
+            pending.update(i for i in asked if i not in live)
+            return fresh
+        live |= pending
+        kept, refused = [], []
+        reached = asked_at = newest
+        for e, instance_id in zip(fresh, named):
+            if instance_id is not None and instance_id not in live:
+                if room <= 0 and max(reached, e.ts) > asked_at:
+                    asked_at = max(reached, e.ts)
+                    known, held = self.store.known_instances(asked, asked_at)
+                    live = {i for i, k in zip(asked, known) if k} | pending
+                    room = cap - held - len(pending)
+                if instance_id not in live:
+                    if room <= 0:
+                        refused.append(e)
+                        continue
+                    live.add(instance_id)
+                    pending.add(instance_id)
+                    room -= 1
+            kept.append(e)
+            reached = max(reached, e.ts)
+        index = _positions(given, result)
+        for e in refused:
+            result.rejected.append(
+                TimeRejection(
+                    index[e.event_id],
+                    e.event_id,
+                    INSTANCE_CAP,
+                    f"instance {e.instance_id!r} would be one more than the {cap} instances the "  # type: ignore[union-attr]
+                    "store holds (KVP_MAX_INSTANCES); an instance is forgotten once nothing has "
+                    "named it for KVP_INSTANCE_RETENTION_SECONDS",
+                    "instance_id",
+                )
+            )
+        result.rejected.sort(key=lambda r: r.index)
+        return kept
+
     def _count_refused(self, rejected: Sequence[TimeRejection]) -> None:
-        for reason in (CLOCK_SKEW, PAST_RETENTION):
+        for reason in REFUSAL_REASONS:
             n = sum(1 for r in rejected if r.reason == reason)
             if n:
                 self.refused(reason, n)  # type: ignore[misc]
@@ -378,3 +456,14 @@ class Ingestor:
         that took events from the future before they were checked), else None."""
         _, newest = self.store.seen_and_newest([])
         return newest if newest > self.clock.now() + self.max_clock_skew_seconds else None
+
+
+def _positions(given: Sequence[Event], result: IngestResult) -> dict[str, int]:
+    """Where each event id is in the batch, for its refusal (rare: a scan is fine); an id's
+    copies that were rejected already or came later are not it."""
+    taken = {r.index for r in result.rejected}
+    index: dict[str, int] = {}
+    for i, e in enumerate(given):
+        if i not in taken and e.event_id not in index:
+            index[e.event_id] = i
+    return index

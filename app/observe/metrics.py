@@ -53,7 +53,7 @@ from prometheus_client import (
 from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
 from app.deliver.lmcache import CALLS as LMCACHE_CALLS
 from app.deliver.lmcache import FAILURE_KINDS as LMCACHE_FAILURES
-from app.ingest.ingestor import CLOCK_SKEW, PAST_RETENTION
+from app.ingest.ingestor import REFUSAL_REASONS
 from app.ingest.vllm.wire import BAD_INPUT_REASONS
 from app.observe.judge import JudgeStats
 from app.observe.ledger import SLOTS, LedgerStats
@@ -194,10 +194,11 @@ class Metrics:
         )
         self.events_refused_by_time = Counter(
             "kvprefetch_events_refused",
-            "Events not taken for their ts, by reason: 'clock_skew', more than "
+            "Events not taken, by reason: 'clock_skew', more than "
             "KVP_MAX_CLOCK_SKEW_SECONDS ahead of the service clock (rejected when posted, skipped "
             "when replayed from the log); 'past_retention', a session or order event older than "
-            "the session retention (rejected).",
+            "the session retention (rejected); 'instance_cap', naming an instance past the "
+            "KVP_MAX_INSTANCES the store holds (rejected).",
             ["reason"],
             registry=r,
         )
@@ -501,7 +502,7 @@ class Metrics:
         self._missing_bytes = self.reused_bytes.labels("false")
         for code in REFUSED_CODES:
             self.batches_refused.labels(str(code))
-        for reason in (CLOCK_SKEW, PAST_RETENTION):
+        for reason in REFUSAL_REASONS:
             self.events_refused_by_time.labels(reason)
         for kind in ORDER_KINDS:
             self.orders_issued.labels(kind)
@@ -618,7 +619,7 @@ class Metrics:
             self.events_rejected.labels(field).inc(n)
 
     def events_refused(self, reason: str, n: int) -> None:
-        """The ingestor's hook (app/ingest/ingestor.py): `n` events refused for their ts."""
+        """The ingestor's hook (app/ingest/ingestor.py): `n` events refused for `reason`."""
         self.events_refused_by_time.labels(reason).inc(n)
 
     def lmcache_order_ended(self, kind: str, failure: str | None) -> None:

@@ -419,7 +419,22 @@ def instance_queues(
             }
         return r
 
-    for view in store.instances():
+    for o in scheduler.open_orders():
+        r = row(o.instance_id)
+        r["open_orders"][o.kind] += 1
+        if o.kind == "prefetch":
+            r["inflight_bytes"] += o.size_bytes
+            rate = cfg.link_bytes_per_second(o.source_tier or "pool") * cfg.link_share
+            r["link_backlog_seconds"] += o.size_bytes / rate
+    # Those with orders come first; the rest tie and go by id, so the first `limit` of the
+    # store's beside them are all the page can hold: it costs the orders and the page, not the
+    # fleet.
+    ordered = list(rows)
+    known, held = store.known_instances(ordered)
+    total = held + sum(1 for k in known if not k)
+    views = store.instances(ids=ordered) if ordered else []
+    views += store.instances(limit=limit + len(ordered))
+    for view in views:
         r = row(view.instance_id)
         r.update(
             free_kv_bytes=view.free_kv_bytes,
@@ -428,15 +443,8 @@ def instance_queues(
             queue_depth=view.queue_depth,
             running_requests=view.running_requests,
         )
-    for o in scheduler.open_orders():
-        r = row(o.instance_id)
-        r["open_orders"][o.kind] += 1
-        if o.kind == "prefetch":
-            r["inflight_bytes"] += o.size_bytes
-            rate = cfg.link_bytes_per_second(o.source_tier or "pool") * cfg.link_share
-            r["link_backlog_seconds"] += o.size_bytes / rate
     ranked = sorted(
         rows.values(),
         key=lambda r: (-r["inflight_bytes"], -sum(r["open_orders"].values()), r["instance_id"]),
     )
-    return ranked[:limit], len(ranked)
+    return ranked[:limit], total

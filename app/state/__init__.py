@@ -47,6 +47,8 @@ def build_store(settings: Settings) -> StateStore:
             dedupe_ttl_seconds=settings.dedupe_ttl_seconds,
             reorder_window_seconds=settings.reorder_window_seconds,
             session_retention_seconds=settings.session_retention_seconds,
+            max_instances=settings.max_instances,
+            instance_retention_seconds=settings.instance_retention_seconds,
             timeout_seconds=settings.redis_timeout_seconds,
         )
     return MemoryStore(
@@ -55,4 +57,6 @@ def build_store(settings: Settings) -> StateStore:
         dedupe_max_ids=settings.dedupe_max_ids,
         reorder_window_seconds=settings.reorder_window_seconds,
         session_retention_seconds=settings.session_retention_seconds,
+        max_instances=settings.max_instances,
+        instance_retention_seconds=settings.instance_retention_seconds,
     )

@@ -17,6 +17,12 @@ every backend):
 - Residency: each (location, block) is a last-writer-wins register over stored/removed events
   by `ts`, a removal winning a tie. `kv_blocks_cleared` at `ts` removes every block stored
   before `ts` and makes older stores of that location no-ops.
+- Instances: an instance is forgotten, with its locations (its hbm, host and disk), once the
+  store has seen an event more than `instance_retention_seconds` newer than the newest event
+  that named it; a later event starts it afresh. An event naming an instance the store does not
+  hold, while it holds `max_instances` others, is ignored whole (the ingestor refuses it first,
+  422 on its instance_id), so a flood of distinct ids costs no more than the cap. Views and
+  counts leave out a forgotten instance not deleted yet.
 - Instance status and order progress: last writer wins by `ts`; an order's terminal status
   (completed, failed) beats `accepted` whatever the timestamps.
 - Orders are forgotten like sessions: an order whose newest progress event is older than the
@@ -178,6 +184,8 @@ class StateStore(Protocol):
     # A session event older than the newest event ts applied minus this is ignored (math.inf:
     # none is); the ingestor rejects such events before they are logged.
     session_retention_seconds: float
+    # The most instances held (None: no cap); see the rules above.
+    max_instances: int | None
 
     def seen(self, event_ids: Sequence[str]) -> list[bool]:
         """Which of these events were already applied (within the idempotency window)."""
@@ -235,7 +243,20 @@ class StateStore(Protocol):
         costs its own instances, not the fleet's."""
         ...
 
-    def locations(self) -> list[LocationView]: ...
+    def known_instances(
+        self, instance_ids: Sequence[str], newest_ts: float | None = None
+    ) -> tuple[list[bool], int]:
+        """Whether the store holds each of these instances (not forgotten), and how many it
+        holds: now, or once an event at `newest_ts` has moved the cutoff. What the ingestor
+        checks a batch against `max_instances` with."""
+        ...
+
+    def locations(
+        self, *, after: str | None = None, limit: int | None = None
+    ) -> list[LocationView]:
+        """Locations by name: all of them, or up to `limit` whose name is greater than `after`
+        (a page: pass the last name of the previous one). A page costs its own locations."""
+        ...
 
     def holds(
         self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]

@@ -192,14 +192,20 @@ class MemoryStore:
         dedupe_max_ids: int = 2_000_000,
         reorder_window_seconds: float = math.inf,
         session_retention_seconds: float = math.inf,
+        max_instances: int | None = None,
+        instance_retention_seconds: float = math.inf,
     ) -> None:
         if dedupe_max_ids < 1 or reorder_window_seconds <= 0 or session_retention_seconds <= 0:
             raise ValueError("dedupe_max_ids and both windows must be positive")
+        if (max_instances is not None and max_instances < 1) or instance_retention_seconds <= 0:
+            raise ValueError("max_instances and instance_retention_seconds must be positive")
         self.bytes_per_token = bytes_per_token
         self.block_tokens = block_tokens
         self.dedupe_max_ids = dedupe_max_ids
         self.reorder_window_seconds = reorder_window_seconds
         self.session_retention_seconds = session_retention_seconds
+        self.max_instances = max_instances
+        self.instance_retention_seconds = instance_retention_seconds
         # The dedupe ring in two generations of sets: ids go to _seen, which becomes _seen_old
         # when it holds _seen_half; so the last _seen_half ids at least, and at most
         # dedupe_max_ids, are remembered. A replaced _seen_old is freed a few ids per event
@@ -212,6 +218,8 @@ class MemoryStore:
         # before the cutoff is forgotten.
         self._newest = -math.inf
         self._cutoff = -math.inf
+        # The instances' cutoff: an instance last heard of before it is forgotten, locations too.
+        self._icutoff = -math.inf
         self._sessions: dict[str, SessionRecord] = {}
         # Sessions by the whole second of their last activity, and those seconds in order: what
         # live_sessions() reads newest first. A session moves only when its activity crosses into
@@ -227,6 +235,13 @@ class MemoryStore:
         self._order_seconds: list[int] = []
         # Instance ids in order, for the pages of instances().
         self._instance_ids: list[str] = []
+        # Instances by the whole second they were last heard of (the sessions' index, for
+        # instances), and location names in order, for the pages of locations().
+        self._instances_by_second: dict[int, set[str]] = {}
+        self._instance_seconds: list[int] = []
+        self._location_names: list[str] = []
+        # Blocks held over every location, kept as they change: stats() costs no pass over them.
+        self._resident = 0
         self._checkpoints: dict[str, LogPosition] = {}
         # Each handler takes its own event type; the dispatch on `type` is what narrows.
         self._apply_one: dict[str, Callable[[Any], None]] = {
@@ -264,6 +279,7 @@ class MemoryStore:
             if ts > self._newest:
                 self._newest = ts
                 self._cutoff = retention_cutoff(ts, self.session_retention_seconds)
+                self._icutoff = retention_cutoff(ts, self.instance_retention_seconds)
             apply_one[e.type](e)
             seen.add(eid)
             out.append(True)
@@ -284,7 +300,103 @@ class MemoryStore:
             self._expire_sessions()
         if self._order_seconds and self._order_seconds[0] + 1 <= self._cutoff:
             self._expire_orders()
+        if self._instance_seconds and self._instance_seconds[0] + 1 <= self._icutoff:
+            self._expire_instances()
         return out
+
+    def _expire_instances(self) -> None:
+        """_expire_sessions for instances, their locations with them."""
+        seconds, by_second = self._instance_seconds, self._instances_by_second
+        n = bisect.bisect_right(seconds, math.floor(self._icutoff) - 1)
+        for second in seconds[:n]:
+            for instance_id in by_second.pop(second):
+                self._drop_instance(instance_id)
+        del seconds[:n]
+
+    def _drop_instance(self, instance_id: str) -> None:
+        """An instance and its locations gone (its index entry is the caller's)."""
+        del self._instances[instance_id]
+        ids = self._instance_ids
+        del ids[bisect.bisect_left(ids, instance_id)]
+        for tier in _INSTANCE_TIERS:
+            loc = self._locations.pop((tier, instance_id), None)
+            if loc is not None:
+                self._resident -= len(loc.present)
+                names = self._location_names
+                del names[bisect.bisect_left(names, location_name(tier, instance_id))]
+
+    def _forget_instance(self, instance_id: str, last_seen_ts: float) -> None:
+        self._drop_instance(instance_id)
+        second = int(last_seen_ts)
+        members = self._instances_by_second[second]
+        members.discard(instance_id)
+        if not members:
+            del self._instances_by_second[second]
+            del self._instance_seconds[bisect.bisect_left(self._instance_seconds, second)]
+
+    def _index_instance(self, instance_id: str, old_ts: float | None, ts: float) -> None:
+        """Move an instance to the second it was last heard of."""
+        by_second, seconds = self._instances_by_second, self._instance_seconds
+        members: set[str] | None
+        if old_ts is not None:
+            old = int(old_ts)
+            members = by_second[old]
+            members.discard(instance_id)
+            if not members:
+                del by_second[old]
+                del seconds[bisect.bisect_left(seconds, old)]
+        second = int(ts)
+        members = by_second.get(second)
+        if members is None:
+            members = by_second[second] = set()
+            bisect.insort(seconds, second)
+        members.add(instance_id)
+
+    def _stale_instances(self, cutoff: float | None = None) -> list[str]:
+        """The instances forgotten but not dropped yet (after _expire_instances, only the
+        cutoff's own second holds any), or those a later `cutoff` would forget."""
+        instances, by_second = self._instances, self._instances_by_second
+        cutoff = self._icutoff if cutoff is None else max(cutoff, self._icutoff)
+        if cutoff == -math.inf:
+            return []
+        n = bisect.bisect_right(self._instance_seconds, math.floor(cutoff))
+        return [
+            instance_id
+            for second in self._instance_seconds[:n]
+            for instance_id in by_second[second]
+            if instances[instance_id].last_seen_ts < cutoff
+        ]
+
+    def _live_instance_count(self) -> int:
+        self._expire_instances()
+        return len(self._instances) - len(self._stale_instances())
+
+    def known_instances(
+        self, instance_ids: Sequence[str], newest_ts: float | None = None
+    ) -> tuple[list[bool], int]:
+        cutoff = self._icutoff
+        if newest_ts is not None:
+            cutoff = max(cutoff, retention_cutoff(newest_ts, self.instance_retention_seconds))
+        instances = self._instances
+        known = [
+            (i := instances.get(x)) is not None and i.last_seen_ts >= cutoff for x in instance_ids
+        ]
+        return known, len(instances) - len(self._stale_instances(cutoff))
+
+    def _held_at(self, key: tuple[str, str | None]) -> _Location | None:
+        """The location, unless its instance is forgotten (a whole second is dropped at once:
+        the cutoff's own may still hold it)."""
+        loc = self._locations.get(key)
+        if loc is None or key[1] is None:
+            return loc
+        i = self._instances.get(key[1])
+        return loc if i is not None and i.last_seen_ts >= self._icutoff else None
+
+    def _instance_live(self, instance_id: str | None) -> bool:
+        if instance_id is None:
+            return True
+        i = self._instances.get(instance_id)
+        return i is not None and i.last_seen_ts >= self._icutoff
 
     def _expire_orders(self) -> None:
         """_expire_sessions for orders: forget those last active in a whole second before the
@@ -379,16 +491,29 @@ class MemoryStore:
             bisect.insort(self._seconds, second)
         members.add(session_id)
 
-    def _new_instance(self, instance_id: str, ts: float) -> _Instance:
-        i = self._instances[instance_id] = _Instance(ts)
-        bisect.insort(self._instance_ids, instance_id)
-        return i
-
-    def _instance(self, instance_id: str, ts: float) -> _Instance:
+    def _instance(self, instance_id: str, ts: float) -> _Instance | None:
+        """The instance an event at `ts` names, heard of now. None: the store holds
+        `max_instances` others, so the event is ignored whole (the ingestor refuses it first).
+        One not heard of since before the cutoff is forgotten, its locations too, and starts
+        afresh."""
         i = self._instances.get(instance_id)
+        if i is not None and i.last_seen_ts < self._icutoff:
+            self._forget_instance(instance_id, i.last_seen_ts)
+            i = None
         if i is None:
-            i = self._new_instance(instance_id, ts)
+            cap = self.max_instances
+            if (
+                cap is not None
+                and len(self._instances) >= cap
+                and self._live_instance_count() >= cap
+            ):
+                return None
+            i = self._instances[instance_id] = _Instance(ts)
+            bisect.insort(self._instance_ids, instance_id)
+            self._index_instance(instance_id, None, ts)
         elif ts > i.last_seen_ts:
+            if int(ts) != int(i.last_seen_ts):
+                self._index_instance(instance_id, i.last_seen_ts, ts)
             i.last_seen_ts = ts
         return i
 
@@ -397,17 +522,20 @@ class MemoryStore:
         e: RequestRouted | RequestStarted | RequestFinished,
     ) -> tuple[SessionRecord, RequestRecord] | None:
         """What every request event does: touch its session and instance, find its request
-        (SessionRecord.request). None: the event is about a forgotten session (see _session);
-        only the instance is touched.
+        (SessionRecord.request). None: the event is about a forgotten session (see _session),
+        and only the instance is touched; or its instance is refused (see _instance).
 
         The session's touch is inlined for a live session: this runs for most events on the
         ingest path.
         """
         ts = e.ts
         instance = self._instances.get(e.instance_id)
-        if instance is None:
-            self._new_instance(e.instance_id, ts)
+        if instance is None or instance.last_seen_ts < self._icutoff:
+            if self._instance(e.instance_id, ts) is None:
+                return None
         elif ts > instance.last_seen_ts:
+            if int(ts) != int(instance.last_seen_ts):
+                self._index_instance(e.instance_id, instance.last_seen_ts, ts)
             instance.last_seen_ts = ts
         s = self._sessions.get(e.session_id)
         if s is None or s.last_ts < self._cutoff or ts < self._cutoff or s.signal_only:
@@ -466,14 +594,18 @@ class MemoryStore:
             loc = self._locations[key] = _Location(
                 block_tokens or self.block_tokens, self.reorder_window_seconds
             )
+            bisect.insort(self._location_names, location_name(tier, instance_id))
         elif block_tokens:
             loc.block_tokens = block_tokens
         return loc
 
     def _stored(self, e: KvBlocksStored) -> None:
-        if e.instance_id is not None:
-            self._instance(e.instance_id, e.ts)
-        self._location(e.tier, e.instance_id, e.block_tokens).store(e.block_hashes, e.ts)
+        if e.instance_id is not None and self._instance(e.instance_id, e.ts) is None:
+            return
+        loc = self._location(e.tier, e.instance_id, e.block_tokens)
+        held = len(loc.present)
+        loc.store(e.block_hashes, e.ts)
+        self._resident += len(loc.present) - held
         if e.session_id is not None and e.tier == "hbm" and e.ts >= self._cutoff:
             s = self._sessions.get(e.session_id)
             # Only a session the router started, not forgotten: an engine's blocks start none.
@@ -487,14 +619,20 @@ class MemoryStore:
                 )
 
     def _removed(self, e: KvBlocksRemoved) -> None:
-        if e.instance_id is not None:
-            self._instance(e.instance_id, e.ts)
-        self._location(e.tier, e.instance_id, None).remove(e.block_hashes, e.ts)
+        if e.instance_id is not None and self._instance(e.instance_id, e.ts) is None:
+            return
+        loc = self._location(e.tier, e.instance_id, None)
+        held = len(loc.present)
+        loc.remove(e.block_hashes, e.ts)
+        self._resident += len(loc.present) - held
 
     def _cleared(self, e: KvBlocksCleared) -> None:
-        if e.instance_id is not None:
-            self._instance(e.instance_id, e.ts)
-        self._location(e.tier, e.instance_id, None).clear(e.ts)
+        if e.instance_id is not None and self._instance(e.instance_id, e.ts) is None:
+            return
+        loc = self._location(e.tier, e.instance_id, None)
+        held = len(loc.present)
+        loc.clear(e.ts)
+        self._resident += len(loc.present) - held
 
     def _vllm(self, e: VllmKvEvents) -> None:
         for sub in e.expand():
@@ -502,7 +640,7 @@ class MemoryStore:
 
     def _status(self, e: InstanceStatus) -> None:
         i = self._instance(e.instance_id, e.ts)
-        if e.ts >= i.status_ts:
+        if i is not None and e.ts >= i.status_ts:
             i.status_ts = e.ts
             i.free_kv_bytes, i.total_kv_bytes = e.free_kv_bytes, e.total_kv_bytes
             i.queue_depth, i.running_requests = e.queue_depth, e.running_requests
@@ -579,7 +717,10 @@ class MemoryStore:
         context_tokens = latest_context_tokens(latest)
         where: dict[str, int] = {}
         if resident and s.blocks:
+            live = self._instance_live
             for (tier, instance_id), loc in self._locations.items():
+                if not live(instance_id):
+                    continue
                 n = sum(map(loc.present.__contains__, s.blocks))
                 if n:
                     where[location_name(tier, instance_id)] = n
@@ -654,12 +795,19 @@ class MemoryStore:
         limit: int | None = None,
         ids: Sequence[str] | None = None,
     ) -> list[InstanceView]:
+        live = self._instance_live
         if ids is not None:
-            chosen = sorted({i for i in ids if i in self._instances})
+            chosen = sorted({i for i in ids if live(i)})
         else:
             known = self._instance_ids
             start = bisect.bisect_right(known, after) if after is not None else 0
-            chosen = known[start : start + limit] if limit is not None else known[start:]
+            chosen = []
+            # Forgotten ones not dropped yet are only those of the cutoff's second: few.
+            for k in range(start, len(known)):
+                if limit is not None and len(chosen) >= limit:
+                    break
+                if live(known[k]):
+                    chosen.append(known[k])
         locations, bytes_per_token = self._locations, self.bytes_per_token
         out = []
         for instance_id in chosen:
@@ -686,14 +834,24 @@ class MemoryStore:
             )
         return out
 
-    def locations(self) -> list[LocationView]:
-        out = []
-        for (tier, instance_id), loc in sorted(
-            self._locations.items(), key=lambda kv: location_name(*kv[0])
-        ):
+    def locations(
+        self, *, after: str | None = None, limit: int | None = None
+    ) -> list[LocationView]:
+        names, live, locations = self._location_names, self._instance_live, self._locations
+        start = bisect.bisect_right(names, after) if after is not None else 0
+        out: list[LocationView] = []
+        for k in range(start, len(names)):
+            if limit is not None and len(out) >= limit:
+                break
+            name = names[k]
+            tier, _, instance = name.partition("@")
+            instance_id = instance if instance else None
+            if not live(instance_id):
+                continue
+            loc = locations[(tier, instance_id)]
             out.append(
                 LocationView(
-                    location=location_name(tier, instance_id),
+                    location=name,
                     tier=tier,
                     instance_id=instance_id,
                     blocks=len(loc.present),
@@ -707,17 +865,17 @@ class MemoryStore:
     def holds(
         self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]
     ) -> list[bool]:
-        loc = self._locations.get((tier, instance_id))
+        loc = self._held_at((tier, instance_id))
         if loc is None:
             return [False] * len(block_hashes)
         present = loc.present
         return [h in present for h in block_hashes]
 
     def holds_many(self, queries: Sequence[HoldsQuery]) -> list[list[bool]]:
-        locations = self._locations
+        held_at = self._held_at
         out = []
         for tier, instance_id, block_hashes in queries:
-            loc = locations.get((tier, instance_id))
+            loc = held_at((tier, instance_id))
             if loc is None:
                 out.append([False] * len(block_hashes))
             else:
@@ -734,12 +892,12 @@ class MemoryStore:
         # A route hint's whole residency cost (~2,000 probes for 129 locations of a 65,536-block
         # context). Packed hashes are searched by bisect in C, backwards (where the held run is
         # misses then hits, what bisect wants): the very probes of the loop below, in its order.
-        locations, n = self._locations, len(block_hashes)
+        held_at, n = self._held_at, len(block_hashes)
         backwards = memoryview(block_hashes)[::-1] if isinstance(block_hashes, array) else None
         out = []
         for k, key in enumerate(where):
             lo = starts[k] if starts is not None else 0
-            loc = locations.get(key)
+            loc = held_at(key)
             if loc is not None and lo < n:
                 present = loc.present
                 if backwards is not None:
@@ -757,17 +915,17 @@ class MemoryStore:
         return out
 
     def instance_loads(self, ids: Sequence[str]) -> dict[str, tuple[int | None, int | None]]:
-        instances = self._instances
+        instances, cutoff = self._instances, self._icutoff
         return {
             i: (r.queue_depth, r.running_requests)
             for i in ids
-            if (r := instances.get(i)) is not None
+            if (r := instances.get(i)) is not None and r.last_seen_ts >= cutoff
         }
 
     def present(
         self, tier: Tier, instance_id: str | None, block_hashes: Iterable[BlockHash]
     ) -> set[BlockHash]:
-        loc = self._locations.get((tier, instance_id))
+        loc = self._held_at((tier, instance_id))
         return loc.present.keys() & block_hashes if loc is not None else set()
 
     def present_many(self, queries: Sequence[PresentQuery]) -> list[set[BlockHash]]:
@@ -808,11 +966,13 @@ class MemoryStore:
             if cutoff > -math.inf
             else 0
         )
+        stale = self._stale_instances()
+        gone = [loc for i in stale for t in _INSTANCE_TIERS if (loc := self._locations.get((t, i)))]
         return {
             "sessions": len(self._sessions) - forgotten,
-            "instances": len(self._instances),
-            "locations": len(self._locations),
-            "resident_blocks": sum(len(loc.present) for loc in self._locations.values()),
+            "instances": len(self._instances) - len(stale),
+            "locations": len(self._locations) - len(gone),
+            "resident_blocks": self._resident - sum(len(loc.present) for loc in gone),
             "orders": len(self._orders) - forgotten_orders,
             "remembered_event_ids": len(self._seen) + len(self._seen_old),
         }
@@ -838,6 +998,11 @@ class MemoryStore:
         self._orders_by_second.clear()
         self._order_seconds.clear()
         self._instance_ids.clear()
+        self._instances_by_second.clear()
+        self._instance_seconds.clear()
+        self._location_names.clear()
+        self._resident = 0
+        self._icutoff = -math.inf
         self._checkpoints.clear()
 
     def close(self) -> None:

@@ -54,8 +54,15 @@ from the prefix, so they must all live on one node):
                                     output, context], strings, "-1" for none; in MemoryStore's
                                     list order, at most 3)
     <p>:instance-ids        zset  instance id -> 0: in id order, for the pages of instances()
+    <p>:instance-activity   zset  instance id -> the newest ts that named it: the cap counts
+                                  from the instances' cutoff (ZCOUNT), and the apply script
+                                  deletes the instances below it, with their locations
     <p>:i:<instance_id>     hash  l last seen ts, st status ts, free, total, qd, rr
     <p>:locs                hash  location name (`hbm@gpu-0`, `pool`) -> JSON [tier, instance|null]
+    <p>:loc-names           zset  location name -> 0: in name order, for the pages of locations()
+    <p>:nblocks             string the blocks held over every location, kept as they change
+                                  (stats() reads it; counted once where an older version left
+                                  none)
     <p>:locbt               hash  location name -> block tokens
     <p>:loccl               hash  location name -> cleared ts
     <p>:lochw               hash  location name -> the newest ts of an event there
@@ -172,10 +179,10 @@ _REQ_ID, _REQ_INSTANCE, _REQ_INSTANCE_TS, _REQ_ROUTED, _REQ_STARTED, _REQ_FINISH
 _REQ_PROMPT, _REQ_OUTPUT, _REQ_CONTEXT = 6, 7, 8
 
 # One call applies a chunk of events (see RedisStore.apply for the chunking).
-# ARGV: prefix, ttl seconds, stats bucket seconds, reorder window, session retention (each
-# `inf` for never), then per event: its event_id, how many
-# operation fields follow, and the operations, each an opcode and its fields (strings; "" means
-# None where a field is optional):
+# ARGV: prefix, ttl seconds, stats bucket seconds, reorder window, session retention, instance
+# retention (each `inf` for never), the most instances held (`inf`: no cap), then per event: its
+# event_id, how many operation fields follow, and the operations, each an opcode and its fields
+# (strings; "" means None where a field is optional):
 #   R sid rid iid ts prompt blocks_json|"" session_block_tokens          request_routed
 #   S sid rid iid ts                                                     request_started
 #   F sid rid iid ts output context|"-1" blocks_json|"" session_bt       request_finished
@@ -196,11 +203,12 @@ _APPLY_LUA = (
     .replace("__RECENT_SIGNALS__", str(RECENT_SIGNALS))
 )
 
-# ARGV: prefix, ttl seconds, bucket seconds, session retention. Returns sessions, instances,
-# locations, resident blocks, orders, remembered event ids.
+# ARGV: prefix, ttl seconds, bucket seconds, session retention, instance retention. Returns
+# sessions, instances, locations, resident blocks, orders, remembered event ids.
 _STATS_LUA = _lua("redis_stats.lua")
 # ARGV: prefix, then per query: location name, n, n members. Returns 1/0 per member.
 _HOLDS_LUA = _lua("redis_holds.lua")
+_KNOWN_LUA = _lua("redis_known.lua")
 # One round of held_prefixes: ARGV prefix, levels, trees, members, then per location name and tree.
 _HELD_LUA = _lua("redis_held.lua")
 # Levels of a held-prefix search per script call: a 65,536-block context (17 levels) takes 5
@@ -258,13 +266,19 @@ class RedisStore:
         dedupe_ttl_seconds: int = 24 * 3600,
         reorder_window_seconds: float = math.inf,
         session_retention_seconds: float = math.inf,
+        max_instances: int | None = None,
+        instance_retention_seconds: float = math.inf,
     ) -> None:
         if not prefix:
             raise ValueError("prefix must not be empty")
         if reorder_window_seconds <= 0 or session_retention_seconds <= 0:
             raise ValueError("both windows must be positive")
+        if (max_instances is not None and max_instances < 1) or instance_retention_seconds <= 0:
+            raise ValueError("max_instances and instance_retention_seconds must be positive")
         self.reorder_window_seconds = float(reorder_window_seconds)
         self.session_retention_seconds = float(session_retention_seconds)
+        self.max_instances = max_instances
+        self.instance_retention_seconds = float(instance_retention_seconds)
         self._r = client
         self.prefix = prefix
         self.bytes_per_token = bytes_per_token
@@ -274,9 +288,12 @@ class RedisStore:
         self._apply_script = client.register_script(_APPLY_LUA)
         self._stats_script = client.register_script(_STATS_LUA)
         self._holds_script = client.register_script(_HOLDS_LUA)
+        self._known_script = client.register_script(_KNOWN_LUA)
         self._held_script = client.register_script(_HELD_LUA)
         p = prefix
         self._k_instances = f"{p}:instance-ids"
+        self._k_instance_activity = f"{p}:instance-activity"
+        self._k_loc_names = f"{p}:loc-names"
         self._k_order_activity = f"{p}:order-activity"
         self._k_locs, self._k_locbt, self._k_loccl = f"{p}:locs", f"{p}:locbt", f"{p}:loccl"
         self._k_newest = f"{p}:newest"
@@ -306,6 +323,8 @@ class RedisStore:
         dedupe_ttl_seconds: int = 24 * 3600,
         reorder_window_seconds: float = math.inf,
         session_retention_seconds: float = math.inf,
+        max_instances: int | None = None,
+        instance_retention_seconds: float = math.inf,
         timeout_seconds: float = 2.0,
     ) -> RedisStore:
         # No automatic retries: a script call resent after a timeout may already have run, and
@@ -326,6 +345,8 @@ class RedisStore:
             dedupe_ttl_seconds=dedupe_ttl_seconds,
             reorder_window_seconds=reorder_window_seconds,
             session_retention_seconds=session_retention_seconds,
+            max_instances=max_instances,
+            instance_retention_seconds=instance_retention_seconds,
         )
 
     def _head(self) -> list[str]:
@@ -336,7 +357,17 @@ class RedisStore:
             str(self._bucket_seconds),
             _ts(self.reorder_window_seconds),
             _ts(self.session_retention_seconds),
+            _ts(self.instance_retention_seconds),
+            str(self.max_instances) if self.max_instances is not None else "inf",
         ]
+
+    def _icutoff(self, newest: str | None) -> float:
+        """Instances last heard of before this are forgotten (the apply script's `icutoff`)."""
+        return (
+            -math.inf
+            if newest is None
+            else retention_cutoff(float(newest), self.instance_retention_seconds)
+        )
 
     def _cutoff(self, newest: str | None) -> float:
         """Sessions last active before this are forgotten (the apply script's `cutoff`)."""
@@ -733,27 +764,6 @@ class RedisStore:
             signals_total=int(h.get("n", 0)),
         )
 
-    def _location_table(self) -> list[tuple[str, str, str | None, int, float | None, int]]:
-        """(name, tier, instance_id, block_tokens, cleared_ts, blocks) for every location."""
-        p = self.prefix
-        pipe = self._r.pipeline(transaction=False)
-        pipe.hgetall(self._k_locs)
-        pipe.hgetall(self._k_locbt)
-        pipe.hgetall(self._k_loccl)
-        metas, bts, cleared = pipe.execute()
-        names = sorted(metas)
-        pipe = self._r.pipeline(transaction=False)
-        for name in names:
-            pipe.zcard(f"{p}:loc:{name}")
-        counts = pipe.execute() if names else []
-        out = []
-        for name, n in zip(names, counts):
-            tier, instance_id = json.loads(metas[name])
-            bt = int(bts[name]) if name in bts else self.block_tokens
-            cl = float(cleared[name]) if name in cleared else None
-            out.append((name, tier, instance_id, bt, cl, int(n)))
-        return out
-
     def instances(
         self,
         *,
@@ -761,26 +771,37 @@ class RedisStore:
         limit: int | None = None,
         ids: Sequence[str] | None = None,
     ) -> list[InstanceView]:
+        if ids is not None:
+            return self._instance_views(sorted(set(ids)))
+        if limit is not None and limit <= 0:
+            return []
+        out: list[InstanceView] = []
+        # Forgotten instances not deleted yet are left out: a page reads on past them.
+        while True:
+            want = limit - len(out) if limit is not None else None
+            chosen = self._by_lex(self._k_instances, after, want)
+            out += self._instance_views(chosen)
+            if not chosen or want is None or len(chosen) < want or len(out) >= limit:  # type: ignore[operator]
+                return out
+            after = chosen[-1]
+
+    def _by_lex(self, key: str, after: str | None, limit: int | None) -> list[str]:
+        """Members of a zset whose scores are all 0, in member order (bytes: for UTF-8, Python's
+        string order, as MemoryStore pages), after `after`, at most `limit`."""
+        low = "(" + after if after is not None else "-"
+        with self._errors():
+            # decode_responses=True, which redis-py's types do not follow: replies are str.
+            if limit is not None:
+                return self._r.zrange(  # type: ignore[return-value]
+                    key, low, "+", bylex=True, offset=0, num=limit
+                )
+            return self._r.zrange(key, low, "+", bylex=True)  # type: ignore[return-value]
+
+    def _instance_views(self, chosen: Sequence[str]) -> list[InstanceView]:
         p = self.prefix
         with self._errors():
-            if ids is not None:
-                chosen = sorted(set(ids))
-            elif limit is not None and limit <= 0:
-                chosen = []
-            else:
-                # The index's scores are all 0, so it is in id order (bytes: for UTF-8, Python's
-                # string order, as MemoryStore pages).
-                low = "(" + after if after is not None else "-"
-                # decode_responses=True, which redis-py's types do not follow: replies are str.
-                if limit is not None:
-                    chosen = self._r.zrange(  # type: ignore[assignment]
-                        self._k_instances, low, "+", bylex=True, offset=0, num=limit
-                    )
-                else:
-                    chosen = self._r.zrange(  # type: ignore[assignment]
-                        self._k_instances, low, "+", bylex=True
-                    )
             pipe = self._r.pipeline(transaction=False)
+            pipe.get(self._k_newest)
             for instance_id in chosen:
                 names = [location_name(tier, instance_id) for tier in _INSTANCE_TIERS]
                 pipe.hgetall(f"{p}:i:{instance_id}")
@@ -788,12 +809,14 @@ class RedisStore:
                 pipe.hmget(self._k_locbt, names)
                 for name in names:
                     pipe.zcard(f"{p}:loc:{name}")
-            replies = pipe.execute() if chosen else []
+            newest, *replies = pipe.execute()
+        icutoff = self._icutoff(newest)
         out = []
         per = 3 + len(_INSTANCE_TIERS)
         for k, instance_id in enumerate(chosen):
             h, metas, bts, *counts = replies[k * per : (k + 1) * per]
-            if not h:  # unknown (ids), or cleared between the two reads
+            # Unknown (ids), cleared between the two reads, or forgotten (not deleted yet).
+            if not h or float(h["l"]) < icutoff:
                 continue
             blocks: dict[str, int] = {}
             nbytes: dict[str, int] = {}
@@ -821,21 +844,64 @@ class RedisStore:
             )
         return out
 
-    def locations(self) -> list[LocationView]:
+    def known_instances(
+        self, instance_ids: Sequence[str], newest_ts: float | None = None
+    ) -> tuple[list[bool], int]:
+        args = [self.prefix, _ts(self.instance_retention_seconds)]
+        args.append(_ts(newest_ts) if newest_ts is not None else "")
         with self._errors():
-            locs = self._location_table()
-        return [
-            LocationView(
-                location=name,
-                tier=tier,
-                instance_id=instance_id,
-                blocks=n,
-                bytes=n * bt * self.bytes_per_token,
-                block_tokens=bt,
-                cleared_ts=cl,
+            count, *flags = self._known_script(args=[*args, *instance_ids])
+        return [f == 1 for f in flags], int(count)
+
+    def locations(
+        self, *, after: str | None = None, limit: int | None = None
+    ) -> list[LocationView]:
+        if limit is not None and limit <= 0:
+            return []
+        out: list[LocationView] = []
+        while True:
+            want = limit - len(out) if limit is not None else None
+            names = self._by_lex(self._k_loc_names, after, want)
+            out += self._location_views(names)
+            if not names or want is None or len(names) < want or len(out) >= limit:  # type: ignore[operator]
+                return out
+            after = names[-1]
+
+    def _location_views(self, names: Sequence[str]) -> list[LocationView]:
+        if not names:
+            return []
+        p = self.prefix
+        with self._errors():
+            pipe = self._r.pipeline(transaction=False)
+            pipe.get(self._k_newest)
+            pipe.hmget(self._k_locs, names)
+            pipe.hmget(self._k_locbt, names)
+            pipe.hmget(self._k_loccl, names)
+            for name in names:
+                pipe.zcard(f"{p}:loc:{name}")
+            newest, metas, bts, cleared, *counts = pipe.execute()
+            where = [json.loads(m) if m is not None else None for m in metas]
+            ids = list({w[1] for w in where if w is not None and w[1] is not None})
+            heard = self._r.zmscore(self._k_instance_activity, ids) if ids else []
+        icutoff = self._icutoff(newest)
+        live = {i for i, x in zip(ids, heard) if x is not None and float(x) >= icutoff}
+        out = []
+        for name, w, bt_s, cl_s, n in zip(names, where, bts, cleared, counts):
+            if w is None or (w[1] is not None and w[1] not in live):
+                continue  # deleted between the reads, or its instance forgotten
+            bt = int(bt_s) if bt_s is not None else self.block_tokens
+            out.append(
+                LocationView(
+                    location=name,
+                    tier=w[0],
+                    instance_id=w[1],
+                    blocks=int(n),
+                    bytes=int(n) * bt * self.bytes_per_token,
+                    block_tokens=bt,
+                    cleared_ts=float(cl_s) if cl_s is not None else None,
+                )
             )
-            for name, tier, instance_id, bt, cl, n in locs
-        ]
+        return out
 
     def holds(
         self, tier: Tier, instance_id: str | None, block_hashes: Sequence[BlockHash]
@@ -968,6 +1034,7 @@ class RedisStore:
                     self.dedupe_ttl_seconds,
                     self._bucket_seconds,
                     _ts(self.session_retention_seconds),
+                    _ts(self.instance_retention_seconds),
                 ]
             )
         keys = (

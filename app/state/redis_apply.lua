@@ -12,10 +12,34 @@ local RECENT_ARRIVALS = __RECENT_ARRIVALS__
 local RECENT_SIGNALS = __RECENT_SIGNALS__
 local WINDOW = tonumber(argv[4])     -- reorder window (inf: tombstones never expire)
 local RETENTION = tonumber(argv[5])  -- session retention (inf: sessions are never forgotten)
+local IRETENTION = tonumber(argv[6])  -- instance retention (inf: instances are never forgotten)
+local MAX_INSTANCES = tonumber(argv[7])  -- the most instances held (inf: no cap)
 local SESSIONS = P .. ':sessions'
 local INSTANCES = P .. ':instance-ids'
+local INSTANCE_ACTIVITY = P .. ':instance-activity'
 local ORDER_ACTIVITY = P .. ':order-activity'
 local LOCS, LOCBT, LOCCL, LOCHW = P .. ':locs', P .. ':locbt', P .. ':loccl', P .. ':lochw'
+local LOCNAMES = P .. ':loc-names'
+-- The indexes an older version did not keep, built once from what it did: the instances' last
+-- activity (the cap and the retention count from it) and the location names (the pages).
+if redis.call('EXISTS', INSTANCE_ACTIVITY) == 0 and redis.call('EXISTS', INSTANCES) == 1 then
+  for _, iid in ipairs(redis.call('ZRANGE', INSTANCES, 0, -1)) do
+    local l = redis.call('HGET', P .. ':i:' .. iid, 'l')
+    if l then redis.call('ZADD', INSTANCE_ACTIVITY, l, iid) end
+  end
+end
+if redis.call('EXISTS', LOCNAMES) == 0 and redis.call('EXISTS', LOCS) == 1 then
+  for _, name in ipairs(redis.call('HKEYS', LOCS)) do redis.call('ZADD', LOCNAMES, 0, name) end
+end
+-- MemoryStore._resident: blocks held over every location, kept as they change (counted once
+-- where a store of an older version has none yet)
+local NBLOCKS = P .. ':nblocks'
+local resident = 0
+if redis.call('EXISTS', NBLOCKS) == 0 then
+  for _, name in ipairs(redis.call('HKEYS', LOCS)) do
+    resident = resident + redis.call('ZCARD', P .. ':loc:' .. name)
+  end
+end
 local NEWEST = P .. ':newest'
 
 -- a stored number, or -1 ("none") when absent
@@ -35,11 +59,13 @@ local newest_s = redis.call('GET', NEWEST)
 local newest = newest_s and tonumber(newest_s) or -math.huge
 local newest_moved = false
 local cutoff = newest - RETENTION
+local icutoff = newest - IRETENTION
 
 local function see(ts_s, ts)
   if ts > newest then
     newest, newest_s, newest_moved = ts, ts_s, true
     cutoff = ts - RETENTION
+    icutoff = ts - IRETENTION
   end
 end
 
@@ -145,10 +171,30 @@ local function add_signal(s, entry)
   end
 end
 
--- instances read in this call: iid -> {l, st, new, status (fields to write, or nil)}
+-- instances read in this call: iid -> {l, st, status (fields to write, or nil)}
 local instances, instance_order = {}, {}
+local INSTANCE_TIERS = {'hbm', 'host', 'disk'}
 
--- MemoryStore._instance
+-- MemoryStore._drop_instance: an instance and its locations gone
+local function drop_instance(iid)
+  for _, tier in ipairs(INSTANCE_TIERS) do
+    local name = tier .. '@' .. iid
+    resident = resident - redis.call('ZCARD', P .. ':loc:' .. name)
+    redis.call('UNLINK', P .. ':loc:' .. name, P .. ':tomb:' .. name)
+    redis.call('HDEL', LOCS, name)
+    redis.call('HDEL', LOCBT, name)
+    redis.call('HDEL', LOCCL, name)
+    redis.call('HDEL', LOCHW, name)
+    redis.call('ZREM', LOCNAMES, name)
+    hws[name] = nil
+  end
+  redis.call('DEL', P .. ':i:' .. iid)
+  redis.call('ZREM', INSTANCES, iid)
+  redis.call('ZREM', INSTANCE_ACTIVITY, iid)
+end
+
+-- MemoryStore._instance: nil when the store holds MAX_INSTANCES others (the event is ignored
+-- whole); one not heard of since before the cutoff is forgotten, locations too, and starts afresh
 local function touch_instance(iid, ts_s, ts)
   local inst = instances[iid]
   if not inst then
@@ -157,10 +203,21 @@ local function touch_instance(iid, ts_s, ts)
     instances[iid] = inst
     instance_order[#instance_order + 1] = iid
   end
+  if inst.l and tonumber(inst.l) < icutoff then
+    drop_instance(iid)
+    inst.l, inst.st, inst.status = false, false, nil
+  end
   if not inst.l then
-    inst.l, inst.new = ts_s, true
+    if MAX_INSTANCES < math.huge and
+        redis.call('ZCOUNT', INSTANCE_ACTIVITY, fmt(icutoff), '+inf') >= MAX_INSTANCES then
+      return nil
+    end
+    inst.l = ts_s
+    redis.call('ZADD', INSTANCES, 0, iid)
+    redis.call('ZADD', INSTANCE_ACTIVITY, ts_s, iid)
   elseif ts > tonumber(inst.l) then
     inst.l = ts_s
+    redis.call('ZADD', INSTANCE_ACTIVITY, ts_s, iid)
   end
   return inst
 end
@@ -294,12 +351,15 @@ end
 local function location(name, meta, bt_new, bt_update)
   if redis.call('HSETNX', LOCS, name, meta) == 1 then
     redis.call('HSET', LOCBT, name, bt_new)
+    redis.call('ZADD', LOCNAMES, 0, name)
   elseif bt_update ~= '' then
     redis.call('HSET', LOCBT, name, bt_update)
   end
 end
 
 local function apply_ops(i, last)
+  -- the event's instance was refused (touch_instance): the rest of it is ignored too
+  local refused = false
   while i <= last do
     local op = argv[i]
     if op == 'R' then
@@ -309,8 +369,7 @@ local function apply_ops(i, last)
       i = i + 8
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      local s = touch_session(sid, ts_s, ts)
-      touch_instance(iid, ts_s, ts)
+      local s = touch_instance(iid, ts_s, ts) and touch_session(sid, ts_s, ts)
       if s then
         s.t = tostring((s.t and tonumber(s.t) or 0) + 1)
         add_arrival(s, ts_s, ts)
@@ -327,8 +386,7 @@ local function apply_ops(i, last)
       i = i + 5
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      local s = touch_session(sid, ts_s, ts)
-      touch_instance(iid, ts_s, ts)
+      local s = touch_instance(iid, ts_s, ts) and touch_session(sid, ts_s, ts)
       if s then
         name_session(s, iid, ts_s, ts)
         local r = find_request(s, rid)
@@ -343,8 +401,7 @@ local function apply_ops(i, last)
       i = i + 9
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      local s = touch_session(sid, ts_s, ts)
-      touch_instance(iid, ts_s, ts)
+      local s = touch_instance(iid, ts_s, ts) and touch_session(sid, ts_s, ts)
       if s then
         name_session(s, iid, ts_s, ts)
         set_blocks(s, blocks, bt, ts_s, ts)
@@ -355,8 +412,10 @@ local function apply_ops(i, last)
       end
     elseif op == 'J' then
       local a = i + 1
-      join_blocks(argv[a], argv[a + 1], argv[a + 2], argv[a + 3], argv[a + 4], argv[a + 5],
-        argv[a + 6])
+      if not refused then
+        join_blocks(argv[a], argv[a + 1], argv[a + 2], argv[a + 3], argv[a + 4], argv[a + 5],
+          argv[a + 6])
+      end
       i = i + 8
     elseif op == 'C' then
       -- MemoryStore._closed, rules.SessionRecord.closed
@@ -383,10 +442,10 @@ local function apply_ops(i, last)
       i = first + n
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      if iid ~= '' then touch_instance(iid, ts_s, ts) end
-      location(name, meta, bt_new, bt_update)
-      advance(name, ts_s, ts)  -- what tombstones are left are in force
-      if ts > num(redis.call('HGET', LOCCL, name)) then
+      refused = iid ~= '' and not touch_instance(iid, ts_s, ts)
+      if not refused then location(name, meta, bt_new, bt_update) end
+      if not refused then advance(name, ts_s, ts) end  -- what tombstones are left are in force
+      if not refused and ts > num(redis.call('HGET', LOCCL, name)) then
         local present, tomb = P .. ':loc:' .. name, P .. ':tomb:' .. name
         for j = first, first + n - 1 do
           local h = argv[j]
@@ -394,7 +453,7 @@ local function apply_ops(i, last)
           if not removed or ts > tonumber(removed) then
             local stored = redis.call('ZSCORE', present, h)
             if not stored or ts > tonumber(stored) then
-              redis.call('ZADD', present, ts_s, h)
+              resident = resident + redis.call('ZADD', present, ts_s, h)
             end
             if removed then redis.call('ZREM', tomb, h) end
           end
@@ -408,15 +467,15 @@ local function apply_ops(i, last)
       i = first + n
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      if iid ~= '' then touch_instance(iid, ts_s, ts) end
-      location(name, meta, bt_new, '')
-      local keep = ts >= advance(name, ts_s, ts)  -- a tombstone dead on arrival is not kept
+      refused = iid ~= '' and not touch_instance(iid, ts_s, ts)
+      if refused then n = 0 else location(name, meta, bt_new, '') end
+      local keep = not refused and ts >= advance(name, ts_s, ts)  -- dead on arrival: not kept
       local present, tomb = P .. ':loc:' .. name, P .. ':tomb:' .. name
       for j = first, first + n - 1 do
         local h = argv[j]
         local stored = redis.call('ZSCORE', present, h)
         if not stored or tonumber(stored) <= ts then
-          if stored then redis.call('ZREM', present, h) end
+          if stored then resident = resident - redis.call('ZREM', present, h) end
           if keep then
             local removed = redis.call('ZSCORE', tomb, h)
             if not removed or ts > tonumber(removed) then
@@ -432,12 +491,14 @@ local function apply_ops(i, last)
       i = i + 6
       local ts = tonumber(ts_s)
       see(ts_s, ts)
-      if iid ~= '' then touch_instance(iid, ts_s, ts) end
-      location(name, meta, bt_new, '')
-      advance(name, ts_s, ts)
-      if ts > num(redis.call('HGET', LOCCL, name)) then
+      refused = iid ~= '' and not touch_instance(iid, ts_s, ts)
+      if not refused then
+        location(name, meta, bt_new, '')
+        advance(name, ts_s, ts)
+      end
+      if not refused and ts > num(redis.call('HGET', LOCCL, name)) then
         redis.call('HSET', LOCCL, name, ts_s)
-        redis.call('ZREMRANGEBYSCORE', P .. ':loc:' .. name, '-inf', ts_s)
+        resident = resident - redis.call('ZREMRANGEBYSCORE', P .. ':loc:' .. name, '-inf', ts_s)
         redis.call('ZREMRANGEBYSCORE', P .. ':tomb:' .. name, '-inf', ts_s)
       end
     elseif op == 'I' then
@@ -449,7 +510,7 @@ local function apply_ops(i, last)
       local ts = tonumber(ts_s)
       see(ts_s, ts)
       local inst = touch_instance(iid, ts_s, ts)
-      if ts >= num(inst.st) then inst.st, inst.status = ts_s, status end
+      if inst and ts >= num(inst.st) then inst.st, inst.status = ts_s, status end
     elseif op == 'O' then
       -- MemoryStore._order: (rank, ts, status) replaces the old one when greater; an order is
       -- forgotten like a session (its last activity before the cutoff), and an event older
@@ -488,7 +549,7 @@ local function apply_ops(i, last)
 end
 
 local results, applied, in_call = {}, {}, {}
-local i = 6
+local i = 8
 while i <= nargv do
   local eid, n = argv[i], tonumber(argv[i + 1])
   local first, last = i + 2, i + 1 + n
@@ -526,7 +587,10 @@ for _, sid in ipairs(session_order) do
   if s.moved then redis.call('ZADD', SESSIONS, s.l, sid) end
 end
 if newest_moved then redis.call('SET', NEWEST, newest_s) end
-for _, name in ipairs(hw_order) do redis.call('HSET', LOCHW, name, hws[name][2]) end
+for _, name in ipairs(hw_order) do
+  local hw = hws[name]  -- nil: its instance was forgotten in this call
+  if hw and hw[2] then redis.call('HSET', LOCHW, name, hw[2]) end
+end
 
 -- MemoryStore._expire_sessions: forget sessions idle since before the cutoff, the oldest first,
 -- at most twice as many per call as events (a call creates at most one per event: this keeps
@@ -548,10 +612,22 @@ if cutoff > -math.huge then
 end
 for _, iid in ipairs(instance_order) do
   local inst = instances[iid]
-  local k = P .. ':i:' .. iid
-  redis.call('HSET', k, 'l', inst.l)
-  if inst.status then redis.call('HSET', k, unpack(inst.status)) end
-  if inst.new then redis.call('ZADD', INSTANCES, 0, iid) end
+  if inst.l then  -- false: refused, or forgotten and not started again
+    local k = P .. ':i:' .. iid
+    redis.call('HSET', k, 'l', inst.l)
+    if inst.status then redis.call('HSET', k, unpack(inst.status)) end
+  end
+end
+-- MemoryStore._expire_instances: forget instances not heard of since before the cutoff, with
+-- their locations, as many per call as sessions (the reads ignore any left for the next call)
+if icutoff > -math.huge then
+  local old = redis.call('ZRANGEBYSCORE', INSTANCE_ACTIVITY, '-inf', '(' .. fmt(icutoff),
+                         'LIMIT', 0, 2 * #results + 16)
+  for _, iid in ipairs(old) do drop_instance(iid) end
+end
+
+if resident ~= 0 or redis.call('EXISTS', NBLOCKS) == 0 then
+  redis.call('INCRBY', NBLOCKS, resident)
 end
 
 -- mark the ids, and count them for stats()

@@ -47,6 +47,12 @@ SESSION_ID_PATTERN = r"^(?:[^/.\p{Cc}]|\.[^/.\p{Cc}]|\.\.[^/\p{Cc}])[^/\p{Cc}]*$
 SessionId = Annotated[
     str, StringConstraints(min_length=1, max_length=256, pattern=SESSION_ID_PATTERN)
 ]
+# An instance id is shown verbatim (GET /v1/instances, the dashboard, logs, order routes): no
+# control characters, so no id can forge a line or a terminal escape there.
+INSTANCE_ID_PATTERN = r"^[^\p{Cc}]+$"
+InstanceId = Annotated[
+    str, StringConstraints(min_length=1, max_length=256, pattern=INSTANCE_ID_PATTERN)
+]
 Timestamp = Annotated[StrictFloat, Field(ge=0, le=MAX_TS_SECONDS, allow_inf_nan=False)]
 Tokens = Annotated[StrictInt, Field(ge=0, le=MAX_TOKENS)]
 BlockTokens = Annotated[StrictInt, Field(ge=1, le=1_048_576)]
@@ -76,7 +82,7 @@ class RequestRouted(_Event):
     type: Literal["request_routed"] = "request_routed"
     session_id: SessionId
     request_id: Ident
-    instance_id: Ident
+    instance_id: InstanceId
     prompt_tokens: Tokens
     # The prompt's prefix-chained block hashes, oldest first, if the router knows them.
     block_hashes: BlockHashes | None = None
@@ -89,7 +95,7 @@ class RequestStarted(_Event):
     type: Literal["request_started"] = "request_started"
     session_id: SessionId
     request_id: Ident
-    instance_id: Ident
+    instance_id: InstanceId
 
 
 class RequestFinished(_Event):
@@ -98,7 +104,7 @@ class RequestFinished(_Event):
     type: Literal["request_finished"] = "request_finished"
     session_id: SessionId
     request_id: Ident
-    instance_id: Ident
+    instance_id: InstanceId
     output_tokens: Tokens
     context_tokens: Tokens | None = None
     block_hashes: BlockHashes | None = None
@@ -115,7 +121,7 @@ class SessionClosed(_Event):
 class _Located(_Event):
     tier: Tier = "hbm"
     # Which instance's tier; omitted for the shared pool.
-    instance_id: Ident | None = None
+    instance_id: InstanceId | None = None
 
     @model_validator(mode="after")
     def _location_is_complete(self) -> _Located:
@@ -246,7 +252,7 @@ class VllmKvEvents(_Event):
     """
 
     type: Literal["vllm_kv_events"] = "vllm_kv_events"
-    instance_id: Ident
+    instance_id: InstanceId
     events: Annotated[list[VllmKvEvent], Field(max_length=MAX_BLOCKS_PER_EVENT)]
     data_parallel_rank: StrictInt | None = None
 
@@ -292,7 +298,7 @@ class InstanceStatus(_Event):
     """An instance's load, as its engine or the router sees it."""
 
     type: Literal["instance_status"] = "instance_status"
-    instance_id: Ident
+    instance_id: InstanceId
     free_kv_bytes: Annotated[StrictInt, Field(ge=0, le=MAX_BYTES)]
     total_kv_bytes: Annotated[StrictInt, Field(ge=0, le=MAX_BYTES)] | None = None
     queue_depth: Annotated[StrictInt, Field(ge=0, le=1_000_000)] = 0
@@ -344,7 +350,7 @@ class SessionSignal(_Event):
     kind: SignalKind
     tool: Annotated[str, StringConstraints(min_length=1, max_length=128)] | None = None
     # Where the next request will go, when the sender knows (a router's `queued`).
-    instance_id: Ident | None = None
+    instance_id: InstanceId | None = None
     # The sender's own estimate, when it has one: the request in this many seconds, this big.
     expected_in_seconds: (
         Annotated[StrictFloat, Field(ge=0, le=MAX_SECONDS, allow_inf_nan=False)] | None

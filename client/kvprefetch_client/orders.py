@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from kvprefetch_client.events import MAX_BYTES, BlockHash, Ident, Tier
+from kvprefetch_client.events import MAX_BYTES, BlockHash, Ident, InstanceId, Tier
 
 OrderKind = Literal["prefetch", "pin", "demote"]
 
@@ -34,7 +34,7 @@ class Order(BaseModel):
     type: Literal["order"] = "order"
     order_id: Ident
     kind: OrderKind
-    instance_id: Ident
+    instance_id: InstanceId
     # Where the blocks are to be (prefetch), or are (pin, demote).
     tier: Tier = "hbm"
     # Where a prefetch reads from; None for pin and demote.

@@ -182,6 +182,11 @@ def test_an_unknown_session_is_answered_with_the_least_loaded(client: TestClient
             "candidates",
             "candidates.1: String should have at least 1 character",
         ),
+        (
+            {"session_id": "s1", "candidates": ["gpu-0", "gpu\x1b[1m"]},
+            "candidates",
+            "candidates.1: String should match pattern '^[^\\p{Cc}]+$'",
+        ),
         ({"candidates": ["gpu-0"]}, "session_id", "session_id is required"),
         (
             {"session_id": "", "candidates": ["gpu-0"]},

@@ -128,6 +128,11 @@ def test_an_unaccepted_order_is_handed_out_again_after_its_lease(
             "instance_id: String should have at most 256 characters",
         ),
         (
+            {"instance_id": "gpu\x1b[2J0"},
+            "instance_id",
+            "instance_id: String should match pattern '^[^\\p{Cc}]+$'",
+        ),
+        (
             {"instance_id": "gpu-0", "limit": "0"},
             "limit",
             "limit: Input should be greater than or equal to 1",
@@ -297,3 +302,14 @@ def test_the_sink_is_built_from_settings_on_the_apps_loop(
         consumer.close()
     with pytest.raises(SinkClosed):
         asyncio.run(sink.submit([order("b")]))
+
+
+@pytest.mark.parametrize("instance_id", ["gpu\n0", "gpu\r0", "gpu\x1b0"])
+def test_a_renewal_for_an_instance_id_with_control_characters_is_422(
+    client: TestClient, instance_id: str
+) -> None:
+    r = client.post(
+        "/v1/orders/renew", json={"instance_id": instance_id, "agent": "A", "order_ids": []}
+    )
+    assert r.status_code == 422, r.text
+    assert r.json()["field"] == "instance_id"

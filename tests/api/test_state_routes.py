@@ -116,6 +116,49 @@ def test_instances_come_in_pages_by_id(client: TestClient) -> None:
     assert {p["name"] for p in paged["parameters"]} == {"limit", "cursor"}
 
 
+def test_locations_come_in_pages_by_name(client: TestClient) -> None:
+    events: list[dict[str, object]] = [
+        {
+            "type": "kv_blocks_stored",
+            "event_id": f"k{k}{tier}",
+            "ts": 1.0,
+            "instance_id": f"gpu-{k}",
+            "tier": tier,
+            "block_hashes": [k],
+        }
+        for k in (2, 0, 1)
+        for tier in ("hbm", "host")
+    ]
+    events.append(
+        {
+            "type": "kv_blocks_stored",
+            "event_id": "p",
+            "ts": 1.0,
+            "tier": "pool",
+            "block_hashes": [9],
+        }
+    )
+    assert client.post("/v1/events", json={"events": events}).status_code == 200
+    seen, cursor, pages = [], None, 0
+    while True:
+        body = client.get(
+            "/v1/locations", params={"limit": 3, **({"cursor": cursor} if cursor else {})}
+        ).json()
+        pages += 1
+        seen += [loc["location"] for loc in body["locations"]]
+        cursor = body["next_cursor"]
+        if cursor is None:
+            break
+    want = [f"{tier}@gpu-{k}" for tier in ("hbm", "host") for k in range(3)] + ["pool"]
+    assert (seen, pages) == (want, 3)
+    assert client.get("/v1/locations").json()["next_cursor"] is None  # 100 by default: one page
+    for params, field in (({"limit": 1001}, "limit"), ({"cursor": ""}, "cursor")):
+        r = client.get("/v1/locations", params=params)
+        assert (r.status_code, r.json()["field"]) == (422, field)
+    paged = client.get("/openapi.json").json()["paths"]["/v1/locations"]["get"]
+    assert {p["name"] for p in paged["parameters"]} == {"limit", "cursor"}
+
+
 def test_health_and_readiness(client: TestClient) -> None:
     assert client.get("/healthz").json() == {"status": "ok"}
     ready = client.get("/readyz")

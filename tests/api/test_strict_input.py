@@ -174,6 +174,49 @@ def test_every_session_id_accepted_reads_back(client: TestClient, session_id: st
     assert r.json()["session_id"] == session_id
 
 
+_CONTROL_IDS = ["gpu\n0", "gpu\r0", "gpu\x1b[31m0", "gpu\x00", "\x7f", "a\x85b", "tab\there"]
+
+
+def _carriers(instance_id: str) -> list[dict[str, Any]]:
+    """One event of each type that names an instance."""
+    base = {"ts": 1.0, "instance_id": instance_id}
+    return [
+        routed("r", instance_id=instance_id),
+        {**routed("s"), "type": "request_started", "instance_id": instance_id}
+        | {"prompt_tokens": None},
+        {"type": "kv_blocks_stored", "event_id": "k", "block_hashes": [1], **base},
+        {"type": "kv_blocks_removed", "event_id": "x", "block_hashes": [1], **base},
+        {"type": "kv_blocks_cleared", "event_id": "z", **base},
+        {"type": "vllm_kv_events", "event_id": "v", "events": [], **base},
+        status("i", instance_id=instance_id),
+        {"type": "session_signal", "event_id": "g", "session_id": "s1", "kind": "queued", **base},
+    ]
+
+
+@pytest.mark.parametrize("instance_id", _CONTROL_IDS)
+def test_an_instance_id_with_control_characters_is_refused_and_the_rest_taken(
+    client: TestClient, instance_id: str
+) -> None:
+    events = [{k: v for k, v in e.items() if v is not None} for e in _carriers(instance_id)] + [
+        routed("fine", instance_id="gpu-7")
+    ]
+    r = post(client, events)
+    assert r.status_code == 422, r.text
+    rejected = r.json()["rejected"]
+    assert [x["field"] for x in rejected] == [
+        f"events[{i}].instance_id" for i in range(len(events) - 1)
+    ]
+    assert r.json()["accepted"] == ["fine"]
+    assert [i["instance_id"] for i in client.get("/v1/instances").json()["instances"]] == ["gpu-7"]
+
+
+@pytest.mark.parametrize("instance_id", ["gpu-0", "node a/gpu 1", "é-中", "x" * 256])
+def test_every_instance_id_accepted_reads_back(client: TestClient, instance_id: str) -> None:
+    assert post(client, [routed("a", instance_id=instance_id)]).status_code == 200
+    body = client.get("/v1/instances").json()
+    assert [i["instance_id"] for i in body["instances"]] == [instance_id]
+
+
 def test_a_log_written_by_a_lenient_version_still_replays(settings: Settings) -> None:
     from app.api.main import create_app
 
@@ -185,6 +228,7 @@ def test_a_log_written_by_a_lenient_version_still_replays(settings: Settings) ->
                 "events": [
                     routed("old", ts="5", prompt_tokens="10"),
                     routed("slash", session_id="a/b", prompt_tokens="7"),
+                    routed("esc", session_id="s2", instance_id="gpu\x1b0"),
                 ]
             }
         )
@@ -198,3 +242,4 @@ def test_a_log_written_by_a_lenient_version_still_replays(settings: Settings) ->
         store = c.app.state.engine.store  # type: ignore[attr-defined]
         assert store.session("a/b").last_request.prompt_tokens == 7
         assert store.session("..") is not None
+        assert store.session("s2").instance_id == "gpu\x1b0"

@@ -484,3 +484,33 @@ def test_an_unreadable_handover_entry_is_skipped() -> None:
     sched = Scheduler(store_with(free_bytes={"gpu-0": 0}), config())
     assert sched.take_over(3, {"o:x": "1{not json", "p:s": "[", "zz": "?"}) == 0
     assert sched.open_orders() == []
+
+
+class _Counting(MemoryStore):
+    """A memory store that counts the instance views its reads hand out."""
+
+    views = 0
+
+    def instances(self, **kw):  # type: ignore[no-untyped-def,override]
+        out = super().instances(**kw)
+        self.views += len(out)
+        return out
+
+
+def test_a_tick_reads_the_instances_it_may_send_to_not_the_fleet() -> None:
+    store = _Counting(bytes_per_token=BLOCK_BYTES // 512, block_tokens=512)
+    store.apply(
+        [
+            InstanceStatus(
+                event_id=f"f{i}", ts=0.0, instance_id=f"gpu-{i}", free_kv_bytes=BLOCK_BYTES * 100
+            )
+            for i in range(2000)
+        ]
+        + [KvBlocksStored(event_id="p", ts=0.0, tier="pool", block_hashes=[1, 2])]
+    )
+    sched = Scheduler(store, config())
+    idle = tick(sched, [], 1.0)
+    assert (idle.orders, store.views) == ([], 0)
+    plan = tick(sched, [advice("a", [1, 2], instance_id="gpu-7")], 2.0)
+    assert [o.instance_id for o in prefetches(plan.orders)] == ["gpu-7"]
+    assert store.views == 1

@@ -6,6 +6,7 @@ what is asserted is what the store holds and what the service refuses."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import threading
 import time
@@ -184,3 +185,102 @@ def test_the_worst_route_hint_is_bounded_and_the_loop_keeps_answering(
     )
     assert body["recommended"] == "gpu-7"  # holds the longest prefix: 8 x 1024 blocks
     assert body["candidates"][7]["resident_bytes"] == 8 * 1024 * 16 * 327_680
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _healthz_ms(url: str, n: int = 20) -> list[float]:
+    waits = []
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for _ in range(n):
+            started = time.perf_counter()
+            assert c.get("/healthz").status_code == 200
+            waits.append((time.perf_counter() - started) * 1000)
+    return waits
+
+
+def test_distinct_instance_ids_stay_at_the_cap_and_are_forgotten_past_their_retention(
+    service_factory: Callable[..., ServiceProcess], tmp_path: Path
+) -> None:
+    from tests.e2e.test_auth_e2e import make_token
+
+    cap, retention = 1000, 100.0
+    tokens_file = tmp_path / "tokens.toml"
+    agent = make_token(tokens_file, "agent-flood", "agent")
+    svc = service_factory(
+        env={
+            "KVP_TOKENS_FILE": str(tokens_file),
+            "KVP_MAX_INSTANCES": str(cap),
+            "KVP_INSTANCE_RETENTION_SECONDS": str(retention),
+            "KVP_LOG_FSYNC": "false",
+        }
+    )
+    svc.start()
+    assert svc.proc is not None
+    headers = {"authorization": f"Bearer {agent}"}
+    posts, batch = 15, 2000
+    t0 = time.time() - 1000.0
+
+    def stored(i: int, ts: float) -> dict[str, Any]:
+        return {
+            "type": "kv_blocks_stored",
+            "event_id": f"k{i}",
+            "ts": ts,
+            "instance_id": f"gpu-{i:06d}-{'x' * 16}",
+            "block_hashes": [i, i + 1],
+        }
+
+    def held(client: httpx.Client) -> tuple[int, int]:
+        stats = client.get("/readyz").json()["stats"]
+        return stats["instances"], stats["locations"]
+
+    with httpx.Client(base_url=svc.url, timeout=120, headers=headers) as client:
+        before = rss_mib(svc.proc.pid)
+        accepted = refused = 0
+        for p in range(posts):
+            r = client.post(
+                "/v1/events",
+                json={"events": [stored(p * batch + k, t0) for k in range(batch)]},
+            )
+            body = r.json()
+            accepted += len(body["accepted"])
+            refused += body.get("rejected_events", 0)
+            assert r.status_code == (200 if accepted <= cap and not refused else 422), r.text[:300]
+            assert all(x["field"].endswith(".instance_id") for x in body["rejected"])
+        assert (accepted, refused) == (cap, posts * batch - cap)
+        assert held(client) == (cap, cap)
+        flooded = rss_mib(svc.proc.pid)
+        cpu0, idle0 = _cpu_seconds(svc.proc.pid), time.monotonic()
+        time.sleep(3.0)
+        idle_cpu = (_cpu_seconds(svc.proc.pid) - cpu0) / (time.monotonic() - idle0)
+        at_cap = _healthz_ms(svc.url)
+        # Past the retention (event time), the flood is forgotten and new instances are taken.
+        later = t0 + 2 * retention
+        r = client.post(
+            "/v1/events", json={"events": [stored(10**6 + k, later) for k in range(cap)]}
+        )
+        assert r.status_code == 200 and len(r.json()["accepted"]) == cap, r.text[:300]
+        assert held(client) == (cap, cap)
+        pages, cursor, seen = 0, None, []
+        while True:
+            params = {"limit": 300, **({"cursor": cursor} if cursor else {})}
+            page = client.get("/v1/locations", params=params).json()
+            seen += [loc["location"] for loc in page["locations"]]
+            cursor, pages = page["next_cursor"], pages + 1
+            if cursor is None:
+                break
+        assert seen == [f"hbm@gpu-{10**6 + k:06d}-{'x' * 16}" for k in range(cap)]
+    # The log replays within the cap (the refused events were never logged).
+    svc.restart()
+    with httpx.Client(base_url=svc.url, timeout=120, headers=headers) as client:
+        assert held(client) == (cap, cap)
+    print(
+        f"\n{posts} posts of {batch} kv_blocks_stored at distinct instance ids (agent token), "
+        f"cap {cap}: RSS {before:.1f} MiB before, {flooded:.1f} MiB after "
+        f"(+{flooded - before:.1f} MiB); idle CPU after {idle_cpu * 100:.1f}% of a core; "
+        f"/healthz at the cap: median {statistics.median(at_cap):.1f} ms, "
+        f"max {max(at_cap):.1f} ms; /v1/locations in {pages} page(s)"
+    )

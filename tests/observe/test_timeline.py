@@ -21,10 +21,11 @@ from app.observe.timeline import (
     StallFigures,
     Timeline,
     capacity_for,
+    instance_queues,
     series,
 )
 from app.state.memory import MemoryStore
-from kvprefetch_client.events import OrderProgress, RequestRouted
+from kvprefetch_client.events import InstanceStatus, KvBlocksStored, OrderProgress, RequestRouted
 
 BLOCK_BYTES = 512 * 327_680
 
@@ -220,3 +221,37 @@ def test_a_shadow_slot_is_null_until_a_shadow_is_set(
     s = series(timeline, 60.0)["series"]
     assert s["shadow_version"] == [None, "v3"] and s["shadow_predictions"] == [None, 1]
     assert s["shadow_recent_hit_rate"] == [None, None]
+
+
+class _Counting(MemoryStore):
+    """A memory store that counts the instance views its reads hand out."""
+
+    views = 0
+
+    def instances(self, **kw):  # type: ignore[no-untyped-def,override]
+        out = super().instances(**kw)
+        self.views += len(out)
+        return out
+
+
+def test_the_instance_queues_cost_their_page_and_orders_not_the_fleet() -> None:
+    store = _Counting(bytes_per_token=327_680, block_tokens=512)
+    store.apply(
+        [
+            InstanceStatus(
+                event_id=f"f{i}", ts=0.0, instance_id=f"gpu-{i:04d}", free_kv_bytes=10**12
+            )
+            for i in range(2000)
+        ]
+        + [KvBlocksStored(event_id="p", ts=0.0, tier="pool", block_hashes=[1, 2])]
+    )
+    sched = Scheduler(store, SchedulerConfig(bytes_per_block=BLOCK_BYTES))
+    advice = SessionAdvice("a", "gpu-1500", (1, 2), "lru", 0.0, 0.9, 0.9, 0.9, True)
+    sched.advise([advice], 1.0)
+    assert sched.plan(1.0).orders
+    store.views = 0
+    rows, total = instance_queues(sched, store, 3)
+    assert total == 2000
+    assert [r["instance_id"] for r in rows] == ["gpu-1500", "gpu-0000", "gpu-0001"]
+    assert rows[0]["open_orders"]["prefetch"] == 1 and rows[0]["free_kv_bytes"] == 10**12
+    assert store.views <= 3 + 2 * 1

@@ -385,6 +385,37 @@ def test_short_windows_expire_exactly_as_in_memory(
         redis_store.close()
 
 
+@pytest.mark.parametrize("seed", [41, 42, 43])
+def test_a_capped_fleet_forgets_and_refuses_instances_exactly_as_in_memory(
+    redis_url: str, clean_redis: str, seed: int
+) -> None:
+    # Four instances, at most two held, each forgotten 15 s after it was last named, events up to
+    # 30 s late: instances are refused, forgotten with their locations and started afresh all the
+    # time, and the views agree after every batch.
+    bounds: dict[str, Any] = dict(
+        reorder_window_seconds=5.0,
+        session_retention_seconds=20.0,
+        max_instances=2,
+        instance_retention_seconds=15.0,
+    )
+    rng = random.Random(seed)
+    events = _Gen(seed, set_function=True).stream(600)
+    events.sort(key=lambda e: e.ts + rng.uniform(0.0, 30.0))
+    memory = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK, **bounds)
+    redis_store = RedisStore.from_url(
+        redis_url, prefix=clean_redis, bytes_per_token=BPT, block_tokens=BLOCK, **bounds
+    )
+    held: set[frozenset[str]] = set()
+    try:
+        for i in range(0, len(events), 50):
+            _apply_in_batches([memory, redis_store], events[i : i + 50], rng, compare_views=True)
+            assert memory.stats()["instances"] <= 2
+            held.add(frozenset(v.instance_id for v in memory.instances()))
+        assert len(held) > 2  # the stream moved the fleet around
+    finally:
+        redis_store.close()
+
+
 def test_expiry_deletes_keys_a_bounded_number_per_call(redis_url: str, clean_redis: str) -> None:
     store = RedisStore.from_url(
         redis_url,
@@ -717,3 +748,41 @@ def test_clear_deletes_only_its_own_prefix(redis_url: str, clean_redis: str) -> 
 
 def _escape(s: str) -> str:
     return "".join("\\" + ch if ch in "\\*?[]" else ch for ch in s)
+
+
+def test_a_store_an_older_version_wrote_is_indexed_by_the_first_batch(
+    redis_url: str, clean_redis: str
+) -> None:
+    bounds: dict[str, Any] = dict(max_instances=3, instance_retention_seconds=50.0)
+    store = RedisStore.from_url(
+        redis_url, prefix=clean_redis, bytes_per_token=BPT, block_tokens=BLOCK, **bounds
+    )
+    memory = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK, **bounds)
+    first = [
+        _ev(
+            type="kv_blocks_stored",
+            event_id=f"k{i}",
+            ts=10.0 * i,
+            instance_id=f"g{i}",
+            block_hashes=[i, 100 + i],
+        )
+        for i in range(3)
+    ] + [_ev(type="kv_blocks_stored", event_id="p", ts=1.0, tier="pool", block_hashes=[7])]
+    for s in (store, memory):
+        s.apply(first)
+    # What an older version kept: no activity index, no location names, no block count.
+    r = redis_lib.Redis.from_url(redis_url)
+    r.delete(
+        f"{clean_redis}:instance-activity", f"{clean_redis}:loc-names", f"{clean_redis}:nblocks"
+    )
+    r.close()
+    # At the cap; the next batch moves the cutoff past g0 (heard of at 0), which makes room.
+    later = [_ev(type="instance_status", event_id="s", ts=55.0, instance_id="g9", free_kv_bytes=1)]
+    for s in (store, memory):
+        s.apply(later)
+    assert _views(store) == _views(memory)
+    assert [i.instance_id for i in store.instances()] == ["g1", "g2", "g9"]
+    try:
+        assert store.stats()["resident_blocks"] == 5
+    finally:
+        store.close()

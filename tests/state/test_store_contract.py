@@ -1089,3 +1089,133 @@ def test_a_join_in_the_same_apply_as_the_routing_sees_its_context(store: StateSt
         ]
     )
     assert store.session("s").block_hashes == [1, 2, 3, 4]
+
+
+CAP, IRETENTION = 3, 50.0
+
+
+@pytest.fixture(params=["memory", "redis"])
+def capped(request: pytest.FixtureRequest) -> Iterator[StateStore]:
+    """A store holding at most 3 instances, each forgotten 50 s after it was last heard of."""
+    bounds: dict[str, Any] = dict(
+        session_retention_seconds=RETENTION,
+        max_instances=CAP,
+        instance_retention_seconds=IRETENTION,
+    )
+    if request.param == "memory":
+        s: StateStore = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK, **bounds)
+    else:
+        from app.state.redis import RedisStore
+
+        url = request.getfixturevalue("redis_url")
+        prefix = request.getfixturevalue("clean_redis")
+        s = RedisStore.from_url(
+            url, prefix=prefix, bytes_per_token=BPT, block_tokens=BLOCK, **bounds
+        )
+    yield s
+    s.close()
+
+
+def _names(views: list[Any]) -> list[str]:
+    return [v.instance_id for v in views]
+
+
+def test_an_event_naming_a_new_instance_past_the_cap_is_ignored_whole(capped: StateStore) -> None:
+    capped.apply(
+        [
+            stored([1], 10.0, instance="a"),
+            ev("instance_status", 10.0, instance_id="b", free_kv_bytes=1),
+            routed("s1", "r1", 10.0, instance="c"),
+            # Past the cap: each kind of event naming a fourth instance changes nothing.
+            stored([2], 11.0, instance="d"),
+            removed([1], 11.0, instance="d"),
+            cleared(11.0, instance="d"),
+            ev("instance_status", 11.0, instance_id="d", free_kv_bytes=1),
+            routed("s2", "r1", 11.0, instance="d"),
+            ev(
+                "vllm_kv_events",
+                11.0,
+                instance_id="d",
+                events=[{"type": "BlockStored", "block_hashes": [3], "block_size": 16}],
+            ),
+            # Known instances still take events; so does the shared pool.
+            stored([4], 12.0, instance="a"),
+            stored([5], 12.0, instance=None, tier="pool"),
+        ]
+    )
+    assert _names(capped.instances()) == ["a", "b", "c"]
+    assert capped.known_instances(["a", "d"]) == ([True, False], 3)
+    assert [loc.location for loc in capped.locations()] == ["hbm@a", "pool"]
+    assert capped.session("s2") is None and capped.session("s1") is not None
+    assert capped.holds("hbm", "d", [2, 3]) == [False, False]
+    assert capped.holds("hbm", "a", [1, 4]) == [True, True]
+    stats = capped.stats()
+    assert (stats["instances"], stats["locations"], stats["resident_blocks"]) == (3, 2, 3)
+
+
+def test_an_instance_unheard_of_past_its_retention_is_forgotten_with_its_locations(
+    capped: StateStore,
+) -> None:
+    capped.apply(
+        [
+            stored([1, 2], 10.0, instance="a"),
+            stored([3], 10.0, instance="a", tier="host"),
+            stored([7], 30.0, instance="b"),
+            stored([8], 30.0, instance=None, tier="pool"),
+        ]
+    )
+    capped.apply([ev("instance_status", 60.0, instance_id="c", free_kv_bytes=1)])  # cutoff 10
+    assert _names(capped.instances()) == ["a", "b", "c"]  # a was heard of at 10: kept
+    capped.apply([ev("instance_status", 60.5, instance_id="c", free_kv_bytes=1)])  # cutoff 10.5
+    assert _names(capped.instances()) == ["b", "c"]
+    assert [loc.location for loc in capped.locations()] == ["hbm@b", "pool"]
+    assert capped.holds("hbm", "a", [1, 2]) == [False, False]
+    assert capped.holds("host", "a", [3]) == [False]
+    assert capped.instances(ids=["a", "b"]) == capped.instances(ids=["b"])
+    assert list(capped.instance_loads(["a", "b"])) == ["b"]
+    assert capped.stats()["instances"] == 2 and capped.stats()["locations"] == 2
+    # The room it left is taken by a new instance; "a" comes back afresh, with nothing held.
+    capped.apply([stored([9], 61.0, instance="d"), stored([2], 61.0, instance="a")])
+    assert _names(capped.instances()) == ["b", "c", "d"]
+    capped.apply([ev("instance_status", 81.0, instance_id="c", free_kv_bytes=1)])  # cutoff 31
+    capped.apply([stored([2], 81.0, instance="a")])  # b forgotten: room for a
+    assert _names(capped.instances()) == ["a", "c", "d"]
+    a = capped.instances(ids=["a"])[0]
+    assert (a.last_seen_ts, a.resident_blocks) == (81.0, {"hbm": 1})
+    assert capped.holds("hbm", "a", [1, 2]) == [False, True]
+
+
+def test_instances_past_the_cap_and_retention_stay_bounded_under_distinct_ids(
+    capped: StateStore,
+) -> None:
+    # 400 distinct instances over 200 s of event time, in batches: at most the cap at any time.
+    for start in range(0, 400, 40):
+        capped.apply([stored([i], i * 0.5, instance=f"gpu-{i}") for i in range(start, start + 40)])
+        stats = capped.stats()
+        assert stats["instances"] <= CAP and stats["locations"] <= CAP
+        assert len(capped.instances()) == stats["instances"]
+    assert len(capped.locations()) == capped.stats()["locations"]
+
+
+def test_locations_page_by_name(store: StateStore) -> None:
+    store.apply(
+        [stored([i], 1.0, instance=f"gpu-{i}") for i in range(4)]
+        + [
+            stored([9], 1.0, instance="gpu-1", tier="host"),
+            stored([8], 1.0, instance=None, tier="pool"),
+        ]
+    )
+    everything = store.locations()
+    assert [loc.location for loc in everything] == [
+        "hbm@gpu-0",
+        "hbm@gpu-1",
+        "hbm@gpu-2",
+        "hbm@gpu-3",
+        "host@gpu-1",
+        "pool",
+    ]
+    first = store.locations(limit=2)
+    second = store.locations(after=first[-1].location, limit=3)
+    rest = store.locations(after=second[-1].location, limit=3)
+    assert first + second + rest == everything and len(rest) == 1
+    assert store.locations(after="pool", limit=5) == [] and store.locations(limit=0) == []

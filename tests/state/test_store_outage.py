@@ -48,10 +48,13 @@ def test_cancels_and_pins_a_failed_tick_decided_go_out_with_the_next_tick() -> N
     (order,) = prefetches(tick(sched, [advice("a", [0, 1])], 0.0).orders)
     keep = advice("k", [7, 8], p_soon=0.1, p_keep=0.9, retention="keep")
 
-    # The store goes away after the tick has cancelled a's order (its chance fell) and pinned k.
+    # The store goes away after the tick has cancelled a's order (its chance fell) and pinned k,
+    # when it reads the room of b's destination (one that never reported its room: b is never
+    # ordered).
     store.down = lambda name, args: name == "instances"
+    b = advice("b", [3], instance_id="gpu-1")
     with pytest.raises(StoreUnavailable):
-        tick(sched, [advice("a", [0, 1], p_soon=0.1), keep], 1.0)
+        tick(sched, [advice("a", [0, 1], p_soon=0.1), keep, b], 1.0)
     store.down = lambda name, args: False
 
     plan = sched.plan(1.1)

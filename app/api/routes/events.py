@@ -134,9 +134,9 @@ async def post_events(
             f"(KVP_BACKLOG_MAX_EVENTS {backlog.max_events}); retry later",
             {"Retry-After": "1"},
         )
-    for refused in result.rejected:  # the ingestor's refusals of `ts`, indexed as posted
+    for refused in result.rejected:  # the ingestor's refusals, indexed as posted
         index = parsed.indices[refused.index] if parsed.indices is not None else refused.index
-        parsed.reject(index, refused.event_id, f"events[{index}].ts", refused.message)
+        parsed.reject(index, refused.event_id, f"events[{index}].{refused.field}", refused.message)
     if result.rejected:
         parsed.rejected.sort(key=lambda r: r.index)
         parsed.rejected_first.sort()

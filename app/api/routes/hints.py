@@ -9,7 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from app.api.deps import ClockDep, HintConfigDep, SchedulerDep, StoreDep, StoreThreadDep
 from app.api.errors import Error
 from app.decide.hints import route_hint
-from kvprefetch_client.events import Ident
+from kvprefetch_client.events import Ident, InstanceId
 
 # A router asks about the instances it could pick; a fleet larger than this is asked in parts.
 # A hint costs about log2(context blocks) residency lookups per candidate (app/decide/hints.py),
@@ -28,7 +28,7 @@ class RouteHintRequest(BaseModel):
     )
 
     session_id: Ident = Field(description="The session whose next request is being routed")
-    candidates: list[Ident] = Field(
+    candidates: list[InstanceId] = Field(
         min_length=1,
         max_length=MAX_CANDIDATES,
         description="Instance ids the router could send it to, distinct",

@@ -14,7 +14,7 @@ from app.api.deps import ClockDep, OrderSinkDep, SettingsDep
 from app.api.errors import Error, body_error, error_response
 from app.core.security import Principal
 from app.deliver import PullQueue
-from kvprefetch_client.events import Ident
+from kvprefetch_client.events import INSTANCE_ID_PATTERN, Ident, InstanceId
 from kvprefetch_client.orders import Order
 
 MAX_LIMIT = 1000
@@ -48,7 +48,7 @@ class OrdersResponse(BaseModel):
 class RenewRequest(BaseModel):
     model_config = {"extra": "forbid"}
 
-    instance_id: Ident
+    instance_id: InstanceId
     agent: Ident = Field(description="The name the agent leased them under (GET /v1/orders?agent=)")
     order_ids: list[Ident] = Field(
         max_length=MAX_LIMIT, description="Orders the agent holds, not finished"
@@ -106,7 +106,13 @@ async def get_orders(
     settings: SettingsDep,
     clock: ClockDep,
     instance_id: Annotated[
-        str, Query(min_length=1, max_length=256, description="The instance whose orders to lease")
+        str,
+        Query(
+            min_length=1,
+            max_length=256,
+            pattern=INSTANCE_ID_PATTERN,
+            description="The instance whose orders to lease",
+        ),
     ],
     limit: Annotated[
         int, Query(ge=1, le=MAX_LIMIT, description="The most orders to hand out")

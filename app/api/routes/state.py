@@ -25,8 +25,10 @@ def validation_error(request: Request, error: dict[str, Any]) -> Response:
 
 router = APIRouter(tags=["state"])
 
-# The most instances one page of GET /v1/instances answers: a page costs its own instances only.
+# The most instances (locations) one page of GET /v1/instances (/v1/locations) answers: a page
+# costs its own instances (locations) only.
 MAX_INSTANCES_PAGE = 1000
+MAX_LOCATIONS_PAGE = 1000
 
 
 class InstancesResponse(BaseModel):
@@ -37,7 +39,10 @@ class InstancesResponse(BaseModel):
 
 
 class LocationsResponse(BaseModel):
-    locations: list[LocationView]
+    locations: list[LocationView] = Field(description="Up to `limit` locations, by name")
+    next_cursor: str | None = Field(
+        description="Pass as `cursor` for the next page; null: this was the last"
+    )
 
 
 @router.get(
@@ -84,7 +89,26 @@ async def get_instances(
     return InstancesResponse(instances=page, next_cursor=page[-1].instance_id if more else None)
 
 
-@router.get("/locations", response_model=LocationsResponse)
-async def get_locations(store: StoreDep, store_thread: StoreThreadDep) -> LocationsResponse:
-    """Every location that holds KV blocks, each block counted once however many sessions use it."""
-    return LocationsResponse(locations=await store_thread.read(store.locations))
+@router.get(
+    "/locations",
+    response_model=LocationsResponse,
+    responses={422: {"model": Error, "description": "`limit` or `cursor` is out of range."}},
+)
+async def get_locations(
+    store: StoreDep,
+    store_thread: StoreThreadDep,
+    limit: Annotated[
+        int, Query(ge=1, le=MAX_LOCATIONS_PAGE, description="The most locations to answer")
+    ] = 100,
+    cursor: Annotated[
+        str | None,
+        Query(min_length=1, max_length=512, description="The previous page's `next_cursor`"),
+    ] = None,
+) -> LocationsResponse:
+    """Locations by name (`hbm@gpu-0`, `host@gpu-0`, `pool`), a page at a time: the blocks and
+    bytes each holds, each block counted once however many sessions use it. Follow
+    `next_cursor` until it is null."""
+    page = await store_thread.read(lambda: store.locations(after=cursor, limit=limit + 1))
+    more = len(page) > limit
+    page = page[:limit]
+    return LocationsResponse(locations=page, next_cursor=page[-1].location if more else None)
