@@ -123,7 +123,7 @@ def create_app(
         app.state.tokens = load_tokens(settings)
         access = check_bind(settings.host, app.state.tokens)
         app.state.request_limiter, app.state.event_limiter = limiters(settings)
-        app.state.batch_parser = BatchParser(settings.max_batch_events)
+        app.state.batch_parser = BatchParser(settings.max_batch_events, settings.max_event_bytes)
         built = given or Engine(settings, store=store, clock=clock, order_sink=order_sink)
         app.state.engine = built
         try:

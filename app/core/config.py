@@ -57,6 +57,10 @@ class Settings(BaseSettings):
 
     max_batch_events: int = Field(10_000, ge=1)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # One event's JSON, measured before anything is parsed (app/api/batch.py): what one event may
+    # cost the parse. 65,536 block hashes (the most an event holds) of 64 hex characters are
+    # 4.2 MiB; twice that leaves room for the rest of the event.
+    max_event_bytes: int = Field(8 * 1024 * 1024, ge=1024)
 
     # Bearer tokens (app/core/security.py). Each variable grants one scope; the file names any
     # number of tokens with their scopes. None at all: authentication is off and the service

@@ -17,9 +17,11 @@ from app.api.batch import (
     BatchError,
     BatchParser,
     count_events,
+    scan_batch,
 )
 from app.api.main import create_app
 from app.core.config import Settings
+from kvprefetch_client.events import MAX_BLOCKS_PER_EVENT
 from tests.api.conftest import routed
 
 JSON = {"content-type": "application/json"}
@@ -92,6 +94,97 @@ def test_count_events_counts_the_top_level_array_only(body: bytes, events: int) 
 
 def test_count_events_stops_past_the_limit() -> None:
     assert 10 < count_events(empty_events(1_000_000), 10) < 1_000_000
+
+
+def test_count_events_is_not_fooled_by_deep_nesting() -> None:
+    # 256 levels deeper than the events, a comma is not one of theirs (a depth kept in one byte
+    # wrapped, and counted it).
+    deep = b"[" * 256 + b",".join([b"1"] * 100) + b"]" * 256
+    assert count_events(b'{"events":[' + deep + b"]}", 10**9) == 1
+
+
+def oversized(kind: str, n: int) -> bytes:
+    """One event of about n bytes, its bulk in one value of `kind`."""
+    if kind == "unknown field of numbers":
+        return orjson.dumps(routed("big", junk=[7] * (n // 2)))
+    if kind == "one string":
+        return orjson.dumps(routed("x" * n))
+    if kind == "escaped string":  # a string of escaped quotes and backslashes only
+        return orjson.dumps(routed('"\\' * (n // 4)))
+    if kind == "deep nesting":
+        return orjson.dumps(routed("big", junk=[[[[i, i] for i in range(n // 16)]]]))
+    if kind == "a long block list":
+        return orjson.dumps(routed("big", block_hashes=list(range(n // 8))))
+    raise AssertionError(kind)
+
+
+KINDS = ["unknown field of numbers", "one string", "escaped string", "deep nesting"]
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "a long block list"])
+def test_an_event_over_the_byte_limit_is_413_naming_it_before_it_is_parsed(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parser = BatchParser(100, max_event_bytes=64 * 1024)
+    body = b'{"events":[' + orjson.dumps(routed("a")) + b", " + oversized(kind, 200_000)
+    body += b"," + orjson.dumps(routed("b")) + b"]}"
+
+    def no_parsing(*args: object) -> None:
+        raise AssertionError("parsed")
+
+    monkeypatch.setattr(parser, "_adapter", type("Spy", (), {"validate_json": no_parsing}))
+    monkeypatch.setattr(batch_module.orjson, "loads", no_parsing)
+    with pytest.raises(BatchError) as exc:
+        parser.parse(body)
+    assert (exc.value.status_code, exc.value.field) == (413, "events[1]")
+    assert "KVP_MAX_EVENT_BYTES" in exc.value.message
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_byte_limit_is_measured_in_one_pass_that_stops_at_the_first_long_event(
+    kind: str,
+) -> None:
+    event = oversized(kind, 2 * 1024 * 1024)
+    body = b'{"events":[' + b",".join([event] * 3) + b"]}"
+    assert scan_batch(body, 100, len(event) - 1) == batch_module.BatchScan(1, 0)
+    assert scan_batch(body, 100, len(event)).oversized is None
+
+
+def test_a_value_around_the_events_over_the_byte_limit_is_413_naming_the_body() -> None:
+    parser = BatchParser(100, max_event_bytes=64 * 1024)
+    body = orjson.dumps({"events": [routed("a")], "junk": "x" * 100_000})
+    with pytest.raises(BatchError) as exc:
+        parser.parse(body)
+    assert (exc.value.status_code, exc.value.field) == (413, "body")
+    with pytest.raises(BatchError) as exc:
+        parser.parse(b" " * 100_000 + orjson.dumps({"events": [routed("a")]}))
+    assert (exc.value.status_code, exc.value.field) == (413, "body")
+
+
+def test_the_largest_legitimate_event_fits_the_default_byte_limit() -> None:
+    """As many block hashes as an event holds, each 64 hex characters (a SHA-256), and as many
+    token ids (16 a block) of six digits: accepted by the default KVP_MAX_EVENT_BYTES."""
+    hashes = [f"{i:064x}" for i in range(MAX_BLOCKS_PER_EVENT)]
+    event = routed("big", block_hashes=hashes)
+    body = orjson.dumps({"events": [event, routed("small")]})
+    assert len(body) > 4 * 1024 * 1024
+    assert [e.event_id for e in BatchParser(10).parse(body).events] == ["big", "small"]
+    assert Settings().max_event_bytes == batch_module.DEFAULT_MAX_EVENT_BYTES
+
+
+def test_the_service_refuses_an_event_over_its_byte_limit(tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, max_event_bytes=4096, log_fsync=False)
+    with TestClient(create_app(settings)) as c:
+        body = orjson.dumps({"events": [routed("a"), routed("b", junk="x" * 5000)]})
+        r = c.post("/v1/events", content=body, headers=JSON)
+        assert r.status_code == 413
+        assert r.json() == {
+            "detail": "an event holds at most 4096 bytes (KVP_MAX_EVENT_BYTES); "
+            "events[1] is longer",
+            "field": "events[1]",
+        }
+        r = c.post("/v1/events", json={"events": [routed("a"), routed("b")]})
+        assert r.status_code == 200 and r.json()["accepted"] == ["a", "b"]
 
 
 def test_a_valid_batch_with_long_block_lists_is_counted_and_accepted(tmp_path: Path) -> None:
