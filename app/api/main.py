@@ -195,6 +195,7 @@ def create_app(
         TimeoutMiddleware,
         body_seconds=settings.body_timeout_seconds,
         request_seconds=settings.request_timeout_seconds,
+        min_body_bytes_per_second=settings.min_body_bytes_per_second,
     )
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
 

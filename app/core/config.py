@@ -87,6 +87,10 @@ class Settings(BaseSettings):
     # A request whose body has not fully arrived this long after its last chunk is answered 408;
     # one still unanswered after request_timeout_seconds, 503.
     body_timeout_seconds: float = Field(10.0, gt=0)
+    # And a body must arrive within body_timeout_seconds of its headers plus one second per
+    # min_body_bytes_per_second bytes received (a floor on its rate after a grace); else 408.
+    # 0: no floor.
+    min_body_bytes_per_second: float = Field(4096.0, ge=0)
     request_timeout_seconds: float = Field(60.0, gt=0)
     # The server's edge, per worker (app/api/edge.py): open connections in all and from one
     # address (past either limit, the longest-idle connection without a request in flight is
@@ -96,6 +100,9 @@ class Settings(BaseSettings):
     # keepalive_timeout_seconds. Behind a proxy every client is the proxy's address.
     max_connections: int = Field(1024, ge=1)
     max_connections_per_client: int = Field(256, ge=1)
+    # Requests in flight from one address (an IPv6 /64), per worker: more get 503, so a few
+    # addresses whose bodies trickle cannot hold every request slot (GET /healthz is exempt).
+    max_requests_per_client: int = Field(64, ge=1)
     header_timeout_seconds: float = Field(10.0, gt=0)
     keepalive_timeout_seconds: float = Field(5.0, gt=0)
 
