@@ -43,7 +43,7 @@ from uvicorn.supervisors import Multiprocess
 
 from app.core.config import Settings
 
-# What a liveness probe asks; answered whatever the request slots are doing.
+# What a liveness probe asks (GET or HEAD); answered whatever the request slots are doing.
 PROBE_PATHS = frozenset({"/healthz"})
 # Connections past KVP_MAX_CONNECTIONS that serve probes alone, when none is idle to close.
 PROBE_CONNECTIONS = 8
@@ -304,7 +304,8 @@ class EdgeProtocol(HttpToolsProtocol):
             path = httptools.parse_url(self.url).path
         except httptools.HttpParserInvalidURLError:
             path = None  # uvicorn answers it 400
-        if path is not None and path.decode("latin-1") in PROBE_PATHS:
+        probe = path is not None and path.decode("latin-1") in PROBE_PATHS
+        if probe and self.parser.get_method() in (b"GET", b"HEAD"):
             return None
         if self.probes_only:
             return _Refusal(

@@ -22,8 +22,8 @@ def _error(status: int, field: str, message: str) -> tuple[Message, Message]:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     if status == 503:
         headers.append((b"retry-after", b"1"))
-    if status == 408:
-        headers.append((b"connection", b"close"))
+    # What is left of the request (its body's rest) is never read: the connection ends with it.
+    headers.append((b"connection", b"close"))
     return (
         {"type": "http.response.start", "status": status, "headers": headers},
         {"type": "http.response.body", "body": body},

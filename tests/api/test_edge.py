@@ -228,6 +228,7 @@ def test_an_address_past_its_requests_in_flight_gets_503_and_others_are_served()
             local = httpx.HTTPTransport(local_address="127.0.0.2")
             with httpx.Client(transport=local) as same:
                 assert same.get(f"{url}/healthz").status_code == 200  # exempt
+                assert same.post(f"{url}/healthz").status_code == 503  # a probe GETs
         finally:
             for s in held:
                 s.close()

@@ -86,6 +86,7 @@ def test_a_request_over_its_time_is_answered_503_with_retry_after() -> None:
         "field": "request",
     }
     assert headers[b"retry-after"] == b"1"
+    assert headers[b"connection"] == b"close"  # the rest of the request is never read
 
 
 def trickled(chunk: bytes, every_seconds: float, min_rate: float) -> list[Message]:
