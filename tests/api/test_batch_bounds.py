@@ -3,6 +3,7 @@ counted before any event is parsed into objects, and a 422 lists a bounded numbe
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -265,3 +266,78 @@ def test_a_long_unknown_field_name_is_clipped(client: TestClient) -> None:
 def test_a_200_answer_keeps_its_three_lists(client: TestClient) -> None:
     r = client.post("/v1/events", json={"events": [routed("a")]})
     assert r.json() == {"accepted": ["a"], "duplicates": [], "rejected": []}
+
+
+def mixed_batch(n: int) -> bytes:
+    """n events, every third with a bad field, some with more than three bad ones."""
+    events = []
+    for i in range(n):
+        if i % 3 == 0:
+            events.append(routed(f"e{i}", prompt_tokens=-1, **{f"x{j}": 1 for j in range(i % 5)}))
+        else:
+            events.append(routed(f"e{i}", block_hashes=list(range(i % 50))))
+    return orjson.dumps({"events": events})
+
+
+def test_a_long_body_parsed_in_slices_answers_as_if_parsed_whole() -> None:
+    parser = BatchParser(1000, max_event_bytes=4096)
+    body = mixed_batch(600)
+    assert len(body) > 25 * 4096
+    whole, sliced = parser.parse(body), asyncio.run(parser.parse_async(body))
+    assert [e.event_id for e in sliced.events] == [e.event_id for e in whole.events]
+    assert sliced.indices == whole.indices and sliced.indices is not None
+    assert sliced.rejected == whole.rejected and len(sliced.rejected) == MAX_REJECTIONS_PER_ANSWER
+    assert sliced.rejected_first == whole.rejected_first
+    assert sliced.rejections_omitted == whole.rejections_omitted > 0
+    valid = orjson.dumps({"events": [routed(f"v{i}") for i in range(200)]})
+    assert asyncio.run(BatchParser(1000, max_event_bytes=4096).parse_async(valid)).indices is None
+
+
+def test_a_long_body_lets_the_loop_run_between_slices_of_at_most_the_event_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parser = BatchParser(1000, max_event_bytes=4096)
+    body = mixed_batch(600)
+    parts: list[int] = []
+    real = parser._parse
+    monkeypatch.setattr(
+        parser, "_parse", lambda part, *a: parts.append(len(part)) or real(part, *a)
+    )
+
+    async def scenario() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        ticks = 0
+        await parser.parse_async(body)
+        task.cancel()
+        return ticks
+
+    ticks = asyncio.run(scenario())
+    assert len(parts) >= len(body) // 4096
+    assert max(parts) <= 4096 + len(b'{"events":[]}')
+    assert ticks >= len(parts) - 1  # the loop ran between every two slices
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        orjson.dumps({"events": [routed(f"e{i}") for i in range(100)], "x": 1}),
+        orjson.dumps({"x": 1, "events": [routed(f"e{i}") for i in range(100)]}),
+        orjson.dumps([routed(f"e{i}") for i in range(100)]),
+        orjson.dumps({"events": [routed(f"e{i}") for i in range(50)], "more": [1, 2]}),
+        orjson.dumps({"events": [routed(f"e{i}") for i in range(100)]})[:-1],
+        orjson.dumps({"events": [routed(f"e{i}") for i in range(100)]}) + b"x",
+    ],
+)
+def test_a_long_body_of_another_shape_is_422_before_it_is_parsed(body: bytes) -> None:
+    with pytest.raises(BatchError) as exc:
+        asyncio.run(BatchParser(1000, max_event_bytes=4096).parse_async(body))
+    assert (exc.value.status_code, exc.value.field) == (422, "body")
