@@ -163,8 +163,8 @@ def test_a_value_around_the_events_over_the_byte_limit_is_413_naming_the_body() 
 
 
 def test_the_largest_legitimate_event_fits_the_default_byte_limit() -> None:
-    """As many block hashes as an event holds, each 64 hex characters (a SHA-256), and as many
-    token ids (16 a block) of six digits: accepted by the default KVP_MAX_EVENT_BYTES."""
+    """As many block hashes as an event holds, each 64 hex characters (a SHA-256): accepted by
+    the default KVP_MAX_EVENT_BYTES, with room to spare."""
     hashes = [f"{i:064x}" for i in range(MAX_BLOCKS_PER_EVENT)]
     event = routed("big", block_hashes=hashes)
     body = orjson.dumps({"events": [event, routed("small")]})
