@@ -11,8 +11,14 @@ nothing starved every route, /healthz included. Here, per server (each worker pr
   address. A connection past either limit closes the longest-idle connection that has no
   request in flight (of that address for its limit): an idle keep-alive connection, or one that
   has not sent its headers. Only when none is idle is the new connection refused, with 503;
-- at most KVP_MAX_CONNECTIONS requests are in flight; another is answered 503 (uvicorn's
-  `limit_concurrency`, counting requests rather than connections).
+- at most KVP_MAX_CONNECTIONS requests are in flight, and KVP_MAX_REQUESTS_PER_CLIENT from one
+  address; another is answered 503 (counting requests rather than connections), so a few
+  addresses whose bodies trickle cannot hold every request slot;
+- GET /healthz is never refused for lack of slots: it is exempt from the request limits, and
+  PROBE_CONNECTIONS connections past KVP_MAX_CONNECTIONS, when none is idle, serve it alone.
+
+An address is an IPv4 address, or an IPv6 /64 (what one host is handed: an address per request
+would be free), an IPv4-mapped IPv6 address counting as its IPv4 one.
 
 So connections that send nothing, or half a request line, are the first to go, and never keep
 a new request from being served (docs/decisions.md, 14).
@@ -22,11 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import ipaddress
 import socket
 import sys
 from dataclasses import dataclass
 from typing import Any
 
+import httptools
 import orjson
 import uvicorn
 from uvicorn.config import STARTUP_FAILURE
@@ -36,12 +44,18 @@ from uvicorn.supervisors import Multiprocess
 
 from app.core.config import Settings
 
+# What a liveness probe asks (GET or HEAD); answered whatever the request slots are doing.
+PROBE_PATHS = frozenset({"/healthz"})
+# Connections past KVP_MAX_CONNECTIONS that serve probes alone, when none is idle to close.
+PROBE_CONNECTIONS = 8
+
 
 @dataclass(frozen=True, slots=True)
 class EdgeLimits:
     header_timeout_seconds: float
     max_connections: int
     max_connections_per_client: int
+    max_requests_per_client: int = Settings.model_fields["max_requests_per_client"].default
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EdgeLimits:
@@ -49,7 +63,21 @@ class EdgeLimits:
             header_timeout_seconds=settings.header_timeout_seconds,
             max_connections=settings.max_connections,
             max_connections_per_client=settings.max_connections_per_client,
+            max_requests_per_client=settings.max_requests_per_client,
         )
+
+
+def client_key(host: str) -> str:
+    """The address a client's limits count by: an IPv6 address's /64, an IPv4 address whole."""
+    try:
+        address = ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return host  # a Unix socket's path, or nothing
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 class EdgeConfig(uvicorn.Config):
@@ -71,6 +99,7 @@ class ConnectionRegistry:
         # Insertion order is idle order: a connection re-enters at the end each time it idles.
         self.idle: dict[EdgeProtocol, None] = {}
         self.idle_by_client: dict[str, dict[EdgeProtocol, None]] = {}
+        self.requests_by_client: dict[str, int] = {}
         self.open = 0
         self.evicted = 0
         self.refused = 0
@@ -92,8 +121,10 @@ class ConnectionRegistry:
             self.refused += 1
             return False
         if self.open >= self.limits.max_connections and not self._evict(self.idle):
-            self.refused += 1
-            return False
+            if self.open >= self.limits.max_connections + PROBE_CONNECTIONS:
+                self.refused += 1
+                return False
+            conn.probes_only = True
         self.by_client.setdefault(key, set()).add(conn)
         self.open += 1
         self.mark_idle(conn)
@@ -124,10 +155,31 @@ class ConnectionRegistry:
             if not per_client:
                 del self.idle_by_client[conn.client_key]
 
+    def request_started(self, conn: EdgeProtocol) -> int:
+        """Counts a request of `conn` in flight; how many its address has now."""
+        if not self._registered(conn):
+            return 0
+        n = self.requests_by_client.get(conn.client_key, 0) + 1
+        self.requests_by_client[conn.client_key] = n
+        return n
+
+    def request_done(self, conn: EdgeProtocol, requests: int = 1) -> None:
+        if not self._registered(conn):
+            return
+        n = self.requests_by_client.get(conn.client_key, 0) - requests
+        if n > 0:
+            self.requests_by_client[conn.client_key] = n
+        else:
+            self.requests_by_client.pop(conn.client_key, None)
+
+    def _registered(self, conn: EdgeProtocol) -> bool:
+        return conn in self.by_client.get(conn.client_key, ())
+
     def remove(self, conn: EdgeProtocol) -> None:
         conns = self.by_client.get(conn.client_key)
         if conns is None or conn not in conns:
             return
+        self.request_done(conn, conn.requests_in_flight)  # a connection lost mid-request
         self.mark_busy(conn)
         conns.discard(conn)
         if not conns:
@@ -149,6 +201,23 @@ def _error_response(status: str, field: str, message: str, extra: bytes = b"") -
     )
 
 
+class _Refusal:
+    """The answer to a request past a limit: 503, naming the limit, and the connection closed."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.body = orjson.dumps({"detail": message, "field": field})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(self.body)).encode()),
+            (b"retry-after", b"1"),
+            (b"connection", b"close"),
+        ]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": self.body})
+
+
 class EdgeProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with a header timeout and the server's connection limits."""
 
@@ -167,14 +236,16 @@ class EdgeProtocol(HttpToolsProtocol):
         self.client_key = ""
         self.requests_in_flight = 0
         self.request_begun = False  # bytes of a request whose headers are not complete yet
+        self.probes_only = False  # admitted past KVP_MAX_CONNECTIONS: serves probes alone
         # uvicorn's own check counts idle connections too; ours (on_headers_complete) counts
-        # requests in flight against the same limit.
+        # requests in flight against the same limit, and per address.
         self.max_requests_in_flight = limits.max_connections
+        self.max_requests_per_client = limits.max_requests_per_client
         self.limit_concurrency = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.client_key = self.client[0] if self.client else ""
+        self.client_key = client_key(self.client[0]) if self.client else ""
         if not self.registry.admit(self):
             self.connections.discard(self)
             transport.write(
@@ -217,13 +288,45 @@ class EdgeProtocol(HttpToolsProtocol):
         self.request_begun = False
         self.requests_in_flight += 1
         self.registry.mark_busy(self)
-        # 0 makes uvicorn answer this request 503 (its limit check, always true at 0).
-        self.limit_concurrency = 0 if len(self.tasks) >= self.max_requests_in_flight else None
-        super().on_headers_complete()
-        self.limit_concurrency = None
+        from_client = self.registry.request_started(self)
+        refusal = self._refusal(from_client)
+        if refusal is None:
+            super().on_headers_complete()
+            return
+        # uvicorn runs self.app for the request whose headers are complete: this one's answer.
+        app, self.app = self.app, refusal
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
+
+    def _refusal(self, from_client: int) -> _Refusal | None:
+        try:
+            path = httptools.parse_url(self.url).path
+        except httptools.HttpParserInvalidURLError:
+            path = None  # uvicorn answers it 400
+        probe = path is not None and path.decode("latin-1") in PROBE_PATHS
+        if probe and self.parser.get_method() in (b"GET", b"HEAD"):
+            return None
+        if self.probes_only:
+            return _Refusal(
+                "connections",
+                "too many connections (KVP_MAX_CONNECTIONS): this one serves /healthz only; "
+                "retry later",
+            )
+        if len(self.tasks) >= self.max_requests_in_flight:
+            return _Refusal("requests", "too many requests in flight (KVP_MAX_CONNECTIONS)")
+        if from_client > self.max_requests_per_client:
+            return _Refusal(
+                "requests",
+                "too many requests in flight from your address (KVP_MAX_REQUESTS_PER_CLIENT)",
+            )
+        return None
 
     def on_response_complete(self) -> None:
-        self.requests_in_flight = max(0, self.requests_in_flight - 1)
+        if self.requests_in_flight > 0:
+            self.requests_in_flight -= 1
+            self.registry.request_done(self)
         super().on_response_complete()
         if self.requests_in_flight == 0 and not self.transport.is_closing():
             self.registry.mark_idle(self)

@@ -123,7 +123,7 @@ def create_app(
         app.state.tokens = load_tokens(settings)
         access = check_bind(settings.host, app.state.tokens)
         app.state.request_limiter, app.state.event_limiter = limiters(settings)
-        app.state.batch_parser = BatchParser(settings.max_batch_events)
+        app.state.batch_parser = BatchParser(settings.max_batch_events, settings.max_event_bytes)
         built = given or Engine(settings, store=store, clock=clock, order_sink=order_sink)
         app.state.engine = built
         try:
@@ -195,6 +195,7 @@ def create_app(
         TimeoutMiddleware,
         body_seconds=settings.body_timeout_seconds,
         request_seconds=settings.request_timeout_seconds,
+        min_body_bytes_per_second=settings.min_body_bytes_per_second,
     )
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes)
 

@@ -57,6 +57,10 @@ class Settings(BaseSettings):
 
     max_batch_events: int = Field(10_000, ge=1)
     max_body_bytes: int = Field(32 * 1024 * 1024, ge=1024)
+    # One event's JSON, measured before anything is parsed (app/api/batch.py): what one event may
+    # cost the parse. 65,536 block hashes (the most an event holds) of 64 hex characters are
+    # 4.2 MiB; twice that leaves room for the rest of the event.
+    max_event_bytes: int = Field(8 * 1024 * 1024, ge=1024)
 
     # Bearer tokens (app/core/security.py). Each variable grants one scope; the file names any
     # number of tokens with their scopes. None at all: authentication is off and the service
@@ -83,6 +87,10 @@ class Settings(BaseSettings):
     # A request whose body has not fully arrived this long after its last chunk is answered 408;
     # one still unanswered after request_timeout_seconds, 503.
     body_timeout_seconds: float = Field(10.0, gt=0)
+    # And a body must arrive within body_timeout_seconds of its headers plus one second per
+    # min_body_bytes_per_second bytes received (a floor on its rate after a grace); else 408.
+    # 0: no floor.
+    min_body_bytes_per_second: float = Field(4096.0, ge=0)
     request_timeout_seconds: float = Field(60.0, gt=0)
     # The server's edge, per worker (app/api/edge.py): open connections in all and from one
     # address (past either limit, the longest-idle connection without a request in flight is
@@ -92,6 +100,9 @@ class Settings(BaseSettings):
     # keepalive_timeout_seconds. Behind a proxy every client is the proxy's address.
     max_connections: int = Field(1024, ge=1)
     max_connections_per_client: int = Field(256, ge=1)
+    # Requests in flight from one address (an IPv6 /64), per worker: more get 503, so a few
+    # addresses whose bodies trickle cannot hold every request slot (GET /healthz is exempt).
+    max_requests_per_client: int = Field(64, ge=1)
     header_timeout_seconds: float = Field(10.0, gt=0)
     keepalive_timeout_seconds: float = Field(5.0, gt=0)
 

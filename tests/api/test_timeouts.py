@@ -86,3 +86,51 @@ def test_a_request_over_its_time_is_answered_503_with_retry_after() -> None:
         "field": "request",
     }
     assert headers[b"retry-after"] == b"1"
+    assert headers[b"connection"] == b"close"  # the rest of the request is never read
+
+
+def trickled(chunk: bytes, every_seconds: float, min_rate: float) -> list[Message]:
+    """A body sent `chunk` by `chunk`, each after `every_seconds`, without end; never silent
+    for as long as the body timeout (0.05 s)."""
+    app = TimeoutMiddleware(
+        echo, body_seconds=0.05, request_seconds=5.0, min_body_bytes_per_second=min_rate
+    )
+    sent: list[Message] = []
+
+    async def scenario() -> None:
+        chunks = 0
+
+        async def receive() -> Message:
+            nonlocal chunks
+            await asyncio.sleep(every_seconds)
+            chunks += 1
+            # Ends, if nothing ended it before, after 2 s at the least: past the grace plenty.
+            return {"type": "http.request", "body": chunk, "more_body": chunks < 2 / every_seconds}
+
+        async def send(message: Message) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": [], "query_string": b""}
+        await app(scope, receive, send)
+
+    asyncio.run(scenario())
+    return sent
+
+
+def test_a_body_trickled_below_the_minimum_rate_is_answered_408() -> None:
+    seen.clear()
+    # 1 byte each 10 ms (at most 100 bytes/s) against a floor of 1000 bytes/s.
+    status, body, headers = status_and_body(trickled(b"x", 0.01, min_rate=1000))
+    assert status == 408
+    assert body == {
+        "detail": "the body arrived slower than 1000 bytes/s (KVP_MIN_BODY_BYTES_PER_SECOND)",
+        "field": "body",
+    }
+    assert headers[b"connection"] == b"close"
+    assert seen == ["ClientDisconnect"]
+
+
+def test_a_body_above_the_minimum_rate_arrives_whole() -> None:
+    # Each chunk buys 10 s more at 1000 bytes/s, however late the loop runs it.
+    status, body, _ = status_and_body(trickled(b"x" * 10_000, 0.01, min_rate=1000))
+    assert (status, body) == (200, {"bytes": 10_000 * 200})

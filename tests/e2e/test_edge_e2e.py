@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import select
 import socket
+import subprocess
+import sys
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import httpx
+import orjson
 import psutil
 import pytest
 
@@ -231,3 +236,214 @@ def test_with_workers_the_edge_holds_in_each_worker(
         finally:
             for s, _ in flood:
                 s.close()
+
+
+PROBE = """
+import sys, time, httpx
+while True:
+    started = time.perf_counter()
+    try:
+        status = httpx.get(sys.argv[1] + "/healthz", timeout=30).status_code
+    except httpx.HTTPError:
+        status = 0
+    print(status, (time.perf_counter() - started) * 1e3, flush=True)
+    time.sleep(0.02)
+"""
+
+
+class Prober:
+    """GET /healthz over and over, each on a new connection, from a process of its own (so the
+    test's own threads never delay it), until stopped."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.proc: subprocess.Popen[str] | None = None
+        self.statuses: list[int] = []
+        self.ms: list[float] = []
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", PROBE, self.url], stdout=subprocess.PIPE, text=True
+        )
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        self.proc.terminate()
+        out, _ = self.proc.communicate(timeout=30)
+        for line in out.splitlines():
+            status, _, ms = line.partition(" ")
+            with suppress(ValueError):
+                self.ms.append(float(ms))
+                self.statuses.append(int(status))
+
+    def summary(self) -> str:
+        ms = sorted(self.ms)
+        return (
+            f"GET /healthz meanwhile: {len(ms)} probes, median {ms[len(ms) // 2]:.0f} ms, "
+            f"max {ms[-1]:.0f} ms, statuses {Counter(self.statuses)}"
+        )
+
+
+def huge_event(kind: str) -> bytes:
+    """About 28.6 MiB: one event whose bulk is an unknown field of 15M numbers, or one string;
+    or four events, each under the event limit, of 3.5M numbers each."""
+    event = {"type": "session_closed", "event_id": "huge", "ts": 1.0, "session_id": "s1"}
+    if kind == "medium events":
+        medium = orjson.dumps(event)[:-1] + b',"junk":[' + b"7," * 3_500_000 + b"7]}"
+        return b'{"events":[' + b",".join([medium] * 4) + b"]}"
+    if kind == "numbers":
+        return (
+            b'{"events":[' + orjson.dumps(event)[:-1] + b',"junk":[' + b"7," * 15_000_000 + b"7]}]}"
+        )
+    return orjson.dumps({"events": [dict(event, session_id="s" * 30_000_000)]})
+
+
+def test_huge_events_from_three_clients_are_refused_and_healthz_stays_served(
+    service: ServiceProcess,
+) -> None:
+    """The issue's numbers: one event with an unknown field of 15M numbers (28.6 MiB) fits under
+    the body limit, and was parsed whole before its 422, holding /healthz for 1.4 s a post; two
+    clients kept it over 1 s. One client each: the numbers, one string, and four events each
+    under the limit (parsed a slice at a time, the loop running between)."""
+    bodies = {kind: huge_event(kind) for kind in ("numbers", "string", "medium events")}
+    prober = Prober(service.url)
+    answers: list[tuple[str, int, dict[str, str], float]] = []
+
+    def post(kind: str) -> None:
+        for _ in range(3):
+            r, ms = timed(
+                lambda: httpx.post(
+                    f"{service.url}/v1/events",
+                    content=bodies[kind],
+                    headers={"content-type": "application/json"},
+                    timeout=120,
+                )
+            )
+            answers.append((kind, r.status_code, r.json(), ms))
+
+    clients = [threading.Thread(target=post, args=(kind,)) for kind in bodies]
+    prober.start()
+    try:
+        for c in clients:
+            c.start()
+        for c in clients:
+            c.join()
+    finally:
+        prober.stop()
+    for kind, status, _, ms in answers:
+        print(f"\n{len(bodies[kind]) / 2**20:.1f} MiB, {kind}: {status} in {ms:.0f} ms")
+    print(prober.summary())
+    assert len(answers) == 9
+    for kind, status, body, _ in answers:
+        if kind == "medium events":  # each parsed, a slice at a time, and rejected
+            assert status == 422, body
+            assert [r["field"] for r in body["rejected"]] == [f"events[{i}].junk" for i in range(4)]
+        else:
+            assert (status, body["field"]) == (413, "events[0]"), body
+            assert "KVP_MAX_EVENT_BYTES" in body["detail"]
+    assert set(prober.statuses) == {200}
+
+
+HELD_PER_CLIENT = 64  # KVP_MAX_REQUESTS_PER_CLIENT's default
+TRICKLERS = [f"127.0.0.{i}" for i in range(2, 10)]
+
+
+def test_bodies_trickled_from_eight_addresses_hold_no_slot_healthz_or_a_client_needs(
+    service_factory: Callable[..., ServiceProcess],
+) -> None:
+    """The issue's flood: 1,040 requests whose bodies trickle at 2 bytes/s from 127.0.0.2-9 made
+    /healthz and POST /v1/events answer 503 until the request timeout (60 s). Default limits,
+    but a grace of 20 s before the bodies' minimum rate holds: room for a busy machine to take
+    every request's headers while the flood is held."""
+    svc = service_factory(env={"KVP_BODY_TIMEOUT_SECONDS": "20"})
+    svc.start()
+    head = (
+        b"POST /v1/events HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b'content-length: 100000\r\n\r\n{"events": ['
+    )
+    flood: list[socket.socket] = []
+    answers: dict[int, bytes] = {}
+    received: dict[int, bytes] = {}
+    posts: list[tuple[int, dict[str, Any], float]] = []
+    prober = Prober(svc.url)
+
+    def collect() -> None:
+        """Reads what came, without blocking (select() takes no fd past 1023); a connection the
+        server closed is answered."""
+        for i, s in enumerate(flood):
+            while i not in answers:
+                try:
+                    chunk = s.recv(65536)
+                except BlockingIOError:
+                    break
+                except OSError:  # reset: closed with our bytes unread
+                    chunk = b""
+                if not chunk:
+                    answers[i] = received.pop(i, b"")
+                else:
+                    received[i] = received.get(i, b"") + chunk
+
+    try:
+        started = time.monotonic()
+        for i in range(1040):
+            s = socket.create_connection(
+                ("127.0.0.1", svc.port), timeout=10, source_address=(TRICKLERS[i % 8], 0)
+            )
+            with suppress(OSError):  # refused at once: what it was told is read below
+                s.sendall(head)
+            s.setblocking(False)  # a socket with a timeout waits for data before recv
+            flood.append(s)
+        print(f"\n{len(flood)} requests from {len(TRICKLERS)} addresses sent their headers")
+        prober.start()
+        event = {"type": "session_closed", "event_id": "t-0", "ts": 1.0, "session_id": "s1"}
+        # Each address past its requests in flight is answered 503 at once; the rest trickle a
+        # byte each half second until answered.
+        refused_at_least = len(flood) - len(TRICKLERS) * HELD_PER_CLIENT
+        held_at: float | None = None
+        while len(answers) < len(flood) and time.monotonic() - started < 240:
+            for i, s in enumerate(flood):
+                if i not in answers:
+                    with suppress(OSError):
+                        s.send(b" ")
+            if len(posts) < 5:
+                event["event_id"] = f"t-{len(posts)}"
+                r, ms = timed(
+                    lambda: httpx.post(f"{svc.url}/v1/events", json={"events": [event]}, timeout=30)
+                )
+                posts.append((r.status_code, r.json(), ms))
+            time.sleep(0.5)
+            collect()
+            if held_at is None and len(answers) >= refused_at_least:
+                held_at = time.monotonic() - started
+                print(f"after {held_at:.1f} s: {len(answers)} answered, the rest held")
+        cut = time.monotonic() - started
+        prober.stop()
+        print(
+            "POST /v1/events from 127.0.0.1 meanwhile: "
+            + ", ".join(f"{status} in {ms:.0f} ms" for status, _, ms in posts)
+        )
+        print(prober.summary())
+        print(f"{len(answers)} of the trickled requests answered by {cut:.1f} s")
+        statuses = [data[:12].decode() for data in answers.values()]
+        print(f"the trickled requests' answers: {Counter(statuses)}")
+        assert set(prober.statuses) == {200}
+        assert [(status, body["accepted"]) for status, body, _ in posts] == [
+            (200, [f"t-{i}"]) for i in range(5)
+        ]
+        assert len(answers) == len(flood), f"{len(flood) - len(answers)} still held"
+        refused = [data for data in answers.values() if data.startswith(b"HTTP/1.1 503")]
+        cut_off = [data for data in answers.values() if data.startswith(b"HTTP/1.1 408")]
+        assert len(refused) + len(cut_off) == len(flood)
+        assert len(refused) >= refused_at_least
+        for data in refused:
+            assert b'"field":"requests"' in data or b'"field":"connections"' in data, data
+        for data in cut_off:
+            assert b"KVP_MIN_BODY_BYTES_PER_SECOND" in data, data[:300]
+        # Held, then cut off by the minimum rate: each address's share, but for a few that
+        # were counted while a refusal of the same address was still being answered.
+        assert len(cut_off) >= len(TRICKLERS) * (HELD_PER_CLIENT - 4)
+    finally:
+        prober.stop()
+        for s in flood:
+            s.close()

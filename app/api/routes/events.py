@@ -106,7 +106,7 @@ async def post_events(
         return error_response(415, "content-type", "send the batch as application/json")
     try:
         body = await read_body(request, settings.max_body_bytes)
-        parsed = parser.parse(body)
+        parsed = await parser.parse_async(body)
         check_agent_events(caller, parsed.events)
         check_bound_events(caller, parsed.events, parsed.indices, engine.order_owner)
     except BatchError as exc:
