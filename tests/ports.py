@@ -94,6 +94,18 @@ def dead_port() -> Iterator[int]:
         yield port_of(sock)
 
 
+_HELD: list[socket.socket] = []
+
+
+def unanswered_port() -> int:
+    """A port where nothing listens for as long as the test process runs (its socket is bound,
+    never listening, and kept)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    _HELD.append(sock)
+    return port_of(sock)
+
+
 def _local_port_range() -> tuple[int, int]:
     try:
         low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
@@ -36,6 +35,7 @@ from app.observe.metrics import Metrics
 from kvprefetch_client.events import KvBlocksStored, OrderProgress
 from tests.conftest import live_server
 from tests.deliver.conftest import order
+from tests.ports import is_in_use, quiet_port, retry_in_use, unanswered_port
 
 pytestmark = pytest.mark.slow
 
@@ -52,22 +52,6 @@ BLOCK_TOKENS = 16
 CHAIN = list(range(1000, 1040))
 CHAIN_TOKENS = [(7 * i) % 50_000 for i in range(len(CHAIN) * BLOCK_TOKENS)]
 STARTUP_SECONDS = 120.0
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free now (held together while chosen, so never the same twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def free_port() -> int:
-    return free_ports(1)[0]
 
 
 def _wait(url: str, ready: Any, proc: subprocess.Popen[bytes], log: Path) -> None:
@@ -116,12 +100,16 @@ def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
     """A real `lmcache coordinator` and one `lmcache server` (CPU, no engine yet) registered
     with it as MP_INSTANCE."""
     logs = tmp_path_factory.mktemp("lmcache")
-    port, rpc_port, http_port = free_ports(3)
-    url = f"http://127.0.0.1:{port}"
-    coord = _start(["coordinator", "--host", "127.0.0.1", "--port", str(port)], logs / "coord.log")
-    server: subprocess.Popen[bytes] | None = None
-    try:
-        _wait(f"{url}/healthz", lambda r: r.status_code == 200, coord, logs / "coord.log")
+    started: list[subprocess.Popen[bytes]] = []
+
+    def start(port: int) -> Lmcache:
+        # Each binds the ports it is given: quiet ones, all three tried again when one was taken.
+        rpc_port, http_port = quiet_port(), quiet_port()
+        url = f"http://127.0.0.1:{port}"
+        coord_log, server_log = logs / f"coord-{port}.log", logs / f"server-{port}.log"
+        coord = _start(["coordinator", "--host", "127.0.0.1", "--port", str(port)], coord_log)
+        started.append(coord)
+        _wait_or_in_use(f"{url}/healthz", lambda r: r.status_code == 200, coord, coord_log)
         server = _start(
             [
                 "server",
@@ -140,19 +128,34 @@ def lmcache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lmcache]:
                 "--coordinator-advertise-ip",
                 "127.0.0.1",
             ],
-            logs / "server.log",
+            server_log,
         )
-        _wait(
+        started.append(server)
+        _wait_or_in_use(
             f"{url}/instances",
             lambda r: any(i["instance_id"] == MP_INSTANCE for i in r.json()["instances"]),
             server,
-            logs / "server.log",
+            server_log,
         )
-        yield Lmcache(url, rpc_port, http_port, logs)
+        return Lmcache(url, rpc_port, http_port, logs)
+
+    try:
+        yield retry_in_use(start)
     finally:
-        for proc in (server, coord):
-            if proc is not None:
+        for proc in reversed(started):
+            if proc.poll() is None:
                 _stop(proc)
+
+
+def _wait_or_in_use(url: str, ready: Any, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """`_wait`, but a process that exited because its port was taken raises for a retry (its
+    partner processes are stopped by the fixture)."""
+    try:
+        _wait(url, ready, proc, log)
+    except pytest.fail.Exception as exc:
+        if proc.poll() is not None and is_in_use(log.read_text(errors="replace")):
+            raise RuntimeError(f"address in use: {exc}") from None
+        raise
 
 
 @pytest.fixture(scope="module")
@@ -381,7 +384,7 @@ def test_an_instance_lmcache_does_not_know_fails_the_order(coordinator: str) -> 
 def test_an_order_whose_tokens_are_unknown_fails_at_submit_without_a_call() -> None:
     async def main() -> None:
         # Nothing listens there: a call would be retried, and counted.
-        sink, reports, metrics = make_sink(f"http://127.0.0.1:{free_port()}")
+        sink, reports, metrics = make_sink(f"http://127.0.0.1:{unanswered_port()}")
         try:
             assert await sink.submit([order("pf-3", MP_INSTANCE, block_hashes=[5, 6])]) == ["pf-3"]
             # Reported before submit returned.
@@ -396,7 +399,7 @@ def test_an_order_whose_tokens_are_unknown_fails_at_submit_without_a_call() -> N
 
 def test_an_unreachable_coordinator_fails_orders_after_bounded_retries() -> None:
     async def main() -> None:
-        sink, reports, metrics = make_sink(f"http://127.0.0.1:{free_port()}", max_attempts=3)
+        sink, reports, metrics = make_sink(f"http://127.0.0.1:{unanswered_port()}", max_attempts=3)
         try:
             await sink.submit(
                 [
@@ -427,7 +430,9 @@ def test_an_unreachable_coordinator_fails_orders_after_bounded_retries() -> None
 
 def test_past_its_pending_bound_an_order_fails_at_once() -> None:
     async def main() -> None:
-        sink, reports, metrics = make_sink(f"http://127.0.0.1:{free_port()}", max_pending_orders=1)
+        sink, reports, metrics = make_sink(
+            f"http://127.0.0.1:{unanswered_port()}", max_pending_orders=1
+        )
         try:
             await sink.submit([pin_order("pin-7", ttl_seconds=60.0), pin_order("pin-8", 60.0)])
             # Reported before submit returned, while pin-7 is still trying.
@@ -681,7 +686,7 @@ def order_cancel(order_id: str) -> Any:
 def test_the_engine_feeds_the_index_and_ingests_the_sinks_reports(tmp_path: Path) -> None:
     settings = Settings(
         order_sink="lmcache",
-        lmcache_coordinator_url=f"http://127.0.0.1:{free_port()}",  # nothing listens
+        lmcache_coordinator_url=f"http://127.0.0.1:{unanswered_port()}",  # nothing listens
         lmcache_model_name=MODEL,
         lmcache_max_attempts=2,
         lmcache_backoff_seconds=0.01,
