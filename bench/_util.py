@@ -74,10 +74,14 @@ def machine() -> dict[str, Any]:
     }
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def listening_socket() -> socket.socket:
+    """A loopback socket on a port of the kernel's choosing, listening and inheritable: a server
+    started on it (`--fd`) never binds, so no other process can take the port meanwhile."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 def child_env(extra: dict[str, str]) -> dict[str, str]:
@@ -90,21 +94,25 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 class ServerProcess:
-    """A server process on a port, its output in a log file; `error` is what its failures raise."""
+    """A server process on a socket of ours (`cmd_tail` with `--fd N` added), its output in a log
+    file; `error` is what its failures raise."""
 
     error: type[Exception] = RuntimeError
 
     def __init__(
-        self, name: str, cmd_tail: list[str], *, workdir: Path, env: dict[str, str], port: int
+        self, name: str, cmd_tail: list[str], *, workdir: Path, env: dict[str, str]
     ) -> None:
         self.name = name
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
+        self._sock = listening_socket()
+        self.port = int(self._sock.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"{name}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        fd = self._sock.fileno()
         # cwd is the workdir so that no .env of the caller's directory leaks into Settings.
         self.proc = subprocess.Popen(
-            [sys.executable, *cmd_tail],
+            [sys.executable, *cmd_tail, "--fd", str(fd)],
+            pass_fds=[fd],
             cwd=workdir,
             env=child_env(env),
             stdin=subprocess.DEVNULL,
@@ -151,19 +159,15 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        self._sock.close()
 
 
 class Server(ServerProcess):
     """One uvicorn process (one worker) started with `python -m bench._server WHICH`."""
 
     def __init__(self, which: str, *, workdir: Path, env: dict[str, str] | None = None) -> None:
-        port = free_port()
         super().__init__(
-            f"{which} server",
-            ["-m", "bench._server", which, "--port", str(port)],
-            workdir=workdir,
-            env=env or {},
-            port=port,
+            f"{which} server", ["-m", "bench._server", which], workdir=workdir, env=env or {}
         )
 
 

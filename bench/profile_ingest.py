@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._util import REPO, Traffic, child_env, free_port, info, median
+from bench._util import REPO, Traffic, child_env, info, listening_socket, median
 
 
 class GcTimer:
@@ -349,7 +349,8 @@ def profile(batches: int, fsync: bool, top: int, out: Path | None, concurrency: 
     tune_gc()  # as `serve` does
 
     workdir = Path(tempfile.mkdtemp(prefix="kvp-bench-profile-"))
-    port = free_port()
+    sock = listening_socket()
+    port = sock.getsockname()[1]
     settings = Settings(
         _env_file=None,
         data_dir=workdir,
@@ -360,8 +361,6 @@ def profile(batches: int, fsync: bool, top: int, out: Path | None, concurrency: 
     server = uvicorn.Server(
         uvicorn.Config(
             create_app(settings),
-            host="127.0.0.1",
-            port=port,
             loop="asyncio",
             log_level="warning",
             access_log=False,
@@ -401,9 +400,10 @@ def profile(batches: int, fsync: bool, top: int, out: Path | None, concurrency: 
     gc_timer = GcTimer()
     try:
         with gc_timer:
-            prof.runcall(server.run)
+            prof.runcall(server.run, sockets=[sock])
     finally:
         driver.join(timeout=5)
+        sock.close()
         shutil.rmtree(workdir, ignore_errors=True)
     if done.get("rc") != 0:
         raise RuntimeError(f"the client failed ({done.get('rc')})")

@@ -2,7 +2,7 @@
 
 bench/ceiling_app.py (POST /v1/events: read and parse the batch, nothing else) plus a
 POST /v1/route-hint declared as the service declares it, answering a fixed hint. It runs as its
-own process (`python -m bench.load.ceiling --port N`), before and after the service phase, so
+own process (`python -m bench.load.ceiling --fd N`), before and after the service phase, so
 the service's throughput has a ratio to what the framework and this client allow.
 """
 
@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench._util import free_port
 from bench.load.client import Load
 from bench.load.processes import Proc, cpu_seconds
 from bench.load.traffic import make_shards
@@ -58,13 +57,14 @@ def _ceiling_app() -> Any:
     return app
 
 
-def serve(port: int) -> None:
-    import uvicorn
+def serve(fd: int) -> None:
+    import socket
 
     from app.core.runtime import tune_gc
+    from bench._server import serve_bare
 
     tune_gc()  # as `kvprefetch serve` does
-    uvicorn.run(_ceiling_app(), host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    serve_bare(_ceiling_app(), socket.socket(fileno=fd))
 
 
 def ceiling_phase(
@@ -78,14 +78,7 @@ def ceiling_phase(
 ) -> dict[str, Any]:
     """The same client against the ceiling for `seconds` after `warmup`: rates, latencies, CPU,
     errors."""
-    port = free_port()
-    server = Proc(
-        "ceiling",
-        ["-m", "bench.load.ceiling", "--port", str(port)],
-        workdir=workdir,
-        env={},
-        port=port,
-    )
+    server = Proc("ceiling", ["-m", "bench.load.ceiling"], workdir=workdir, env={})
     try:
         server.wait_ready("/healthz", headers)
         load = Load(server.url, make_shards(**shards_kw), **load_kw)
@@ -109,8 +102,8 @@ def ceiling_phase(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="the ceiling server of `kvprefetch bench load`")
-    parser.add_argument("--port", type=int, required=True)
-    serve(parser.parse_args().port)
+    parser.add_argument("--fd", type=int, required=True)
+    serve(parser.parse_args().fd)
 
 
 if __name__ == "__main__":

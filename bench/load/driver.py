@@ -10,7 +10,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench._util import check_redis, free_port, info
+from bench._util import check_redis, info
 from bench.load import probes, report
 from bench.load.calibrate import calibrate, modes
 from bench.load.ceiling import ceiling_phase
@@ -186,14 +186,7 @@ def run(
     )
     try:
         ceiling_run("before")
-        port = free_port()
-        service = Proc(
-            "service",
-            ["-m", "app.cli", "serve", "--port", str(port)],
-            workdir=workdir,
-            env=env,
-            port=port,
-        )
+        service = Proc("service", ["-m", "app.cli", "serve"], workdir=workdir, env=env)
         info(
             f"bench load: service on {service.url} "
             f"(store={store}, fsync={'on' if fsync else 'off'}, "
