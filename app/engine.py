@@ -561,6 +561,10 @@ class Engine:
                 self._deliver_vllm,
                 counters=self.metrics,
                 replay_timeout_seconds=settings.vllm_replay_timeout_seconds,
+                replay_retry_seconds=settings.vllm_replay_retry_seconds,
+                replay_buffer_steps=settings.vllm_replay_buffer_steps,
+                max_message_bytes=settings.vllm_max_message_bytes,
+                receive_queue=settings.vllm_receive_queue,
             )
             self.vllm.start()
         self._tasks = [
