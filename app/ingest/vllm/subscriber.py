@@ -226,6 +226,7 @@ class VllmSubscriber:
         while not self._stop.is_set():
             try:
                 self.run()
+                log.info("the vLLM intake stopped")
                 return
             except Exception:
                 self._running.clear()
