@@ -76,8 +76,11 @@ class FramePublisher:
         buffer_steps: int = 10_000,
         omit_topic: bool = False,
         wait: bool = True,
+        ignore_requests: int = 0,
     ) -> None:
         self.omit_topic = omit_topic
+        self.ignore_requests = ignore_requests  # replay requests left unanswered, the first ones
+        self.requests = 0
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
@@ -126,6 +129,9 @@ class FramePublisher:
                 if len(frame) != 3:
                     continue
                 client_id, _, start_bytes = frame
+                self.requests += 1
+                if self.requests <= self.ignore_requests:
+                    continue
                 start = int.from_bytes(start_bytes, "big")
                 with self._lock:
                     buffered = list(self._buffer)
