@@ -380,7 +380,9 @@ class VllmSubscriber:
                         expected,
                         seq,
                     )
-                replayed = self._replay(s, expected, seq, lost_from=expected)
+                replayed = self._replay(
+                    s, expected, seq, lost_from=expected, waiting=len(messages) - i
+                )
             if replayed is None:
                 # The replay timed out and the gap stays open: this message and those after it
                 # wait for the next try, so the publisher's batches stay in order.
@@ -497,11 +499,12 @@ class VllmSubscriber:
         )
 
     def _replay(
-        self, s: _Stream, start: int, stop: int, *, lost_from: int
+        self, s: _Stream, start: int, stop: int, *, lost_from: int, waiting: int = 0
     ) -> list[VllmKvEvents] | None:
         """Batches start..stop-1 from the publisher's replay socket (those not handed on yet);
         those of lost_from..stop-1 it does not hold are reported lost. None: the replay timed
-        out and is to be asked again later (the gap stays open)."""
+        out and is to be asked again later (the gap stays open); `waiting`: the publisher's
+        messages that would wait for it."""
         ep = s.endpoint
         got: dict[int, VllmKvEvents] = {}
         held: set[int] = set()
@@ -514,7 +517,7 @@ class VllmSubscriber:
                 got, held = self._ask(s, ask_from, stop)
             except (TimeoutError, zmq.ZMQError) as exc:
                 error = str(exc) or type(exc).__name__
-                if lost_from < stop and self._retry_later(s, error):
+                if lost_from < stop and self._retry_later(s, error, waiting + len(s.pending)):
                     return None
         s.gap_opened = None
         s.gap_tries = 0
@@ -534,7 +537,7 @@ class VllmSubscriber:
             self.counters.vllm_batches_recovered(len(out))
         return out
 
-    def _retry_later(self, s: _Stream, error: str) -> bool:
+    def _retry_later(self, s: _Stream, error: str, waiting: int) -> bool:
         """After a replay that failed: whether the gap stays open for another try (and when)."""
         now = time.monotonic()
         if s.gap_opened is None:
@@ -543,7 +546,7 @@ class VllmSubscriber:
         if (
             self._stop.is_set()
             or now - s.gap_opened >= self.replay_retry_seconds
-            or len(s.pending) > self.receive_queue
+            or waiting > self.receive_queue
         ):
             return False
         pause = backoff_seconds(s.gap_tries, REPLAY_BACKOFF_SECONDS, REPLAY_BACKOFF_CAP_SECONDS)

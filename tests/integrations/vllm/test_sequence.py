@@ -164,3 +164,32 @@ def test_a_dead_intake_is_counted_and_started_again(monkeypatch: pytest.MonkeyPa
         sub.stop()
         pub.close()
     assert not sub.alive
+
+
+def test_a_gap_is_given_up_once_a_receive_queue_of_messages_waits_behind_it() -> None:
+    frames = stream("tagged_int")
+    pub = FramePublisher(ignore_requests=10**6)
+    got: list[VllmKvEvents] = []
+    sub = VllmSubscriber(
+        [VllmEndpoint("gpu-0", 0, pub.endpoint, pub.replay_endpoint)],
+        got.extend,
+        replay_timeout_seconds=0.2,
+        replay_retry_seconds=3600.0,  # never given up for time within this test
+        receive_queue=3,
+    )
+    sub.start()
+    try:
+        time.sleep(0.5)
+        pub.publish(frames[0])
+        run_until(sub, got, 1)
+        pub.publish(frames[1], drop=True)
+        for f in frames[2:]:  # 6 wait behind the gap: more than the queue of 3
+            pub.publish(f)
+        run_until(sub, got, len(frames) - 1)
+    finally:
+        sub.stop()
+        pub.close()
+    assert sub.totals.lost == 1
+    assert [b.event_id for b in got] == [
+        decode_batch(EP, *split_live(f)).event_id for f in [frames[0], *frames[2:]]
+    ]
