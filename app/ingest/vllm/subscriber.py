@@ -373,7 +373,9 @@ class VllmSubscriber:
                     replayed = self._replay(s, 0, seq, lost_from=seq)
             elif seq > expected:
                 if s.gap_opened is None and not restarted:
-                    log.warning(
+                    self._warn(
+                        ep.name,
+                        "gap",
                         "vLLM publisher %s skipped from sequence %d to %d: asking its replay "
                         "socket",
                         ep.name,
@@ -398,7 +400,9 @@ class VllmSubscriber:
         self.totals.restarts += 1
         self.counters.vllm_publisher_restarted()
         s.recent.clear()
-        log.warning(
+        self._warn(
+            s.endpoint.name,
+            "restart",
             "vLLM publisher %s restarted: sequence %d after %d (a new epoch)",
             s.endpoint.name,
             seq,
@@ -468,28 +472,37 @@ class VllmSubscriber:
     def _bad(self, ep: VllmEndpoint, seq: int | None, exc: BadInput) -> None:
         self.totals.bad_input[exc.reason] = self.totals.bad_input.get(exc.reason, 0) + 1
         self.counters.vllm_input_refused(exc.reason)
-        # Logged at most once a minute per publisher and reason: a flood costs no log volume.
-        key = (ep.name, exc.reason)
+        self._warn(
+            ep.name,
+            exc.reason,
+            "vLLM publisher %s (%s), sequence %s: message refused (%s): %s",
+            ep.name,
+            ep.endpoint,
+            "?" if seq is None else seq,
+            exc.reason,
+            exc,
+        )
+
+    def _warn(self, publisher: str, kind: str, msg: str, *args: object) -> None:
+        """A warning logged at most once a minute per publisher and kind, with how many were not:
+        what a publisher sends costs no log volume, however much it sends."""
+        key = (publisher, kind)
         now = time.monotonic()
         last, quiet = self._logged.get(key, (-_LOG_EVERY_SECONDS, 0))
         if now - last < _LOG_EVERY_SECONDS:
             self._logged[key] = (last, quiet + 1)
             return
         self._logged[key] = (now, 0)
-        log.warning(
-            "vLLM publisher %s (%s), sequence %s: message refused (%s): %s%s",
-            ep.name,
-            ep.endpoint,
-            "?" if seq is None else seq,
-            exc.reason,
-            exc,
-            f" ({quiet} more refused for this reason since the last such line)" if quiet else "",
-        )
+        if quiet:
+            msg += f" ({quiet} more such lines not logged in the last minute)"
+        log.warning(msg, *args)
 
     def _lost(self, ep: VllmEndpoint, n: int, first: int, last: int, why: str | None) -> None:
         self.totals.lost += n
         self.counters.vllm_batches_lost(n)
-        log.warning(
+        self._warn(
+            ep.name,
+            "lost",
             "vLLM publisher %s: %d batches between sequence %d and %d are lost (%s)",
             ep.name,
             n,
@@ -551,7 +564,9 @@ class VllmSubscriber:
             return False
         pause = backoff_seconds(s.gap_tries, REPLAY_BACKOFF_SECONDS, REPLAY_BACKOFF_CAP_SECONDS)
         s.gap_retry_at = now + pause
-        log.warning(
+        self._warn(
+            s.endpoint.name,
+            "retry",
             "vLLM publisher %s: replay try %d failed (%s); asking again in %g s",
             s.endpoint.name,
             s.gap_tries,

@@ -193,3 +193,24 @@ def test_a_gap_is_given_up_once_a_receive_queue_of_messages_waits_behind_it() ->
     assert [b.event_id for b in got] == [
         decode_batch(EP, *split_live(f)).event_id for f in [frames[0], *frames[2:]]
     ]
+
+
+def test_a_flood_logs_a_line_a_minute_per_publisher_and_kind(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from app.ingest.vllm import subscriber
+    from app.ingest.vllm.wire import BadInput
+
+    now = [1000.0]
+    monkeypatch.setattr(subscriber.time, "monotonic", lambda: now[0])
+    sub = VllmSubscriber([EP], lambda _: None)
+    with caplog.at_level("WARNING", logger="app.ingest.vllm.subscriber"):
+        for seq in range(1000):
+            sub._bad(EP, seq, BadInput("nesting", "too deep"))
+            sub._lost(EP, 1, seq, seq, None)
+        now[0] += 61
+        sub._bad(EP, 1000, BadInput("nesting", "too deep"))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert lines[2].endswith("(999 more such lines not logged in the last minute)")
+    assert sub.totals.bad_input == {"nesting": 1001} and sub.totals.lost == 1000
