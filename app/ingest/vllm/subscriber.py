@@ -1,6 +1,6 @@
 """Subscribe to vLLM publishers, follow each one's sequence numbers, hand whole batches on.
 
-One thread polls every publisher's SUB socket. Each publisher (an engine's data-parallel rank)
+A thread per publisher polls its SUB socket. Each publisher (an engine's data-parallel rank)
 numbers its batches from 0; this follows them:
 - the next number expected: handed on;
 - further on (a gap: the PUB socket dropped batches, past its high-water mark or while
@@ -26,11 +26,13 @@ while the gap is open (at most `replay_retry_seconds`, the publisher's later mes
 meanwhile). Messages over `max_message_bytes` are cut off by ZMQ (the connection drops; it is made
 again); at most `receive_queue` messages wait per publisher.
 
-The thread is supervised: an exception that escapes it is counted (`deaths`), logged, and the
-loop started again after a pause; `alive` is False until it runs again.
+Each publisher has a thread of its own, so that one (or its replay socket) never holds another
+back. Each is supervised: an exception that escapes it is counted (`deaths`), logged, and its
+loop started again after a pause; `alive` is False until every loop runs again.
 
-`deliver` is called on this thread with the decoded batches, in order per publisher, and must not
-return before they are durable (the engine's ingest, or a post to the service); an exception is
+`deliver` is called on each publisher's thread with its decoded batches, in order (from several
+threads at once: it must be thread-safe), and must not return before they are durable (the
+engine's ingest, or a post to the service); a transient exception (the store or the log down) is
 retried after a pause, the batches kept.
 """
 
@@ -190,73 +192,85 @@ class VllmSubscriber:
         self.totals = IntakeTotals()
         self._ctx = context if context is not None else zmq.Context.instance()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._running = threading.Event()  # the loop runs, its sockets open
-        self._ran_a_while = False  # the loop ran long enough that a death starts the backoff anew
+        self._threads: list[threading.Thread] = []
+        self._running: set[str] = set()  # the publishers whose loop runs, its sockets open
+        self._lock = threading.Lock()  # the totals, counted from every publisher's thread
         self._logged: dict[tuple[str, str], tuple[float, int]] = {}  # (publisher, reason)
 
     # -- lifetime ---------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Run on a daemon thread until `stop`, started again whenever it dies."""
-        if self._thread is not None:
+        """Run until `stop`: a daemon thread per publisher, so that what one publisher or its
+        replay socket does (a replay waited on, a gap held open) never holds another's batches
+        back; each thread started again whenever it dies."""
+        if self._threads:
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=self._supervise, name="kvprefetch-vllm", daemon=True)
-        self._thread.start()
+        for ep in self.endpoints:
+            thread = threading.Thread(
+                target=self._supervise, args=(ep,), name=f"kvprefetch-vllm-{ep.name}", daemon=True
+            )
+            self._threads.append(thread)
+            thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop and wait for the thread (it finishes the delivery in progress); every wait of
-        the thread's is cut short by the stop, so this takes about a poll's time."""
+        """Stop and wait for the threads (each finishes the delivery in progress); every wait of
+        theirs is cut short by the stop, so this takes about a poll's time."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            if self._thread.is_alive():
-                log.warning("the vLLM intake did not stop within %g s; left behind", timeout)
-            self._thread = None
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                log.warning("the vLLM intake %s did not stop within %g s", thread.name, timeout)
+        self._threads = []
 
     @property
     def alive(self) -> bool:
-        """The intake runs: its thread is up and its loop is taking messages (not dead and
-        waiting to be started again)."""
-        return self._thread is not None and self._thread.is_alive() and self._running.is_set()
+        """The intake runs: every publisher's thread is up and its loop taking messages (none
+        dead and waiting to be started again)."""
+        return (
+            bool(self._threads)
+            and all(t.is_alive() for t in self._threads)
+            and len(self._running) == len(self.endpoints)
+        )
 
-    def _supervise(self) -> None:
+    def _supervise(self, ep: VllmEndpoint) -> None:
         deaths_in_a_row = 0
         while not self._stop.is_set():
+            started = time.monotonic()
             try:
-                self.run()
-                log.info("the vLLM intake stopped")
+                self.run([ep])
+                log.info("the vLLM intake of %s stopped", ep.name)
                 return
             except Exception:
-                self._running.clear()
+                if time.monotonic() - started > RESTART_BACKOFF_CAP_SECONDS:
+                    deaths_in_a_row = 0  # it ran a while: the backoff starts anew
                 deaths_in_a_row += 1
-                self.totals.deaths += 1
+                with self._lock:
+                    self.totals.deaths += 1
                 self.counters.vllm_intake_died()
                 pause = backoff_seconds(
                     deaths_in_a_row, RESTART_BACKOFF_SECONDS, RESTART_BACKOFF_CAP_SECONDS
                 )
                 log.exception(
-                    "the vLLM intake died (%d times so far); starting it again in %g s",
+                    "the vLLM intake of %s died (%d deaths so far); starting it again in %g s",
+                    ep.name,
                     self.totals.deaths,
                     pause,
                 )
                 self._stop.wait(pause)
-            if self._ran_a_while:
-                deaths_in_a_row = 0
 
-    def run(self) -> None:
-        """The loop, on the calling thread, until `stop`; an exception escapes (`start`'s
-        supervisor catches it)."""
-        self._ran_a_while = False
+    def run(self, endpoints: Sequence[VllmEndpoint] | None = None) -> None:
+        """The loop over these publishers (all by default), on the calling thread, until `stop`;
+        an exception escapes (`start`'s supervisor catches it)."""
         streams: list[_Stream] = []
         try:
-            for ep in self.endpoints:
+            for ep in self.endpoints if endpoints is None else endpoints:
                 streams.append(self._open(ep))
             self._loop(streams)
         finally:
-            self._running.clear()
             for s in streams:
+                self._running.discard(s.endpoint.name)
                 s.sub.close(linger=0)
                 s.monitor.close(linger=0)
 
@@ -269,15 +283,12 @@ class VllmSubscriber:
             by_socket[s.sub] = (s, False)
             by_socket[s.monitor] = (s, True)
         log.info(
-            "subscribed to %d vLLM publishers: %s",
-            len(streams),
+            "subscribed to vLLM publisher%s %s",
+            "s" if len(streams) > 1 else "",
             ", ".join(f"{s.endpoint.name} at {s.endpoint.endpoint}" for s in streams),
         )
-        self._running.set()
-        started = time.monotonic()
+        self._running.update(s.endpoint.name for s in streams)
         while not self._stop.is_set():
-            if not self._ran_a_while and time.monotonic() - started > RESTART_BACKOFF_CAP_SECONDS:
-                self._ran_a_while = True
             ready = dict(poller.poll(_POLL_MS))
             batches: list[VllmKvEvents] = []
             for sock in ready:
@@ -321,7 +332,8 @@ class VllmSubscriber:
                         s.sub.disconnect(s.endpoint.endpoint)
                     s.sub.connect(s.endpoint.endpoint)
                 elif event == zmq.EVENT_CONNECTED:
-                    self.totals.connects += 1
+                    with self._lock:
+                        self.totals.connects += 1
                     # What it sent before this SUB was connected (at startup, or an engine that
                     # came back and published before we did reconnect) is only in its buffer.
                     out.extend(self._catch_up(s))
@@ -397,7 +409,8 @@ class VllmSubscriber:
         return out
 
     def _restarted(self, s: _Stream, seq: int, expected: int) -> None:
-        self.totals.restarts += 1
+        with self._lock:
+            self.totals.restarts += 1
         self.counters.vllm_publisher_restarted()
         s.recent.clear()
         self._warn(
@@ -442,7 +455,8 @@ class VllmSubscriber:
             self._lost(ep, first - expected, expected, first - 1, None)
         out = [self._handed(s, seq, got[seq]) for seq in sorted(got) if seq not in s.recent]
         if out:
-            self.totals.recovered += len(out)
+            with self._lock:
+                self.totals.recovered += len(out)
             self.counters.vllm_batches_recovered(len(out))
         if new_epoch or expected is None or last + 1 > expected:
             s.expected = last + 1
@@ -470,7 +484,8 @@ class VllmSubscriber:
         return batch
 
     def _bad(self, ep: VllmEndpoint, seq: int | None, exc: BadInput) -> None:
-        self.totals.bad_input[exc.reason] = self.totals.bad_input.get(exc.reason, 0) + 1
+        with self._lock:
+            self.totals.bad_input[exc.reason] = self.totals.bad_input.get(exc.reason, 0) + 1
         self.counters.vllm_input_refused(exc.reason)
         self._warn(
             ep.name,
@@ -498,7 +513,8 @@ class VllmSubscriber:
         log.warning(msg, *args)
 
     def _lost(self, ep: VllmEndpoint, n: int, first: int, last: int, why: str | None) -> None:
-        self.totals.lost += n
+        with self._lock:
+            self.totals.lost += n
         self.counters.vllm_batches_lost(n)
         self._warn(
             ep.name,
@@ -546,7 +562,8 @@ class VllmSubscriber:
             if s.recent.get(seq) != got[seq].ts
         ]
         if out:
-            self.totals.recovered += len(out)
+            with self._lock:
+                self.totals.recovered += len(out)
             self.counters.vllm_batches_recovered(len(out))
         return out
 
@@ -665,8 +682,9 @@ class VllmSubscriber:
 
     def _taken(self, batches: list[VllmKvEvents]) -> None:
         events = sum(len(b.events) for b in batches)
-        self.totals.batches += len(batches)
-        self.totals.events += events
+        with self._lock:
+            self.totals.batches += len(batches)
+            self.totals.events += events
         self.counters.vllm_batches_taken(len(batches), events)
 
 

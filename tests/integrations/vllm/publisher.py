@@ -77,9 +77,13 @@ class FramePublisher:
         omit_topic: bool = False,
         wait: bool = True,
         ignore_requests: int = 0,
+        answer_requests: int | None = None,
     ) -> None:
         self.omit_topic = omit_topic
-        self.ignore_requests = ignore_requests  # replay requests left unanswered, the first ones
+        # Replay requests left unanswered: the first `ignore_requests`, and any past the first
+        # `answer_requests` (a replay socket that hangs).
+        self.ignore_requests = ignore_requests
+        self.answer_requests = answer_requests
         self.requests = 0
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -130,7 +134,9 @@ class FramePublisher:
                     continue
                 client_id, _, start_bytes = frame
                 self.requests += 1
-                if self.requests <= self.ignore_requests:
+                if self.requests <= self.ignore_requests or (
+                    self.answer_requests is not None and self.requests > self.answer_requests
+                ):
                     continue
                 start = int.from_bytes(start_bytes, "big")
                 with self._lock:

@@ -77,6 +77,10 @@ ATTACKS: dict[str, list[Frames]] = {
     "seq_jump": [batch(2**63, [2_001])],
     "seq_back": [batch(2**64 - 1, [2_001]), batch(2**64 - 2, [2_002])],
     "oversized": [batch(1, list(range(2**40, 2**40 + 150_000)))],  # 1.35 MB > the 1 MiB cap
+    # 60,000 64-bit hashes (540 KB): within the cap and MAX_BLOCKS_PER_EVENT, valid: taken
+    "huge_blocks": [batch(1, list(range(2**40, 2**40 + 60_000)))],
+    # a flood of messages that are not msgpack: counted each, logged once
+    "flood": [[b"", seq_bytes(n), b"\xc1"] for n in range(1, 5_001)],
 }
 REASONS = {
     "deep": {"nesting"},
@@ -84,6 +88,8 @@ REASONS = {
     "seq_jump": set(),
     "seq_back": set(),
     "oversized": set(),
+    "huge_blocks": set(),
+    "flood": {"msgpack"},
 }
 # The attacker's own next batch, and how many of its blocks then are in HBM.
 AFTER = {
@@ -92,6 +98,8 @@ AFTER = {
     "seq_jump": (batch(2**63 + 1, [3_001]), 3),
     "seq_back": (batch(2**64 - 2 + 1, [3_001]), 4),
     "oversized": (batch(2, [3_001]), 2),
+    "huge_blocks": (batch(2, [3_001]), 60_002),
+    "flood": (batch(5_001, [3_001]), 2),
 }
 
 
@@ -152,6 +160,8 @@ def test_an_attack_from_one_publisher_leaves_the_intake_taking_batches(
         if attack == "oversized":
             # Cut off by ZMQ before it was held: none of its blocks taken, the batch lost.
             assert hbm_blocks(service, "gpu-bad") == 2 and lost >= 1
+        if attack == "flood":
+            assert service.log().count("message refused (msgpack)") == 1
         assert service.metric("kvprefetch_vllm_intake_deaths_total") == 0
         ready = httpx.get(f"{service.url}/readyz", timeout=30)
         assert ready.status_code == 200 and ready.json()["vllm_intake"] == "running"
@@ -161,8 +171,40 @@ def test_an_attack_from_one_publisher_leaves_the_intake_taking_batches(
         # uvicorn shuts down, then re-raises the signal: a clean stop by SIGTERM
         assert service.proc.returncode in (0, -signal.SIGTERM), service.log()[-3000:]
         log = service.log()
-        assert "the vLLM intake stopped" in log and "did not stop" not in log, log[-3000:]
+        assert "the vLLM intake of gpu-bad stopped" in log, log[-3000:]
+        assert "did not stop" not in log, log[-3000:]
     finally:
         service.kill()
         good.close()
         bad.close()
+
+
+def test_sigterm_stops_the_intake_while_it_waits_on_a_replay_that_never_answers(
+    tmp_path: Path,
+) -> None:
+    pub = FramePublisher(answer_requests=1)  # the catch-up on connecting, then none
+    service = Service(
+        tmp_path,
+        {
+            "KVP_VLLM_KV_ENDPOINTS": pub.spec("gpu-0"),
+            "KVP_VLLM_REPLAY_TIMEOUT_SECONDS": "3600",  # one replay waited on for an hour
+            "KVP_VLLM_REPLAY_RETRY_SECONDS": "3600",
+        },
+    )
+    try:
+        service.wait_ready("/readyz")
+        time.sleep(0.5)
+        pub.publish(batch(0, [1]))
+        wait_for(lambda: holds(service, "gpu-0", 1), "batch 0")
+        pub.publish(batch(1, [2]), drop=True)
+        pub.publish(batch(2, [3]))  # a gap: the intake waits on the replay socket
+        wait_for(lambda: "skipped from sequence 1 to 2" in service.log(), "the replay asked")
+        took = service.terminate()
+        print(f"\nSIGTERM to exit while a replay hangs: {took:.2f} s")
+        assert service.proc.returncode in (0, -signal.SIGTERM), service.log()[-3000:]
+        log = service.log()
+        assert "the vLLM intake of gpu-0 stopped" in log, log[-3000:]
+        assert "did not stop" not in log, log[-3000:]
+    finally:
+        service.kill()
+        pub.close()

@@ -214,3 +214,41 @@ def test_a_flood_logs_a_line_a_minute_per_publisher_and_kind(
     assert len(lines) == 3
     assert lines[2].endswith("(999 more such lines not logged in the last minute)")
     assert sub.totals.bad_input == {"nesting": 1001} and sub.totals.lost == 1000
+
+
+def test_a_publisher_whose_replay_hangs_holds_no_other_publisher_back() -> None:
+    frames = stream("tagged_int")
+    hung = FramePublisher(answer_requests=1)  # the catch-up on connecting, then never again
+    good = FramePublisher()
+    got: list[VllmKvEvents] = []
+    sub = VllmSubscriber(
+        [
+            VllmEndpoint("gpu-hung", 0, hung.endpoint, hung.replay_endpoint),
+            VllmEndpoint("gpu-good", 0, good.endpoint, good.replay_endpoint),
+        ],
+        got.extend,
+        replay_timeout_seconds=3600.0,  # a replay waited on for an hour
+        replay_retry_seconds=3600.0,
+    )
+    sub.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (sub.alive and sub.totals.connects >= 2 and hung.requests >= 1):
+            assert time.monotonic() < deadline, sub.totals
+            time.sleep(0.02)
+        hung.publish(frames[0])
+        run_until(sub, got, 1)
+        hung.publish(frames[1], drop=True)
+        hung.publish(frames[2])  # a gap: its thread waits on the replay socket
+        while hung.requests < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        for f in frames:
+            good.publish(f)
+        run_until(sub, got, 1 + len(frames))
+    finally:
+        sub.stop()
+        hung.close()
+        good.close()
+    assert sum(b.instance_id == "gpu-good" for b in got) == len(frames)
+    assert sub.totals.lost == 1  # given up at the stop

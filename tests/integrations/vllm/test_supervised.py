@@ -70,7 +70,7 @@ def test_a_dead_intake_is_restarted_and_readyz_says_so_meanwhile(tmp_path: Path)
         pub.publish(batch(1, [2]))  # the loop dies on it, and cannot start again meanwhile
         wait_for(lambda: service.metric("kvprefetch_vllm_intake_deaths_total") >= 2, "deaths")
         assert readiness(service) == (503, "dead (restarting)")
-        assert "the vLLM intake died" in service.log()
+        assert "the vLLM intake of gpu-0 died" in service.log()
 
         fault.unlink()
         wait_for(lambda: readiness(service) == (200, "running"), "the intake running again")
@@ -82,7 +82,7 @@ def test_a_dead_intake_is_restarted_and_readyz_says_so_meanwhile(tmp_path: Path)
         took = service.terminate()
         print(f"\nSIGTERM to exit {took:.2f} s")
         assert service.proc.returncode in (0, -signal.SIGTERM)
-        assert "the vLLM intake stopped" in service.log()
+        assert "the vLLM intake of gpu-0 stopped" in service.log()
     finally:
         service.kill()
         pub.close()
