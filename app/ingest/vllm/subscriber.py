@@ -149,6 +149,9 @@ class _Stream:
     gap_opened: float | None = None
     gap_tries: int = 0
     gap_retry_at: float = 0.0
+    # The message that waits for the gap, decoded (by its payload's identity): it is refused or
+    # taken once, however many tries the gap takes.
+    waiting: tuple[bytes, VllmKvEvents | None] | None = None
 
 
 @dataclass
@@ -363,7 +366,11 @@ class VllmSubscriber:
             s.gap_retry_at = 0.0  # too many waiting: the next try is the last
         messages, s.pending = s.pending, []
         for i, (seq, payload) in enumerate(messages):
-            batch = self._decode(ep, seq, payload)
+            if i == 0 and s.waiting is not None and s.waiting[0] is payload:
+                batch = s.waiting[1]
+            else:
+                batch = self._decode(ep, seq, payload)
+            s.waiting = None
             if s.reconnected:
                 # The first message since the publisher went away, and the catch-up on connecting
                 # found its buffer empty: it may be a new engine whose first batches this SUB
@@ -401,6 +408,7 @@ class VllmSubscriber:
                 # The replay timed out and the gap stays open: this message and those after it
                 # wait for the next try, so the publisher's batches stay in order.
                 s.pending = [*messages[i:], *s.pending]
+                s.waiting = (payload, batch)
                 return out
             out.extend(replayed)
             s.expected = seq + 1

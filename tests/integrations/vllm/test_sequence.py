@@ -252,3 +252,32 @@ def test_a_publisher_whose_replay_hangs_holds_no_other_publisher_back() -> None:
         good.close()
     assert sum(b.instance_id == "gpu-good" for b in got) == len(frames)
     assert sub.totals.lost == 1  # given up at the stop
+
+
+def test_a_bad_message_waiting_for_a_gap_is_refused_once_however_many_tries() -> None:
+    frames = stream("tagged_int")
+    pub = FramePublisher(ignore_requests=3)  # the catch-up on connecting and two tries
+    got: list[VllmKvEvents] = []
+    sub = VllmSubscriber(
+        [VllmEndpoint("gpu-0", 0, pub.endpoint, pub.replay_endpoint)],
+        got.extend,
+        replay_timeout_seconds=0.3,
+        replay_retry_seconds=60.0,
+    )
+    sub.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sub.totals.connects == 0 or pub.requests < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        pub.publish(frames[0])
+        run_until(sub, got, 1)
+        pub.publish(frames[1], drop=True)
+        pub.publish([b"", (2).to_bytes(8, "big"), b"\xc1"])  # not msgpack, after the gap
+        pub.publish(frames[3])
+        run_until(sub, got, 3)
+    finally:
+        sub.stop()
+        pub.close()
+    assert ids(got) == [decode_batch(EP, *split_live(frames[i])).event_id for i in (0, 1, 3)]
+    assert pub.requests >= 4 and sub.totals.bad_input == {"msgpack": 1}
