@@ -583,7 +583,7 @@ class Engine:
         ]
 
     def _deliver_vllm(self, batches: list[VllmKvEvents]) -> None:
-        """The vLLM subscriber's thread hands its batches to the loop, as POST /v1/events does
+        """A vLLM publisher's thread hands its batches to the loop, as POST /v1/events does
         (the same ingest, on the store thread), and waits until they are durable."""
         assert self._loop is not None
         asyncio.run_coroutine_threadsafe(self._ingest_vllm(batches), self._loop).result()
