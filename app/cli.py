@@ -1058,10 +1058,12 @@ def connect_vllm(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     totals = connect(endpoints, service, token=token, replay_timeout_seconds=replay_timeout_seconds)
+    reasons = ", ".join(f"{r} {n}" for r, n in sorted(totals.bad_input.items()) if n)
     typer.echo(
         f"kvprefetch connect vllm: {totals.batches} batches ({totals.events} events) posted, "
         f"{totals.recovered} recovered by replay, {totals.lost} lost, {totals.restarts} restarts, "
-        f"{sum(totals.bad_input.values())} refused"
+        f"{sum(totals.bad_input.values())} refused{f' ({reasons})' if reasons else ''}, "
+        f"{totals.deaths} intake deaths"
     )
 
 

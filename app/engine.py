@@ -590,6 +590,10 @@ class Engine:
                 self._deliver_vllm,
                 counters=self.metrics,
                 replay_timeout_seconds=settings.vllm_replay_timeout_seconds,
+                replay_retry_seconds=settings.vllm_replay_retry_seconds,
+                replay_buffer_steps=settings.vllm_replay_buffer_steps,
+                max_message_bytes=settings.vllm_max_message_bytes,
+                receive_queue=settings.vllm_receive_queue,
             )
             self.vllm.start()
         self._tasks = [
@@ -608,7 +612,7 @@ class Engine:
         ]
 
     def _deliver_vllm(self, batches: list[VllmKvEvents]) -> None:
-        """The vLLM subscriber's thread hands its batches to the loop, as POST /v1/events does
+        """A vLLM publisher's thread hands its batches to the loop, as POST /v1/events does
         (the same ingest, on the store thread), and waits until they are durable."""
         assert self._loop is not None
         asyncio.run_coroutine_threadsafe(self._ingest_vllm(batches), self._loop).result()

@@ -340,6 +340,20 @@ class Settings(BaseSettings):
     vllm_kv_endpoints: str = ""
     # How long a publisher's replay socket may take to resend a gap before it is reported lost.
     vllm_replay_timeout_seconds: float = Field(2.0, gt=0)
+    # A replay that timed out is asked again, with backoff, for up to this long after the gap
+    # opened (the publisher's later batches wait meanwhile, so they stay in order); then the gap
+    # is lost. 0: never asked again.
+    vllm_replay_retry_seconds: float = Field(10.0, ge=0)
+    # vLLM's buffer_steps (its replay buffer, 10,000 by default): a gap longer than this is not
+    # waited for beyond its last this many batches, which are all a replay socket can hold.
+    vllm_replay_buffer_steps: int = Field(10_000, ge=1, le=10_000_000)
+    # The largest ZMQ frame taken from a publisher (ZMQ_MAXMSGSIZE): a bigger one drops the
+    # connection before it is held in memory (the connection is made again, the batch lost).
+    # vLLM's batches are one engine step's events: tens of KB, a few MB at most.
+    vllm_max_message_bytes: int = Field(4 * 2**20, ge=4096, le=2**31 - 1)
+    # Messages waiting per publisher (ZMQ's receive high-water mark): at most this many times
+    # vllm_max_message_bytes held; past it the publisher drops, and a replay recovers.
+    vllm_receive_queue: int = Field(1_000, ge=1, le=1_000_000)
 
     # Several replicas on one Redis (decisions.md, 23). > 0: one replica plans at a time, under a
     # lease in Redis of this many seconds (renewed every third; taken over within about one and

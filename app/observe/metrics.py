@@ -443,8 +443,10 @@ class Metrics:
         self.vllm_bad_input = Counter(
             "kvprefetch_vllm_bad_input",
             "vLLM messages refused, by reason: frames, msgpack, shape, event_type, hash, field, "
-            "replay; session_id: a session id dropped from a batch otherwise taken (each logged "
-            "with its publisher and sequence number).",
+            "replay, nesting (msgpack too deep to decode), error (any other exception while "
+            "decoding), apply (a batch whose ingest raised for it alone); session_id: a session "
+            "id dropped from a batch otherwise taken (logged with its publisher and sequence "
+            "number, at most once a minute per publisher and reason).",
             ["reason"],
             registry=r,
         )
@@ -463,6 +465,12 @@ class Metrics:
         self.vllm_restarts = Counter(
             "kvprefetch_vllm_publisher_restarts",
             "vLLM publishers seen restarting (a sequence number going back: a new engine).",
+            registry=r,
+        )
+        self.vllm_intake_deaths = Counter(
+            "kvprefetch_vllm_intake_deaths",
+            "Times the vLLM intake's thread died (logged; started again after a pause, /readyz "
+            "answering 503 until it runs).",
             registry=r,
         )
 
@@ -647,6 +655,9 @@ class Metrics:
 
     def vllm_publisher_restarted(self) -> None:
         self.vllm_restarts.inc()
+
+    def vllm_intake_died(self) -> None:
+        self.vllm_intake_deaths.inc()
 
     def batch_refused(self, status_code: int) -> None:
         self.batches_refused.labels(str(status_code)).inc()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Response
 from pydantic import BaseModel
 
-from app.api.deps import ClockDep, ModelsDep, SettingsDep, StoreHealthDep
+from app.api.deps import ClockDep, EngineDep, ModelsDep, SettingsDep, StoreHealthDep
 
 router = APIRouter(tags=["health"])
 
@@ -30,6 +30,9 @@ class Readiness(BaseModel):
     # a replay over HTTP stamps its events by it).
     clock_ts: float
     clock_speed: float
+    # With KVP_VLLM_KV_ENDPOINTS: "running", or "dead (restarting)" while its thread is down
+    # (then 503); null without.
+    vllm_intake: str | None = None
 
 
 @router.get("/healthz", response_model=Health)
@@ -45,12 +48,16 @@ async def readyz(
     health: StoreHealthDep,
     models: ModelsDep,
     clock: ClockDep,
+    engine: EngineDep,
 ) -> Readiness:
     """The service can take events: its store answered a probe within KVP_OBSERVABILITY_WAIT_SECONDS
-    (probed on a thread of its own, never waited for longer)."""
+    (probed on a thread of its own, never waited for longer), and its vLLM intake, when it has
+    one, runs."""
     fresh = await health.refresh(settings.observability_wait_seconds)
     store_ok = fresh is not None and fresh.ok
-    if not store_ok:
+    intake = engine.vllm
+    intake_ok = intake is None or intake.alive
+    if not (store_ok and intake_ok):
         response.status_code = 503
     known = fresh if fresh is not None else health.last
     shadow = (
@@ -61,7 +68,7 @@ async def readyz(
         else None
     )
     return Readiness(
-        status="ready" if store_ok else "unavailable",
+        status="ready" if store_ok and intake_ok else "unavailable",
         store=settings.store,
         store_ok=store_ok,
         event_log="open",
@@ -71,4 +78,5 @@ async def readyz(
         stats_age_seconds=known.stats_age_seconds(health.monotonic()),
         clock_ts=clock.now(),
         clock_speed=settings.clock_speed,
+        vllm_intake=None if intake is None else "running" if intake_ok else "dead (restarting)",
     )

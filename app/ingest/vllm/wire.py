@@ -36,7 +36,22 @@ REPLAY = "replay"  # a replay answer of the wrong shape
 # A BlockStored's session_id that is no valid session id (SessionId): the batch is taken without
 # it, since a request's session identity must not cost the engine's block residency.
 SESSION_ID = "session_id"
-BAD_INPUT_REASONS = (FRAMES, MSGPACK, SHAPE, EVENT_TYPE, HASH, FIELD, REPLAY, SESSION_ID)
+NESTING = "nesting"  # msgpack nested deeper than the decoder goes (a RecursionError)
+ERROR = "error"  # any other exception while decoding: the message is refused, the stream goes on
+APPLY = "apply"  # a decoded batch whose delivery (the ingest) raised for it alone
+BAD_INPUT_REASONS = (
+    FRAMES,
+    MSGPACK,
+    SHAPE,
+    EVENT_TYPE,
+    HASH,
+    FIELD,
+    REPLAY,
+    SESSION_ID,
+    NESTING,
+    ERROR,
+    APPLY,
+)
 
 
 class BadInput(KvpError):

@@ -18,7 +18,6 @@ import hashlib
 import importlib.util
 import json
 import logging
-import socket
 import sys
 import time
 import types
@@ -73,12 +72,6 @@ def load_kv_events(path: Path) -> Any:
     sys.modules["vllm.distributed.kv_events"] = mod
     spec.loader.exec_module(mod)
     return mod
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def int_hash(text: str) -> int:
@@ -166,26 +159,34 @@ def _script(kv: Any, hash_of: Any, old: bool, n: int, t0: float, tag: str) -> li
     return batches
 
 
+def path_of(kv: Any) -> str:
+    return str(getattr(kv, "__file__", "kv_events.py"))
+
+
 def capture(kv: Any, batches: list[Any], rank: int) -> dict[str, Any]:
     """Run the publisher, subscribe, publish `batches`, ask a replay from 0; every frame, hex."""
-    port, replay_port = _free_port(), _free_port()
-    # vLLM adds the rank to the port itself: give it the rank-0 base.
+    # Port 0: the publisher binds where the system says and reports it (its node IP is the
+    # stub's 127.0.0.1), so no port is picked before it is bound.
     pub = kv.ZmqEventPublisher(
         data_parallel_rank=rank,
-        endpoint=f"tcp://*:{port - rank}",
-        replay_endpoint=f"tcp://*:{replay_port - rank}",
+        endpoint="tcp://*:0",
+        replay_endpoint="tcp://*:0",
         buffer_steps=64,
     )
+    bound = pub.get_publisher_config()
+    if bound.endpoint.endswith(":0") or str(bound.replay_endpoint).endswith(":0"):
+        pub.shutdown()
+        raise SystemExit(f"{path_of(kv)}: this publisher does not report the port it bound")
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.connect(bound.endpoint)
     time.sleep(0.5)
     for b in batches:
         pub.publish(b)
     live = [sub.recv_multipart() for _ in batches]
     dealer = ctx.socket(zmq.DEALER)
-    dealer.connect(f"tcp://127.0.0.1:{replay_port}")
+    dealer.connect(bound.replay_endpoint)
     dealer.send_multipart([b"", (0).to_bytes(8, "big")])
     replay = []
     while True:

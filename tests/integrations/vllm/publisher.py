@@ -11,7 +11,6 @@ sending it: what a PUB socket past its high-water mark does.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections import deque
@@ -42,67 +41,78 @@ def replay_answer(name: str) -> list[Frames]:
     return [[bytes.fromhex(f) for f in m] for m in _fixture()["streams"][name]["replay_from_0"]]
 
 
-def free_ports(n: int) -> list[int]:
-    """n consecutive free ports on loopback (data-parallel ranks publish on port + rank)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n > 65535:
-            continue
-        held = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", p))
-            return list(range(base, base + n))
-        except OSError:
-            continue
-        finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no run of free ports")
+ANY_PORT = "tcp://127.0.0.1:*"
 
 
-def _bind(sock: zmq.Socket, endpoint: str) -> None:  # type: ignore[type-arg]
-    """Bind, waiting while a closed predecessor's port is released (ZMQ closes asynchronously:
-    a restarted engine on the same port)."""
-    deadline = time.monotonic() + 5.0
+def _bind(sock: zmq.Socket, endpoint: str, *, wait: bool = True) -> str:  # type: ignore[type-arg]
+    """Bind and return the endpoint bound (a `*` port read back). With `wait`, wait while a closed
+    predecessor's port is released (ZMQ closes asynchronously: a restarted engine on the same
+    port); without, "address in use" is raised at once."""
+    deadline = time.monotonic() + 30.0
     while True:
         try:
             sock.bind(endpoint)
-            return
+            return sock.getsockopt(zmq.LAST_ENDPOINT).decode()  # type: ignore[no-any-return]
         except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+            if not wait or exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
 
 
+def port_of(endpoint: str) -> int:
+    return int(endpoint.rsplit(":", 1)[1])
+
+
 class FramePublisher:
+    """One publisher. Its endpoints default to a port of the system's choosing, read back into
+    `endpoint` and `replay_endpoint`; given ones (an engine restarted on its ports) are bound,
+    waiting while the old sockets release them unless `wait=False`."""
+
     def __init__(
         self,
-        port: int,
-        replay_port: int | None,
+        endpoint: str = ANY_PORT,
+        replay_endpoint: str | None = ANY_PORT,
         *,
         buffer_steps: int = 10_000,
         omit_topic: bool = False,
+        wait: bool = True,
+        ignore_requests: int = 0,
+        answer_requests: int | None = None,
     ) -> None:
-        self.port, self.replay_port = port, replay_port
         self.omit_topic = omit_topic
-        self.endpoint = f"tcp://127.0.0.1:{port}"
-        self.replay_endpoint = None if replay_port is None else f"tcp://127.0.0.1:{replay_port}"
+        # Replay requests left unanswered: the first `ignore_requests`, and any past the first
+        # `answer_requests` (a replay socket that hangs).
+        self.ignore_requests = ignore_requests
+        self.answer_requests = answer_requests
+        self.requests = 0
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
-        _bind(self._pub, self.endpoint)
+        self._router: zmq.Socket | None = None  # type: ignore[type-arg]
+        self._thread: threading.Thread | None = None
+        try:
+            self.endpoint = _bind(self._pub, endpoint, wait=wait)
+            self.replay_endpoint: str | None = None
+            if replay_endpoint is not None:
+                self._router = self._ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self.replay_endpoint = _bind(self._router, replay_endpoint, wait=wait)
+        except BaseException:
+            self._pub.close(linger=0)
+            if self._router is not None:
+                self._router.close(linger=0)
+            raise
         self._buffer: deque[Frames] = deque(maxlen=buffer_steps)
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        if replay_port is not None:
+        if self._router is not None:
             self._thread = threading.Thread(target=self._serve_replay, daemon=True)
             self._thread.start()
+
+    def spec(self, instance_id: str) -> str:
+        """This publisher as a KVP_VLLM_KV_ENDPOINTS entry."""
+        replay = f",replay={self.replay_endpoint}" if self.replay_endpoint else ""
+        return f"{instance_id}={self.endpoint}{replay}"
 
     def publish(self, frames: Frames, *, drop: bool = False) -> None:
         """Send one message's frames as they are; buffered for replay when it has a sequence."""
@@ -113,9 +123,8 @@ class FramePublisher:
             self._pub.send_multipart(frames)
 
     def _serve_replay(self) -> None:
-        router = self._ctx.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        _bind(router, self.replay_endpoint)  # type: ignore[arg-type]
+        router = self._router
+        assert router is not None
         try:
             while not self._stop.is_set():
                 if not router.poll(50):
@@ -124,6 +133,11 @@ class FramePublisher:
                 if len(frame) != 3:
                     continue
                 client_id, _, start_bytes = frame
+                self.requests += 1
+                if self.requests <= self.ignore_requests or (
+                    self.answer_requests is not None and self.requests > self.answer_requests
+                ):
+                    continue
                 start = int.from_bytes(start_bytes, "big")
                 with self._lock:
                     buffered = list(self._buffer)
@@ -141,3 +155,28 @@ class FramePublisher:
         if self._thread is not None:
             self._thread.join(5)
         self._pub.close(linger=0)
+
+
+def rank_publishers(ranks: int) -> list[FramePublisher]:
+    """One publisher per data-parallel rank, rank r on both of rank 0's ports + r (vLLM's rule):
+    rank 0 on ports of the system's choosing, the others tried next to them, all again elsewhere
+    while one of those is in use."""
+    for _ in range(100):
+        pubs = [FramePublisher(wait=False)]
+        base, replay_base = port_of(pubs[0].endpoint), port_of(pubs[0].replay_endpoint or "")
+        try:
+            for r in range(1, ranks):
+                pubs.append(
+                    FramePublisher(
+                        f"tcp://127.0.0.1:{base + r}",
+                        f"tcp://127.0.0.1:{replay_base + r}",
+                        wait=False,
+                    )
+                )
+            return pubs
+        except zmq.ZMQError as exc:
+            for pub in pubs:
+                pub.close()
+            if exc.errno != zmq.EADDRINUSE:
+                raise
+    raise RuntimeError("no run of free ports for the ranks")
