@@ -84,6 +84,34 @@ def listening_socket() -> socket.socket:
     return sock
 
 
+def _local_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def quiet_port(rng: random.Random | None = None) -> int:
+    """A port outside the kernel's range of local ports (which it gives to outgoing connections
+    and port-0 binds) that can be bound now: for a server that binds the port it is told, where
+    only another process doing the same can take it before it does."""
+    low, high = _local_port_range()
+    # The larger of the spans below and above the local range, clear of the well-known ports.
+    spans = [(10000, low - 1), (high + 1, 65535)]
+    start, stop = max(spans, key=lambda span: span[1] - span[0])
+    draw = rng or random.SystemRandom()
+    for _ in range(200):
+        port = draw.randint(start, stop)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {start}-{stop}")
+
+
 def child_env(extra: dict[str, str]) -> dict[str, str]:
     """The environment for a child process: no inherited KVP_* knobs, the repo importable."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}

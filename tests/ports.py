@@ -17,15 +17,26 @@ machine ("Address already in use"), and the suite's verdict then hangs on what e
 
 from __future__ import annotations
 
-import random
 import select
 import socket
 import struct
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TypeVar
+
+from bench._util import quiet_port
+
+__all__ = [
+    "Refuser",
+    "dead_port",
+    "is_in_use",
+    "listener",
+    "port_of",
+    "quiet_port",
+    "retry_in_use",
+    "unanswered_port",
+]
 
 T = TypeVar("T")
 
@@ -104,32 +115,6 @@ def unanswered_port() -> int:
     sock.bind(("127.0.0.1", 0))
     _HELD.append(sock)
     return port_of(sock)
-
-
-def _local_port_range() -> tuple[int, int]:
-    try:
-        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(low), int(high)
-    except (OSError, ValueError):
-        return 32768, 60999
-
-
-def quiet_port(rng: random.Random | None = None) -> int:
-    """A port outside the local port range that can be bound now."""
-    low, high = _local_port_range()
-    # The larger of the spans below and above the local range, clear of the well-known ports.
-    spans = [(10000, low - 1), (high + 1, 65535)]
-    start, stop = max(spans, key=lambda span: span[1] - span[0])
-    draw = rng or random.SystemRandom()
-    for _ in range(200):
-        port = draw.randint(start, stop)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {start}-{stop}")
 
 
 def is_in_use(text: str) -> bool:

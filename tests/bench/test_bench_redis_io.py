@@ -9,8 +9,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from bench._util import free_port
 from tests.bench.conftest import REPO, positive, run_bench
+from tests.ports import dead_port
 
 pytestmark = pytest.mark.slow
 
@@ -72,14 +72,15 @@ def test_bench_redis_io_measures_each_call_each_way_and_applies_every_event(
 
 
 def test_bench_redis_io_says_so_when_redis_does_not_answer() -> None:
-    nobody = f"redis://127.0.0.1:{free_port()}"
-    done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", "redis-io", "--redis-url", nobody, "--json"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    with dead_port() as port:
+        nobody = f"redis://127.0.0.1:{port}"
+        done = subprocess.run(
+            [sys.executable, "-m", "app.cli", "bench", "redis-io", "--redis-url", nobody, "--json"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     assert done.returncode == 1 and done.stdout == ""
     assert f"Redis did not answer at {nobody}/0" in done.stderr, done.stderr
