@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.mooncake_cluster import Holder, Master, free_port, pattern
+from bench._util import quiet_port
+from bench.mooncake_cluster import Holder, Master, pattern
 from kvprefetch_client.agent.mooncake import MooncakeSettings, MooncakeTier, store_key
 from kvprefetch_client.orders import Order, OrderKind
 
@@ -66,7 +67,7 @@ def run(*, context_bytes: int = 32 << 20, blocks: int = 1, rounds: int = 7) -> d
         settings = MooncakeSettings(
             master_address=master.address,
             metadata_url=master.metadata_url,
-            local_host=f"127.0.0.1:{free_port()}",
+            local_host=f"127.0.0.1:{quiet_port()}",
             segment_bytes=segment_bytes,
             buffer_bytes=max(64 << 20, 2 * context_bytes),
             namespace=NS,
@@ -79,7 +80,7 @@ def run(*, context_bytes: int = 32 << 20, blocks: int = 1, rounds: int = 7) -> d
                 if rc != 0:
                     raise RuntimeError(f"the holder's put of {key} returned {rc}")
             rc = reader.setup(
-                f"127.0.0.1:{free_port()}",
+                f"127.0.0.1:{quiet_port()}",
                 master.metadata_url,
                 0,  # a reader only: no segment, so every get crosses loopback
                 max(64 << 20, 2 * context_bytes),

@@ -25,10 +25,6 @@ REPO = Path(__file__).resolve().parents[1]
 START_LIMIT_SECONDS = 30.0
 
 
-# The master and holders bind the ports they are told; a restart comes back on the same ones.
-free_port = quiet_port
-
-
 def pattern(key: str, size: int) -> bytes:
     """Bytes that differ from key to key, so a block read back is the one that was put."""
     unit = hashlib.blake2b(key.encode(), digest_size=64).digest()
@@ -47,9 +43,9 @@ class Master:
 
     def __init__(self, work: Path, lease_ms: int = 200, flags: tuple[str, ...] = ()) -> None:
         self.work = work
-        self.rpc_port = free_port()
-        self.http_port = free_port()
-        self.metrics_port = free_port()
+        self.rpc_port = quiet_port()
+        self.http_port = quiet_port()
+        self.metrics_port = quiet_port()
         self.lease_ms = lease_ms
         self.flags = flags
         self.proc: subprocess.Popen[bytes] | None = None
@@ -137,7 +133,7 @@ class Holder:
                 "holder",
                 master.address,
                 master.metadata_url,
-                f"127.0.0.1:{free_port()}",
+                f"127.0.0.1:{quiet_port()}",
                 str(segment_bytes),
             ],
             stdin=subprocess.PIPE,

@@ -14,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from bench.mooncake_cluster import Holder, Master, free_port, pattern
+from bench._util import quiet_port
+from bench.mooncake_cluster import Holder, Master, pattern
 from kvprefetch_client.agent.mooncake import MooncakeSettings, MooncakeTier, store_key
 from kvprefetch_client.agent.runner import Agent
 from tests.client.agent.fakes import FakeClock, FakeReporter, FakeSource, order
@@ -62,7 +63,7 @@ def settings(master: Master, **kw: Any) -> MooncakeSettings:
     base: dict[str, Any] = {
         "master_address": master.address,
         "metadata_url": master.metadata_url,
-        "local_host": f"127.0.0.1:{free_port()}",
+        "local_host": f"127.0.0.1:{quiet_port()}",
         "segment_bytes": 128 << 20,
         "buffer_bytes": 64 << 20,
         "namespace": NS,

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import redis
 
-from bench.mooncake_cluster import Holder, Master, free_port
+from bench._util import quiet_port
+from bench.mooncake_cluster import Holder, Master
 from kvprefetch_client.agent.consumer import GROUP, default_stream_prefix, stream_key
 from kvprefetch_client.agent.mooncake import store_key
 from tests import agent_process
@@ -92,7 +93,7 @@ def mooncake_agent(
             "--mooncake-metadata-url",
             master.metadata_url,
             "--mooncake-local-host",
-            f"127.0.0.1:{free_port()}",
+            f"127.0.0.1:{quiet_port()}",
             "--mooncake-segment-bytes",
             str(128 << 20),
             "--mooncake-namespace",
