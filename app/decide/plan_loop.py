@@ -140,6 +140,12 @@ class Dispatcher:
                 log.exception("planning tick failed")
                 continue
             if store_down:
+                # A tick with nothing to plan may not touch the store at all: its success says
+                # nothing of the outage, the store's own answer does.
+                try:
+                    await self._run(self.scheduler.store.ping)
+                except StoreError:
+                    continue
                 log.info("planning again: the store answers")
                 store_down = False
 

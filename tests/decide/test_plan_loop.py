@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Sequence
 
+import pytest
+
 from app.core.clock import ManualClock
 from app.decide.lease import PlanningLease
 from app.decide.plan_loop import Dispatcher, feedback_observer
@@ -110,3 +112,48 @@ def test_only_the_lease_holder_plans_and_it_writes_its_handover_state_first(
             await other.close()
 
     asyncio.run(body())
+
+
+def test_planning_is_said_to_resume_only_once_the_store_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A tick with nothing to plan reads nothing of the store: during an outage it succeeds, and
+    planning must not be said to resume (then pause again) until the store itself answers."""
+    from app.core.errors import StoreUnavailable
+
+    sched = Scheduler(store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10)), config())
+    store = sched.store
+    down = {"tick": True, "ping": True}
+    plan, ping = sched.plan, store.ping
+
+    def planned(now: float):  # type: ignore[no-untyped-def]
+        if down["tick"]:
+            down["tick"] = False  # the first tick fails; the later ones touch nothing
+            raise StoreUnavailable("Redis is unavailable")
+        return plan(now)
+
+    def pinged() -> None:
+        if down["ping"]:
+            raise StoreUnavailable("Redis is unavailable")
+        ping()
+
+    sched.plan = planned  # type: ignore[method-assign]
+    store.ping = pinged  # type: ignore[method-assign]
+    dispatcher = Dispatcher(sched, InProcessSink(), ManualClock(0.0))
+
+    async def body() -> None:
+        loop = asyncio.create_task(dispatcher.run(0.001))
+        for _ in range(50):
+            await asyncio.sleep(0.001)
+        assert "planning again" not in caplog.text  # ticks succeed, the store does not answer
+        down["ping"] = False
+        for _ in range(200):
+            await asyncio.sleep(0.001)
+            if "planning again" in caplog.text:
+                break
+        loop.cancel()
+
+    with caplog.at_level("INFO", logger="app.decide.plan_loop"):
+        asyncio.run(body())
+    assert caplog.text.count("planning paused") == 1
+    assert caplog.text.count("planning again: the store answers") == 1
