@@ -48,8 +48,9 @@ SessionId = Annotated[
     str, StringConstraints(min_length=1, max_length=256, pattern=SESSION_ID_PATTERN)
 ]
 # An instance id is shown verbatim (GET /v1/instances, the dashboard, logs, order routes): no
-# control characters, so no id can forge a line or a terminal escape there.
-INSTANCE_ID_PATTERN = r"^[^\p{Cc}]+$"
+# control characters, so no id can forge a line or a terminal escape there. The control
+# characters (\p{Cc}) spelled as ranges: the OpenAPI's pattern is read by generators too.
+INSTANCE_ID_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]+$"
 InstanceId = Annotated[
     str, StringConstraints(min_length=1, max_length=256, pattern=INSTANCE_ID_PATTERN)
 ]
