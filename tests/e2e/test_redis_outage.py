@@ -156,12 +156,15 @@ def test_a_redis_outage_is_refused_with_503_then_caught_up_losing_and_doubling_n
     statuses: Counter[int | str] = sum((c.counts for c in counters), start=Counter())
     assert set(statuses) <= {200, 503}, f"answers other than 200 and 503: {statuses}"
     assert sum(c.missing_retry_after for c in counters) == 0, "a 503 without Retry-After"
-    # The background loops rode it out: planning said once that it paused, and it plans again.
+    # The background loops rode it out: planning said at most once that it paused (a tick with
+    # nothing to plan reads nothing of the store, so whether one failed depends on the timing),
+    # and as often that it plans again, with the store back.
     assert svc.running
     server_log = svc.log_text()
     assert "Traceback" not in server_log, svc.log_tail()
-    assert server_log.count("planning paused: Redis is unavailable") == 1, svc.log_tail()
-    assert "planning again: the store answers" in server_log, svc.log_tail()
+    paused = server_log.count("planning paused: Redis is unavailable")
+    assert paused <= 1, svc.log_tail()
+    assert server_log.count("planning again: the store answers") == paused, svc.log_tail()
     state = readyz_stats(svc.url)
 
     sent = sum(len(r.sent) for r in routers)
