@@ -158,6 +158,10 @@ def test_events_take_ingest_tokens_and_agents_only_for_their_own_events(
     ]
     assert post_events(secured, [routed("e3")], ADMIN).status_code == 403
     assert post_events(secured, [routed("e3")], None).status_code == 401
+    # A refusal names the event where it was posted, past events rejected as invalid.
+    invalid = {**progress("p3"), "ts": "soon"}
+    refused = post_events(secured, [invalid, progress("p4"), routed("e4")], AGENT)
+    assert (refused.status_code, refused.json()["field"]) == (403, "events[2].type")
 
 
 def test_health_metrics_and_the_dashboard_are_open_by_default(secured: TestClient) -> None:

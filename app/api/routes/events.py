@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import orjson
@@ -107,7 +108,7 @@ async def post_events(
     try:
         body = await read_body(request, settings.max_body_bytes)
         parsed = await parser.parse_async(body)
-        check_agent_events(caller, parsed.events)
+        check_agent_events(caller, parsed.events, parsed.indices)
         check_bound_events(caller, parsed.events, parsed.indices, engine.order_owner)
     except BatchError as exc:
         metrics.batch_refused(exc.status_code)
@@ -156,11 +157,16 @@ async def post_events(
     )
 
 
-def check_agent_events(caller: Principal, events: list[Event]) -> None:
+def check_agent_events(
+    caller: Principal, events: list[Event], indices: Sequence[int] | None
+) -> None:
+    """BatchError 403 at the first event an agent-scope token may not post (`indices`: each
+    event's position in the posted batch, when some were rejected before)."""
     if Scope.INGEST in caller.scopes:
         return
-    for i, event in enumerate(events):
+    for n, event in enumerate(events):
         if event.type not in AGENT_EVENT_TYPES:
+            i = indices[n] if indices is not None else n
             raise BatchError(
                 403,
                 f"events[{i}].type",
