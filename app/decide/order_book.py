@@ -1,0 +1,370 @@
+"""The order book: every order the scheduler issued, tracked to its outcome.
+
+The scheduler (app/decide/scheduler.py) decides what to order; this book keeps what became of
+it, so that nothing is ordered twice and every byte is accounted for:
+
+- **Open orders**: prefetches issued and not yet ended, with the sessions each serves. A block in
+  an open order to a destination is never ordered there again.
+- **Progress** (`on_progress`, from order_progress events): `accepted` marks an order started;
+  `completed` lands it; `failed` ends it. An open order an agent accepted whose blocks all show
+  at the destination has landed too (`retire_landed`); one nobody accepted whose blocks got there
+  by other means is withdrawn. One with no word of its end `overdue_seconds` past its needed_by is
+  given up (`give_up_overdue`): failed if it had started, else cancelled. One not yet started
+  whose sessions are no longer likely back there is cancelled (`cancel_fallen`); one already
+  moving runs on, and if it has no session left its bytes count as wasted.
+- **Pins and demotes**: the idle spell each session's context was pinned (until when) or demoted
+  for, so each is ordered once per spell, a pin again only when it is about to lapse.
+- **Landed prefetches** wait for a session they served to come back: used by as much of them as
+  is still there when one comes back to their instance; unused when every session they served
+  came back elsewhere, closed, or stopped being advised on.
+- **Hand-over** (`handover_state`, `take_over`): what a planner taking over from this one needs so
+  as not to order anything twice (decisions.md, 23).
+
+The book reads the scheduler's latest advice through `advice_of` and gives a withdrawn order's
+link time back through `release`: the link bookings are the scheduler's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import orjson
+
+from app.decide.advisor import SessionAdvice
+from app.state.base import StateStore
+from kvprefetch_client.events import BlockHash
+from kvprefetch_client.orders import Cancel, Order, from_json
+
+if TYPE_CHECKING:
+    from app.decide.scheduler import SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+# One idle spell of one session's context on one instance: (instance, session, blocks, last block).
+# A new turn grows the context, so its retention is a new question.
+Spell = tuple[str, str, int, BlockHash]
+
+
+def spell_of(a: SessionAdvice) -> Spell:
+    return (a.instance_id or "", a.session_id, len(a.block_hashes), a.block_hashes[-1])
+
+
+@dataclass(slots=True)
+class SchedulerTotals:
+    orders: dict[str, int] = field(default_factory=lambda: {"prefetch": 0, "pin": 0, "demote": 0})
+    bytes_ordered: int = 0
+    completed: int = 0
+    failed: int = 0
+    cancelled: int = 0
+    bytes_wasted: int = 0
+    # Landed prefetches: used when a session they served came back to their instance; unused when
+    # every session they served came back elsewhere, closed, or stopped being advised on.
+    bytes_used: int = 0
+    bytes_unused: int = 0
+
+
+@dataclass(slots=True)
+class _Open:
+    order: Order
+    started: bool = False
+    sessions: set[str] = field(default_factory=set)
+    used: bool = False  # a session it served was routed to its destination
+    wasted: bool = False
+    served: set[str] = field(default_factory=set)  # every session it was ordered for
+
+
+@dataclass(slots=True)
+class _Landed:
+    instance_id: str
+    size_bytes: int
+    sessions: set[str]
+    block_hashes: list[BlockHash]
+
+
+class OrderBook:
+    def __init__(
+        self,
+        store: StateStore,
+        config: SchedulerConfig,
+        *,
+        advice_of: Callable[[str], SessionAdvice | None],
+        release: Callable[[str, bool], None],
+    ) -> None:
+        self.store = store
+        self.config = config
+        # The scheduler's latest advice for a session (None once it has none).
+        self._advice_of = advice_of
+        # An order left the open ones: its link booking goes; its slot is given back when the
+        # flag says it never moved (cancelled, given up).
+        self._release = release
+        self.totals = SchedulerTotals()
+        self._open: dict[str, _Open] = {}
+        # session -> ids of the open orders that served it (may name orders since closed): an
+        # arrival, on the ingest path, finds its orders without scanning every open one.
+        self._served_by: dict[str, set[str]] = {}
+        self.pinned: dict[str, tuple[Spell, float]] = {}  # session -> its pinned spell, until
+        self.demoted: dict[str, Spell] = {}
+        self._landed: dict[str, _Landed] = {}  # landed prefetches waiting for a session's return
+        self._landed_by_session: dict[str, set[str]] = {}
+        # order id -> (the order, its hand-over value), so an unchanged order is not re-encoded.
+        self._encoded: dict[str, tuple[Order, bool, str]] = {}
+
+    # -- orders in ---------------------------------------------------------------------------
+
+    def opened(self, order: Order, session_id: str) -> None:
+        """A prefetch issued for `session_id`."""
+        self._open[order.order_id] = _Open(order, sessions={session_id}, served={session_id})
+        self._served_by.setdefault(session_id, set()).add(order.order_id)
+
+    def serves_too(self, grown: Order, session_id: str) -> None:
+        """An open prefetch, `grown` to serve `session_id` too."""
+        e = self._open[grown.order_id]
+        e.order = grown
+        e.sessions.add(session_id)
+        e.served.add(session_id)
+        self._served_by.setdefault(session_id, set()).add(grown.order_id)
+
+    def issued(self, orders: Iterable[Order]) -> None:
+        """Orders handed out by a plan: counted."""
+        for o in orders:
+            self.totals.orders[o.kind] += 1
+            if o.kind == "prefetch":
+                self.totals.bytes_ordered += o.size_bytes
+
+    # -- pins and demotes --------------------------------------------------------------------
+
+    def wants_pin(self, session_id: str, spell: Spell, now: float) -> bool:
+        """Whether a keep advice for this spell needs a pin now: none held for it, or about to
+        lapse."""
+        pinned = self.pinned.get(session_id)
+        return (
+            pinned is None
+            or pinned[0] != spell
+            or pinned[1] - self.config.repin_before_seconds <= now
+        )
+
+    def pin_ordered(self, order: Order, session_id: str, spell: Spell, until: float) -> None:
+        self.pinned[session_id] = (spell, until)
+        self.demoted.pop(session_id, None)
+
+    def demote_ordered(self, order: Order, session_id: str, spell: Spell) -> None:
+        self.demoted[session_id] = spell
+        self.pinned.pop(session_id, None)
+
+    # -- what comes back ---------------------------------------------------------------------
+
+    def forget(self, session_id: str, *, routed_to: str | None = None) -> None:
+        """The session is active again (routed to `routed_to`) or closed. An order moving its
+        context to where it was routed is used by that request, not wasted."""
+        self.pinned.pop(session_id, None)
+        self.demoted.pop(session_id, None)
+        for order_id in self._served_by.pop(session_id, ()):
+            e = self._open.get(order_id)
+            if e is not None and routed_to == e.order.instance_id:
+                e.used = True
+        for order_id in self._landed_by_session.pop(session_id, ()):
+            landed = self._landed.get(order_id)
+            if landed is None:
+                continue
+            landed.sessions.discard(session_id)
+            if routed_to == landed.instance_id:
+                # Used as far as it is still there: blocks evicted before the session came back
+                # were moved for nothing.
+                held = self.store.holds("hbm", landed.instance_id, landed.block_hashes)
+                used = landed.size_bytes * sum(held) // max(len(held), 1)
+                self.totals.bytes_used += used
+                self.totals.bytes_unused += landed.size_bytes - used
+                del self._landed[order_id]
+            elif not landed.sessions:
+                self.totals.bytes_unused += landed.size_bytes
+                del self._landed[order_id]
+
+    def on_progress(self, order_id: str, status: str) -> None:
+        """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""
+        entry = self._open.get(order_id)
+        if entry is None:
+            return
+        if status == "accepted":
+            entry.started = True
+        elif status in ("completed", "failed"):
+            del self._open[order_id]
+            self._release(order_id, False)
+            if status == "completed":
+                self._has_landed(order_id, entry)
+            else:
+                self.totals.failed += 1
+
+    # -- each tick ---------------------------------------------------------------------------
+
+    def retire_landed(self) -> list[Cancel]:
+        """Open prefetches whose blocks all show at the destination: landed, if an agent took
+        them; if none did, the blocks came by other means (a request loaded them): the order is
+        withdrawn, neither completed nor used."""
+        cancels = []
+        for order_id, e in list(self._open.items()):
+            o = e.order
+            if o.kind == "prefetch" and all(
+                self.store.holds(o.tier, o.instance_id, o.block_hashes)
+            ):
+                del self._open[order_id]
+                if e.started:
+                    self._release(order_id, False)
+                    self._has_landed(order_id, e)
+                else:
+                    self._release(order_id, True)
+                    self.totals.cancelled += 1
+                    cancels.append(Cancel(order_id=order_id, reason="its blocks are there already"))
+        return cancels
+
+    def _has_landed(self, order_id: str, e: _Open) -> None:
+        """A prefetch completed: used already if a session it served came back there while it
+        moved; otherwise it waits for one of the sessions still advised on."""
+        self.totals.completed += 1
+        if e.order.kind != "prefetch":
+            return
+        if e.used:
+            self.totals.bytes_used += e.order.size_bytes
+            return
+        waiting = {s for s in e.served if self._advice_of(s) is not None}
+        if not waiting:
+            self.totals.bytes_unused += e.order.size_bytes
+            return
+        self._landed[order_id] = _Landed(
+            e.order.instance_id, e.order.size_bytes, waiting, e.order.block_hashes
+        )
+        for s in waiting:
+            self._landed_by_session.setdefault(s, set()).add(order_id)
+
+    def give_up_overdue(self, now: float) -> list[Cancel]:
+        cutoff = now - self.config.overdue_seconds
+        cancels = []
+        for order_id, e in list(self._open.items()):
+            if e.order.needed_by_ts > cutoff:
+                continue
+            del self._open[order_id]
+            self._release(order_id, True)
+            if e.started:
+                self.totals.failed += 1
+            else:
+                self.totals.cancelled += 1
+                cancels.append(Cancel(order_id=order_id, reason="not done in time"))
+        return cancels
+
+    def cancel_fallen(self) -> list[Cancel]:
+        cancels = []
+        for order_id, e in list(self._open.items()):
+            if e.order.kind != "prefetch":
+                continue
+            still = set()
+            for s in e.sessions:
+                latest = self._advice_of(s)
+                if (
+                    latest is not None
+                    and latest.instance_id == e.order.instance_id
+                    and latest.p_soon >= self.config.cancel_below_p
+                ):
+                    still.add(s)
+            e.sessions = still
+            if still:
+                continue
+            if e.started:
+                if not e.used and not e.wasted:
+                    e.wasted = True  # moving already: it lands unused
+                    self.totals.bytes_wasted += e.order.size_bytes
+                continue
+            del self._open[order_id]
+            self._release(order_id, True)
+            self.totals.cancelled += 1
+            cancels.append(
+                Cancel(order_id=order_id, reason="no session is likely back there in time")
+            )
+        return cancels
+
+    # -- a planning replica's hand-over (decisions.md, 23) ------------------------------------
+
+    def handover_state(self) -> dict[str, str]:
+        """The open orders (`o:<id>`), the pinned (`p:<session>`) and demoted (`d:<session>`)
+        spells. Field -> value, for a Redis hash."""
+        out: dict[str, str] = {}
+        encoded: dict[str, tuple[Order, bool, str]] = {}
+        for order_id, e in list(self._open.items()):
+            cached = self._encoded.get(order_id)
+            if cached is None or cached[0] is not e.order or cached[1] != e.started:
+                value = ("1" if e.started else "0") + e.order.to_json().decode()
+                cached = (e.order, e.started, value)
+            encoded[order_id] = cached
+            out[f"o:{order_id}"] = cached[2]
+        self._encoded = encoded
+        for session_id, (spell, until) in list(self.pinned.items()):
+            out[f"p:{session_id}"] = orjson.dumps([spell, until]).decode()
+        for session_id, spell in list(self.demoted.items()):
+            out[f"d:{session_id}"] = orjson.dumps(spell).decode()
+        return out
+
+    def take_over(self, state: dict[str, str]) -> int:
+        """The hand-over state the last planner wrote, in place of what this book held: its open
+        orders count as open here, its pins and demotes as done. Returns the orders adopted."""
+        self._open.clear()
+        self._served_by.clear()
+        self.pinned.clear()
+        self.demoted.clear()
+        self._encoded.clear()
+        for field_, value in state.items():
+            kind, _, key = field_.partition(":")
+            try:
+                if kind == "o":
+                    order = from_json(value[1:])
+                    if not isinstance(order, Order):
+                        continue
+                    sessions = set(order.session_ids)
+                    self._open[key] = _Open(
+                        order, started=value[0] == "1", sessions=sessions, served=set(sessions)
+                    )
+                    for sid in sessions:
+                        self._served_by.setdefault(sid, set()).add(key)
+                elif kind == "p":
+                    spell, until = orjson.loads(value)
+                    self.pinned[key] = (tuple(spell), float(until))
+                elif kind == "d":
+                    self.demoted[key] = tuple(orjson.loads(value))
+            except (ValueError, TypeError) as exc:  # one bad entry must not stop the take-over
+                log.warning("hand-over entry %r unreadable: %s", field_, exc)
+        return len(self._open)
+
+    # -- views -------------------------------------------------------------------------------
+
+    def open_order(self, order_id: str) -> Order | None:
+        e = self._open.get(order_id)
+        return None if e is None else e.order
+
+    def open_orders(self) -> list[Order]:
+        # Copied at once (one C call): with the Redis store the planning side changes _open on
+        # the store thread while a route on the loop reads (app/state/storethread.py).
+        return [e.order for e in list(self._open.values())]
+
+    def is_open(self, order_id: str) -> bool:
+        return order_id in self._open
+
+    def inflight_bytes(self, instance_id: str) -> int:
+        return sum(
+            e.order.size_bytes
+            for e in self._open.values()
+            if e.order.kind == "prefetch" and e.order.instance_id == instance_id
+        )
+
+    def inflight_by_instance(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for e in self._open.values():
+            if e.order.kind == "prefetch":
+                out[e.order.instance_id] = out.get(e.order.instance_id, 0) + e.order.size_bytes
+        return out
+
+    def inflight_blocks(self) -> dict[str, set[BlockHash]]:
+        out: dict[str, set[BlockHash]] = {}
+        for e in self._open.values():
+            if e.order.kind == "prefetch":
+                out.setdefault(e.order.instance_id, set()).update(e.order.block_hashes)
+        return out
