@@ -14,6 +14,15 @@ it, so that nothing is ordered twice and every byte is accounted for:
   moving runs on, and if it has no session left its bytes count as wasted.
 - **Pins and demotes**: the idle spell each session's context was pinned (until when) or demoted
   for, so each is ordered once per spell, a pin again only when it is about to lapse.
+- **Delivered memory.** A completed prefetch is remembered as delivered to its place (instance
+  and tier) and, meanwhile, its blocks count as there: never ordered there again. A tier may load
+  into a cache of its own that nothing reports (LMCache loads into its L1; the engine reports
+  blocks only once a request uses them), so without it the next tick would order them again. It
+  stands until the engine reports the blocks gone there (kv_blocks_removed, block by block, or
+  kv_blocks_cleared; the feedback observer, app/decide/plan_loop.py, tells the book), until the
+  advice changes for every session it served (a new spell: the session had a turn, or is advised
+  for another instance; or it was routed or closed), or until the order's ttl passes (the hold it
+  asked for; the lead when it named none).
 - **Landed prefetches** wait for a session they served to come back: used by as much of them as
   is still there when one comes back to their instance; unused when every session they served
   came back elsewhere, closed, or stopped being advised on.
@@ -26,10 +35,11 @@ link time back through `release`: the link bookings are the scheduler's.
 
 from __future__ import annotations
 
+import heapq
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import orjson
 
@@ -42,6 +52,9 @@ if TYPE_CHECKING:
     from app.decide.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
+
+_K = TypeVar("_K")
+_NOTHING: Mapping[BlockHash, set[str]] = {}
 
 # One idle spell of one session's context on one instance: (instance, session, blocks, last block).
 # A new turn grows the context, so its retention is a new question.
@@ -74,6 +87,8 @@ class _Open:
     used: bool = False  # a session it served was routed to its destination
     wasted: bool = False
     served: set[str] = field(default_factory=set)  # every session it was ordered for
+    # The spell each session was served at (None: adopted from a hand-over, not known).
+    spells: dict[str, Spell | None] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -82,6 +97,17 @@ class _Landed:
     size_bytes: int
     sessions: set[str]
     block_hashes: list[BlockHash]
+
+
+@dataclass(slots=True)
+class _Delivered:
+    """A completed prefetch, remembered at its place while it stands (see the module doc)."""
+
+    instance_id: str
+    tier: str
+    blocks: set[BlockHash]  # landed and not reported gone since
+    sessions: dict[str, Spell | None]  # the sessions it stands for, at the spell it served
+    until: float  # its ttl's end
 
 
 class OrderBook:
@@ -111,20 +137,31 @@ class OrderBook:
         self._landed_by_session: dict[str, set[str]] = {}
         # order id -> (the order, its hand-over value), so an unchanged order is not re-encoded.
         self._encoded: dict[str, tuple[Order, bool, str]] = {}
+        # Delivered memory: order id -> its record; (instance, tier) -> block -> the records
+        # that hold it there; session -> the records standing for it; (until, id), a heap.
+        self._delivered: dict[str, _Delivered] = {}
+        self._delivered_at: dict[tuple[str, str], dict[BlockHash, set[str]]] = {}
+        self._delivered_for: dict[str, set[str]] = {}
+        self._delivered_until: list[tuple[float, str]] = []
+        self._handed: dict[str, str] = {}  # order id -> its record's hand-over value
+        self._now = 0.0  # the last tick's time: when a completion reported between ticks landed
 
     # -- orders in ---------------------------------------------------------------------------
 
-    def opened(self, order: Order, session_id: str) -> None:
-        """A prefetch issued for `session_id`."""
-        self._open[order.order_id] = _Open(order, sessions={session_id}, served={session_id})
+    def opened(self, order: Order, session_id: str, spell: Spell) -> None:
+        """A prefetch issued for `session_id`'s context at `spell`."""
+        self._open[order.order_id] = _Open(
+            order, sessions={session_id}, served={session_id}, spells={session_id: spell}
+        )
         self._served_by.setdefault(session_id, set()).add(order.order_id)
 
-    def serves_too(self, grown: Order, session_id: str) -> None:
-        """An open prefetch, `grown` to serve `session_id` too."""
+    def serves_too(self, grown: Order, session_id: str, spell: Spell) -> None:
+        """An open prefetch, `grown` to serve `session_id` (at `spell`) too."""
         e = self._open[grown.order_id]
         e.order = grown
         e.sessions.add(session_id)
         e.served.add(session_id)
+        e.spells[session_id] = spell
         self._served_by.setdefault(session_id, set()).add(grown.order_id)
 
     def issued(self, orders: Iterable[Order]) -> None:
@@ -154,6 +191,114 @@ class OrderBook:
         self.demoted[session_id] = spell
         self.pinned.pop(session_id, None)
 
+    # -- delivered memory --------------------------------------------------------------------
+
+    def delivered(self, instance_id: str, tier: str = "hbm") -> Mapping[BlockHash, set[str]]:
+        """The blocks at this place that a completed prefetch delivered and still stands for."""
+        return self._delivered_at.get((instance_id, tier), _NOTHING)
+
+    def advised(self, a: SessionAdvice) -> None:
+        """The session's latest advice: a delivery made for another spell of it no longer
+        stands for it."""
+        for rid in list(self._delivered_for.get(a.session_id, ())):
+            rec = self._delivered[rid]
+            spell = rec.sessions[a.session_id]
+            if (
+                a.instance_id != rec.instance_id
+                or not a.block_hashes
+                or (spell is not None and spell != spell_of(a))
+            ):
+                self._leave(rid, a.session_id)
+
+    def blocks_removed(
+        self, tier: str, instance_id: str | None, blocks: Iterable[BlockHash]
+    ) -> None:
+        """The engine reports these blocks gone from the place (kv_blocks_removed)."""
+        at = self._delivered_at.get((instance_id or "", tier))
+        if not at:
+            return
+        for b in blocks:
+            for rid in at.pop(b, ()):
+                rec = self._delivered[rid]
+                rec.blocks.discard(b)
+                self._handed.pop(rid, None)
+                if not rec.blocks:
+                    self._drop(rid)
+        if not at:
+            self._delivered_at.pop((instance_id or "", tier), None)
+
+    def blocks_cleared(self, tier: str, instance_id: str | None) -> None:
+        """Every block at the place is gone (kv_blocks_cleared: an engine restart)."""
+        at = self._delivered_at.get((instance_id or "", tier))
+        for rid in {rid for rids in (at or {}).values() for rid in rids}:
+            self._drop(rid)
+
+    def _deliver(self, order_id: str, e: _Open) -> None:
+        """A prefetch landed: remembered for the sessions still advised on at the spell it was
+        ordered for, until its ttl passes."""
+        sessions: dict[str, Spell | None] = {}
+        for s in e.served:
+            latest = self._advice_of(s)
+            spell = e.spells.get(s)
+            if latest is not None and (
+                spell is None or (latest.block_hashes and spell_of(latest) == spell)
+            ):
+                sessions[s] = spell
+        if not sessions:
+            return
+        o = e.order
+        ttl = o.ttl_seconds if o.ttl_seconds is not None else self.config.lead_seconds
+        self._remember(
+            order_id,
+            _Delivered(o.instance_id, o.tier, set(o.block_hashes), sessions, self._now + ttl),
+        )
+
+    def _remember(self, rid: str, rec: _Delivered) -> None:
+        self._delivered[rid] = rec
+        at = self._delivered_at.setdefault((rec.instance_id, rec.tier), {})
+        for b in rec.blocks:
+            at.setdefault(b, set()).add(rid)
+        for s in rec.sessions:
+            self._delivered_for.setdefault(s, set()).add(rid)
+        heapq.heappush(self._delivered_until, (rec.until, rid))
+
+    def _leave(self, rid: str, session_id: str) -> None:
+        """The delivery no longer stands for the session; with none left, it is forgotten."""
+        rec = self._delivered[rid]
+        rec.sessions.pop(session_id, None)
+        self._handed.pop(rid, None)
+        self._unlink(self._delivered_for, session_id, rid)
+        if not rec.sessions:
+            self._drop(rid)
+
+    def _drop(self, rid: str) -> None:
+        rec = self._delivered.pop(rid)
+        self._handed.pop(rid, None)
+        place = (rec.instance_id, rec.tier)
+        at = self._delivered_at.get(place, {})
+        for b in rec.blocks:
+            self._unlink(at, b, rid)
+        if not at:
+            self._delivered_at.pop(place, None)
+        for s in rec.sessions:
+            self._unlink(self._delivered_for, s, rid)
+
+    @staticmethod
+    def _unlink(index: dict[_K, set[str]], key: _K, rid: str) -> None:
+        rids = index.get(key)
+        if rids is not None:
+            rids.discard(rid)
+            if not rids:
+                del index[key]
+
+    def _expire_delivered(self, now: float) -> None:
+        heap = self._delivered_until
+        while heap and heap[0][0] <= now:
+            until, rid = heapq.heappop(heap)
+            rec = self._delivered.get(rid)
+            if rec is not None and rec.until == until:
+                self._drop(rid)
+
     # -- what comes back ---------------------------------------------------------------------
 
     def forget(self, session_id: str, *, routed_to: str | None = None) -> None:
@@ -161,6 +306,8 @@ class OrderBook:
         context to where it was routed is used by that request, not wasted."""
         self.pinned.pop(session_id, None)
         self.demoted.pop(session_id, None)
+        for rid in list(self._delivered_for.get(session_id, ())):
+            self._leave(rid, session_id)
         for order_id in self._served_by.pop(session_id, ()):
             e = self._open.get(order_id)
             if e is not None and routed_to == e.order.instance_id:
@@ -199,6 +346,11 @@ class OrderBook:
 
     # -- each tick ---------------------------------------------------------------------------
 
+    def tick(self, now: float) -> None:
+        """A planning tick starts at `now`: deliveries past their ttl are forgotten."""
+        self._now = now
+        self._expire_delivered(now)
+
     def retire_landed(self) -> list[Cancel]:
         """Open prefetches whose blocks all show at the destination: landed, if an agent took
         them; if none did, the blocks came by other means (a request loaded them): the order is
@@ -225,6 +377,7 @@ class OrderBook:
         self.totals.completed += 1
         if e.order.kind != "prefetch":
             return
+        self._deliver(order_id, e)
         if e.used:
             self.totals.bytes_used += e.order.size_bytes
             return
@@ -287,7 +440,7 @@ class OrderBook:
 
     def handover_state(self) -> dict[str, str]:
         """The open orders (`o:<id>`), the pinned (`p:<session>`) and demoted (`d:<session>`)
-        spells. Field -> value, for a Redis hash."""
+        spells, the delivered memory (`l:<order id>`). Field -> value, for a Redis hash."""
         out: dict[str, str] = {}
         encoded: dict[str, tuple[Order, bool, str]] = {}
         for order_id, e in list(self._open.items()):
@@ -302,16 +455,35 @@ class OrderBook:
             out[f"p:{session_id}"] = orjson.dumps([spell, until]).decode()
         for session_id, spell in list(self.demoted.items()):
             out[f"d:{session_id}"] = orjson.dumps(spell).decode()
+        for rid, rec in list(self._delivered.items()):
+            handed = self._handed.get(rid)
+            if handed is None:
+                handed = self._handed[rid] = orjson.dumps(
+                    {
+                        "i": rec.instance_id,
+                        "t": rec.tier,
+                        "b": list(rec.blocks),
+                        "s": rec.sessions,
+                        "u": rec.until,
+                    }
+                ).decode()
+            out[f"l:{rid}"] = handed
         return out
 
     def take_over(self, state: dict[str, str]) -> int:
         """The hand-over state the last planner wrote, in place of what this book held: its open
-        orders count as open here, its pins and demotes as done. Returns the orders adopted."""
+        orders count as open here, its pins and demotes as done, its deliveries as delivered.
+        Returns the orders adopted."""
         self._open.clear()
         self._served_by.clear()
         self.pinned.clear()
         self.demoted.clear()
         self._encoded.clear()
+        self._delivered.clear()
+        self._delivered_at.clear()
+        self._delivered_for.clear()
+        self._delivered_until.clear()
+        self._handed.clear()
         for field_, value in state.items():
             kind, _, key = field_.partition(":")
             try:
@@ -330,7 +502,23 @@ class OrderBook:
                     self.pinned[key] = (tuple(spell), float(until))
                 elif kind == "d":
                     self.demoted[key] = tuple(orjson.loads(value))
-            except (ValueError, TypeError) as exc:  # one bad entry must not stop the take-over
+                elif kind == "l":
+                    d = orjson.loads(value)
+                    spells: dict[str, Spell | None] = {
+                        sid: None if spell is None else tuple(spell)
+                        for sid, spell in d["s"].items()
+                    }
+                    blocks = set(d["b"])
+                    if blocks and spells:
+                        self._remember(
+                            key, _Delivered(d["i"], d["t"], blocks, spells, float(d["u"]))
+                        )
+            except (
+                ValueError,
+                TypeError,
+                KeyError,
+                AttributeError,
+            ) as exc:  # one bad entry must not stop the take-over
                 log.warning("hand-over entry %r unreadable: %s", field_, exc)
         return len(self._open)
 

@@ -9,7 +9,9 @@ tick that completes (Scheduler.plan).
 
 `feedback_observer` is the ingest observer that tells the scheduler what happened: a request
 routed (its session's advice is void; its order, if it went where the order goes, is used), a
-session closed, an order's progress; and tells the route tracker where returns land.
+session closed, an order's progress, blocks an engine reports gone (kv_blocks_removed and
+kv_blocks_cleared, vLLM's own batches too: a delivered prefetch of them no longer stands, see
+app/decide/order_book.py); and tells the route tracker where returns land.
 """
 
 from __future__ import annotations
@@ -31,10 +33,14 @@ from app.ingest.ingestor import Observer
 from app.state.storethread import Offload
 from kvprefetch_client.events import (
     Event,
+    KvBlocksCleared,
+    KvBlocksRemoved,
     OrderProgress,
     RequestRouted,
     RequestStarted,
     SessionClosed,
+    VllmBlockStored,
+    VllmKvEvents,
 )
 
 log = logging.getLogger(__name__)
@@ -176,5 +182,24 @@ def feedback_observer(
                 if kind == "order_progress":
                     progress = cast(OrderProgress, e)
                     scheduler.on_progress(progress.order_id, progress.status)
+                elif kind == "kv_blocks_removed":
+                    removed = cast(KvBlocksRemoved, e)
+                    scheduler.blocks_removed(
+                        removed.tier, removed.instance_id, removed.block_hashes
+                    )
+                elif kind == "kv_blocks_cleared":
+                    cleared = cast(KvBlocksCleared, e)
+                    scheduler.blocks_cleared(cleared.tier, cleared.instance_id)
+                elif kind == "vllm_kv_events":
+                    batch = cast(VllmKvEvents, e)
+                    # Expanded only when it removes something: most batches only store.
+                    if not all(isinstance(x, VllmBlockStored) for x in batch.events):
+                        for sub in batch.expand():
+                            if isinstance(sub, KvBlocksRemoved):
+                                scheduler.blocks_removed(
+                                    sub.tier, sub.instance_id, sub.block_hashes
+                                )
+                            elif isinstance(sub, KvBlocksCleared):
+                                scheduler.blocks_cleared(sub.tier, sub.instance_id)
 
     return observe

@@ -169,6 +169,7 @@ class Scheduler:
             self._latest.pop(a.session_id, None)
             self._latest[a.session_id] = (a, now)
             self._fresh[a.session_id] = a
+            self.book.advised(a)
             if a.prefetch and a.instance_id is not None and a.p_soon >= self.config.prefetch_min_p:
                 self._candidates[a.session_id] = a
             else:
@@ -185,6 +186,17 @@ class Scheduler:
     def on_progress(self, order_id: str, status: str) -> None:
         """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""
         self.book.on_progress(order_id, status)
+
+    def blocks_removed(
+        self, tier: str, instance_id: str | None, block_hashes: Iterable[BlockHash]
+    ) -> None:
+        """The engine reports blocks gone (kv_blocks_removed): a delivery of them there no longer
+        stands."""
+        self.book.blocks_removed(tier, instance_id, block_hashes)
+
+    def blocks_cleared(self, tier: str, instance_id: str | None) -> None:
+        """Every block at the place is gone (kv_blocks_cleared)."""
+        self.book.blocks_cleared(tier, instance_id)
 
     def _advice_of(self, session_id: str) -> SessionAdvice | None:
         latest = self._latest.get(session_id)
@@ -256,6 +268,7 @@ class Scheduler:
         cfg = self.config
         self._generation += 1
         book = self.book
+        book.tick(now)
         cancels += book.retire_landed()
         self._expire(now)
         cancels += book.give_up_overdue(now)
@@ -357,10 +370,14 @@ class Scheduler:
     def _missing(
         self, cand: SessionAdvice, dest: str, inflight: Collection[BlockHash]
     ) -> list[BlockHash]:
-        """The candidate's blocks neither at `dest` nor on their way there."""
+        """The candidate's blocks neither at `dest`, nor on their way there, nor delivered there
+        by a prefetch that still stands (the engine may not report what a tier loaded)."""
         blocks = list(dict.fromkeys(cand.block_hashes))
         here = self.store.holds("hbm", dest, blocks)
-        return [b for b, h in zip(blocks, here) if not h and b not in inflight]
+        delivered = self.book.delivered(dest)
+        return [
+            b for b, h in zip(blocks, here) if not h and b not in inflight and b not in delivered
+        ]
 
     def _displaceable(self, dest: str) -> list[SessionAdvice]:
         """The contexts at `dest` a prefetch may displace, least likely kept first."""
@@ -447,7 +464,7 @@ class Scheduler:
             ttl_seconds=hold_seconds,
             priority=cand.p_soon * self._stall_avoided(source, len(blocks), nbytes),
         )
-        self.book.opened(order, cand.session_id)
+        self.book.opened(order, cand.session_id, spell_of(cand))
         self._booking[order.order_id] = (link, (start_by, start_by + transfer_seconds))
         return order
 
@@ -491,7 +508,7 @@ class Scheduler:
                 "priority": order.priority + cand.p_soon * stall,
             }
         )
-        self.book.serves_too(grown, cand.session_id)
+        self.book.serves_too(grown, cand.session_id, spell_of(cand))
         return grown
 
     def _stall_avoided(self, source: Tier, blocks: int, nbytes: int) -> float:
