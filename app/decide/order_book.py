@@ -26,6 +26,11 @@ it, so that nothing is ordered twice and every byte is accounted for:
 - **Landed prefetches** wait for a session they served to come back: used by as much of them as
   is still there when one comes back to their instance; unused when every session they served
   came back elsewhere, closed, or stopped being advised on.
+- **Retries with backoff.** A failed order (reported failed, refused by the sink, or given up
+  overdue after it started) makes each session it served wait before the next order of its kind
+  to that destination: `retry_backoff_seconds`, doubling with each failure in a row, at most
+  `retry_backoff_max_seconds`; a completion clears it. Keyed by session and destination (see
+  `_failed` for why).
 - **Hand-over** (`handover_state`, `take_over`): what a planner taking over from this one needs so
   as not to order anything twice (decisions.md, 23).
 
@@ -144,6 +149,8 @@ class OrderBook:
         self._delivered_for: dict[str, set[str]] = {}
         self._delivered_until: list[tuple[float, str]] = []
         self._handed: dict[str, str] = {}  # order id -> its record's hand-over value
+        # (kind, session, destination) -> (failures in a row, when it may be ordered again).
+        self._backoff: dict[tuple[str, str, str], tuple[int, float]] = {}
         self._now = 0.0  # the last tick's time: when a completion reported between ticks landed
 
     # -- orders in ---------------------------------------------------------------------------
@@ -340,16 +347,51 @@ class OrderBook:
             del self._open[order_id]
             self._release(order_id, False)
             if status == "completed":
+                self._succeeded(entry.order, entry.served)
                 self._has_landed(order_id, entry)
             else:
                 self.totals.failed += 1
+                self._failed(entry.order, entry.served)
 
     # -- each tick ---------------------------------------------------------------------------
 
     def tick(self, now: float) -> None:
-        """A planning tick starts at `now`: deliveries past their ttl are forgotten."""
+        """A planning tick starts at `now`: deliveries past their ttl are forgotten, and so are
+        backoffs long past (a failure after a quiet spell starts from the first wait again)."""
         self._now = now
         self._expire_delivered(now)
+        if self._backoff:
+            quiet = now - self.config.retry_backoff_max_seconds
+            for key, (_, retry_at) in list(self._backoff.items()):
+                if retry_at < quiet:
+                    del self._backoff[key]
+
+    # -- retries -----------------------------------------------------------------------------
+
+    def backing_off(self, kind: str, session_id: str, instance_id: str) -> bool:
+        """Whether the session's last `kind` order to the instance failed and its wait has not
+        passed yet."""
+        entry = self._backoff.get((kind, session_id, instance_id))
+        return entry is not None and entry[1] > self._now
+
+    def _failed(self, order: Order, sessions: Iterable[str]) -> None:
+        """An order failed: each session it served waits before the next order of its kind
+        there, the wait doubling with each failure in a row. Per session and destination, not
+        per block set: a context's missing blocks are grouped anew each tick (shared with other
+        candidates, split by source), so a block-set key would slip; and one context failing
+        (its tokens unknown, not found) says nothing of another's at the same destination."""
+        cfg = self.config
+        for s in sessions:
+            key = (order.kind, s, order.instance_id)
+            failures = self._backoff.get(key, (0, 0.0))[0] + 1
+            wait = min(
+                cfg.retry_backoff_max_seconds, cfg.retry_backoff_seconds * 2 ** (failures - 1)
+            )
+            self._backoff[key] = (failures, self._now + wait)
+
+    def _succeeded(self, order: Order, sessions: Iterable[str]) -> None:
+        for s in sessions:
+            self._backoff.pop((order.kind, s, order.instance_id), None)
 
     def retire_landed(self) -> list[Cancel]:
         """Open prefetches whose blocks all show at the destination: landed, if an agent took
@@ -401,6 +443,7 @@ class OrderBook:
             self._release(order_id, True)
             if e.started:
                 self.totals.failed += 1
+                self._failed(e.order, e.served)
             else:
                 self.totals.cancelled += 1
                 cancels.append(Cancel(order_id=order_id, reason="not done in time"))
@@ -440,7 +483,8 @@ class OrderBook:
 
     def handover_state(self) -> dict[str, str]:
         """The open orders (`o:<id>`), the pinned (`p:<session>`) and demoted (`d:<session>`)
-        spells, the delivered memory (`l:<order id>`). Field -> value, for a Redis hash."""
+        spells, the delivered memory (`l:<order id>`), the retries waiting (`b:<[kind, session,
+        instance]>`). Field -> value, for a Redis hash."""
         out: dict[str, str] = {}
         encoded: dict[str, tuple[Order, bool, str]] = {}
         for order_id, e in list(self._open.items()):
@@ -455,6 +499,10 @@ class OrderBook:
             out[f"p:{session_id}"] = orjson.dumps([spell, until]).decode()
         for session_id, spell in list(self.demoted.items()):
             out[f"d:{session_id}"] = orjson.dumps(spell).decode()
+        for (kind, sid, inst), (failures, retry_at) in list(self._backoff.items()):
+            out["b:" + orjson.dumps([kind, sid, inst]).decode()] = orjson.dumps(
+                [failures, retry_at]
+            ).decode()
         for rid, rec in list(self._delivered.items()):
             handed = self._handed.get(rid)
             if handed is None:
@@ -484,6 +532,7 @@ class OrderBook:
         self._delivered_for.clear()
         self._delivered_until.clear()
         self._handed.clear()
+        self._backoff.clear()
         for field_, value in state.items():
             kind, _, key = field_.partition(":")
             try:
@@ -502,6 +551,13 @@ class OrderBook:
                     self.pinned[key] = (tuple(spell), float(until))
                 elif kind == "d":
                     self.demoted[key] = tuple(orjson.loads(value))
+                elif kind == "b":
+                    what, sid, inst = orjson.loads(key)
+                    failures, retry_at = orjson.loads(value)
+                    self._backoff[(str(what), str(sid), str(inst))] = (
+                        int(failures),
+                        float(retry_at),
+                    )
                 elif kind == "l":
                     d = orjson.loads(value)
                     spells: dict[str, Spell | None] = {

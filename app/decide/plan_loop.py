@@ -2,8 +2,9 @@
 
 Every `plan_interval_seconds` the Dispatcher asks the scheduler for a plan (app/decide/
 scheduler.py) and hands its orders and cancels to the configured sink (app/deliver/).
-An order the sink could not take is reported to the scheduler as failed, so the next tick may
-plan it again rather than count it as on its way. While the store is unavailable every tick
+An order the sink could not take is reported to the scheduler as failed, so a later tick plans
+it again (once the order book's backoff for its sessions passed) rather than count it as on its
+way. While the store is unavailable every tick
 fails; that is logged once per outage, and what a failed tick decided goes out with the next
 tick that completes (Scheduler.plan).
 
@@ -124,7 +125,9 @@ class Dispatcher:
             except SinkError as exc:
                 self.undelivered += len(plan.orders)
                 log.warning(
-                    "%d orders not delivered (planned again next tick): %s", len(plan.orders), exc
+                    "%d orders not delivered (planned again after a backoff): %s",
+                    len(plan.orders),
+                    exc,
                 )
                 await self._run(self._failed, plan, fail_fast=False)  # needs no store
         return plan

@@ -89,6 +89,11 @@ class SchedulerConfig:
     # long enough for a dead agent's order to be taken over and finished (a stream entry is
     # claimed after 30 s by default), short enough that its room is not held for good.
     overdue_seconds: float = 60.0
+    # A failed order's session waits this long before it is ordered to that destination again,
+    # doubling with each failure in a row up to the cap (app/decide/order_book.py): a failing
+    # destination is tried again, not every tick.
+    retry_backoff_seconds: float = 1.0
+    retry_backoff_max_seconds: float = 30.0
 
     @classmethod
     def from_cluster(
@@ -298,6 +303,8 @@ class Scheduler:
             dest: str = cand.instance_id  # type: ignore[assignment]
             if dest in exhausted or dest not in free:
                 continue  # out of room, or it never reported its room
+            if book.backing_off("prefetch", cand.session_id, dest):
+                continue  # its last order there failed: tried again once its backoff passed
             missing = self._missing(cand, dest, inflight_blocks.get(dest, ()))
             # Blocks an order of this tick moves there already: that order serves this one too.
             for order_id in dict.fromkeys(

@@ -135,3 +135,53 @@ def test_a_completion_for_a_spell_gone_by_is_not_remembered() -> None:
     sched.on_progress(order.order_id, "completed")
     (again,) = prefetches(sched.plan(1.0))
     assert again.block_hashes == [0, 1, 5]
+
+
+def test_a_failing_order_is_retried_with_a_doubling_capped_backoff() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(100))
+    sched = Scheduler(store, config(retry_backoff_seconds=1.0, retry_backoff_max_seconds=8.0))
+    attempts = []
+    for i in range(400):  # 40 s, ten ticks a second; every order fails at once
+        now = i * 0.1
+        for o in prefetches(tick(sched, [advice("a", [0, 1])], now)):
+            attempts.append(round(now, 1))
+            sched.on_progress(o.order_id, "failed")
+    # Waits of 1, 2, 4, then 8 s (the cap) after each failure.
+    assert attempts == [0.0, 1.0, 3.0, 7.0, 15.0, 23.0, 31.0, 39.0]
+
+
+def test_a_backoff_is_per_session_and_destination_and_a_success_clears_it() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(100))
+    sched = Scheduler(store, config())
+    (failed,) = prefetches(tick(sched, [advice("a", [0, 1])], 0.0))
+    sched.on_progress(failed.order_id, "failed")
+    # Another session to the same destination, and the same session to another: ordered.
+    plan = tick(sched, [advice("a", [0, 1]), advice("b", [5, 6], p_soon=0.8)], 0.1)
+    assert [o.session_ids for o in prefetches(plan)] == [["b"]]
+    (retried,) = prefetches(tick(sched, [advice("a", [0, 1])], 1.0))
+    sched.on_progress(retried.order_id, "completed")
+    sched.forget("a")  # its delivery gone with it, so the next order is up to the backoff
+    (after,) = prefetches(tick(sched, [advice("a", [0, 1])], 1.1))
+    assert after.block_hashes == [0, 1]
+
+
+def test_a_started_order_given_up_overdue_backs_off_too() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(100))
+    sched = Scheduler(store, config(overdue_seconds=5.0))
+    (o,) = prefetches(tick(sched, [advice("a", [0, 1])], 0.0))
+    sched.on_progress(o.order_id, "accepted")
+    given_up_at = o.needed_by_ts + 5.0
+    assert prefetches(tick(sched, [advice("a", [0, 1])], given_up_at)) == []
+    assert sched.totals.failed == 1
+    assert len(prefetches(tick(sched, [advice("a", [0, 1])], given_up_at + 1.0))) == 1
+
+
+def test_the_hand_over_carries_the_backoffs() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(100))
+    old = Scheduler(store, config())
+    (o,) = prefetches(tick(old, [advice("a", [0, 1])], 0.0))
+    old.on_progress(o.order_id, "failed")
+    new = Scheduler(store, config())
+    new.take_over(2, old.handover_state())
+    assert prefetches(tick(new, [advice("a", [0, 1])], 0.5)) == []
+    assert len(prefetches(tick(new, [advice("a", [0, 1])], 1.0))) == 1
