@@ -13,7 +13,12 @@ it, so that nothing is ordered twice and every byte is accounted for:
   whose sessions are no longer likely back there is cancelled (`cancel_fallen`); one already
   moving runs on, and if it has no session left its bytes count as wasted.
 - **Pins and demotes**: the idle spell each session's context was pinned (until when) or demoted
-  for, so each is ordered once per spell, a pin again only when it is about to lapse.
+  for, so each is ordered once per spell, a pin again only when it is about to lapse. A pin is
+  held only once its order completed (confirmed); until then it is on its way, not ordered again.
+  One that failed, or that nobody answered for `overdue_seconds`, is decided again once its
+  backoff passed (below); a confirmed pin reported failed later was lost by its tier (the LMCache
+  sink reports its pins lost when its coordinator restarted): ordered again at the next tick.
+  A demote is tracked the same way.
 - **Delivered memory.** A completed prefetch is remembered as delivered to its place (instance
   and tier) and, meanwhile, its blocks count as there: never ordered there again. A tier may load
   into a cache of its own that nothing reports (LMCache loads into its L1; the engine reports
@@ -105,6 +110,19 @@ class _Landed:
 
 
 @dataclass(slots=True)
+class _Retention:
+    """A pin or demote ordered for one spell of a session's context."""
+
+    kind: str  # "pin" or "demote"
+    spell: Spell
+    order_id: str
+    instance_id: str
+    until: float = 0.0  # a pin's end
+    confirmed: bool = False  # its order completed
+    ordered_at: float = 0.0
+
+
+@dataclass(slots=True)
 class _Delivered:
     """A completed prefetch, remembered at its place while it stands (see the module doc)."""
 
@@ -136,8 +154,16 @@ class OrderBook:
         # session -> ids of the open orders that served it (may name orders since closed): an
         # arrival, on the ingest path, finds its orders without scanning every open one.
         self._served_by: dict[str, set[str]] = {}
-        self.pinned: dict[str, tuple[Spell, float]] = {}  # session -> its pinned spell, until
-        self.demoted: dict[str, Spell] = {}
+        # session -> the pin or demote of its context ordered last (one at a time: a pin and a
+        # demote of the same context undo each other); order id -> its session.
+        self._retention: dict[str, _Retention] = {}
+        self._retention_order: dict[str, str] = {}
+        # (ordered at, order id) of pins and demotes not confirmed yet, a heap: the silent ones
+        # are given up overdue.
+        self._unconfirmed: list[tuple[float, str]] = []
+        # session -> when its failed or lost pin or demote is due to be decided again.
+        self._retention_due: dict[str, float] = {}
+        self.pins_lost = 0  # confirmed pins the tier reported lost since
         self._landed: dict[str, _Landed] = {}  # landed prefetches waiting for a session's return
         self._landed_by_session: dict[str, set[str]] = {}
         # order id -> (the order, its hand-over value), so an unchanged order is not re-encoded.
@@ -181,22 +207,113 @@ class OrderBook:
     # -- pins and demotes --------------------------------------------------------------------
 
     def wants_pin(self, session_id: str, spell: Spell, now: float) -> bool:
-        """Whether a keep advice for this spell needs a pin now: none held for it, or about to
-        lapse."""
-        pinned = self.pinned.get(session_id)
+        """Whether a keep advice for this spell needs a pin now: none ordered for it (or the
+        last failed, was lost or went unanswered, and its backoff passed), or it is about to
+        lapse. A pin ordered and not confirmed yet is on its way: not ordered again."""
+        if self.backing_off("pin", session_id, spell[0]):
+            return False
+        r = self._retention.get(session_id)
         return (
-            pinned is None
-            or pinned[0] != spell
-            or pinned[1] - self.config.repin_before_seconds <= now
+            r is None
+            or r.kind != "pin"
+            or r.spell != spell
+            or r.until - self.config.repin_before_seconds <= now
         )
 
+    def wants_demote(self, session_id: str, spell: Spell) -> bool:
+        """Whether a demote advice for this spell needs a demote: none ordered for it (or the
+        last failed or went unanswered, and its backoff passed)."""
+        if self.backing_off("demote", session_id, spell[0]):
+            return False
+        r = self._retention.get(session_id)
+        return r is None or r.kind != "demote" or r.spell != spell
+
     def pin_ordered(self, order: Order, session_id: str, spell: Spell, until: float) -> None:
-        self.pinned[session_id] = (spell, until)
-        self.demoted.pop(session_id, None)
+        self._retained(
+            session_id, _Retention("pin", spell, order.order_id, order.instance_id, until)
+        )
 
     def demote_ordered(self, order: Order, session_id: str, spell: Spell) -> None:
-        self.demoted[session_id] = spell
-        self.pinned.pop(session_id, None)
+        self._retained(session_id, _Retention("demote", spell, order.order_id, order.instance_id))
+
+    def _retained(self, session_id: str, r: _Retention) -> None:
+        self._drop_retention(session_id)
+        r.ordered_at = self._now
+        self._retention[session_id] = r
+        self._retention_order[r.order_id] = session_id
+        heapq.heappush(self._unconfirmed, (r.ordered_at, r.order_id))
+
+    def _drop_retention(self, session_id: str) -> None:
+        old = self._retention.pop(session_id, None)
+        if old is not None:
+            self._retention_order.pop(old.order_id, None)
+
+    def _adopt(self, session_id: str, r: _Retention, confirmed: bool, ordered_at: float) -> None:
+        """A pin or demote from the hand-over."""
+        r.confirmed, r.ordered_at = bool(confirmed), float(ordered_at)
+        self._retention[session_id] = r
+        if r.order_id:
+            self._retention_order[r.order_id] = session_id
+            if not r.confirmed:
+                heapq.heappush(self._unconfirmed, (r.ordered_at, r.order_id))
+
+    def retention_due(self, now: float) -> list[str]:
+        """Sessions whose pin or demote failed, was lost or went unanswered, and whose backoff
+        has passed: their retention is to be decided again now."""
+        due = [s for s, at in self._retention_due.items() if at <= now]
+        for s in due:
+            del self._retention_due[s]
+        return due
+
+    def _retention_progress(self, session_id: str, order_id: str, status: str) -> None:
+        r = self._retention.get(session_id)
+        if r is None or r.order_id != order_id:
+            return  # replaced since: its news no longer matters
+        if status == "completed":
+            r.confirmed = True
+            self._backoff.pop((r.kind, session_id, r.instance_id), None)
+            if r.kind == "demote":
+                self._retention_order.pop(order_id, None)  # done: nothing more will come
+        elif status == "failed":
+            self._drop_retention(session_id)
+            if r.confirmed:
+                # A pin the tier lost (its restart): ordered again at the next tick.
+                self.pins_lost += 1
+                self._retention_due[session_id] = self._now
+            else:
+                self._retention_failed(session_id, r)
+
+    def _retention_failed(self, session_id: str, r: _Retention) -> None:
+        key = (r.kind, session_id, r.instance_id)
+        self._backoff[key] = self._next_try(key)
+        self._retention_due[session_id] = self._backoff[key][1]
+
+    def _give_up_unconfirmed(self, now: float) -> None:
+        """Pins and demotes nobody answered for `overdue_seconds` count as failed."""
+        cutoff = now - self.config.overdue_seconds
+        heap = self._unconfirmed
+        while heap and heap[0][0] <= cutoff:
+            _, order_id = heapq.heappop(heap)
+            session_id = self._retention_order.get(order_id)
+            r = self._retention.get(session_id) if session_id is not None else None
+            if r is None or r.order_id != order_id or r.confirmed:
+                continue
+            self._drop_retention(session_id)  # type: ignore[arg-type]
+            self._retention_failed(session_id, r)  # type: ignore[arg-type]
+
+    @property
+    def pins_held(self) -> int:
+        """Pins confirmed by their tier and not lapsed."""
+        return sum(
+            1
+            for r in list(self._retention.values())
+            if r.kind == "pin" and r.confirmed and r.until > self._now
+        )
+
+    @property
+    def pins_pending(self) -> int:
+        """Pins ordered and not confirmed yet."""
+        return sum(1 for r in list(self._retention.values()) if r.kind == "pin" and not r.confirmed)
 
     # -- delivered memory --------------------------------------------------------------------
 
@@ -311,8 +428,8 @@ class OrderBook:
     def forget(self, session_id: str, *, routed_to: str | None = None) -> None:
         """The session is active again (routed to `routed_to`) or closed. An order moving its
         context to where it was routed is used by that request, not wasted."""
-        self.pinned.pop(session_id, None)
-        self.demoted.pop(session_id, None)
+        self._drop_retention(session_id)
+        self._retention_due.pop(session_id, None)
         for rid in list(self._delivered_for.get(session_id, ())):
             self._leave(rid, session_id)
         for order_id in self._served_by.pop(session_id, ()):
@@ -340,6 +457,9 @@ class OrderBook:
         """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""
         entry = self._open.get(order_id)
         if entry is None:
+            retained = self._retention_order.get(order_id)
+            if retained is not None:
+                self._retention_progress(retained, order_id, status)
             return
         if status == "accepted":
             entry.started = True
@@ -360,6 +480,7 @@ class OrderBook:
         backoffs long past (a failure after a quiet spell starts from the first wait again)."""
         self._now = now
         self._expire_delivered(now)
+        self._give_up_unconfirmed(now)
         if self._backoff:
             quiet = now - self.config.retry_backoff_max_seconds
             for key, (_, retry_at) in list(self._backoff.items()):
@@ -380,14 +501,15 @@ class OrderBook:
         per block set: a context's missing blocks are grouped anew each tick (shared with other
         candidates, split by source), so a block-set key would slip; and one context failing
         (its tokens unknown, not found) says nothing of another's at the same destination."""
-        cfg = self.config
         for s in sessions:
             key = (order.kind, s, order.instance_id)
-            failures = self._backoff.get(key, (0, 0.0))[0] + 1
-            wait = min(
-                cfg.retry_backoff_max_seconds, cfg.retry_backoff_seconds * 2 ** (failures - 1)
-            )
-            self._backoff[key] = (failures, self._now + wait)
+            self._backoff[key] = self._next_try(key)
+
+    def _next_try(self, key: tuple[str, str, str]) -> tuple[int, float]:
+        cfg = self.config
+        failures = self._backoff.get(key, (0, 0.0))[0] + 1
+        wait = min(cfg.retry_backoff_max_seconds, cfg.retry_backoff_seconds * 2 ** (failures - 1))
+        return failures, self._now + wait
 
     def _succeeded(self, order: Order, sessions: Iterable[str]) -> None:
         for s in sessions:
@@ -482,9 +604,11 @@ class OrderBook:
     # -- a planning replica's hand-over (decisions.md, 23) ------------------------------------
 
     def handover_state(self) -> dict[str, str]:
-        """The open orders (`o:<id>`), the pinned (`p:<session>`) and demoted (`d:<session>`)
-        spells, the delivered memory (`l:<order id>`), the retries waiting (`b:<[kind, session,
-        instance]>`). Field -> value, for a Redis hash."""
+        """The open orders (`o:<id>`); the pins (`p:<session>`: spell, until, order id,
+        confirmed, when ordered) and demotes (`d:<session>`) of each session's context, and the
+        sessions whose failed one is due again (`r:<session>`); the delivered memory
+        (`l:<order id>`); the retries waiting (`b:<[kind, session, instance]>`). Field -> value,
+        for a Redis hash."""
         out: dict[str, str] = {}
         encoded: dict[str, tuple[Order, bool, str]] = {}
         for order_id, e in list(self._open.items()):
@@ -495,10 +619,15 @@ class OrderBook:
             encoded[order_id] = cached
             out[f"o:{order_id}"] = cached[2]
         self._encoded = encoded
-        for session_id, (spell, until) in list(self.pinned.items()):
-            out[f"p:{session_id}"] = orjson.dumps([spell, until]).decode()
-        for session_id, spell in list(self.demoted.items()):
-            out[f"d:{session_id}"] = orjson.dumps(spell).decode()
+        for session_id, r in list(self._retention.items()):
+            fields: list[object] = (
+                [r.spell, r.until, r.order_id, r.confirmed, r.ordered_at]
+                if r.kind == "pin"
+                else [r.spell, r.order_id, r.confirmed, r.ordered_at]
+            )
+            out[f"{r.kind[0]}:{session_id}"] = orjson.dumps(fields).decode()
+        for session_id, at in list(self._retention_due.items()):
+            out[f"r:{session_id}"] = orjson.dumps(at).decode()
         for (kind, sid, inst), (failures, retry_at) in list(self._backoff.items()):
             out["b:" + orjson.dumps([kind, sid, inst]).decode()] = orjson.dumps(
                 [failures, retry_at]
@@ -524,8 +653,10 @@ class OrderBook:
         Returns the orders adopted."""
         self._open.clear()
         self._served_by.clear()
-        self.pinned.clear()
-        self.demoted.clear()
+        self._retention.clear()
+        self._retention_order.clear()
+        self._unconfirmed.clear()
+        self._retention_due.clear()
         self._encoded.clear()
         self._delivered.clear()
         self._delivered_at.clear()
@@ -547,10 +678,26 @@ class OrderBook:
                     for sid in sessions:
                         self._served_by.setdefault(sid, set()).add(key)
                 elif kind == "p":
-                    spell, until = orjson.loads(value)
-                    self.pinned[key] = (tuple(spell), float(until))
+                    v = orjson.loads(value)
+                    # An older planner wrote [spell, until]: taken as confirmed, its id unknown.
+                    order_id, confirmed, at = v[2:] if len(v) == 5 else ("", True, 0.0)
+                    self._adopt(
+                        key,
+                        _Retention("pin", tuple(v[0]), order_id, v[0][0], float(v[1])),
+                        confirmed,
+                        at,
+                    )
                 elif kind == "d":
-                    self.demoted[key] = tuple(orjson.loads(value))
+                    v = orjson.loads(value)
+                    # An older planner wrote the spell alone.
+                    spell, order_id, confirmed, at = (
+                        v if len(v) == 4 and isinstance(v[0], list) else (v, "", True, 0.0)
+                    )
+                    self._adopt(
+                        key, _Retention("demote", tuple(spell), order_id, spell[0]), confirmed, at
+                    )
+                elif kind == "r":
+                    self._retention_due[key] = float(orjson.loads(value))
                 elif kind == "b":
                     what, sid, inst = orjson.loads(key)
                     failures, retry_at = orjson.loads(value)

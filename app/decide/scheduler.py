@@ -278,6 +278,12 @@ class Scheduler:
         self._expire(now)
         cancels += book.give_up_overdue(now)
         cancels += book.cancel_fallen()
+        # Retention to decide: the sessions advised since, and those whose pin or demote failed
+        # or was lost, once their backoff passed.
+        for session_id in book.retention_due(now):
+            a = self._advice_of(session_id)
+            if a is not None:
+                self._fresh.setdefault(session_id, a)
         self._pins_and_demotes(list(self._fresh.values()), now, orders)
         self._fresh.clear()
 
@@ -367,7 +373,7 @@ class Scheduler:
                         pin = self._order("pin", a, resident, now, ttl_seconds=a.keep_seconds)
                         out.append(pin)
                         book.pin_ordered(pin, a.session_id, spell, now + a.keep_seconds)
-            elif a.retention == "demote" and book.demoted.get(a.session_id) != spell:
+            elif a.retention == "demote" and book.wants_demote(a.session_id, spell):
                 resident = self._resident(a, a.demotable_blocks)
                 if resident:
                     demote = self._order("demote", a, resident, now)
@@ -421,8 +427,10 @@ class Scheduler:
             key = spell_of(a)
             if key in claimed:
                 continue
+            if self.book.backing_off("demote", a.session_id, dest):
+                continue  # its last demote failed: no room from it until it is tried again
             claimed.add(key)
-            if self.book.demoted.get(a.session_id) != key:
+            if self.book.wants_demote(a.session_id, key):
                 # One demoted already goes first: no new order.
                 demote = self._order("demote", a, resident, now)
                 orders.append(demote)

@@ -11,7 +11,13 @@ then, for the LMCache MP server registered under the order's `instance_id`:
 - **pin** -> `POST /cache/pins` (the keys kept out of L2 eviction, fleet-wide). LMCache pins have
   no time limit: the sink releases each pin itself with `DELETE /cache/pins` once the order's
   `ttl_seconds` ran out (pins are counted per key, so overlapping pins hold until the last), and
-  releases every pin it holds on `close()`.
+  releases every pin it holds on `close()`. A coordinator that restarts forgets every pin
+  (`GET /cache/pins` answers none): while it holds pins the sink lists the coordinator's pinned
+  keys of its model every `pin_check_seconds`, and when their pin counts add up to fewer than
+  the keys its own pins resolved to (the `affected` each pin answered), its pins were lost: each
+  pin order is reported `failed` again (a pin that completed before: the scheduler orders it
+  anew) and its release dropped. Another pinner's pins of the same model and salt can hide a
+  loss from the count until they are released.
 - **demote** -> `POST /cache/delete` on `demote_tier` (`l1` by default: the server's DRAM copy goes,
   L2 keeps its own), without force, so LMCache's locks and pins are honoured.
 
@@ -82,8 +88,11 @@ FAILURE_KINDS = (
     "not_found",  # a prefetch done, none of its chunks in LMCache
     "lmcache_error",  # a prefetch LMCache reported as neither pending nor completed
     "fenced",  # this replica no longer holds the planning lease (app/deliver/fence.py)
+    "pin_lost",  # a pin that completed, lost by the coordinator since (its restart)
 )
-CALLS = ("prefetch", "poll", "pin", "unpin", "delete")
+CALLS = ("prefetch", "poll", "pin", "unpin", "delete", "list_pins")
+# GET /cache/pins' largest page.
+PINS_PAGE = 10_000
 # What a replica that lost the planning lease must not do: act on an order of its old term.
 FENCED_CALLS = frozenset({"prefetch", "pin", "delete"})
 
@@ -104,6 +113,16 @@ class _Failed(KvpError):
         super().__init__(reason)
         self.kind = kind
         self.reason = reason
+
+
+@dataclass
+class _Pinned:
+    """One token sequence this sink pinned, until its release."""
+
+    order: Order
+    token_ids: list[int]
+    keys: int  # the L2 keys the pin resolved to (the coordinator's `affected`)
+    task: asyncio.Task[None]
 
 
 @dataclass
@@ -133,6 +152,7 @@ class LmcacheSink:
         max_backoff_seconds: float = 2.0,
         dedupe_seconds: float = 3600.0,
         max_pending_orders: int = MAX_PENDING_ORDERS,
+        pin_check_seconds: float = 5.0,
         report: Reporter | None = None,
         metrics: LmcacheMetrics | None = None,
         now: Callable[[], float] = time.time,
@@ -157,6 +177,7 @@ class LmcacheSink:
         self.backoff_seconds = backoff_seconds
         self.max_backoff_seconds = max_backoff_seconds
         self.max_pending_orders = max_pending_orders
+        self.pin_check_seconds = pin_check_seconds
         self._report = report
         self._metrics = metrics
         self._now = now
@@ -170,7 +191,8 @@ class LmcacheSink:
         self._cancels = RecentIds(dedupe_seconds, clock=monotonic)
         self._jobs: dict[str, _Job] = {}
         self._unpins: set[asyncio.Task[None]] = set()
-        self._held_pins: dict[int, list[int]] = {}  # id(task) -> the tokens it will unpin
+        self._held_pins: dict[int, _Pinned] = {}  # id(its release task) -> the pin
+        self._pin_watch: asyncio.Task[None] | None = None
         self._turns = asyncio.Semaphore(MAX_CONCURRENT_ORDERS)
         self._closed = False
         self.last_error: str | None = None
@@ -247,6 +269,8 @@ class LmcacheSink:
         self._closed = True
         tasks = [j.task for j in self._jobs.values() if j.task is not None]
         tasks += list(self._unpins)
+        if self._pin_watch is not None:
+            tasks.append(self._pin_watch)
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -254,9 +278,11 @@ class LmcacheSink:
                 await t
         held = list(self._held_pins.values())
         self._held_pins.clear()
-        for token_ids in held:  # one try each: a coordinator that is gone keeps them
+        for pin in held:  # one try each: a coordinator that is gone keeps them
             with contextlib.suppress(httpx.HTTPError):
-                await self._http.request("DELETE", "/cache/pins", json=self._key_body(token_ids))
+                await self._http.request(
+                    "DELETE", "/cache/pins", json=self._key_body(pin.token_ids)
+                )
         await self._http.aclose()
 
     async def settle(self) -> None:
@@ -355,12 +381,14 @@ class LmcacheSink:
     async def _pin(self, job: _Job) -> None:
         order = job.order
         for token_ids in job.tokens:
-            await self._call("pin", "POST", "/cache/pins", self._key_body(token_ids), order)
-            self._hold(token_ids, order.ttl_seconds or 0.0)
+            answer = await self._call(
+                "pin", "POST", "/cache/pins", self._key_body(token_ids), order
+            )
+            self._hold(order, token_ids, int(answer.get("affected", 0) or 0))
 
-    def _hold(self, token_ids: list[int], ttl_seconds: float) -> None:
+    def _hold(self, order: Order, token_ids: list[int], keys: int) -> None:
         async def release() -> None:
-            await self._sleep(ttl_seconds)
+            await self._sleep(order.ttl_seconds or 0.0)
             self._held_pins.pop(id(task), None)
             try:
                 await self._call("unpin", "DELETE", "/cache/pins", self._key_body(token_ids), None)
@@ -368,9 +396,77 @@ class LmcacheSink:
                 log.warning("lmcache: a pin outlives its TTL: %s", problem.reason)
 
         task = asyncio.create_task(release())
-        self._held_pins[id(task)] = token_ids
+        self._held_pins[id(task)] = _Pinned(order, token_ids, keys, task)
         self._unpins.add(task)
         task.add_done_callback(self._unpins.discard)
+        if self.pin_check_seconds > 0 and (self._pin_watch is None or self._pin_watch.done()):
+            self._pin_watch = asyncio.create_task(self._watch_pins(), name="lmcache pin watch")
+
+    async def _watch_pins(self) -> None:
+        """Checks the pins while it holds any (a new pin starts it again)."""
+        while self._held_pins and not self._closed:
+            await self._sleep(self.pin_check_seconds)
+            try:
+                await self.check_pins()
+            except _Failed as problem:  # away: checked again next time
+                log.info("lmcache: pins not checked: %s", problem.reason)
+            except Exception:  # a bug here must not end the checks
+                log.exception("lmcache: checking the pins failed")
+
+    async def check_pins(self) -> list[str]:
+        """Whether the coordinator still holds this sink's pins (see the module doc); reports
+        the orders of the pins it lost and returns their ids."""
+        before = dict(self._held_pins)
+        if not any(p.keys for p in before.values()):
+            return []
+        listed = await self._pinned_keys()
+        # Only the pins held throughout the listing: one released meanwhile may be gone from it
+        # (its release is dropped from the held pins before its DELETE is sent); one made
+        # meanwhile only adds to it.
+        held = {k: p for k, p in before.items() if self._held_pins.get(k) is p}
+        if listed >= sum(p.keys for p in held.values()):
+            return []
+        lost: dict[str, Order] = {}
+        for k, p in held.items():
+            del self._held_pins[k]
+            p.task.cancel()  # nothing of it left to release
+            lost[p.order.order_id] = p.order
+        log.warning(
+            "lmcache coordinator %s holds %d pinned keys of model %r, fewer than the %d this "
+            "sink pinned (restarted?): %d pin orders reported lost",
+            self.shown_url,
+            listed,
+            self.model_name,
+            sum(p.keys for p in held.values()),
+            len(lost),
+        )
+        for order in lost.values():
+            await self._ended(
+                order,
+                _Failed(
+                    "pin_lost",
+                    f"lmcache: pin lost: the coordinator {self.shown_url} no longer holds it "
+                    "(restarted?)",
+                ),
+            )
+        return list(lost)
+
+    async def _pinned_keys(self) -> int:
+        """The coordinator's pins of this sink's model and salt: their pin counts summed."""
+        total, offset = 0, 0
+        while True:
+            query = httpx.QueryParams(
+                model_name=self.model_name,
+                cache_salt=self.cache_salt,
+                offset=offset,
+                limit=PINS_PAGE,
+            )
+            answer = await self._call("list_pins", "GET", f"/cache/pins?{query}", None, None)
+            page = answer.get("pins") or []
+            total += sum(int(p.get("pin_count", 0) or 0) for p in page)
+            offset += len(page)
+            if not page or offset >= int(answer.get("total", 0) or 0):
+                return total
 
     async def _delete(self, job: _Job) -> None:
         order = job.order

@@ -408,14 +408,15 @@ class Metrics:
             "Orders the lmcache sink failed, by why: unknown_tokens, too_short, backlog, "
             "no_layout (a prefetch's 503 from the MP server), server_unavailable (another "
             "call's), unknown_instance, refused, unreachable (tries spent), timeout, not_found, "
-            "lmcache_error.",
+            "lmcache_error, fenced, pin_lost (a pin that completed, lost by the coordinator "
+            "since).",
             ["reason"],
             registry=r,
         )
         self.lmcache_retries = Counter(
             "kvprefetch_lmcache_call_retries",
             "Calls to LMCache's coordinator tried again (connection errors, timeouts, 429, 5xx), "
-            "by call: prefetch, poll, pin, unpin, delete.",
+            "by call: prefetch, poll, pin, unpin, delete, list_pins.",
             ["call"],
             registry=r,
         )

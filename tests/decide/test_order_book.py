@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+import orjson
+
 from app.decide.advisor import SessionAdvice
 from app.decide.plan_loop import feedback_observer
 from app.decide.routing import RouteTracker
@@ -185,3 +187,98 @@ def test_the_hand_over_carries_the_backoffs() -> None:
     new.take_over(2, old.handover_state())
     assert prefetches(tick(new, [advice("a", [0, 1])], 0.5)) == []
     assert len(prefetches(tick(new, [advice("a", [0, 1])], 1.0))) == 1
+
+
+def keep(session_id: str = "k", blocks: Sequence[int] = (1, 2)) -> SessionAdvice:
+    return advice(session_id, blocks, p_soon=0.1, p_keep=0.6, retention="keep")
+
+
+def pinning_scheduler(**kw: float) -> Scheduler:
+    store = store_with(free_bytes={"gpu-0": 0}, hbm={"gpu-0": [1, 2, 3]})
+    return Scheduler(store, config(**kw))
+
+
+def pins(plan: Plan) -> list[Order]:
+    return [o for o in plan.orders if o.kind == "pin"]
+
+
+def test_a_pin_is_held_only_once_confirmed_and_not_ordered_again_meanwhile() -> None:
+    sched = pinning_scheduler()
+    (pin,) = pins(tick(sched, [keep()], 0.0))
+    assert (sched.book.pins_pending, sched.book.pins_held) == (1, 0)
+    assert pins(tick(sched, [keep()], 1.0)) == []  # on its way
+    sched.on_progress(pin.order_id, "accepted")
+    sched.on_progress(pin.order_id, "completed")
+    assert (sched.book.pins_pending, sched.book.pins_held) == (0, 1)
+    assert pins(tick(sched, [keep()], 100.0)) == []
+
+
+def test_a_failed_pin_is_ordered_again_after_its_backoff_without_new_advice() -> None:
+    sched = pinning_scheduler()
+    (pin,) = pins(tick(sched, [keep()], 0.0))
+    sched.on_progress(pin.order_id, "failed")
+    assert sched.book.pins_pending == 0
+    assert pins(tick(sched, [keep()], 0.5)) == []  # re-advised, but backing off
+    (again,) = pins(sched.plan(1.0))  # due: decided again from the advice held
+    assert again.block_hashes == [1, 2] and again.order_id != pin.order_id
+    sched.on_progress(again.order_id, "failed")
+    assert pins(sched.plan(2.5)) == []  # twice in a row: 2 s
+    assert len(pins(sched.plan(3.0))) == 1
+
+
+def test_a_pin_nobody_answers_is_given_up_and_ordered_again() -> None:
+    sched = pinning_scheduler(overdue_seconds=10.0)
+    (pin,) = pins(tick(sched, [keep()], 0.0))
+    assert pins(sched.plan(9.9)) == []
+    assert pins(sched.plan(10.0)) == []  # given up now; its backoff starts
+    (again,) = pins(sched.plan(11.0))
+    # A late completion of the first is news of an order replaced: it confirms nothing.
+    sched.on_progress(pin.order_id, "completed")
+    assert sched.book.pins_held == 0
+    sched.on_progress(again.order_id, "completed")
+    assert sched.book.pins_held == 1
+
+
+def test_a_confirmed_pin_its_tier_lost_is_ordered_again_at_the_next_tick() -> None:
+    sched = pinning_scheduler()
+    (pin,) = pins(tick(sched, [keep()], 0.0))
+    sched.on_progress(pin.order_id, "completed")
+    sched.on_progress(pin.order_id, "failed")  # the LMCache sink: its coordinator restarted
+    assert (sched.book.pins_held, sched.book.pins_lost) == (0, 1)
+    (again,) = pins(sched.plan(0.1))
+    assert again.block_hashes == [1, 2]
+
+
+def test_a_failed_demote_is_ordered_again_after_its_backoff() -> None:
+    sched = pinning_scheduler()
+    drop = advice("d", [3], p_soon=0.0, p_keep=0.01, retention="demote")
+    (demote,) = tick(sched, [drop], 0.0).orders
+    assert tick(sched, [drop], 0.5).orders == []  # on its way
+    sched.on_progress(demote.order_id, "failed")
+    assert tick(sched, [drop], 0.6).orders == []
+    assert [o.kind for o in sched.plan(1.6).orders] == ["demote"]
+
+
+def test_the_hand_over_carries_the_pins_state() -> None:
+    old = pinning_scheduler()
+    (pin,) = pins(tick(old, [keep()], 0.0))
+    new = pinning_scheduler()
+    new.take_over(2, old.handover_state())
+    assert new.book.pins_pending == 1
+    assert pins(tick(new, [keep()], 1.0)) == []  # on its way, as the old planner knew
+    new.on_progress(pin.order_id, "completed")  # reported to the planner now in charge
+    assert new.book.pins_held == 1
+    nxt = pinning_scheduler()
+    nxt.take_over(3, new.handover_state())
+    nxt.on_progress(pin.order_id, "failed")  # lost, as a confirmed pin
+    assert len(pins(tick(nxt, [keep()], 2.0))) == 1
+
+
+def test_an_older_planners_pin_entries_are_read_as_confirmed() -> None:
+    sched = pinning_scheduler()
+    spell = ["gpu-0", "k", 2, 2]
+    sched.take_over(
+        1, {"p:k": orjson.dumps([spell, 300.0]).decode(), "d:d": orjson.dumps(spell).decode()}
+    )
+    assert sched.book.pins_held == 1
+    assert pins(tick(sched, [keep()], 1.0)) == []

@@ -293,6 +293,8 @@ def test_pins_follow_keep_advice_once_per_ttl_and_demotes_once_per_spell() -> No
         ("demote", (3,), None),
         ("pin", (1, 2), 300.0),
     ]
+    for o in first.orders:  # confirmed: a pin or demote nobody answers is ordered again
+        sched.on_progress(o.order_id, "completed")
     assert tick(sched, [keep, drop], 10.0).orders == []
     assert [o.kind for o in tick(sched, [keep, drop], 296.0).orders] == ["pin"]  # about to lapse
     sched.forget("d")  # active again: its next idle spell is a new question
@@ -491,7 +493,7 @@ class _Counting(MemoryStore):
 
     views = 0
 
-    def instances(self, **kw):  # type: ignore[no-untyped-def,override]
+    def instances(self, **kw):
         out = super().instances(**kw)
         self.views += len(out)
         return out

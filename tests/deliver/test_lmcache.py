@@ -58,14 +58,14 @@ def _wait(url: str, ready: Any, proc: subprocess.Popen[bytes], log: Path) -> Non
     deadline = time.monotonic() + STARTUP_SECONDS
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"{proc.args} exited {proc.returncode}:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"{proc.args!r} exited {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             if ready(httpx.get(url, timeout=2)):
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    pytest.fail(f"{proc.args} not ready in {STARTUP_SECONDS:g} s:\n{log.read_text()[-3000:]}")
+    pytest.fail(f"{proc.args!r} not ready in {STARTUP_SECONDS:g} s:\n{log.read_text()[-3000:]}")
 
 
 def _start(args: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -296,6 +296,53 @@ def test_close_releases_the_pins_it_holds(coordinator: str) -> None:
         assert len(pins(coordinator)) == 2
         await sink.close()
         assert pins(coordinator) == []
+
+    asyncio.run(main())
+
+
+def unpin_behind_the_sinks_back(url: str) -> None:
+    """What a coordinator restart does to the chain's pins, done by hand."""
+    body = {"model_name": MODEL, "world_size": 1, "token_ids": CHAIN_TOKENS, "cache_salt": ""}
+    assert httpx.request("DELETE", f"{url}/cache/pins", json=body).status_code == 200
+
+
+def test_pins_the_coordinator_no_longer_holds_are_reported_lost(coordinator: str) -> None:
+    async def main() -> None:
+        sink, reports, metrics = make_sink(coordinator, pin_check_seconds=0)  # checked by hand
+        try:
+            await sink.submit([pin_order("pin-lost", ttl_seconds=3600.0)])
+            await sink.settle()
+            assert await sink.check_pins() == []  # all there
+            unpin_behind_the_sinks_back(coordinator)
+            assert await sink.check_pins() == ["pin-lost"]
+            (done, lost) = reports.of("pin-lost")
+            assert done == ("completed", None)
+            assert lost[0] == "failed" and "pin lost" in (lost[1] or "")
+            assert sink.pins_held == 0 and await sink.check_pins() == []
+            assert (
+                sample(metrics, "kvprefetch_lmcache_order_failures_total", reason="pin_lost") == 1
+            )
+        finally:
+            await sink.close()
+
+    asyncio.run(main())
+
+
+def test_the_sink_checks_its_pins_while_it_holds_any(coordinator: str) -> None:
+    async def main() -> None:
+        sink, reports, _ = make_sink(coordinator, pin_check_seconds=0.05)
+        try:
+            await sink.submit([pin_order("pin-watched", ttl_seconds=3600.0)])
+            await sink.settle()
+            await asyncio.sleep(0.2)
+            assert reports.of("pin-watched") == [("completed", None)]  # checked, and there
+            unpin_behind_the_sinks_back(coordinator)
+            deadline = time.monotonic() + 30
+            while len(reports.of("pin-watched")) < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert [s for s, _ in reports.of("pin-watched")] == ["completed", "failed"]
+        finally:
+            await sink.close()
 
     asyncio.run(main())
 
