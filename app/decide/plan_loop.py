@@ -2,14 +2,17 @@
 
 Every `plan_interval_seconds` the Dispatcher asks the scheduler for a plan (app/decide/
 scheduler.py) and hands its orders and cancels to the configured sink (app/deliver/).
-An order the sink could not take is reported to the scheduler as failed, so the next tick may
-plan it again rather than count it as on its way. While the store is unavailable every tick
+An order the sink could not take is reported to the scheduler as failed, so a later tick plans
+it again (once the order book's backoff for its sessions passed) rather than count it as on its
+way. While the store is unavailable every tick
 fails; that is logged once per outage, and what a failed tick decided goes out with the next
 tick that completes (Scheduler.plan).
 
 `feedback_observer` is the ingest observer that tells the scheduler what happened: a request
 routed (its session's advice is void; its order, if it went where the order goes, is used), a
-session closed, an order's progress; and tells the route tracker where returns land.
+session closed, an order's progress, blocks an engine reports gone (kv_blocks_removed and
+kv_blocks_cleared, vLLM's own batches too: a delivered prefetch of them no longer stands, see
+app/decide/order_book.py); and tells the route tracker where returns land.
 """
 
 from __future__ import annotations
@@ -31,10 +34,14 @@ from app.ingest.ingestor import Observer
 from app.state.storethread import Offload
 from kvprefetch_client.events import (
     Event,
+    KvBlocksCleared,
+    KvBlocksRemoved,
     OrderProgress,
     RequestRouted,
     RequestStarted,
     SessionClosed,
+    VllmBlockStored,
+    VllmKvEvents,
 )
 
 log = logging.getLogger(__name__)
@@ -118,7 +125,9 @@ class Dispatcher:
             except SinkError as exc:
                 self.undelivered += len(plan.orders)
                 log.warning(
-                    "%d orders not delivered (planned again next tick): %s", len(plan.orders), exc
+                    "%d orders not delivered (planned again after a backoff): %s",
+                    len(plan.orders),
+                    exc,
                 )
                 await self._run(self._failed, plan, fail_fast=False)  # needs no store
         return plan
@@ -176,5 +185,24 @@ def feedback_observer(
                 if kind == "order_progress":
                     progress = cast(OrderProgress, e)
                     scheduler.on_progress(progress.order_id, progress.status)
+                elif kind == "kv_blocks_removed":
+                    removed = cast(KvBlocksRemoved, e)
+                    scheduler.blocks_removed(
+                        removed.tier, removed.instance_id, removed.block_hashes
+                    )
+                elif kind == "kv_blocks_cleared":
+                    cleared = cast(KvBlocksCleared, e)
+                    scheduler.blocks_cleared(cleared.tier, cleared.instance_id)
+                elif kind == "vllm_kv_events":
+                    batch = cast(VllmKvEvents, e)
+                    # Expanded only when it removes something: most batches only store.
+                    if not all(isinstance(x, VllmBlockStored) for x in batch.events):
+                        for sub in batch.expand():
+                            if isinstance(sub, KvBlocksRemoved):
+                                scheduler.blocks_removed(
+                                    sub.tier, sub.instance_id, sub.block_hashes
+                                )
+                            elif isinstance(sub, KvBlocksCleared):
+                                scheduler.blocks_cleared(sub.tier, sub.instance_id)
 
     return observe

@@ -31,28 +31,20 @@ into a `Plan` of orders (client/kvprefetch_client/orders.py) and cancels:
   out for a prefetch. A destination that never reported its room gets no prefetch.
 - **Pins and demotes** follow the planner's keep and demote advice, once per idle spell, and a
   pin again only when the last one is about to lapse.
-- **Cancellation.** Each tick, an open prefetch not yet started whose sessions are no longer
-  candidates (closed, back already, routed elsewhere, or their chance fell below
-  `cancel_below_p`) is cancelled; one already accepted by an agent runs on, and if it has no
-  session left its bytes count as wasted.
 
-Progress comes back as order_progress events (`on_progress`); an open order an agent accepted
-whose blocks all show at the destination is done too (the agent also reports the blocks as
-stored); one nobody accepted whose blocks got there by other means (a request loaded them) is
-withdrawn. A landed prefetch is used by as much of it as is still there when a session it
-served comes back to its instance; the rest was evicted first, moved for nothing. One with no
-word of its end `overdue_seconds` past its needed_by (its agent died while moving it, or nobody
-took it) is given up: counted failed, or cancelled if it never started, so its blocks can be
-ordered again and its bytes stop holding the destination's room.
+What became of each order is the order book's (app/decide/order_book.py, `Scheduler.book`): the
+open orders and their progress (order_progress events, `on_progress`), retiring landed ones,
+giving up overdue ones, cancelling those whose sessions fell (an open prefetch not yet started
+whose sessions are no longer candidates: closed, back already, routed elsewhere, or their chance
+fell below `cancel_below_p`), the pins' and demotes' spells, the landed prefetches' use, the
+totals, and the hand-over to the next planning term. The scheduler plans (the candidates, room
+and links) and asks the book what is open, pinned or demoted.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-
-import orjson
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 
 from app.core.cluster import (
     BLOCK_TOKENS,
@@ -63,11 +55,10 @@ from app.core.cluster import (
     ClusterSpec,
 )
 from app.decide.advisor import SessionAdvice, Thresholds
+from app.decide.order_book import OrderBook, SchedulerTotals, Spell, spell_of
 from app.state.base import StateStore
 from kvprefetch_client.events import BlockHash, Tier
-from kvprefetch_client.orders import Cancel, Order, OrderKind, from_json, order_id_for
-
-log = logging.getLogger(__name__)
+from kvprefetch_client.orders import Cancel, Order, OrderKind, order_id_for
 
 # A planning term's order ids start at its lease token times this (decisions.md, 23): ids of
 # different terms never meet, so the sinks' fleet-wide dedupe never drops a new term's order.
@@ -98,6 +89,11 @@ class SchedulerConfig:
     # long enough for a dead agent's order to be taken over and finished (a stream entry is
     # claimed after 30 s by default), short enough that its room is not held for good.
     overdue_seconds: float = 60.0
+    # A failed order's session waits this long before it is ordered to that destination again,
+    # doubling with each failure in a row up to the cap (app/decide/order_book.py): a failing
+    # destination is tried again, not every tick.
+    retry_backoff_seconds: float = 1.0
+    retry_backoff_max_seconds: float = 30.0
 
     @classmethod
     def from_cluster(
@@ -134,58 +130,18 @@ class SchedulerConfig:
         return self.cluster.link_bytes_per_second(source)
 
 
-# One idle spell of one session's context on one instance: (instance, session, blocks, last block).
-# A new turn grows the context, so its retention is a new question.
-_Spell = tuple[str, str, int, BlockHash]
-
-
-def _spell(a: SessionAdvice) -> _Spell:
-    return (a.instance_id or "", a.session_id, len(a.block_hashes), a.block_hashes[-1])
-
-
 @dataclass(frozen=True, slots=True)
 class Plan:
     orders: list[Order]
     cancels: list[Cancel]
 
 
-@dataclass(slots=True)
-class _Open:
-    order: Order
-    started: bool = False
-    sessions: set[str] = field(default_factory=set)
-    used: bool = False  # a session it served was routed to its destination
-    wasted: bool = False
-    served: set[str] = field(default_factory=set)  # every session it was ordered for
-
-
-@dataclass(slots=True)
-class SchedulerTotals:
-    orders: dict[str, int] = field(default_factory=lambda: {"prefetch": 0, "pin": 0, "demote": 0})
-    bytes_ordered: int = 0
-    completed: int = 0
-    failed: int = 0
-    cancelled: int = 0
-    bytes_wasted: int = 0
-    # Landed prefetches: used when a session they served came back to their instance; unused when
-    # every session they served came back elsewhere, closed, or stopped being advised on.
-    bytes_used: int = 0
-    bytes_unused: int = 0
-
-
-@dataclass(slots=True)
-class _Landed:
-    instance_id: str
-    size_bytes: int
-    sessions: set[str]
-    block_hashes: list[BlockHash]
-
-
 class Scheduler:
     """Advice in (`advise`, as sessions are scored: one at a finish, or a page per tick), sessions
     out (`forget`, when one is active again or closed), orders out (`plan`, each tick). The latest
     advice per session is kept, so a tick costs the candidates and the open orders, not every
-    session tracked; advice not refreshed within `advice_ttl_seconds` is dropped."""
+    session tracked; advice not refreshed within `advice_ttl_seconds` is dropped. What became of
+    each order is the order book's (`book`, app/decide/order_book.py)."""
 
     def __init__(
         self, store: StateStore, config: SchedulerConfig, *, advice_ttl_seconds: float = 120.0
@@ -194,30 +150,22 @@ class Scheduler:
         self.config = config
         self._cluster = config.cluster  # built once: the config is frozen
         self.advice_ttl_seconds = advice_ttl_seconds
-        self.totals = SchedulerTotals()
-        self._open: dict[str, _Open] = {}
+        self.book = OrderBook(store, config, advice_of=self._advice_of, release=self._release)
         # (instance, source tier) -> the intervals its prefetch share is booked for.
         self._link_booked: dict[tuple[str, Tier], list[tuple[float, float]]] = {}
-        self._booking: dict[
-            str, tuple[tuple[str, Tier], tuple[float, float]]
-        ] = {}  # order -> its slot
+        # order -> its slot
+        self._booking: dict[str, tuple[tuple[str, Tier], tuple[float, float]]] = {}
         self._latest: dict[str, tuple[SessionAdvice, float]] = {}  # oldest update first
         self._candidates: dict[str, SessionAdvice] = {}
-        self._fresh: dict[
-            str, SessionAdvice
-        ] = {}  # advised since the last plan: retention to decide
-        self._pinned: dict[str, tuple[_Spell, float]] = {}  # session -> its pinned spell, until
-        self._demoted: dict[str, _Spell] = {}
-        self._landed: dict[str, _Landed] = {}  # landed prefetches waiting for a session's return
-        # session -> ids of the open orders that served it (may name orders since closed): an
-        # arrival, on the ingest path, finds its orders without scanning every open one.
-        self._served_by: dict[str, set[str]] = {}
-        self._landed_by_session: dict[str, set[str]] = {}
+        # Advised since the last plan: retention to decide.
+        self._fresh: dict[str, SessionAdvice] = {}
         self._generation = 0
         # What a tick cut short by a store failure decided: handed out by the next plan().
         self._carried: tuple[list[Cancel], list[Order]] = ([], [])
-        # order id -> (the order, its hand-over value), so an unchanged order is not re-encoded.
-        self._encoded: dict[str, tuple[Order, bool, str]] = {}
+
+    @property
+    def totals(self) -> SchedulerTotals:
+        return self.book.totals
 
     # -- input ------------------------------------------------------------------------------
 
@@ -226,6 +174,7 @@ class Scheduler:
             self._latest.pop(a.session_id, None)
             self._latest[a.session_id] = (a, now)
             self._fresh[a.session_id] = a
+            self.book.advised(a)
             if a.prefetch and a.instance_id is not None and a.p_soon >= self.config.prefetch_min_p:
                 self._candidates[a.session_id] = a
             else:
@@ -237,65 +186,33 @@ class Scheduler:
         self._latest.pop(session_id, None)
         self._candidates.pop(session_id, None)
         self._fresh.pop(session_id, None)
-        self._pinned.pop(session_id, None)
-        self._demoted.pop(session_id, None)
-        for order_id in self._served_by.pop(session_id, ()):
-            e = self._open.get(order_id)
-            if e is not None and routed_to == e.order.instance_id:
-                e.used = True
-        for order_id in self._landed_by_session.pop(session_id, ()):
-            landed = self._landed.get(order_id)
-            if landed is None:
-                continue
-            landed.sessions.discard(session_id)
-            if routed_to == landed.instance_id:
-                # Used as far as it is still there: blocks evicted before the session came back
-                # were moved for nothing.
-                held = self.store.holds("hbm", landed.instance_id, landed.block_hashes)
-                used = landed.size_bytes * sum(held) // max(len(held), 1)
-                self.totals.bytes_used += used
-                self.totals.bytes_unused += landed.size_bytes - used
-                del self._landed[order_id]
-            elif not landed.sessions:
-                self.totals.bytes_unused += landed.size_bytes
-                del self._landed[order_id]
+        self.book.forget(session_id, routed_to=routed_to)
 
     def on_progress(self, order_id: str, status: str) -> None:
         """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""
-        entry = self._open.get(order_id)
-        if entry is None:
-            return
-        if status == "accepted":
-            entry.started = True
-        elif status in ("completed", "failed"):
-            del self._open[order_id]
-            self._booking.pop(order_id, None)
-            if status == "completed":
-                self._has_landed(order_id, entry)
-            else:
-                self.totals.failed += 1
+        self.book.on_progress(order_id, status)
+
+    def blocks_removed(
+        self, tier: str, instance_id: str | None, block_hashes: Iterable[BlockHash]
+    ) -> None:
+        """The engine reports blocks gone (kv_blocks_removed): a delivery of them there no longer
+        stands."""
+        self.book.blocks_removed(tier, instance_id, block_hashes)
+
+    def blocks_cleared(self, tier: str, instance_id: str | None) -> None:
+        """Every block at the place is gone (kv_blocks_cleared)."""
+        self.book.blocks_cleared(tier, instance_id)
+
+    def _advice_of(self, session_id: str) -> SessionAdvice | None:
+        latest = self._latest.get(session_id)
+        return None if latest is None else latest[0]
 
     # -- a planning replica's hand-over (decisions.md, 23) ------------------------------------
 
     def handover_state(self) -> dict[str, str]:
         """What a planner taking over from this one needs so as not to order anything twice:
-        the open orders (`o:<id>`), the pinned (`p:<session>`) and demoted (`d:<session>`)
-        spells. Field -> value, for a Redis hash."""
-        out: dict[str, str] = {}
-        encoded: dict[str, tuple[Order, bool, str]] = {}
-        for order_id, e in list(self._open.items()):
-            cached = self._encoded.get(order_id)
-            if cached is None or cached[0] is not e.order or cached[1] != e.started:
-                value = ("1" if e.started else "0") + e.order.to_json().decode()
-                cached = (e.order, e.started, value)
-            encoded[order_id] = cached
-            out[f"o:{order_id}"] = cached[2]
-        self._encoded = encoded
-        for session_id, (spell, until) in list(self._pinned.items()):
-            out[f"p:{session_id}"] = orjson.dumps([spell, until]).decode()
-        for session_id, spell in list(self._demoted.items()):
-            out[f"d:{session_id}"] = orjson.dumps(spell).decode()
-        return out
+        the order book's (OrderBook.handover_state). Field -> value, for a Redis hash."""
+        return self.book.handover_state()
 
     def take_over(self, token: int, state: dict[str, str]) -> int:
         """Start planning term `token` from the hand-over state the last planner wrote: its open
@@ -304,46 +221,18 @@ class Scheduler:
         adopted. What this replica planned in an earlier term of its own is dropped first."""
         self._generation = token * TERM_GENERATIONS
         self._carried = ([], [])
-        self._open.clear()
         self._booking.clear()
         self._link_booked.clear()
-        self._served_by.clear()
-        self._pinned.clear()
-        self._demoted.clear()
-        self._encoded.clear()
-        for field_, value in state.items():
-            kind, _, key = field_.partition(":")
-            try:
-                if kind == "o":
-                    order = from_json(value[1:])
-                    if not isinstance(order, Order):
-                        continue
-                    sessions = set(order.session_ids)
-                    self._open[key] = _Open(
-                        order, started=value[0] == "1", sessions=sessions, served=set(sessions)
-                    )
-                    for sid in sessions:
-                        self._served_by.setdefault(sid, set()).add(key)
-                elif kind == "p":
-                    spell, until = orjson.loads(value)
-                    self._pinned[key] = (tuple(spell), float(until))
-                elif kind == "d":
-                    self._demoted[key] = tuple(orjson.loads(value))
-            except (ValueError, TypeError) as exc:  # one bad entry must not stop the take-over
-                log.warning("hand-over entry %r unreadable: %s", field_, exc)
-        return len(self._open)
+        return self.book.take_over(state)
 
     # -- views ------------------------------------------------------------------------------
 
     def open_order(self, order_id: str) -> Order | None:
         """One open order by id (a dict read: safe from the loop while the store thread plans)."""
-        e = self._open.get(order_id)
-        return None if e is None else e.order
+        return self.book.open_order(order_id)
 
     def open_orders(self) -> list[Order]:
-        # Copied at once (one C call): with the Redis store the planning side changes _open on
-        # the store thread while a route on the loop reads (app/state/storethread.py).
-        return [e.order for e in list(self._open.values())]
+        return self.book.open_orders()
 
     def latest_advice(self) -> list[tuple[SessionAdvice, float]]:
         """Each tracked session's latest advice and when it was made (the dashboard's "back
@@ -351,11 +240,7 @@ class Scheduler:
         return list(self._latest.values())
 
     def inflight_bytes(self, instance_id: str) -> int:
-        return sum(
-            e.order.size_bytes
-            for e in self._open.values()
-            if e.order.kind == "prefetch" and e.order.instance_id == instance_id
-        )
+        return self.book.inflight_bytes(instance_id)
 
     @property
     def tracked_sessions(self) -> int:
@@ -387,10 +272,12 @@ class Scheduler:
         """plan(), adding to `cancels`, `orders` (pins, demotes) and `moving` as it goes."""
         cfg = self.config
         self._generation += 1
-        cancels += self._retire_landed()
+        book = self.book
+        book.tick(now)
+        cancels += book.retire_landed()
         self._expire(now)
-        cancels += self._give_up_overdue(now)
-        cancels += self._cancel_fallen()
+        cancels += book.give_up_overdue(now)
+        cancels += book.cancel_fallen()
         self._pins_and_demotes(list(self._fresh.values()), now, orders)
         self._fresh.clear()
 
@@ -401,15 +288,13 @@ class Scheduler:
             if dests
             else {}
         )
-        for inst, nbytes in self._inflight_by_instance().items():
+        for inst, nbytes in book.inflight_by_instance().items():
             if free.get(inst) is not None:
                 free[inst] = max(free[inst] - nbytes, 0)  # type: ignore[operator]
-        inflight_blocks = self._inflight_blocks()
+        inflight_blocks = book.inflight_blocks()
         ordered_now: dict[tuple[str, BlockHash], str] = {}
-        claimed: set[_Spell] = set()
-        displaceable: dict[
-            str, list[SessionAdvice]
-        ] = {}  # per destination, built when first needed
+        claimed: set[Spell] = set()
+        displaceable: dict[str, list[SessionAdvice]] = {}  # per destination, built when needed
         # A destination whose room or link ran out for one candidate has none for the less likely
         # ones after it (they may displace less): skipping them keeps a tick's cost to the
         # candidates that can still be served.
@@ -418,11 +303,10 @@ class Scheduler:
             dest: str = cand.instance_id  # type: ignore[assignment]
             if dest in exhausted or dest not in free:
                 continue  # out of room, or it never reported its room
-            blocks = list(dict.fromkeys(cand.block_hashes))
-            here = self.store.holds("hbm", dest, blocks)
-            missing = [
-                b for b, h in zip(blocks, here) if not h and b not in inflight_blocks.get(dest, ())
-            ]
+            if book.backing_off("prefetch", cand.session_id, dest):
+                continue  # its last order there failed: tried again once its backoff passed
+            missing = self._missing(cand, dest, inflight_blocks.get(dest, ()))
+            # Blocks an order of this tick moves there already: that order serves this one too.
             for order_id in dict.fromkeys(
                 ordered_now[(dest, b)] for b in missing if (dest, b) in ordered_now
             ):
@@ -433,23 +317,13 @@ class Scheduler:
                 room: int = free[dest]  # type: ignore[assignment]
                 if room < nbytes:
                     if dest not in displaceable:
-                        displaceable[dest] = sorted(
-                            (
-                                a
-                                for a, _ in self._latest.values()
-                                if a.instance_id == dest and a.retention != "keep"
-                            ),
-                            key=lambda a: (a.p_keep, a.session_id),
-                        )
+                        displaceable[dest] = self._displaceable(dest)
                     room += self._make_room(
                         dest, nbytes - room, cand, displaceable[dest], orders, now, claimed
                     )
-                    if room < nbytes:
-                        exhausted.add(dest)
-                        break
-                order = self._book(cand, dest, source, part, nbytes, now)
+                order = None if room < nbytes else self._book(cand, dest, source, part, nbytes, now)
                 if order is None:
-                    exhausted.add(dest)
+                    exhausted.add(dest)  # no room made, or its link is booked up
                     break
                 free[dest] = room - nbytes
                 moving[order.order_id] = order
@@ -457,15 +331,12 @@ class Scheduler:
                     ordered_now[(dest, b)] = order.order_id
         # A prefetch carried over from a tick cut short may be gone since (cancelled, or landed by
         # other means): it was never handed out, so neither it nor its cancel goes out now.
-        gone = {o.order_id for o in orders if o.kind == "prefetch" and o.order_id not in self._open}
+        gone = {o.order_id for o in orders if o.kind == "prefetch" and not book.is_open(o.order_id)}
         if gone:
             orders[:] = [o for o in orders if o.order_id not in gone]
             cancels[:] = [c for c in cancels if c.order_id not in gone]
         orders += moving.values()
-        for o in orders:
-            self.totals.orders[o.kind] += 1
-            if o.kind == "prefetch":
-                self.totals.bytes_ordered += o.size_bytes
+        book.issued(orders)
         return Plan(orders=orders, cancels=cancels)
 
     # -- parts of a tick ---------------------------------------------------------------------
@@ -480,92 +351,6 @@ class Scheduler:
         for session_id in stale:
             self.forget(session_id)
 
-    def _retire_landed(self) -> list[Cancel]:
-        """Open prefetches whose blocks all show at the destination: landed, if an agent took
-        them; if none did, the blocks came by other means (a request loaded them): the order is
-        withdrawn, neither completed nor used."""
-        cancels = []
-        for order_id, e in list(self._open.items()):
-            o = e.order
-            if o.kind == "prefetch" and all(
-                self.store.holds(o.tier, o.instance_id, o.block_hashes)
-            ):
-                del self._open[order_id]
-                if e.started:
-                    self._booking.pop(order_id, None)
-                    self._has_landed(order_id, e)
-                else:
-                    self._release(order_id)
-                    self.totals.cancelled += 1
-                    cancels.append(Cancel(order_id=order_id, reason="its blocks are there already"))
-        return cancels
-
-    def _has_landed(self, order_id: str, e: _Open) -> None:
-        """A prefetch completed: used already if a session it served came back there while it
-        moved; otherwise it waits for one of the sessions still advised on."""
-        self.totals.completed += 1
-        if e.order.kind != "prefetch":
-            return
-        if e.used:
-            self.totals.bytes_used += e.order.size_bytes
-            return
-        waiting = {s for s in e.served if s in self._latest}
-        if not waiting:
-            self.totals.bytes_unused += e.order.size_bytes
-            return
-        self._landed[order_id] = _Landed(
-            e.order.instance_id, e.order.size_bytes, waiting, e.order.block_hashes
-        )
-        for s in waiting:
-            self._landed_by_session.setdefault(s, set()).add(order_id)
-
-    def _give_up_overdue(self, now: float) -> list[Cancel]:
-        cutoff = now - self.config.overdue_seconds
-        cancels = []
-        for order_id, e in list(self._open.items()):
-            if e.order.needed_by_ts > cutoff:
-                continue
-            del self._open[order_id]
-            self._release(order_id)
-            if e.started:
-                self.totals.failed += 1
-            else:
-                self.totals.cancelled += 1
-                cancels.append(Cancel(order_id=order_id, reason="not done in time"))
-        return cancels
-
-    def _cancel_fallen(self) -> list[Cancel]:
-        cancels = []
-        for order_id, e in list(self._open.items()):
-            if e.order.kind != "prefetch":
-                continue
-            still = set()
-            for s in e.sessions:
-                latest = self._latest.get(s)
-                if (
-                    latest is not None
-                    and latest[0].instance_id == e.order.instance_id
-                    and latest[0].p_soon >= self.config.cancel_below_p
-                ):
-                    still.add(s)
-            e.sessions = still
-            if still:
-                continue
-            if e.started:
-                if not e.used and not e.wasted:
-                    e.wasted = True
-                    self.totals.bytes_wasted += (
-                        e.order.size_bytes
-                    )  # moving already: it lands unused
-                continue
-            del self._open[order_id]
-            self._release(order_id)
-            self.totals.cancelled += 1
-            cancels.append(
-                Cancel(order_id=order_id, reason="no session is likely back there in time")
-            )
-        return cancels
-
     def _pins_and_demotes(
         self, advice: Sequence[SessionAdvice], now: float, out: list[Order]
     ) -> None:
@@ -573,25 +358,44 @@ class Scheduler:
         for a in advice:
             if a.instance_id is None or not a.block_hashes:
                 continue
-            spell = _spell(a)
-            pinned = self._pinned.get(a.session_id)
+            spell = spell_of(a)
+            book = self.book
             if a.retention == "keep":
-                if (
-                    pinned is None
-                    or pinned[0] != spell
-                    or pinned[1] - self.config.repin_before_seconds <= now
-                ):
+                if book.wants_pin(a.session_id, spell, now):
                     resident = self._resident(a)
                     if resident:
-                        out.append(self._order("pin", a, resident, now, ttl_seconds=a.keep_seconds))
-                        self._pinned[a.session_id] = (spell, now + a.keep_seconds)
-                        self._demoted.pop(a.session_id, None)
-            elif a.retention == "demote" and self._demoted.get(a.session_id) != spell:
+                        pin = self._order("pin", a, resident, now, ttl_seconds=a.keep_seconds)
+                        out.append(pin)
+                        book.pin_ordered(pin, a.session_id, spell, now + a.keep_seconds)
+            elif a.retention == "demote" and book.demoted.get(a.session_id) != spell:
                 resident = self._resident(a, a.demotable_blocks)
                 if resident:
-                    out.append(self._order("demote", a, resident, now))
-                    self._demoted[a.session_id] = spell
-                    self._pinned.pop(a.session_id, None)
+                    demote = self._order("demote", a, resident, now)
+                    out.append(demote)
+                    book.demote_ordered(demote, a.session_id, spell)
+
+    def _missing(
+        self, cand: SessionAdvice, dest: str, inflight: Collection[BlockHash]
+    ) -> list[BlockHash]:
+        """The candidate's blocks neither at `dest`, nor on their way there, nor delivered there
+        by a prefetch that still stands (the engine may not report what a tier loaded)."""
+        blocks = list(dict.fromkeys(cand.block_hashes))
+        here = self.store.holds("hbm", dest, blocks)
+        delivered = self.book.delivered(dest)
+        return [
+            b for b, h in zip(blocks, here) if not h and b not in inflight and b not in delivered
+        ]
+
+    def _displaceable(self, dest: str) -> list[SessionAdvice]:
+        """The contexts at `dest` a prefetch may displace, least likely kept first."""
+        return sorted(
+            (
+                a
+                for a, _ in self._latest.values()
+                if a.instance_id == dest and a.retention != "keep"
+            ),
+            key=lambda a: (a.p_keep, a.session_id),
+        )
 
     def _make_room(
         self,
@@ -601,7 +405,7 @@ class Scheduler:
         displaceable: list[SessionAdvice],
         orders: list[Order],
         now: float,
-        claimed: set[_Spell],
+        claimed: set[Spell],
     ) -> int:
         """Demote contexts at `dest` less likely back than `cand`; returns the bytes freed. A
         context counted as room once this tick (`claimed`) is not counted again."""
@@ -614,16 +418,15 @@ class Scheduler:
             resident = self._resident(a, a.demotable_blocks)
             if not resident:
                 continue
-            key = _spell(a)
+            key = spell_of(a)
             if key in claimed:
                 continue
             claimed.add(key)
-            if (
-                self._demoted.get(a.session_id) != key
-            ):  # one demoted already goes first: no new order
-                orders.append(self._order("demote", a, resident, now))
-                self._demoted[a.session_id] = key
-                self._pinned.pop(a.session_id, None)
+            if self.book.demoted.get(a.session_id) != key:
+                # One demoted already goes first: no new order.
+                demote = self._order("demote", a, resident, now)
+                orders.append(demote)
+                self.book.demote_ordered(demote, a.session_id, key)
             freed += len(resident) * self.config.bytes_per_block
         return freed
 
@@ -668,10 +471,7 @@ class Scheduler:
             ttl_seconds=hold_seconds,
             priority=cand.p_soon * self._stall_avoided(source, len(blocks), nbytes),
         )
-        self._open[order.order_id] = _Open(
-            order, sessions={cand.session_id}, served={cand.session_id}
-        )
-        self._served_by.setdefault(cand.session_id, set()).add(order.order_id)
+        self.book.opened(order, cand.session_id, spell_of(cand))
         self._booking[order.order_id] = (link, (start_by, start_by + transfer_seconds))
         return order
 
@@ -693,10 +493,11 @@ class Scheduler:
                 return start
         return None
 
-    def _release(self, order_id: str) -> None:
-        """A cancelled order gives its link time back."""
+    def _release(self, order_id: str, give_back: bool) -> None:
+        """An order left the open ones: its booking goes; a withdrawn one (cancelled, given up)
+        gives its link time back."""
         booking = self._booking.pop(order_id, None)
-        if booking is not None:
+        if booking is not None and give_back:
             link, slot = booking
             slots = self._link_booked.get(link, [])
             if slot in slots:
@@ -714,11 +515,7 @@ class Scheduler:
                 "priority": order.priority + cand.p_soon * stall,
             }
         )
-        e = self._open[order.order_id]
-        e.order = grown
-        e.sessions.add(cand.session_id)
-        e.served.add(cand.session_id)
-        self._served_by.setdefault(cand.session_id, set()).add(order.order_id)
+        self.book.serves_too(grown, cand.session_id, spell_of(cand))
         return grown
 
     def _stall_avoided(self, source: Tier, blocks: int, nbytes: int) -> float:
@@ -780,17 +577,3 @@ class Scheduler:
             priority=priority,
             session_ids=[a.session_id],
         )
-
-    def _inflight_by_instance(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for e in self._open.values():
-            if e.order.kind == "prefetch":
-                out[e.order.instance_id] = out.get(e.order.instance_id, 0) + e.order.size_bytes
-        return out
-
-    def _inflight_blocks(self) -> dict[str, set[BlockHash]]:
-        out: dict[str, set[BlockHash]] = {}
-        for e in self._open.values():
-            if e.order.kind == "prefetch":
-                out.setdefault(e.order.instance_id, set()).update(e.order.block_hashes)
-        return out

@@ -40,11 +40,15 @@ def test_orders_go_to_the_sink() -> None:
     assert len(sched.open_orders()) == 1
 
 
-def test_orders_a_sink_did_not_take_are_planned_again() -> None:
+def test_orders_a_sink_did_not_take_are_planned_again_after_a_backoff() -> None:
     sched = scheduler_with_a_candidate()
-    dispatcher = Dispatcher(sched, DownSink(), ManualClock(0.0))
+    clock = ManualClock(0.0)
+    dispatcher = Dispatcher(sched, DownSink(), clock)
     first = asyncio.run(dispatcher.tick())
     assert len(first.orders) == 1 and sched.open_orders() == [] and dispatcher.undelivered == 1
+    clock.set(0.1)
+    assert asyncio.run(dispatcher.tick()).orders == []  # not every tick
+    clock.set(sched.config.retry_backoff_seconds)
     assert len(asyncio.run(dispatcher.tick()).orders) == 1  # not counted as on its way
 
 
@@ -126,7 +130,7 @@ def test_planning_is_said_to_resume_only_once_the_store_answers(
     down = {"tick": True, "ping": True}
     plan, ping = sched.plan, store.ping
 
-    def planned(now: float):  # type: ignore[no-untyped-def]
+    def planned(now: float):
         if down["tick"]:
             down["tick"] = False  # the first tick fails; the later ones touch nothing
             raise StoreUnavailable("Redis is unavailable")
