@@ -40,11 +40,11 @@ TARGET_SECONDS = 60.0
 
 
 def all_policies() -> list[str]:
-    """Every policy but those of the trained model (`learned`, `scheduled`: `--policy` times each
+    """Every policy but the trained model's (`learned`: `--policy` times it
     alone) and `signal` (`none` in a replay without signals, as the bench's are)."""
     from sim.policies import POLICIES
 
-    return [p for p in POLICIES if p not in ("learned", "scheduled", "signal")]
+    return [p for p in POLICIES if p not in ("learned", "signal")]
 
 
 def measure(trace: Path, policy: str, router: str, scenario: str, rounds: int) -> dict[str, Any]:
@@ -127,6 +127,7 @@ def run(
     rounds: int = 3,
 ) -> dict[str, Any]:
     from app.core.errors import ConfigError
+    from sim.policies import POLICIES, SCHEDULED_ALIAS
     from sim.policy_registry import make_policy
     from sim.routers import ROUTERS, make_router
     from sim.scenario import load_scenario
@@ -140,9 +141,9 @@ def run(
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
     policies = all_policies() if policy == "all" else [policy]
-    for p in policies:  # fail here, not in a child: unknown names, a model policy with no model
-        # `scheduled` needs the engine a child builds; its model loads as `learned`'s does.
-        make_policy("learned" if p == "scheduled" else p, session_view=lambda session_id: None)
+    for p in policies:  # fail here, not in a child
+        if p not in (*POLICIES, SCHEDULED_ALIAS):
+            make_policy(p)  # raises, naming the policies there are
     if router not in ROUTERS:
         make_router(router)  # raises, naming the routers there are
     load_scenario(scenario)

@@ -8,20 +8,20 @@
   the instance its router will pick, within link bandwidth. The upper bound. It is approximate:
   it predicts the destination by asking the router at prefetch time, and Belady's next use is
   global, not per instance.
-- `heuristic`: the service's planner (app/decide/advisor.py) over the HeuristicPredictor: each
-  session's median gap between its turns, no learning (sim/planned.py).
-- `learned`: the same planner over the LightGBM predictor trained from event logs (training/).
-- `clairvoyant`: the same planner over a predictor that knows each session's next arrival: what
-  a perfect model would win through the same mechanism (a diagnostic, like `oracle`).
-- `scheduled`: the learned planner's advice through the service's scheduler
-  (app/decide/scheduler.py): orders within link shares and destination room, deduplicated,
-  cancelled when the chance falls (sim/scheduled.py).
+- `heuristic`, `learned`, `clairvoyant`: the service's own engine under the replay's clock
+  (sim/planned.py): its scorer advises with the model it serves, its scheduler
+  (app/decide/scheduler.py) turns the advice into orders within link shares and destination
+  room, and the cluster model carries them out as a tier would. `heuristic` serves each
+  session's median gap between its turns (no learning); `learned` the LightGBM predictor trained
+  from event logs (training/); `clairvoyant` a predictor that knows each session's next arrival:
+  what a perfect model would win through the same planner (a diagnostic, like `oracle`).
+  `scheduled` is another name for `learned`.
 - `signal`: LRU retention, and on every session_signal (sim/signals.py) a prefetch of the
   session's context to its instance at once: the naive use of the signals, the baseline a model
   that reads them is measured against. Without signals it is `none`.
 
-The policies built on the service's planner live in sim/planned.py and sim/scheduled.py, on top
-of this module; `make_policy` (sim/policy_registry.py) builds any of them by name.
+The policies built on the service's planner live in sim/planned.py, on top of this module;
+`make_policy` (sim/policy_registry.py) builds any of them by name.
 """
 
 from __future__ import annotations
@@ -39,10 +39,13 @@ POLICIES = (
     "oracle",
     "heuristic",
     "learned",
-    "scheduled",
     "clairvoyant",
     "signal",
 )
+# The policies that run the service's engine (its model, scorer and scheduler).
+PLANNER_POLICIES = ("heuristic", "learned", "clairvoyant")
+# What `learned` was called when it alone went through the service's scheduler.
+SCHEDULED_ALIAS = "scheduled"
 INF = float("inf")
 
 

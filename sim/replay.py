@@ -2,8 +2,8 @@
 
 The engine here is the service's own (app/engine.py): every event the cluster emits goes through
 its ingest (the same event models the HTTP API validates, dedupe, its MemoryStore, its
-observers), under a simulated clock; the heuristic and learned policies read their sessions from
-its store, and the scheduled policy runs its scoring and planning ticks (sim/scheduled.py).
+observers), under a simulated clock; the planner's policies (heuristic, learned, clairvoyant) run
+its scoring and planning ticks and carry out its orders (sim/planned.py).
 """
 
 from __future__ import annotations
@@ -33,10 +33,11 @@ from app.state.base import SessionView
 from kvprefetch_client.events import Event, event_adapter
 from sim.cluster import Cluster, SimRequest
 from sim.metrics import byte_hit_rate_unshared, shared_blocks
+from sim.planned import ClusterSink
+from sim.policies import PLANNER_POLICIES, SCHEDULED_ALIAS
 from sim.policy_registry import make_policy
 from sim.routers import make_router
 from sim.scenario import Scenario
-from sim.scheduled import ClusterSink
 from sim.sessions import derive_sessions
 from sim.signals import generate_signals
 from sim.traces import TraceRequest
@@ -99,14 +100,17 @@ def sim_engine(
     session (no retention: a trace's own time is the only clock), a simulated clock from 0, the
     cluster's numbers, the model (`model_dir`, default the bundled one), the planner's thresholds
     (`planner_options`, by their Settings names), no event log (nothing lands in the data dir),
-    and the cluster model as the order sink (sim/scheduled.py). Built from defaults alone: the
+    and the cluster model as the order sink (sim/planned.py). Built from defaults alone: the
     environment's KVP_ settings do not change a replay. `load_model` False: the engine's
-    registry serves the heuristic (for a policy that never scores through the engine)."""
-    # The thresholds and the LRU guard's are settings; the Advisor's other options (its return
-    # horizon, how long idle a session may be) reach only the policies that build their own
-    # Advisor.
+    registry serves the heuristic (for a policy that never scores with the loaded model)."""
+    # The thresholds and the LRU guard's are settings: nothing else tunes the planner.
     names = (*Thresholds.__slots__, *GUARD_SETTINGS)
-    options = {k: v for k, v in (planner_options or {}).items() if k in names}
+    unknown = sorted(set(planner_options or {}) - set(names))
+    if unknown:
+        raise ValueError(
+            f"unknown planner option(s) {', '.join(unknown)}; choose from {', '.join(names)}"
+        )
+    options = dict(planner_options or {})
     fields: dict[str, Any] = {
         "bytes_per_token": scenario.bytes_per_token,
         "block_tokens": scenario.block_tokens,
@@ -196,26 +200,22 @@ def replay(
     requests = build_requests(trace)
     built = engine is None
     if engine is None:
-        # Only the scheduled policy scores through the engine's model: the others' replays do
-        # not pay for loading it.
+        # Only `learned` scores with the model loaded: the others' replays do not pay for it.
         engine = EngineFeed(
             sim_engine(
                 scenario,
                 model_dir=model_dir,
                 planner_options=planner_options,
-                load_model=policy == "scheduled",
+                load_model=policy in ("learned", SCHEDULED_ALIAS),
             ),
             keep_events=keep_events,
-            drain_each=policy == "scheduled" and router == "hinted",
+            drain_each=(policy in PLANNER_POLICIES or policy == SCHEDULED_ALIAS)
+            and router == "hinted",
         )
     app_engine = getattr(engine, "engine", None)
     pol = make_policy(
         policy,
         session_view=engine.session,
-        model_dir=model_dir,
-        planner_options=planner_options,
-        store=getattr(engine, "store", None),
-        scenario=scenario,
         engine=app_engine,
         # A running service as the engine (sim/remote.py): the `service` policy takes its orders.
         remote=engine if hasattr(engine, "pull_orders") else None,  # type: ignore[arg-type]

@@ -1,13 +1,13 @@
 """Choose the planner's thresholds on a window inside the training part, never on the judged part.
 
     python -m training.thresholds --model DIR --trace T.jsonl [--trace ...] [--window 0.5 0.7]
-        [--router sticky] [--policy learned|scheduled] [--setting '{"keep_min_p": 0.3}' ...]
+        [--router sticky] [--policy learned|heuristic] [--setting '{"keep_min_p": 0.3}' ...]
         [--json]
 
 The model must have been trained on data before the window (e.g. `python -m training.bundle
 --train-fraction 0.5 --out DIR`); each trace is replayed up to the window's end and only the
-requests arriving inside it are counted. Each setting is a set of app.decide.advisor.Advisor
-keyword arguments; `{}` is the planner's defaults, and `none` (plain LRU) is the baseline row.
+requests arriving inside it are counted. Each setting is a set of the planner's thresholds
+(app.decide.advisor.Thresholds, by their settings' names); `{}` is the planner's defaults, and `none` (plain LRU) is the baseline row.
 The setting with the best mean byte hit rate across traces is the one to ship.
 """
 
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--trace", type=Path, action="append", required=True)
     parser.add_argument("--window", type=float, nargs=2, default=(0.5, 0.7), metavar=("FROM", "TO"))
     parser.add_argument("--router", default="sticky")
-    parser.add_argument("--policy", default="learned", choices=("learned", "scheduled"))
+    parser.add_argument("--policy", default="learned", choices=("learned", "heuristic"))
     parser.add_argument("--scenario", default="default")
     parser.add_argument(
         "--setting",

@@ -169,6 +169,10 @@ class Advisor:
             floor = self._signal_floor(view, now) * p_same
             if floor > p_soon:  # the signal says more than the model read in it: fetch at once
                 p_soon, needed_in = floor, 0.0
+                # Back within the lead is back within the longer horizons too: a context already
+                # resident is then kept (pinned), so it survives until the turn the signal
+                # announces, as a landed prefetch is held.
+                p_keep, p_return = max(p_keep, floor), max(p_return, floor)
             retention: Retention = (
                 "keep"
                 if p_keep >= self.keep_min_p

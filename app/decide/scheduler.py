@@ -27,8 +27,12 @@ into a `Plan` of orders (client/kvprefetch_client/orders.py) and cancels:
   only clear `prefetch_min_p`. When that is short the prefetch is a swap, made only against
   contexts of sessions predicted less likely back than the candidate (lower p_keep than its
   chance; the stall each saves grows with its bytes, so per byte the chances compare): they are
-  demoted to make room, and the demote orders say so. Content no advice covers is never pushed
-  out for a prefetch. A destination that never reported its room gets no prefetch.
+  demoted to make room, and the demote orders say so. Past those, what the destination's own
+  eviction (LRU) takes next is content no advice keeps: every advised context there has a chance
+  below `keep_min_p` or it would be kept, so a candidate more likely back than `keep_min_p` may
+  take room that way, up to the destination's KV bytes a tick (the tier evicts for it, by its
+  own order, which leaves pinned contexts for last: no order names what goes). A
+  destination that never reported its room gets no prefetch.
 - **Pins and demotes** follow the planner's keep and demote advice, once per idle spell, and a
   pin again only when the last one is about to lapse.
 
@@ -74,6 +78,8 @@ class SchedulerConfig:
     lead_seconds: float = _THRESHOLDS.lead_seconds
     needed_within_fraction: float = 0.1
     prefetch_min_p: float = _THRESHOLDS.prefetch_min_p
+    # A candidate more likely back than this may take what the destination's LRU evicts next.
+    keep_min_p: float = _THRESHOLDS.keep_min_p
     # Hysteresis: an open order survives a small dip in its chance.
     cancel_below_p: float = _THRESHOLDS.cancel_below_p
     # The share of each link prefetch may use, so demand loads are never starved.
@@ -110,6 +116,7 @@ class SchedulerConfig:
             prefill_tokens_per_second=cluster.prefill_tokens_per_second,
             lead_seconds=t.lead_seconds,
             prefetch_min_p=t.prefetch_min_p,
+            keep_min_p=t.keep_min_p,
             cancel_below_p=t.cancel_below_p,
             **kw,
         )
@@ -289,11 +296,10 @@ class Scheduler:
 
         # Only the instances this plan may send to: a tick costs its candidates, not the fleet.
         dests = {c.instance_id for c in self._candidates.values() if c.instance_id is not None}
-        free = (
-            {i.instance_id: i.free_kv_bytes for i in self.store.instances(ids=list(dests))}
-            if dests
-            else {}
-        )
+        views = self.store.instances(ids=list(dests)) if dests else []
+        free = {i.instance_id: i.free_kv_bytes for i in views}
+        # What the destination's own eviction may take for prefetches this tick: its KV bytes.
+        lru_room = {i.instance_id: i.total_kv_bytes or 0 for i in views}
         for inst, nbytes in book.inflight_by_instance().items():
             if free.get(inst) is not None:
                 free[inst] = max(free[inst] - nbytes, 0)  # type: ignore[operator]
@@ -324,9 +330,15 @@ class Scheduler:
                 if room < nbytes:
                     if dest not in displaceable:
                         displaceable[dest] = self._displaceable(dest)
-                    room += self._make_room(
+                    freed = self._make_room(
                         dest, nbytes - room, cand, displaceable[dest], orders, now, claimed
                     )
+                    room += freed
+                    lru_room[dest] = max(lru_room[dest] - freed, 0)
+                    if room < nbytes and cand.p_soon > cfg.keep_min_p:
+                        taken = min(nbytes - room, lru_room[dest])
+                        lru_room[dest] -= taken
+                        room += taken
                 order = None if room < nbytes else self._book(cand, dest, source, part, nbytes, now)
                 if order is None:
                     exhausted.add(dest)  # no room made, or its link is booked up

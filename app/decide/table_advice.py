@@ -152,6 +152,11 @@ def advise_rows(
             lift = floor > p_soon[floored]
             p_soon[floored[lift]] = floor[lift]
             needed[floored[lift]] = 0.0
+            # As Advisor.advise: the longer horizons are at least as sure (a resident context
+            # is kept until the turn the signal announces).
+            at = floored[lift]
+            p_keep[at] = np.maximum(p_keep[at], floor[lift])
+            p_return[at] = np.maximum(p_return[at], floor[lift])
     retention = np.where(
         p_keep >= advisor.keep_min_p,
         _KEEP,

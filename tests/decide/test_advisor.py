@@ -274,3 +274,24 @@ def test_a_fresh_signal_is_at_least_as_sure_as_its_kind_has_been_here() -> None:
         .p_soon
         == 0.2
     )  # no deployment record: no floor
+
+
+def test_a_signal_keeps_a_resident_context_until_the_turn_it_announces() -> None:
+    """A context already resident has nothing to fetch: the signal's floor lifts its keep too, so
+    it is pinned rather than left to LRU in the seconds before the turn."""
+    from app.predict.features import DeploymentSignals
+    from app.state.base import SignalView
+
+    deployment = DeploymentSignals(window_seconds=1e12)
+    for i in range(40):
+        deployment.signal(f"o{i}", 10.0 * i, "opened")
+        deployment.arrival(f"o{i}", 10.0 * i + 3.0)
+    planner = Advisor(Fixed({"s": (0.05, 10.0)}), deployment=deployment)
+    quiet = view("s", last=950.0)
+    (unsignalled,) = planner.advise([quiet], 1000.0)
+    assert unsignalled.retention != "keep"
+    signalled = quiet.model_copy(update={"signals": [SignalView(ts=998.0, kind="opened")]})
+    (a,) = planner.advise([signalled], 1000.0)
+    assert a.retention == "keep" and a.keep_seconds > 0
+    assert a.p_keep >= a.p_soon == deployment.followed_lower_bound("opened")
+    assert a.p_return >= a.p_keep

@@ -516,3 +516,29 @@ def test_a_tick_reads_the_instances_it_may_send_to_not_the_fleet() -> None:
     plan = tick(sched, [advice("a", [1, 2], instance_id="gpu-7")], 2.0)
     assert [o.instance_id for o in prefetches(plan.orders)] == ["gpu-7"]
     assert store.views == 1
+
+
+def test_a_full_destination_takes_a_likely_prefetch_by_its_own_eviction() -> None:
+    """No free room and nothing advised there to demote: what the tier's LRU evicts next is
+    content no advice keeps, so a candidate more likely back than keep_min_p may take it (up to
+    the destination's KV bytes a tick); one less likely may not."""
+    store = store_with(free_bytes={"gpu-0": 0}, pool=range(100), hbm={"gpu-0": [50, 51, 52]})
+    store.apply(
+        [
+            InstanceStatus(
+                event_id=f"e{next(_ids)}",
+                ts=0.0,
+                instance_id="gpu-0",
+                free_kv_bytes=0,
+                total_kv_bytes=3 * BLOCK_BYTES,
+            )
+        ]
+    )
+    sched = Scheduler(store, config(prefetch_min_p=0.1, keep_min_p=0.2))
+    likely = advice("likely", [0, 1], p_soon=0.9)
+    unlikely = replace(advice("unlikely", [10, 11], p_soon=0.15), prefetch=True)
+    big = advice("big", [20, 21, 22], p_soon=0.8)
+    plan = tick(sched, [likely, unlikely, big], 0.0)
+    # likely fits in the tier's eviction; big would pass the destination's KV bytes this tick.
+    assert [o.session_ids for o in prefetches(plan.orders)] == [["likely"]]
+    assert not [o for o in plan.orders if o.kind == "demote"]  # the tier evicts: nothing named

@@ -4,18 +4,20 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from app.predict.registry import Serving
 from app.state.base import SessionView
 from kvprefetch_client.orders import Order
 from sim.cluster import Cluster, SimRequest
+from sim.planned import PlannedPolicy
 from sim.policies import POLICIES, Belady, Lookahead, NoPrefetch, Oracle, Policy
 from sim.policy_registry import make_policy
-from sim.replay import EngineFeed, sim_engine
-from sim.scheduled import ScheduledPolicy
+from sim.replay import EngineFeed, build_requests, sim_engine
+from sim.routers import make_router
+from sim.scenario import load_scenario
 from tests.sim.test_cluster import (
     BLOCK_BYTES,
     EXACT,
@@ -28,6 +30,7 @@ from tests.sim.test_cluster import (
     request,
     run,
     scenario,
+    trace_prefix,
 )
 
 PREFIX = 2500  # as test_cluster's invariant runs, whose replays are cached and reused here
@@ -167,7 +170,12 @@ def test_make_policy() -> None:
         "Belady",
         "Oracle",
     ]
-    assert make_policy("heuristic", session_view=lambda sid: None).name == "heuristic"
+    scen = scenario(prefill=100.0, instances=1, hbm_blocks=8)
+    for name in ("heuristic", "learned", "clairvoyant", "scheduled"):
+        feed = EngineFeed(sim_engine(scen, load_model=False))
+        made = make_policy(name, session_view=feed.session, engine=feed.engine)
+        assert isinstance(made, PlannedPolicy) and made.scheduler is feed.engine.scheduler
+        assert made.name == ("learned" if name == "scheduled" else name)
     with pytest.raises(ValueError, match="unknown policy 'nope'; choose from none, lookahead"):
         make_policy("nope")
     with pytest.raises(ValueError, match="session_view"):
@@ -179,7 +187,6 @@ def test_make_policy() -> None:
         "oracle",
         "heuristic",
         "learned",
-        "scheduled",
         "clairvoyant",
     } <= set(POLICIES)
 
@@ -273,7 +280,7 @@ class Chances:
         return np.array(rows)
 
 
-def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
+def test_the_planner_makes_room_and_prefetches_before_the_return() -> None:
     """HBM of 8 blocks: C evicts A's context (demoted at its finish: nothing said it was coming
     back); from 30 s the predictor says A is back soon and B, C are not, so at the tick (40 s)
     B's or C's context is demoted and A's fetched back before D (45 s)."""
@@ -286,9 +293,8 @@ def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
     d = request(3, 45.0, [*context(0, 4), 99], session="s0")
     app_engine = sim_engine(scen, load_model=False)
     chances = Chances({"s0": (0.9, 30.0)})
-    app_engine.models.serving = Serving(chances, "chances", None)  # type: ignore[arg-type]
     engine = EngineFeed(app_engine)
-    policy = ScheduledPolicy(app_engine, engine.session)
+    policy = PlannedPolicy(app_engine, engine.session, "chances", predictor=chances)
     submitted: list[Order] = []
     carry_out = policy.carry_out
 
@@ -321,9 +327,10 @@ def test_scheduled_policy_makes_room_and_prefetches_before_the_return() -> None:
     assert view is not None and view.status == "accepted"
 
 
-def test_scheduled_policy_without_the_in_process_engine_is_refused() -> None:
+@pytest.mark.parametrize("name", ["heuristic", "learned", "clairvoyant", "scheduled"])
+def test_the_planners_policies_without_the_in_process_engine_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match="needs the in-process engine"):
-        make_policy("scheduled", session_view=lambda sid: None)
+        make_policy(name, session_view=lambda sid: None)
 
 
 def test_clairvoyant_keeps_what_comes_back_through_the_same_planner() -> None:
@@ -336,71 +343,70 @@ def test_clairvoyant_keeps_what_comes_back_through_the_same_planner() -> None:
     d = request(3, 30.0, [*context(0, 4), 99], session="s0")
     scen = scenario(prefill=100.0, instances=1, hbm_blocks=8)
     engine = EngineFeed(sim_engine(scen, load_model=False))
-    policy = make_policy("clairvoyant", session_view=engine.session)
+    policy = make_policy("clairvoyant", session_view=engine.session, engine=engine.engine)
     CheckedCluster(scen, [a, b, c, d], Placed([0] * 4), policy, emit=engine.emit).run()
     assert d.hit_blocks == 4 and d.stall_seconds == 0.0
 
 
-def test_a_prefetch_into_a_full_hbm_displaces_only_contexts_less_likely_back() -> None:
-    """HBM of 8 blocks, full with A's and B's contexts (idle). C's context, 4 blocks, is wanted
-    back: the swap is made against A (less likely back than C), never B, and not at all for a
-    candidate less likely back than either; one more likely back than what no advice keeps
-    (keep_min_p, 0.2) may take the cache's own eviction order when no advised context is
-    cheaper."""
-    from app.decide.advisor import Advisor, SessionAdvice
-    from sim.planned import PlannedPolicy
+@pytest.mark.parametrize("name", ["heuristic", "learned", "clairvoyant"])
+def test_what_the_cluster_carries_out_is_exactly_the_schedulers_plan(name: str) -> None:
+    """One planner: every prefetch, keep and demote the cluster does for a planner's policy is an
+    order the engine's scheduler planned (sim/planned.py decides nothing), and every order the
+    scheduler handed out reached the cluster."""
+    trace = trace_prefix(TRACE_FILES[1], 600)
+    scen = load_scenario("tight-hbm")
+    feed = EngineFeed(sim_engine(scen, load_model=name == "learned"))
+    policy = make_policy(name, session_view=feed.session, engine=feed.engine)
+    assert isinstance(policy, PlannedPolicy)
+    planned: list[Order] = []
+    plan = feed.engine.scheduler.plan
 
-    a, b = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4))
-    cluster = run(scenario(prefill=100.0, instances=1, hbm_blocks=8), [a, b], [0, 0])
-    hbm = cluster.instances[0].hbm
-    assert hbm.free == 0
-    cluster.written.update(context(20, 4))  # C's context was computed once, and left HBM
+    def recording_plan(*args: object, **kwargs: object) -> object:
+        out = plan(*args, **kwargs)  # type: ignore[arg-type]
+        planned.extend(out.orders)
+        return out
 
-    def advice(session_id: str, blocks: list[int], p: float) -> SessionAdvice:
-        return SessionAdvice(session_id, "gpu-0", tuple(blocks), "lru", 0.0, p, p, p, True)
+    feed.engine.scheduler.plan = recording_plan  # type: ignore[method-assign]
+    carried: list[Order] = []
+    carry_out = policy.carry_out
 
-    policy = PlannedPolicy(Advisor(NoModel()), lambda s: None, "test")
-    policy.attach(cluster)
-    policy._advised[0] = {"b": advice("b", context(10, 4), 0.8)}
-    assert not policy._room_for(0, advice("c", context(20, 4), 0.15), context(20, 4))
-    assert policy._room_for(0, advice("c", context(20, 4), 0.5), context(20, 4))
-    assert hbm.demoted == 0  # likelier than what LRU evicts next, and nothing advised is cheaper
-    policy._advised[0]["a"] = advice("a", context(0, 4), 0.1)
-    assert not policy._room_for(0, advice("c", context(20, 4), 0.05), context(20, 4))
-    assert hbm.demoted == 0  # no swap was worth it: nothing advised out
-    assert policy._room_for(0, advice("c", context(20, 4), 0.15), context(20, 4))
-    assert hbm.demoted == 4 and all(hbm.entries[x].demoted for x in context(0, 4))
-    assert cluster.prefetch(0, context(20, 4)) == 4
-    assert all(x in hbm for x in context(10, 4))  # B, more likely back than C, stays
+    def recording_carry_out(order: Order) -> None:
+        carried.append(order)
+        carry_out(order)
 
+    policy.carry_out = recording_carry_out  # type: ignore[method-assign]
+    done: dict[str, list[tuple[int, tuple[int, ...]]]] = {"prefetch": [], "keep": [], "demote": []}
+    requests = build_requests(trace)
+    cluster = CheckedCluster(scen, requests, make_router("sticky"), policy, emit=feed.emit)
+    for kind in done:
+        act = getattr(cluster, kind)
 
-def test_a_prefetch_never_displaces_a_context_advised_kept() -> None:
-    """As the scheduler never demotes what it pinned: a kept context stays even when less likely
-    back than the candidate; the swap then takes the cache's own order."""
-    from app.decide.advisor import Advisor, SessionAdvice
-    from sim.planned import PlannedPolicy
+        def recording(idx: int, blocks: Sequence[int], *rest: object, _k=kind, _act=act) -> object:
+            done[_k].append((idx, tuple(blocks)))
+            return _act(idx, blocks, *rest)
 
-    a, b = request(0, 0.0, context(0, 4)), request(1, 10.0, context(10, 4))
-    cluster = run(scenario(prefill=100.0, instances=1, hbm_blocks=8), [a, b], [0, 0])
-    hbm = cluster.instances[0].hbm
-    cluster.written.update(context(20, 4))
-    policy = PlannedPolicy(Advisor(NoModel()), lambda s: None, "test")
-    policy.attach(cluster)
-    policy._advised[0] = {
-        "a": SessionAdvice("a", "gpu-0", tuple(context(0, 4)), "keep", 300.0, 0.3, 0.3, 0.3, False)
+        setattr(cluster, kind, recording)
+    cluster.run()
+    assert [o.order_id for o in carried] == [o.order_id for o in planned] and planned
+    by_blocks = {
+        kind: {
+            (int(o.instance_id.removeprefix("gpu-")), tuple(o.block_hashes))
+            for o in planned
+            if o.kind == kind
+        }
+        for kind in ("prefetch", "pin", "demote")
     }
-    assert policy._room_for(
-        0,
-        SessionAdvice("c", "gpu-0", tuple(context(20, 4)), "lru", 0.0, 0.6, 0.6, 0.6, True),
-        context(20, 4),
-    )
-    assert hbm.demoted == 0
+    assert set(done["prefetch"]) <= by_blocks["prefetch"]
+    assert set(done["demote"]) <= by_blocks["demote"]
+    # A keep is a pin, or a landed prefetch held for its order's TTL.
+    assert set(done["keep"]) <= by_blocks["pin"] | by_blocks["prefetch"]
+    if name == "clairvoyant":  # it knows every return: it must have acted
+        assert done["prefetch"] or done["keep"]
 
 
-class NoModel:
-    name = "none"
-
-    def p_within(
-        self, sessions: Sequence[SessionView], now: float, horizons: Sequence[float]
-    ) -> np.ndarray:
-        return np.zeros((len(sessions), len(horizons)))
+def test_no_planning_rule_lives_in_sim() -> None:
+    """The replay builds no advisor and makes no room of its own: the service's scheduler does."""
+    sim_dir = Path(__file__).resolve().parents[2] / "sim"
+    for path in sim_dir.glob("*.py"):
+        text = path.read_text()
+        assert "Advisor(" not in text and "_room_for" not in text, path.name

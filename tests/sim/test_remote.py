@@ -1,8 +1,9 @@
 """Replay over HTTP (sim/remote.py) against a real service gives what an in-process replay gives.
 
 The slice is small (the synthetic trace's first 250 requests) on a cluster with little HBM, so
-the heuristic policy's decisions change the outcome: an over-HTTP replay whose session views
-differed from the in-process ones would show in its summary.
+lookahead's prefetches change the outcome. The planner's policies run the engine in process
+(sim/planned.py); over HTTP the service's own planner is replayed with `--policy service`
+(sim/served.py, tests/e2e/test_service_replay_e2e.py).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def trace() -> list[TraceRequest]:
 
 @pytest.fixture(scope="module")
 def scenario() -> Scenario:
-    # Two instances with 45 GB of HBM each: evictions and the heuristic's prefetches both happen.
+    # Two instances with 45 GB of HBM each: evictions and lookahead's prefetches both happen.
     return load_scenario("default").model_copy(
         update={"name": "small-hbm", "instances": 2, "hbm_kv_bytes": 45_000_000_000}
     )
@@ -83,7 +84,7 @@ class CountingFeed(EngineFeed):
 def in_process(
     trace: list[TraceRequest], scenario: Scenario, policy: str
 ) -> tuple[ReplayResult, CountingFeed]:
-    feed = CountingFeed(sim_engine(scenario, load_model=policy == "scheduled"), keep_events=True)
+    feed = CountingFeed(sim_engine(scenario, load_model=False), keep_events=True)
     return replay(trace, scenario, policy=policy, engine=feed), feed
 
 
@@ -109,7 +110,7 @@ def sessions_of(trace_result: ReplayResult) -> list[str]:
     return sorted({r.session_id for r in trace_result.requests})
 
 
-@pytest.mark.parametrize("policy", ["heuristic", "none"])
+@pytest.mark.parametrize("policy", ["lookahead", "none"])
 def test_over_http_matches_in_process(
     policy: str,
     trace: list[TraceRequest],
@@ -150,30 +151,22 @@ def test_over_http_matches_in_process(
     assert httpx.get(f"{service_url}/v1/sessions/{sid}").status_code == 404
 
 
-def test_the_heuristic_decides_on_sessions_read_over_http(
-    trace: list[TraceRequest], scenario: Scenario, service_url: str, local_run: Callable[..., Any]
+def test_the_planners_policies_are_refused_over_http(
+    trace: list[TraceRequest], scenario: Scenario, service_url: str
 ) -> None:
-    """The slice is one where session views matter, and over HTTP the policy reads every one."""
-    heuristic, feed = local_run("heuristic")
-    none, _ = local_run("none")
-    assert compared(heuristic.summary) | {"policy": "-"} != compared(none.summary) | {
-        "policy": "-"
-    }, "on this slice the heuristic decides as `none` does: pick one where session views matter"
-
-    with RemoteEngine(service_url, bytes_per_token=scenario.bytes_per_token) as engine:
-        result = replay(trace, scenario, policy="heuristic", engine=engine)
-    stats = engine.stats
-    assert stats.session_reads == feed.reads > 0  # the same reads, each after a flush
-    assert stats.events_posted == stats.events_emitted
-    assert compared(result.summary) == compared(heuristic.summary)
+    with (
+        RemoteEngine(service_url, bytes_per_token=scenario.bytes_per_token) as engine,
+        pytest.raises(ValueError, match="--policy service"),
+    ):
+        replay(trace, scenario, policy="heuristic", engine=engine)
 
 
 def test_a_second_run_against_the_same_service_sees_only_its_own_state(
     trace: list[TraceRequest], scenario: Scenario, service_url: str, local_run: Callable[..., Any]
 ) -> None:
-    local, _ = local_run("heuristic")
-    first = replay_via(service_url, trace, scenario, policy="heuristic")
-    second = replay_via(service_url, trace, scenario, policy="heuristic")
+    local, _ = local_run("lookahead")
+    first = replay_via(service_url, trace, scenario, policy="lookahead")
+    second = replay_via(service_url, trace, scenario, policy="lookahead")
     assert first.summary["run_id"] != second.summary["run_id"]
     assert compared(first.summary) == compared(second.summary) == compared(local.summary)
     assert first.summary["events_posted"] == second.summary["events_posted"]
@@ -370,12 +363,12 @@ def test_speed_must_be_a_positive_number(speed: float) -> None:
         RemoteEngine("http://127.0.0.1:9", speed=speed)
 
 
-def test_a_paced_heuristic_replay_reads_views_in_trace_time(
+def test_a_paced_replay_reads_views_in_trace_time(
     trace: list[TraceRequest], scenario: Scenario, service_url: str, local_run: Callable[..., Any]
 ) -> None:
-    """Paced, the service holds wall-clock times; the policy still sees the in-process views."""
+    """Paced, the service holds wall-clock times; the views read back are the in-process ones."""
     small = trace[:40]
-    local, feed = local_run("heuristic", len(small))
+    local, feed = local_run("lookahead", len(small))
     span = max(r.finished_at or 0.0 for r in local.requests) - min(
         r.arrival for r in local.requests
     )
@@ -384,7 +377,7 @@ def test_a_paced_heuristic_replay_reads_views_in_trace_time(
     with RemoteEngine(
         service_url, run_id="t-paced", bytes_per_token=scenario.bytes_per_token, speed=speed
     ) as engine:
-        result = replay(small, scenario, policy="heuristic", engine=engine)
+        result = replay(small, scenario, policy="lookahead", engine=engine)
         sid = sessions_of(local)[0]
         view, expected = engine.session(sid), feed.store.session(sid)
     assert time.time() - started >= span / speed * 0.9

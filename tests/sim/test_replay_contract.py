@@ -180,7 +180,7 @@ def outcome(result: Any) -> tuple[dict[str, Any], list[tuple]]:
         (TRACE_FILES[0], "oracle", "least-loaded"),
         (TRACE_FILES[1], "belady", "kv-aware"),
         (TRACE_FILES[0], "heuristic", "sticky"),
-        (TRACE_FILES[1], "scheduled", "least-loaded"),
+        (TRACE_FILES[1], "learned", "least-loaded"),
     ],
 )
 def test_two_replays_of_the_same_input_are_identical(trace: str, policy: str, router: str) -> None:
@@ -201,10 +201,9 @@ def test_a_replay_engine_takes_the_guard_settings_and_the_policies_obey_its_guar
     assert sim_engine(scen, load_model=False, planner_options={"lru_guard": False}).guard is None
     engine = sim_engine(scen, load_model=False, planner_options={"keep_min_p": 0.3})
     assert engine.guard is not None and engine.thresholds.keep_min_p == 0.3
-    policy = make_policy(
-        "heuristic",
-        session_view=engine.store.session,
-        planner_options={"lru_guard": True, "keep_min_p": 0.3},
-        engine=engine,
-    )
-    assert policy.guard is engine.guard and policy.planner.keep_min_p == 0.3  # type: ignore[attr-defined]
+    policy = make_policy("heuristic", session_view=engine.store.session, engine=engine)
+    # The policy plans with the engine's scorer and scheduler: their thresholds and guard.
+    assert policy.scheduler is engine.scheduler  # type: ignore[attr-defined]
+    assert engine.scorer.guard is engine.guard
+    with pytest.raises(ValueError, match="unknown planner option"):
+        sim_engine(scen, load_model=False, planner_options={"return_horizon_seconds": 60.0})

@@ -484,13 +484,14 @@ def test_over_http_a_signal_is_namespaced_and_read_back_in_trace_time() -> None:
 
 
 def test_the_planners_policies_advise_a_signalled_idle_session_at_once() -> None:
-    from app.decide.advisor import Advisor
-    from app.predict.predictors import HeuristicPredictor
     from sim.planned import PlannedPolicy
+    from sim.replay import sim_engine
     from tests.decide.test_advisor import view
+    from tests.sim.test_cluster import scenario
 
     views = {"long": view("long", last=-5000.0), "running": view("running", state="running")}
-    policy = PlannedPolicy(Advisor(HeuristicPredictor()), views.get, "heuristic")
+    engine = sim_engine(scenario(prefill=100.0), load_model=False)
+    policy = PlannedPolicy(engine, views.get, "heuristic")
     acted: list[tuple[list[str], float]] = []
     policy._act = lambda ids, now: acted.append((ids, now))  # type: ignore[method-assign]
     policy._idle = {"idle"}
