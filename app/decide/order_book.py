@@ -11,7 +11,7 @@ it, so that nothing is ordered twice and every byte is accounted for:
   by other means is withdrawn. One with no word of its end `overdue_seconds` past its needed_by is
   given up (`give_up_overdue`): failed if it had started, else cancelled. One not yet started
   whose sessions are no longer likely back there is cancelled (`cancel_fallen`); one already
-  moving runs on, and if it has no session left its bytes count as wasted.
+  moving runs on and lands as any.
 - **Pins and demotes**: the idle spell each session's context was pinned (until when) or demoted
   for, so each is ordered once per spell, a pin again only when it is about to lapse. A pin is
   held only once its order completed (confirmed); until then it is on its way, not ordered again.
@@ -28,9 +28,14 @@ it, so that nothing is ordered twice and every byte is accounted for:
   advice changes for every session it served (a new spell: the session had a turn, or is advised
   for another instance; or it was routed or closed), or until the order's ttl passes (the hold it
   asked for; the lead when it named none).
-- **Landed prefetches** wait for a session they served to come back: used by as much of them as
-  is still there when one comes back to their instance; unused when every session they served
-  came back elsewhere, closed, or stopped being advised on.
+- **Honest waste.** Every landed prefetch byte (the blocks' bytes, as ordered) ends used or
+  wasted, or still waits: used + wasted + waiting = landed (`SchedulerTotals`). Used: a request
+  routed to its instance names the block (request_routed's block hashes; a router that names none:
+  the blocks landed there for its session). Wasted: the block is evicted (kv_blocks_removed,
+  kv_blocks_cleared), demoted (a demote order for it), or its hold (the order's ttl) passes before
+  a request used it. The replay's `bytes_prefetched_unused` counts the same (prefetched blocks
+  evicted before use or never used). A prefetch whose sessions fell while it moved is not wasted
+  for that: it lands, and may still be used.
 - **Retries with backoff.** A failed order (reported failed, refused by the sink, or given up
   overdue after it started) makes each session it served wait before the next order of its kind
   to that destination: `retry_backoff_seconds`, doubling with each failure in a row, at most
@@ -47,7 +52,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
@@ -82,11 +87,18 @@ class SchedulerTotals:
     completed: int = 0
     failed: int = 0
     cancelled: int = 0
-    bytes_wasted: int = 0
-    # Landed prefetches: used when a session they served came back to their instance; unused when
-    # every session they served came back elsewhere, closed, or stopped being advised on.
+    # Landed prefetch bytes (the blocks' bytes, as ordered): each ends used (a request routed to
+    # their instance named them), or wasted (evicted, demoted, or its ttl passed before a request
+    # used it), or is still waiting: used + wasted + waiting == landed.
+    bytes_landed: int = 0
     bytes_used: int = 0
-    bytes_unused: int = 0
+    bytes_wasted: int = 0
+    bytes_waiting: int = 0
+
+    @property
+    def bytes_unused(self) -> int:
+        """The landed bytes that ended unused: the wasted ones (the replay's name for them)."""
+        return self.bytes_wasted
 
 
 @dataclass(slots=True)
@@ -95,18 +107,9 @@ class _Open:
     started: bool = False
     sessions: set[str] = field(default_factory=set)
     used: bool = False  # a session it served was routed to its destination
-    wasted: bool = False
     served: set[str] = field(default_factory=set)  # every session it was ordered for
     # The spell each session was served at (None: adopted from a hand-over, not known).
     spells: dict[str, Spell | None] = field(default_factory=dict)
-
-
-@dataclass(slots=True)
-class _Landed:
-    instance_id: str
-    size_bytes: int
-    sessions: set[str]
-    block_hashes: list[BlockHash]
 
 
 @dataclass(slots=True)
@@ -123,14 +126,17 @@ class _Retention:
 
 
 @dataclass(slots=True)
-class _Delivered:
-    """A completed prefetch, remembered at its place while it stands (see the module doc)."""
+class _Landed:
+    """A landed prefetch at its place (see the module doc): its delivery stands while it stands
+    for a session; its bytes wait for a request until used or wasted."""
 
     instance_id: str
     tier: str
-    blocks: set[BlockHash]  # landed and not reported gone since
+    blocks: set[BlockHash]  # landed and not reported gone (nor demoted) since
+    waiting: set[BlockHash]  # landed, neither used nor wasted yet
     sessions: dict[str, Spell | None]  # the sessions it stands for, at the spell it served
     until: float  # its ttl's end
+    block_bytes: int
 
 
 class OrderBook:
@@ -164,16 +170,16 @@ class OrderBook:
         # session -> when its failed or lost pin or demote is due to be decided again.
         self._retention_due: dict[str, float] = {}
         self.pins_lost = 0  # confirmed pins the tier reported lost since
-        self._landed: dict[str, _Landed] = {}  # landed prefetches waiting for a session's return
-        self._landed_by_session: dict[str, set[str]] = {}
         # order id -> (the order, its hand-over value), so an unchanged order is not re-encoded.
         self._encoded: dict[str, tuple[Order, bool, str]] = {}
-        # Delivered memory: order id -> its record; (instance, tier) -> block -> the records
-        # that hold it there; session -> the records standing for it; (until, id), a heap.
-        self._delivered: dict[str, _Delivered] = {}
-        self._delivered_at: dict[tuple[str, str], dict[BlockHash, set[str]]] = {}
-        self._delivered_for: dict[str, set[str]] = {}
-        self._delivered_until: list[tuple[float, str]] = []
+        # Landed prefetches: order id -> its record; (instance, tier) -> block -> the records
+        # whose block it is there, and those of the records standing; session -> the records
+        # standing for it; (until, id), a heap.
+        self._landed: dict[str, _Landed] = {}
+        self._landed_at: dict[tuple[str, str], dict[BlockHash, set[str]]] = {}
+        self._standing_at: dict[tuple[str, str], dict[BlockHash, set[str]]] = {}
+        self._standing_for: dict[str, set[str]] = {}
+        self._landed_until: list[tuple[float, str]] = []
         self._handed: dict[str, str] = {}  # order id -> its record's hand-over value
         # (kind, session, destination) -> (failures in a row, when it may be ordered again).
         self._backoff: dict[tuple[str, str, str], tuple[int, float]] = {}
@@ -234,7 +240,10 @@ class OrderBook:
         )
 
     def demote_ordered(self, order: Order, session_id: str, spell: Spell) -> None:
+        """A demote: its blocks go first at their place, so landed ones waiting there count as
+        wasted now (whether or not the tier reports them gone)."""
         self._retained(session_id, _Retention("demote", spell, order.order_id, order.instance_id))
+        self._gone((order.instance_id, order.tier), order.block_hashes)
 
     def _retained(self, session_id: str, r: _Retention) -> None:
         self._drop_retention(session_id)
@@ -315,17 +324,17 @@ class OrderBook:
         """Pins ordered and not confirmed yet."""
         return sum(1 for r in list(self._retention.values()) if r.kind == "pin" and not r.confirmed)
 
-    # -- delivered memory --------------------------------------------------------------------
+    # -- landed prefetches: delivered memory and waste ----------------------------------------
 
     def delivered(self, instance_id: str, tier: str = "hbm") -> Mapping[BlockHash, set[str]]:
         """The blocks at this place that a completed prefetch delivered and still stands for."""
-        return self._delivered_at.get((instance_id, tier), _NOTHING)
+        return self._standing_at.get((instance_id, tier), _NOTHING)
 
     def advised(self, a: SessionAdvice) -> None:
         """The session's latest advice: a delivery made for another spell of it no longer
         stands for it."""
-        for rid in list(self._delivered_for.get(a.session_id, ())):
-            rec = self._delivered[rid]
+        for rid in list(self._standing_for.get(a.session_id, ())):
+            rec = self._landed[rid]
             spell = rec.sessions[a.session_id]
             if (
                 a.instance_id != rec.instance_id
@@ -338,28 +347,73 @@ class OrderBook:
         self, tier: str, instance_id: str | None, blocks: Iterable[BlockHash]
     ) -> None:
         """The engine reports these blocks gone from the place (kv_blocks_removed)."""
-        at = self._delivered_at.get((instance_id or "", tier))
-        if not at:
-            return
-        for b in blocks:
-            for rid in at.pop(b, ()):
-                rec = self._delivered[rid]
-                rec.blocks.discard(b)
-                self._handed.pop(rid, None)
-                if not rec.blocks:
-                    self._drop(rid)
-        if not at:
-            self._delivered_at.pop((instance_id or "", tier), None)
+        self._gone((instance_id or "", tier), blocks)
 
     def blocks_cleared(self, tier: str, instance_id: str | None) -> None:
         """Every block at the place is gone (kv_blocks_cleared: an engine restart)."""
-        at = self._delivered_at.get((instance_id or "", tier))
-        for rid in {rid for rids in (at or {}).values() for rid in rids}:
-            self._drop(rid)
+        place = (instance_id or "", tier)
+        self._gone(place, list(self._landed_at.get(place, ())))
 
-    def _deliver(self, order_id: str, e: _Open) -> None:
-        """A prefetch landed: remembered for the sessions still advised on at the spell it was
-        ordered for, until its ttl passes."""
+    def _gone(self, place: tuple[str, str], blocks: Iterable[BlockHash]) -> None:
+        """Blocks no longer at the place (evicted, demoted, cleared): the ones still waiting
+        for a request were wasted, and no delivery stands for them there."""
+        at = self._landed_at.get(place)
+        if not at:
+            return
+        standing = self._standing_at.get(place, {})
+        touched: set[str] = set()
+        for b in blocks:
+            rids = at.pop(b, None)
+            if not rids:
+                continue
+            standing.pop(b, None)
+            for rid in rids:
+                rec = self._landed[rid]
+                rec.blocks.discard(b)
+                if b in rec.waiting:
+                    rec.waiting.discard(b)
+                    self.totals.bytes_wasted += rec.block_bytes
+                    self.totals.bytes_waiting -= rec.block_bytes
+                touched.add(rid)
+        self._tidy(place)
+        for rid in touched:
+            self._handed.pop(rid, None)
+            self._settle(rid)
+
+    def _used(self, place: tuple[str, str], blocks: Iterable[BlockHash]) -> None:
+        """A request routed to the place names these blocks: the landed ones waiting are used."""
+        at = self._landed_at.get(place)
+        if not at:
+            return
+        touched: set[str] = set()
+        for b in blocks:
+            for rid in at.get(b, ()):
+                rec = self._landed[rid]
+                if b in rec.waiting:
+                    rec.waiting.discard(b)
+                    self.totals.bytes_used += rec.block_bytes
+                    self.totals.bytes_waiting -= rec.block_bytes
+                    touched.add(rid)
+        for rid in touched:
+            self._handed.pop(rid, None)
+            self._settle(rid)
+
+    def _land(self, order_id: str, e: _Open) -> None:
+        """A prefetch landed: its bytes count as landed, used already if a session it served
+        was routed there while it moved, else waiting; its delivery stands for the sessions still
+        advised on at the spell it was ordered for, until its ttl passes."""
+        o = e.order
+        blocks = set(o.block_hashes)
+        block_bytes = o.size_bytes // max(len(blocks), 1)
+        nbytes = block_bytes * len(blocks)
+        t = self.totals
+        t.bytes_landed += nbytes
+        if e.used:
+            t.bytes_used += nbytes
+            waiting: set[BlockHash] = set()
+        else:
+            t.bytes_waiting += nbytes
+            waiting = set(blocks)
         sessions: dict[str, Spell | None] = {}
         for s in e.served:
             latest = self._advice_of(s)
@@ -368,44 +422,77 @@ class OrderBook:
                 spell is None or (latest.block_hashes and spell_of(latest) == spell)
             ):
                 sessions[s] = spell
-        if not sessions:
+        if not sessions and not waiting:
             return
-        o = e.order
         ttl = o.ttl_seconds if o.ttl_seconds is not None else self.config.lead_seconds
         self._remember(
             order_id,
-            _Delivered(o.instance_id, o.tier, set(o.block_hashes), sessions, self._now + ttl),
+            _Landed(o.instance_id, o.tier, blocks, waiting, sessions, self._now + ttl, block_bytes),
         )
 
-    def _remember(self, rid: str, rec: _Delivered) -> None:
-        self._delivered[rid] = rec
-        at = self._delivered_at.setdefault((rec.instance_id, rec.tier), {})
+    def _remember(self, rid: str, rec: _Landed) -> None:
+        self._landed[rid] = rec
+        place = (rec.instance_id, rec.tier)
+        at = self._landed_at.setdefault(place, {})
         for b in rec.blocks:
             at.setdefault(b, set()).add(rid)
+        if rec.sessions:
+            self._stand(rid, rec)
+        heapq.heappush(self._landed_until, (rec.until, rid))
+
+    def _stand(self, rid: str, rec: _Landed) -> None:
+        standing = self._standing_at.setdefault((rec.instance_id, rec.tier), {})
+        for b in rec.blocks:
+            standing.setdefault(b, set()).add(rid)
         for s in rec.sessions:
-            self._delivered_for.setdefault(s, set()).add(rid)
-        heapq.heappush(self._delivered_until, (rec.until, rid))
+            self._standing_for.setdefault(s, set()).add(rid)
 
     def _leave(self, rid: str, session_id: str) -> None:
-        """The delivery no longer stands for the session; with none left, it is forgotten."""
-        rec = self._delivered[rid]
+        """The delivery no longer stands for the session; with none left, it no longer stands
+        (its bytes may still wait for a request)."""
+        rec = self._landed[rid]
         rec.sessions.pop(session_id, None)
         self._handed.pop(rid, None)
-        self._unlink(self._delivered_for, session_id, rid)
+        self._unlink(self._standing_for, session_id, rid)
         if not rec.sessions:
+            self._unstand(rid, rec)
+            self._settle(rid)
+
+    def _unstand(self, rid: str, rec: _Landed) -> None:
+        place = (rec.instance_id, rec.tier)
+        standing = self._standing_at.get(place, {})
+        for b in rec.blocks:
+            self._unlink(standing, b, rid)
+        if not standing:
+            self._standing_at.pop(place, None)
+        for s in rec.sessions:
+            self._unlink(self._standing_for, s, rid)
+
+    def _settle(self, rid: str) -> None:
+        """A record with nothing left there, or neither standing nor waiting, is forgotten."""
+        rec = self._landed[rid]
+        if not rec.blocks or (not rec.sessions and not rec.waiting):
             self._drop(rid)
 
     def _drop(self, rid: str) -> None:
-        rec = self._delivered.pop(rid)
+        rec = self._landed.pop(rid)
         self._handed.pop(rid, None)
+        if rec.waiting:  # its ttl passed first
+            nbytes = rec.block_bytes * len(rec.waiting)
+            self.totals.bytes_wasted += nbytes
+            self.totals.bytes_waiting -= nbytes
+        if rec.sessions:
+            self._unstand(rid, rec)
         place = (rec.instance_id, rec.tier)
-        at = self._delivered_at.get(place, {})
+        at = self._landed_at.get(place, {})
         for b in rec.blocks:
             self._unlink(at, b, rid)
-        if not at:
-            self._delivered_at.pop(place, None)
-        for s in rec.sessions:
-            self._unlink(self._delivered_for, s, rid)
+        self._tidy(place)
+
+    def _tidy(self, place: tuple[str, str]) -> None:
+        for index in (self._landed_at, self._standing_at):
+            if not index.get(place, True):
+                del index[place]
 
     @staticmethod
     def _unlink(index: dict[_K, set[str]], key: _K, rid: str) -> None:
@@ -415,43 +502,47 @@ class OrderBook:
             if not rids:
                 del index[key]
 
-    def _expire_delivered(self, now: float) -> None:
-        heap = self._delivered_until
+    def _expire_landed(self, now: float) -> None:
+        """Landed prefetches past their ttl: whatever still waits was wasted (the hold it was
+        fetched for is over), and the delivery no longer stands."""
+        heap = self._landed_until
         while heap and heap[0][0] <= now:
             until, rid = heapq.heappop(heap)
-            rec = self._delivered.get(rid)
+            rec = self._landed.get(rid)
             if rec is not None and rec.until == until:
                 self._drop(rid)
 
     # -- what comes back ---------------------------------------------------------------------
 
-    def forget(self, session_id: str, *, routed_to: str | None = None) -> None:
-        """The session is active again (routed to `routed_to`) or closed. An order moving its
-        context to where it was routed is used by that request, not wasted."""
+    def forget(
+        self,
+        session_id: str,
+        *,
+        routed_to: str | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
+    ) -> None:
+        """The session is active again (routed to `routed_to`, its prompt's `block_hashes` when
+        the router names them) or closed. The landed blocks its request names at `routed_to` are
+        used; without the blocks, those of the prefetches landed there for it. An order moving
+        its context to where it was routed is used by that request, not wasted."""
         self._drop_retention(session_id)
         self._retention_due.pop(session_id, None)
-        for rid in list(self._delivered_for.get(session_id, ())):
-            self._leave(rid, session_id)
+        standing = list(self._standing_for.get(session_id, ()))
+        if routed_to is not None:
+            if block_hashes:
+                self._used((routed_to, "hbm"), block_hashes)
+            else:
+                for rid in standing:
+                    rec = self._landed[rid]
+                    if rec.instance_id == routed_to:
+                        self._used((routed_to, rec.tier), list(rec.waiting))
+        for rid in standing:
+            if rid in self._landed:
+                self._leave(rid, session_id)
         for order_id in self._served_by.pop(session_id, ()):
             e = self._open.get(order_id)
             if e is not None and routed_to == e.order.instance_id:
                 e.used = True
-        for order_id in self._landed_by_session.pop(session_id, ()):
-            landed = self._landed.get(order_id)
-            if landed is None:
-                continue
-            landed.sessions.discard(session_id)
-            if routed_to == landed.instance_id:
-                # Used as far as it is still there: blocks evicted before the session came back
-                # were moved for nothing.
-                held = self.store.holds("hbm", landed.instance_id, landed.block_hashes)
-                used = landed.size_bytes * sum(held) // max(len(held), 1)
-                self.totals.bytes_used += used
-                self.totals.bytes_unused += landed.size_bytes - used
-                del self._landed[order_id]
-            elif not landed.sessions:
-                self.totals.bytes_unused += landed.size_bytes
-                del self._landed[order_id]
 
     def on_progress(self, order_id: str, status: str) -> None:
         """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""
@@ -479,7 +570,7 @@ class OrderBook:
         """A planning tick starts at `now`: deliveries past their ttl are forgotten, and so are
         backoffs long past (a failure after a quiet spell starts from the first wait again)."""
         self._now = now
-        self._expire_delivered(now)
+        self._expire_landed(now)
         self._give_up_unconfirmed(now)
         if self._backoff:
             quiet = now - self.config.retry_backoff_max_seconds
@@ -536,24 +627,9 @@ class OrderBook:
         return cancels
 
     def _has_landed(self, order_id: str, e: _Open) -> None:
-        """A prefetch completed: used already if a session it served came back there while it
-        moved; otherwise it waits for one of the sessions still advised on."""
         self.totals.completed += 1
-        if e.order.kind != "prefetch":
-            return
-        self._deliver(order_id, e)
-        if e.used:
-            self.totals.bytes_used += e.order.size_bytes
-            return
-        waiting = {s for s in e.served if self._advice_of(s) is not None}
-        if not waiting:
-            self.totals.bytes_unused += e.order.size_bytes
-            return
-        self._landed[order_id] = _Landed(
-            e.order.instance_id, e.order.size_bytes, waiting, e.order.block_hashes
-        )
-        for s in waiting:
-            self._landed_by_session.setdefault(s, set()).add(order_id)
+        if e.order.kind == "prefetch":
+            self._land(order_id, e)
 
     def give_up_overdue(self, now: float) -> list[Cancel]:
         cutoff = now - self.config.overdue_seconds
@@ -589,10 +665,7 @@ class OrderBook:
             if still:
                 continue
             if e.started:
-                if not e.used and not e.wasted:
-                    e.wasted = True  # moving already: it lands unused
-                    self.totals.bytes_wasted += e.order.size_bytes
-                continue
+                continue  # moving already: it lands, and is used or wasted as any
             del self._open[order_id]
             self._release(order_id, True)
             self.totals.cancelled += 1
@@ -632,7 +705,9 @@ class OrderBook:
             out["b:" + orjson.dumps([kind, sid, inst]).decode()] = orjson.dumps(
                 [failures, retry_at]
             ).decode()
-        for rid, rec in list(self._delivered.items()):
+        for rid, rec in list(self._landed.items()):
+            if not rec.sessions:
+                continue  # only its accounting is left: this replica's own
             handed = self._handed.get(rid)
             if handed is None:
                 handed = self._handed[rid] = orjson.dumps(
@@ -658,11 +733,14 @@ class OrderBook:
         self._unconfirmed.clear()
         self._retention_due.clear()
         self._encoded.clear()
-        self._delivered.clear()
-        self._delivered_at.clear()
-        self._delivered_for.clear()
-        self._delivered_until.clear()
         self._handed.clear()
+        # The deliveries standing are the state's from now; the landed bytes' accounting is this
+        # replica's own and goes on (the bytes another planner landed are counted there).
+        for rid, rec in list(self._landed.items()):
+            if rec.sessions:
+                self._unstand(rid, rec)
+                rec.sessions = {}
+            self._settle(rid)
         self._backoff.clear()
         for field_, value in state.items():
             kind, _, key = field_.partition(":")
@@ -712,9 +790,15 @@ class OrderBook:
                         for sid, spell in d["s"].items()
                     }
                     blocks = set(d["b"])
-                    if blocks and spells:
+                    mine = self._landed.get(key)
+                    if mine is not None:  # landed here in an earlier term: it stands again
+                        mine.sessions, mine.until = spells, float(d["u"])
+                        self._stand(key, mine)
+                        heapq.heappush(self._landed_until, (mine.until, key))
+                    elif blocks and spells:
                         self._remember(
-                            key, _Delivered(d["i"], d["t"], blocks, spells, float(d["u"]))
+                            key,
+                            _Landed(d["i"], d["t"], blocks, set(), spells, float(d["u"]), 0),
                         )
             except (
                 ValueError,

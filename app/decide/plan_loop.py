@@ -175,7 +175,11 @@ def feedback_observer(
                 routes.routed(routed.session_id, routed.instance_id, routed.ts)
                 if popularity is not None and routed.block_hashes:
                     popularity.routed(routed.session_id, routed.block_hashes, routed.ts)
-                scheduler.forget(routed.session_id, routed_to=routed.instance_id)
+                scheduler.forget(
+                    routed.session_id,
+                    routed_to=routed.instance_id,
+                    block_hashes=routed.block_hashes,
+                )
             elif kind == "session_closed":
                 closed = cast(SessionClosed, e)
                 routes.closed(closed.session_id, closed.ts)

@@ -187,13 +187,20 @@ class Scheduler:
             else:
                 self._candidates.pop(a.session_id, None)
 
-    def forget(self, session_id: str, *, routed_to: str | None = None) -> None:
-        """The session is active again (routed to `routed_to`) or closed: its advice is void. An
-        order moving its context to where it was routed is used by that request, not wasted."""
+    def forget(
+        self,
+        session_id: str,
+        *,
+        routed_to: str | None = None,
+        block_hashes: Sequence[BlockHash] | None = None,
+    ) -> None:
+        """The session is active again (routed to `routed_to`, with its prompt's `block_hashes`
+        when the router names them) or closed: its advice is void. What landed there for it, and
+        an order moving its context there, are used by that request, not wasted."""
         self._latest.pop(session_id, None)
         self._candidates.pop(session_id, None)
         self._fresh.pop(session_id, None)
-        self.book.forget(session_id, routed_to=routed_to)
+        self.book.forget(session_id, routed_to=routed_to, block_hashes=block_hashes)
 
     def on_progress(self, order_id: str, status: str) -> None:
         """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""

@@ -269,21 +269,35 @@ class Metrics:
         self.prefetch_ordered_bytes = Counter(
             "kvprefetch_prefetch_ordered_bytes", "Bytes in the prefetch orders issued.", registry=r
         )
+        # Landed prefetch bytes end used or wasted, or still wait: used + wasted + waiting =
+        # landed (app/decide/order_book.py).
+        self.prefetch_landed_bytes = Counter(
+            "kvprefetch_prefetch_landed_bytes",
+            "Bytes of prefetches that landed (completed), as ordered.",
+            registry=r,
+        )
         self.prefetch_wasted_bytes = Counter(
             "kvprefetch_prefetch_wasted_bytes",
-            "Bytes of prefetches already moving when no session was likely back there: "
-            "landed unused.",
+            "Bytes of landed prefetches evicted, demoted or past their hold (the order's ttl) "
+            "before a request used them.",
             registry=r,
         )
         self.prefetch_used_bytes = Counter(
             "kvprefetch_prefetch_used_bytes",
-            "Bytes of landed prefetches a session they served came back to use on their instance.",
+            "Bytes of landed prefetches a request routed to their instance used.",
             registry=r,
         )
         self.prefetch_unused_bytes = Counter(
             "kvprefetch_prefetch_unused_bytes",
-            "Bytes of landed prefetches no session they served came back to use there.",
+            "Bytes of landed prefetches that ended unused: the same as "
+            "kvprefetch_prefetch_wasted_bytes_total (the replay's name).",
             registry=r,
+        )
+        self.prefetch_waiting_bytes = Gauge(
+            "kvprefetch_prefetch_waiting_bytes",
+            "Bytes of landed prefetches neither used nor wasted yet.",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.reuse_requests = Counter(
             "kvprefetch_reuse_requests",
@@ -738,9 +752,10 @@ class Metrics:
             t.failed,
             t.cancelled,
             t.bytes_ordered,
+            t.bytes_landed,
             t.bytes_wasted,
             t.bytes_used,
-            t.bytes_unused,
+            t.bytes_waiting,
         )
         if totals == self._scheduler_seen:
             return  # nothing moved (the common case: this runs for every batch ingested)
@@ -751,9 +766,11 @@ class Metrics:
         self._advance("failed", self.orders_failed, t.failed, "prefetch")
         self._advance("cancelled", self.orders_cancelled, t.cancelled, "prefetch")
         self._advance("ordered_bytes", self.prefetch_ordered_bytes, t.bytes_ordered)
+        self._advance("landed_bytes", self.prefetch_landed_bytes, t.bytes_landed)
         self._advance("wasted_bytes", self.prefetch_wasted_bytes, t.bytes_wasted)
         self._advance("used_bytes", self.prefetch_used_bytes, t.bytes_used)
         self._advance("unused_bytes", self.prefetch_unused_bytes, t.bytes_unused)
+        self.prefetch_waiting_bytes.set(t.bytes_waiting)
 
     def _sync_models(self) -> None:
         if self._models is None or self._ledger is None:

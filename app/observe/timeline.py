@@ -96,6 +96,9 @@ class Snapshot:
     failed: int
     cancelled: int
     bytes_wasted: int
+    # The scheduler's landed prefetch bytes (as ordered) and those a request used.
+    bytes_landed: int
+    bytes_used: int
     open_orders: int
     inflight_bytes: int
     # Prefetches the agents reported completed: their bytes and transfer seconds.
@@ -218,6 +221,8 @@ class Timeline:
             failed=t.failed,
             cancelled=t.cancelled,
             bytes_wasted=t.bytes_wasted,
+            bytes_landed=t.bytes_landed,
+            bytes_used=t.bytes_used,
             open_orders=len(open_orders),
             inflight_bytes=sum(o.size_bytes for o in open_orders if o.kind == "prefetch"),
             landed_prefetches=self.landed.orders,
@@ -312,6 +317,8 @@ SERIES_FIELDS = (
     "failed",
     "cancelled",
     "bytes_wasted",
+    "bytes_landed",
+    "bytes_used",
     "open_orders",
     "inflight_bytes",
     "landed_prefetches",

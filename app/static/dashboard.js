@@ -92,6 +92,7 @@
       { label: "ordered", stroke: LIVE, width: 2, scale: "gb", value: (u, v) => (v == null ? "–" : v.toFixed(2) + " GB") },
       { label: "landed", stroke: "#2da44e", width: 2, scale: "gb", value: (u, v) => (v == null ? "–" : v.toFixed(2) + " GB") },
       { label: "wasted", stroke: "#cf222e", width: 2, scale: "gb", value: (u, v) => (v == null ? "–" : v.toFixed(2) + " GB") },
+      { label: "used", stroke: "#8250df", width: 2, scale: "gb", value: (u, v) => (v == null ? "–" : v.toFixed(2) + " GB") },
     ], [{ scale: "gb", label: "GB" }], { gb: { range: (u, lo, hi) => [0, Math.max(hi || 0, 1)] } });
     makeChart("chart-queue", [
       { label: "open orders", stroke: "#57606a", width: 2, scale: "n", value: (u, v) => count(v) },
@@ -117,7 +118,7 @@
     const gb = (col) => col.map((v) => (v == null ? null : v / GB));
     setChart("chart-hit-rate", ts, [s.live_recent_hit_rate, s.shadow_recent_hit_rate, s.live_hit_rate, s.shadow_hit_rate]);
     setChart("chart-stall", ts, [s.stall_seconds_saved, s.stall_seconds_incurred, s.expected_stall_seconds, s.stall_cost_saved]);
-    setChart("chart-bytes", ts, [gb(s.bytes_ordered), gb(s.landed_bytes), gb(s.bytes_wasted)]);
+    setChart("chart-bytes", ts, [gb(s.bytes_ordered), gb(s.landed_bytes), gb(s.bytes_wasted), gb(s.bytes_used)]);
     setChart("chart-queue", ts, [s.open_orders, gb(s.inflight_bytes), gb(perSecond(ts, s.landed_bytes))]);
     $("stall-basis").textContent = body.stall_basis === "measured"
       ? "(GPU seconds, running totals; saved and incurred as judged on arriving requests, dashed: what the landed prefetches were expected to save)"
@@ -149,9 +150,12 @@
       now.stall.gpu_hour_price == null ? "no GPU-hour price configured" : `at $${now.stall.gpu_hour_price}/GPU-hour`);
     setTile("tile-prefetched", bytes(now.prefetch.landed_bytes),
       `${count(now.prefetch.landed)} orders landed; ${bytes(now.scheduler.bytes_ordered)} ordered`);
-    const ordered = now.scheduler.bytes_ordered;
-    setTile("tile-wasted", bytes(now.scheduler.bytes_wasted),
-      ordered > 0 ? `${pct(now.scheduler.bytes_wasted / ordered)} of the bytes ordered` : "nothing ordered yet");
+    // Landed bytes end used or wasted (evicted, demoted or past their hold before a request
+    // used them), or still wait: the shares are of the bytes landed.
+    const sched = now.scheduler;
+    setTile("tile-wasted", bytes(sched.bytes_wasted), sched.bytes_landed > 0
+      ? `${pct(sched.wasted_share)} of the ${bytes(sched.bytes_landed)} landed, ${pct(sched.used_share)} used`
+      : "nothing landed yet");
     setTile("tile-queue", count(now.scheduler.open_orders),
       `${bytes(now.scheduler.inflight_bytes)} on their way; ${count(now.scheduler.completed)} completed, ${count(now.scheduler.cancelled)} cancelled`);
     setTile("tile-sessions", count(now.scheduler.tracked_sessions),

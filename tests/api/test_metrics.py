@@ -365,12 +365,21 @@ def test_orders_follow_the_schedulers_totals(make_client: Callable[..., TestClie
             progress("s9", "completed", bytes=20 * BLOCK_BYTES, seconds=0.1),
             progress("s8", "failed", reason="the pool lost them"),
             progress("s6", "accepted"),
+            # s9's landing evicted before any request used it: wasted.
+            {
+                "type": "kv_blocks_removed",
+                "event_id": "s9-evicted",
+                "ts": 1001.5,
+                "tier": "hbm",
+                "instance_id": "gpu-0",
+                "block_hashes": blocks["s9"],
+            },
         ],
     )
     for session in ("s9", "s8"):  # done with: no second order for them
         advise(session, 0.1)
     advise("s7", 0.1)  # fell before it started: cancelled
-    advise("s6", 0.1)  # fell while moving: lands unused
+    advise("s6", 0.1)  # fell while moving: runs on
     asyncio.run(state.dispatcher.tick())
 
     t = state.scheduler.totals
@@ -391,10 +400,14 @@ def test_orders_follow_the_schedulers_totals(make_client: Callable[..., TestClie
             == t.bytes_ordered
         )
         assert (
+            value(m, "kvprefetch_prefetch_landed_bytes_total") == 20 * BLOCK_BYTES == t.bytes_landed
+        )
+        assert (
             value(m, "kvprefetch_prefetch_wasted_bytes_total") == 20 * BLOCK_BYTES == t.bytes_wasted
         )
-        assert value(m, "kvprefetch_prefetch_used_bytes_total") == t.bytes_used
+        assert value(m, "kvprefetch_prefetch_used_bytes_total") == t.bytes_used == 0
         assert value(m, "kvprefetch_prefetch_unused_bytes_total") == t.bytes_unused
+        assert value(m, "kvprefetch_prefetch_waiting_bytes") == t.bytes_waiting == 0
         assert value(m, "kvprefetch_plan_duration_seconds_count") == 2
 
 

@@ -165,6 +165,13 @@ def test_order_progress_reaches_the_scheduler(client: TestClient) -> None:
     )
     status = client.get("/v1/scheduler").json()
     assert (status["open_orders"], status["completed"], status["inflight_bytes"]) == (0, 1, 0)
+    # Landed, and waiting for a request until used, evicted, demoted or past its hold.
+    landed = order["size_bytes"]
+    assert (status["bytes_landed"], status["bytes_waiting"], status["bytes_wasted"]) == (
+        landed,
+        landed,
+        0,
+    )
 
 
 def test_an_empty_service_reports_an_idle_scheduler(client: TestClient) -> None:
@@ -179,7 +186,11 @@ def test_an_empty_service_reports_an_idle_scheduler(client: TestClient) -> None:
         "completed": 0,
         "failed": 0,
         "cancelled": 0,
-        "bytes_wasted": 0,
+        "bytes_landed": 0,
         "bytes_used": 0,
+        "bytes_wasted": 0,
+        "bytes_waiting": 0,
         "bytes_unused": 0,
+        "pins_held": 0,
+        "pins_pending": 0,
     }

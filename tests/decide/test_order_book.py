@@ -13,7 +13,7 @@ from app.decide.advisor import SessionAdvice
 from app.decide.plan_loop import feedback_observer
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler
-from kvprefetch_client.events import KvBlocksCleared, KvBlocksRemoved
+from kvprefetch_client.events import KvBlocksCleared, KvBlocksRemoved, KvBlocksStored, RequestRouted
 from kvprefetch_client.orders import Order
 from tests.decide.test_scheduler import BLOCK_BYTES, advice, config, store_with
 
@@ -282,3 +282,114 @@ def test_an_older_planners_pin_entries_are_read_as_confirmed() -> None:
     )
     assert sched.book.pins_held == 1
     assert pins(tick(sched, [keep()], 1.0)) == []
+
+
+def balanced(sched: Scheduler) -> bool:
+    t = sched.totals
+    return t.bytes_used + t.bytes_wasted + t.bytes_waiting == t.bytes_landed
+
+
+def test_landed_bytes_evicted_before_a_request_used_them_are_wasted() -> None:
+    sched, _ = delivered_scheduler([0, 1, 2, 3])
+    t = sched.totals
+    assert (t.bytes_landed, t.bytes_waiting) == (4 * BLOCK_BYTES, 4 * BLOCK_BYTES)
+    observe = feedback_observer(sched, RouteTracker())
+    observe(
+        [
+            KvBlocksRemoved(
+                event_id="evicted", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[3]
+            )
+        ]
+    )
+    assert (t.bytes_wasted, t.bytes_waiting) == (BLOCK_BYTES, 3 * BLOCK_BYTES)
+    # A request names the blocks it reuses: those still there are used, once.
+    observe([routed("a", "gpu-0", [0, 1, 2, 3, 9])])
+    assert (t.bytes_used, t.bytes_wasted, t.bytes_waiting) == (3 * BLOCK_BYTES, BLOCK_BYTES, 0)
+    observe([routed("b", "gpu-0", [0, 1, 2], event_id="r2")])
+    assert t.bytes_used == 3 * BLOCK_BYTES and balanced(sched)
+
+
+def routed(
+    session_id: str, instance_id: str, blocks: Sequence[int] | None, event_id: str = "r1"
+) -> RequestRouted:
+    return RequestRouted(
+        event_id=event_id,
+        ts=1.0,
+        session_id=session_id,
+        request_id=f"q-{event_id}",
+        instance_id=instance_id,
+        prompt_tokens=100,
+        block_hashes=None if blocks is None else list(blocks),
+    )
+
+
+def test_a_request_of_another_session_uses_landed_blocks_it_names_there_only() -> None:
+    sched, _ = delivered_scheduler([0, 1, 2, 3])
+    observe = feedback_observer(sched, RouteTracker())
+    observe([routed("other", "gpu-1", [0, 1])])  # another instance: nothing of it
+    assert sched.totals.bytes_used == 0
+    observe([routed("other", "gpu-0", [0, 1], event_id="r2")])  # a shared prefix, there
+    assert (sched.totals.bytes_used, sched.totals.bytes_waiting) == (2 * BLOCK_BYTES,) * 2
+    # Its own session back, with a router that names no blocks: the rest of its landing.
+    observe([routed("a", "gpu-0", None, event_id="r3")])
+    assert (sched.totals.bytes_used, sched.totals.bytes_waiting) == (4 * BLOCK_BYTES, 0)
+
+
+def test_landed_bytes_nobody_used_within_their_hold_are_wasted() -> None:
+    sched, order = delivered_scheduler([0, 1])
+    assert order.ttl_seconds is not None
+    sched.forget("a", routed_to="gpu-1")  # back elsewhere: they wait for any request there
+    sched.plan(order.ttl_seconds - 0.1)
+    assert (sched.totals.bytes_wasted, sched.totals.bytes_waiting) == (0, 2 * BLOCK_BYTES)
+    sched.plan(order.ttl_seconds)
+    assert (sched.totals.bytes_wasted, sched.totals.bytes_waiting) == (2 * BLOCK_BYTES, 0)
+    assert balanced(sched)
+
+
+def test_landed_bytes_demoted_before_use_are_wasted() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(100))
+    sched = Scheduler(store, config())
+    (order,) = prefetches(tick(sched, [advice("a", [0, 1])], 0.0))
+    sched.on_progress(order.order_id, "completed")
+    store.apply(
+        [
+            KvBlocksStored(
+                event_id="in", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[0, 1]
+            )
+        ]
+    )
+    # The planner changes its mind: a demote of the context, while its landing still waits.
+    drop = advice("a", [0, 1], p_soon=0.0, p_keep=0.01, retention="demote")
+    (demote,) = tick(sched, [drop], 2.0).orders
+    assert demote.kind == "demote"
+    assert (sched.totals.bytes_wasted, sched.totals.bytes_waiting) == (2 * BLOCK_BYTES, 0)
+    assert balanced(sched)
+
+
+def test_a_started_order_whose_sessions_fell_lands_and_counts_as_any() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(100))
+    sched = Scheduler(store, config())
+    (order,) = prefetches(tick(sched, [advice("a", [0, 1])], 0.0))
+    sched.on_progress(order.order_id, "accepted")
+    sched.forget("a")  # closed while it moved
+    assert sched.plan(1.0).cancels == [] and sched.totals.bytes_wasted == 0
+    sched.on_progress(order.order_id, "completed")
+    assert sched.totals.bytes_waiting == 2 * BLOCK_BYTES
+    feedback_observer(sched, RouteTracker())([routed("z", "gpu-0", [0, 1])])
+    assert (sched.totals.bytes_used, sched.totals.bytes_wasted) == (2 * BLOCK_BYTES, 0)
+
+
+def test_the_hand_over_carries_what_stands_and_each_replica_keeps_its_own_accounting() -> None:
+    sched, _ = delivered_scheduler([0, 1])
+    nxt = Scheduler(sched.store, config())
+    nxt.take_over(2, sched.handover_state())
+    assert prefetches(tick(nxt, [advice("a", [0, 1])], 1.0)) == []  # delivered: stands there
+    assert nxt.totals.bytes_landed == 0  # landed by the other planner: counted there
+    nxt.blocks_removed("hbm", "gpu-0", [0, 1])
+    assert nxt.totals.bytes_wasted == 0 and balanced(nxt)
+    (again,) = prefetches(tick(nxt, [advice("a", [0, 1])], 2.0))
+    assert again.block_hashes == [0, 1]
+    # The old planner taking over again keeps counting its own landing.
+    sched.take_over(3, nxt.handover_state())
+    sched.blocks_removed("hbm", "gpu-0", [0, 1])
+    assert sched.totals.bytes_wasted == 2 * BLOCK_BYTES and balanced(sched)

@@ -10,6 +10,8 @@ from dataclasses import replace
 import pytest
 
 from app.decide.advisor import SessionAdvice
+from app.decide.plan_loop import feedback_observer
+from app.decide.routing import RouteTracker
 from app.decide.scheduler import TERM_GENERATIONS, Plan, Scheduler, SchedulerConfig
 from app.state import MemoryStore
 from kvprefetch_client.events import InstanceStatus, KvBlocksRemoved, KvBlocksStored, OrderProgress
@@ -211,9 +213,9 @@ def test_short_room_demotes_only_what_is_less_likely_back() -> None:
     assert kinds == {("demote", ("cold",)), ("prefetch", ("hot",))}
 
 
-def test_unstarted_orders_are_cancelled_and_started_ones_count_as_waste() -> None:
+def test_unstarted_orders_are_cancelled_and_started_ones_land_and_waste_unless_used() -> None:
     store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(10))
-    sched = Scheduler(store, config())
+    sched = Scheduler(store, config(lead_seconds=30.0))
     plan = tick(sched, [advice("a", [0, 1]), advice("b", [5, 6])], 0.0)
     by_session = {o.session_ids[0]: o for o in prefetches(plan.orders)}
     sched.on_progress(by_session["b"].order_id, "accepted")
@@ -222,11 +224,14 @@ def test_unstarted_orders_are_cancelled_and_started_ones_count_as_waste() -> Non
     later = tick(sched, [advice("b", [5, 6], p_soon=0.1)], 1.0)
     assert [c.order_id for c in later.cancels] == [by_session["a"].order_id]
     assert sched.totals.cancelled == 1
-    assert sched.totals.bytes_wasted == 2 * BLOCK_BYTES
+    assert sched.totals.bytes_wasted == 0  # b's runs on: wasted only if nothing uses it
     sched.on_progress(by_session["b"].order_id, "completed")
     sched.on_progress(by_session["b"].order_id, "completed")  # a duplicate completion: counted once
     sched.on_progress("never-issued", "completed")  # unknown: a no-op
     assert sched.totals.completed == 1 and sched.open_orders() == []
+    assert (sched.totals.bytes_landed, sched.totals.bytes_waiting) == (2 * BLOCK_BYTES,) * 2
+    sched.plan(31.0)  # its hold (the lead) is over, and no request used it
+    assert (sched.totals.bytes_wasted, sched.totals.bytes_waiting) == (2 * BLOCK_BYTES, 0)
 
 
 def test_a_small_dip_does_not_cancel() -> None:
@@ -266,18 +271,19 @@ def test_a_landed_prefetch_is_used_only_as_far_as_it_is_still_there() -> None:
     (order,) = tick(sched, [advice("a", [0, 1, 2, 3])], 0.0).orders
     sched.on_progress(order.order_id, "accepted")
     sched.on_progress(order.order_id, "completed")
-    store.apply(
-        [
-            KvBlocksStored(
-                event_id="in", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[0, 1, 2, 3]
-            ),
-            KvBlocksRemoved(
-                event_id="out", ts=2.0, tier="hbm", instance_id="gpu-0", block_hashes=[2, 3]
-            ),
-        ]
-    )
+    events = [
+        KvBlocksStored(
+            event_id="in", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[0, 1, 2, 3]
+        ),
+        KvBlocksRemoved(
+            event_id="out", ts=2.0, tier="hbm", instance_id="gpu-0", block_hashes=[2, 3]
+        ),
+    ]
+    store.apply(events)
+    feedback_observer(sched, RouteTracker())(events)  # as the ingest tells it
+    assert (sched.totals.bytes_wasted, sched.totals.bytes_waiting) == (2 * BLOCK_BYTES,) * 2
     sched.forget("a", routed_to="gpu-0")
-    assert (sched.totals.bytes_used, sched.totals.bytes_unused) == (
+    assert (sched.totals.bytes_used, sched.totals.bytes_wasted) == (
         2 * BLOCK_BYTES,
         2 * BLOCK_BYTES,
     )
@@ -419,11 +425,13 @@ def test_landed_prefetches_are_used_when_their_session_comes_back_there_else_unu
     sched.forget("a", routed_to="gpu-0")  # back where its context waits
     sched.forget("b", routed_to="gpu-1")  # back elsewhere
     sched.forget("c")  # closed
-    assert (
-        sched.totals.bytes_used == 2 * BLOCK_BYTES and sched.totals.bytes_unused == 2 * BLOCK_BYTES
-    )
+    t = sched.totals
+    # b's and c's wait for a request (another session's may use them) until their hold ends.
+    assert (t.bytes_used, t.bytes_waiting, t.bytes_wasted) == (2 * BLOCK_BYTES, 2 * BLOCK_BYTES, 0)
     sched.forget("a", routed_to="gpu-0")  # a later turn: nothing counted twice
     assert sched.totals.bytes_used == 2 * BLOCK_BYTES
+    sched.plan(1000.0)
+    assert (t.bytes_used, t.bytes_wasted, t.bytes_unused) == (2 * BLOCK_BYTES,) * 3
 
 
 def test_a_prefetch_its_session_met_while_moving_is_used_when_it_lands() -> None:

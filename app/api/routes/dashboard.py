@@ -245,7 +245,15 @@ def now_figures(
             "completed": t.completed,
             "failed": t.failed,
             "cancelled": t.cancelled,
+            # The landed prefetch bytes' ends (app/decide/order_book.py): used + wasted +
+            # waiting = landed; the shares are of the landed bytes (None before any landed).
+            "bytes_landed": t.bytes_landed,
+            "bytes_used": t.bytes_used,
             "bytes_wasted": t.bytes_wasted,
+            "bytes_waiting": t.bytes_waiting,
+            "wasted_share": t.bytes_wasted / t.bytes_landed if t.bytes_landed else None,
+            "used_share": t.bytes_used / t.bytes_landed if t.bytes_landed else None,
+            "pins_held": scheduler.book.pins_held,
         },
         "prefetch": {
             "landed": landed.orders,

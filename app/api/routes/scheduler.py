@@ -24,9 +24,17 @@ class SchedulerStatus(BaseModel):
     completed: int
     failed: int
     cancelled: int
-    bytes_wasted: int
+    # Landed prefetch bytes: used + wasted + waiting = landed (app/decide/order_book.py).
+    bytes_landed: int
     bytes_used: int
+    # Evicted, demoted or past their hold before a request used them.
+    bytes_wasted: int
+    bytes_waiting: int
+    # The same as bytes_wasted (the replay's name).
     bytes_unused: int
+    # Pins their tier confirmed and not lapsed, and pins ordered and not confirmed yet.
+    pins_held: int
+    pins_pending: int
 
 
 @router.get(
@@ -54,7 +62,11 @@ def _status(scheduler: Scheduler, planning: bool) -> SchedulerStatus:
         completed=t.completed,
         failed=t.failed,
         cancelled=t.cancelled,
-        bytes_wasted=t.bytes_wasted,
+        bytes_landed=t.bytes_landed,
         bytes_used=t.bytes_used,
+        bytes_wasted=t.bytes_wasted,
+        bytes_waiting=t.bytes_waiting,
         bytes_unused=t.bytes_unused,
+        pins_held=scheduler.book.pins_held,
+        pins_pending=scheduler.book.pins_pending,
     )
