@@ -30,12 +30,13 @@ it, so that nothing is ordered twice and every byte is accounted for:
   asked for; the lead when it named none).
 - **Honest waste.** Every landed prefetch byte (the blocks' bytes, as ordered) ends used or
   wasted, or still waits: used + wasted + waiting = landed (`SchedulerTotals`). Used: a request
-  routed to its instance names the block (request_routed's block hashes; a router that names none:
-  the blocks landed there for its session). Wasted: the block is evicted (kv_blocks_removed,
-  kv_blocks_cleared), demoted (a demote order for it), or its hold (the order's ttl) passes before
-  a request used it. The replay's `bytes_prefetched_unused` counts the same (prefetched blocks
-  evicted before use or never used). A prefetch whose sessions fell while it moved is not wasted
-  for that: it lands, and may still be used.
+  routed to its instance reuses the block (it is in the prefix of request_routed's block hashes
+  that the instance holds, in HBM or landed: a prefix cache stops at the first miss; a router that
+  names no blocks: the blocks landed there for its session). Wasted: the block is evicted
+  (kv_blocks_removed, kv_blocks_cleared), demoted (a demote order for it), or its hold (the
+  order's ttl) passes before a request used it. The replay's `bytes_prefetched_unused` counts
+  the same (prefetched blocks evicted before use or never used). A prefetch whose sessions fell
+  while it moved is not wasted for that: it lands, and may still be used.
 - **Retries with backoff.** A failed order (reported failed, refused by the sink, or given up
   overdue after it started) makes each session it served wait before the next order of its kind
   to that destination: `retry_backoff_seconds`, doubling with each failure in a row, at most
@@ -398,13 +399,28 @@ class OrderBook:
             self._handed.pop(rid, None)
             self._settle(rid)
 
-    def _land(self, order_id: str, e: _Open) -> None:
+    def _reusable(self, instance_id: str, block_hashes: Sequence[BlockHash]) -> list[BlockHash]:
+        """The prefix of a request's blocks its engine finds at the instance (in HBM, or landed
+        there): a prefix cache stops at the first block it misses, so a landed block past it is
+        loaded or computed again, not used."""
+        blocks = list(dict.fromkeys(block_hashes))
+        landed = self._landed_at.get((instance_id, "hbm"), _NOTHING)
+        held = self.store.holds("hbm", instance_id, blocks)
+        for i, (b, h) in enumerate(zip(blocks, held)):
+            if not h and b not in landed:
+                return blocks[:i]
+        return blocks
+
+    def _land(self, order_id: str, e: _Open, moved_bytes: int | None = None) -> None:
         """A prefetch landed: its bytes count as landed, used already if a session it served
         was routed there while it moved, else waiting; its delivery stands for the sessions still
-        advised on at the spell it was ordered for, until its ttl passes."""
+        advised on at the spell it was ordered for, until its ttl passes. The bytes are those the
+        completion reports moved (a block there already, or one the tier did not find, moves
+        nothing), spread over its blocks; the order's when it reports none."""
         o = e.order
         blocks = set(o.block_hashes)
-        block_bytes = o.size_bytes // max(len(blocks), 1)
+        moved = o.size_bytes if moved_bytes is None else min(moved_bytes, o.size_bytes)
+        block_bytes = moved // max(len(blocks), 1)
         nbytes = block_bytes * len(blocks)
         t = self.totals
         t.bytes_landed += nbytes
@@ -530,7 +546,7 @@ class OrderBook:
         standing = list(self._standing_for.get(session_id, ()))
         if routed_to is not None:
             if block_hashes:
-                self._used((routed_to, "hbm"), block_hashes)
+                self._used((routed_to, "hbm"), self._reusable(routed_to, block_hashes))
             else:
                 for rid in standing:
                     rec = self._landed[rid]
@@ -544,8 +560,9 @@ class OrderBook:
             if e is not None and routed_to == e.order.instance_id:
                 e.used = True
 
-    def on_progress(self, order_id: str, status: str) -> None:
-        """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""
+    def on_progress(self, order_id: str, status: str, nbytes: int | None = None) -> None:
+        """An order_progress event (`nbytes`: the bytes a completion reports moved); unknown ids
+        are a no-op (another replica's, or long done)."""
         entry = self._open.get(order_id)
         if entry is None:
             retained = self._retention_order.get(order_id)
@@ -559,7 +576,7 @@ class OrderBook:
             self._release(order_id, False)
             if status == "completed":
                 self._succeeded(entry.order, entry.served)
-                self._has_landed(order_id, entry)
+                self._has_landed(order_id, entry, nbytes)
             else:
                 self.totals.failed += 1
                 self._failed(entry.order, entry.served)
@@ -626,10 +643,10 @@ class OrderBook:
                     cancels.append(Cancel(order_id=order_id, reason="its blocks are there already"))
         return cancels
 
-    def _has_landed(self, order_id: str, e: _Open) -> None:
+    def _has_landed(self, order_id: str, e: _Open, nbytes: int | None = None) -> None:
         self.totals.completed += 1
         if e.order.kind == "prefetch":
-            self._land(order_id, e)
+            self._land(order_id, e, nbytes)
 
     def give_up_overdue(self, now: float) -> list[Cancel]:
         cutoff = now - self.config.overdue_seconds

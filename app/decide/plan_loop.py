@@ -188,7 +188,7 @@ def feedback_observer(
                 see(e.ts)  # every event moves the store's cutoff
                 if kind == "order_progress":
                     progress = cast(OrderProgress, e)
-                    scheduler.on_progress(progress.order_id, progress.status)
+                    scheduler.on_progress(progress.order_id, progress.status, progress.bytes)
                 elif kind == "kv_blocks_removed":
                     removed = cast(KvBlocksRemoved, e)
                     scheduler.blocks_removed(

@@ -202,9 +202,10 @@ class Scheduler:
         self._fresh.pop(session_id, None)
         self.book.forget(session_id, routed_to=routed_to, block_hashes=block_hashes)
 
-    def on_progress(self, order_id: str, status: str) -> None:
-        """An order_progress event; unknown ids are a no-op (another replica's, or long done)."""
-        self.book.on_progress(order_id, status)
+    def on_progress(self, order_id: str, status: str, nbytes: int | None = None) -> None:
+        """An order_progress event (`nbytes`: the bytes a completion reports moved); unknown ids
+        are a no-op (another replica's, or long done)."""
+        self.book.on_progress(order_id, status, nbytes)
 
     def blocks_removed(
         self, tier: str, instance_id: str | None, block_hashes: Iterable[BlockHash]
