@@ -424,7 +424,7 @@ class OrderBook:
         nbytes = block_bytes * len(blocks)
         t = self.totals
         t.bytes_landed += nbytes
-        if e.used:
+        if e.used or not nbytes:
             t.bytes_used += nbytes
             waiting: set[BlockHash] = set()
         else:

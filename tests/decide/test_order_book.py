@@ -393,3 +393,34 @@ def test_the_hand_over_carries_what_stands_and_each_replica_keeps_its_own_accoun
     sched.take_over(3, nxt.handover_state())
     sched.blocks_removed("hbm", "gpu-0", [0, 1])
     assert sched.totals.bytes_wasted == 2 * BLOCK_BYTES and balanced(sched)
+
+
+def test_a_landed_block_past_the_first_one_a_request_misses_is_not_used_by_it() -> None:
+    # Blocks 0 and 1 were in HBM; 2 and 3 landed. The engine then evicted block 1.
+    store = store_with(
+        free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(100), hbm={"gpu-0": [0, 1]}
+    )
+    sched = Scheduler(store, config())
+    (order,) = prefetches(tick(sched, [advice("a", [0, 1, 2, 3])], 0.0))
+    assert order.block_hashes == [2, 3]
+    sched.on_progress(order.order_id, "completed", 2 * BLOCK_BYTES)
+    evicted = KvBlocksRemoved(
+        event_id="out", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[1]
+    )
+    store.apply([evicted])
+    observe = feedback_observer(sched, RouteTracker())
+    observe([evicted, routed("a", "gpu-0", [0, 1, 2, 3])])
+    # A prefix cache stops at block 1: 2 and 3 are loaded again, not reused.
+    assert (sched.totals.bytes_used, sched.totals.bytes_waiting) == (0, 2 * BLOCK_BYTES)
+
+
+def test_landed_bytes_are_what_the_completion_reports_moved() -> None:
+    store = store_with(free_bytes={"gpu-0": 100 * BLOCK_BYTES}, pool=range(100))
+    sched = Scheduler(store, config())
+    (half, nothing) = prefetches(tick(sched, [advice("a", [0, 1]), advice("b", [5, 6])], 0.0))
+    sched.on_progress(half.order_id, "completed", BLOCK_BYTES)  # one block's worth moved
+    sched.on_progress(nothing.order_id, "completed", 0)  # there already: nothing moved
+    t = sched.totals
+    assert (t.bytes_landed, t.bytes_waiting) == (BLOCK_BYTES, BLOCK_BYTES)
+    sched.blocks_removed("hbm", "gpu-0", [0, 1, 5, 6])
+    assert (t.bytes_wasted, t.bytes_waiting) == (BLOCK_BYTES, 0) and balanced(sched)
