@@ -305,11 +305,13 @@ class OrderBook:
         while heap and heap[0][0] <= cutoff:
             _, order_id = heapq.heappop(heap)
             session_id = self._retention_order.get(order_id)
-            r = self._retention.get(session_id) if session_id is not None else None
+            if session_id is None:
+                continue  # replaced, or done
+            r = self._retention.get(session_id)
             if r is None or r.order_id != order_id or r.confirmed:
                 continue
-            self._drop_retention(session_id)  # type: ignore[arg-type]
-            self._retention_failed(session_id, r)  # type: ignore[arg-type]
+            self._drop_retention(session_id)
+            self._retention_failed(session_id, r)
 
     @property
     def pins_held(self) -> int:
@@ -546,7 +548,8 @@ class OrderBook:
         standing = list(self._standing_for.get(session_id, ()))
         if routed_to is not None:
             if block_hashes:
-                self._used((routed_to, "hbm"), self._reusable(routed_to, block_hashes))
+                if (routed_to, "hbm") in self._landed_at:  # else nothing landed there waits
+                    self._used((routed_to, "hbm"), self._reusable(routed_to, block_hashes))
             else:
                 for rid in standing:
                     rec = self._landed[rid]
