@@ -15,7 +15,8 @@ into a `Plan` of orders (client/kvprefetch_client/orders.py) and cancels:
   start_by = needed_by - the transfer's time at the link's prefetch share - a margin; when that
   has passed (a short lead), at once if the link's share is free now, its needed_by then when it
   can land.
-- **Dedup.** A block at the destination, or in an open order to it, is never ordered again; a
+- **Dedup.** A block at the destination, in an open order to it, or delivered there by a
+  prefetch that still stands (the order book's delivered memory), is never ordered again; a
   block several candidates share goes in the first (most valuable) order, which then serves
   every one of them: its value is their sum.
 - **Links.** Each destination's link from each source tier gives prefetch `link_share` of its
@@ -41,8 +42,10 @@ open orders and their progress (order_progress events, `on_progress`), retiring 
 giving up overdue ones, cancelling those whose sessions fell (an open prefetch not yet started
 whose sessions are no longer candidates: closed, back already, routed elsewhere, or their chance
 fell below `cancel_below_p`), the pins' and demotes' spells, the landed prefetches' use, the
-totals, and the hand-over to the next planning term. The scheduler plans (the candidates, room
-and links) and asks the book what is open, pinned or demoted.
+totals, and the hand-over to the next planning term; it keeps completed prefetches as delivered,
+holds pins only once confirmed, retries what failed with backoff, and counts every landed byte
+used or wasted. The scheduler plans (the candidates, room and links) and asks the book what is
+open, delivered, pinned, demoted or backing off.
 """
 
 from __future__ import annotations
