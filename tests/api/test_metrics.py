@@ -563,7 +563,7 @@ def test_the_stores_last_probe_is_exported_with_its_age(
     c = make_client()
     events = [routed("e1"), routed("e2", "s2")]
     assert c.post("/v1/events", json={"events": events}).status_code == 200
-    c.portal.call(c.app.state.engine.store_health.refresh, None)  # type: ignore[union-attr]
+    c.portal.call(c.app.state.engine.store_health.refresh, None)  # type: ignore[union-attr,attr-defined]
     m = scrape(c)
     assert value(m, "kvprefetch_store_up") == 1
     assert value(m, "kvprefetch_store_objects", kind="sessions") == 2

@@ -14,7 +14,13 @@ from app.decide.plan_loop import feedback_observer
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import TERM_GENERATIONS, Plan, Scheduler, SchedulerConfig
 from app.state import MemoryStore
-from kvprefetch_client.events import InstanceStatus, KvBlocksRemoved, KvBlocksStored, OrderProgress
+from kvprefetch_client.events import (
+    Event,
+    InstanceStatus,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    OrderProgress,
+)
 from kvprefetch_client.orders import Order
 
 BLOCK_BYTES = 1_000_000
@@ -271,7 +277,7 @@ def test_a_landed_prefetch_is_used_only_as_far_as_it_is_still_there() -> None:
     (order,) = tick(sched, [advice("a", [0, 1, 2, 3])], 0.0).orders
     sched.on_progress(order.order_id, "accepted")
     sched.on_progress(order.order_id, "completed")
-    events = [
+    events: list[Event] = [
         KvBlocksStored(
             event_id="in", ts=1.0, tier="hbm", instance_id="gpu-0", block_hashes=[0, 1, 2, 3]
         ),
