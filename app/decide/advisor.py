@@ -186,15 +186,11 @@ class Advisor:
                 # resident is then kept (pinned), so it survives until the turn the signal
                 # announces, as a landed prefetch is held.
                 p_keep, p_return = max(p_keep, floor), max(p_return, floor)
-            # Kept for its value here (routed); demoted only when unlikely back at all, as the
-            # prefetch bar judges: under a router that spreads returns every context's routed
-            # chance is small, and demoting them all left the stale copies of sessions that
-            # moved on (no advice covers them) to outlive them (decisions 27).
             retention: Retention = (
                 "keep"
                 if p_keep >= self.keep_min_p
                 else "demote"
-                if p_return <= self.demote_max_p * p_same
+                if p_return <= self.demote_max_p
                 else "lru"
             )
             out.append(

@@ -162,7 +162,7 @@ def advise_rows(
     retention = np.where(
         p_keep >= advisor.keep_min_p,
         _KEEP,
-        np.where(p_return <= advisor.demote_max_p * p_same, _DEMOTE, _LRU),
+        np.where(p_return <= advisor.demote_max_p, _DEMOTE, _LRU),
     )
     return TableAdvice(
         live,
