@@ -785,14 +785,23 @@ def targets(
         str | None, typer.Option(help="Model directory for `learned` (default: the bundled one).")
     ] = None,
     jobs: Annotated[int, typer.Option(min=1, help="Replays run in parallel.")] = 2,
+    seeds: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Signal seeds (0..N-1) each policy that reads signals is replayed under; "
+            "its row is the mean ± standard deviation over them.",
+        ),
+    ] = 4,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Replay issue 14's targets (signals, busy, route hints, an agent-like trace; judged on
-    each trace's last 30%) and say which hold: a markdown table (sim/targets.py)."""
+    each trace's last 30%, under signals on the mean over --seeds signal seeds) and say which
+    hold: a markdown table (sim/targets.py)."""
     from sim.targets import as_json as to_json
     from sim.targets import markdown, run
 
-    results, verdicts = run(traces, model, jobs)
+    results, verdicts = run(traces, model, jobs, seeds=tuple(range(seeds)))
     typer.echo(to_json(results, verdicts) if as_json else markdown(results, verdicts))
 
 

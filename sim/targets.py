@@ -7,6 +7,12 @@ and `oracle` replayed under the same trace, scenario and router. The signal sett
 assumptions about what a deployment sends (sim/signals.py): the table reports several, and
 which target rests on which.
 
+Signals are drawn at random (their `seed`), and one draw is luck: across seeds the gap closed
+moves by a few points either way (issue 27). So under a signal setting every policy that reads
+signals is replayed under several signal seeds (`SEEDS`, 0..N-1; `--seeds N`), and its row, and
+its targets, are the mean over them, with the standard deviation beside it. A policy that reads
+no signal (`SEED_FREE`) replays the same under every seed, so it is replayed once.
+
 The agent-like trace is generated (`kvprefetch agent-trace` defaults), not measured: its rows
 are there because traffic unlike the model's training is where advice can lose to LRU.
 """
@@ -14,7 +20,8 @@ are there because traffic unlike the model's training is where advice can lose t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +41,18 @@ FULL = "coverage=1,lead_median=5,false_alarms=0"
 # Within this much byte hit rate, a policy is not "below" another (the issue's tolerance).
 TOLERANCE = 0.005
 TRAIN_FRACTION = 0.7
+# Signal seeds a signal case's replays are drawn under, by default (`--seeds`).
+SEEDS = 4
+# Policies that read no signal (their `on_signal` does nothing, and no router here routes on
+# signals): the same under every signal seed, so each is replayed once per case.
+SEED_FREE = frozenset({"none", "oracle", "belady", "lookahead"})
+# What a signal case reports as mean and standard deviation over the seeds.
+SPREAD = ("byte_hit_rate", "gap_closed", "stall_seconds_total", "bytes_prefetched", "unused_share")
+# A replay that draws on the signal seed: the planner's policies take longer (the model), so
+# they are started first and the pool's last minutes are not one long replay.
+SLOW = frozenset({"learned", "heuristic", "clairvoyant", "scheduled"})
+
+Results = dict[str, dict[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +71,20 @@ class Case:
         name = {CONVERSATION: "conversation", SYNTHETIC: "synthetic"}.get(self.trace, self.trace)
         parts = [name, self.scenario, self.router, f"signals {self.signals or 'off'}"]
         return ", ".join(parts)
+
+    def seeded(self, policy: str) -> bool:
+        """Whether `policy`'s replay here depends on the signal seed."""
+        return self.signals is not None and policy not in SEED_FREE
+
+
+@dataclass(frozen=True, slots=True)
+class Unit:
+    """One replay: `policy` under `case`, with the signals drawn from `seed` (None: one replay
+    stands for every seed, or the case has no signals)."""
+
+    case: Case
+    policy: str
+    seed: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +114,8 @@ def cases() -> list[Case]:
     for trace in (CONVERSATION, SYNTHETIC):
         for router in ("sticky", "least-loaded"):
             out.append(Case(trace, router, ("none", "learned", "clairvoyant", "oracle")))
-        out.append(Case(trace, "sticky", ("none", "signal", "learned", "oracle"), signals=HALF))
+        for router in ("sticky", "least-loaded"):
+            out.append(Case(trace, router, ("none", "signal", "learned", "oracle"), signals=HALF))
         out.append(Case(trace, "sticky", ("none", "learned", "oracle"), signals=FULL))
         out.append(Case(trace, "hinted", ("none", "learned", "oracle"), signals=HALF))
         out.append(Case(trace, "sticky", ("none", "lookahead", "learned"), scenario="busy"))
@@ -110,6 +144,15 @@ def targets(all_cases: Sequence[Case]) -> list[Target]:
                     max_unused_share=0.30,
                 )
             )
+        elif c.signals == HALF and c.router == "least-loaded":
+            # Where returns mostly land on another instance, the signal is most of what there
+            # is to go on: the model need not beat the naive rule, only not lose to it. Within
+            # a case `none` and `oracle` are common to both, so the gap closed is byte hit rate
+            # scaled: "not below within the tolerance" is the gap comparison, in the units the
+            # tolerance was set in.
+            out.append(
+                Target(c, "learned", "learned's gap at least signal's", not_below=("signal",))
+            )
         elif c.signals == FULL:
             out.append(Target(c, "learned", "learned closes >= 85%", min_gap=0.85))
         elif c.router == "hinted":
@@ -129,29 +172,98 @@ def load(trace: str, traces_dir: Path) -> list[TraceRequest]:
     return load_trace(traces_dir / trace)
 
 
-def run_case(case: Case, traces_dir: Path, model_dir: str | None) -> dict[str, dict[str, Any]]:
+def units(case: Case, seeds: Sequence[int]) -> list[Unit]:
+    """The replays `case` needs: each seeded policy once per seed, the others once."""
+    out = []
+    for policy in case.policies:
+        if case.seeded(policy):
+            out += [Unit(case, policy, seed) for seed in seeds]
+        else:
+            out.append(Unit(case, policy, None))
+    return out
+
+
+def replay_unit(
+    unit: Unit, traces_dir: Path, model_dir: str | None, first_seed: int = 0
+) -> dict[str, Any]:
+    """One replay's summary. A seed-free policy under signals is replayed under `first_seed`:
+    its summary's signal counts are then that draw's."""
+    case = unit.case
     requests = load(case.trace, traces_dir)
     scenario = load_scenario(case.scenario)
     if case.signals is not None:
+        overrides = parse_signal_overrides(case.signals)
+        overrides["seed"] = first_seed if unit.seed is None else unit.seed
         scenario = scenario.model_copy(
-            update={"signals": with_signals(scenario.signals, parse_signal_overrides(case.signals))}
+            update={"signals": with_signals(scenario.signals, overrides)}
         )
-    measure_from = judged_from_seconds(requests, TRAIN_FRACTION)
-    return {
-        policy: replay(
-            requests,
-            scenario,
-            policy=policy,
-            router=case.router,
-            model_dir=model_dir,
-            measure_from_seconds=measure_from,
-            planner_options={"lru_guard": case.lru_guard},
-        ).summary
-        for policy in case.policies
+    return replay(
+        requests,
+        scenario,
+        policy=unit.policy,
+        router=case.router,
+        model_dir=model_dir,
+        measure_from_seconds=judged_from_seconds(requests, TRAIN_FRACTION),
+        planner_options={"lru_guard": case.lru_guard},
+    ).summary
+
+
+def run_case(
+    case: Case, traces_dir: Path, model_dir: str | None, seeds: Sequence[int] = (0,)
+) -> Results:
+    """`case`'s policies replayed here, one after another, under `seeds` (see `aggregate`)."""
+    done = {
+        (u.policy, u.seed): replay_unit(u, traces_dir, model_dir, seeds[0])
+        for u in units(case, seeds)
     }
+    return aggregate(case, done)
 
 
-def gap_closed(results: dict[str, dict[str, Any]], policy: str) -> float | None:
+def _sd(values: Sequence[float]) -> float | None:
+    # The sample standard deviation: the seeds are a sample of the draws a deployment might see.
+    return statistics.stdev(values) if len(values) >= 2 else None
+
+
+def _mean_summary(summaries: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The fields every summary has: a number the seeds disagree on as its mean, any other
+    field where they all agree as it is (the signal settings, which name the seed, drop out)."""
+    out: dict[str, Any] = {}
+    for key, first in summaries[0].items():
+        values = [s.get(key) for s in summaries]
+        if all(v == first for v in values):
+            out[key] = first
+        elif all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+            out[key] = statistics.fmean(values)  # type: ignore[arg-type]
+    return out
+
+
+def aggregate(case: Case, done: Mapping[tuple[str, int | None], dict[str, Any]]) -> Results:
+    """Per policy, a summary: the replay's own where it was replayed once; for a seeded policy
+    the mean over its seeds (`_mean_summary`), with `gap_closed` and `unused_share` the means of
+    the seeds' own, `<metric>_sd` the standard deviation of each of SPREAD over the seeds (None
+    with one seed), and `seeds` the seeds' summaries, each with its `seed`, `gap_closed` and
+    `unused_share`. `done`: summaries by (policy, seed), seed None for one replay."""
+    results: Results = {p: done[(p, None)] for p in case.policies if not case.seeded(p)}
+    for policy in case.policies:
+        if not case.seeded(policy):
+            continue
+        per_seed = []
+        for seed in sorted(seed for p, seed in done if p == policy and seed is not None):
+            s = done[(policy, seed)]
+            # The seed's own gap closed: none and oracle read no signal, so theirs stand.
+            gap = gap_closed({**results, policy: s}, policy)
+            per_seed.append({**s, "seed": seed, "gap_closed": gap, "unused_share": unused_share(s)})
+        mean = _mean_summary([{k: v for k, v in s.items() if k != "seed"} for s in per_seed])
+        for metric in SPREAD:
+            values = [s[metric] for s in per_seed if s[metric] is not None]
+            mean[metric] = statistics.fmean(values) if values else None
+            mean[f"{metric}_sd"] = _sd(values)
+        mean["seeds"] = per_seed
+        results[policy] = mean
+    return {p: results[p] for p in case.policies}
+
+
+def gap_closed(results: Results, policy: str) -> float | None:
     if "none" not in results or "oracle" not in results:
         return None
     none, oracle = results["none"]["byte_hit_rate"], results["oracle"]["byte_hit_rate"]
@@ -161,11 +273,15 @@ def gap_closed(results: dict[str, dict[str, Any]], policy: str) -> float | None:
 
 
 def unused_share(summary: dict[str, Any]) -> float | None:
+    """Of what was prefetched, the share never used. A summary of means carries its own (the
+    seeds' shares' mean, not the share of the mean bytes)."""
+    if "unused_share" in summary:
+        return summary["unused_share"]
     moved = summary["bytes_prefetched"]
     return summary["bytes_prefetched_unused"] / moved if moved else None
 
 
-def judge(target: Target, results: dict[str, dict[str, Any]]) -> Verdict:
+def judge(target: Target, results: Results) -> Verdict:
     v = Verdict(target, True)
     mine = results[target.policy]
     if target.min_gap is not None:
@@ -190,24 +306,57 @@ def judge(target: Target, results: dict[str, dict[str, Any]]) -> Verdict:
 
 
 def run(
-    traces_dir: Path, model_dir: str | None, jobs: int = 1
-) -> tuple[list[tuple[Case, dict[str, dict[str, Any]]]], list[Verdict]]:
-    all_cases = cases()
+    traces_dir: Path,
+    model_dir: str | None,
+    jobs: int = 1,
+    seeds: Sequence[int] = tuple(range(SEEDS)),
+    all_cases: Sequence[Case] | None = None,
+) -> tuple[list[tuple[Case, Results]], list[Verdict]]:
+    """Every case's replays (`units`) over a pool of `jobs` processes, one replay a task, so
+    that the cores stay busy to the end; targets judged on the means."""
+    if not seeds:
+        raise ValueError("at least one signal seed")
+    all_cases = cases() if all_cases is None else list(all_cases)
+    todo = [u for c in all_cases for u in units(c, seeds)]
+    order = sorted(range(len(todo)), key=lambda i: todo[i].policy not in SLOW)
     with ProcessPoolExecutor(max_workers=max(jobs, 1)) as pool:
-        done = list(
-            pool.map(
-                run_case, all_cases, [traces_dir] * len(all_cases), [model_dir] * len(all_cases)
-            )
-        )
-    results = list(zip(all_cases, done))
-    by_case = dict(results)
-    return results, [judge(t, by_case[t.case]) for t in targets(all_cases)]
+        futures = {
+            i: pool.submit(replay_unit, todo[i], traces_dir, model_dir, seeds[0]) for i in order
+        }
+        summaries = [futures[i].result() for i in range(len(todo))]
+    by_case: dict[Case, dict[tuple[str, int | None], dict[str, Any]]] = {c: {} for c in all_cases}
+    for u, s in zip(todo, summaries):
+        by_case[u.case][(u.policy, u.seed)] = s
+    results = [(c, aggregate(c, by_case[c])) for c in all_cases]
+    done = dict(results)
+    return results, [judge(t, done[t.case]) for t in targets(all_cases)]
 
 
-def markdown(
-    results: Iterable[tuple[Case, dict[str, dict[str, Any]]]], verdicts: Sequence[Verdict]
-) -> str:
-    lines = [
+def _seeds_used(results: Iterable[tuple[Case, Results]]) -> list[int]:
+    return sorted(
+        {s["seed"] for _, res in results for r in res.values() for s in r.get("seeds", ())}
+    )
+
+
+def _cell(mean: float | None, sd: float | None, fmt: str, sd_fmt: str) -> str:
+    if mean is None:
+        return ""
+    return format(mean, fmt) + ("" if sd is None else f" ± {format(sd, sd_fmt)}")
+
+
+def markdown(results: Iterable[tuple[Case, Results]], verdicts: Sequence[Verdict]) -> str:
+    results = list(results)
+    lines = []
+    seeds = _seeds_used(results)
+    if seeds:
+        lines += [
+            f"Under signals: the mean ± standard deviation over {len(seeds)} signal "
+            f"seed{'s' if len(seeds) != 1 else ''} ({', '.join(map(str, seeds))}) of every "
+            f"policy that reads signals; {', '.join(sorted(SEED_FREE))} read none and are "
+            "replayed once. Targets are judged on the means.",
+            "",
+        ]
+    lines += [
         "| case | policy | byte hit rate | gap closed | stall s | prefetched GB | unused |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -215,10 +364,18 @@ def markdown(
         for policy, s in res.items():
             gap = gap_closed(res, policy)
             share = unused_share(s)
+            sd = {m: s.get(f"{m}_sd") for m in SPREAD}
+            gb_sd = None if sd["bytes_prefetched"] is None else sd["bytes_prefetched"] / 1e9
+            # The gap's and the unused share's spread in percentage points.
+            gap_sd = None if sd["gap_closed"] is None else sd["gap_closed"] * 100
+            share_sd = None if sd["unused_share"] is None else sd["unused_share"] * 100
             lines.append(
-                f"| {case.label} | {policy} | {s['byte_hit_rate']:.4f} | "
-                f"{'' if gap is None else f'{gap:.0%}'} | {s['stall_seconds_total']:,.1f} | "
-                f"{s['bytes_prefetched'] / 1e9:,.0f} | {'' if share is None else f'{share:.0%}'} |"
+                f"| {case.label} | {policy} | "
+                f"{_cell(s['byte_hit_rate'], sd['byte_hit_rate'], '.4f', '.4f')} | "
+                f"{_cell(gap, gap_sd, '.0%', '.0f')} | "
+                f"{_cell(s['stall_seconds_total'], sd['stall_seconds_total'], ',.1f', ',.1f')} | "
+                f"{_cell(s['bytes_prefetched'] / 1e9, gb_sd, ',.0f', ',.0f')} | "
+                f"{_cell(share, share_sd, '.0%', '.0f')} |"
             )
     lines += ["", "| case | target | met | why not |", "|---|---|---|---|"]
     for v in verdicts:
@@ -229,11 +386,12 @@ def markdown(
     return "\n".join(lines)
 
 
-def as_json(
-    results: Iterable[tuple[Case, dict[str, dict[str, Any]]]], verdicts: Sequence[Verdict]
-) -> str:
+def as_json(results: Iterable[tuple[Case, Results]], verdicts: Sequence[Verdict]) -> str:
+    """The results as `aggregate` made them: per seeded policy, its means, spreads and seeds."""
+    results = list(results)
     return json.dumps(
         {
+            "signal_seeds": _seeds_used(results),
             "cases": [
                 {
                     "case": case.label,

@@ -10,6 +10,7 @@ docs/decisions.md, "Retention as advice on top of LRU").
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -58,10 +59,19 @@ class SessionAdvice:
     # For a request already routed and waiting for a slot: no prediction (the ledger, which
     # judges predictions, leaves it out).
     queued: bool = False
+    # P(a return lands on instance_id): the router's part of the chances above (routing.py).
+    p_routed: float = 1.0
 
     @property
     def demotable_blocks(self) -> tuple[BlockHash, ...]:
         return self.block_hashes[self.shared_blocks :]
+
+    @property
+    def p_back_soon(self) -> float:
+        """P(the next request comes within the lead, wherever it lands): what the prefetch bar
+        and its cancelling judge. Where it lands prices the prefetch (`p_soon`), as it prices
+        every other, so a router that spreads returns makes a prefetch worth less, not void."""
+        return self.p_soon / self.p_routed if self.p_routed > 0.0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +171,9 @@ class Advisor:
             np.clip(self.predictor.p_within(live, now, horizons), 0.0, 1.0), axis=1
         )
         p_same = self.routes.p_same if self.routes is not None else 1.0
+        # The bar a prefetch must clear, on the chance it is back wherever it lands; none when
+        # the last instance is not where returns land most.
+        bar = self.prefetch_bar(p_same)
         grid *= p_same
         out = []
         for view, curve in zip(live, grid):
@@ -190,12 +203,22 @@ class Advisor:
                     p_keep,
                     p_soon,
                     p_return,
-                    p_soon >= self.prefetch_min_p,
+                    p_soon >= bar,
                     self.shared_blocks(view.block_hashes, now),
                     needed_in,
+                    p_routed=p_same,
                 )
             )
         return out + queued
+
+    def prefetch_bar(self, p_same: float) -> float:
+        """What `p_soon` (routed) must reach for a prefetch to the last instance:
+        `prefetch_min_p` of the chance the session is back at all within the lead, so a router
+        that spreads returns prices a prefetch lower (its value, `p_soon`) but does not rule it
+        out; infinite when another instance is likelier to take the return."""
+        if self.routes is not None and not self.routes.last_is_likeliest:
+            return math.inf
+        return self.prefetch_min_p * p_same
 
     def _queued(self, view: SessionView, now: float) -> SessionAdvice:
         return self.queued_advice(view.session_id, view.instance_id, tuple(view.block_hashes), now)

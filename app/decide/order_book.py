@@ -678,7 +678,7 @@ class OrderBook:
                 if (
                     latest is not None
                     and latest.instance_id == e.order.instance_id
-                    and latest.p_soon >= self.config.cancel_below_p
+                    and latest.p_back_soon >= self.config.cancel_below_p
                 ):
                     still.add(s)
             e.sessions = still

@@ -12,6 +12,9 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 
+# Instances remembered by the estimate (their count is what it reads): the store's own cap.
+MAX_INSTANCES_SEEN = 10_000
+
 
 class SameInstanceEstimate:
     """P(a returning session is routed to the instance of its previous request), as an
@@ -25,9 +28,13 @@ class SameInstanceEstimate:
         self._decay = math.exp(math.log(0.5) / half_life_returns)
         self._same = prior * prior_weight
         self._total = prior_weight
+        # The instances requests went to (up to MAX_INSTANCES_SEEN): how many a return may go to.
+        self._instances: set[str] = set()
 
     def observe(self, previous_instance_id: str | None, instance_id: str) -> None:
         """A request of a session whose previous request went to `previous_instance_id`."""
+        if len(self._instances) < MAX_INSTANCES_SEEN:
+            self._instances.add(instance_id)
         if previous_instance_id is None:
             return  # a first turn says nothing about returns
         self._same = self._same * self._decay + (previous_instance_id == instance_id)
@@ -36,6 +43,14 @@ class SameInstanceEstimate:
     @property
     def p_same(self) -> float:
         return self._same / self._total
+
+    @property
+    def last_is_likeliest(self) -> bool:
+        """Whether a return lands on the session's last instance at least as often as on any one
+        other (taken as equally likely): where a prefetch goes. A router that moves sessions
+        away (p_same below 1/instances) leaves no instance to send one to."""
+        others = len(self._instances) - 1
+        return others <= 0 or self.p_same >= (1.0 - self.p_same) / others
 
 
 class RouteTracker:

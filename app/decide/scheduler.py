@@ -185,7 +185,11 @@ class Scheduler:
             self._latest[a.session_id] = (a, now)
             self._fresh[a.session_id] = a
             self.book.advised(a)
-            if a.prefetch and a.instance_id is not None and a.p_soon >= self.config.prefetch_min_p:
+            if (
+                a.prefetch
+                and a.instance_id is not None
+                and a.p_back_soon >= self.config.prefetch_min_p
+            ):
                 self._candidates[a.session_id] = a
             else:
                 self._candidates.pop(a.session_id, None)

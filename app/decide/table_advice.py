@@ -76,6 +76,8 @@ class TableAdvice:
     prefetch: np.ndarray
     needed_in_seconds: np.ndarray
     queued: np.ndarray
+    # P(a return lands where the context is), the same for every row (SessionAdvice.p_routed).
+    p_routed: float = 1.0
 
 
 def _interp_rows(x: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:
@@ -169,9 +171,10 @@ def advise_rows(
         p_keep,
         p_soon,
         p_return,
-        p_soon >= advisor.prefetch_min_p,
+        p_soon >= advisor.prefetch_bar(p_same),
         needed,
         queued,
+        p_same,
     )
 
 
@@ -211,6 +214,7 @@ def session_advice(
                 prefetch,
                 advisor.shared_blocks(h.block_hashes, now),
                 needed_in,
+                p_routed=advice.p_routed,
             )
         )
     for session_id in table.ids_of(advice.queued):

@@ -295,3 +295,19 @@ def test_a_signal_keeps_a_resident_context_until_the_turn_it_announces() -> None
     assert a.retention == "keep" and a.keep_seconds > 0
     assert a.p_keep >= a.p_soon == deployment.followed_lower_bound("opened")
     assert a.p_return >= a.p_keep
+
+
+def test_a_router_that_spreads_returns_prices_a_prefetch_lower_but_does_not_void_it() -> None:
+    """Least-loaded routing over four instances: a return lands on the last instance about one
+    time in four, still the likeliest single place. A session surely back soon is a prefetch
+    candidate there, worth its routed chance (`p_soon`); the bar is on it being back at all."""
+    routes = SameInstanceEstimate(prior=1.0, prior_weight=1.0, half_life_returns=1e9)
+    for i in range(400):
+        routes.observe("gpu-0", f"gpu-{i % 4}")  # a quarter back on the same instance
+    assert routes.last_is_likeliest and routes.p_same == pytest.approx(0.25, abs=0.01)
+    planner = Advisor(Fixed({"a": (0.9, 1.0), "b": (0.3, 1.0)}), routes=routes)
+    advice = {a.session_id: a for a in planner.advise([view("a"), view("b")], 100.0)}
+    a = advice["a"]
+    assert a.prefetch and a.p_routed == pytest.approx(routes.p_same)
+    assert a.p_soon == pytest.approx(0.9 * routes.p_same) and a.p_back_soon == pytest.approx(0.9)
+    assert not advice["b"].prefetch  # not likely back at all: below prefetch_min_p (0.35)

@@ -71,3 +71,14 @@ def test_the_tracker_forgets_a_session_the_store_forgot_by_event_time() -> None:
     assert tracker.estimate.p_same == pytest.approx(1 / 2)
     tracker.routed("late", "gpu-0", 150.0)  # older than the cutoff: ignored, as the store does
     assert len(tracker) == 1
+
+
+def test_the_last_instance_is_likeliest_unless_the_router_moves_sessions_away() -> None:
+    estimate = SameInstanceEstimate(prior=1.0, prior_weight=1.0, half_life_returns=1e9)
+    assert estimate.last_is_likeliest  # one instance known: nowhere else to go
+    for i in range(300):
+        estimate.observe("gpu-0", f"gpu-{i % 3}")  # one in three back: as likely as any other
+    assert estimate.last_is_likeliest
+    for i in range(3000):
+        estimate.observe("gpu-0", f"gpu-{1 + i % 2}")  # never back
+    assert not estimate.last_is_likeliest

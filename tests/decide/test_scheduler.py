@@ -556,3 +556,15 @@ def test_a_full_destination_takes_a_likely_prefetch_by_its_own_eviction() -> Non
     # likely fits in the tier's eviction; big would pass the destination's KV bytes this tick.
     assert [o.session_ids for o in prefetches(plan.orders)] == [["likely"]]
     assert not [o for o in plan.orders if o.kind == "demote"]  # the tier evicts: nothing named
+
+
+def test_a_spread_router_s_candidate_is_judged_on_its_chance_of_coming_back_at_all() -> None:
+    """p_soon 0.225 at the last instance (0.9 back within the lead, a quarter of returns land
+    there): ordered into free room, and not cancelled as if its chance had fallen."""
+    store = store_with(free_bytes={"gpu-0": 10 * BLOCK_BYTES}, pool=range(100))
+    sched = Scheduler(store, config(prefetch_min_p=0.35, cancel_below_p=0.25))
+    spread = replace(advice("s", [0, 1], p_soon=0.225), prefetch=True, p_routed=0.25)
+    plan = tick(sched, [spread], 0.0)
+    assert [o.session_ids for o in prefetches(plan.orders)] == [["s"]]
+    again = tick(sched, [spread], 0.1)
+    assert again.cancels == [] and sched.inflight_bytes("gpu-0") == 2 * BLOCK_BYTES

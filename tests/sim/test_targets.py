@@ -2,27 +2,40 @@
 
 from __future__ import annotations
 
+import json
+import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+from typer.testing import CliRunner
+
+from app.cli import cli
 from sim.targets import (
+    CONVERSATION,
     HALF,
+    SEED_FREE,
     SYNTHETIC,
     Case,
     Target,
+    aggregate,
+    as_json,
     cases,
     gap_closed,
     judge,
     markdown,
+    run,
     run_case,
     targets,
+    units,
 )
-from sim.traces import load_trace
 
 TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
+SMALL = 300  # requests of the conversation trace in the small one
 
 
-def summary(byte_hit_rate: float, stall: float = 10.0, moved: int = 0, unused: int = 0) -> Any:
+def summary(byte_hit_rate: float, stall: float = 10.0, moved: float = 0, unused: float = 0) -> Any:
     return {
         "byte_hit_rate": byte_hit_rate,
         "stall_seconds_total": stall,
@@ -72,12 +85,148 @@ def test_a_target_is_met_only_when_every_part_of_it_is() -> None:
     assert not judge(tolerant, {**results, "learned": summary(0.39)}).met
 
 
-def test_a_case_replays_its_policies_on_the_judged_part() -> None:
-    case = Case(SYNTHETIC, "sticky", ("none", "oracle"), scenario="tight-hbm")
-    results = run_case(case, TRACES, None)
+@pytest.fixture(scope="module")
+def small_traces(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A traces directory whose conversation trace is the real one's first requests."""
+    folder = tmp_path_factory.mktemp("traces")
+    with open(TRACES / CONVERSATION) as f:
+        (folder / CONVERSATION).write_text("".join(next(f) for _ in range(SMALL)))
+    return folder
+
+
+def test_a_case_replays_its_policies_on_the_judged_part(small_traces: Path) -> None:
+    case = Case(CONVERSATION, "sticky", ("none", "oracle"), scenario="tight-hbm")
+    results = run_case(case, small_traces, None)
     assert set(results) == {"none", "oracle"}
     assert results["oracle"]["byte_hit_rate"] >= results["none"]["byte_hit_rate"]
     # Judged on the last 30% by time: fewer requests than the trace holds.
-    assert 0 < results["none"]["requests"] < len(load_trace(TRACES / SYNTHETIC))
+    assert 0 < results["none"]["requests"] < SMALL
+    assert "seeds" not in results["none"]  # no signals: one replay
     table = markdown([(case, results)], [])
-    assert "synthetic, tight-hbm, sticky, signals off | oracle" in table
+    assert "conversation, tight-hbm, sticky, signals off | oracle" in table
+    assert "signal seed" not in table
+
+
+def test_a_signal_case_replays_what_reads_signals_under_each_seed(small_traces: Path) -> None:
+    # kv-aware: a case no target is set for (the targets' cases replay learned, which is slow).
+    case = Case(CONVERSATION, "kv-aware", ("none", "signal", "oracle"), signals=HALF)
+    assert [(u.policy, u.seed) for u in units(case, (0, 1, 2))] == [
+        ("none", None),
+        ("signal", 0),
+        ("signal", 1),
+        ("signal", 2),
+        ("oracle", None),
+    ]
+    ((ran, res),) = run(small_traces, None, jobs=1, seeds=(0, 1), all_cases=[case])[0]
+    assert ran == case
+    signal = res["signal"]
+    assert [s["seed"] for s in signal["seeds"]] == [0, 1]
+    assert [s["signals"]["seed"] for s in signal["seeds"]] == [0, 1]
+    # Two seeds, two draws of the signals: not the same signals twice.
+    assert signal["seeds"][0]["signals_true"] != signal["seeds"][1]["signals_true"]
+    assert signal["byte_hit_rate"] == statistics.fmean(s["byte_hit_rate"] for s in signal["seeds"])
+    assert "seeds" not in res["none"] and "seeds" not in res["oracle"]
+    assert res["none"]["signals"]["coverage"] == 0.5  # replayed under the signals, once
+    with pytest.raises(ValueError, match="at least one signal seed"):
+        run(small_traces, None, seeds=(), all_cases=[case])
+
+
+def fake_seeds(case: Case, rates: list[float], **per_seed: Sequence[float]) -> dict[Any, Any]:
+    """`done` for aggregate: none at 0.4, oracle at 1.0, learned at `rates` (one per seed)."""
+    done: dict[Any, Any] = {("none", None): summary(0.4), ("oracle", None): summary(1.0)}
+    for seed, rate in enumerate(rates):
+        fields = {k: v[seed] for k, v in per_seed.items()}
+        done[("learned", seed)] = summary(rate, **fields)
+    return done
+
+
+def test_seeds_aggregate_to_their_mean_and_standard_deviation() -> None:
+    case = Case("t", "sticky", ("none", "learned", "oracle"), signals=HALF)
+    rates = [0.58, 0.61, 0.64, 0.61]
+    stalls = [10.0, 12.0, 14.0, 16.0]
+    moved = [100, 200, 300, 400]
+    unused = [50, 50, 150, 100]
+    res = aggregate(case, fake_seeds(case, rates, stall=stalls, moved=moved, unused=unused))
+    learned = res["learned"]
+    assert list(res) == ["none", "learned", "oracle"]
+    assert learned["byte_hit_rate"] == pytest.approx(0.61)
+    assert learned["byte_hit_rate_sd"] == pytest.approx(statistics.stdev(rates))
+    gaps = [(r - 0.4) / 0.6 for r in rates]
+    assert learned["gap_closed"] == pytest.approx(0.35)
+    assert gap_closed(res, "learned") == pytest.approx(0.35)
+    assert learned["gap_closed_sd"] == pytest.approx(statistics.stdev(gaps))
+    assert learned["stall_seconds_total"] == 13.0
+    assert learned["stall_seconds_total_sd"] == pytest.approx(statistics.stdev(stalls))
+    assert learned["bytes_prefetched"] == 250
+    # The unused share is the seeds' shares' mean (0.5, 0.25, 0.5, 0.25), not 450 / 1000.
+    assert learned["unused_share"] == pytest.approx(0.375)
+    assert learned["unused_share_sd"] == pytest.approx(statistics.stdev([0.5, 0.25, 0.5, 0.25]))
+    assert [s["seed"] for s in learned["seeds"]] == [0, 1, 2, 3]
+    assert [s["gap_closed"] for s in learned["seeds"]] == pytest.approx(gaps)
+    assert learned["seeds"][2]["byte_hit_rate"] == 0.64
+    # One seed: a mean of one, and no spread.
+    one = aggregate(case, fake_seeds(case, [0.58]))["learned"]
+    assert one["byte_hit_rate"] == 0.58 and one["byte_hit_rate_sd"] is None
+
+
+def test_a_target_is_judged_on_the_mean_over_seeds() -> None:
+    case = Case("t", "least-loaded", ("none", "signal", "learned", "oracle"), signals=HALF)
+    target = Target(case, "learned", "x", not_below=("signal",))
+    done = fake_seeds(case, [0.50, 0.60, 0.60, 0.60])
+    done.update({("signal", s): summary(rate) for s, rate in enumerate([0.52, 0.58, 0.58, 0.58])})
+    # Below signal by more than the tolerance on seed 0, above it on the mean.
+    assert judge(target, aggregate(case, done)).met
+    done[("learned", 1)] = summary(0.50)
+    done[("learned", 2)] = summary(0.55)
+    verdict = judge(target, aggregate(case, done))
+    assert not verdict.met and verdict.why == ["-0.0275 against signal"]
+
+
+def test_the_table_prints_the_spread_over_seeds() -> None:
+    case = Case("t", "sticky", ("none", "learned", "oracle"), signals=HALF)
+    rates = [0.6284, 0.6325, 0.6366, 0.6325]
+    res = aggregate(case, fake_seeds(case, rates, moved=[100e9] * 4, unused=[50e9] * 4))
+    table = markdown([(case, res)], [])
+    sd = statistics.stdev(rates)
+    assert f"| learned | 0.6325 ± {sd:.4f} | {0.2325 / 0.6:.0%} ± {sd / 0.6 * 100:.0f} |" in table
+    assert "| 100 ± 0 | 50% ± 0 |" in table
+    assert "| none | 0.4000 | 0% |" in table  # replayed once: no spread
+    assert "over 4 signal seeds (0, 1, 2, 3)" in table.splitlines()[0]
+    doc = json.loads(as_json([(case, res)], []))
+    assert doc["signal_seeds"] == [0, 1, 2, 3]
+    per_seed = doc["cases"][0]["results"]["learned"]["seeds"]
+    assert [s["byte_hit_rate"] for s in per_seed] == rates
+
+
+def test_the_least_loaded_half_signal_case_is_judged_against_the_naive_rule() -> None:
+    found = targets(cases())
+    for trace in (CONVERSATION, SYNTHETIC):
+        for router, strict in (("least-loaded", False), ("sticky", True)):
+            case = Case(trace, router, ("none", "signal", "learned", "oracle"), signals=HALF)
+            assert case in cases()
+            (t,) = [t for t in found if t.case == case]
+            assert (t.policy, t.not_below, t.strict) == ("learned", ("signal",), strict)
+        # Signals off, learned never below LRU under both routers.
+        for router in ("sticky", "least-loaded"):
+            (t,) = [
+                t
+                for t in found
+                if t.case.trace == trace
+                and t.case.router == router
+                and t.case.signals is None
+                and t.case.scenario == "default"
+                and t.policy == "learned"
+            ]
+            assert t.not_below == ("none",) and not t.strict
+
+
+def test_seed_free_policies_read_no_signals() -> None:
+    assert {"none", "oracle"} <= SEED_FREE
+    assert not SEED_FREE & {"signal", "learned", "heuristic", "clairvoyant", "scheduled"}
+
+
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_seeds_below_one_are_refused_naming_the_option(value: str) -> None:
+    result = CliRunner().invoke(cli, ["targets", "--seeds", value])
+    assert result.exit_code == 2
+    assert "Invalid value for '--seeds'" in result.output
