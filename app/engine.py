@@ -158,7 +158,11 @@ class Engine:
         self.scheduler = Scheduler(
             self.store,
             SchedulerConfig.from_cluster(
-                self.cluster, self.thresholds, overdue_seconds=settings.order_overdue_seconds
+                self.cluster,
+                self.thresholds,
+                overdue_seconds=settings.order_overdue_seconds,
+                retry_backoff_seconds=settings.order_retry_backoff_seconds,
+                retry_backoff_max_seconds=settings.order_retry_backoff_max_seconds,
             ),
         )
         self.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)

@@ -168,8 +168,10 @@ class PlannedPolicy(Policy):
         blocks = cast("list[int]", list(order.block_hashes))
         if order.kind == "pin":
             cluster.keep(idx, blocks, now + (order.ttl_seconds or 0.0))
+            self._progress(order, "completed")  # held: the order book counts a pin once confirmed
         elif order.kind == "demote":
             cluster.demote(idx, blocks)
+            self._progress(order, "completed")
         elif order.start_by_ts > now:
             cluster.call_at(order.start_by_ts, lambda: self._start(order, idx, blocks))
         else:

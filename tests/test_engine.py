@@ -124,6 +124,15 @@ def test_an_ingested_session_is_scored_and_its_prefetch_reaches_the_sink(tmp_pat
     asyncio.run(built.close())
 
 
+def test_the_order_retry_backoff_settings_reach_the_scheduler(tmp_path: Path) -> None:
+    built, _, _ = engine(
+        tmp_path, order_retry_backoff_seconds=2.5, order_retry_backoff_max_seconds=40.0
+    )
+    config = built.scheduler.config
+    assert (config.retry_backoff_seconds, config.retry_backoff_max_seconds) == (2.5, 40.0)
+    asyncio.run(built.close())
+
+
 def test_a_started_prefetch_is_given_up_order_overdue_seconds_past_its_needed_by(
     tmp_path: Path,
 ) -> None:

@@ -314,6 +314,9 @@ class Settings(BaseSettings):
     lmcache_max_attempts: int = Field(3, ge=1)
     lmcache_backoff_seconds: float = Field(0.2, ge=0)
     lmcache_max_backoff_seconds: float = Field(2.0, ge=0)
+    # How often the sink, while it holds pins, checks that the coordinator still holds them (a
+    # restart drops them all) and reports those lost, to be pinned again; 0: never.
+    lmcache_pin_check_seconds: float = Field(5.0, ge=0)
     # The token index (app/deliver/token_index.py): tokens of stored blocks kept, least recently
     # used out first; about 22 bytes a token with 16-token blocks, so about 90 MiB by default.
     lmcache_token_index_max_tokens: int = Field(4_194_304, ge=1)
@@ -330,6 +333,11 @@ class Settings(BaseSettings):
     # died mid-transfer, or nobody took it up): long enough for a dead agent's order to be
     # claimed and finished, short enough that its room and link time are not held for good.
     order_overdue_seconds: float = Field(60.0, gt=0)
+    # A failed order (reported failed, refused by the sink, overdue once started) is planned
+    # again for that session and destination only after this long, doubling with each failure in
+    # a row up to the max: a failing tier is not asked again every tick.
+    order_retry_backoff_seconds: float = Field(1.0, gt=0)
+    order_retry_backoff_max_seconds: float = Field(30.0, gt=0)
 
     # vLLM's ZMQ KV-event stream (app/ingest/vllm/, docs/integrations/vllm.md): the publishers
     # the service subscribes to, separated by spaces or `;`, each

@@ -139,6 +139,7 @@ def build_sink(
             max_attempts=settings.lmcache_max_attempts,
             backoff_seconds=settings.lmcache_backoff_seconds,
             max_backoff_seconds=settings.lmcache_max_backoff_seconds,
+            pin_check_seconds=settings.lmcache_pin_check_seconds,
             dedupe_seconds=dedupe,
             transport=transport,
         )

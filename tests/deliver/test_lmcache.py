@@ -749,6 +749,10 @@ def test_the_engine_feeds_the_index_and_ingests_the_sinks_reports(tmp_path: Path
         engine = Engine(settings, load_model=False)
         sink = engine.order_sink
         assert isinstance(sink, LmcacheSink)
+        assert sink.pin_check_seconds == settings.lmcache_pin_check_seconds == 5.0
+        other = build_sink(settings.model_copy(update={"lmcache_pin_check_seconds": 0.5}))
+        assert isinstance(other, LmcacheSink) and other.pin_check_seconds == 0.5
+        await other.close()
         try:
             engine.ingest(
                 [
