@@ -685,9 +685,26 @@ def replay(
             "own setting.",
         ),
     ] = True,
+    landing: Annotated[
+        str | None,
+        typer.Option(
+            metavar="RULE",
+            help="How a prefetch becomes usable: chunked (chunk by chunk as it lands, head "
+            "first) or whole (only once all of it has landed); default: the scenario's "
+            "(chunked in the shipped ones).",
+        ),
+    ] = None,
+    chunk_tokens: Annotated[
+        int | None,
+        typer.Option(
+            min=1,
+            help="Tokens per landing chunk, rounded down to whole blocks, at least one "
+            "(default: the scenario's, 256 as LMCache's).",
+        ),
+    ] = None,
 ) -> None:
     """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
-    from sim.commands import prepare, print_results, run_replays
+    from sim.commands import prepare, print_results, run_replays, with_landing
     from sim.signals import SignalSettings, parse_signal_overrides, with_signals
 
     if speed is not None and via is None:
@@ -705,8 +722,11 @@ def replay(
             with_signals(SignalSettings(), overrides)  # its values checked before any loading
         except ValueError as exc:
             raise typer.BadParameter(str(exc), param_hint="'--signals'") from None
+    if landing is not None and landing not in ("chunked", "whole"):
+        raise typer.BadParameter(f"{landing!r}: chunked or whole", param_hint="'--landing'")
     try:
         trace_requests, scen = prepare(trace, scenario, block_tokens)
+        scen = with_landing(scen, landing, chunk_tokens)
         if overrides is not None:
             try:
                 scen = scen.model_copy(update={"signals": with_signals(scen.signals, overrides)})

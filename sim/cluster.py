@@ -12,8 +12,8 @@ What happens to a request (all times simulated):
    shared with every other transfer) or recomputed, whichever is sooner, resident ones included:
    those keep their slot (an engine would take a second one for the copy; not modelled) but their
    bytes cross the link, or their tokens are recomputed, all the same. Blocks still landing are
-   waited for, not loaded again. The request stalls until the last byte has landed, or for the
-   recompute (its tokens / the prefill rate);
+   waited for, not loaded again. The request stalls until the last byte it needs has landed, or
+   for the recompute (its tokens / the prefill rate);
 3. it computes: prefill of its new tokens, then decode of its output tokens;
 4. it finishes; its blocks stay in HBM, unpinned, and are now in the pool too. They go back to
    the LRU order tail first, as vLLM frees a request's blocks (its free queue takes them in
@@ -22,6 +22,13 @@ What happens to a request (all times simulated):
 
 Blocks of admitted requests and blocks still landing are pinned: never evicted. Eviction is LRU
 unless the policy advises otherwise (see sim/blockcache.py).
+
+How a prefetch lands is the scenario's `landing` (an assumption): "chunked" (the default), chunk
+by chunk (`chunk_tokens`, a whole number of blocks) in the order the prefetch lists its blocks,
+head first, each chunk landed (unpinned, usable, stored) as its last byte crosses the link, as
+LMCache loads in 256-token chunks and vLLM's connector loads asynchronously; "whole", all of it at
+its last byte. Demand loads and recomputes land whole under either rule: the request that ordered
+one needs every block of it before it can start.
 """
 
 from __future__ import annotations
@@ -65,13 +72,18 @@ class SimRequest:
     loaded_bytes: int = 0
     recompute_tokens: int = 0
     compute_seconds: float = 0.0
-    waiting_on: set[int] = field(default_factory=set)
+    # Transfers waited for: id -> how many of its blocks (a prefix, as they land) must be in.
+    waiting_on: dict[int, int] = field(default_factory=dict)
 
-    def wait_for(self, t: Transfer) -> bool:
-        """Start waiting for a transfer; False when already waiting for it."""
-        if t.transfer_id in self.waiting_on:
+    def wait_for(self, t: Transfer, blocks: int | None = None) -> bool:
+        """Wait until the first `blocks` of a transfer's blocks have landed (default: all of
+        them); False when already waiting for it (then until the longer of the two)."""
+        need = len(t.blocks) if blocks is None else blocks
+        had = self.waiting_on.get(t.transfer_id)
+        if had is not None:
+            self.waiting_on[t.transfer_id] = max(had, need)
             return False
-        self.waiting_on.add(t.transfer_id)
+        self.waiting_on[t.transfer_id] = need
         return True
 
     @property
@@ -224,10 +236,13 @@ class Cluster:
             assert 0 <= inst.running <= self.scenario.max_running_requests, (
                 f"{inst.instance_id}: running"
             )
-            for b in inst.inflight:
+            for b, t in inst.inflight.items():
                 e = inst.hbm.entries.get(b)
                 assert e is not None and e.pins > 0, (
                     f"{inst.instance_id}: block {b} landing but not pinned"
+                )
+                assert t.positions is None or t.positions[b] >= t.landed_blocks, (
+                    f"{inst.instance_id}: block {b} landed but still landing"
                 )
 
     # -- signals ---------------------------------------------------------------------------
@@ -316,7 +331,9 @@ class Cluster:
                 hbm.touch(b)
                 t = inst.inflight.get(b)
                 if t is not None:
-                    if r.wait_for(t):
+                    # A transfer landing in chunks serves it once the chunk holding b is in.
+                    upto = None if t.positions is None else t.positions[b] + 1
+                    if r.wait_for(t, upto):
                         t.waiters.append(r)
                     if b in reused_set:
                         t.claimed.add(b)
@@ -496,6 +513,10 @@ class Cluster:
             prefetch,
             self.now,
         )
+        chunk_blocks = self.scenario.chunk_blocks
+        if prefetch and self.scenario.landing == "chunked" and len(blocks) > chunk_blocks:
+            t.chunk_bytes = chunk_blocks * self.block_bytes
+            t.positions = {b: i for i, b in enumerate(blocks)}
         for b in blocks:
             inst.inflight[b] = t
             inst.hbm.entries[b].pins += 1  # pinned while landing
@@ -513,14 +534,18 @@ class Cluster:
         link = inst.host_link if host else inst.pool_link
         if version != link.version:
             return  # the link changed since this completion was predicted
+        for t in link.chunks_due(self.now):
+            self._land_chunks(inst, t)
         for t in link.complete_due(self.now):
             self._landed(inst, t)
         self._schedule_link(inst, link)
         self._try_start(inst)
 
-    def _landed(self, inst: Instance, t: Transfer) -> None:
-        """A transfer's (or a recompute's) blocks are in HBM: unpin them, wake who waited."""
-        for b in t.blocks:
+    def _land_blocks(self, inst: Instance, t: Transfer, upto: int) -> None:
+        """The transfer's blocks up to `upto` (of its list) are in HBM: unpin them and say so."""
+        landed = t.blocks[t.landed_blocks : upto]
+        t.landed_blocks = upto
+        for b in landed:
             if inst.inflight.get(b) is t:
                 del inst.inflight[b]
             e = inst.hbm.entries.get(b)
@@ -528,21 +553,40 @@ class Cluster:
                 inst.hbm.unpin(b)
                 if t.prefetch and b not in t.claimed:
                     e.prefetched = True
-        if t.prefetch:
-            self.totals.bytes_prefetched += t.nbytes
-        if t.blocks:  # a load of resident blocks' bytes alone stores nothing new
+        if t.prefetch:  # a prefetch's bytes are its blocks'
+            self.totals.bytes_prefetched += len(landed) * self.block_bytes
+        if landed:  # a load of resident blocks' bytes alone stores nothing new
             self.emit(
                 "kv_blocks_stored",
                 self.now,
                 {
                     "tier": "hbm",
                     "instance_id": inst.instance_id,
-                    "block_hashes": t.blocks,
+                    "block_hashes": landed,
                     "block_tokens": self.scenario.block_tokens,
                 },
             )
+
+    def _land_chunks(self, inst: Instance, t: Transfer) -> None:
+        """More chunks of a transfer have crossed: land their blocks, wake who needed no more."""
+        upto = min(t.chunks_landed * self.scenario.chunk_blocks, len(t.blocks))
+        self._land_blocks(inst, t, upto)
+        waiting = []
         for r in t.waiters:
-            r.waiting_on.discard(t.transfer_id)  # type: ignore[attr-defined]
+            if r.waiting_on[t.transfer_id] > upto:  # type: ignore[attr-defined]
+                waiting.append(r)
+                continue
+            del r.waiting_on[t.transfer_id]  # type: ignore[attr-defined]
+            if not r.waiting_on:  # type: ignore[attr-defined]
+                self._ready(r)  # type: ignore[arg-type]
+        t.waiters = waiting
+
+    def _landed(self, inst: Instance, t: Transfer) -> None:
+        """A transfer's (or a recompute's) blocks are all in HBM: unpin those not landed yet,
+        wake who waited."""
+        self._land_blocks(inst, t, len(t.blocks))
+        for r in t.waiters:
+            r.waiting_on.pop(t.transfer_id, None)  # type: ignore[attr-defined]
             if not r.waiting_on:  # type: ignore[attr-defined]
                 self._ready(r)  # type: ignore[arg-type]
 

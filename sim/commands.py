@@ -65,6 +65,19 @@ def prepare(
     return trace, scenario
 
 
+def with_landing(scenario: Scenario, landing: str | None, chunk_tokens: int | None) -> Scenario:
+    """The scenario with `kvprefetch replay --landing` and `--chunk-tokens` over its own landing
+    rule and chunk size (None: the scenario's), validated."""
+    update: dict[str, Any] = {}
+    if landing is not None:
+        update["landing"] = landing
+    if chunk_tokens is not None:
+        update["chunk_tokens"] = chunk_tokens
+    if not update:
+        return scenario
+    return Scenario.model_validate({**scenario.model_dump(), **update})
+
+
 def run_replays(
     trace: Sequence[TraceRequest],
     scenario: Scenario,

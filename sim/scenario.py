@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import cast
+from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -42,6 +42,14 @@ class Scenario(BaseModel):
     sticky_overflow_queue: int = Field(
         8, ge=0, description="sticky router overflows past this queue length"
     )
+    # How a prefetch's blocks become usable (an assumption, docs/data-science/replay.md):
+    # "chunked", chunk by chunk as each crosses the link, head first, as LMCache loads in
+    # 256-token chunks and vLLM's connector loads asynchronously; "whole", only when the whole
+    # transfer has landed (the model before issue 27, kept for comparison).
+    landing: Literal["chunked", "whole"] = "chunked"
+    chunk_tokens: int = Field(
+        256, gt=0, description="tokens per landing chunk (LMCache's default chunk size)"
+    )
     # Early signals before returning turns, an assumed model (sim/signals.py); off by default.
     signals: SignalSettings = Field(default_factory=SignalSettings)
 
@@ -56,6 +64,12 @@ class Scenario(BaseModel):
     @property
     def block_bytes(self) -> int:
         return self.block_tokens * self.bytes_per_token
+
+    @property
+    def chunk_blocks(self) -> int:
+        """Blocks per landing chunk: a chunk is a whole number of blocks (one, when blocks are
+        at least `chunk_tokens` long, as the shipped scenarios' 512-token blocks are)."""
+        return max(1, self.chunk_tokens // self.block_tokens)
 
     @property
     def hbm_blocks(self) -> int:

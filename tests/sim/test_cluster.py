@@ -379,10 +379,11 @@ def checked_replay(
     overrides: tuple[tuple[str, Any], ...] = (),
 ) -> dict[str, Any]:
     """replay()'s summary, run on a CheckedCluster; cached (other test modules compare policies
-    on it)."""
+    on it). An override's value may be a tuple of pairs, for a table (`signals`)."""
     scen = load_scenario(scenario_name)
     if overrides:
-        scen = Scenario.model_validate({**scen.model_dump(), **dict(overrides)})
+        table = {k: dict(v) if isinstance(v, tuple) else v for k, v in overrides}
+        scen = Scenario.model_validate({**scen.model_dump(), **table})
     with mock.patch.object(sim.replay, "Cluster", CheckedCluster):
         result = replay(trace_prefix(trace, n), scen, policy=policy, router=router)
     cluster: CheckedCluster = CheckedCluster.last  # type: ignore[attr-defined]

@@ -88,7 +88,7 @@ def pool_only_case(policy: Policy, arrival: float = 50.0) -> tuple[Cluster, SimR
 def test_oracle_prefetches_just_in_time_to_the_right_instance() -> None:
     _, on_demand = pool_only_case(NoPrefetch())
     assert on_demand.hit_blocks == 0 and on_demand.stall_seconds == pytest.approx(0.4, abs=EXACT)
-    landed: list[tuple[float, str]] = []
+    landed: list[tuple[float, str, list[int]]] = []
     a, d = request(0, 0.0, context(0, 4)), request(1, 50.0, [*context(0, 4), 99])
     cluster = CheckedCluster(
         scenario(prefill=100.0),
@@ -96,10 +96,8 @@ def test_oracle_prefetches_just_in_time_to_the_right_instance() -> None:
         Placed([0, 1]),
         Oracle(),
         emit=lambda kind, ts, f: (
-            landed.append((ts, f["instance_id"]))
-            if kind == "kv_blocks_stored"
-            and f["tier"] == "hbm"
-            and f["block_hashes"] == context(0, 4)
+            landed.append((ts, f["instance_id"], f["block_hashes"]))
+            if kind == "kv_blocks_stored" and f["tier"] == "hbm"
             else None
         ),
     )
@@ -108,9 +106,15 @@ def test_oracle_prefetches_just_in_time_to_the_right_instance() -> None:
     assert cluster.totals.bytes_prefetched == 4 * BLOCK_BYTES
     assert cluster.totals.bytes_prefetched_unused == 0
     assert cluster.instances[1].pool_link.bytes_moved == 4 * BLOCK_BYTES
-    # Ordered its lead (5 blocks: 0.5 s) plus a 0.25 s margin before the arrival; 4 blocks move.
-    assert [ts for ts, where in landed if where == "gpu-1"] == [
-        pytest.approx(50.0 - 0.5 - 0.25 + 0.4, abs=EXACT)
+    # Ordered its lead (5 blocks: 0.5 s) plus a 0.25 s margin before the arrival; 4 blocks move,
+    # landing in 2-block chunks (256-token chunks of 100-token blocks), head first.
+    ordered = 50.0 - 0.5 - 0.25
+    prefetched = [
+        (ts, blocks) for ts, where, blocks in landed if where == "gpu-1" and 99 not in blocks
+    ]
+    assert prefetched == [
+        (pytest.approx(ordered + 0.2, abs=EXACT), context(0, 2)),
+        (pytest.approx(ordered + 0.4, abs=EXACT), context(2, 2)),
     ]
 
 
