@@ -253,6 +253,9 @@ def replay(
             "policy": policy,
             "router": router,
             "scenario": scenario.name,
+            # How a prefetch lands (sim/cluster.py): an assumption of the replay's, so said.
+            "landing": scenario.landing,
+            "chunk_tokens": scenario.chunk_tokens,
             "wall_seconds": round(time.perf_counter() - started, 3),
         }
     )

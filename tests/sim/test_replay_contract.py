@@ -56,6 +56,8 @@ def check_summary(
 ) -> None:
     assert (s["policy"], s["router"], s["scenario"]) == (policy, router, scenario)
     assert all(type(s[key]) is str for key in ("policy", "router", "scenario"))
+    # The landing rule it ran under (the shipped scenarios': chunks, usable as they land).
+    assert (s["landing"], s["chunk_tokens"]) == ("chunked", 256)
     for key in INTS:
         assert type(s[key]) is int and s[key] >= 0, key
     for key in RATES:
