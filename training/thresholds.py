@@ -7,7 +7,8 @@
 The model must have been trained on data before the window (e.g. `python -m training.bundle
 --train-fraction 0.5 --out DIR`); each trace is replayed up to the window's end and only the
 requests arriving inside it are counted. Each setting is a set of the planner's thresholds
-(app.decide.advisor.Thresholds, by their settings' names); `{}` is the planner's defaults, and `none` (plain LRU) is the baseline row.
+(app.decide.advisor.Thresholds, by their settings' names); `{}` is the planner's defaults, and
+`none` (plain LRU) is the baseline row.
 The setting with the best mean byte hit rate across traces is the one to ship.
 """
 
