@@ -143,9 +143,13 @@ def test_a_started_order_whose_agent_went_silent_is_given_up_and_its_blocks_orde
     # Until the deadline it holds its blocks and its room: nothing more is ordered.
     both = [advice("a", [0, 1]), advice("b", [5, 6])]
     assert prefetches(tick(sched, both, order.needed_by_ts + 59.0).orders) == []
-    plan = tick(sched, both, order.needed_by_ts + 60.5)
+    sched.forget("b")  # b came back meanwhile: a alone wants the room
+    plan = tick(sched, [advice("a", [0, 1])], order.needed_by_ts + 60.5)
     assert plan.cancels == []  # it started: nothing at the sink to withdraw
-    again = prefetches(plan.orders)
+    # Given up and counted failed: its blocks are tried again once the failure's backoff (1 s)
+    # has passed, not at once.
+    assert prefetches(plan.orders) == []
+    again = prefetches(tick(sched, [advice("a", [0, 1])], order.needed_by_ts + 61.6).orders)
     assert [o.block_hashes for o in again] == [[0, 1]] and again[0].order_id != order.order_id
     assert sched.totals.failed == 1 and order.order_id not in {
         o.order_id for o in sched.open_orders()
