@@ -209,17 +209,13 @@ def prefix_lookups(n: int) -> int:
 
 
 def _run(blocks: Sequence[BlockHash], start: int, due: Mapping[BlockHash, float]) -> int:
-    """How many blocks from `start` on are in open orders (the held-prefix search, over them)."""
-    if not due:
-        return 0
-    lo, hi = start, len(blocks)
-    while lo < hi:
-        m = (lo + hi + 1) // 2
-        if blocks[m - 1] in due:
-            lo = m
-        else:
-            hi = m - 1
-    return lo - start
+    """How many blocks from `start` on are in open orders, up to the first that is not. Walked,
+    not bisected: the open orders need not cover a contiguous run (an order moves only what was
+    missing when it was planned), and the walk is bounded by the blocks they carry."""
+    n, end = start, len(blocks)
+    while n < end and blocks[n] in due:
+        n += 1
+    return n - start
 
 
 _UNKNOWN_LOAD = InstanceLoad()

@@ -343,3 +343,16 @@ def test_only_the_held_prefix_counts() -> None:
     store = store_with(hbm={"gpu-0": [0, 1, 3]})
     (zero,) = route_hint(store, "s", ["gpu-0"], 10.0, config=CONFIG).candidates
     assert (zero.resident_bytes, zero.missing_bytes) == (2 * BLOCK, 2 * BLOCK)
+
+
+def test_orders_with_a_gap_count_only_the_run_up_to_it() -> None:
+    """An order moves what was missing when it was planned, so the blocks on their way need not
+    be contiguous: with block 1 not coming, blocks 2 and 3 on their way are past the first miss
+    (nothing counts as on its way) and the rest loads."""
+    store = store_with(hbm={"gpu-0": [0]})
+    orders = [prefetch("gpu-0", [2, 3], needed_by=10.25)]
+    (c,) = route_hint(store, "s", ["gpu-0"], 10.0, config=CONFIG, inflight=orders).candidates
+    assert (c.resident_bytes, c.inflight_bytes, c.missing_bytes) == (BLOCK, 0, 3 * BLOCK)
+    orders = [prefetch("gpu-0", [1, 3], needed_by=10.25)]  # 1 coming, 2 not: a run of one
+    (c,) = route_hint(store, "s", ["gpu-0"], 10.0, config=CONFIG, inflight=orders).candidates
+    assert (c.resident_bytes, c.inflight_bytes, c.missing_bytes) == (BLOCK, BLOCK, 2 * BLOCK)
