@@ -88,9 +88,9 @@ class SchedulerTotals:
     completed: int = 0
     failed: int = 0
     cancelled: int = 0
-    # Landed prefetch bytes (the blocks' bytes, as ordered): each ends used (a request routed to
-    # their instance named them), or wasted (evicted, demoted, or its ttl passed before a request
-    # used it), or is still waiting: used + wasted + waiting == landed.
+    # Landed prefetch bytes (what the completion reports moved, at most the order's): each ends
+    # used (a request routed to their instance named them), or wasted (evicted, demoted, or its
+    # ttl passed before a request used it), or is still waiting: used + wasted + waiting == landed.
     bytes_landed: int = 0
     bytes_used: int = 0
     bytes_wasted: int = 0
@@ -345,6 +345,12 @@ class OrderBook:
                 or (spell is not None and spell != spell_of(a))
             ):
                 self._leave(rid, a.session_id)
+
+    @property
+    def holds_landed(self) -> bool:
+        """Whether any landed prefetch is tracked at any place: if not, blocks reported gone
+        change nothing here."""
+        return bool(self._landed_at)
 
     def blocks_removed(
         self, tier: str, instance_id: str | None, blocks: Iterable[BlockHash]

@@ -197,9 +197,10 @@ def feedback_observer(
                 elif kind == "kv_blocks_cleared":
                     cleared = cast(KvBlocksCleared, e)
                     scheduler.blocks_cleared(cleared.tier, cleared.instance_id)
-                elif kind == "vllm_kv_events":
+                elif kind == "vllm_kv_events" and scheduler.holds_landed:
                     batch = cast(VllmKvEvents, e)
-                    # Expanded only when it removes something: most batches only store.
+                    # Expanded only when it removes something (most batches only store) and a
+                    # landed prefetch could be among it: the vLLM intake's hot path.
                     if not all(isinstance(x, VllmBlockStored) for x in batch.events):
                         for sub in batch.expand():
                             if isinstance(sub, KvBlocksRemoved):

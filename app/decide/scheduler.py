@@ -225,6 +225,11 @@ class Scheduler:
         """Every block at the place is gone (kv_blocks_cleared)."""
         self.book.blocks_cleared(tier, instance_id)
 
+    @property
+    def holds_landed(self) -> bool:
+        """Whether a report of blocks gone can change anything (OrderBook.holds_landed)."""
+        return self.book.holds_landed
+
     def _advice_of(self, session_id: str) -> SessionAdvice | None:
         latest = self._latest.get(session_id)
         return None if latest is None else latest[0]

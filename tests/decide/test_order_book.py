@@ -13,7 +13,13 @@ from app.decide.advisor import SessionAdvice
 from app.decide.plan_loop import feedback_observer
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler
-from kvprefetch_client.events import KvBlocksCleared, KvBlocksRemoved, KvBlocksStored, RequestRouted
+from kvprefetch_client.events import (
+    KvBlocksCleared,
+    KvBlocksRemoved,
+    KvBlocksStored,
+    RequestRouted,
+    VllmKvEvents,
+)
 from kvprefetch_client.orders import Order
 from tests.decide.test_scheduler import BLOCK_BYTES, advice, config, store_with
 
@@ -63,6 +69,24 @@ def test_blocks_the_engine_reports_gone_are_ordered_again() -> None:
     sched2.blocks_removed("hbm", "gpu-1", [0, 1])
     sched2.blocks_removed("host", "gpu-0", [0, 1])
     assert prefetches(tick(sched2, [advice("a", [0, 1, 2, 3])], 1.0)) == []
+
+
+def test_blocks_a_vllm_batch_removes_are_ordered_again() -> None:
+    sched, _ = delivered_scheduler()
+    observe = feedback_observer(sched, RouteTracker())
+    assert sched.holds_landed
+    batch = VllmKvEvents(
+        event_id="v1",
+        ts=1.0,
+        instance_id="gpu-0",
+        events=[{"type": "BlockRemoved", "block_hashes": [3], "medium": "GPU"}],  # type: ignore[list-item]
+    )
+    observe([batch])
+    (again,) = prefetches(tick(sched, [advice("a", [0, 1, 2, 3])], 1.0))
+    assert again.block_hashes == [3]
+    # With nothing landed anywhere, a batch is not expanded at all: nothing could change.
+    idle = Scheduler(store_with(free_bytes={"gpu-0": BLOCK_BYTES}), config())
+    assert not idle.holds_landed
 
 
 def test_an_engine_that_cleared_its_cache_gets_the_blocks_again() -> None:
