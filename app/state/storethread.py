@@ -180,10 +180,12 @@ class StoreHealth:
             return self.probe()
         if self._probing is None or self._probing.done():
             self._probing = asyncio.get_running_loop().run_in_executor(self._executor, self.probe)
+        # This caller's probe: by the time it ends another caller may have started the next.
+        probing = self._probing
         if wait_seconds is None:
-            return await asyncio.shield(self._probing)
-        done, _ = await asyncio.wait({self._probing}, timeout=wait_seconds)
-        return self._probing.result() if done else None
+            return await asyncio.shield(probing)
+        done, _ = await asyncio.wait({probing}, timeout=wait_seconds)
+        return probing.result() if done else None
 
     async def run(self, interval_seconds: float) -> None:
         while True:

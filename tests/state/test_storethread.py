@@ -133,3 +133,46 @@ def test_a_probe_that_does_not_answer_in_time_is_none_and_last_stays() -> None:
         asyncio.run(scenario())
     finally:
         health.close()
+
+
+class Gated(MemoryStore):
+    """A store whose every ping waits for its turn."""
+
+    def __init__(self) -> None:
+        super().__init__(bytes_per_token=1, block_tokens=512)
+        self.turns = threading.Semaphore(0)
+
+    def ping(self) -> None:
+        assert self.turns.acquire(timeout=10), "no turn given"
+
+
+def test_a_caller_gets_the_probe_it_waited_on_when_the_next_has_begun() -> None:
+    # /readyz and the probing loop share probes: once one ends, the first to look starts the
+    # next, possibly before a caller that waited on the ended one has resumed.
+    store = Gated()
+    health = StoreHealth(store, offload=True)
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        looping = asyncio.ensure_future(health.refresh(None))
+        await asyncio.sleep(0)
+        probing = health._probing
+        assert probing is not None
+        started: list[asyncio.Task[object]] = []
+        # Runs before the waiting caller below resumes: its callback comes after this one.
+        probing.add_done_callback(
+            lambda _: started.append(loop.create_task(health.refresh(5.0)))
+        )
+        waiting = asyncio.ensure_future(health.refresh(5.0))
+        await asyncio.sleep(0)
+        store.turns.release()
+        snapshot = await waiting
+        assert snapshot is not None and snapshot.ok
+        assert health._probing is not probing  # the next probe had begun meanwhile
+        store.turns.release()
+        assert (await started[0]) is not None and (await looping) is not None
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        health.close()
