@@ -96,12 +96,19 @@ class StatusCounter(httpx.HTTPTransport):
         super().__init__()
         self.counts: Counter[int | str] = Counter()
         self.missing_retry_after = 0
+        # Events of attempts that may have reached the service and got no answer (a timeout, a
+        # connection reset): their retry may rightly find them applied, as duplicates.
+        self.unanswered: set[str] = set()
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         try:
             response = super().handle_request(request)
         except httpx.TransportError as exc:
             self.counts[type(exc).__name__] += 1
+            if not isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)):
+                self.unanswered.update(
+                    e["event_id"] for e in orjson.loads(request.content)["events"]
+                )
             raise
         self.counts[response.status_code] += 1
         if response.status_code == 503 and "retry-after" not in response.headers:
@@ -130,13 +137,14 @@ class Router:
         self.high_water = high_water
         self.sent: list[dict[str, Any]] = []
         self.answers: list[Answer] = []
+        self.transport = transport if transport is not None else StatusCounter()
         self.client = KvpClient(
             url,
             batch_size=CLIENT_BATCH,
             max_backoff_seconds=MAX_BACKOFF_SECONDS,
             max_queue_events=10 * high_water,
             on_answer=self.answers.append,
-            transport=transport,
+            transport=self.transport,
         )
         self.stop = threading.Event()
         self.error: str | None = None
@@ -167,6 +175,10 @@ class Router:
 
     def duplicates(self) -> set[str]:
         return {i for a in list(self.answers) for i in a.duplicates}
+
+    def unanswered(self) -> set[str]:
+        """Events of attempts the service may have taken without answering (StatusCounter)."""
+        return set(getattr(self.transport, "unanswered", ()))
 
 
 def start_routers(routers: list[Router]) -> None:

@@ -124,9 +124,13 @@ def test_kill_9_under_the_clients_stream_loses_nothing_acknowledged_and_applies_
     drained = time.monotonic() - restarted
 
     views = check_each_event_once(routers, stats, svc.url, svc.events_dir)
-    # The duplicates are exactly the in-flight events that had reached the log before the kill.
+    # The duplicates are the in-flight events that had reached the log before the kill, and,
+    # on a busy machine, those of a later attempt the service took but did not answer within the
+    # client's timeout: never an event whose every attempt was answered.
     duplicates = set().union(*(r.duplicates() for r in routers))
-    assert duplicates == logged_unacked
+    unanswered = set().union(*(r.unanswered() for r in routers))
+    assert logged_unacked <= duplicates
+    assert duplicates - logged_unacked <= unanswered, sorted(duplicates - logged_unacked)[:10]
     state = readyz_stats(svc.url)
 
     # A resend of acknowledged events is all duplicates and logs nothing.
@@ -147,7 +151,9 @@ def test_kill_9_under_the_clients_stream_loses_nothing_acknowledged_and_applies_
     print(
         f"\nkill -9, seed {seed}: {len(sent)} events sent by {CLIENTS} clients, all acknowledged "
         f"once; {len(acked_at_kill)} acknowledged before the kill, {len(logged_unacked)} logged "
-        f"but unanswered (acknowledged as duplicates on retry); while down ({OUTAGE_SECONDS:.1f} s "
+        f"but unanswered (acknowledged as duplicates on retry), "
+        f"{len(duplicates - logged_unacked)} more duplicates of attempts unanswered after the "
+        f"kill; while down ({OUTAGE_SECONDS:.1f} s "
         f"+ {started_in:.2f} s to restart) {sent_down} events sent, {retries_down} failed attempts "
         f"by {CLIENTS} clients (before the restart began); {sum(s.retries for s in stats)} retries "
         f"in all; first acknowledgement {first_ack:.2f} s after the restart began, drained "
