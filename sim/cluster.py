@@ -9,11 +9,12 @@ What happens to a request (all times simulated):
    them: prefix blocks are chained, so a block after the first one missing (absent, or still
    landing) cannot be used from HBM even when it is there. Every reused block after the hits is
    loaded (from the host tier when it is there, else from the pool, over that instance's links,
-   shared with every other transfer) or recomputed, whichever is sooner, resident ones included:
-   those keep their slot (an engine would take a second one for the copy; not modelled) but their
-   bytes cross the link, or their tokens are recomputed, all the same. Blocks still landing are
-   waited for, not loaded again. The request stalls until the last byte it needs has landed, or
-   for the recompute (its tokens / the prefill rate);
+   shared with every other transfer) or recomputed, whichever is sooner (the scheduler's own
+   rules, app/decide/room_and_links.py: split_by_source, load_or_recompute), resident ones
+   included: those keep their slot (an engine would take a second one for the copy; not
+   modelled) but their bytes cross the link, or their tokens are recomputed, all the same.
+   Blocks still landing are waited for, not loaded again. The request stalls until the last
+   byte it needs has landed, or for the recompute (its tokens / the prefill rate);
 3. it computes: prefill of its new tokens, then decode of its output tokens;
 4. it finishes; its blocks stay in HBM, unpinned, and are now in the pool too. They go back to
    the LRU order tail first, as vLLM frees a request's blocks (its free queue takes them in
@@ -40,6 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from app.core.cluster import SourceTier
+from app.decide.room_and_links import load_or_recompute, split_by_source
 from sim.blockcache import BlockCache
 from sim.links import Link, Transfer
 from sim.scenario import Scenario
@@ -111,6 +114,18 @@ class Instance:
     @property
     def load(self) -> int:
         return self.running + len(self.queue)
+
+    def link(self, source: SourceTier) -> Link:
+        """The link from `source` into this instance's HBM."""
+        return self.host_link if source == "host" else self.pool_link
+
+
+def held_in(place: BlockCache | set[int] | None) -> Callable[[Sequence[int]], list[bool]]:
+    """Which of a batch of blocks `place` holds, as the scheduler's store answers (None: a tier
+    the instance lacks, holding nothing)."""
+    if place is None:
+        return lambda blocks: [False] * len(blocks)
+    return lambda blocks: [b in place for b in blocks]
 
 
 @dataclass(slots=True)
@@ -383,19 +398,18 @@ class Cluster:
         """Bring the absent reused blocks (`missing`) into their slots, and the bytes of the
         resident ones the hit prefix cannot reach (`reload`), by load or recompute."""
         moved = [*missing, *reload]
-        from_host = [b for b in moved if inst.host is not None and b in inst.host]
-        from_pool = [b for b in moved if not (inst.host is not None and b in inst.host)]
+        by_source = self.by_source(inst, moved)
+        # The two links run side by side.
         load_seconds = max(
-            inst.host_link.estimate_seconds(len(from_host) * self.block_bytes, self.now)
-            if from_host
-            else 0.0,
-            inst.pool_link.estimate_seconds(len(from_pool) * self.block_bytes, self.now)
-            if from_pool
-            else 0.0,
+            (
+                inst.link(tier).estimate_seconds(len(part) * self.block_bytes, self.now)
+                for tier, part in by_source
+            ),
+            default=0.0,
         )
         recompute_tokens = len(moved) * self.scenario.block_tokens
         recompute_seconds = self.spec.recompute_seconds(recompute_tokens)
-        if recompute_seconds < load_seconds:
+        if load_or_recompute(load_seconds, recompute_seconds) == "recompute":
             # The request stalls while its context is recomputed, as it would while loading it;
             # the blocks stay pinned and count as landing (a request that wants them meanwhile
             # waits too) until the recompute is done.
@@ -416,19 +430,26 @@ class Cluster:
             self.schedule(self.now + recompute_seconds, RECOMPUTED, (inst.idx, t))
             return
         absent = set(missing)
-        for link, chunk in ((inst.host_link, from_host), (inst.pool_link, from_pool)):
-            if chunk:
-                # Only the absent blocks land in a slot; the resident ones' bytes ride along.
-                t = self._transfer(
-                    inst,
-                    link,
-                    [b for b in chunk if b in absent],
-                    prefetch=False,
-                    nbytes=len(chunk) * self.block_bytes,
-                )
-                r.wait_for(t)
-                t.waiters.append(r)
-                r.loaded_bytes += t.nbytes
+        for tier, chunk in by_source:
+            # Only the absent blocks land in a slot; the resident ones' bytes ride along.
+            t = self._transfer(
+                inst,
+                inst.link(tier),
+                [b for b in chunk if b in absent],
+                prefetch=False,
+                nbytes=len(chunk) * self.block_bytes,
+            )
+            r.wait_for(t)
+            t.waiters.append(r)
+            r.loaded_bytes += t.nbytes
+
+    def by_source(
+        self, inst: Instance, blocks: Sequence[int]
+    ) -> list[tuple[SourceTier, list[int]]]:
+        """`blocks` by where `inst` loads them from, by the scheduler's rule
+        (app/decide/room_and_links.py `split_by_source`): its host tier first, then the pool
+        (every block ever computed)."""
+        return split_by_source(blocks, held_in(inst.host), held_in(self.written))
 
     def _ready(self, r: SimRequest) -> None:
         r.ready_at = self.now
@@ -636,12 +657,8 @@ class Cluster:
             return 0
         for b in reversed(wanted):  # lands as a finished request leaves it: head most recent
             inst.hbm.insert(b)
-        from_host = [b for b in wanted if inst.host is not None and b in inst.host]
-        from_pool = [b for b in wanted if not (inst.host is not None and b in inst.host)]
-        if from_host:
-            self._transfer(inst, inst.host_link, from_host, prefetch=True)
-        if from_pool:
-            self._transfer(inst, inst.pool_link, from_pool, prefetch=True)
+        for tier, part in self.by_source(inst, wanted):
+            self._transfer(inst, inst.link(tier), part, prefetch=True)
         self.totals.prefetch_orders += 1
         return len(wanted)
 
