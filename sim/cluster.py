@@ -22,7 +22,11 @@ What happens to a request (all times simulated):
    A prefetch lands the same way (its head most recently used).
 
 Blocks of admitted requests and blocks still landing are pinned: never evicted. Eviction is LRU
-unless the policy advises otherwise (see sim/blockcache.py).
+unless the policy advises otherwise (see sim/blockcache.py). With a host tier (the `host-tier`
+scenario) what HBM evicts goes to host DRAM (its own LRU making room), and what the host gains
+or loses is reported as kv_blocks_stored and kv_blocks_removed of tier "host", as an engine with
+a CPU tier reports it: the scheduler sources from the host by what it was told. A prefetch reads
+the tier its order names (`prefetch`'s `source`).
 
 How a prefetch lands is the scenario's `landing` (an assumption): "chunked" (the default), chunk
 by chunk (`chunk_tokens`, a whole number of blocks) in the order the prefetch lists its blocks,
@@ -621,31 +625,67 @@ class Cluster:
             e = inst.hbm.remove(b)
             if e is not None and e.prefetched:
                 self.totals.bytes_prefetched_unused += self.block_bytes
-            if inst.host is not None:  # demote to host DRAM rather than drop
-                if b not in inst.host:
-                    if inst.host.free < 1:
-                        lru = inst.host.choose_victims(1, self.now)
-                        if lru:
-                            inst.host.remove(lru[0])
-                    if inst.host.free >= 1:
-                        inst.host.insert(b)
-                else:
-                    inst.host.touch(b)
         self.totals.bytes_evicted += len(victims) * self.block_bytes
         self.emit(
             "kv_blocks_removed",
             self.now,
             {"tier": "hbm", "instance_id": inst.instance_id, "block_hashes": victims},
         )
+        if inst.host is not None:  # demoted to host DRAM rather than dropped
+            self._to_host(inst, inst.host, victims)
         return True
+
+    def _to_host(self, inst: Instance, host: BlockCache, blocks: Sequence[int]) -> None:
+        """Blocks HBM evicted go to host DRAM, its LRU making room. What changed there is
+        reported as an engine with a CPU tier reports it (vLLM's BlockStored and BlockRemoved
+        with medium CPU), so the scheduler's store knows what it may load from the host."""
+        # Net changes only: a block the host evicts and takes back within one batch stays put.
+        stored: dict[int, None] = {}
+        removed: dict[int, None] = {}
+        for b in blocks:
+            if b in host:
+                host.touch(b)
+                continue
+            if host.free < 1:
+                lru = host.choose_victims(1, self.now)
+                if lru:
+                    gone = lru[0]
+                    host.remove(gone)
+                    if gone in stored:
+                        del stored[gone]
+                    else:
+                        removed[gone] = None
+            if host.free >= 1:
+                host.insert(b)
+                if b in removed:
+                    del removed[b]
+                else:
+                    stored[b] = None
+        place = {"tier": "host", "instance_id": inst.instance_id}
+        if removed:
+            self.emit("kv_blocks_removed", self.now, {**place, "block_hashes": list(removed)})
+        if stored:
+            self.emit(
+                "kv_blocks_stored",
+                self.now,
+                {
+                    **place,
+                    "block_hashes": list(stored),
+                    "block_tokens": self.scenario.block_tokens,
+                },
+            )
 
     # -- what policies may do --------------------------------------------------------------
 
-    def prefetch(self, idx: int, blocks: Sequence[int]) -> int:
+    def prefetch(self, idx: int, blocks: Sequence[int], source: str | None = None) -> int:
         """Start moving blocks into an instance's HBM; returns how many were ordered.
 
         Blocks already there or on their way, and blocks never computed, are skipped; room is
         made by the cache's eviction order, and nothing is ordered when there is no room.
+        `source`, the tier an order names: a pool order reads the pool, over the link the
+        scheduler booked, even for blocks the host took since; a host order reads the host for
+        what it still holds and the pool for the rest; None (a policy's own prefetch): the host
+        for what it holds, then the pool.
         """
         inst = self.instances[idx]
         wanted = [b for b in dict.fromkeys(blocks) if b in self.written and b not in inst.hbm]
@@ -657,7 +697,8 @@ class Cluster:
             return 0
         for b in reversed(wanted):  # lands as a finished request leaves it: head most recent
             inst.hbm.insert(b)
-        for tier, part in self.by_source(inst, wanted):
+        on_host = held_in(None if source == "pool" else inst.host)
+        for tier, part in split_by_source(wanted, on_host, held_in(self.written)):
             self._transfer(inst, inst.link(tier), part, prefetch=True)
         self.totals.prefetch_orders += 1
         return len(wanted)
