@@ -9,11 +9,12 @@ What happens to a request (all times simulated):
    them: prefix blocks are chained, so a block after the first one missing (absent, or still
    landing) cannot be used from HBM even when it is there. Every reused block after the hits is
    loaded (from the host tier when it is there, else from the pool, over that instance's links,
-   shared with every other transfer) or recomputed, whichever is sooner, resident ones included:
-   those keep their slot (an engine would take a second one for the copy; not modelled) but their
-   bytes cross the link, or their tokens are recomputed, all the same. Blocks still landing are
-   waited for, not loaded again. The request stalls until the last byte it needs has landed, or
-   for the recompute (its tokens / the prefill rate);
+   shared with every other transfer) or recomputed, whichever is sooner (the scheduler's own
+   rules, app/decide/room_and_links.py: split_by_source, load_or_recompute), resident ones
+   included: those keep their slot (an engine would take a second one for the copy; not
+   modelled) but their bytes cross the link, or their tokens are recomputed, all the same.
+   Blocks still landing are waited for, not loaded again. The request stalls until the last
+   byte it needs has landed, or for the recompute (its tokens / the prefill rate);
 3. it computes: prefill of its new tokens, then decode of its output tokens;
 4. it finishes; its blocks stay in HBM, unpinned, and are now in the pool too. They go back to
    the LRU order tail first, as vLLM frees a request's blocks (its free queue takes them in
@@ -21,7 +22,11 @@ What happens to a request (all times simulated):
    A prefetch lands the same way (its head most recently used).
 
 Blocks of admitted requests and blocks still landing are pinned: never evicted. Eviction is LRU
-unless the policy advises otherwise (see sim/blockcache.py).
+unless the policy advises otherwise (see sim/blockcache.py). With a host tier (the `host-tier`
+scenario) what HBM evicts goes to host DRAM (its own LRU making room), and what the host gains
+or loses is reported as kv_blocks_stored and kv_blocks_removed of tier "host", as an engine with
+a CPU tier reports it: the scheduler sources from the host by what it was told. A prefetch reads
+the tier its order names (`prefetch`'s `source`).
 
 How a prefetch lands is the scenario's `landing` (an assumption): "chunked" (the default), chunk
 by chunk (`chunk_tokens`, a whole number of blocks) in the order the prefetch lists its blocks,
@@ -40,6 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from app.core.cluster import SourceTier
+from app.decide.room_and_links import load_or_recompute, split_by_source
 from sim.blockcache import BlockCache
 from sim.links import Link, Transfer
 from sim.scenario import Scenario
@@ -111,6 +118,18 @@ class Instance:
     @property
     def load(self) -> int:
         return self.running + len(self.queue)
+
+    def link(self, source: SourceTier) -> Link:
+        """The link from `source` into this instance's HBM."""
+        return self.host_link if source == "host" else self.pool_link
+
+
+def held_in(place: BlockCache | set[int] | None) -> Callable[[Sequence[int]], list[bool]]:
+    """Which of a batch of blocks `place` holds, as the scheduler's store answers (None: a tier
+    the instance lacks, holding nothing)."""
+    if place is None:
+        return lambda blocks: [False] * len(blocks)
+    return lambda blocks: [b in place for b in blocks]
 
 
 @dataclass(slots=True)
@@ -383,19 +402,18 @@ class Cluster:
         """Bring the absent reused blocks (`missing`) into their slots, and the bytes of the
         resident ones the hit prefix cannot reach (`reload`), by load or recompute."""
         moved = [*missing, *reload]
-        from_host = [b for b in moved if inst.host is not None and b in inst.host]
-        from_pool = [b for b in moved if not (inst.host is not None and b in inst.host)]
+        by_source = self.by_source(inst, moved)
+        # The two links run side by side.
         load_seconds = max(
-            inst.host_link.estimate_seconds(len(from_host) * self.block_bytes, self.now)
-            if from_host
-            else 0.0,
-            inst.pool_link.estimate_seconds(len(from_pool) * self.block_bytes, self.now)
-            if from_pool
-            else 0.0,
+            (
+                inst.link(tier).estimate_seconds(len(part) * self.block_bytes, self.now)
+                for tier, part in by_source
+            ),
+            default=0.0,
         )
         recompute_tokens = len(moved) * self.scenario.block_tokens
         recompute_seconds = self.spec.recompute_seconds(recompute_tokens)
-        if recompute_seconds < load_seconds:
+        if load_or_recompute(load_seconds, recompute_seconds) == "recompute":
             # The request stalls while its context is recomputed, as it would while loading it;
             # the blocks stay pinned and count as landing (a request that wants them meanwhile
             # waits too) until the recompute is done.
@@ -416,19 +434,26 @@ class Cluster:
             self.schedule(self.now + recompute_seconds, RECOMPUTED, (inst.idx, t))
             return
         absent = set(missing)
-        for link, chunk in ((inst.host_link, from_host), (inst.pool_link, from_pool)):
-            if chunk:
-                # Only the absent blocks land in a slot; the resident ones' bytes ride along.
-                t = self._transfer(
-                    inst,
-                    link,
-                    [b for b in chunk if b in absent],
-                    prefetch=False,
-                    nbytes=len(chunk) * self.block_bytes,
-                )
-                r.wait_for(t)
-                t.waiters.append(r)
-                r.loaded_bytes += t.nbytes
+        for tier, chunk in by_source:
+            # Only the absent blocks land in a slot; the resident ones' bytes ride along.
+            t = self._transfer(
+                inst,
+                inst.link(tier),
+                [b for b in chunk if b in absent],
+                prefetch=False,
+                nbytes=len(chunk) * self.block_bytes,
+            )
+            r.wait_for(t)
+            t.waiters.append(r)
+            r.loaded_bytes += t.nbytes
+
+    def by_source(
+        self, inst: Instance, blocks: Sequence[int]
+    ) -> list[tuple[SourceTier, list[int]]]:
+        """`blocks` by where `inst` loads them from, by the scheduler's rule
+        (app/decide/room_and_links.py `split_by_source`): its host tier first, then the pool
+        (every block ever computed)."""
+        return split_by_source(blocks, held_in(inst.host), held_in(self.written))
 
     def _ready(self, r: SimRequest) -> None:
         r.ready_at = self.now
@@ -600,31 +625,67 @@ class Cluster:
             e = inst.hbm.remove(b)
             if e is not None and e.prefetched:
                 self.totals.bytes_prefetched_unused += self.block_bytes
-            if inst.host is not None:  # demote to host DRAM rather than drop
-                if b not in inst.host:
-                    if inst.host.free < 1:
-                        lru = inst.host.choose_victims(1, self.now)
-                        if lru:
-                            inst.host.remove(lru[0])
-                    if inst.host.free >= 1:
-                        inst.host.insert(b)
-                else:
-                    inst.host.touch(b)
         self.totals.bytes_evicted += len(victims) * self.block_bytes
         self.emit(
             "kv_blocks_removed",
             self.now,
             {"tier": "hbm", "instance_id": inst.instance_id, "block_hashes": victims},
         )
+        if inst.host is not None:  # demoted to host DRAM rather than dropped
+            self._to_host(inst, inst.host, victims)
         return True
+
+    def _to_host(self, inst: Instance, host: BlockCache, blocks: Sequence[int]) -> None:
+        """Blocks HBM evicted go to host DRAM, its LRU making room. What changed there is
+        reported as an engine with a CPU tier reports it (vLLM's BlockStored and BlockRemoved
+        with medium CPU), so the scheduler's store knows what it may load from the host."""
+        # Net changes only: a block the host evicts and takes back within one batch stays put.
+        stored: dict[int, None] = {}
+        removed: dict[int, None] = {}
+        for b in blocks:
+            if b in host:
+                host.touch(b)
+                continue
+            if host.free < 1:
+                lru = host.choose_victims(1, self.now)
+                if lru:
+                    gone = lru[0]
+                    host.remove(gone)
+                    if gone in stored:
+                        del stored[gone]
+                    else:
+                        removed[gone] = None
+            if host.free >= 1:
+                host.insert(b)
+                if b in removed:
+                    del removed[b]
+                else:
+                    stored[b] = None
+        place = {"tier": "host", "instance_id": inst.instance_id}
+        if removed:
+            self.emit("kv_blocks_removed", self.now, {**place, "block_hashes": list(removed)})
+        if stored:
+            self.emit(
+                "kv_blocks_stored",
+                self.now,
+                {
+                    **place,
+                    "block_hashes": list(stored),
+                    "block_tokens": self.scenario.block_tokens,
+                },
+            )
 
     # -- what policies may do --------------------------------------------------------------
 
-    def prefetch(self, idx: int, blocks: Sequence[int]) -> int:
+    def prefetch(self, idx: int, blocks: Sequence[int], source: str | None = None) -> int:
         """Start moving blocks into an instance's HBM; returns how many were ordered.
 
         Blocks already there or on their way, and blocks never computed, are skipped; room is
         made by the cache's eviction order, and nothing is ordered when there is no room.
+        `source`, the tier an order names: a pool order reads the pool, over the link the
+        scheduler booked, even for blocks the host took since; a host order reads the host for
+        what it still holds and the pool for the rest; None (a policy's own prefetch): the host
+        for what it holds, then the pool.
         """
         inst = self.instances[idx]
         wanted = [b for b in dict.fromkeys(blocks) if b in self.written and b not in inst.hbm]
@@ -636,12 +697,9 @@ class Cluster:
             return 0
         for b in reversed(wanted):  # lands as a finished request leaves it: head most recent
             inst.hbm.insert(b)
-        from_host = [b for b in wanted if inst.host is not None and b in inst.host]
-        from_pool = [b for b in wanted if not (inst.host is not None and b in inst.host)]
-        if from_host:
-            self._transfer(inst, inst.host_link, from_host, prefetch=True)
-        if from_pool:
-            self._transfer(inst, inst.pool_link, from_pool, prefetch=True)
+        on_host = held_in(None if source == "pool" else inst.host)
+        for tier, part in split_by_source(wanted, on_host, held_in(self.written)):
+            self._transfer(inst, inst.link(tier), part, prefetch=True)
         self.totals.prefetch_orders += 1
         return len(wanted)
 

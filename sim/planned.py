@@ -12,9 +12,10 @@ When: every tick the engines report their free KV bytes (instance_status events,
 do on a timer; the cluster also reports at every finish) and the engine advises on every idle
 live session; a finish, a queued arrival and a session_signal are advised on at once.
 
-Carrying out: a prefetch starts at its start_by unless cancelled first, a pin keeps its blocks
-for the order's TTL, a demote marks them first to go; each order's progress comes back as an
-agent's order_progress event, through the engine's ingest. Landed blocks come back as
+Carrying out: a prefetch starts at its start_by unless cancelled first, reading the tier its
+order names (its source_tier: the link the scheduler booked), a pin keeps its blocks for the
+order's TTL, a demote marks them first to go; each order's progress comes back as an agent's
+order_progress event, through the engine's ingest. Landed blocks come back as
 kv_blocks_stored events, which retire the order. An arrival (request_routed, through the
 engine's feedback observer) makes the scheduler forget the session's advice.
 """
@@ -181,7 +182,7 @@ class PlannedPolicy(Policy):
         if order.order_id in self.cancelled:
             self.cancelled.discard(order.order_id)
             return
-        if self.cluster.prefetch(idx, blocks):
+        if self.cluster.prefetch(idx, blocks, order.source_tier):
             if order.ttl_seconds:
                 self.cluster.keep(idx, blocks, self.cluster.now + order.ttl_seconds)
             self._progress(order, "accepted")

@@ -46,7 +46,8 @@ it, so that nothing is ordered twice and every byte is accounted for:
   as not to order anything twice (decisions.md, 23).
 
 The book reads the scheduler's latest advice through `advice_of` and gives a withdrawn order's
-link time back through `release`: the link bookings are the scheduler's.
+link time back through `release`: the link bookings are the scheduler's room-and-links part's
+(app/decide/room_and_links.py).
 """
 
 from __future__ import annotations

@@ -19,20 +19,18 @@ into a `Plan` of orders (client/kvprefetch_client/orders.py) and cancels:
   prefetch that still stands (the order book's delivered memory), is never ordered again; a
   block several candidates share goes in the first (most valuable) order, which then serves
   every one of them: its value is their sum.
-- **Links.** Each destination's link from each source tier gives prefetch `link_share` of its
-  bandwidth; a link's orders are booked into disjoint intervals at that rate (each as late as
-  its needed_by allows), so their sum never exceeds it. An order that cannot land by its
-  needed_by is not issued.
-- **Room, priced.** A destination takes a prefetch into its free KV bytes (its last
-  instance_status) less what is already on its way: nearly free, so the candidate's chance need
-  only clear `prefetch_min_p`. When that is short the prefetch is a swap, made only against
-  contexts of sessions predicted less likely back than the candidate (lower p_keep than its
-  chance; the stall each saves grows with its bytes, so per byte the chances compare): they are
-  demoted to make room, and the demote orders say so. Past those, what the destination's own
-  eviction (LRU) takes next is content no advice keeps: every advised context there has a chance
-  below `keep_min_p` or it would be kept, so a candidate more likely back than `keep_min_p` may
-  take room that way, up to the destination's KV bytes a tick (the tier evicts for it, by its
-  own order, which leaves pinned contexts for last: no order names what goes). A
+- **Room and links** are the room-and-links part's (app/decide/room_and_links.py,
+  `Scheduler.room`), handed each candidate's missing blocks: their sources (host DRAM first,
+  then the pool; blocks in neither are recomputed, nothing to move), the stall each order avoids
+  (its load or recompute, whichever is sooner: the rules the replay's cluster follows too), each
+  link's prefetch share (`link_share`) booked in disjoint intervals (an order that cannot land by
+  its needed_by is not issued), and the destination's room: its free KV bytes less what is on its
+  way, nearly free, so the candidate's chance need only clear `prefetch_min_p`; when short, a
+  swap made only against contexts less likely back than the candidate (demoted to make room, and
+  the demote orders say so), and past those, for a candidate more likely back than `keep_min_p`,
+  what the destination's own eviction (LRU) takes next: content no advice keeps, since every
+  advised context there has a chance below `keep_min_p` or it would be kept (the tier evicts for
+  it, by its own order, which leaves pinned contexts for last: no order names what goes). A
   destination that never reported its room gets no prefetch.
 - **Pins and demotes** follow the planner's keep and demote advice, once per idle spell, and a
   pin again only when the last one is about to lapse.
@@ -44,8 +42,8 @@ whose sessions are no longer candidates: closed, back already, routed elsewhere,
 fell below `cancel_below_p`), the pins' and demotes' spells, the landed prefetches' use, the
 totals, and the hand-over to the next planning term; it keeps completed prefetches as delivered,
 holds pins only once confirmed, retries what failed with backoff, and counts every landed byte
-used or wasted. The scheduler plans (the candidates, room and links) and asks the book what is
-open, delivered, pinned, demoted or backing off.
+used or wasted. The scheduler plans (the candidates, what each misses, who shares an order) and
+asks the book what is open, delivered, pinned, demoted or backing off.
 """
 
 from __future__ import annotations
@@ -62,7 +60,8 @@ from app.core.cluster import (
     ClusterSpec,
 )
 from app.decide.advisor import SessionAdvice, Thresholds
-from app.decide.order_book import OrderBook, SchedulerTotals, Spell, spell_of
+from app.decide.order_book import OrderBook, SchedulerTotals, spell_of
+from app.decide.room_and_links import RoomAndLinks
 from app.state.base import StateStore
 from kvprefetch_client.events import BlockHash, Tier
 from kvprefetch_client.orders import Cancel, Order, OrderKind, order_id_for
@@ -158,13 +157,9 @@ class Scheduler:
     ) -> None:
         self.store = store
         self.config = config
-        self._cluster = config.cluster  # built once: the config is frozen
         self.advice_ttl_seconds = advice_ttl_seconds
         self.book = OrderBook(store, config, advice_of=self._advice_of, release=self._release)
-        # (instance, source tier) -> the intervals its prefetch share is booked for.
-        self._link_booked: dict[tuple[str, Tier], list[tuple[float, float]]] = {}
-        # order -> its slot
-        self._booking: dict[str, tuple[tuple[str, Tier], tuple[float, float]]] = {}
+        self.room = RoomAndLinks(store, config, self.book, self._order)
         self._latest: dict[str, tuple[SessionAdvice, float]] = {}  # oldest update first
         self._candidates: dict[str, SessionAdvice] = {}
         # Advised since the last plan: retention to decide.
@@ -234,6 +229,13 @@ class Scheduler:
         latest = self._latest.get(session_id)
         return None if latest is None else latest[0]
 
+    def _latest_advice(self) -> Iterable[SessionAdvice]:
+        return (a for a, _ in self._latest.values())
+
+    def _release(self, order_id: str, give_back: bool) -> None:
+        # The book is built before the room it releases bookings in.
+        self.room.release(order_id, give_back)
+
     # -- a planning replica's hand-over (decisions.md, 23) ------------------------------------
 
     def handover_state(self) -> dict[str, str]:
@@ -248,8 +250,7 @@ class Scheduler:
         adopted. What this replica planned in an earlier term of its own is dropped first."""
         self._generation = token * TERM_GENERATIONS
         self._carried = ([], [])
-        self._booking.clear()
-        self._link_booked.clear()
+        self.room.clear()
         return self.book.take_over(state)
 
     # -- views ------------------------------------------------------------------------------
@@ -297,7 +298,6 @@ class Scheduler:
         self, now: float, cancels: list[Cancel], orders: list[Order], moving: dict[str, Order]
     ) -> Plan:
         """plan(), adding to `cancels`, `orders` (pins, demotes) and `moving` as it goes."""
-        cfg = self.config
         self._generation += 1
         book = self.book
         book.tick(now)
@@ -316,24 +316,16 @@ class Scheduler:
 
         # Only the instances this plan may send to: a tick costs its candidates, not the fleet.
         dests = {c.instance_id for c in self._candidates.values() if c.instance_id is not None}
-        views = self.store.instances(ids=list(dests)) if dests else []
-        free = {i.instance_id: i.free_kv_bytes for i in views}
-        # What the destination's own eviction may take for prefetches this tick: its KV bytes.
-        lru_room = {i.instance_id: i.total_kv_bytes or 0 for i in views}
-        for inst, nbytes in book.inflight_by_instance().items():
-            if free.get(inst) is not None:
-                free[inst] = max(free[inst] - nbytes, 0)  # type: ignore[operator]
-        inflight_blocks = book.inflight_blocks()
-        ordered_now: dict[tuple[str, BlockHash], str] = {}
-        claimed: set[Spell] = set()
-        displaceable: dict[str, list[SessionAdvice]] = {}  # per destination, built when needed
+        room = self.room
         # A destination whose room or link ran out for one candidate has none for the less likely
         # ones after it (they may displace less): skipping them keeps a tick's cost to the
         # candidates that can still be served.
-        exhausted: set[str] = {d for d, room in free.items() if room is None}
+        exhausted = room.open_tick(dests, book.inflight_by_instance())
+        inflight_blocks = book.inflight_blocks()
+        ordered_now: dict[tuple[str, BlockHash], str] = {}
         for cand in sorted(self._candidates.values(), key=lambda a: (-a.p_soon, a.session_id)):
             dest: str = cand.instance_id  # type: ignore[assignment]
-            if dest in exhausted or dest not in free:
+            if dest in exhausted or not room.reported(dest):
                 continue  # out of room, or it never reported its room
             if book.backing_off("prefetch", cand.session_id, dest):
                 continue  # its last order there failed: tried again once its backoff passed
@@ -344,26 +336,11 @@ class Scheduler:
             ):
                 moving[order_id] = self._serve_too(moving[order_id], cand)
             missing = [b for b in missing if (dest, b) not in ordered_now]
-            for source, part in self._sources(dest, missing):
-                nbytes = len(part) * cfg.bytes_per_block
-                room: int = free[dest]  # type: ignore[assignment]
-                if room < nbytes:
-                    if dest not in displaceable:
-                        displaceable[dest] = self._displaceable(dest)
-                    freed = self._make_room(
-                        dest, nbytes - room, cand, displaceable[dest], orders, now, claimed
-                    )
-                    room += freed
-                    lru_room[dest] = max(lru_room[dest] - freed, 0)
-                    if room < nbytes and cand.p_soon > cfg.keep_min_p:
-                        taken = min(nbytes - room, lru_room[dest])
-                        lru_room[dest] -= taken
-                        room += taken
-                order = None if room < nbytes else self._book(cand, dest, source, part, nbytes, now)
+            for source, part in room.sources(dest, missing):
+                order = room.fit(cand, dest, source, part, self._latest_advice, orders, now)
                 if order is None:
                     exhausted.add(dest)  # no room made, or its link is booked up
                     break
-                free[dest] = room - nbytes
                 moving[order.order_id] = order
                 for b in part:
                     ordered_now[(dest, b)] = order.order_id
@@ -400,13 +377,13 @@ class Scheduler:
             book = self.book
             if a.retention == "keep":
                 if book.wants_pin(a.session_id, spell, now):
-                    resident = self._resident(a)
+                    resident = self.room.resident(a)
                     if resident:
                         pin = self._order("pin", a, resident, now, ttl_seconds=a.keep_seconds)
                         out.append(pin)
                         book.pin_ordered(pin, a.session_id, spell, now + a.keep_seconds)
             elif a.retention == "demote" and book.wants_demote(a.session_id, spell):
-                resident = self._resident(a, a.demotable_blocks)
+                resident = self.room.resident(a, a.demotable_blocks)
                 if resident:
                     demote = self._order("demote", a, resident, now)
                     out.append(demote)
@@ -424,129 +401,10 @@ class Scheduler:
             b for b, h in zip(blocks, here) if not h and b not in inflight and b not in delivered
         ]
 
-    def _displaceable(self, dest: str) -> list[SessionAdvice]:
-        """The contexts at `dest` a prefetch may displace, least likely kept first."""
-        return sorted(
-            (
-                a
-                for a, _ in self._latest.values()
-                if a.instance_id == dest and a.retention != "keep"
-            ),
-            key=lambda a: (a.p_keep, a.session_id),
-        )
-
-    def _make_room(
-        self,
-        dest: str,
-        need_bytes: int,
-        cand: SessionAdvice,
-        displaceable: list[SessionAdvice],
-        orders: list[Order],
-        now: float,
-        claimed: set[Spell],
-    ) -> int:
-        """Demote contexts at `dest` less likely back than `cand`; returns the bytes freed. A
-        context counted as room once this tick (`claimed`) is not counted again."""
-        freed = 0
-        for a in displaceable:
-            if freed >= need_bytes or a.p_keep >= cand.p_soon:
-                break
-            if a.instance_id != dest or a.session_id == cand.session_id:
-                continue
-            resident = self._resident(a, a.demotable_blocks)
-            if not resident:
-                continue
-            key = spell_of(a)
-            if key in claimed:
-                continue
-            if self.book.backing_off("demote", a.session_id, dest):
-                continue  # its last demote failed: no room from it until it is tried again
-            claimed.add(key)
-            if self.book.wants_demote(a.session_id, key):
-                # One demoted already goes first: no new order.
-                demote = self._order("demote", a, resident, now)
-                orders.append(demote)
-                self.book.demote_ordered(demote, a.session_id, key)
-            freed += len(resident) * self.config.bytes_per_block
-        return freed
-
-    def _book(
-        self,
-        cand: SessionAdvice,
-        dest: str,
-        source: Tier,
-        blocks: list[BlockHash],
-        nbytes: int,
-        now: float,
-    ) -> Order | None:
-        cfg = self.config
-        rate = self._cluster.link_bytes_per_second(source) * cfg.link_share
-        transfer_seconds = nbytes / rate
-        needed_in = (
-            cand.needed_in_seconds
-            if cand.needed_in_seconds is not None
-            else cfg.lead_seconds * cfg.needed_within_fraction
-        )
-        needed_by = now + needed_in
-        link = (dest, source)
-        start_by = self._book_link(link, transfer_seconds, needed_by - cfg.margin_seconds, now)
-        if start_by is None and needed_by - cfg.margin_seconds < now + transfer_seconds:
-            # Too close to land in time (a signal with a short lead): at once if the link is
-            # free now, landing as soon as it can; late, it still saves what has landed.
-            start_by = self._book_link(link, transfer_seconds, now + transfer_seconds, now)
-            needed_by = now + transfer_seconds + cfg.margin_seconds
-        if start_by is None:
-            return None  # the link's share is booked: it would land too late to matter
-        # Held as long as it would be kept, and at least through the lead it was fetched for.
-        hold_seconds = max(cand.keep_seconds, cfg.lead_seconds)
-        order = self._order(
-            "prefetch",
-            cand,
-            blocks,
-            now,
-            source=source,
-            nbytes=nbytes,
-            start_by=start_by,
-            needed_by=needed_by,
-            ttl_seconds=hold_seconds,
-            priority=cand.p_soon * self._stall_avoided(source, len(blocks), nbytes),
-        )
-        self.book.opened(order, cand.session_id, spell_of(cand))
-        self._booking[order.order_id] = (link, (start_by, start_by + transfer_seconds))
-        return order
-
-    def _book_link(
-        self, link: tuple[str, Tier], seconds: float, land_by: float, now: float
-    ) -> float | None:
-        """The latest start in [now, land_by - seconds] when the link's share is free for `seconds`,
-        booked; None when there is none. Latest, so what is booked later with an earlier deadline
-        still finds room before it."""
-        booked = [(s, e) for s, e in self._link_booked.get(link, ()) if e > now]
-        for start in sorted({land_by - seconds, *(s - seconds for s, _ in booked)}, reverse=True):
-            if start < now - 1e-9:
-                break
-            if start + seconds <= land_by + 1e-9 and all(
-                start >= e - 1e-9 or start + seconds <= s + 1e-9 for s, e in booked
-            ):
-                booked.append((start, start + seconds))
-                self._link_booked[link] = booked
-                return start
-        return None
-
-    def _release(self, order_id: str, give_back: bool) -> None:
-        """An order left the open ones: its booking goes; a withdrawn one (cancelled, given up)
-        gives its link time back."""
-        booking = self._booking.pop(order_id, None)
-        if booking is not None and give_back:
-            link, slot = booking
-            slots = self._link_booked.get(link, [])
-            if slot in slots:
-                slots.remove(slot)
-
     def _serve_too(self, order: Order, cand: SessionAdvice) -> Order:
         """`cand` needs blocks `order` already moves this tick: the order serves it too, and is
         worth its chance of the same stall more."""
-        stall = self._stall_avoided(
+        stall = self.room.stall_avoided(
             order.source_tier or "pool", len(order.block_hashes), order.size_bytes
         )
         grown = order.model_copy(
@@ -557,35 +415,6 @@ class Scheduler:
         )
         self.book.serves_too(grown, cand.session_id, spell_of(cand))
         return grown
-
-    def _stall_avoided(self, source: Tier, blocks: int, nbytes: int) -> float:
-        """What a miss of these blocks would cost: their load at full link speed, or their
-        recompute if that is sooner (what the engine would do)."""
-        cluster = self._cluster
-        return min(
-            cluster.load_seconds(nbytes, source),
-            cluster.recompute_seconds(blocks * cluster.block_tokens),
-        )
-
-    def _sources(
-        self, dest: str, blocks: list[BlockHash]
-    ) -> Iterable[tuple[Tier, list[BlockHash]]]:
-        on_host = self.store.holds("host", dest, blocks)
-        host = [b for b, h in zip(blocks, on_host) if h]
-        rest = [b for b, h in zip(blocks, on_host) if not h]
-        in_pool = self.store.holds("pool", None, rest) if rest else []
-        pool = [b for b, h in zip(rest, in_pool) if h]
-        # Blocks in neither are recomputed by the engine when asked for: nothing to move.
-        if host:
-            yield "host", host
-        if pool:
-            yield "pool", pool
-
-    def _resident(
-        self, a: SessionAdvice, blocks_of: Sequence[BlockHash] | None = None
-    ) -> list[BlockHash]:
-        blocks = list(dict.fromkeys(a.block_hashes if blocks_of is None else blocks_of))
-        return [b for b, h in zip(blocks, self.store.holds("hbm", a.instance_id, blocks)) if h]
 
     def _order(
         self,
