@@ -160,9 +160,7 @@ def test_a_caller_gets_the_probe_it_waited_on_when_the_next_has_begun() -> None:
         assert probing is not None
         started: list[asyncio.Task[object]] = []
         # Runs before the waiting caller below resumes: its callback comes after this one.
-        probing.add_done_callback(
-            lambda _: started.append(loop.create_task(health.refresh(5.0)))
-        )
+        probing.add_done_callback(lambda _: started.append(loop.create_task(health.refresh(5.0))))
         waiting = asyncio.ensure_future(health.refresh(5.0))
         await asyncio.sleep(0)
         store.turns.release()
