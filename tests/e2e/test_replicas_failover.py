@@ -241,13 +241,18 @@ def test_the_planner_killed_9_is_taken_over_once_and_in_bound(
     # Wave A's orders were taken over, not ordered again; wave B's were ordered by the new term.
     wave_a_blocks = {tuple(range(10_000 + 100 * k, 10_000 + 100 * k + 8)) for k in range(3)}
     assert {tuple(o.block_hashes) for o in orders if term_of(o.order_id) == 1} == wave_a_blocks
-    # Wave A's three were open at the kill (no cancel of them before it), so the hand-over gave
-    # them to the next term. On a busy machine that term may lapse too, and the term after it
-    # adopts what is open then: at least three in all, each counted where it was adopted.
-    assert not [m for _, m in before_kill if isinstance(m, Cancel)]
+    # The hand-over gave the next term every order still open at the kill: wave A's, less those
+    # the planner cancelled before it (on a busy machine the test may reach the kill after their
+    # sessions' predicted turn has passed). A term after it may lapse too, and the next adopts
+    # what is open then: counted where each was adopted, at least those in all.
+    cancelled = {m.order_id for ts, m in messages if isinstance(m, Cancel) and ts < killed_at}
+    open_at_kill = {o.order_id for o in orders if term_of(o.order_id) == 1} - cancelled
     adopted = [gauge(s, "kvprefetch_planning_adopted_orders_total") or 0.0 for s in others]
-    print(f"orders adopted by the survivors: {adopted}; terms: {sorted(set(terms))}")
-    assert sum(adopted) >= 3.0, adopted
+    print(
+        f"orders adopted by the survivors: {adopted}; open at the kill: {len(open_at_kill)}; "
+        f"terms: {sorted(set(terms))}"
+    )
+    assert sum(adopted) >= len(open_at_kill), (adopted, sorted(open_at_kill))
 
 
 # Longer than the failover test's: r1 must renew through whatever stalls a busy machine, so that
