@@ -99,6 +99,23 @@ class BlockCache:
                 entry.demoted = False
                 del self._demoted[block]
 
+    def unkeep(self, block: int) -> None:
+        """A keep withdrawn: the block goes in plain LRU order again."""
+        entry = self.entries.get(block)
+        if entry is not None:
+            entry.keep_until = -INF
+
+    def undemote(self, block: int) -> None:
+        """A demotion withdrawn: the block goes back to its place in LRU order (its last use)."""
+        entry = self.entries.get(block)
+        if entry is not None and entry.demoted:
+            entry.demoted = False
+            del self._demoted[block]
+
+    def is_demoted(self, block: int) -> bool:
+        entry = self.entries.get(block)
+        return entry is not None and entry.demoted
+
     def clear_advice(self) -> None:
         """Every keep and demotion lapses at once: plain LRU from here on."""
         for entry in self.entries.values():

@@ -718,3 +718,15 @@ class Cluster:
         hbm = self.instances[idx].hbm
         for b in blocks:
             hbm.demote(b)
+
+    def unkeep(self, idx: int, blocks: Sequence[int]) -> None:
+        """A keep withdrawn: these blocks go in plain LRU order again."""
+        hbm = self.instances[idx].hbm
+        for b in blocks:
+            hbm.unkeep(b)
+
+    def undemote(self, idx: int, blocks: Sequence[int]) -> None:
+        """A demotion withdrawn: these blocks go back to their places in LRU order."""
+        hbm = self.instances[idx].hbm
+        for b in blocks:
+            hbm.undemote(b)

@@ -14,8 +14,9 @@ live session; a finish, a queued arrival and a session_signal are advised on at 
 
 Carrying out: a prefetch starts at its start_by unless cancelled first, reading the tier its
 order names (its source_tier: the link the scheduler booked), a pin keeps its blocks for the
-order's TTL, a demote marks them first to go; each order's progress comes back as an agent's
-order_progress event, through the engine's ingest. Landed blocks come back as
+order's TTL, a demote marks them first to go, and a cancel of either undoes it for exactly its
+blocks (the LRU guard turned the instance's advice off); each order's progress comes back as an
+agent's order_progress event, through the engine's ingest. Landed blocks come back as
 kv_blocks_stored events, which retire the order. An arrival (request_routed, through the
 engine's feedback observer) makes the scheduler forget the session's advice.
 """
@@ -66,7 +67,8 @@ class ClusterSink:
 
     async def cancel(self, cancels: Sequence[Cancel]) -> list[str]:
         if self.policy is not None:
-            self.policy.cancelled.update(c.order_id for c in cancels)
+            for c in cancels:
+                self.policy.withdraw(c.order_id)
         return [c.order_id for c in cancels]
 
     async def close(self) -> None:
@@ -94,6 +96,9 @@ class PlannedPolicy(Policy):
         self._session_view = session_view
         self._idle: set[str] = set()
         self.cancelled: set[str] = set()
+        # Pins and demotes carried out and maybe still in force: order id -> (kind, instance
+        # index, blocks, a pin's end), so a cancel undoes exactly those blocks' advice.
+        self.retained: dict[str, tuple[str, int, list[int], float]] = {}
         if predictor is not None:
             engine.models.serving = Serving(predictor, name, None)
         sink = engine.order_sink
@@ -118,6 +123,7 @@ class PlannedPolicy(Policy):
     def on_tick(self, now: float) -> None:
         for inst in self.cluster.instances:
             self.cluster.report_status(inst)
+        self._forget_spent(now)
         self._act(sorted(self._idle), now)
 
     def on_signal(self, session_id: str, kind: str, now: float) -> None:
@@ -168,15 +174,48 @@ class PlannedPolicy(Policy):
         # The traces' hash_ids are checked to be ints, so the orders name int blocks.
         blocks = cast("list[int]", list(order.block_hashes))
         if order.kind == "pin":
-            cluster.keep(idx, blocks, now + (order.ttl_seconds or 0.0))
+            until = now + (order.ttl_seconds or 0.0)
+            cluster.keep(idx, blocks, until)
+            self.retained[order.order_id] = ("pin", idx, blocks, until)
             self._progress(order, "completed")  # held: the order book counts a pin once confirmed
         elif order.kind == "demote":
             cluster.demote(idx, blocks)
+            self.retained[order.order_id] = ("demote", idx, blocks, 0.0)
             self._progress(order, "completed")
         elif order.start_by_ts > now:
             cluster.call_at(order.start_by_ts, lambda: self._start(order, idx, blocks))
         else:
             self._start(order, idx, blocks)
+
+    def withdraw(self, order_id: str) -> None:
+        """A Cancel: a pin carried out is released now (its blocks in plain LRU order again), a
+        demote's blocks go back to their places in LRU order; a prefetch not started never
+        starts."""
+        retained = self.retained.pop(order_id, None)
+        if retained is None:
+            self.cancelled.add(order_id)
+            return
+        kind, idx, blocks, _ = retained
+        if kind == "pin":
+            self.cluster.unkeep(idx, blocks)
+        else:
+            self.cluster.undemote(idx, blocks)
+
+    def _forget_spent(self, now: float) -> None:
+        """Pins past their end and demotes none of whose blocks is still demoted: nothing of
+        them left to withdraw."""
+        instances = self.cluster.instances
+        spent = [
+            order_id
+            for order_id, (kind, idx, blocks, until) in self.retained.items()
+            if (
+                until <= now
+                if kind == "pin"
+                else not any(map(instances[idx].hbm.is_demoted, blocks))
+            )
+        ]
+        for order_id in spent:
+            del self.retained[order_id]
 
     def _start(self, order: Order, idx: int, blocks: list[int]) -> None:
         if order.order_id in self.cancelled:

@@ -18,7 +18,8 @@ it, so that nothing is ordered twice and every byte is accounted for:
   One that failed, or that nobody answered for `overdue_seconds`, is decided again once its
   backoff passed (below); a confirmed pin reported failed later was lost by its tier (the LMCache
   sink reports its pins lost when its coordinator restarted): ordered again at the next tick.
-  A demote is tracked the same way.
+  A demote is tracked the same way. When the LRU guard turns an instance's advice off
+  (`withdraw`), its pins and demotes are cancelled and forgotten.
 - **Delivered memory.** A completed prefetch is remembered as delivered to its place (instance
   and tier) and, meanwhile, its blocks count as there: never ordered there again. A tier may load
   into a cache of its own that nothing reports (LMCache loads into its L1; the engine reports
@@ -267,6 +268,24 @@ class OrderBook:
             self._retention_order[r.order_id] = session_id
             if not r.confirmed:
                 heapq.heappush(self._unconfirmed, (r.ordered_at, r.order_id))
+
+    def withdraw(self, instance_id: str, now: float) -> list[Cancel]:
+        """The instance's advice is off (the LRU guard): a Cancel for each pin or demote there,
+        on its way or carried out (a pin that lapsed is the tier's own already), and the book
+        forgets them and any retried one due there, so they are decided again when its advice
+        is back on."""
+        cancels = []
+        for session_id, r in list(self._retention.items()):
+            if r.instance_id != instance_id:
+                continue
+            self._drop_retention(session_id)
+            if r.order_id and not (r.kind == "pin" and r.confirmed and r.until <= now):
+                cancels.append(Cancel(order_id=r.order_id, reason=f"advice off at {instance_id}"))
+        for session_id in list(self._retention_due):
+            a = self._advice_of(session_id)
+            if a is not None and a.instance_id == instance_id:
+                del self._retention_due[session_id]
+        return cancels
 
     def retention_due(self, now: float) -> list[str]:
         """Sessions whose pin or demote failed, was lost or went unanswered, and whose backoff

@@ -33,7 +33,9 @@ into a `Plan` of orders (client/kvprefetch_client/orders.py) and cancels:
   it, by its own order, which leaves pinned contexts for last: no order names what goes). A
   destination that never reported its room gets no prefetch.
 - **Pins and demotes** follow the planner's keep and demote advice, once per idle spell, and a
-  pin again only when the last one is about to lapse.
+  pin again only when the last one is about to lapse. Where the LRU guard turns an instance's
+  advice off (`withdraw`, app/decide/guard.py), they are cancelled: a pin's cancel releases it,
+  a demote's puts its blocks back in LRU order.
 
 What became of each order is the order book's (app/decide/order_book.py, `Scheduler.book`): the
 open orders and their progress (order_progress events, `on_progress`), retiring landed ones,
@@ -203,6 +205,18 @@ class Scheduler:
         self._candidates.pop(session_id, None)
         self._fresh.pop(session_id, None)
         self.book.forget(session_id, routed_to=routed_to, block_hashes=block_hashes)
+
+    def withdraw(self, instance_id: str, now: float) -> list[Cancel]:
+        """The LRU guard turned the instance's advice off: its pins and demotes are cancelled
+        with the next plan (OrderBook.withdraw), and the advice there not yet acted on is
+        dropped (it would pin, demote or prefetch before the plain-LRU advice replaces it).
+        Returns the cancels."""
+        cancels = self.book.withdraw(instance_id, now)
+        self._carried[0].extend(cancels)
+        for held in (self._fresh, self._candidates):
+            for session_id in [s for s, a in held.items() if a.instance_id == instance_id]:
+                del held[session_id]
+        return cancels
 
     def on_progress(self, order_id: str, status: str, nbytes: int | None = None) -> None:
         """An order_progress event (`nbytes`: the bytes a completion reports moved); unknown ids

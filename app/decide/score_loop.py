@@ -190,6 +190,8 @@ class Scorer:
         # Per instance, whether the guard let its advice act when it was last handed on: a
         # verdict that flips hands everything on again.
         self._allowed: dict[str | None, bool] = {}
+        # Per instance, the guard's fallbacks the scheduler has withdrawn the advice for.
+        self._fallbacks: dict[str, int] = {}
         self.last_pass: PassStats | None = None
         self._observed_at = -math.inf  # time.monotonic() of the last observed batch
 
@@ -256,6 +258,7 @@ class Scorer:
                 pass
             return self.last_pass.sessions if self.last_pass is not None else 0
         now = self.clock.now()
+        self._check_guard(now)
         if views is not None:
             page = list(views)
         elif session_ids is not None:
@@ -488,10 +491,19 @@ class Scorer:
             self._remove(session_id)
 
     def _check_guard(self, now: float) -> None:
-        """An instance whose guard verdict flipped since its advice was handed on: hand every
-        row on again this pass (rare: a verdict holds for minutes)."""
+        """An instance the guard turned to `lru` since the last look: the scheduler withdraws
+        the pins and demotes carried out there (else they outlive the verdict). One whose
+        verdict flipped since its advice was handed on: hand every row on again this pass
+        (rare: a verdict holds for minutes)."""
         if self.guard is None or self.scheduler is None:
             return
+        # Counted, not read off the state: a verdict may be `trial` again by the next look.
+        for instance_id, verdict in list(self.guard.verdicts.items()):
+            seen = self._fallbacks.get(instance_id, 0)
+            if verdict.fallbacks != seen:
+                self._fallbacks[instance_id] = verdict.fallbacks
+                if verdict.fallbacks > seen:
+                    self.scheduler.withdraw(instance_id, now)
         if any(self.guard.allowed(i, now) != was for i, was in self._allowed.items()):
             self.table.marks[:, _M_AT] = np.nan
             self._allowed.clear()

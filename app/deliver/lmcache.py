@@ -34,7 +34,10 @@ planner but SinkClosed.
 `MAX_CONCURRENT_ORDERS` orders talk to the coordinator at a time, and at most
 `MAX_PENDING_ORDERS` wait or talk: past that an order fails at once); it returns the ids taken. A
 cancel withdraws an order still waiting for its turn; one whose first call was made runs on
-(LMCache has no cancel). Ids are taken once per dedupe window, as every sink does.
+(LMCache has no cancel), except that a cancelled pin is released at once (`DELETE /cache/pins`)
+instead of at its TTL's end, whether it was held already or is being made. A demote done cannot
+be undone (its chunks were deleted from `demote_tier`): its cancel is a no-op. Ids are taken once
+per dedupe window, as every sink does.
 
 With a planning lease the engine sets `fence` (app/deliver/fence.py): each call that changes
 LMCache (prefetch, pin, delete) is made only while this replica holds the lease; else the order
@@ -192,6 +195,8 @@ class LmcacheSink:
         self._jobs: dict[str, _Job] = {}
         self._unpins: set[asyncio.Task[None]] = set()
         self._held_pins: dict[int, _Pinned] = {}  # id(its release task) -> the pin
+        # Pin orders cancelled while they were pinning: released once held.
+        self._unwanted_pins: set[str] = set()
         self._pin_watch: asyncio.Task[None] | None = None
         self._turns = asyncio.Semaphore(MAX_CONCURRENT_ORDERS)
         self._closed = False
@@ -254,6 +259,15 @@ class LmcacheSink:
         withdrawn: list[str] = []
         for c in cancels:
             job = self._jobs.get(c.order_id)
+            if job is not None and job.started and job.order.kind == "pin":
+                # Pinning now: what it pins is released as soon as it is held.
+                if self._cancels.add(c.order_id):
+                    self._unwanted_pins.add(c.order_id)
+                    withdrawn.append(c.order_id)
+                continue
+            if job is None and self._release_now(c.order_id):
+                withdrawn.append(c.order_id)
+                continue
             if job is None or job.started or not self._cancels.add(c.order_id):
                 continue  # unknown, already ended, or already talking to LMCache: it runs on
             if job.task is not None:
@@ -329,6 +343,8 @@ class LmcacheSink:
             await self._ended(
                 order, _Failed("lmcache_error", f"lmcache sink error: {type(exc).__name__}: {exc}")
             )
+        finally:
+            self._unwanted_pins.discard(order.order_id)
 
     async def _prefetch(self, job: _Job) -> int:
         order = job.order
@@ -387,13 +403,12 @@ class LmcacheSink:
             self._hold(order, token_ids, int(answer.get("affected", 0) or 0))
 
     def _hold(self, order: Order, token_ids: list[int], keys: int) -> None:
+        ttl_seconds = 0.0 if order.order_id in self._unwanted_pins else order.ttl_seconds
+
         async def release() -> None:
-            await self._sleep(order.ttl_seconds or 0.0)
+            await self._sleep(ttl_seconds or 0.0)
             self._held_pins.pop(id(task), None)
-            try:
-                await self._call("unpin", "DELETE", "/cache/pins", self._key_body(token_ids), None)
-            except _Failed as problem:
-                log.warning("lmcache: a pin outlives its TTL: %s", problem.reason)
+            await self._unpin(token_ids)
 
         task = asyncio.create_task(release())
         self._held_pins[id(task)] = _Pinned(order, token_ids, keys, task)
@@ -401,6 +416,26 @@ class LmcacheSink:
         task.add_done_callback(self._unpins.discard)
         if self.pin_check_seconds > 0 and (self._pin_watch is None or self._pin_watch.done()):
             self._pin_watch = asyncio.create_task(self._watch_pins(), name="lmcache pin watch")
+
+    async def _unpin(self, token_ids: list[int]) -> None:
+        try:
+            await self._call("unpin", "DELETE", "/cache/pins", self._key_body(token_ids), None)
+        except _Failed as problem:
+            log.warning("lmcache: a pin outlives its TTL or cancel: %s", problem.reason)
+
+    def _release_now(self, order_id: str) -> bool:
+        """A Cancel of a pin this sink holds: released now, not at its TTL's end. Whether it
+        held one."""
+        mine = [k for k, p in self._held_pins.items() if p.order.order_id == order_id]
+        if not mine or not self._cancels.add(order_id):
+            return False
+        for k in mine:
+            pin = self._held_pins.pop(k)
+            pin.task.cancel()  # still waiting for its TTL: its DELETE is sent here instead
+            task = asyncio.create_task(self._unpin(pin.token_ids))
+            self._unpins.add(task)
+            task.add_done_callback(self._unpins.discard)
+        return True
 
     async def _watch_pins(self) -> None:
         """Checks the pins while it holds any (a new pin starts it again)."""

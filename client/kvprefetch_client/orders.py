@@ -8,7 +8,11 @@ byte lands by `needed_by_ts`, and (a prefetch) hold the landed blocks for `ttl_s
 
 An order's id is its identity everywhere (sinks, agents, progress events): delivering or
 executing the same id twice is the same as once. A `Cancel` withdraws an order an agent has not
-started; one already moving finishes, and its bytes count as wasted.
+started; a prefetch already moving finishes, and its bytes count as wasted. A pin or demote
+already carried out is undone by its Cancel where the tier can: a pin's Cancel means "release it
+now" (not at its TTL's end), a demote's "put its blocks back in LRU order". The service sends
+those when the LRU guard turns an instance's advice off (app/decide/guard.py): what lost to LRU
+there must not outlive the verdict.
 
 The JSON form (`to_json`/`from_json`) is what sinks carry and agents read.
 """
@@ -71,7 +75,8 @@ class Order(BaseModel):
 
 
 class Cancel(BaseModel):
-    """Withdraw an order not yet started."""
+    """Withdraw an order not yet started, or undo a pin (released now) or demote (its blocks
+    back in LRU order) carried out."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

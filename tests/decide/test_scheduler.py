@@ -568,3 +568,36 @@ def test_a_spread_router_s_candidate_is_judged_on_its_chance_of_coming_back_at_a
     assert [o.session_ids for o in prefetches(plan.orders)] == [["s"]]
     again = tick(sched, [spread], 0.1)
     assert again.cancels == [] and sched.inflight_bytes("gpu-0") == 2 * BLOCK_BYTES
+
+
+def test_withdrawing_an_instance_cancels_its_pins_and_demotes_once_and_forgets_them() -> None:
+    """The LRU guard turned gpu-0's advice off: its pin (confirmed) and demote (not yet) are
+    cancelled with the next plan; gpu-1's pin, and what gpu-0 advice had not been acted on, are
+    left alone or dropped, never cancelled."""
+    store = store_with(free_bytes={"gpu-0": 0, "gpu-1": 0}, hbm={"gpu-0": [1, 2, 3], "gpu-1": [4]})
+    sched = Scheduler(store, config())
+    keep = advice("k", [1, 2], p_soon=0.1, p_keep=0.6, retention="keep")
+    drop = advice("d", [3], p_soon=0.0, p_keep=0.01, retention="demote")
+    other = advice("o", [4], p_soon=0.1, p_keep=0.6, retention="keep", instance_id="gpu-1")
+    first = tick(sched, [keep, drop, other], 0.0)
+    ids = {(o.kind, o.instance_id): o.order_id for o in first.orders}
+    sched.on_progress(ids[("pin", "gpu-0")], "completed")
+    sched.on_progress(ids[("pin", "gpu-1")], "completed")
+    late = advice("late", [2], p_soon=0.1, p_keep=0.6, retention="keep")
+    sched.advise([late], 5.0)  # advised, not acted on yet
+    withdrawn = sched.withdraw("gpu-0", 10.0)
+    plan = sched.plan(10.0)
+    assert sorted(c.order_id for c in plan.cancels) == sorted(
+        [ids[("pin", "gpu-0")], ids[("demote", "gpu-0")]]
+    )
+    assert withdrawn == plan.cancels and plan.orders == []
+    assert sched.plan(11.0).cancels == []  # once
+    sched.on_progress(ids[("demote", "gpu-0")], "completed")  # its news no longer matters
+    assert sched.book.pins_held == 1  # gpu-1's
+    assert sorted(f for f in sched.handover_state() if f[0] in "pd") == ["p:o"]
+    # Back on (trial): decided again, as if never ordered.
+    again = tick(sched, [keep, drop], 20.0)
+    assert sorted((o.kind, o.instance_id) for o in again.orders) == [
+        ("demote", "gpu-0"),
+        ("pin", "gpu-0"),
+    ]

@@ -229,3 +229,41 @@ def test_a_signalled_session_is_advised_at_the_next_tick_ahead_of_the_page(
     assert scorer.tick() == 2
     assert ledger.latest("live", "early") is not None
     assert scorer.tick() == 1  # nothing waiting: the page alone
+
+
+@pytest.mark.parametrize("every_live", [False, True])
+def test_a_guard_fallback_withdraws_the_instances_pins_once(
+    tmp_path: Path, every_live: bool
+) -> None:
+    from app.decide.guard import GuardConfig, InstanceVerdict, LruGuard
+    from app.decide.scheduler import Scheduler, SchedulerConfig
+
+    store = MemoryStore(bytes_per_token=1, block_tokens=512)
+    store.apply(turn("a", 900.0, 910.0))
+    store.apply(
+        [ev("kv_blocks_stored", 911.0, tier="hbm", instance_id="gpu-0", block_hashes=[1, 2])]
+    )
+    ledger = AdviceLedger()
+    models = ModelRegistry(tmp_path / "no-model", ledger=ledger)
+    models.serving = Serving(Fixed(0.9), "fixed", None)  # type: ignore[arg-type]
+    scheduler = Scheduler(store, SchedulerConfig(bytes_per_block=512))
+    guard = LruGuard(GuardConfig(bytes_per_block=512))
+    guard.verdicts["gpu-0"] = InstanceVerdict()
+    clock = ManualClock(1000.0)
+    scorer = Scorer(
+        store, models, ledger, clock, scheduler=scheduler, guard=guard, every_live=every_live
+    )
+    scorer.tick()
+    [pin] = scheduler.plan(1000.0).orders
+    assert pin.kind == "pin"
+    scheduler.on_progress(pin.order_id, "completed")
+    # The advice lost there: the next tick notices and the next plan cancels the pin.
+    guard.verdicts["gpu-0"] = InstanceVerdict(state="lru", since_ts=1001.0, retry_seconds=600.0)
+    guard.verdicts["gpu-0"].fallbacks = 1
+    clock.set(1002.0)
+    scorer.tick()
+    plan = scheduler.plan(1002.0)
+    assert [c.order_id for c in plan.cancels] == [pin.order_id] and plan.orders == []
+    clock.set(1003.0)
+    scorer.tick()
+    assert scheduler.plan(1003.0).cancels == []  # once per fallback

@@ -721,6 +721,78 @@ def test_a_cancel_withdraws_only_an_order_not_yet_started() -> None:
         asyncio.run(main())
 
 
+class PinStandIn:
+    """Answers POST and DELETE /cache/pins as LMCache's coordinator does, counting each key's
+    pins; a pin's answer waits `pin_delay_seconds` (a pin the sink is still making)."""
+
+    def __init__(self, pin_delay_seconds: float = 0.0) -> None:
+        self.pin_delay_seconds = pin_delay_seconds
+        self.pinned: dict[tuple[int, ...], int] = {}
+        self.unpins = 0
+        self.app = Starlette(routes=[Route("/cache/pins", self._pins, methods=["POST", "DELETE"])])
+
+    async def _pins(self, request: Request) -> JSONResponse:
+        key = tuple((await request.json())["token_ids"])
+        if request.method == "POST":
+            await asyncio.sleep(self.pin_delay_seconds)
+            self.pinned[key] = self.pinned.get(key, 0) + 1
+        else:
+            self.unpins += 1
+            self.pinned[key] -= 1
+            if not self.pinned[key]:
+                del self.pinned[key]
+        return JSONResponse({"affected": 2})
+
+    async def released(self) -> None:
+        deadline = time.monotonic() + 10
+        while (self.pinned or not self.unpins) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+
+
+def test_a_cancel_releases_a_held_pin_now_not_at_its_ttl() -> None:
+    """The LRU guard withdrew the pin (app/decide/order_book.py, withdraw)."""
+    stand_in = PinStandIn()
+    with live_server(stand_in.app) as url:
+
+        async def main() -> None:
+            sink, reports, _ = make_sink(url, pin_check_seconds=0)
+            try:
+                await sink.submit([pin_order("pin-held", ttl_seconds=3600.0)])
+                await sink.settle()
+                assert reports.of("pin-held") == [("completed", None)]
+                assert sink.pins_held == 1 and len(stand_in.pinned) == 1
+                assert await sink.cancel([order_cancel("pin-held")]) == ["pin-held"]
+                assert sink.pins_held == 0
+                await stand_in.released()
+                assert stand_in.pinned == {} and stand_in.unpins == 1
+                assert await sink.cancel([order_cancel("pin-held")]) == []  # once
+            finally:
+                await sink.close()
+            assert stand_in.unpins == 1  # close had nothing left to release
+
+        asyncio.run(main())
+
+
+def test_a_pin_cancelled_while_it_is_made_is_released_once_held() -> None:
+    stand_in = PinStandIn(pin_delay_seconds=0.3)
+    with live_server(stand_in.app) as url:
+
+        async def main() -> None:
+            sink, reports, _ = make_sink(url, pin_check_seconds=0)
+            try:
+                await sink.submit([pin_order("pin-making", ttl_seconds=3600.0)])
+                await asyncio.sleep(0.05)  # it takes its turn and starts
+                assert await sink.cancel([order_cancel("pin-making")]) == ["pin-making"]
+                await sink.settle()
+                assert [s for s, _ in reports.of("pin-making")] == ["completed"]
+                await stand_in.released()
+                assert stand_in.pinned == {} and sink.pins_held == 0
+            finally:
+                await sink.close()
+
+        asyncio.run(main())
+
+
 def order_cancel(order_id: str) -> Any:
     from kvprefetch_client.orders import Cancel
 

@@ -142,3 +142,17 @@ def test_clearing_the_advice_leaves_plain_lru() -> None:
     cache.clear_advice()
     assert cache.choose_victims(4, now=0.0) == [1, 2, 3, 4]
     assert not any(e.demoted for e in cache.entries.values())
+
+
+def test_a_withdrawn_keep_or_demotion_leaves_those_blocks_in_lru_order() -> None:
+    cache = filled([1, 2, 3, 4])
+    cache.keep(1, 100.0)
+    cache.keep(2, 100.0)
+    cache.demote(4)
+    cache.demote(3)
+    cache.unkeep(1)
+    cache.undemote(4)
+    assert not cache.is_demoted(4) and cache.is_demoted(3) and cache.demoted == 1
+    assert cache.choose_victims(4, now=0.0) == [3, 1, 4, 2]  # 2 still kept, 3 still demoted
+    cache.unkeep(9)  # not held: nothing to withdraw
+    cache.undemote(9)

@@ -414,3 +414,88 @@ def test_no_planning_rule_lives_in_sim() -> None:
     for path in sim_dir.glob("*.py"):
         text = path.read_text()
         assert "Advisor(" not in text and "_room_for" not in text, path.name
+
+
+def test_after_a_guard_fallback_no_keep_or_demote_of_that_instance_stays_in_force() -> None:
+    """The planner pins s0's context and demotes s1's; at 50 s the LRU guard turns the
+    instance's advice off: by the next tick the cluster holds neither advice there (the pin
+    released, the demoted blocks back in LRU order), while the other instance keeps its own."""
+    scen = scenario(prefill=100.0, instances=2, hbm_blocks=16)
+    reqs = [
+        request(0, 0.0, context(0, 4)),
+        request(1, 5.0, context(10, 4)),
+        request(2, 0.0, context(20, 4)),
+        request(3, 200.0, [*context(0, 4), 99], session="s0"),
+    ]
+    app_engine = sim_engine(scen, load_model=False)
+    engine = EngineFeed(app_engine)
+    chances = Chances({"s0": (0.9, 0.0), "s2": (0.9, 0.0)})  # s1: 0, demoted
+    policy = PlannedPolicy(app_engine, engine.session, "chances", predictor=chances)
+    cluster = CheckedCluster(scen, reqs, Placed([0, 0, 1, 0]), policy, emit=engine.emit)
+    guard = app_engine.guard
+    assert guard is not None
+    seen: dict[float, tuple[list[int], list[int], list[int]]] = {}
+
+    def advice_at(at: float) -> None:
+        entries = [inst.hbm.entries for inst in cluster.instances]
+        kept = sorted(b for b, e in entries[0].items() if e.keep_until > at)
+        demoted = sorted(b for b, e in entries[0].items() if e.demoted)
+        other = sorted(b for b, e in entries[1].items() if e.keep_until > at)
+        seen[at] = (kept, demoted, other)
+
+    def lose() -> None:
+        verdict = guard.verdicts[cluster.instances[0].instance_id]
+        verdict.state, verdict.since_ts, verdict.retry_seconds = "lru", 50.0, 600.0
+        verdict.fallbacks += 1
+
+    cluster.call_at(45.0, lambda: advice_at(45.0))
+    cluster.call_at(50.0, lose)
+    cluster.call_at(70.0, lambda: advice_at(70.0))
+    cluster.run()
+    kept, demoted, other = seen[45.0]
+    assert kept == context(0, 4) and demoted == context(10, 4) and other == context(20, 4)
+    assert seen[70.0] == ([], [], context(20, 4))
+
+
+def test_the_cluster_sink_withdraws_exactly_the_cancelled_orders_blocks() -> None:
+    from kvprefetch_client.orders import Cancel
+    from sim.planned import run_now
+
+    scen = scenario(prefill=100.0, instances=1, hbm_blocks=16)
+    app_engine = sim_engine(scen, load_model=False)
+    engine = EngineFeed(app_engine)
+    policy = PlannedPolicy(app_engine, engine.session, "chances", predictor=Chances({}))
+    cluster = CheckedCluster(
+        scen, [request(0, 0.0, context(0, 8))], Placed([0]), policy, emit=engine.emit
+    )
+    cluster.run()
+    now, sink = cluster.now, app_engine.order_sink
+    hbm = cluster.instances[0].hbm
+
+    def retention(order_id: str, kind: str, blocks: list[int]) -> Order:
+        return Order(
+            order_id=order_id,
+            kind=kind,  # type: ignore[arg-type]
+            instance_id=cluster.instances[0].instance_id,
+            block_hashes=blocks,
+            size_bytes=len(blocks) * BLOCK_BYTES,
+            created_ts=now,
+            start_by_ts=now,
+            needed_by_ts=now,
+            ttl_seconds=600.0 if kind == "pin" else None,
+        )
+
+    run_now(
+        sink.submit(
+            [
+                retention("pin-a", "pin", [0, 1]),
+                retention("pin-b", "pin", [2, 3]),
+                retention("demote-c", "demote", [4, 5]),
+                retention("demote-d", "demote", [6, 7]),
+            ]
+        )
+    )
+    run_now(sink.cancel([Cancel(order_id="pin-a"), Cancel(order_id="demote-c")]))
+    assert sorted(b for b, e in hbm.entries.items() if e.keep_until > now) == [2, 3]
+    assert sorted(b for b, e in hbm.entries.items() if e.demoted) == [6, 7]
+    assert {"pin-b", "demote-d"} <= set(policy.retained) and "pin-a" not in policy.retained

@@ -3,13 +3,15 @@
 PoolDir stands for the shared pool (Mooncake Store, LMCache's remote backend): one file per block,
 named by the block's hash. HbmBuffer stands for the instance's HBM: a byte budget, least recently
 used first out, except that a pin keeps a block until its time-to-live and a demote puts a block
-first in line to go. The bytes are real (read from disk, held in memory) so that a transfer's
-measured seconds mean something; the buffer is not GPU memory.
+first in line to go (until a use, or the demote's cancel, puts it back in LRU order). The bytes
+are real (read from disk, held in memory) so that a transfer's measured seconds mean something;
+the buffer is not GPU memory.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import re
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
@@ -75,6 +77,8 @@ class BufferFull(KvpError):
 class _Block:
     data: bytes
     pinned_until_ts: float | None = None
+    used: int = 0  # its last use's stamp: its place in LRU order, should a demotion be withdrawn
+    demoted: bool = False
 
 
 class HbmBuffer:
@@ -88,8 +92,9 @@ class HbmBuffer:
             raise ValueError("capacity_bytes must be positive")
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
-        # First in the dict = next to go.
+        # First in the dict = next to go: the demoted blocks, then the rest by last use.
         self._blocks: OrderedDict[BlockHash, _Block] = OrderedDict()
+        self._uses = itertools.count(1)
 
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._blocks
@@ -106,8 +111,14 @@ class HbmBuffer:
         block = self._blocks.get(block_hash)
         if block is None:
             return None
-        self._blocks.move_to_end(block_hash)
+        self._used(block_hash, block)
         return block.data
+
+    def _used(self, block_hash: BlockHash, block: _Block) -> None:
+        """A use, by any session, outranks a demotion."""
+        block.used = next(self._uses)
+        block.demoted = False
+        self._blocks.move_to_end(block_hash)
 
     def is_pinned(self, block_hash: BlockHash, now: float) -> bool:
         block = self._blocks.get(block_hash)
@@ -155,9 +166,9 @@ class HbmBuffer:
         if old is not None:
             self.used_bytes -= len(old.data)
             old.data = data
-            self._blocks.move_to_end(block_hash)
+            self._used(block_hash, old)
         else:
-            self._blocks[block_hash] = _Block(data)
+            self._blocks[block_hash] = _Block(data, used=next(self._uses))
         self.used_bytes += len(data)
         return victims
 
@@ -185,6 +196,32 @@ class HbmBuffer:
             if block is None:
                 continue
             block.pinned_until_ts = None
+            block.demoted = True
             self._blocks.move_to_end(h, last=False)
             demoted += len(block.data)
         return demoted
+
+    def unpin(self, block_hashes: Iterable[BlockHash]) -> None:
+        """A pin withdrawn: the blocks go in LRU order again."""
+        for h in block_hashes:
+            block = self._blocks.get(h)
+            if block is not None:
+                block.pinned_until_ts = None
+
+    def undemote(self, block_hashes: Iterable[BlockHash]) -> None:
+        """A demotion withdrawn: the blocks go back to their places in LRU order (their last
+        use), behind the blocks still demoted."""
+        changed = False
+        for h in block_hashes:
+            block = self._blocks.get(h)
+            if block is not None and block.demoted:
+                block.demoted = False
+                changed = True
+        if not changed:
+            return
+        demoted = [(h, b) for h, b in self._blocks.items() if b.demoted]
+        rest = sorted(
+            ((h, b) for h, b in self._blocks.items() if not b.demoted),
+            key=lambda item: item[1].used,
+        )
+        self._blocks = OrderedDict(demoted + rest)

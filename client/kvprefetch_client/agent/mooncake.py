@@ -429,6 +429,10 @@ class MooncakeTier:
         moved = sum(self._landed.pop(h)[0] for h in removed)
         return Done(moved, seconds, failure, removed=removed)
 
+    def withdraw(self, order: Order, now: float) -> None:
+        """Nothing to undo here: a soft pin runs its TTL (the wheel lifts one only with a new
+        put), and a demote's replica was moved away."""
+
     # -- the rest -----------------------------------------------------------------------------
 
     def _remember(self, block_hash: BlockHash, size: int, source: str) -> None:

@@ -2,7 +2,9 @@
 
 One order runs at a time (a transfer is bound by one link's throughput; running two at once
 would only make both late). Between transfers the loop reads new messages, so a Cancel that
-arrives while its order waits for `start_by_ts` withdraws it.
+arrives while its order waits for `start_by_ts` withdraws it; one for a pin or demote already
+completed has the tier undo it (`Tier.withdraw`: the pin released, the demoted blocks back in LRU
+order), as the service does when the LRU guard turns the instance's advice off.
 
 What is promised, and how:
 
@@ -63,6 +65,10 @@ class Reporter(Protocol):
         ...
 
 
+def _because(reason: str) -> str:
+    return f" ({reason})" if reason else ""
+
+
 def progress_event_id(order_id: str, status: str) -> str:
     """The same for every agent that reports this order's status: the service counts it once."""
     if len(order_id) > _MAX_ORDER_ID_IN_EVENT_ID:
@@ -83,6 +89,7 @@ class AgentStats:
     completed: int = 0
     failed: int = 0
     withdrawn: int = 0  # cancelled before they started
+    undone: int = 0  # pins and demotes completed, then cancelled (the tier undid them)
     repeats: int = 0  # deliveries of an order already pending or done
     malformed: int = 0
     foreign: int = 0  # orders for another instance (misrouted), acked and dropped
@@ -159,6 +166,9 @@ class Agent:
         self._seq = 0
         self._done = _BoundedSet(done_capacity)
         self._cancelled = _BoundedSet(done_capacity)
+        # Pins and demotes completed, which a Cancel may still undo: order id -> the order.
+        self._retained: OrderedDict[str, Order] = OrderedDict()
+        self._retained_capacity = done_capacity
         self._foreign_logged = _BoundedSet(1000)
         self._to_ack: list[Delivery] = []
         self._settle_failing = False
@@ -254,7 +264,13 @@ class Agent:
         self._to_ack.append(d)
         order_id = cancel.order_id
         if order_id in self._done:
-            return  # started already: a started order finishes
+            # Started already: a started order finishes; a pin or demote done is undone.
+            retained = self._retained.pop(order_id, None)
+            if retained is not None:
+                self.tier.withdraw(retained, self._clock())
+                self.stats.undone += 1
+                log.info("%s %s undone%s", retained.kind, order_id, _because(cancel.reason))
+            return
         self._cancelled.add(order_id)
         pending = self._pending.pop(order_id, None)
         if pending is not None:
@@ -265,11 +281,7 @@ class Agent:
         self.stats.withdrawn += 1
         self._done.add(order.order_id, "withdrawn")
         self._to_ack.extend(deliveries)
-        log.info(
-            "order %s withdrawn before it started%s",
-            order.order_id,
-            f" ({reason})" if reason else "",
-        )
+        log.info("order %s withdrawn before it started%s", order.order_id, _because(reason))
 
     def _take_order(self, d: Delivery, order: Order) -> None:
         order_id = order.order_id
@@ -386,6 +398,10 @@ class Agent:
             )
             log.warning("order %s (%s) failed: %s", order.order_id, order.kind, outcome.reason)
         self._done.add(order.order_id, outcome.status)
+        if outcome.status == "completed" and order.kind != "prefetch":
+            self._retained[order.order_id] = order
+            while len(self._retained) > self._retained_capacity:
+                self._retained.popitem(last=False)
         self._to_ack.extend(p.deliveries)
         self._changed()
 

@@ -50,6 +50,11 @@ class Tier(Protocol):
 
     def demote(self, order: Order, now: float) -> Done: ...
 
+    def withdraw(self, order: Order, now: float) -> None:
+        """A Cancel of a pin or demote this tier completed: undo it where the tier can (a pin
+        released, a demote's blocks back in LRU order)."""
+        ...
+
     def status(self) -> dict[str, Any]:
         """Merged into the agent's status (its status file)."""
         ...
@@ -120,6 +125,12 @@ class BufferTier:
         t0 = self._timer()
         demoted = self.buffer.demote(order.block_hashes)  # absent blocks are gone already
         return Done(demoted, self._timer() - t0)
+
+    def withdraw(self, order: Order, now: float) -> None:
+        if order.kind == "pin":
+            self.buffer.unpin(order.block_hashes)
+        elif order.kind == "demote":
+            self.buffer.undemote(order.block_hashes)
 
     def status(self) -> dict[str, Any]:
         return {

@@ -84,3 +84,17 @@ def test_a_put_that_cannot_make_room_changes_nothing() -> None:
     assert buf.hashes() == [1, 2] and buf.used_bytes == 20
     with pytest.raises(BufferFull):
         buf.put(9, b"z" * 21, now=0)
+
+
+def test_a_withdrawn_demotion_goes_back_to_its_lru_place_behind_those_still_demoted() -> None:
+    buf = HbmBuffer(5 * 10)
+    for h in (1, 2, 3, 4, 5):
+        buf.put(h, b"x" * 10, now=0.0)
+    buf.get(2)
+    buf.demote([4, 5])
+    assert buf.hashes() == [4, 5, 1, 3, 2]
+    buf.undemote([4, 9])
+    assert buf.hashes() == [5, 1, 3, 4, 2]
+    buf.pin([1], until_ts=100.0)
+    buf.unpin([1])
+    assert not buf.is_pinned(1, 0.0)

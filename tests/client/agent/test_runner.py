@@ -421,3 +421,26 @@ def test_a_pulled_order_behind_a_transfer_that_outlasts_its_lease_is_not_handed_
         ("o2", "completed"),
     ]
     assert queue.stats["lost"] == 0 and queue.stats["leased"] == 2
+
+
+def test_a_cancel_of_a_pin_or_demote_done_undoes_it(tmp_path: Path) -> None:
+    """The LRU guard turned the instance's advice off: the service cancels the pins and demotes
+    it carried out there."""
+    rig = Rig(tmp_path, capacity_blocks=4)
+    rig.source.add(order("fill", [1, 2, 3, 4]))
+    rig.source.add(order("pin", [1], kind="pin", ttl_seconds=100.0), at=T0 + 1)
+    rig.source.add(order("demote", [3], kind="demote"), at=T0 + 1)
+    rig.run_until(T0 + 2)
+    assert rig.buffer.hashes() == [3, 1, 2, 4] and rig.buffer.is_pinned(1, rig.clock.now)
+    rig.source.add(Cancel(order_id="pin"), at=T0 + 3)
+    rig.source.add(Cancel(order_id="demote"), at=T0 + 3)
+    rig.run_until(T0 + 4)
+    assert not rig.buffer.is_pinned(1, rig.clock.now)
+    assert rig.buffer.hashes() == [1, 2, 3, 4]  # LRU order again
+    assert rig.agent.stats.undone == 2 and rig.reporter.progress("pin") == [
+        ("pin", "accepted"),
+        ("pin", "completed"),
+    ]
+    rig.source.add(order("more", [5]), at=T0 + 5)
+    rig.run_until(T0 + 6)
+    assert rig.removed() == [1]  # no longer pinned: the oldest goes
