@@ -173,6 +173,7 @@ class Engine:
                     bytes_per_block=self.cluster.bytes_per_block,
                     min_arrivals=settings.lru_guard_min_arrivals,
                     retry_seconds=settings.lru_guard_retry_seconds,
+                    demote_pricing=settings.lru_guard_demotes,
                 )
             )
             if settings.lru_guard
@@ -220,6 +221,7 @@ class Engine:
             offload=self.store_thread.run,
             lease=self.lease,
             skipped=self.metrics.planning_skipped_ticks.inc,
+            planned=self.guard.planned if self.guard is not None else None,
         )
         landed, self._measured = LandedPrefetches(self.scheduler), MeasuredStall()
         self.timeline = Timeline(

@@ -109,6 +109,21 @@ class PlannedPolicy(Policy):
             )
         sink.policy = self
 
+    def summary(self) -> dict[str, Any]:
+        """What the LRU guard saw (app/decide/guard.py): its fallbacks, and the blocks the demotes
+        cost and the room they made kept, over the whole replay."""
+        guard = self.engine.guard
+        if guard is None:
+            return {}
+        return {
+            "lru_guard": {
+                "fallbacks": guard.fallbacks_total,
+                "demote_cost_blocks": guard.demote_cost_blocks_total,
+                "demote_gain_blocks": guard.demote_gain_blocks_total,
+                "demote_suspensions": guard.demote_suspensions_total,
+            }
+        }
+
     # -- when the engine looks -------------------------------------------------------------
 
     def on_arrival(self, r: SimRequest, now: float) -> None:

@@ -233,6 +233,11 @@ class Settings(BaseSettings):
     lru_guard_retry_seconds: float = Field(
         600.0, gt=0, description="How long an instance's advice stays off before it is tried again."
     )
+    lru_guard_demotes: bool = Field(
+        True,
+        description="Price demotes on their own per instance (their cost against the room they "
+        "made) and turn them off where they clearly lose.",
+    )
     # Retraining from the service's own event log (app/predict/retrain.py, docs/decisions.md, 20):
     # every so often a candidate is trained in a child process on the log (split by time), shadows
     # the serving model, and is promoted only when its Brier score on the same sessions is better.

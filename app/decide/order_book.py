@@ -55,9 +55,9 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import orjson
 
@@ -115,11 +115,14 @@ class _Open:
     spells: dict[str, Spell | None] = field(default_factory=dict)
 
 
+RetentionKind = Literal["pin", "demote"]
+
+
 @dataclass(slots=True)
 class _Retention:
     """A pin or demote ordered for one spell of a session's context."""
 
-    kind: str  # "pin" or "demote"
+    kind: RetentionKind
     spell: Spell
     order_id: str
     instance_id: str
@@ -269,21 +272,27 @@ class OrderBook:
             if not r.confirmed:
                 heapq.heappush(self._unconfirmed, (r.ordered_at, r.order_id))
 
-    def withdraw(self, instance_id: str, now: float) -> list[Cancel]:
-        """The instance's advice is off (the LRU guard): a Cancel for each pin or demote there,
-        on its way or carried out (a pin that lapsed is the tier's own already), and the book
-        forgets them and any retried one due there, so they are decided again when its advice
-        is back on."""
+    def withdraw(
+        self,
+        instance_id: str,
+        now: float,
+        kinds: Collection[RetentionKind] = ("pin", "demote"),
+    ) -> list[Cancel]:
+        """The instance's advice is off (the LRU guard), or its demotes: a Cancel for each pin
+        or demote of `kinds` there, on its way or carried out (a pin that lapsed is the tier's
+        own already), and the book forgets them and any retried one due there, so they are
+        decided again when the advice is back on."""
         cancels = []
         for session_id, r in list(self._retention.items()):
-            if r.instance_id != instance_id:
+            if r.instance_id != instance_id or r.kind not in kinds:
                 continue
             self._drop_retention(session_id)
             if r.order_id and not (r.kind == "pin" and r.confirmed and r.until <= now):
                 cancels.append(Cancel(order_id=r.order_id, reason=f"advice off at {instance_id}"))
         for session_id in list(self._retention_due):
             a = self._advice_of(session_id)
-            if a is not None and a.instance_id == instance_id:
+            kind = "pin" if a is not None and a.retention == "keep" else "demote"
+            if a is not None and a.instance_id == instance_id and kind in kinds:
                 del self._retention_due[session_id]
         return cancels
 

@@ -43,6 +43,7 @@ from kvprefetch_client.events import (
     VllmBlockStored,
     VllmKvEvents,
 )
+from kvprefetch_client.orders import Order
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,11 @@ class Dispatcher:
         offload: Offload | None = None,
         lease: PlanningLease | None = None,
         skipped: Callable[[], None] | None = None,
+        planned: Callable[[Sequence[Order]], None] | None = None,
     ) -> None:
         self.scheduler = scheduler
+        # Told each plan's orders as decided (the LRU guard prices demotes by them).
+        self.planned = planned
         # With a planning lease (several replicas, decisions.md 23) a tick plans only while this
         # replica holds it; `skipped` is told of each tick it did not.
         self.lease = lease
@@ -83,6 +87,8 @@ class Dispatcher:
     def _plan(self) -> Plan:
         started = time.perf_counter()
         plan = self.scheduler.plan(self.clock.now())
+        if self.planned is not None and plan.orders:
+            self.planned(plan.orders)
         if self.observe_seconds is not None:
             self.observe_seconds(time.perf_counter() - started)
         return plan

@@ -62,7 +62,7 @@ from app.core.cluster import (
     ClusterSpec,
 )
 from app.decide.advisor import SessionAdvice, Thresholds
-from app.decide.order_book import OrderBook, SchedulerTotals, spell_of
+from app.decide.order_book import OrderBook, RetentionKind, SchedulerTotals, spell_of
 from app.decide.room_and_links import RoomAndLinks
 from app.state.base import StateStore
 from kvprefetch_client.events import BlockHash, Tier
@@ -206,15 +206,25 @@ class Scheduler:
         self._fresh.pop(session_id, None)
         self.book.forget(session_id, routed_to=routed_to, block_hashes=block_hashes)
 
-    def withdraw(self, instance_id: str, now: float) -> list[Cancel]:
-        """The LRU guard turned the instance's advice off: its pins and demotes are cancelled
-        with the next plan (OrderBook.withdraw), and the advice there not yet acted on is
-        dropped (it would pin, demote or prefetch before the plain-LRU advice replaces it).
-        Returns the cancels."""
-        cancels = self.book.withdraw(instance_id, now)
+    def withdraw(
+        self,
+        instance_id: str,
+        now: float,
+        kinds: Collection[RetentionKind] = ("pin", "demote"),
+    ) -> list[Cancel]:
+        """The LRU guard turned the instance's advice off (or its demotes, `kinds` demote): its
+        pins and demotes of `kinds` are cancelled with the next plan (OrderBook.withdraw), and
+        the advice there not yet acted on is dropped (it would act before the advice the guard
+        now allows replaces it). Returns the cancels."""
+        cancels = self.book.withdraw(instance_id, now, kinds)
         self._carried[0].extend(cancels)
+        everything = "pin" in kinds
         for held in (self._fresh, self._candidates):
-            for session_id in [s for s, a in held.items() if a.instance_id == instance_id]:
+            for session_id in [
+                s
+                for s, a in held.items()
+                if a.instance_id == instance_id and (everything or a.retention == "demote")
+            ]:
                 del held[session_id]
         return cancels
 

@@ -46,6 +46,7 @@ from app.core.clock import Clock
 from app.core.errors import StoreError
 from app.decide.advisor import MAX_IDLE_SECONDS, Advisor, Thresholds
 from app.decide.guard import LruGuard
+from app.decide.order_book import RetentionKind
 from app.decide.popularity import PrefixPopularity
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler
@@ -73,6 +74,8 @@ from kvprefetch_client.events import (
 )
 
 log = logging.getLogger(__name__)
+
+_DEMOTES: tuple[RetentionKind, ...] = ("demote",)
 
 T = TypeVar("T")
 
@@ -187,11 +190,13 @@ class Scorer:
         self._dirty: dict[str, None] = {}
         self._tracking = False
         self._built = False
-        # Per instance, whether the guard let its advice act when it was last handed on: a
-        # verdict that flips hands everything on again.
-        self._allowed: dict[str | None, bool] = {}
-        # Per instance, the guard's fallbacks the scheduler has withdrawn the advice for.
+        # Per instance, whether the guard let its advice (and its demotes) act when it was last
+        # handed on: a verdict that flips hands everything on again.
+        self._allowed: dict[str | None, tuple[bool, bool]] = {}
+        # Per instance, the guard's fallbacks (and demote suspensions) the scheduler has
+        # withdrawn the advice for.
         self._fallbacks: dict[str, int] = {}
+        self._suspensions: dict[str, int] = {}
         self.last_pass: PassStats | None = None
         self._observed_at = -math.inf  # time.monotonic() of the last observed batch
 
@@ -504,7 +509,14 @@ class Scorer:
                 self._fallbacks[instance_id] = verdict.fallbacks
                 if verdict.fallbacks > seen:
                     self.scheduler.withdraw(instance_id, now)
-        if any(self.guard.allowed(i, now) != was for i, was in self._allowed.items()):
+        # ... and its demotes alone, where they cost more than the room they made.
+        for instance_id, demotes in list(self.guard.demotes.items()):
+            seen = self._suspensions.get(instance_id, 0)
+            if demotes.suspensions != seen:
+                self._suspensions[instance_id] = demotes.suspensions
+                if demotes.suspensions > seen:
+                    self.scheduler.withdraw(instance_id, now, kinds=_DEMOTES)
+        if any(self.guard.mode(i, now) != was for i, was in self._allowed.items()):
             self.table.marks[:, _M_AT] = np.nan
             self._allowed.clear()
 
@@ -585,7 +597,7 @@ class Scorer:
         if self.guard is not None:
             for a in out:
                 if a.instance_id not in self._allowed:
-                    self._allowed[a.instance_id] = self.guard.allowed(a.instance_id, now)
+                    self._allowed[a.instance_id] = self.guard.mode(a.instance_id, now)
             out = self.guard.filter(out, now)
         self.scheduler.advise(out, now)
         return len(out)

@@ -378,6 +378,19 @@ class Metrics:
             "Times an instance's advice was turned off for losing to plain LRU.",
             registry=r,
         )
+        self.guard_demote_blocks = Counter(
+            "kvprefetch_lru_guard_demote_blocks_total",
+            "Reused blocks the demotes cost (side=cost: demoted, missed, LRU would have held "
+            "them) and the room they made kept (side=gain: found, LRU would have evicted them, "
+            "no pin or prefetch put them there), on the instances judged.",
+            ["side"],
+            registry=r,
+        )
+        self.guard_demote_suspensions = Counter(
+            "kvprefetch_lru_guard_demote_suspensions_total",
+            "Times an instance's demotes were turned off for costing more than they gained.",
+            registry=r,
+        )
         # app/predict/retrain.py: retraining on a schedule, its candidate judged in shadow.
         self.retrain_runs = Counter(
             "kvprefetch_retrain_runs",
@@ -521,6 +534,8 @@ class Metrics:
             self.guard_instances.labels(state)
         for side in ("served", "lru"):
             self.guard_resident_bytes.labels(side)
+        for side in ("cost", "gain"):
+            self.guard_demote_blocks.labels(side)
         self._resident_bytes = self.reused_bytes.labels("true")
         self._missing_bytes = self.reused_bytes.labels("false")
         for code in REFUSED_CODES:
@@ -727,6 +742,12 @@ class Metrics:
         self._advance("guard_served", self.guard_resident_bytes, guard.served_bytes_total, "served")
         self._advance("guard_lru", self.guard_resident_bytes, guard.lru_bytes_total, "lru")
         self._advance("guard_fallbacks", self.guard_fallbacks, guard.fallbacks_total)
+        demote_blocks = self.guard_demote_blocks
+        self._advance("demote_cost", demote_blocks, guard.demote_cost_blocks_total, "cost")
+        self._advance("demote_gain", demote_blocks, guard.demote_gain_blocks_total, "gain")
+        self._advance(
+            "demote_suspensions", self.guard_demote_suspensions, guard.demote_suspensions_total
+        )
 
     def _advance(self, key: object, counter: Counter, current: int, *labels: str) -> None:
         # Each series labelled once (at the first sync, so it shows from the start), then kept:

@@ -69,6 +69,8 @@ class RequestOutcome:
     missing_bytes: int
     stall_seconds: float
     stall_avoided_seconds: float
+    # Which reused blocks were not resident (the LRU guard prices demotes by them).
+    missing_blocks: frozenset[BlockHash] = frozenset()
 
 
 def judge(
@@ -146,6 +148,7 @@ def judge(
         block_tokens = e.block_tokens or config.block_tokens
         block_bytes = block_tokens * config.bytes_per_token
         missing, stall = 0, 0.0
+        gone: set[BlockHash] = set()
         if resident < len(reused):
             gone = set(reused).difference(here)
             missing = len(gone)
@@ -176,6 +179,7 @@ def judge(
                 stall_avoided_seconds=min(
                     resident * block_bytes / pool_bps, resident * block_tokens / prefill
                 ),
+                missing_blocks=frozenset(gone),
             )
         )
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from app.decide.advisor import SessionAdvice
 from app.decide.guard import GuardConfig, LruGuard, _Shadow
 from app.observe.outcomes import RequestOutcome
 from kvprefetch_client.events import Event, event_adapter
+from kvprefetch_client.orders import Order
 
 BLOCK = 100
 
@@ -151,3 +153,110 @@ def test_the_shadow_moves_blocks_as_an_lru_moving_one_at_a_time(seed: int) -> No
         while len(reference) > shadow.capacity_blocks:
             reference.popitem(last=False)
         assert list(shadow.blocks) == list(reference)
+
+
+# -- demotes priced on their own -----------------------------------------------------------------
+
+
+def order(kind: str, blocks: list[int], instance_id: str = "gpu-0") -> Order:
+    return Order(
+        order_id=f"{kind}-{blocks[0]}",
+        kind=kind,  # type: ignore[arg-type]
+        instance_id=instance_id,
+        source_tier="pool" if kind == "prefetch" else None,
+        block_hashes=blocks,
+        size_bytes=len(blocks) * BLOCK,
+        created_ts=0.0,
+        start_by_ts=0.0,
+        needed_by_ts=0.0,
+        ttl_seconds=60.0 if kind == "pin" else None,
+    )
+
+
+def arrive(g: LruGuard, n: int, blocks: list[int], missing: set[int]) -> None:
+    """Request n reuses `blocks`; the real HBM missed `missing` of them."""
+    g.observe([routed(n, blocks)])
+    reused, resident = len(blocks), len(blocks) - len(missing)
+    g.record(
+        [replace(outcome(n, reused, resident), missing_blocks=frozenset(missing))], now=float(n)
+    )
+
+
+def demoted_and_missed(g: LruGuard, n: int) -> None:
+    """A context LRU holds (just used), demoted, and missed when its session came back: two
+    blocks the demote cost."""
+    blocks = [10 * n + 1, 10 * n + 2]
+    g.observe([routed(n, blocks)])
+    g.record([], now=float(n))
+    g.planned([order("demote", blocks)])
+    arrive(g, 1000 + n, blocks, missing=set(blocks))
+
+
+def kept_by_the_room(g: LruGuard, n: int) -> None:
+    """A context LRU would have evicted (never seen by the shadow), found: two blocks kept."""
+    arrive(g, 5000 + n, [10 * n + 5, 10 * n + 6], missing=set())
+
+
+def priced(**kw: Any) -> LruGuard:
+    # The advice as a whole never loses here (tolerance 1): only the demotes are judged.
+    g = guard(min_arrivals=10, tolerance=1.0, retry_seconds=100.0, **kw)
+    g.observe([status("gpu-0", 1000), status("gpu-1", 1000)])
+    return g
+
+
+def test_demotes_that_cost_more_than_their_room_kept_are_turned_off_then_tried_again() -> None:
+    g = priced()
+    for n in range(9):
+        demoted_and_missed(g, n)
+    assert g.demotes["gpu-0"].state == "advice"  # too few arrivals for a verdict
+    demoted_and_missed(g, 9)
+    v = g.demotes["gpu-0"]
+    assert (v.state, v.suspensions, v.retry_seconds) == ("lru", 1, 100.0)
+    assert g.demote_suspensions_total == 1 and g.demote_cost_blocks_total == 20
+    assert g.verdicts["gpu-0"].state == "advice"  # the rest of the advice still acts
+    now = v.since_ts + 50.0
+    assert g.allowed("gpu-0", now) and not g.demotes_allowed("gpu-0", now)
+    drop = replace(advice("d", "gpu-0"), retention="demote", keep_seconds=0.0)
+    keep, there, elsewhere = g.filter(
+        [advice("k", "gpu-0"), drop, replace(drop, instance_id="gpu-1")], now
+    )
+    assert keep == advice("k", "gpu-0")  # a pin still pins
+    assert (there.retention, there.prefetch) == ("lru", True)  # no demote; its prefetch stands
+    assert elsewhere.retention == "demote"  # another instance's demotes are its own
+    assert g.mode("gpu-0", now) == (True, False)
+    assert g.demotes_allowed("gpu-0", v.since_ts + 100.0) and v.state == "trial"
+
+
+def test_demotes_whose_room_kept_more_than_they_cost_stay_on() -> None:
+    g = priced()
+    for n in range(30):
+        if n % 3 == 0:
+            demoted_and_missed(g, n)
+        else:
+            kept_by_the_room(g, n)
+    assert g.demotes["gpu-0"].state == "advice"
+    assert (g.demote_cost_blocks_total, g.demote_gain_blocks_total) == (20, 40)
+
+
+def test_what_a_pin_or_prefetch_put_there_is_not_room_a_demote_made() -> None:
+    g = priced()
+    for n in range(30):
+        if n % 3 == 0:
+            demoted_and_missed(g, n)
+        else:
+            kind = "pin" if n % 2 else "prefetch"
+            g.planned([order(kind, [10 * n + 5, 10 * n + 6])])
+            kept_by_the_room(g, n)
+    assert g.demote_gain_blocks_total == 0
+    assert g.demotes["gpu-0"].state == "lru"
+
+
+def test_an_instance_with_no_demote_is_not_priced_and_pricing_can_be_off() -> None:
+    g = priced()
+    for n in range(20):
+        kept_by_the_room(g, n)
+    assert g.demotes == {} and g.demote_gain_blocks_total == 0
+    off = priced(demote_pricing=False)
+    for n in range(20):
+        demoted_and_missed(off, n)
+    assert off.demotes == {} and off.demotes_allowed("gpu-0", 100.0)

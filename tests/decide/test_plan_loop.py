@@ -40,6 +40,21 @@ def test_orders_go_to_the_sink() -> None:
     assert len(sched.open_orders()) == 1
 
 
+def test_each_plans_orders_are_told_as_decided_whether_or_not_a_sink_took_them() -> None:
+    told: list[list[str]] = []
+    sched = scheduler_with_a_candidate()
+    dispatcher = Dispatcher(
+        sched,
+        DownSink(),
+        ManualClock(0.0),
+        planned=lambda orders: told.append([o.order_id for o in orders]),
+    )
+    plan = asyncio.run(dispatcher.tick())
+    assert plan.orders and told == [[o.order_id for o in plan.orders]]
+    asyncio.run(dispatcher.tick())  # nothing new decided: nothing told
+    assert len(told) == 1
+
+
 def test_orders_a_sink_did_not_take_are_planned_again_after_a_backoff() -> None:
     sched = scheduler_with_a_candidate()
     clock = ManualClock(0.0)

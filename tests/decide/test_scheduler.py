@@ -570,6 +570,28 @@ def test_a_spread_router_s_candidate_is_judged_on_its_chance_of_coming_back_at_a
     assert again.cancels == [] and sched.inflight_bytes("gpu-0") == 2 * BLOCK_BYTES
 
 
+def test_withdrawing_an_instances_demotes_alone_leaves_its_pins_and_pin_advice() -> None:
+    """The guard turned gpu-0's demotes off (they cost more than their room kept): its demote is
+    cancelled and its demote advice not yet acted on dropped; its pin, and pin advice not yet
+    acted on, stand."""
+    store = store_with(free_bytes={"gpu-0": 0}, hbm={"gpu-0": [1, 2, 3, 5, 6]})
+    sched = Scheduler(store, config())
+    keep = advice("k", [1, 2], p_soon=0.1, p_keep=0.6, retention="keep")
+    drop = advice("d", [3], p_soon=0.0, p_keep=0.01, retention="demote")
+    first = tick(sched, [keep, drop], 0.0)
+    ids = {o.kind: o.order_id for o in first.orders}
+    for order_id in ids.values():
+        sched.on_progress(order_id, "completed")
+    later_keep = advice("k2", [5], p_soon=0.1, p_keep=0.6, retention="keep")
+    later_drop = advice("d2", [6], p_soon=0.0, p_keep=0.01, retention="demote")
+    sched.advise([later_keep, later_drop], 5.0)  # advised, not acted on yet
+    withdrawn = sched.withdraw("gpu-0", 10.0, kinds=("demote",))
+    plan = sched.plan(10.0)
+    assert [c.order_id for c in plan.cancels] == [ids["demote"]] and withdrawn == plan.cancels
+    assert [(o.kind, o.session_ids) for o in plan.orders] == [("pin", ["k2"])]
+    assert sched.book.pins_held == 1
+
+
 def test_withdrawing_an_instance_cancels_its_pins_and_demotes_once_and_forgets_them() -> None:
     """The LRU guard turned gpu-0's advice off: its pin (confirmed) and demote (not yet) are
     cancelled with the next plan; gpu-1's pin, and what gpu-0 advice had not been acted on, are

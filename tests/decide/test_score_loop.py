@@ -267,3 +267,42 @@ def test_a_guard_fallback_withdraws_the_instances_pins_once(
     clock.set(1003.0)
     scorer.tick()
     assert scheduler.plan(1003.0).cancels == []  # once per fallback
+
+
+def test_a_demote_suspension_withdraws_the_instances_demotes_once_until_they_are_tried_again(
+    tmp_path: Path,
+) -> None:
+    from app.decide.guard import DemoteVerdict, GuardConfig, LruGuard
+    from app.decide.scheduler import Scheduler, SchedulerConfig
+
+    store = MemoryStore(bytes_per_token=1, block_tokens=512)
+    store.apply(turn("a", 900.0, 910.0))
+    store.apply(
+        [ev("kv_blocks_stored", 911.0, tier="hbm", instance_id="gpu-0", block_hashes=[1, 2])]
+    )
+    ledger = AdviceLedger()
+    models = ModelRegistry(tmp_path / "no-model", ledger=ledger)
+    models.serving = Serving(Fixed(0.0), "fixed", None)  # type: ignore[arg-type]
+    scheduler = Scheduler(store, SchedulerConfig(bytes_per_block=512))
+    guard = LruGuard(GuardConfig(bytes_per_block=512))
+    clock = ManualClock(1000.0)
+    scorer = Scorer(store, models, ledger, clock, scheduler=scheduler, guard=guard)
+    scorer.tick()
+    [demote] = scheduler.plan(1000.0).orders
+    assert demote.kind == "demote"
+    scheduler.on_progress(demote.order_id, "completed")
+    # The demotes cost more than their room kept there: the next tick withdraws them, once.
+    guard.demotes["gpu-0"] = DemoteVerdict(state="lru", since_ts=1001.0, retry_seconds=600.0)
+    guard.demotes["gpu-0"].suspensions = 1
+    clock.set(1002.0)
+    scorer.tick()
+    plan = scheduler.plan(1002.0)
+    assert [c.order_id for c in plan.cancels] == [demote.order_id] and plan.orders == []
+    clock.set(1003.0)
+    scorer.tick()
+    again = scheduler.plan(1003.0)
+    assert again.cancels == [] and again.orders == []  # once; and no demote meanwhile
+    # Tried again after the wait: demoted once more.
+    clock.set(1002.0 + 600.0)
+    scorer.tick()
+    assert [o.kind for o in scheduler.plan(1602.0).orders] == ["demote"]

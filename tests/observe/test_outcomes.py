@@ -91,6 +91,7 @@ def test_some_in_hbm_and_the_rest_in_the_pool_is_partial(store: MemoryStore) -> 
     assert o is not None
     assert (o.outcome, o.reused_blocks, o.resident_blocks) == ("partial", 5, 2)
     assert (o.resident_bytes, o.missing_bytes) == (2 * BLOCK_BYTES, 3 * BLOCK_BYTES)
+    assert o.missing_blocks == {3, 4, 5}  # which ones (the LRU guard prices demotes by them)
     # Three blocks: 0.3 s over the pool link, 0.03 s to recompute: the engine recomputes.
     assert o.stall_seconds == pytest.approx(0.03)
     assert o.stall_avoided_seconds == pytest.approx(0.02)

@@ -209,3 +209,28 @@ def test_a_replay_engine_takes_the_guard_settings_and_the_policies_obey_its_guar
     assert engine.scorer.guard is engine.guard
     with pytest.raises(ValueError, match="unknown planner option"):
         sim_engine(scen, load_model=False, planner_options={"return_horizon_seconds": 60.0})
+
+
+def test_a_planner_replay_reports_what_its_guard_saw_of_the_demotes() -> None:
+    """On a tight HBM under a spreading router the heuristic demotes, and the guard prices each
+    demote against the room it made (app/decide/guard.py); told not to, it prices none."""
+    requests = trace_prefix(TRACE_FILES[0], 500)
+    scen = load_scenario("tight-hbm")
+    priced = replay(requests, scen, policy="heuristic", router="least-loaded").summary
+    seen = priced["lru_guard"]
+    assert set(seen) == {
+        "fallbacks",
+        "demote_cost_blocks",
+        "demote_gain_blocks",
+        "demote_suspensions",
+    }
+    assert seen["demote_cost_blocks"] + seen["demote_gain_blocks"] > 0
+    unpriced = replay(
+        requests,
+        scen,
+        policy="heuristic",
+        router="least-loaded",
+        planner_options={"lru_guard_demotes": False},
+    ).summary["lru_guard"]
+    assert unpriced["demote_cost_blocks"] == unpriced["demote_gain_blocks"] == 0
+    assert "lru_guard" not in replay(requests, scen, policy="none").summary
