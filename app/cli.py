@@ -672,8 +672,9 @@ def replay(
         typer.Option(
             metavar="NAME=V,...",
             help="Early signals before returning turns, over the scenario's [signals]: coverage, "
-            "lead_median (seconds), lead_sigma, false_alarms (per true signal), seed; e.g. "
-            "coverage=0.5,lead_median=5,false_alarms=1.",
+            "lead_median (seconds), lead_sigma, false_alarms (per true signal), tools (share of "
+            "an agent trace's sessions posting tool_started/tool_finished), seed; e.g. "
+            "coverage=0.5,lead_median=5,false_alarms=1 or tools=0.8.",
         ),
     ] = None,
     lru_guard: Annotated[

@@ -335,7 +335,10 @@ class Cluster:
             self.totals.signals_dropped += 1
             return
         self.totals.signals_emitted += 1
-        self.emit("session_signal", self.now, {"session_id": s.session_id, "kind": s.kind})
+        fields: dict[str, Any] = {"session_id": s.session_id, "kind": s.kind}
+        if s.tool is not None:
+            fields["tool"] = s.tool
+        self.emit("session_signal", self.now, fields)
         self.policy.on_signal(s.session_id, s.kind, self.now)
 
     # -- requests --------------------------------------------------------------------------
