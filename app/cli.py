@@ -622,9 +622,10 @@ def replay(
     policy: Annotated[
         str,
         typer.Option(
-            help="none, lookahead, belady, oracle, heuristic, learned, scheduled, clairvoyant "
-            "or signal; with --via and --speed also service: the service's own orders drive "
-            "the simulated cluster."
+            help="none, lookahead, belady, oracle, heuristic, learned, scheduled, clairvoyant, "
+            "signal, or an agent anchor: ttl (ttl-N: N seconds), continuum, tokencake; with "
+            "--via and --speed also service: the service's own orders drive the simulated "
+            "cluster."
         ),
     ] = "none",
     scenario: Annotated[

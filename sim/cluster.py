@@ -193,6 +193,15 @@ class Cluster:
                     self._next_in_session[before.index] = r
                 last[r.session_id] = r
         self.closed_loop = bool(self._next_in_session)
+        # Each request's session's next one, by index: what an engine knows when a call ends in
+        # a tool call (the call's output names the tool), the agent policies read it.
+        self._following: dict[int, SimRequest] = {}
+        last_of: dict[str, SimRequest] = {}
+        for r in sorted(self.requests, key=lambda q: q.index):
+            before = last_of.get(r.session_id)
+            if before is not None:
+                self._following[before.index] = r
+            last_of[r.session_id] = r
         self._recorded = {r.index: r.arrival for r in self._next_in_session.values()}
         self.router = router
         self.policy = policy
@@ -252,9 +261,9 @@ class Cluster:
             elif kind == LINK:
                 self._link_due(*payload)
             elif kind == DONE:
-                self._finish(payload)
-                if self.closed_loop:
+                if self.closed_loop:  # first: a policy told of the finish sees the next arrival
                     self._next_turn(payload)
+                self._finish(payload)
                 for s in self._held_signals.pop(payload.index, ()):
                     self.schedule(at, SIGNAL, s)
                 remaining -= 1
@@ -301,6 +310,12 @@ class Cluster:
                 assert t.positions is None or t.positions[b] >= t.landed_blocks, (
                     f"{inst.instance_id}: block {b} landed but still landing"
                 )
+
+    def tool_call_after(self, r: SimRequest) -> SimRequest | None:
+        """The session's next request when `r` ended in a tool call (the next one carries the
+        tool's result: its `tool`), else None."""
+        nxt = self._following.get(r.index)
+        return nxt if nxt is not None and nxt.tool is not None else None
 
     def _next_turn(self, finished: SimRequest) -> None:
         """Closed loop: the session's next request arrives `after_seconds` from now; the signals
