@@ -704,6 +704,16 @@ def replay(
             "(default: the scenario's, 256 as LMCache's).",
         ),
     ] = None,
+    compute: Annotated[
+        str | None,
+        typer.Option(
+            metavar="MODEL",
+            help="How an instance's running requests share its GPU: independent (each as if "
+            "alone) or shared (chunked-prefill steps of the scenario's step_tokens, so a long "
+            "prefill or recompute slows the others); default: the scenario's (independent in the "
+            "shipped ones).",
+        ),
+    ] = None,
     open_loop: Annotated[
         bool,
         typer.Option(
@@ -715,7 +725,14 @@ def replay(
     ] = False,
 ) -> None:
     """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
-    from sim.commands import prepare, print_results, run_replays, with_arrivals, with_landing
+    from sim.commands import (
+        prepare,
+        print_results,
+        run_replays,
+        with_arrivals,
+        with_compute,
+        with_landing,
+    )
     from sim.signals import SignalSettings, parse_signal_overrides, with_signals
 
     if speed is not None and via is None:
@@ -738,6 +755,7 @@ def replay(
     try:
         trace_requests, scen = prepare(trace, scenario, block_tokens)
         scen = with_arrivals(with_landing(scen, landing, chunk_tokens), open_loop)
+        scen = with_compute(scen, compute)
         if overrides is not None:
             try:
                 scen = scen.model_copy(update={"signals": with_signals(scen.signals, overrides)})
