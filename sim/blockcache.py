@@ -33,9 +33,15 @@ class Entry:
 
 class BlockCache:
     def __init__(
-        self, capacity_blocks: int, *, evict_key: Callable[[int], float] | None = None
+        self,
+        capacity_blocks: int,
+        *,
+        evict_key: Callable[[int], float] | None = None,
+        hard_keeps: bool = False,
     ) -> None:
         self.capacity = capacity_blocks
+        # A keep holds like a pin until its end (never evicted for room), not only last in line.
+        self.hard_keeps = hard_keeps
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self.evict_key = evict_key
         self._heap: list[tuple[float, int, int, int]] = []
@@ -186,7 +192,7 @@ class BlockCache:
             want -= 1
             if want == 0:
                 return victims
-        if len(kept) < want:
+        if len(kept) < want or self.hard_keeps:
             return None
         victims.extend(kept[:want])
         return victims

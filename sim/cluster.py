@@ -122,7 +122,9 @@ class Instance:
     ) -> None:
         self.idx = idx
         self.instance_id = f"gpu-{idx}"
-        self.hbm = BlockCache(scenario.hbm_blocks, evict_key=evict_key)
+        self.hbm = BlockCache(
+            scenario.hbm_blocks, evict_key=evict_key, hard_keeps=scenario.pins == "hard"
+        )
         self.host = BlockCache(scenario.host_blocks) if scenario.host_blocks else None
         self.pool_link = Link(scenario.pool_link_bytes_per_second)
         self.host_link = Link(scenario.host_link_bytes_per_second)
@@ -215,6 +217,7 @@ class Cluster:
         self.block_bytes = self.spec.bytes_per_block
         self.written: set[int] = set()  # blocks in the pool: every block ever computed
         self.session_instance: dict[str, int] = {}
+        self._program_start: dict[str, float] = {}  # session -> its first arrival
         self.totals = Totals()
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = itertools.count()
@@ -391,7 +394,7 @@ class Cluster:
                 "block_tokens": self.scenario.block_tokens,
             },
         )
-        inst.queue.append(r)
+        self._enqueue(inst, r)
         self._try_start(inst)
         self.policy.on_arrival(r, self.now)
 
@@ -403,11 +406,38 @@ class Cluster:
             n += 1
         return n
 
+    def _enqueue(self, inst: Instance, r: SimRequest) -> None:
+        """Join the queue: at its end, or under program-level first-come-first-served (the
+        scenario's `admission = "program"`, Continuum's) ahead of every request of a program that
+        started later (a session's first arrival is its program's start)."""
+        start = self._program_start.setdefault(r.session_id, r.arrival)
+        if self.scenario.admission != "program":
+            inst.queue.append(r)
+            return
+        at = len(inst.queue)
+        while at > 0 and self._program_start[inst.queue[at - 1].session_id] > start:
+            at -= 1
+        inst.queue.insert(at, r)
+
     def _try_start(self, inst: Instance) -> None:
-        while inst.queue and inst.running < self.scenario.max_running_requests:
-            if not self._admit(inst, inst.queue[0]):
+        queue = inst.queue
+        while queue and inst.running < self.scenario.max_running_requests:
+            if self._admit(inst, queue[0]):
+                queue.popleft()
+                continue
+            # Head-of-line blocked for room. Under hard pins a call whose whole context is held
+            # in HBM needs none: admitted ahead, so a pin never waits behind the head it blocks.
+            if not inst.hbm.hard_keeps:
                 return
-            inst.queue.popleft()
+            held = next((r for r in queue if self._needs_no_room(inst, r)), None)
+            if held is None or not self._admit(inst, held):
+                return
+            queue.remove(held)
+
+    @staticmethod
+    def _needs_no_room(inst: Instance, r: SimRequest) -> bool:
+        hbm = inst.hbm
+        return all(b in hbm for b in r.hash_ids)
 
     def _admit(self, inst: Instance, r: SimRequest) -> bool:
         blocks = list(dict.fromkeys(r.hash_ids))
@@ -831,9 +861,12 @@ class Cluster:
 
     def keep(self, idx: int, blocks: Sequence[int], until: float) -> None:
         """Advice: evict these blocks only after every unadvised block, until `until`."""
-        hbm = self.instances[idx].hbm
+        inst = self.instances[idx]
+        hbm = inst.hbm
         for b in blocks:
             hbm.keep(b, until)
+        if hbm.hard_keeps:  # its end frees room a queued request may wait for
+            self.call_at(until, lambda: self._try_start(inst))
 
     def clear_advice(self, idx: int) -> None:
         """Advice withdrawn: the instance's keeps and demotions lapse (plain LRU again)."""
@@ -847,9 +880,11 @@ class Cluster:
 
     def unkeep(self, idx: int, blocks: Sequence[int]) -> None:
         """A keep withdrawn: these blocks go in plain LRU order again."""
-        hbm = self.instances[idx].hbm
+        inst = self.instances[idx]
         for b in blocks:
-            hbm.unkeep(b)
+            inst.hbm.unkeep(b)
+        if inst.hbm.hard_keeps:
+            self._try_start(inst)
 
     def undemote(self, idx: int, blocks: Sequence[int]) -> None:
         """A demotion withdrawn: these blocks go back to their places in LRU order."""

@@ -62,6 +62,14 @@ class Scenario(BaseModel):
     # or recompute slows every request beside it.
     compute: Literal["independent", "shared"] = "independent"
     step_tokens: int = Field(DEFAULT_STEP_TOKENS, gt=0, description="token budget of a step")
+    # What a keep (a pin with a TTL) means to the cluster's HBM: "soft", evicted only after every
+    # unadvised block (Mooncake's soft pin); "hard", never evicted for room until its end (a
+    # request that finds no room waits, as in vLLM), and a queued call whose context is all
+    # held is admitted ahead of a head that needs room, so pins never deadlock admission.
+    pins: Literal["soft", "hard"] = "soft"
+    # How a queue admits: "fcfs" by arrival; "program", by its program's (session's) start,
+    # Continuum's program-level first-come-first-served.
+    admission: Literal["fcfs", "program"] = "fcfs"
     # Early signals before returning turns, an assumed model (sim/signals.py); off by default.
     signals: SignalSettings = Field(default_factory=SignalSettings)
 

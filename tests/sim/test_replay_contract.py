@@ -128,7 +128,7 @@ def flat(text: str) -> str:
         ),
         (["--compare", "none,nope"], "unknown policy 'nope'"),
         (["--router", "nope"], "unknown router 'nope'; choose from sticky, least-loaded, kv-aware"),
-        (["--scenario", "nope"], "no scenario 'nope' (shipped: busy, default"),
+        (["--scenario", "nope"], "no scenario 'nope' (shipped: agents, busy, default"),
     ],
 )
 def test_unknown_names_fail_clearly(small_trace: Path, args: list[str], message: str) -> None:
