@@ -702,9 +702,18 @@ def replay(
             "(default: the scenario's, 256 as LMCache's).",
         ),
     ] = None,
+    open_loop: Annotated[
+        bool,
+        typer.Option(
+            "--open-loop",
+            help="Every request at its recorded timestamp, even one that carries after_seconds "
+            "(an agent trace's call, by default closed-loop: that long after its session's "
+            "previous request finished in the replay).",
+        ),
+    ] = False,
 ) -> None:
     """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
-    from sim.commands import prepare, print_results, run_replays, with_landing
+    from sim.commands import prepare, print_results, run_replays, with_arrivals, with_landing
     from sim.signals import SignalSettings, parse_signal_overrides, with_signals
 
     if speed is not None and via is None:
@@ -726,7 +735,7 @@ def replay(
         raise typer.BadParameter(f"{landing!r}: chunked or whole", param_hint="'--landing'")
     try:
         trace_requests, scen = prepare(trace, scenario, block_tokens)
-        scen = with_landing(scen, landing, chunk_tokens)
+        scen = with_arrivals(with_landing(scen, landing, chunk_tokens), open_loop)
         if overrides is not None:
             try:
                 scen = scen.model_copy(update={"signals": with_signals(scen.signals, overrides)})

@@ -42,7 +42,7 @@ import heapq
 import itertools
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from app.core.cluster import SourceTier
@@ -70,6 +70,8 @@ class SimRequest:
     instance: int = -1
     admitted_at: float | None = None
     ready_at: float | None = None
+    # When its first output token is out: its prefill of the new tokens done.
+    first_token_at: float | None = None
     finished_at: float | None = None
     reused_blocks: int = 0  # distinct blocks in the reused prefix
     hit_blocks: int = 0  # distinct blocks in the hit prefix (HBM, usable)
@@ -79,6 +81,11 @@ class SimRequest:
     loaded_bytes: int = 0
     recompute_tokens: int = 0
     compute_seconds: float = 0.0
+    # Closed loop (an agent trace): it arrives this long after its session's previous request
+    # finished here (a tool's run, a human's think time); None: at its recorded `arrival`.
+    after_seconds: float | None = None
+    # The tool whose result it carries (None: a human turn, or not said).
+    tool: str | None = None
     # Transfers waited for: id -> how many of its blocks (a prefix, as they land) must be in.
     waiting_on: dict[int, int] = field(default_factory=dict)
     # From an agent trace (sim/traces.py): seconds after the session's previous request finished
@@ -102,6 +109,14 @@ class SimRequest:
         if self.admitted_at is None or self.ready_at is None:
             return 0.0
         return self.ready_at - self.admitted_at
+
+    @property
+    def ttft_seconds(self) -> float | None:
+        """Time to first token: arrival to its first output token (queueing, waiting for room,
+        loading or recomputing its reused blocks, prefill of the rest)."""
+        if self.first_token_at is None:
+            return None
+        return self.first_token_at - self.arrival
 
 
 class Instance:
@@ -162,13 +177,27 @@ class Cluster:
         signals: Sequence[SimSignal] = (),
     ) -> None:
         """`signals`: session_signal events to emit at their times (sim/signals.py), each held
-        until the request it follows has finished."""
+        until the request it follows has finished. A request with `after_seconds` arrives that
+        long after its session's previous request finished here (closed loop), unless the
+        scenario's `arrivals` is "open": then at its recorded arrival, as every request of a
+        trace without them."""
         self.scenario = scenario
         self.signals = signals
         # Signals waiting for the request they follow to finish, by its index.
         self._held_signals: dict[int, list[SimSignal]] = {}
         self._by_index = {r.index: r for r in requests} if signals else {}
         self.requests = list(requests)
+        # Closed loop: each such request waits for its session's previous one, by index.
+        self._next_in_session: dict[int, SimRequest] = {}
+        if scenario.arrivals == "closed":
+            last: dict[str, SimRequest] = {}
+            for r in sorted(self.requests, key=lambda q: q.index):
+                before = last.get(r.session_id)
+                if before is not None and r.after_seconds is not None:
+                    self._next_in_session[before.index] = r
+                last[r.session_id] = r
+        self.closed_loop = bool(self._next_in_session)
+        self._recorded = {r.index: r.arrival for r in self._next_in_session.values()}
         self.router = router
         self.policy = policy
         self.emit = emit or (lambda kind, ts, fields: None)
@@ -205,10 +234,17 @@ class Cluster:
         self.schedule(max(at, self.now), CALL, fn)
 
     def run(self, progress: Callable[[int], None] | None = None) -> None:
+        waiting = {r.index for r in self._next_in_session.values()}
+        # Signals for a request that comes in closed loop are timed when its predecessor ends.
+        self._signals_after: dict[int, list[SimSignal]] = {}
         for r in self.requests:
-            self.schedule(r.arrival, ARRIVAL, r)
+            if r.index not in waiting:
+                self.schedule(r.arrival, ARRIVAL, r)
         for s in self.signals:
-            self.schedule(s.ts, SIGNAL, s)
+            if self.closed_loop:
+                self._signals_after.setdefault(s.after, []).append(s)
+            else:
+                self.schedule(s.ts, SIGNAL, s)
         if self.policy.tick_seconds:
             self.schedule(0.0, TICK, None)
         remaining = len(self.requests)
@@ -221,6 +257,8 @@ class Cluster:
                 self._link_due(*payload)
             elif kind == DONE:
                 self._finish(payload)
+                if self.closed_loop:
+                    self._next_turn(payload)
                 for s in self._held_signals.pop(payload.index, ()):
                     self.schedule(at, SIGNAL, s)
                 remaining -= 1
@@ -267,6 +305,26 @@ class Cluster:
                 assert t.positions is None or t.positions[b] >= t.landed_blocks, (
                     f"{inst.instance_id}: block {b} landed but still landing"
                 )
+
+    def _next_turn(self, finished: SimRequest) -> None:
+        """Closed loop: the session's next request arrives `after_seconds` from now; the signals
+        that follow the finished request are timed from the arrivals as they happen here (a true
+        signal its drawn lead before its request, a false alarm as far into the spell as drawn)."""
+        now = self.now
+        nxt = self._next_in_session.get(finished.index)
+        if nxt is not None:
+            nxt.arrival = now + (nxt.after_seconds or 0.0)
+            self.schedule(nxt.arrival, ARRIVAL, nxt)
+        shift = finished.arrival - self._recorded_arrival(finished)
+        for s in self._signals_after.pop(finished.index, ()):
+            if s.true and nxt is not None:
+                ts, latest = max(nxt.arrival - s.lead_seconds, now), nxt.arrival
+            else:
+                ts, latest = s.ts + shift, s.latest + shift
+            self.schedule(max(ts, now), SIGNAL, replace(s, ts=ts, latest=latest))
+
+    def _recorded_arrival(self, r: SimRequest) -> float:
+        return self._recorded.get(r.index, r.arrival)
 
     # -- signals ---------------------------------------------------------------------------
 
@@ -462,9 +520,10 @@ class Cluster:
     def _ready(self, r: SimRequest) -> None:
         r.ready_at = self.now
         new_tokens = max(r.input_tokens - r.reused_blocks * self.scenario.block_tokens, 0)
+        prefill_seconds = self.spec.recompute_seconds(new_tokens)
+        r.first_token_at = self.now + prefill_seconds
         r.compute_seconds += (
-            self.spec.recompute_seconds(new_tokens)
-            + r.output_tokens * self.scenario.decode_seconds_per_token
+            prefill_seconds + r.output_tokens * self.scenario.decode_seconds_per_token
         )
         self.schedule(self.now + r.compute_seconds, DONE, r)
 

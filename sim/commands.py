@@ -28,6 +28,8 @@ COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
     ("stall_seconds_total", "stall s", lambda v: f"{v:,.1f}"),
     ("stall_seconds_p50", "stall p50 s", lambda v: f"{v:.3f}"),
     ("stall_seconds_p99", "stall p99 s", lambda v: f"{v:.3f}"),
+    ("ttft_seconds_p99", "TTFT p99 s", lambda v: f"{v:.3f}"),
+    ("task_seconds_mean", "task mean s", lambda v: f"{v:,.1f}"),
     ("bytes_loaded_on_demand", "on-demand GB", lambda v: f"{v / 1e9:,.0f}"),
     ("bytes_prefetched", "prefetched GB", lambda v: f"{v / 1e9:,.0f}"),
     ("bytes_prefetched_unused", "unused GB", lambda v: f"{v / 1e9:,.0f}"),
@@ -76,6 +78,11 @@ def with_landing(scenario: Scenario, landing: str | None, chunk_tokens: int | No
     if not update:
         return scenario
     return Scenario.model_validate({**scenario.model_dump(), **update})
+
+
+def with_arrivals(scenario: Scenario, open_loop: bool) -> Scenario:
+    """The scenario with `kvprefetch replay --open-loop`: every request at its recorded time."""
+    return scenario.model_copy(update={"arrivals": "open"}) if open_loop else scenario
 
 
 def run_replays(

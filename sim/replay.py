@@ -32,7 +32,7 @@ from app.state import MemoryStore
 from app.state.base import SessionView
 from kvprefetch_client.events import Event, event_adapter
 from sim.cluster import Cluster, SimRequest
-from sim.metrics import byte_hit_rate_unshared, shared_blocks
+from sim.metrics import byte_hit_rate_unshared, latency_summary, percentile, shared_blocks
 from sim.planned import ClusterSink
 from sim.policies import PLANNER_POLICIES, SCHEDULED_ALIAS
 from sim.policy_registry import make_policy
@@ -268,17 +268,12 @@ def replay(
             # How a prefetch lands (sim/cluster.py): an assumption of the replay's, so said.
             "landing": scenario.landing,
             "chunk_tokens": scenario.chunk_tokens,
+            # Closed: an agent trace's calls came when their predecessors finished here.
+            "arrivals": "closed" if cluster.closed_loop else "open",
             "wall_seconds": round(time.perf_counter() - started, 3),
         }
     )
     return ReplayResult(summary=summary, requests=requests, events=engine.events)
-
-
-def _percentile(sorted_values: list[float], q: float) -> float:
-    if not sorted_values:
-        return 0.0
-    k = min(round(q * (len(sorted_values) - 1)), len(sorted_values) - 1)
-    return sorted_values[k]
 
 
 def summarize(
@@ -308,7 +303,7 @@ def summarize(
         "reused_bytes": reused_blocks * block_bytes,
         "stall_seconds_total": round(stall_total, 3),
         "stall_seconds_p50": round(statistics.median(stalls), 4) if stalls else 0.0,
-        "stall_seconds_p99": round(_percentile(stalls, 0.99), 4),
+        "stall_seconds_p99": round(percentile(stalls, 0.99), 4),
         # Arrival to admission: waiting for a slot or for room in HBM.
         "queue_seconds_p50": round(statistics.median(queued), 4) if queued else 0.0,
         "bytes_loaded_on_demand": sum(r.loaded_bytes for r in measured),
@@ -319,6 +314,7 @@ def summarize(
         "simulated_seconds": round(max((r.finished_at or 0.0) for r in requests), 3)
         if requests
         else 0.0,
+        **latency_summary(requests, measure_from_seconds),
     }
 
 

@@ -196,6 +196,7 @@ def write_report(
         f"- requests: {first['requests']:,} ({first['sessions']:,} sessions, "
         f"{first['reuse_requests']:,} reuse requests){measured}",
         f"- simulated seconds: {first['simulated_seconds']:,.0f}",
+        f"- arrivals: {first.get('arrivals', 'open')} loop",
         f"- command: `{command}` (run in `{Path.cwd()}`)",
         f"- written: {datetime.now(UTC).strftime('%Y-%m-%d %H:%M:%S')} UTC",
         "",
@@ -206,6 +207,22 @@ def write_report(
         "finds it) over all reused blocks; byte hit rate unshared: the same without the blocks "
         f"carried by more than {SHARED_BLOCK_SHARE:.0%} of the trace's requests "
         f"({first['shared_blocks']:,} here).",
+        "",
+        "## Latency",
+        "",
+        "| policy | TTFT p50 s | TTFT p90 s | TTFT p99 s | tasks | task mean s | task p90 s |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {s['policy']} | {s['ttft_seconds_p50']:.3f} | {s['ttft_seconds_p90']:.3f} | "
+            f"{s['ttft_seconds_p99']:.3f} | {s['tasks']:,} | {s['task_seconds_mean']:,.1f} | "
+            f"{s['task_seconds_p90']:,.1f} |"
+            for s in (r.summary for r in results)
+        ),
+        "",
+        "Time to first token (TTFT): a request's arrival to its first output token (queueing, "
+        "waiting for room, loading or recomputing its reused blocks, prefill of the rest), over "
+        "the requests counted. Task: a session's first arrival to its last finish (an agent's "
+        "task, a chat's conversation), over the sessions that start in the counted window.",
         "",
         f"## Byte hit rate per {window_seconds:g} s of arrivals",
         "",

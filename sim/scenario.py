@@ -50,6 +50,11 @@ class Scenario(BaseModel):
     chunk_tokens: int = Field(
         256, gt=0, description="tokens per landing chunk (LMCache's default chunk size)"
     )
+    # Arrivals of requests that carry `after_seconds` (an agent trace): "closed", each that long
+    # after its session's previous request finished in the simulation, so serving a call faster
+    # brings the next one sooner, as in an agent loop; "open", at its recorded timestamp. A trace
+    # without them (the Mooncake chat traces) is open-loop either way.
+    arrivals: Literal["closed", "open"] = "closed"
     # Early signals before returning turns, an assumed model (sim/signals.py); off by default.
     signals: SignalSettings = Field(default_factory=SignalSettings)
 

@@ -47,7 +47,15 @@ SEEDS = 4
 # signals): the same under every signal seed, so each is replayed once per case.
 SEED_FREE = frozenset({"none", "oracle", "belady", "lookahead"})
 # What a signal case reports as mean and standard deviation over the seeds.
-SPREAD = ("byte_hit_rate", "gap_closed", "stall_seconds_total", "bytes_prefetched", "unused_share")
+SPREAD = (
+    "byte_hit_rate",
+    "gap_closed",
+    "stall_seconds_total",
+    "ttft_seconds_p99",
+    "task_seconds_mean",
+    "bytes_prefetched",
+    "unused_share",
+)
 # A replay that draws on the signal seed: the planner's policies take longer (the model), so
 # they are started first and the pool's last minutes are not one long replay.
 SLOW = frozenset({"learned", "heuristic", "clairvoyant", "scheduled"})
@@ -357,8 +365,9 @@ def markdown(results: Iterable[tuple[Case, Results]], verdicts: Sequence[Verdict
             "",
         ]
     lines += [
-        "| case | policy | byte hit rate | gap closed | stall s | prefetched GB | unused |",
-        "|---|---|---|---|---|---|---|",
+        "| case | policy | byte hit rate | gap closed | stall s | TTFT p99 s | task mean s "
+        "| prefetched GB | unused |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for case, res in results:
         for policy, s in res.items():
@@ -374,6 +383,8 @@ def markdown(results: Iterable[tuple[Case, Results]], verdicts: Sequence[Verdict
                 f"{_cell(s['byte_hit_rate'], sd['byte_hit_rate'], '.4f', '.4f')} | "
                 f"{_cell(gap, gap_sd, '.0%', '.0f')} | "
                 f"{_cell(s['stall_seconds_total'], sd['stall_seconds_total'], ',.1f', ',.1f')} | "
+                f"{_cell(s['ttft_seconds_p99'], sd['ttft_seconds_p99'], '.3f', '.3f')} | "
+                f"{_cell(s['task_seconds_mean'], sd['task_seconds_mean'], ',.1f', ',.1f')} | "
                 f"{_cell(s['bytes_prefetched'] / 1e9, gb_sd, ',.0f', ',.0f')} | "
                 f"{_cell(share, share_sd, '.0%', '.0f')} |"
             )

@@ -14,18 +14,15 @@ import re
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
 from itertools import pairwise
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from app.api.main import create_app
-from app.core.config import Settings
 from kvprefetch_client.client import Answer, AsyncKvpClient, ClientStats, KvpClient
 from kvprefetch_client.client._pipeline import (
     _backoff_seconds,
@@ -38,9 +35,8 @@ from kvprefetch_client.client._pipeline import (
     _retry_after_seconds,
 )
 from kvprefetch_client.events import RequestRouted
-from tests.conftest import live_server
+from tests.client.conftest import HANG_GUARD
 
-HANG_GUARD = 30.0  # seconds; only reached when something hangs
 FLAVOURS = ["sync", "async"]
 
 
@@ -144,12 +140,7 @@ def deliver(
 # --- against the real service ---------------------------------------------------------------
 
 
-@pytest.fixture
-def service_url(tmp_path: Path) -> Iterator[str]:
-    """The real app under uvicorn, in a thread, on a port bound before it starts (no race)."""
-    app = create_app(Settings(data_dir=tmp_path, store="memory"))
-    with live_server(app, HANG_GUARD) as url:
-        yield url
+# service_url: the real app under uvicorn (tests/client/conftest.py).
 
 
 def test_rejections_the_service_left_out_are_counted_rejected_not_sent(service_url: str) -> None:

@@ -39,6 +39,8 @@ def summary(byte_hit_rate: float, stall: float = 10.0, moved: float = 0, unused:
     return {
         "byte_hit_rate": byte_hit_rate,
         "stall_seconds_total": stall,
+        "ttft_seconds_p99": stall / 10,
+        "task_seconds_mean": 100.0 + stall,
         "bytes_prefetched": moved,
         "bytes_prefetched_unused": unused,
     }

@@ -23,6 +23,10 @@ Usage::
         await kvp.flush()
         print(kvp.stats)
 
+An agent loop wraps each tool run in `with kvp.tool_call(run_id, tool="bash"):` (or `async
+with`): `tool_started` and `tool_finished` are queued around it, and nothing kvprefetch does
+ever raises into the loop (`ToolCall`).
+
 `on_answer=callback` tells the caller which events the service acknowledged: it is called with
 an `Answer` (the event ids accepted, duplicates and rejected) once per batch the service answered
 for, in order, whatever the retries; once flush() returns True it has been called for every event
@@ -36,5 +40,6 @@ means) and `_judge_response`; they differ only in how they wait and how they pos
 from kvprefetch_client.client._async import AsyncKvpClient
 from kvprefetch_client.client._pipeline import Answer, AnswerCallback, ClientStats
 from kvprefetch_client.client._sync import KvpClient
+from kvprefetch_client.client._tool_call import ToolCall
 
-__all__ = ["Answer", "AnswerCallback", "AsyncKvpClient", "ClientStats", "KvpClient"]
+__all__ = ["Answer", "AnswerCallback", "AsyncKvpClient", "ClientStats", "KvpClient", "ToolCall"]

@@ -23,6 +23,7 @@ from kvprefetch_client.client._pipeline import (
     _http_options,
     _judge_exception,
     _judge_response,
+    _log_signal_error,
     _log_unsent,
     _Outcome,
     _Pipeline,
@@ -90,6 +91,11 @@ class AsyncKvpClient(_EventHelpers):
             self._notify_progress()
         if pushed.note:
             log.warning(pushed.note)
+
+    def _signal_failed(self, kind: str, session_id: str, exc: Exception) -> None:
+        errors = self._pipeline.signal_failed(time.monotonic())
+        if errors is not None:
+            _log_signal_error(kind, session_id, exc, errors)
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until every event queued before the call is answered for or dropped."""

@@ -14,9 +14,10 @@ from datetime import UTC, datetime
 from typing import Any, Literal, NamedTuple, TypeVar
 
 import orjson
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from kvprefetch_client._version import __version__
+from kvprefetch_client.client._tool_call import ToolCall
 from kvprefetch_client.events import (
     BlockHash,
     RequestFinished,
@@ -35,6 +36,9 @@ _RETRY_STATUSES = frozenset({408, 429})
 # How many rejected events one log line names; the rest are only counted.
 _LOGGED_REJECTIONS = 5
 _DEFAULT_CLOSE_TIMEOUT = 10.0
+# A tool_call() signal that cannot be queued is logged at most this often: an agent loop with a
+# bad tool name would otherwise log on every call.
+_SIGNAL_ERROR_LOG_INTERVAL_SECONDS = 60.0
 
 _M = TypeVar("_M", bound=BaseModel)
 
@@ -48,6 +52,8 @@ class ClientStats:
     rejected: refused by the service as invalid; sending them again would fail again.
     dropped: given up unsent, the oldest first when the queue was full, or sent after close.
     retries: failed attempts that were retried. last_error: why the latest attempt failed.
+    signal_errors: signals tool_call() could not queue (a bad field, no running loop), so never
+    sent and in none of the five; logged at most once a minute instead of raised.
     """
 
     queued: int
@@ -57,6 +63,7 @@ class ClientStats:
     dropped: int
     retries: int
     last_error: str | None
+    signal_errors: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -357,6 +364,8 @@ class _Pipeline:
         self._dropping = False  # warned about this overflow; again once the queue has drained
         self._sent = self._duplicates = self._rejected = self._dropped = self._retries = 0
         self._last_error: str | None = None
+        self._signal_errors = 0
+        self._signal_log_at = float("-inf")  # the next signal error is logged from then on
         self._keep_answers = keep_answers
         self._answers: list[Answer] = []  # settled, not yet handed to the client's callback
 
@@ -475,6 +484,15 @@ class _Pipeline:
             note = logging.INFO, f"kvprefetch answered again after {failures} failed attempts"
         return note
 
+    def signal_failed(self, now: float) -> int | None:
+        """Count a signal tool_call() could not queue; the count so far when it is time to log
+        again, else None."""
+        self._signal_errors += 1
+        if now < self._signal_log_at:
+            return None
+        self._signal_log_at = now + _SIGNAL_ERROR_LOG_INTERVAL_SECONDS
+        return self._signal_errors
+
     def take_answers(self) -> list[Answer]:
         answers, self._answers = self._answers, []
         return answers
@@ -488,6 +506,7 @@ class _Pipeline:
             dropped=self._dropped,
             retries=self._retries,
             last_error=self._last_error,
+            signal_errors=self._signal_errors,
         )
 
 
@@ -495,6 +514,9 @@ class _EventHelpers:
     """Thin builders for the events a router reports; anything else goes through send()."""
 
     def send(self, event: BaseModel | Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _signal_failed(self, kind: str, session_id: str, exc: Exception) -> None:
         raise NotImplementedError
 
     def _emit(self, model: type[_M], ts: float | None, event_id: str | None, **fields: Any) -> _M:
@@ -604,6 +626,15 @@ class _EventHelpers:
             expected_prompt_tokens=expected_prompt_tokens,
         )
 
+    def tool_call(self, session_id: str, *, tool: str) -> ToolCall:
+        """An agent loop's tool run: `with kvp.tool_call(run_id, tool="bash"): ...` (or
+        `async with`) queues `tool_started` on entry and `tool_finished` on exit, both naming
+        `tool`, the latter also when the body raises (the exception propagates unchanged).
+        Never raises because of kvprefetch: a signal it cannot queue is counted in
+        `stats.signal_errors` and logged at most once a minute; delivery is the sender's, as
+        for every event (retried with the same event ids, never waited on)."""
+        return ToolCall(self, session_id, tool)
+
 
 def _http_options(
     base_url: str,
@@ -628,6 +659,23 @@ def _announce(callback: AnswerCallback, answers: list[Answer]) -> None:
             callback(answer)
         except Exception:
             log.exception("the kvprefetch client's on_answer callback failed")
+
+
+def _log_signal_error(kind: str, session_id: str, exc: Exception, errors: int) -> None:
+    if isinstance(exc, ValidationError):  # name the fields, not pydantic's multi-line text
+        why = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+    else:
+        why = str(exc)
+    log.warning(
+        "kvprefetch tool_call() could not queue %s for session %r (%s: %s); the agent goes on "
+        "(%d such signals so far, stats.signal_errors; logged at most once every %.0f s)",
+        kind,
+        session_id,
+        type(exc).__name__,
+        why,
+        errors,
+        _SIGNAL_ERROR_LOG_INTERVAL_SECONDS,
+    )
 
 
 def _log_unsent(pending: int) -> None:

@@ -23,6 +23,7 @@ from kvprefetch_client.client._pipeline import (
     _http_options,
     _judge_exception,
     _judge_response,
+    _log_signal_error,
     _log_unsent,
     _Outcome,
     _Pipeline,
@@ -102,6 +103,12 @@ class KvpClient(_EventHelpers):
             log.warning("kvprefetch client is closed: events sent now are dropped")
         if pushed is not None and pushed.note:
             log.warning(pushed.note)
+
+    def _signal_failed(self, kind: str, session_id: str, exc: Exception) -> None:
+        with self._lock:
+            errors = self._pipeline.signal_failed(time.monotonic())
+        if errors is not None:
+            _log_signal_error(kind, session_id, exc, errors)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every event queued before the call is answered for or dropped.
