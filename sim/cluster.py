@@ -88,10 +88,6 @@ class SimRequest:
     tool: str | None = None
     # Transfers waited for: id -> how many of its blocks (a prefix, as they land) must be in.
     waiting_on: dict[int, int] = field(default_factory=dict)
-    # From an agent trace (sim/traces.py): seconds after the session's previous request finished
-    # that this one arrives (a tool's run or a human's think time), and the tool it waited on.
-    after_seconds: float | None = None
-    tool: str | None = None
 
     def wait_for(self, t: Transfer, blocks: int | None = None) -> bool:
         """Wait until the first `blocks` of a transfer's blocks have landed (default: all of

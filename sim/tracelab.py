@@ -31,9 +31,10 @@ One request per round (docs/data-science/agent-traces.md says what rests on whic
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -177,7 +178,7 @@ def _round(doc: dict[str, Any], path: Path, line: int) -> _Round | None:
     )
 
 
-def read_rounds(path: Path | str, summary: ImportSummary) -> dict[str, list[_Round]]:
+def _read_rounds(path: Path | str, summary: ImportSummary) -> dict[str, list[_Round]]:
     """Each session's rounds in round order (first seen first); a malformed line is a TraceError
     naming the file, the line and the field."""
     path = Path(path)
@@ -225,8 +226,8 @@ class _Request:
     tool: str | None
 
 
-def _session(rounds: Sequence[_Round], block_tokens: int, ids: list[int]) -> list[_Request]:
-    """One session's requests on its recorded timeline; `ids` holds the next block id."""
+def _session(rounds: Sequence[_Round], block_tokens: int, ids: Iterator[int]) -> list[_Request]:
+    """One session's requests on its recorded timeline; new blocks take their ids from `ids`."""
     out: list[_Request] = []
     tools: dict[str, str] = {}
     prev: _Round | None = None
@@ -236,8 +237,7 @@ def _session(rounds: Sequence[_Round], block_tokens: int, ids: list[int]) -> lis
         tools.update(r.tools)
         shared = min(r.prefix_tokens, prev.input_tokens if prev else 0) // block_tokens
         fresh = math.ceil(r.input_tokens / block_tokens) - shared
-        hash_ids = prev_ids[:shared] + tuple(range(ids[0], ids[0] + fresh))
-        ids[0] += fresh
+        hash_ids = prev_ids[:shared] + tuple(itertools.islice(ids, fresh))
         if prev is None:
             at = r.sent if r.sent is not None else r.first
             after, tool = None, None
@@ -290,10 +290,10 @@ def import_tracelab(
     if options.session_rate is not None and options.session_rate <= 0:
         raise ValueError("session_rate must be > 0")
     summary = ImportSummary()
-    ids = [0]
+    ids = itertools.count()
     built = [
         (_session(rounds, options.block_tokens, ids), rounds[-1].end)
-        for rounds in read_rounds(path, summary).values()
+        for rounds in _read_rounds(path, summary).values()
     ]
     if not built:
         raise TraceError(path, 0, "no rounds to import")
@@ -323,4 +323,4 @@ def import_tracelab(
     return trace, summary
 
 
-__all__ = ["ImportOptions", "ImportSummary", "import_tracelab", "read_rounds"]
+__all__ = ["ImportOptions", "ImportSummary", "import_tracelab"]
