@@ -628,9 +628,10 @@ def replay(
     policy: Annotated[
         str,
         typer.Option(
-            help="none, lookahead, belady, oracle, heuristic, learned, scheduled, clairvoyant "
-            "or signal; with --via and --speed also service: the service's own orders drive "
-            "the simulated cluster."
+            help="none, lookahead, belady, oracle, heuristic, learned, scheduled, clairvoyant, "
+            "signal, or an agent anchor: ttl (ttl-N: N seconds), continuum, tokencake; with "
+            "--via and --speed also service: the service's own orders drive the simulated "
+            "cluster."
         ),
     ] = "none",
     scenario: Annotated[
@@ -678,8 +679,9 @@ def replay(
         typer.Option(
             metavar="NAME=V,...",
             help="Early signals before returning turns, over the scenario's [signals]: coverage, "
-            "lead_median (seconds), lead_sigma, false_alarms (per true signal), seed; e.g. "
-            "coverage=0.5,lead_median=5,false_alarms=1.",
+            "lead_median (seconds), lead_sigma, false_alarms (per true signal), tools (share of "
+            "an agent trace's sessions posting tool_started/tool_finished), seed; e.g. "
+            "coverage=0.5,lead_median=5,false_alarms=1 or tools=0.8.",
         ),
     ] = None,
     lru_guard: Annotated[
@@ -708,6 +710,16 @@ def replay(
             "(default: the scenario's, 256 as LMCache's).",
         ),
     ] = None,
+    compute: Annotated[
+        str | None,
+        typer.Option(
+            metavar="MODEL",
+            help="How an instance's running requests share its GPU: independent (each as if "
+            "alone) or shared (chunked-prefill steps of the scenario's step_tokens, so a long "
+            "prefill or recompute slows the others); default: the scenario's (independent in the "
+            "shipped ones).",
+        ),
+    ] = None,
     open_loop: Annotated[
         bool,
         typer.Option(
@@ -719,7 +731,14 @@ def replay(
     ] = False,
 ) -> None:
     """Replay a trace through the cluster model and the engine; report hit rates and stalls."""
-    from sim.commands import prepare, print_results, run_replays, with_arrivals, with_landing
+    from sim.commands import (
+        prepare,
+        print_results,
+        run_replays,
+        with_arrivals,
+        with_compute,
+        with_landing,
+    )
     from sim.signals import SignalSettings, parse_signal_overrides, with_signals
 
     if speed is not None and via is None:
@@ -742,6 +761,7 @@ def replay(
     try:
         trace_requests, scen = prepare(trace, scenario, block_tokens)
         scen = with_arrivals(with_landing(scen, landing, chunk_tokens), open_loop)
+        scen = with_compute(scen, compute)
         if overrides is not None:
             try:
                 scen = scen.model_copy(update={"signals": with_signals(scen.signals, overrides)})

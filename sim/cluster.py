@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 from app.core.cluster import SourceTier
 from app.decide.room_and_links import load_or_recompute, split_by_source
 from sim.blockcache import BlockCache
+from sim.compute import SharedCompute
 from sim.links import Link, Transfer
 from sim.scenario import Scenario
 
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
     from sim.routers import Router
     from sim.signals import SimSignal
 
-ARRIVAL, LINK, DONE, TICK, CALL, RECOMPUTED, SIGNAL = range(7)
+ARRIVAL, LINK, DONE, TICK, CALL, RECOMPUTED, SIGNAL, COMPUTE = range(8)
 
 
 @dataclass(slots=True, eq=False)
@@ -129,6 +130,9 @@ class Instance:
         self.running = 0
         self.inflight: dict[int, Transfer] = {}  # block -> the transfer bringing it into HBM
         self.busy_seconds = 0.0
+        # The GPU its running requests share in chunked-prefill steps (scenario compute
+        # "shared"); None: each request computes as if alone (sim/compute.py).
+        self.compute: SharedCompute | None = None
 
     @property
     def load(self) -> int:
@@ -193,6 +197,15 @@ class Cluster:
                     self._next_in_session[before.index] = r
                 last[r.session_id] = r
         self.closed_loop = bool(self._next_in_session)
+        # Each request's session's next one, by index: what an engine knows when a call ends in
+        # a tool call (the call's output names the tool), the agent policies read it.
+        self._following: dict[int, SimRequest] = {}
+        last_of: dict[str, SimRequest] = {}
+        for r in sorted(self.requests, key=lambda q: q.index):
+            before = last_of.get(r.session_id)
+            if before is not None:
+                self._following[before.index] = r
+            last_of[r.session_id] = r
         self._recorded = {r.index: r.arrival for r in self._next_in_session.values()}
         self.router = router
         self.policy = policy
@@ -219,6 +232,14 @@ class Cluster:
         self.instances = [
             Instance(i, scenario, policy.evict_key) for i in range(scenario.instances)
         ]
+        if scenario.compute == "shared":
+            for inst in self.instances:
+                inst.compute = SharedCompute(
+                    step_tokens=scenario.step_tokens,
+                    prefill_tokens_per_second=scenario.prefill_tokens_per_second,
+                    decode_seconds_per_token=scenario.decode_seconds_per_token,
+                    schedule=self._compute_due(inst.idx),
+                )
 
     # -- the event loop --------------------------------------------------------------------
 
@@ -252,9 +273,9 @@ class Cluster:
             elif kind == LINK:
                 self._link_due(*payload)
             elif kind == DONE:
-                self._finish(payload)
-                if self.closed_loop:
+                if self.closed_loop:  # first: a policy told of the finish sees the next arrival
                     self._next_turn(payload)
+                self._finish(payload)
                 for s in self._held_signals.pop(payload.index, ()):
                     self.schedule(at, SIGNAL, s)
                 remaining -= 1
@@ -269,6 +290,11 @@ class Cluster:
                 self._try_start(self.instances[idx])
             elif kind == SIGNAL:
                 self._signal(payload)
+            elif kind == COMPUTE:
+                idx, version = payload
+                compute = self.instances[idx].compute
+                assert compute is not None
+                compute.advance(at, version)
             elif kind == TICK:
                 self.policy.on_tick(at)
                 self.schedule(at + self.policy.tick_seconds, TICK, None)  # type: ignore[operator]
@@ -301,6 +327,12 @@ class Cluster:
                 assert t.positions is None or t.positions[b] >= t.landed_blocks, (
                     f"{inst.instance_id}: block {b} landed but still landing"
                 )
+
+    def tool_call_after(self, r: SimRequest) -> SimRequest | None:
+        """The session's next request when `r` ended in a tool call (the next one carries the
+        tool's result: its `tool`), else None."""
+        nxt = self._following.get(r.index)
+        return nxt if nxt is not None and nxt.tool is not None else None
 
     def _next_turn(self, finished: SimRequest) -> None:
         """Closed loop: the session's next request arrives `after_seconds` from now; the signals
@@ -335,7 +367,10 @@ class Cluster:
             self.totals.signals_dropped += 1
             return
         self.totals.signals_emitted += 1
-        self.emit("session_signal", self.now, {"session_id": s.session_id, "kind": s.kind})
+        fields: dict[str, Any] = {"session_id": s.session_id, "kind": s.kind}
+        if s.tool is not None:
+            fields["tool"] = s.tool
+        self.emit("session_signal", self.now, fields)
         self.policy.on_signal(s.session_id, s.kind, self.now)
 
     # -- requests --------------------------------------------------------------------------
@@ -489,7 +524,10 @@ class Cluster:
                 inst.hbm.entries[b].pins += 1
             r.wait_for(t)
             t.waiters.append(r)
-            self.schedule(self.now + recompute_seconds, RECOMPUTED, (inst.idx, t))
+            if inst.compute is None:
+                self.schedule(self.now + recompute_seconds, RECOMPUTED, (inst.idx, t))
+            else:  # its tokens are prefill in the steps it shares with the others
+                inst.compute.add("prefill", recompute_tokens, self._recomputed(inst, t), self.now)
             return
         absent = set(missing)
         for tier, chunk in by_source:
@@ -513,15 +551,44 @@ class Cluster:
         (every block ever computed)."""
         return split_by_source(blocks, held_in(inst.host), held_in(self.written))
 
+    def _compute_due(self, idx: int) -> Callable[[float, int], None]:
+        def due(at: float, version: int) -> None:
+            self.schedule(at, COMPUTE, (idx, version))
+
+        return due
+
+    def _recomputed(self, inst: Instance, t: Transfer) -> Callable[[], None]:
+        def done() -> None:
+            t.done_at = self.now
+            self._landed(inst, t)
+            self._try_start(inst)
+
+        return done
+
     def _ready(self, r: SimRequest) -> None:
         r.ready_at = self.now
         new_tokens = max(r.input_tokens - r.reused_blocks * self.scenario.block_tokens, 0)
+        compute = self.instances[r.instance].compute
+        if compute is not None:
+            compute.add("prefill", new_tokens, self._first_token(r, compute), self.now)
+            return
         prefill_seconds = self.spec.recompute_seconds(new_tokens)
         r.first_token_at = self.now + prefill_seconds
         r.compute_seconds += (
             prefill_seconds + r.output_tokens * self.scenario.decode_seconds_per_token
         )
         self.schedule(self.now + r.compute_seconds, DONE, r)
+
+    def _first_token(self, r: SimRequest, compute: SharedCompute) -> Callable[[], None]:
+        def first() -> None:
+            r.first_token_at = self.now
+            compute.add("decode", r.output_tokens, lambda: self._done_now(r), self.now)
+
+        return first
+
+    def _done_now(self, r: SimRequest) -> None:
+        r.compute_seconds = self.now - (r.ready_at if r.ready_at is not None else self.now)
+        self.schedule(self.now, DONE, r)
 
     def _finish(self, r: SimRequest) -> None:
         inst = self.instances[r.instance]

@@ -80,6 +80,15 @@ def with_landing(scenario: Scenario, landing: str | None, chunk_tokens: int | No
     return Scenario.model_validate({**scenario.model_dump(), **update})
 
 
+def with_compute(scenario: Scenario, compute: str | None) -> Scenario:
+    """The scenario with `kvprefetch replay --compute` over its own (sim/compute.py)."""
+    if compute is None:
+        return scenario
+    if compute not in ("independent", "shared"):
+        raise ValueError(f"{compute!r}: independent or shared")
+    return scenario.model_copy(update={"compute": compute})
+
+
 def with_arrivals(scenario: Scenario, open_loop: bool) -> Scenario:
     """The scenario with `kvprefetch replay --open-loop`: every request at its recorded time."""
     return scenario.model_copy(update={"arrivals": "open"}) if open_loop else scenario

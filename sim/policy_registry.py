@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from app.predict.predictors import HeuristicPredictor
+from sim.agent_policies import AGENT_POLICIES, make_agent_policy
 from sim.clairvoyant import Clairvoyant
 from sim.planned import ClairvoyantPolicy, PlannedPolicy
 from sim.policies import (
@@ -77,7 +78,10 @@ def make_policy(
             return PlannedPolicy(engine, view, name, predictor=HeuristicPredictor())  # type: ignore[arg-type]
         # learned: the model the engine loaded (sim_engine's model_dir, default the bundled one).
         return PlannedPolicy(engine, view, "learned")  # type: ignore[arg-type]
+    agent = make_agent_policy(name)
+    if agent is not None:
+        return agent
     raise ValueError(
-        f"unknown policy {name!r}; choose from {', '.join(POLICIES)} "
-        f"(or {SERVICE_POLICY}, with --via)"
+        f"unknown policy {name!r}; choose from {', '.join((*POLICIES, *AGENT_POLICIES))} "
+        f"(ttl-N for a TTL of N seconds; or {SERVICE_POLICY}, with --via)"
     )

@@ -268,6 +268,8 @@ def replay(
             # How a prefetch lands (sim/cluster.py): an assumption of the replay's, so said.
             "landing": scenario.landing,
             "chunk_tokens": scenario.chunk_tokens,
+            # How running requests share a GPU (sim/compute.py): an assumption, so said.
+            "compute": scenario.compute,
             # Closed: an agent trace's calls came when their predecessors finished here.
             "arrivals": "closed" if cluster.closed_loop else "open",
             "wall_seconds": round(time.perf_counter() - started, 3),
@@ -315,6 +317,23 @@ def summarize(
         if requests
         else 0.0,
         **latency_summary(requests, measure_from_seconds),
+        **_gpu_shares(cluster),
+    }
+
+
+def _gpu_shares(cluster: Cluster) -> dict[str, float]:
+    """With shared compute: the share of the instances' busy GPU time that prefill (and
+    recompute) took, and how busy they were over the replay."""
+    computes = [inst.compute for inst in cluster.instances if inst.compute is not None]
+    if not computes:
+        return {}
+    busy = sum(c.busy_seconds for c in computes)
+    span = max(cluster.now, 1e-9) * len(computes)
+    return {
+        "prefill_gpu_share": round(sum(c.prefill_seconds for c in computes) / busy, 4)
+        if busy
+        else 0.0,
+        "gpu_busy_share": round(busy / span, 4),
     }
 
 

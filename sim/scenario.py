@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from app.core.bundle import SCENARIO_DIR
 from app.core.cluster import HOST_LINK_BYTES_PER_SECOND, ClusterSettings, ClusterSpec
 from app.core.errors import ConfigError
+from sim.compute import DEFAULT_STEP_TOKENS
 from sim.signals import SignalSettings
 
 
@@ -55,6 +56,12 @@ class Scenario(BaseModel):
     # brings the next one sooner, as in an agent loop; "open", at its recorded timestamp. A trace
     # without them (the Mooncake chat traces) is open-loop either way.
     arrivals: Literal["closed", "open"] = "closed"
+    # How an instance's running requests share its GPU (an assumption, sim/compute.py):
+    # "independent", each request's prefill and decode as if alone on it; "shared", in
+    # chunked-prefill steps of `step_tokens` (vLLM's max_num_batched_tokens), so a long prefill
+    # or recompute slows every request beside it.
+    compute: Literal["independent", "shared"] = "independent"
+    step_tokens: int = Field(DEFAULT_STEP_TOKENS, gt=0, description="token budget of a step")
     # Early signals before returning turns, an assumed model (sim/signals.py); off by default.
     signals: SignalSettings = Field(default_factory=SignalSettings)
 

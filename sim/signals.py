@@ -22,6 +22,14 @@ signals are false alarms.
   (weights): by default a chat's `typing` and `opened`, false alarms mostly `opened` (a user who
   opens the chat and leaves).
 
+- **Tool signals** (`tools`, an agent trace's calls that carry the `tool` whose result they
+  bring): for that share of sessions, as an instrumented agent framework would post them,
+  `tool_started` with the tool's name when the call before finishes (the tool starts; held until
+  that call finished here) and `tool_finished` when the tool returns,
+  `TOOL_FINISHED_LEAD_SECONDS` before the call it brings (the framework appending the result and
+  posting the call). Exact, not drawn: no lead model; which sessions are instrumented is drawn
+  (`seed`). They count as true signals, not in the false alarms' base.
+
 Generation is deterministic given the settings (`seed` included) and the trace; true signals and
 false alarms come from separate random streams, so a change of `false_alarms` leaves the true
 signals as they were. The default is off (`coverage` 0, `false_alarms` 0): no signals, and every
@@ -46,12 +54,17 @@ if TYPE_CHECKING:
 # A false alarm is a signal not followed by a request of its session within this long.
 FALSE_ALARM_QUIET_SECONDS = 600.0
 
+# An agent framework posts tool_finished as it appends the tool's result: the call follows
+# this soon (an assumption; milliseconds in practice).
+TOOL_FINISHED_LEAD_SECONDS = 0.01
+
 # `--signals` short names for the settings; the full field names are accepted too.
 SHORT_NAMES: dict[str, str] = {
     "coverage": "coverage",
     "lead_median": "lead_median_seconds",
     "lead_sigma": "lead_sigma",
     "false_alarms": "false_alarms",
+    "tools": "tools",
     "seed": "seed",
 }
 
@@ -72,6 +85,13 @@ class SignalSettings(BaseModel):
     kinds: dict[str, float] = Field(default_factory=lambda: {"typing": 0.7, "opened": 0.3})
     false_alarm_kinds: dict[str, float] = Field(
         default_factory=lambda: {"opened": 0.9, "typing": 0.1}
+    )
+    tools: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="share of sessions whose tool calls post tool_started and tool_finished",
     )
     seed: int = 0
 
@@ -96,7 +116,7 @@ class SignalSettings(BaseModel):
 
     @property
     def enabled(self) -> bool:
-        return self.coverage > 0
+        return self.coverage > 0 or self.tools > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +130,7 @@ class SimSignal:
     latest: float
     true: bool  # precedes a request (False: a false alarm)
     lead_seconds: float  # as drawn (before the cap); 0 for a false alarm
+    tool: str | None = None  # a tool signal's tool
 
 
 def generate_signals(requests: Sequence[SimRequest], settings: SignalSettings) -> list[SimSignal]:
@@ -147,9 +168,11 @@ def generate_signals(requests: Sequence[SimRequest], settings: SignalSettings) -
                     lead_seconds=lead,
                 )
             )
+    if settings.tools > 0:
+        signals += _tool_signals(requests, settings)
     # The spells with no later request: quiet up to the trace's end.
     spells += [(r, last_arrival) for r in previous.values() if r.arrival < last_arrival]
-    n_true = len(signals)
+    n_true = sum(s.tool is None for s in signals)
     wanted = settings.false_alarms * n_true
     n_false = int(wanted) + (false_rng.random() < wanted - int(wanted))
     if spells and n_false:
@@ -169,6 +192,38 @@ def generate_signals(requests: Sequence[SimRequest], settings: SignalSettings) -
             )
     signals.sort(key=lambda s: (s.ts, s.session_id, s.after))
     return signals
+
+
+def _tool_signals(requests: Sequence[SimRequest], settings: SignalSettings) -> list[SimSignal]:
+    """tool_started and tool_finished around each tool run of an instrumented session."""
+    rng = random.Random(f"tools:{settings.seed}")
+    instrumented: dict[str, bool] = {}
+    previous: dict[str, SimRequest] = {}
+    out: list[SimSignal] = []
+    for r in requests:
+        prev = previous.get(r.session_id)
+        previous[r.session_id] = r
+        if r.session_id not in instrumented:
+            instrumented[r.session_id] = rng.random() < settings.tools
+        if prev is None or r.tool is None or not instrumented[r.session_id]:
+            continue
+        # The tool ran from the call before's finish to this call: its whole gap when open loop.
+        ran = r.after_seconds if r.after_seconds is not None else r.arrival - prev.arrival
+        finished_lead = min(TOOL_FINISHED_LEAD_SECONDS, ran)
+        for kind, lead in (("tool_started", ran), ("tool_finished", finished_lead)):
+            out.append(
+                SimSignal(
+                    ts=max(r.arrival - lead, prev.arrival),
+                    session_id=r.session_id,
+                    kind=kind,
+                    after=prev.index,
+                    latest=r.arrival,
+                    true=True,
+                    lead_seconds=lead,
+                    tool=r.tool,
+                )
+            )
+    return out
 
 
 def parse_signal_overrides(text: str) -> dict[str, Any]:

@@ -124,3 +124,57 @@ def test_latency_summary_judges_whole_tasks_from_the_measured_window() -> None:
     assert summary["ttft_seconds_p99"] == pytest.approx(ttfts[-1], abs=1e-4)
     assert summary["ttft_seconds_mean"] == pytest.approx(sum(ttfts) / 2, abs=1e-4)
     assert latency_summary([], 0.0)["tasks"] == 0
+
+
+def test_an_instrumented_agent_posts_its_tools_start_and_return_exactly() -> None:
+    from sim.signals import TOOL_FINISHED_LEAD_SECONDS, SignalSettings, generate_signals
+
+    first = turn(0, 1.0, context(0, 4), None, output=100)
+    second = turn(1, 500.0, context(0, 6), 5.0)
+    second.tool = "bash"
+    human = turn(2, 600.0, context(0, 8), 30.0)  # a human turn: no tool, no tool signal
+    signals = generate_signals([first, second, human], SignalSettings(tools=1.0))
+    assert [(s.kind, s.tool) for s in signals] == [
+        ("tool_started", "bash"),
+        ("tool_finished", "bash"),
+    ]
+    emitted: list[tuple[float, dict]] = []
+    cluster = Cluster(
+        scenario(prefill=PREFILL, instances=1),
+        [first, second, human],
+        Placed([0, 0, 0]),
+        Policy(),
+        emit=lambda kind, ts, fields: (
+            emitted.append((ts, fields)) if kind == "session_signal" else None
+        ),
+        signals=signals,
+    )
+    cluster.run()
+    (started_at, started), (finished_at, finished) = emitted
+    assert (started["kind"], started["tool"], finished["kind"], finished["tool"]) == (
+        "tool_started",
+        "bash",
+        "tool_finished",
+        "bash",
+    )
+    assert started_at == pytest.approx(first.finished_at)  # the tool starts as the call ends
+    assert finished_at == pytest.approx(second.arrival - TOOL_FINISHED_LEAD_SECONDS)
+    # No session instrumented: none.
+    assert generate_signals([first, second], SignalSettings(tools=0.0)) == []
+
+
+def test_the_instrumented_share_is_drawn_per_session() -> None:
+    from sim.signals import SignalSettings, generate_signals
+
+    calls = []
+    for k in range(200):
+        a, b = turn(2 * k, float(k), [k], None), turn(2 * k + 1, k + 0.5, [k, 1000 + k], 1.0)
+        a.session_id = b.session_id = f"agent-{k}"
+        b.tool = "read_file"
+        calls += [a, b]
+    signals = generate_signals(calls, SignalSettings(tools=0.5, seed=3))
+    sessions = {s.session_id for s in signals}
+    assert 60 < len(sessions) < 140  # about half of 200
+    assert all(sum(s.session_id == x for s in signals) == 2 for x in sessions)  # both, or none
+    again = generate_signals(calls, SignalSettings(tools=0.5, seed=3))
+    assert again == signals
