@@ -34,6 +34,12 @@ log_cli = typer.Typer(
     help="Work with the durable event log (JSON Lines segments).",
 )
 cli.add_typer(log_cli, name="log")
+trace_cli = typer.Typer(
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="Work with replay traces (the agent trace format: sim/traces.py).",
+)
+cli.add_typer(trace_cli, name="trace")
 
 
 def _print_result(result: dict[str, Any], as_json: bool) -> None:
@@ -810,7 +816,10 @@ def _command_line(ctx: typer.Context) -> str:
 
 @cli.command("agent-trace")
 def agent_trace_cmd(
-    out: Annotated[Path, typer.Option(help="Where to write the trace (Mooncake JSON Lines).")],
+    out: Annotated[
+        Path,
+        typer.Option(help="Where to write the trace (agent trace format: Mooncake JSON Lines)."),
+    ],
     tasks: Annotated[int, typer.Option(min=1, help="Agent tasks.")] = 600,
     seconds: Annotated[
         float, typer.Option(min=1.0, help="Over how long the tasks arrive.")
@@ -818,11 +827,73 @@ def agent_trace_cmd(
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
 ) -> None:
     """Write an agent-like trace: tool loops seconds apart, a few human turns, shared system
-    prompts and tool schemas (an assumed workload: sim/workloads.py)."""
+    prompts and tool schemas, each request with its session, and after its first the tool it
+    waited on and for how long (an assumed workload: sim/workloads.py)."""
     from sim.workloads import AgentWorkload, agent_trace, write_trace
 
     n = write_trace(agent_trace(AgentWorkload(tasks=tasks, seconds=seconds, seed=seed)), out)
     typer.echo(f"wrote {n} requests to {out}", err=True)
+
+
+@trace_cli.command("import")
+def trace_import(
+    source_path: Annotated[Path, typer.Argument(metavar="IN", help="The trace to convert.")],
+    source: Annotated[
+        str, typer.Option("--from", help="Its format: tracelab (uw-syfi/TraceLab round traces).")
+    ],
+    out: Annotated[Path, typer.Option(help="Where to write the agent trace.")],
+    block_tokens: Annotated[
+        int, typer.Option(min=1, help="Tokens per block: the replay scenario's.")
+    ] = 512,
+    max_idle_seconds: Annotated[
+        float,
+        typer.Option(
+            min=0.0,
+            help="Cut a stretch when no session is in progress to this (inf: keep recorded times).",
+        ),
+    ] = 60.0,
+    session_rate: Annotated[
+        float | None,
+        typer.Option(
+            help="Start sessions as a Poisson process of this many a second (seeded by --seed), "
+            "in their recorded order, instead of at their recorded times.",
+        ),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Random seed for --session-rate.")] = 0,
+) -> None:
+    """Convert a trace of real agent sessions to the agent trace format (one request a round, its
+    session, the tool it waited on and for how long; block ids prefix-chained per session)."""
+    from sim.tracelab import ImportOptions, import_tracelab
+    from sim.workloads import write_trace
+
+    if source != "tracelab":
+        raise typer.BadParameter(
+            f"unknown format {source!r}; choose from tracelab", param_hint="--from"
+        )
+    options = ImportOptions(
+        block_tokens=block_tokens,
+        max_idle_seconds=max_idle_seconds,
+        session_rate=session_rate,
+        seed=seed,
+    )
+    try:
+        trace, summary = import_tracelab(source_path, options)
+    except KvpError as exc:
+        raise typer.BadParameter(str(exc), param_hint="IN") from None
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    write_trace(trace, out)
+    skipped = {
+        "without a timestamp": summary.skipped_untimed,
+        "without tokens": summary.skipped_no_tokens,
+        "duplicate": summary.skipped_duplicate,
+    }
+    said = ", ".join(f"{n} {why}" for why, n in skipped.items() if n)
+    typer.echo(
+        f"wrote {summary.requests} requests in {summary.sessions} sessions to {out} "
+        f"from {summary.rounds} rounds" + (f" (skipped: {said})" if said else ""),
+        err=True,
+    )
 
 
 @cli.command()

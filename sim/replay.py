@@ -50,8 +50,18 @@ class ReplayResult:
     events: list[Event] = field(default_factory=list, repr=False)
 
 
+def session_ids(trace: Sequence[TraceRequest]) -> list[str]:
+    """Each request's session: the trace's own `session_id` where it carries them (an agent
+    trace; sim/traces.py: all requests or none), else derived from the blocks (sim/sessions.py)."""
+    labelled = [r.session_id for r in trace if r.session_id is not None]
+    if not labelled:
+        return derive_sessions(trace).session_ids
+    if len(labelled) < len(trace):
+        raise ValueError("session_id must be on every request of a trace or on none")
+    return labelled
+
+
 def build_requests(trace: Sequence[TraceRequest]) -> list[SimRequest]:
-    sessions = derive_sessions(trace)
     return [
         SimRequest(
             index=r.index,
@@ -60,8 +70,10 @@ def build_requests(trace: Sequence[TraceRequest]) -> list[SimRequest]:
             input_tokens=r.input_tokens,
             output_tokens=r.output_tokens,
             hash_ids=r.hash_ids,
+            after_seconds=r.after_seconds,
+            tool=r.tool,
         )
-        for r, sid in zip(trace, sessions.session_ids)
+        for r, sid in zip(trace, session_ids(trace))
     ]
 
 

@@ -4,10 +4,21 @@
 
 `hash_ids` holds one id per `block_tokens`-token block of the prompt, prefix-chained: two
 requests share id k at position i only if their first i+1 blocks are identical.
+
+An agent trace adds optional fields (docs/data-science/agent-traces.md):
+
+    {..., "session_id": "task-7", "after_seconds": 2.41, "tool": "bash"}
+
+`session_id` names the request's session (every request of a trace carries one, or none does:
+then the replay derives sessions, sim/sessions.py); `after_seconds` is how long after its
+session's previous request finished this one arrives (a tool's run or a human's think time;
+never on a session's first request); `tool` is the tool whose result the request carries
+(absent on a human turn). Other fields are ignored.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +44,9 @@ class TraceRequest:
     input_tokens: int
     output_tokens: int
     hash_ids: tuple[int, ...]
+    session_id: str | None = None
+    after_seconds: float | None = None
+    tool: str | None = None
 
 
 _FIELDS = {"timestamp", "input_length", "output_length", "hash_ids"}
@@ -47,6 +61,26 @@ def _int(doc: dict, key: str, path: Path, line: int, minimum: int = 0) -> int:
     return value
 
 
+def _text(doc: dict, key: str, path: Path, line: int) -> str | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise TraceError(path, line, f"{key} must be a non-empty string, got {value!r}")
+    return value
+
+
+def _after_seconds(doc: dict, path: Path, line: int) -> float | None:
+    value = doc.get("after_seconds")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TraceError(path, line, f"after_seconds must be a number, got {value!r}")
+    if value < 0:
+        raise TraceError(path, line, f"after_seconds must be >= 0, got {value}")
+    return float(value)
+
+
 def iter_trace(path: Path | str) -> Iterator[TraceRequest]:
     """Requests in file order. A malformed line stops the read with its file and line number."""
     path = Path(path)
@@ -57,6 +91,8 @@ def iter_trace(path: Path | str) -> Iterator[TraceRequest]:
     with f:
         index = 0
         last_ts = -1
+        labelled: bool | None = None  # whether the trace's requests carry session_id
+        seen_sessions: set[str] = set()
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
@@ -78,12 +114,38 @@ def iter_trace(path: Path | str) -> Iterator[TraceRequest]:
                 isinstance(h, int) and not isinstance(h, bool) for h in hash_ids
             ):
                 raise TraceError(path, line_no, "hash_ids must be a list of integers")
+            session_id = _text(doc, "session_id", path, line_no)
+            if labelled is None:
+                labelled = session_id is not None
+            elif labelled != (session_id is not None):
+                # Half-labelled traces would mix trace sessions with derived ones.
+                raise TraceError(
+                    path,
+                    line_no,
+                    "session_id must be on every request or on none"
+                    + (" (missing here)" if labelled else " (absent on earlier requests)"),
+                )
+            after_seconds = _after_seconds(doc, path, line_no)
+            if after_seconds is not None:
+                if session_id is None:
+                    raise TraceError(path, line_no, "after_seconds needs a session_id")
+                if session_id not in seen_sessions:
+                    raise TraceError(
+                        path,
+                        line_no,
+                        f"after_seconds on the first request of session {session_id!r}",
+                    )
+            if session_id is not None:
+                seen_sessions.add(session_id)
             yield TraceRequest(
                 index=index,
                 arrival_seconds=ts / 1000.0,
                 input_tokens=_int(doc, "input_length", path, line_no),
                 output_tokens=_int(doc, "output_length", path, line_no),
                 hash_ids=tuple(hash_ids),
+                session_id=session_id,
+                after_seconds=after_seconds,
+                tool=_text(doc, "tool", path, line_no),
             )
             index += 1
 
