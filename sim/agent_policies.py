@@ -12,8 +12,8 @@ as the serving system would online: nothing from the future.
   over tau in the tool's past run times D (F their empirical distribution); the reload is the
   sooner of loading the context from the pool and recomputing it, the queueing what the
   instance's queue would add (its length times its mean call time over its slots), the price the
-  HBM share the context holds times the calls that share would serve (the instance's running
-  and queued ones). Simplified: the paper's utility is ours in this reading of it, its
+  HBM share the context holds times the calls waiting in the instance's queue (memory held costs
+  nothing while no call waits). Simplified: the paper's utility is ours in this reading of it, its
   program-level first-come-first-served is not modelled, and the pin is soft; no pin for a tool
   with no past run (Continuum's cold start falls back to the engine's eviction too).
 - `tokencake` (Tokencake, arXiv 2510.18586): when a call ends in a tool call predicted (the
@@ -135,8 +135,9 @@ class Continuum(AgentPolicy):
         blocks = list(dict.fromkeys(r.hash_ids))
         slots = cluster.scenario.max_running_requests
         queueing = len(inst.queue) * self.call_seconds / slots
+        # Memory held costs the calls waiting for room or a slot: its share of HBM of them.
         share = len(blocks) / inst.hbm.capacity
-        price = share * (inst.running + len(inst.queue))
+        price = share * len(inst.queue)
         ttl = continuum_ttl(runs, self.reload_seconds(r) + queueing, price)
         if ttl > 0:
             cluster.keep(r.instance, blocks, now + ttl)
