@@ -8,8 +8,9 @@ the HTTP layer.
 
 Ingestion: an accepted event is logged and applied by the Ingestor, queued in the Backlog, and
 told to the observers (in this order: the advice ledger, the scorer, the landed prefetches, the
-scheduler's feedback, the pull queue, the outcomes, the metrics) by the backlog's loop; without
-the loops, before a tick reads what they derive (`drain`, as the routes drain theirs).
+scheduler's feedback, the pull queue, the outcomes, the tool run times, the metrics) by the
+backlog's loop; without the loops, before a tick reads what they derive (`drain`, as the routes
+drain theirs).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from app.observe.timeline import LandedPrefetches, MeasuredStall, Timeline, capa
 from app.predict.features import DeploymentSignals
 from app.predict.registry import ModelRegistry
 from app.predict.retrain import Retrainer
+from app.predict.tool_durations import ToolDurations
 from app.state import MemoryStore, StateStore, build_store
 from app.state.base import LogPosition, SessionView
 from app.state.storethread import StoreHealth, StoreThread
@@ -192,8 +194,19 @@ class Engine:
         self.metrics = Metrics(
             gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir()
         )
+        # Each tool's run times and the tool calls in flight, from the agents' signals.
+        self.tools = ToolDurations(
+            tracked=settings.tools_tracked,
+            max_run_seconds=settings.tool_max_run_seconds,
+            max_in_flight=settings.tools_max_in_flight,
+            on_return=self.metrics.tool_returned,
+        )
         self.metrics.bind(
-            scheduler=self.scheduler, ledger=self.ledger, models=self.models, guard=self.guard
+            scheduler=self.scheduler,
+            ledger=self.ledger,
+            models=self.models,
+            guard=self.guard,
+            tools=self.tools,
         )
         self.scorer = Scorer(
             self.store,
@@ -277,6 +290,7 @@ class Engine:
         if self.guard is not None:  # before the outcomes: it looks each arrival up in its LRU
             observers.append(self.guard.observe)
         observers.append(outcome_observer(self.store, self.cluster, self._record_outcomes))
+        observers.append(self.tools.observe)
         if settings.retrain_every_seconds > 0:
             observers.append(self.retrainer.observe)
         # Last: it syncs the counters with what the ledger and the scheduler counted just now.

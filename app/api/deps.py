@@ -25,6 +25,7 @@ from app.observe.ledger import AdviceLedger
 from app.observe.metrics import Metrics
 from app.observe.timeline import Timeline
 from app.predict.registry import ModelRegistry
+from app.predict.tool_durations import ToolDurations
 from app.state.base import StateStore
 from app.state.storethread import StoreHealth, StoreThread
 
@@ -88,6 +89,10 @@ async def get_timeline(engine: EngineDep) -> Timeline:
     return engine.timeline
 
 
+async def get_tools(engine: EngineDep) -> ToolDurations:
+    return engine.tools
+
+
 async def get_hint_config(engine: EngineDep) -> HintConfig:
     return engine.hint_config
 
@@ -139,3 +144,4 @@ BatchParserDep = Annotated[BatchParser, Depends(get_batch_parser)]
 TokensDep = Annotated[TokenTable, Depends(get_tokens)]
 EventLimiterDep = Annotated[Limiter, Depends(get_event_limiter)]
 HintConfigDep = Annotated[HintConfig, Depends(get_hint_config)]
+ToolsDep = Annotated[ToolDurations, Depends(get_tools)]

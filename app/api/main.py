@@ -35,6 +35,7 @@ from app.api.routes import (
     orders,
     scheduler,
     state,
+    tools,
 )
 from app.api.timeouts import TimeoutMiddleware
 from app.core.clock import Clock
@@ -188,6 +189,13 @@ def create_app(
     )
     app.include_router(
         dashboard.page, dependencies=[ObservabilityScope], responses=SCOPED_RESPONSES
+    )
+    # The dashboard's Tools table reads it: observability, as the dashboard's own JSON.
+    app.include_router(
+        tools.router,
+        prefix="/v1",
+        dependencies=[ObservabilityScope, brief],
+        responses=SCOPED_RESPONSES,
     )
     # The page's script and styles: nothing in them is private.
     app.mount("/static", StaticFiles(directory=dashboard.STATIC_DIR), name="static")

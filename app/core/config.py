@@ -238,6 +238,23 @@ class Settings(BaseSettings):
         description="Price demotes on their own per instance (their cost against the room they "
         "made) and turn them off where they clearly lose.",
     )
+    # Tool run times from the agents' tool_started/tool_finished signals
+    # (app/predict/tool_durations.py): the most frequent tools each their own distribution.
+    tools_tracked: int = Field(
+        32,
+        ge=0,
+        description="Tools whose run times are kept apart (the most frequent); the rest pooled "
+        "as 'other'.",
+    )
+    tool_max_run_seconds: float = Field(
+        3600.0,
+        gt=0,
+        description="A tool call neither finished nor followed by a request this long after its "
+        "start expires (counted, not measured).",
+    )
+    tools_max_in_flight: int = Field(
+        100_000, ge=1, description="Tool calls followed in flight at most (the oldest expire)."
+    )
     # Retraining from the service's own event log (app/predict/retrain.py, docs/decisions.md, 20):
     # every so often a candidate is trained in a child process on the log (split by time), shadows
     # the serving model, and is promoted only when its Brier score on the same sessions is better.

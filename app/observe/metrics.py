@@ -32,6 +32,7 @@ reported while any live worker serves it; a worker's values go when it shuts dow
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import threading
@@ -59,6 +60,7 @@ from app.observe.judge import JudgeStats
 from app.observe.ledger import SLOTS, LedgerStats
 from app.observe.outcomes import OUTCOMES, RequestOutcome
 from app.observe.signals import FOLLOW_WINDOW_SECONDS, OTHER_KIND, SignalFollowups
+from app.predict.tool_durations import OTHER_TOOL
 from kvprefetch_client.events import (
     EVENT_TYPES,
     SIGNAL_KINDS,
@@ -83,6 +85,7 @@ if TYPE_CHECKING:
     from app.decide.scheduler import Scheduler
     from app.observe.ledger import AdviceLedger
     from app.predict.registry import ModelRegistry, Serving
+    from app.predict.tool_durations import ToolDurations
     from app.state.storethread import StoreSnapshot
 
 # Text format 0.0.4: every name here is a classic one, so every Prometheus (2.x, 3.x) and
@@ -110,6 +113,22 @@ PLAN_BUCKETS_SECONDS = (
 # A pass over every live session (KVP_SCORE_ALL_LIVE) takes ~0.45 s a model at 100,000 sessions
 # on the 2-core development machine: room above a second too.
 INFERENCE_BUCKETS_SECONDS = (*PLAN_BUCKETS_SECONDS, 2.5, 5.0)
+# An agent's tool calls: a fraction of a second (a lookup) to many minutes (a build, a test suite).
+TOOL_BUCKETS_SECONDS = (
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1800.0,
+)
 
 ORDER_KINDS = ("prefetch", "pin", "demote")
 # What POST /v1/events answers a body it refuses whole (app/api/routes/events.py).
@@ -502,6 +521,30 @@ class Metrics:
             registry=r,
         )
 
+        # app/predict/tool_durations.py: labelled by the tracked tools (KVP_TOOLS_TRACKED) and
+        # 'other'; a tool that leaves the tracked set loses its series (multiprocess mode keeps it).
+        self.tool_seconds = Histogram(
+            "kvprefetch_tool_seconds",
+            "Tool call run times (tool_started to tool_finished, or to the session's next "
+            "request_routed), by tool: the most frequent tools, the rest as 'other'.",
+            ["tool"],
+            registry=r,
+            buckets=TOOL_BUCKETS_SECONDS,
+        )
+        self.tools_in_flight = Gauge(
+            "kvprefetch_tools_in_flight",
+            "Tool calls started and not returned yet, by tool (as kvprefetch_tool_seconds).",
+            ["tool"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.tool_runs_expired = Counter(
+            "kvprefetch_tool_runs_expired",
+            "Tool calls never seen returning: no finish and no request within "
+            "KVP_TOOL_MAX_RUN_SECONDS, their session closed, or past KVP_TOOLS_MAX_IN_FLIGHT.",
+            registry=r,
+        )
+
         # The planning lease (app/decide/lease.py, KVP_PLANNING_LEASE_SECONDS): per replica, so a
         # fleet's sum of the gauge is how many plan (1 when healthy).
         self.planning_leader = Gauge(
@@ -575,6 +618,14 @@ class Metrics:
         self._ledger: AdviceLedger | None = None
         self._models: ModelRegistry | None = None
         self._guard: LruGuard | None = None
+        self._tools: ToolDurations | None = None
+        self._tool_labels_version = -1
+        self._tools_in_flight: dict[str, int] = {}
+        # tool label -> its histogram child: 'other' from the start, the tracked tools as they come
+        self._tool_children: dict[str, Histogram] = {
+            OTHER_TOOL: self.tool_seconds.labels(OTHER_TOOL)
+        }
+        self.tools_in_flight.labels(OTHER_TOOL)
         # sync() runs on the store thread (ingest, ticks) and on the loop (a scrape).
         self._sync_lock = threading.RLock()
         self._seen: dict[object, int] = {}  # a source total -> its value at the last sync
@@ -590,10 +641,12 @@ class Metrics:
         ledger: AdviceLedger,
         models: ModelRegistry,
         guard: LruGuard | None = None,
+        tools: ToolDurations | None = None,
     ) -> None:
         """The owners of the totals `sync()` reads."""
         self._scheduler, self._ledger, self._models = scheduler, ledger, models
         self._guard = guard
+        self._tools = tools
         self.sync()
 
     # -- at the source ----------------------------------------------------------------------
@@ -617,6 +670,13 @@ class Metrics:
     def _signal_counted(self, kind: str) -> None:
         self.signals_received.labels(kind).inc()
         self.signals_followed.labels(kind)  # a deployment's kind: 0 until one is followed
+
+    def tool_returned(self, label: str, seconds: float) -> None:
+        """The tool distributions' hook (app/predict/tool_durations.py): a run measured."""
+        child = self._tool_children.get(label)
+        if child is None:
+            child = self._tool_children[label] = self.tool_seconds.labels(label)
+        child.observe(seconds)
 
     def record_outcomes(self, outcomes: Iterable[RequestOutcome]) -> None:
         """What arriving requests found (app/observe/outcomes.py), summed per batch: one increment
@@ -732,6 +792,30 @@ class Metrics:
             self._sync_scheduler()
             self._sync_models()
             self._sync_guard()
+            self._sync_tools()
+
+    def _sync_tools(self) -> None:
+        tools = self._tools
+        if tools is None:
+            return
+        if tools.labels_version != self._tool_labels_version:
+            self._tool_labels_version = tools.labels_version
+            labels = tools.labels()
+            for gone in [label for label in self._tool_children if label not in labels]:
+                del self._tool_children[gone]
+                self._tools_in_flight.pop(gone, None)
+                if self.multiprocess is None:  # a removed series stays in a worker's file
+                    for family in (self.tool_seconds, self.tools_in_flight):
+                        with contextlib.suppress(KeyError):
+                            family.remove(gone)
+            for label in labels:
+                if label not in self._tool_children:
+                    self._tool_children[label] = self.tool_seconds.labels(label)
+        for label, n in tools.in_flight_by_label().items():
+            if self._tools_in_flight.get(label) != n:
+                self._tools_in_flight[label] = n
+                self.tools_in_flight.labels(label).set(n)
+        self._advance("tools_expired", self.tool_runs_expired, tools.expired)
 
     def _sync_guard(self) -> None:
         guard = self._guard

@@ -1,1 +1,2 @@
-"""Prediction: features (online and offline), the predictors and the model registry."""
+"""Prediction: features (online and offline), the predictors, the model registry and the tool
+run times."""

@@ -1,4 +1,4 @@
-// The kvprefetch dashboard: polls /v1/dashboard/now and /v1/dashboard/series, draws with uPlot
+// The kvprefetch dashboard: polls /v1/dashboard/now, /v1/dashboard/series and /v1/tools, draws with uPlot
 // (vendored under /static/vendor/uplot). Each chart container carries data-points (samples
 // drawn) and data-values (non-null values drawn) and each table data-rows, for tests and scripts.
 "use strict";
@@ -213,6 +213,40 @@
     });
   }
 
+  // Each tool's calls and run times; its oldest call in flight and when it is predicted back
+  // (null: it outlasted every call seen); its latest return against the one predicted at its start.
+  function drawTools(body) {
+    $("tools-hint").textContent = `(the ${body.tracked_max} most frequent, the rest as other; `
+      + `${count(body.expired)} calls never seen back)`;
+    fillTable("tools", body.tools, "no tool call yet", 6, (t) => {
+      const tr = document.createElement("tr");
+      tr.dataset.tool = t.tool;
+      cell(tr, t.tool, "id");
+      cell(tr, count(t.calls), "num");
+      cell(tr, seconds(t.p50_seconds), "num");
+      cell(tr, seconds(t.p90_seconds), "num");
+      const oldest = t.running[0];
+      let flight = count(t.in_flight);
+      if (oldest != null) {
+        flight += oldest.predicted_return_at == null
+          ? `; running ${seconds(oldest.running_seconds)}, past every call seen`
+          : `; back in ${seconds(Math.max(oldest.predicted_return_at - body.now, 0))}`;
+      }
+      cell(tr, flight, "num");
+      const last = t.returns.length > 0 ? t.returns[t.returns.length - 1] : null;
+      let back = "–";
+      if (last != null) {
+        const took = seconds(last.returned_at - last.started_at);
+        back = last.predicted_return_at == null
+          ? `took ${took}, nothing to predict from`
+          : `took ${took}, predicted ${seconds(last.predicted_return_at - last.started_at)}`;
+        if (t.return_error_p50_seconds != null) back += ` (median error ${seconds(t.return_error_p50_seconds)})`;
+      }
+      cell(tr, back, "num");
+      return tr;
+    });
+  }
+
   function cell(tr, text, cls) {
     const td = document.createElement("td");
     td.textContent = text;
@@ -293,12 +327,14 @@
     const status = $("status");
     try {
       const since = $("range").value;
-      const [now, series] = await Promise.all([
+      const [now, series, tools] = await Promise.all([
         getJson("/v1/dashboard/now?limit=20&instances=50"),
         getJson(`/v1/dashboard/series?since_seconds=${encodeURIComponent(since)}`),
+        getJson("/v1/tools?limit=1"),
       ]);
       drawNow(now);
       drawSeries(series);
+      drawTools(tools);
       polls += 1;
       document.body.dataset.polls = String(polls);
       status.textContent = series.count === 0

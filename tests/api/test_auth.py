@@ -171,6 +171,7 @@ def test_health_metrics_and_the_dashboard_are_open_by_default(secured: TestClien
         "/metrics",
         "/dashboard",
         "/v1/dashboard/now",
+        "/v1/tools",
         "/openapi.json",
     ):
         assert secured.get(path).status_code == 200, path
@@ -187,7 +188,13 @@ def test_observability_can_be_protected(tmp_path: Path) -> None:
         dashboard_sample_seconds=0,
     )
     with TestClient(create_app(settings)) as c:
-        for path in ("/metrics", "/dashboard", "/v1/dashboard/now", "/v1/dashboard/series"):
+        for path in (
+            "/metrics",
+            "/dashboard",
+            "/v1/dashboard/now",
+            "/v1/dashboard/series",
+            "/v1/tools",
+        ):
             assert c.get(path).status_code == 401, path
             assert c.get(path, headers=bearer(AGENT)).status_code == 200, path
         assert c.get("/healthz").status_code == 200

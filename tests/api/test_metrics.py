@@ -594,3 +594,57 @@ def test_signals_are_counted_by_a_bounded_set_of_kinds_and_followed(
     assert (followed["opened"], followed["typing"], followed["custom-0"]) == (1, 1, 1)
     assert followed["queued"] == 0  # its request came 68 s later
     assert sum(followed.values()) == 3
+
+
+def tool_signal(
+    event_id: str, session_id: str, ts: float, kind: str, tool: str | None = None
+) -> dict[str, Any]:
+    return {**signal(event_id, session_id, ts, kind), "tool": tool}
+
+
+def test_tool_run_times_by_a_bounded_set_of_tools_and_the_calls_in_flight(
+    make_client: Callable[..., TestClient],
+) -> None:
+    c = make_client(tools_tracked=2, tool_max_run_seconds=100.0)
+    first: list[dict[str, Any]] = []
+    for i in range(3):  # a: three 2 s runs
+        first += [
+            tool_signal(f"a{i}", f"a{i}", 10.0 + i, "tool_started", "a"),
+            tool_signal(f"a{i}-f", f"a{i}", 12.0 + i, "tool_finished", "a"),
+        ]
+    first += [
+        tool_signal("b0", "b0", 20.0, "tool_started", "b"),
+        routed("b0-next", "b0", 60.0),  # no finish: the next request ends it, 40 s
+        tool_signal("c0", "c0", 70.0, "tool_started", "c"),  # one call so far: pooled
+    ]
+    post(c, first)
+    m = scrape(c)
+
+    def by_tool(name: str) -> dict[str, float]:
+        return {dict(k[1])["tool"]: v for k, v in m.items() if k[0] == name}
+
+    assert by_tool("kvprefetch_tool_seconds_count") == {"a": 3, "b": 1, "other": 0}
+    assert value(m, "kvprefetch_tool_seconds_sum", tool="a") == 6.0
+    assert value(m, "kvprefetch_tool_seconds_bucket", tool="a", le="2.5") == 3
+    assert value(m, "kvprefetch_tool_seconds_bucket", tool="b", le="30.0") == 0
+    assert value(m, "kvprefetch_tool_seconds_bucket", tool="b", le="60.0") == 1
+    assert by_tool("kvprefetch_tools_in_flight") == {"a": 0, "b": 0, "other": 1}
+    assert value(m, "kvprefetch_tool_runs_expired_total") == 0
+
+    # c's second call makes it 1.5 times as frequent as b: c takes b's place, b's series go.
+    post(
+        c,
+        [
+            tool_signal("c1", "c1", 80.0, "tool_started", "c"),
+            tool_signal("c0-f", "c0", 85.0, "tool_finished", "c"),
+        ],
+    )
+    m = scrape(c)
+    assert by_tool("kvprefetch_tool_seconds_count") == {"a": 3, "c": 1, "other": 0}
+    assert by_tool("kvprefetch_tools_in_flight") == {"a": 0, "c": 1, "other": 0}
+
+    # c1 is never seen back: 100 s of event time later it expires.
+    post(c, [routed("late", "x", 200.0)])
+    m = scrape(c)
+    assert value(m, "kvprefetch_tool_runs_expired_total") == 1
+    assert by_tool("kvprefetch_tools_in_flight") == {"a": 0, "c": 0, "other": 0}

@@ -375,3 +375,87 @@ def test_the_retraining_tile_shows_the_candidate_and_the_last_verdict(tmp_path: 
         finally:
             browser.close()
     assert console == [], console
+
+
+def _tool(event_id: str, session: str, ts: float, kind: str, tool: str) -> dict[str, Any]:
+    return {
+        "type": "session_signal",
+        "event_id": event_id,
+        "ts": ts,
+        "session_id": session,
+        "kind": kind,
+        "tool": tool,
+    }
+
+
+def test_the_tools_table_shows_the_agents_tool_calls(tmp_path: Path) -> None:
+    """An agent's tool signals posted to a real service: the Tools table shows each tool's calls,
+    p50 and p90, its calls in flight, and its latest return against the one predicted."""
+    from playwright.sync_api import sync_playwright
+
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        log_fsync=False,
+        model_dir=tmp_path / "no-model",
+        dashboard_sample_seconds=0.25,
+    )
+    console: list[str] = []
+    with (
+        live_server(create_app(settings)) as url,
+        httpx.Client(base_url=url, timeout=10.0) as http,
+        sync_playwright() as pw,
+    ):
+        browser = _browser(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1500})
+            page.on(
+                "console",
+                lambda m: (
+                    console.append(f"console.{m.type}: {m.text}") if m.type == "error" else None
+                ),
+            )
+            page.on("pageerror", lambda e: console.append(f"page error: {e}"))
+            page.goto(f"{url}/dashboard")
+            page.wait_for_selector("body[data-polls]", timeout=10_000)
+            assert page.locator("#tools").get_attribute("data-rows") == "0"
+            assert page.locator("#tools tbody").inner_text() == "no tool call yet"
+
+            # bash: four 5 s runs and one call in flight; web.search: one 30 s run.
+            now = time.time()
+            events: list[dict[str, Any]] = []
+            for i in range(4):
+                t = now - 100.0 + 10 * i
+                events += [
+                    _tool(f"b{i}", f"run-{i}", t, "tool_started", "bash"),
+                    _tool(f"b{i}-f", f"run-{i}", t + 5.0, "tool_finished", "bash"),
+                ]
+            events += [
+                _tool("s0", "run-9", now - 60.0, "tool_started", "web.search"),
+                _tool("s0-f", "run-9", now - 30.0, "tool_finished", "web.search"),
+                _tool("b9", "run-9", now - 1.0, "tool_started", "bash"),
+            ]
+            _post(http, events)
+            page.wait_for_function(
+                "() => Number(document.querySelector('#tools').dataset.rows) === 2",
+                timeout=10_000,
+            )
+            bash = page.locator('#tools tr[data-tool="bash"] td').all_inner_texts()
+            assert bash[:4] == ["bash", "4", "5.00 s", "5.00 s"], bash
+            assert bash[4].startswith("1; "), bash  # and when it is predicted back
+            # The first run had nothing to be predicted from; the latest was predicted exactly.
+            assert bash[5] == "took 5.00 s, predicted 5.00 s (median error 0.00 s)", bash
+            search = page.locator('#tools tr[data-tool="web.search"] td').all_inner_texts()
+            assert search == [
+                "web.search",
+                "1",
+                "30.0 s",
+                "30.0 s",
+                "0",
+                "took 30.0 s, nothing to predict from",
+            ], search
+            hint = page.locator("#tools-hint").inner_text()
+            assert hint == "(the 32 most frequent, the rest as other; 0 calls never seen back)"
+            assert "cannot update" not in page.locator("#status").inner_text()
+        finally:
+            browser.close()
+    assert console == [], console
