@@ -384,7 +384,7 @@ def markdown(results: Iterable[tuple[Case, Results]], verdicts: Sequence[Verdict
                 f"{_cell(gap, gap_sd, '.0%', '.0f')} | "
                 f"{_cell(s['stall_seconds_total'], sd['stall_seconds_total'], ',.1f', ',.1f')} | "
                 f"{_cell(s['ttft_seconds_p99'], sd['ttft_seconds_p99'], '.3f', '.3f')} | "
-                f"{_cell(s['task_seconds_mean'], sd['task_seconds_mean'], ',.1f', ',.1f')} | "
+                f"{_task_cell(s, sd['task_seconds_mean'])} | "
                 f"{_cell(s['bytes_prefetched'] / 1e9, gb_sd, ',.0f', ',.0f')} | "
                 f"{_cell(share, share_sd, '.0%', '.0f')} |"
             )
@@ -395,6 +395,13 @@ def markdown(results: Iterable[tuple[Case, Results]], verdicts: Sequence[Verdict
             f"{'; '.join(v.why)} |"
         )
     return "\n".join(lines)
+
+
+def _task_cell(summary: dict[str, Any], sd: float | None) -> str:
+    # No task starts in the judged window (a short one): nothing to judge, not zero seconds.
+    if not summary.get("tasks"):
+        return ""
+    return _cell(summary["task_seconds_mean"], sd, ",.1f", ",.1f")
 
 
 def as_json(results: Iterable[tuple[Case, Results]], verdicts: Sequence[Verdict]) -> str:
