@@ -334,21 +334,9 @@ class LruGuard:
         v.lru_bytes = v.lru_bytes * d + lru_bytes
         v.squared_difference = v.squared_difference * d + float(advice_bytes - lru_bytes) ** 2
         v.judged += 1
-        c = self.config
-        if v.judged < c.min_arrivals:
-            return
-        if self.losing(v):
-            v.retry_seconds = (
-                c.retry_seconds
-                if v.state == "advice"
-                else min(2 * max(v.retry_seconds, c.retry_seconds), c.max_retry_seconds)
-            )
+        if v.judged >= self.config.min_arrivals and self._turn(v, self.losing(v), now):
             v.fallbacks += 1
             self.fallbacks_total += 1
-            self._enter(v, "lru", now)
-        elif v.state == "trial":
-            v.retry_seconds = 0.0
-            self._enter(v, "advice", now)
 
     def _judge_demotes(self, instance_id: str, cost: int, gain: int, now: float) -> None:
         v = self.demotes.setdefault(instance_id, DemoteVerdict(since_ts=now))
@@ -362,22 +350,28 @@ class LruGuard:
         v.gain_blocks = v.gain_blocks * d + gain
         v.squared_difference = v.squared_difference * d + float(gain - cost) ** 2
         v.judged += 1
+        if v.judged >= self.config.min_arrivals and self._turn(v, self.demotes_losing(v), now):
+            v.suspensions += 1
+            self.demote_suspensions_total += 1
+            self._demoted.pop(instance_id, None)
+
+    def _turn(self, v: InstanceVerdict | DemoteVerdict, losing: bool, now: float) -> bool:
+        """A verdict's step once enough arrivals are judged: off (`lru`) when losing, for the
+        retry wait, doubled each time a trial loses again; a trial that holds its own is back on.
+        True when it was turned off."""
         c = self.config
-        if v.judged < c.min_arrivals:
-            return
-        if self.demotes_losing(v):
+        if losing:
             v.retry_seconds = (
                 c.retry_seconds
                 if v.state == "advice"
                 else min(2 * max(v.retry_seconds, c.retry_seconds), c.max_retry_seconds)
             )
-            v.suspensions += 1
-            self.demote_suspensions_total += 1
             self._enter(v, "lru", now)
-            self._demoted.pop(instance_id, None)
-        elif v.state == "trial":
+            return True
+        if v.state == "trial":
             v.retry_seconds = 0.0
             self._enter(v, "advice", now)
+        return False
 
     def demotes_losing(self, v: DemoteVerdict) -> bool:
         """Do the demotes cost this instance more than they gain, clearly?"""
