@@ -157,17 +157,7 @@ def generate_signals(requests: Sequence[SimRequest], settings: SignalSettings) -
         lead = true_rng.lognormvariate(mu, settings.lead_sigma)
         kind = true_rng.choices(kinds, weights)[0]
         if covered:
-            signals.append(
-                SimSignal(
-                    ts=max(r.arrival - lead, prev.arrival),
-                    session_id=r.session_id,
-                    kind=kind,
-                    after=prev.index,
-                    latest=r.arrival,
-                    true=True,
-                    lead_seconds=lead,
-                )
-            )
+            signals.append(_before(r, prev, kind, lead))
     if settings.tools > 0:
         signals += _tool_signals(requests, settings)
     # The spells with no later request: quiet up to the trace's end.
@@ -211,19 +201,24 @@ def _tool_signals(requests: Sequence[SimRequest], settings: SignalSettings) -> l
         ran = r.after_seconds if r.after_seconds is not None else r.arrival - prev.arrival
         finished_lead = min(TOOL_FINISHED_LEAD_SECONDS, ran)
         for kind, lead in (("tool_started", ran), ("tool_finished", finished_lead)):
-            out.append(
-                SimSignal(
-                    ts=max(r.arrival - lead, prev.arrival),
-                    session_id=r.session_id,
-                    kind=kind,
-                    after=prev.index,
-                    latest=r.arrival,
-                    true=True,
-                    lead_seconds=lead,
-                    tool=r.tool,
-                )
-            )
+            out.append(_before(r, prev, kind, lead, r.tool))
     return out
+
+
+def _before(
+    r: SimRequest, prev: SimRequest, kind: str, lead: float, tool: str | None = None
+) -> SimSignal:
+    """A true signal `lead` seconds before request `r`, not before its session's `prev`."""
+    return SimSignal(
+        ts=max(r.arrival - lead, prev.arrival),
+        session_id=r.session_id,
+        kind=kind,
+        after=prev.index,
+        latest=r.arrival,
+        true=True,
+        lead_seconds=lead,
+        tool=tool,
+    )
 
 
 def parse_signal_overrides(text: str) -> dict[str, Any]:

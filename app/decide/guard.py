@@ -280,22 +280,15 @@ class LruGuard:
 
     def demotes_allowed(self, instance_id: str | None, now: float) -> bool:
         """May the advice demote on this instance now? (Also moves `lru` to `trial` when due.)"""
-        if instance_id is None:
-            return True
-        v = self.demotes.get(instance_id)
-        if v is None:
-            return True
-        if v.state == "lru" and now - v.since_ts >= v.retry_seconds:
-            self._enter(v, "trial", now)
-        return v.state != "lru"
+        return self._on(None if instance_id is None else self.demotes.get(instance_id), now)
 
     def allowed(self, instance_id: str | None, now: float) -> bool:
         """May the advice act on this instance now? (Also moves `lru` to `trial` when due.)"""
-        if instance_id is None:
-            return True
-        v = self.verdicts.get(instance_id)
+        return self._on(None if instance_id is None else self.verdicts.get(instance_id), now)
+
+    def _on(self, v: InstanceVerdict | DemoteVerdict | None, now: float) -> bool:
         if v is None:
-            return True
+            return True  # not judged (yet): on
         if v.state == "lru" and now - v.since_ts >= v.retry_seconds:
             self._enter(v, "trial", now)
         return v.state != "lru"
