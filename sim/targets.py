@@ -15,6 +15,14 @@ no signal (`SEED_FREE`) replays the same under every seed, so it is replayed onc
 
 The agent-like trace is generated (`kvprefetch agent-trace` defaults), not measured: its rows
 are there because traffic unlike the model's training is where advice can lose to LRU.
+
+The agent targets (issue 28) run on generated agent tasks in a closed loop (`agents` scenario:
+shared compute, hard pins), with exact tool signals from a share of the sessions, against the
+published agent policies (sim/agent_policies.py). There the seed draws the trace itself
+(`AgentWorkload(seed=...)`) and the instrumented sessions, so every policy is replayed under
+every seed, the same draws for all (paired), and each is judged on every request (no model saw
+these traces). `light` is the generator's default load; `loaded`, three times the tasks in the
+same time, where prefill takes a substantial share of the GPU (`prefill_gpu_share`).
 """
 
 from __future__ import annotations
@@ -36,6 +44,17 @@ from sim.workloads import AgentWorkload, agent_trace
 CONVERSATION = "mooncake_conversation_first60.jsonl"
 SYNTHETIC = "mooncake_synthetic.jsonl"
 AGENT = "agent"  # generated: sim/workloads.py with its defaults
+# Generated agent tasks drawn per seed, at the generator's load or three times it.
+AGENT_LIGHT = "agent-tasks"
+AGENT_LOADED = "agent-tasks-loaded"
+AGENT_TASKS = {AGENT_LIGHT: AgentWorkload().tasks, AGENT_LOADED: 3 * AgentWorkload().tasks}
+ANCHORS = ("none", "ttl", "continuum", "tokencake")
+TOOLS_ALL = "tools=1"
+TOOLS_HALF = "tools=0.5"
+# Where compute is loaded, learned's p99 TTFT must be at most this share of Continuum's.
+LOADED_TTFT_SHARE = 0.8
+# At light load, learned's mean task time within this share of the best policy's.
+TASK_TIME_SLACK = 0.01
 HALF = "coverage=0.5,lead_median=5,false_alarms=1"
 FULL = "coverage=1,lead_median=5,false_alarms=0"
 # Within this much byte hit rate, a policy is not "below" another (the issue's tolerance).
@@ -81,7 +100,10 @@ class Case:
         return ", ".join(parts)
 
     def seeded(self, policy: str) -> bool:
-        """Whether `policy`'s replay here depends on the signal seed."""
+        """Whether `policy`'s replay here depends on the seed (on a generated agent-task trace
+        the seed draws the trace: every policy)."""
+        if self.trace in AGENT_TASKS:
+            return True
         return self.signals is not None and policy not in SEED_FREE
 
 
@@ -108,6 +130,8 @@ class Target:
     not_below: tuple[str, ...] = ()
     strict: bool = False
     max_unused_share: float | None = None
+    # The agent targets' rules (issue 28): "light" or "loaded" (judge_agent).
+    agent_rule: str | None = None
 
 
 @dataclass(slots=True)
@@ -131,13 +155,45 @@ def cases() -> list[Case]:
         out.append(
             Case(AGENT, router, ("none", "learned", "clairvoyant", "oracle"), scenario="tight-hbm")
         )
-    return out
+    return out + agent_cases()
+
+
+def agent_cases() -> list[Case]:
+    """Issue 28's: light load under sticky and least-loaded routing with every session
+    instrumented, least-loaded with half of them, and least-loaded under loaded compute."""
+    policies = (*ANCHORS, "learned")
+    settings = [
+        (AGENT_LIGHT, "sticky", TOOLS_ALL),
+        (AGENT_LIGHT, "least-loaded", TOOLS_ALL),
+        (AGENT_LIGHT, "least-loaded", TOOLS_HALF),
+        (AGENT_LOADED, "least-loaded", TOOLS_ALL),
+    ]
+    return [Case(t, r, policies, scenario="agents", signals=sig) for t, r, sig in settings]
 
 
 def targets(all_cases: Sequence[Case]) -> list[Target]:
     out = []
     for c in all_cases:
-        if c.signals is None and c.scenario != "busy":
+        if c.trace == AGENT_LIGHT:
+            out.append(
+                Target(
+                    c,
+                    "learned",
+                    "learned's TTFT p99 and byte hit beat each anchor's; task time within 1% of "
+                    "the best",
+                    agent_rule="light",
+                )
+            )
+        elif c.trace == AGENT_LOADED:
+            out.append(
+                Target(
+                    c,
+                    "learned",
+                    "learned's task time at most continuum's; TTFT p99 at most 0.8 of it",
+                    agent_rule="loaded",
+                )
+            )
+        elif c.signals is None and c.scenario != "busy":
             for policy in ("learned", "clairvoyant"):
                 out.append(Target(c, policy, f"{policy} never below none", not_below=("none",)))
         elif c.signals == HALF and c.router == "sticky":
@@ -174,9 +230,12 @@ def targets(all_cases: Sequence[Case]) -> list[Target]:
     return out
 
 
-def load(trace: str, traces_dir: Path) -> list[TraceRequest]:
+def load(trace: str, traces_dir: Path, seed: int = 0) -> list[TraceRequest]:
+    """A case's trace; a generated agent-task trace is drawn from `seed`."""
     if trace == AGENT:
         return agent_trace(AgentWorkload())
+    if trace in AGENT_TASKS:
+        return agent_trace(AgentWorkload(tasks=AGENT_TASKS[trace], seed=seed))
     return load_trace(traces_dir / trace)
 
 
@@ -197,11 +256,12 @@ def replay_unit(
     """One replay's summary. A seed-free policy under signals is replayed under `first_seed`:
     its summary's signal counts are then that draw's."""
     case = unit.case
-    requests = load(case.trace, traces_dir)
+    seed = first_seed if unit.seed is None else unit.seed
+    requests = load(case.trace, traces_dir, seed)
     scenario = load_scenario(case.scenario)
     if case.signals is not None:
         overrides = parse_signal_overrides(case.signals)
-        overrides["seed"] = first_seed if unit.seed is None else unit.seed
+        overrides["seed"] = seed
         scenario = scenario.model_copy(
             update={"signals": with_signals(scenario.signals, overrides)}
         )
@@ -211,7 +271,10 @@ def replay_unit(
         policy=unit.policy,
         router=case.router,
         model_dir=model_dir,
-        measure_from_seconds=judged_from_seconds(requests, TRAIN_FRACTION),
+        # No model saw a generated agent-task trace: every (whole) task is judged.
+        measure_from_seconds=0.0
+        if case.trace in AGENT_TASKS
+        else judged_from_seconds(requests, TRAIN_FRACTION),
         planner_options={"lru_guard": case.lru_guard},
     ).summary
 
@@ -289,7 +352,61 @@ def unused_share(summary: dict[str, Any]) -> float | None:
     return summary["bytes_prefetched_unused"] / moved if moved else None
 
 
+def paired(results: Results, policy: str, other: str, metric: str) -> tuple[float, float | None]:
+    """The mean and standard deviation over seeds of `policy`'s `metric` less `other`'s, seed by
+    seed (the same trace and signals for both)."""
+    theirs = {s["seed"]: s[metric] for s in results[other].get("seeds", ())}
+    diffs = [
+        s[metric] - theirs[s["seed"]]
+        for s in results[policy].get("seeds", ())
+        if s["seed"] in theirs
+    ]
+    if not diffs:
+        diffs = [results[policy][metric] - results[other][metric]]
+    return statistics.fmean(diffs), _sd(diffs)
+
+
+def _margin(mean: float, sd: float | None, fmt: str) -> str:
+    return f"{mean:{fmt}}" + ("" if sd is None else f" ± {sd:{fmt.lstrip('+')}}")
+
+
+def judge_agent(target: Target, results: Results) -> Verdict:
+    """Issue 28's rules, on the means over seeds, the margins paired seed by seed (printed with
+    their spread)."""
+    v = Verdict(target, True)
+    me = target.policy
+    if target.agent_rule == "light":
+        for other in ANCHORS:
+            ttft, ttft_sd = paired(results, me, other, "ttft_seconds_p99")
+            hit, hit_sd = paired(results, me, other, "byte_hit_rate")
+            if not (ttft < 0 and hit > 0):
+                v.met = False
+                v.why.append(
+                    f"against {other}: TTFT p99 {_margin(ttft, ttft_sd, '+.3f')} s, "
+                    f"byte hit {_margin(hit, hit_sd, '+.4f')}"
+                )
+        best = min(s["task_seconds_mean"] for s in results.values())
+        mine = results[me]["task_seconds_mean"]
+        if mine > (1 + TASK_TIME_SLACK) * best:
+            v.met = False
+            v.why.append(f"task time {mine / best - 1:+.1%} against the best")
+    else:
+        task, task_sd = paired(results, me, "continuum", "task_seconds_mean")
+        if task > 0:
+            v.met = False
+            v.why.append(f"task time {_margin(task, task_sd, '+.1f')} s against continuum")
+        share = results[me]["ttft_seconds_p99"] / max(
+            results["continuum"]["ttft_seconds_p99"], 1e-9
+        )
+        if share > LOADED_TTFT_SHARE:
+            v.met = False
+            v.why.append(f"TTFT p99 {share:.2f} of continuum's")
+    return v
+
+
 def judge(target: Target, results: Results) -> Verdict:
+    if target.agent_rule is not None:
+        return judge_agent(target, results)
     v = Verdict(target, True)
     mine = results[target.policy]
     if target.min_gap is not None:

@@ -232,3 +232,88 @@ def test_seeds_below_one_are_refused_naming_the_option(value: str) -> None:
     result = CliRunner().invoke(cli, ["targets", "--seeds", value])
     assert result.exit_code == 2
     assert "Invalid value for '--seeds'" in result.output
+
+
+# -- the agent targets (issue 28) -----------------------------------------------------------------
+
+
+def agent_summary(seed: int, hit: float, ttft: float, task: float) -> dict[str, Any]:
+    return {
+        "seed": seed,
+        "byte_hit_rate": hit,
+        "ttft_seconds_p99": ttft,
+        "task_seconds_mean": task,
+        "stall_seconds_total": 0.0,
+        "bytes_prefetched": 0,
+        "bytes_prefetched_unused": 0,
+        "tasks": 10,
+    }
+
+
+def agent_results(case: Case, per_policy: dict[str, list[tuple[float, float, float]]]) -> Any:
+    done = {
+        (p, seed): agent_summary(seed, *values)
+        for p, rows in per_policy.items()
+        for seed, values in enumerate(rows)
+    }
+    return aggregate(case, done)
+
+
+def test_the_agent_cases_replay_every_policy_under_every_seed_on_a_trace_of_that_seed() -> None:
+    from sim.targets import AGENT_LIGHT, AGENT_LOADED, ANCHORS, agent_cases, load, units
+
+    found = agent_cases()
+    assert {c.trace for c in found} == {AGENT_LIGHT, AGENT_LOADED}
+    assert all(c.scenario == "agents" and set(ANCHORS) < set(c.policies) for c in found)
+    assert all(c in cases() for c in found)
+    light = found[0]
+    assert {(u.policy, u.seed) for u in units(light, (0, 1))} == {
+        (p, s) for p in light.policies for s in (0, 1)
+    }
+    first, again, other = load(AGENT_LIGHT, Path("."), 0), load(AGENT_LIGHT, Path("."), 0), None
+    other = load(AGENT_LIGHT, Path("."), 1)
+    assert first == again and first != other
+    assert len(load(AGENT_LOADED, Path("."), 0)) > 2 * len(first)
+    assert [t.agent_rule for t in targets(found)] == ["light", "light", "light", "loaded"]
+
+
+def test_at_light_load_learned_must_beat_every_anchor_on_ttft_and_hits_paired_by_seed() -> None:
+    from sim.targets import agent_cases
+
+    light = agent_cases()[0]
+    [target] = targets([light])
+    good = {
+        "none": [(0.80, 1.0, 100.0), (0.70, 1.2, 101.0)],
+        "ttl": [(0.80, 1.1, 100.0), (0.70, 1.2, 101.0)],
+        "continuum": [(0.81, 0.9, 100.0), (0.71, 1.1, 100.5)],
+        "tokencake": [(0.60, 2.0, 103.0), (0.50, 2.2, 104.0)],
+        "learned": [(0.85, 0.8, 100.5), (0.75, 1.0, 101.0)],
+    }
+    assert judge(target, agent_results(light, good)).met
+    # As slow as continuum's, plus 0.1 s on both seeds (and no faster than none's).
+    bad = {**good, "learned": [(0.85, 1.0, 100.5), (0.75, 1.2, 101.0)]}
+    verdict = judge(target, agent_results(light, bad))
+    assert not verdict.met
+    assert "against continuum: TTFT p99 +0.100 ± 0.000 s, byte hit +0.0400 ± 0.0000" in verdict.why
+    assert not any(w.startswith("against ttl") for w in verdict.why)  # -0.05 on the mean
+    slow = {**good, "learned": [(0.85, 0.8, 103.0), (0.75, 1.0, 103.0)]}
+    assert judge(target, agent_results(light, slow)).why == ["task time +2.7% against the best"]
+
+
+def test_under_loaded_compute_learned_must_match_continuums_task_time_and_cut_its_ttft() -> None:
+    from sim.targets import agent_cases
+
+    loaded = agent_cases()[-1]
+    [target] = targets([loaded])
+    base = {p: [(0.5, 10.0, 300.0), (0.5, 12.0, 310.0)] for p in ("none", "ttl", "tokencake")}
+    ok = {
+        **base,
+        "continuum": [(0.5, 10.0, 300.0), (0.5, 12.0, 310.0)],
+        "learned": [(0.5, 7.0, 299.0), (0.5, 9.0, 309.0)],
+    }
+    assert judge(target, agent_results(loaded, ok)).met
+    worse = {**ok, "learned": [(0.5, 9.0, 302.0), (0.5, 11.0, 312.0)]}
+    assert judge(target, agent_results(loaded, worse)).why == [
+        "task time +2.0 ± 0.0 s against continuum",
+        "TTFT p99 0.91 of continuum's",
+    ]
