@@ -15,6 +15,10 @@
 #   DEMO_SIGNALS   the replay's --signals (default coverage=0.5,lead_median=5,false_alarms=1: half
 #                  the returning turns signalled 5 s ahead, as many false alarms); off: no signals
 #   DEMO_REQUESTS  replay only the trace's first N requests (default: all)
+#   DEMO_AGENTS    1: an agent trace instead (`kvprefetch agent-trace`, DEMO_AGENT_TASKS tasks,
+#                  default 600), replayed closed-loop on the agents scenario with exact tool
+#                  signals (DEMO_SIGNALS default tools=1): the dashboard's Tools table fills
+#   DEMO_SCENARIO  the replay's scenario (default: default; agents with DEMO_AGENTS=1)
 #   DEMO_LINGER    1 (default): keep serving after the replay until Ctrl-C; 0: stop when it ends
 #   KVP_PORT       the service's port (default 8000); other KVP_ settings pass through (KVP_MODEL_DIR:
 #                  another model; KVP_CLOCK_SPEED: another clock than DEMO_SPEED's)
@@ -23,10 +27,17 @@ cd "$(dirname "$0")/.."
 
 VENV="${VENV:-.venv}"
 KVP="$VENV/bin/kvprefetch"
+AGENTS="${DEMO_AGENTS:-0}"
 TRACE="${DEMO_TRACE:-../shared/traces/mooncake_conversation_first60.jsonl}"
 SPEED="${DEMO_SPEED:-20}"
 POLICY="${DEMO_POLICY:-service}"
-SIGNALS="${DEMO_SIGNALS:-coverage=0.5,lead_median=5,false_alarms=1}"
+if [ "$AGENTS" = "1" ]; then
+  SIGNALS="${DEMO_SIGNALS:-tools=1}"
+  SCENARIO="${DEMO_SCENARIO:-agents}"
+else
+  SIGNALS="${DEMO_SIGNALS:-coverage=0.5,lead_median=5,false_alarms=1}"
+  SCENARIO="${DEMO_SCENARIO:-default}"
+fi
 LINGER="${DEMO_LINGER:-1}"
 PORT="${KVP_PORT:-8000}"
 DATA="${DEMO_DATA_DIR:-var/demo}"
@@ -35,11 +46,14 @@ URL="http://127.0.0.1:$PORT"
 say() { echo "demo: $*" >&2; }
 
 [ -x "$KVP" ] || { say "no $KVP: run 'make install' first (make demo does)"; exit 1; }
-[ -f "$TRACE" ] || { say "no trace at $TRACE: set DEMO_TRACE to a Mooncake-format trace"; exit 1; }
-
 # A fresh in-memory service each time: the store would otherwise be rebuilt from an old demo's log.
 rm -rf "$DATA"
 mkdir -p "$DATA"
+if [ "$AGENTS" = "1" ]; then
+  TRACE="$DATA/agent.jsonl"
+  "$KVP" agent-trace --out "$TRACE" --tasks "${DEMO_AGENT_TASKS:-600}" >&2
+fi
+[ -f "$TRACE" ] || { say "no trace at $TRACE: set DEMO_TRACE to a Mooncake-format trace"; exit 1; }
 if [ -n "${DEMO_REQUESTS:-}" ]; then
   head -n "$DEMO_REQUESTS" "$TRACE" >"$DATA/trace.jsonl"
   TRACE="$DATA/trace.jsonl"
@@ -87,9 +101,9 @@ echo "  (Prometheus metrics: $URL/metrics; API: $URL/docs). Ctrl-C stops the dem
 echo
 SIGNAL_ARGS=()
 if [ "$SIGNALS" != "off" ]; then SIGNAL_ARGS=(--signals "$SIGNALS"); fi
-say "replaying $TRACE at ${SPEED}x (policy $POLICY, signals $SIGNALS)"
+say "replaying $TRACE at ${SPEED}x (policy $POLICY, signals $SIGNALS, scenario $SCENARIO)"
 "$KVP" replay --via "$URL" --trace "$TRACE" --policy "$POLICY" --speed "$SPEED" \
-  ${SIGNAL_ARGS[@]+"${SIGNAL_ARGS[@]}"}
+  --scenario "$SCENARIO" ${SIGNAL_ARGS[@]+"${SIGNAL_ARGS[@]}"}
 if [ "$POLICY" = "service" ]; then
   # The service's own books: its orders issued, completed and used (GET /v1/scheduler).
   "$VENV/bin/python" - "$URL/v1/scheduler" <<'PY' || true
@@ -103,6 +117,17 @@ print(
     f"{t['bytes_unused'] / 1e9:,.1f} GB unused, {t['bytes_wasted'] / 1e9:,.1f} GB wasted",
     file=sys.stderr,
 )
+PY
+fi
+
+if [ "$AGENTS" = "1" ]; then
+  # What the service learned of the agents' tools from their signals (GET /v1/tools).
+  "$VENV/bin/python" - "$URL/v1/tools" <<'PY' || true
+import json, sys, urllib.request
+tools = json.load(urllib.request.urlopen(sys.argv[1], timeout=5))["tools"]
+for t in tools:
+    p50 = "-" if t["p50_seconds"] is None else f"{t['p50_seconds']:.1f} s"
+    print(f"demo: tool {t['tool']}: {t['calls']} calls, p50 {p50}", file=sys.stderr)
 PY
 fi
 

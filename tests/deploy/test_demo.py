@@ -56,7 +56,9 @@ def totals(url: str) -> dict[str, float]:
 
 
 @pytest.fixture
-def demo(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path, Path]]:
+def demo(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[subprocess.Popen[bytes], str, Path, Path]]:
     made: list[subprocess.Popen[bytes]] = []
 
     def start(port: int) -> tuple[subprocess.Popen[bytes], str, Path, Path]:
@@ -71,6 +73,7 @@ def demo(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str, Path, P
             "DEMO_REQUESTS": str(REQUESTS),
             "DEMO_SPEED": str(SPEED),
             "DEMO_DATA_DIR": str(run_dir / "demo"),
+            **getattr(request, "param", {}),
         }
         with out.open("wb") as o, err.open("wb") as e:
             # Its own process group, as a terminal's foreground job: Ctrl-C signals the whole
@@ -148,3 +151,25 @@ def test_the_demo_fills_the_metrics_and_ctrl_c_stops_it(
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{url}/healthz", timeout=2)
     assert "stopping the service" in err.read_text()
+
+
+@pytest.mark.parametrize(
+    "demo",
+    # 40 tasks in a minute of trace time, at 60x: the agents' calls in a closed loop, seconds.
+    [{"DEMO_AGENTS": "1", "DEMO_AGENT_TASKS": "40", "DEMO_SPEED": "60", "DEMO_REQUESTS": ""}],
+    indirect=True,
+)
+def test_the_agent_demo_replays_agent_tasks_and_the_service_learns_their_tools(
+    demo: tuple[subprocess.Popen[bytes], str, Path, Path],
+) -> None:
+    proc, url, out, err = demo
+    wait_for(
+        "the replay to end", lambda: "replay done" in err.read_text() or proc.poll() is not None
+    )
+    assert proc.poll() is None, err.read_text()
+    assert "signals tools=1, scenario agents" in err.read_text()
+    tools = httpx.get(f"{url}/v1/tools", timeout=5).json()["tools"]
+    assert sum(t["calls"] for t in tools) > 0  # learned from the replay's tool signals
+    assert "demo: tool " in err.read_text()
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(30) == 130
