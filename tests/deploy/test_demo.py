@@ -162,7 +162,7 @@ def test_the_demo_fills_the_metrics_and_ctrl_c_stops_it(
 def test_the_agent_demo_replays_agent_tasks_and_the_service_learns_their_tools(
     demo: tuple[subprocess.Popen[bytes], str, Path, Path],
 ) -> None:
-    proc, url, out, err = demo
+    proc, url, _, err = demo
     wait_for(
         "the replay to end", lambda: "replay done" in err.read_text() or proc.poll() is not None
     )
