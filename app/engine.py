@@ -165,6 +165,7 @@ class Engine:
                 overdue_seconds=settings.order_overdue_seconds,
                 retry_backoff_seconds=settings.order_retry_backoff_seconds,
                 retry_backoff_max_seconds=settings.order_retry_backoff_max_seconds,
+                pins_hold_room=settings.pins_hold_room,
             ),
         )
         self.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)

@@ -135,6 +135,8 @@ def sim_engine(
         "score_interval_seconds": 0,
         "plan_interval_seconds": 0,
         "dashboard_sample_seconds": 0,
+        # The cluster's pins hold room when the scenario's are hard: the planner prices them.
+        "pins_hold_room": scenario.pins == "hard",
         **options,
     }
     settings = ReplaySettings(**fields)

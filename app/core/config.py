@@ -360,6 +360,14 @@ class Settings(BaseSettings):
     # a row up to the max: a failing tier is not asked again every tick.
     order_retry_backoff_seconds: float = Field(1.0, gt=0)
     order_retry_backoff_max_seconds: float = Field(30.0, gt=0)
+    # Whether the tier's pins hold room (a pinned block is never evicted for a waiting request,
+    # as LMCache's pins or a hard-pinning engine): then a pin is priced against the calls waiting
+    # on its instance (app/decide/scheduler.py), Continuum's rule.
+    pins_hold_room: bool = Field(
+        False,
+        description="The tier's pins hold room: price each pin against the calls waiting on its "
+        "instance, and release those not worth it.",
+    )
 
     # vLLM's ZMQ KV-event stream (app/ingest/vllm/, docs/integrations/vllm.md): the publishers
     # the service subscribes to, separated by spaces or `;`, each

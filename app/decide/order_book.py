@@ -342,6 +342,23 @@ class OrderBook:
             self._drop_retention(session_id)
             self._retention_failed(session_id, r)
 
+    def pins_at(self, instance_id: str, now: float) -> list[str]:
+        """The sessions with a pin ordered at the instance and not lapsed."""
+        return [
+            session_id
+            for session_id, r in self._retention.items()
+            if r.kind == "pin" and r.instance_id == instance_id and r.until > now
+        ]
+
+    def release_pin(self, session_id: str) -> list[Cancel]:
+        """The session's pin is released (a Cancel of its order) and forgotten: decided again
+        when its session is advised again."""
+        r = self._retention.get(session_id)
+        if r is None or r.kind != "pin":
+            return []
+        self._drop_retention(session_id)
+        return [Cancel(order_id=r.order_id, reason=f"not worth its room at {r.instance_id}")]
+
     @property
     def pins_held(self) -> int:
         """Pins confirmed by their tier and not lapsed."""

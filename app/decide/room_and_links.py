@@ -269,8 +269,13 @@ class RoomAndLinks:
             needed_by = now + transfer_seconds + cfg.margin_seconds
         if start_by is None:
             return None  # the link's share is booked: it would land too late to matter
-        # Held as long as it would be kept, and at least through the lead it was fetched for.
-        hold_seconds = max(cand.keep_seconds, cfg.lead_seconds)
+        # Held as long as it would be kept, and at least through the lead it was fetched for;
+        # where holds hold room (the scheduler prices pins), through the lead alone.
+        hold_seconds = (
+            cfg.lead_seconds
+            if cfg.pins_hold_room
+            else max(cand.keep_seconds, cfg.lead_seconds)
+        )
         order = self._order(
             "prefetch",
             cand,

@@ -50,8 +50,9 @@ asks the book what is open, delivered, pinned, demoted or backing off.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from app.core.cluster import (
     BLOCK_TOKENS,
@@ -104,10 +105,13 @@ class SchedulerConfig:
     # destination is tried again, not every tick.
     retry_backoff_seconds: float = 1.0
     retry_backoff_max_seconds: float = 30.0
+    # The tier's pins hold room (KVP_PINS_HOLD_ROOM): a pin is held only while worth the calls
+    # waiting for room on its instance (`_worth_holding`).
+    pins_hold_room: bool = False
 
     @classmethod
     def from_cluster(
-        cls, cluster: ClusterSpec, thresholds: Thresholds | None = None, **kw: float
+        cls, cluster: ClusterSpec, thresholds: Thresholds | None = None, **kw: Any
     ) -> SchedulerConfig:
         """The cluster's numbers and the planner's thresholds (the ones the advisor reads)."""
         t = thresholds or Thresholds()
@@ -335,7 +339,11 @@ class Scheduler:
             a = self._advice_of(session_id)
             if a is not None:
                 self._fresh.setdefault(session_id, a)
-        self._pins_and_demotes(list(self._fresh.values()), now, orders)
+        waiting = self._waiting_calls() if self.config.pins_hold_room else {}
+        for instance_id in waiting:
+            # Pins held there are priced again as the queue grew: released if not worth it.
+            cancels += self._release_pins(instance_id, waiting[instance_id], now)
+        self._pins_and_demotes(list(self._fresh.values()), now, orders, waiting)
         self._fresh.clear()
 
         # Only the instances this plan may send to: a tick costs its candidates, not the fleet.
@@ -390,8 +398,44 @@ class Scheduler:
         for session_id in stale:
             self.forget(session_id)
 
+    def _waiting_calls(self) -> dict[str, tuple[int, int]]:
+        """Per instance with calls queued: (how many, its KV bytes), from its instance_status."""
+        return {
+            v.instance_id: (v.queue_depth, v.total_kv_bytes)
+            for v in self.store.instances()
+            if v.queue_depth and v.total_kv_bytes
+        }
+
+    def _worth_holding(
+        self, a: SessionAdvice, nblocks: int, waiting: tuple[int, int] | None
+    ) -> bool:
+        """Whether a pin of `nblocks` of `a`'s context is worth the room it holds: the stall it
+        saves when the session is back (its chance times the reload it avoids) against the time
+        it keeps the calls waiting on its instance from that room (each of them, for the pin's
+        share of the instance's KV bytes, over its TTL). Nothing waiting: worth it."""
+        if waiting is None:
+            return True
+        queued, total_bytes = waiting
+        nbytes = nblocks * self.config.bytes_per_block
+        saved = a.p_keep * self.room.stall_avoided("pool", nblocks, nbytes)
+        held = queued * (nbytes / total_bytes) * a.keep_seconds
+        return saved >= held
+
+    def _release_pins(self, instance_id: str, waiting: tuple[int, int], now: float) -> list[Cancel]:
+        """The pins held on a crowded instance that are not worth their room any more."""
+        out = []
+        for session_id in self.book.pins_at(instance_id, now):
+            a = self._advice_of(session_id)
+            if a is None or not self._worth_holding(a, len(set(a.block_hashes)), waiting):
+                out += self.book.release_pin(session_id)
+        return out
+
     def _pins_and_demotes(
-        self, advice: Sequence[SessionAdvice], now: float, out: list[Order]
+        self,
+        advice: Sequence[SessionAdvice],
+        now: float,
+        out: list[Order],
+        waiting: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         """Adds to `out` as it goes, so a store failure half way keeps what was decided."""
         for a in advice:
@@ -402,7 +446,8 @@ class Scheduler:
             if a.retention == "keep":
                 if book.wants_pin(a.session_id, spell, now):
                     resident = self.room.resident(a)
-                    if resident:
+                    crowd = waiting.get(a.instance_id) if waiting else None
+                    if resident and self._worth_holding(a, len(resident), crowd):
                         pin = self._order("pin", a, resident, now, ttl_seconds=a.keep_seconds)
                         out.append(pin)
                         book.pin_ordered(pin, a.session_id, spell, now + a.keep_seconds)

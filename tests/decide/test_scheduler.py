@@ -623,3 +623,51 @@ def test_withdrawing_an_instance_cancels_its_pins_and_demotes_once_and_forgets_t
         ("demote", "gpu-0"),
         ("pin", "gpu-0"),
     ]
+
+
+def crowd(store: MemoryStore, instance_id: str, queued: int, total_blocks: int, ts: float) -> None:
+    """The instance reports `queued` calls waiting and its KV size."""
+    store.apply(
+        [
+            InstanceStatus(
+                event_id=f"e{next(_ids)}",
+                ts=ts,
+                instance_id=instance_id,
+                free_kv_bytes=0,
+                total_kv_bytes=total_blocks * BLOCK_BYTES,
+                queue_depth=queued,
+            )
+        ]
+    )
+
+
+def test_where_pins_hold_room_a_pin_is_priced_against_the_calls_waiting_for_it() -> None:
+    """A 2-block context pinned for 300 s on a 10-block instance: with calls waiting it would
+    keep each from a fifth of the room for five minutes, far more than the reload it saves
+    (chance 0.6 of a fraction of a second): not pinned, and a pin held from before the queue
+    formed is released. Nothing waiting, or pins that do not hold room: pinned as before."""
+    keep = advice("k", [1, 2], p_soon=0.1, p_keep=0.6, retention="keep")
+    for hold_room, queued, pinned in ((True, 0, True), (True, 2, False), (False, 2, True)):
+        store = store_with(free_bytes={"gpu-0": 0}, hbm={"gpu-0": [1, 2]})
+        crowd(store, "gpu-0", queued, 10, ts=0.0)
+        sched = Scheduler(store, config(pins_hold_room=hold_room))
+        plan = tick(sched, [keep], 0.0)
+        assert [o.kind for o in plan.orders] == (["pin"] if pinned else []), (hold_room, queued)
+    store = store_with(free_bytes={"gpu-0": 0}, hbm={"gpu-0": [1, 2]})
+    crowd(store, "gpu-0", 0, 10, ts=0.0)
+    sched = Scheduler(store, config(pins_hold_room=True))
+    [pin] = tick(sched, [keep], 0.0).orders
+    sched.on_progress(pin.order_id, "completed")
+    crowd(store, "gpu-0", 3, 10, ts=1.0)  # a queue forms behind it
+    plan = sched.plan(1.0)
+    assert [c.order_id for c in plan.cancels] == [pin.order_id]
+    assert sched.plan(2.0).cancels == []  # once
+
+
+def test_where_pins_hold_room_a_prefetch_is_held_through_its_lead_alone() -> None:
+    for hold_room, held in ((False, 300.0), (True, 30.0)):
+        store = store_with(free_bytes={"gpu-0": 10 * BLOCK_BYTES}, pool=range(10))
+        sched = Scheduler(store, config(pins_hold_room=hold_room, lead_seconds=30.0))
+        cand = replace(advice("s", [0, 1], p_keep=0.6, retention="keep"), prefetch=True)
+        [order] = prefetches(tick(sched, [cand], 0.0).orders)
+        assert order.ttl_seconds == held
