@@ -272,9 +272,7 @@ class RoomAndLinks:
         # Held as long as it would be kept, and at least through the lead it was fetched for;
         # where holds hold room (the scheduler prices pins), through the lead alone.
         hold_seconds = (
-            cfg.lead_seconds
-            if cfg.pins_hold_room
-            else max(cand.keep_seconds, cfg.lead_seconds)
+            cfg.lead_seconds if cfg.pins_hold_room else max(cand.keep_seconds, cfg.lead_seconds)
         )
         order = self._order(
             "prefetch",
