@@ -396,6 +396,8 @@ class Cluster:
         )
         self._enqueue(inst, r)
         self._try_start(inst)
+        if r.admitted_at is None:  # it waits: the engine's queue grew, as its stats say
+            self.report_status(inst)
         self.policy.on_arrival(r, self.now)
 
     def reused_prefix(self, hash_ids: Sequence[int]) -> int:
@@ -659,8 +661,9 @@ class Cluster:
         self._try_start(inst)
 
     def report_status(self, inst: Instance) -> None:
-        """The instance's room and load, as an engine reports them (here: at every finish, and when
-        a policy asks), so a scheduler knows where a prefetch fits."""
+        """The instance's room and load, as an engine reports them (here: at every finish, when a
+        request must wait, and when a policy asks), so a scheduler knows where a prefetch fits
+        and what waits."""
         self.emit(
             "instance_status",
             self.now,

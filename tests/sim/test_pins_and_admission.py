@@ -78,3 +78,22 @@ def test_the_agents_scenario_runs_a_real_trace_with_its_invariants() -> None:
     summary = checked_replay(TRACE_FILES[0], 600, "agents", "least-loaded", "heuristic")
     assert summary["requests"] == 600 and summary["compute"] == "shared"
     assert summary["_evicted"] > 0
+
+
+def test_a_request_that_must_wait_is_reported_in_its_instances_queue_at_once() -> None:
+    """An engine's stats say when its queue grows; the planner prices pins by it."""
+    from sim.cluster import Cluster
+
+    statuses: list[tuple[float, int]] = []
+    a = request(0, 0.0, context(0, 2), output=500)
+    b = request(1, 1.0, context(10, 2))
+    Cluster(
+        scenario(prefill=1e4, instances=1, max_running=1),
+        [a, b],
+        Placed([0, 0]),
+        Policy(),
+        emit=lambda kind, ts, f: (
+            statuses.append((ts, f["queue_depth"])) if kind == "instance_status" else None
+        ),
+    ).run()
+    assert (1.0, 1) in statuses  # b waits behind a, reported as it arrives
