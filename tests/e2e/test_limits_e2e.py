@@ -40,7 +40,9 @@ def test_a_stalled_body_gets_408_and_the_service_serves_on(
     head, _, body = answer.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 408"), answer[:300]
     assert b'"field":"body"' in body
-    assert waited >= 0.5  # it waited for the body, as long as configured
+    # It waited for the body as long as configured: timed here from after the send, there from
+    # the first bytes read, so this side's count may be short by the send's own time.
+    assert waited >= 0.5 - 0.05
     r = httpx.post(
         f"{svc.url}/v1/events",
         json={
