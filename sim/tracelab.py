@@ -40,9 +40,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from sim.traces import TraceError, TraceRequest
+from sim.traces import TraceError, TraceRequest, json_lines
 
 INPUT_EVENTS = frozenset({"user_message", "tool_result"})
 
@@ -182,29 +180,16 @@ def _read_rounds(path: Path | str, summary: ImportSummary) -> dict[str, list[_Ro
     """Each session's rounds in round order (first seen first); a malformed line is a TraceError
     naming the file, the line and the field."""
     path = Path(path)
-    try:
-        f = open(path, "rb")  # noqa: SIM115
-    except OSError as exc:
-        raise TraceError(path, 0, f"cannot open: {exc.strerror}") from exc
     sessions: dict[str, list[_Round]] = {}
-    with f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            try:
-                doc = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise TraceError(path, line_no, f"not JSON: {exc}") from None
-            if not isinstance(doc, dict):
-                raise TraceError(path, line_no, "a line must be a JSON object")
-            summary.rounds += 1
-            r = _round(doc, path, line_no)
-            if r is None:
-                summary.skipped_untimed += 1
-            elif r.input_tokens == 0:
-                summary.skipped_no_tokens += 1
-            else:
-                sessions.setdefault(r.session_id, []).append(r)
+    for line_no, doc in json_lines(path):
+        summary.rounds += 1
+        r = _round(doc, path, line_no)
+        if r is None:
+            summary.skipped_untimed += 1
+        elif r.input_tokens == 0:
+            summary.skipped_no_tokens += 1
+        else:
+            sessions.setdefault(r.session_id, []).append(r)
     for session_id, rounds in sessions.items():
         rounds.sort(key=lambda r: (r.round_index, r.line))
         kept = [

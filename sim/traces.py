@@ -22,6 +22,7 @@ import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -81,18 +82,14 @@ def _after_seconds(doc: dict, path: Path, line: int) -> float | None:
     return float(value)
 
 
-def iter_trace(path: Path | str) -> Iterator[TraceRequest]:
-    """Requests in file order. A malformed line stops the read with its file and line number."""
-    path = Path(path)
+def json_lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) of each non-blank line of a JSON Lines file; a file that cannot be
+    opened, or a line that is not a JSON object, is a TraceError naming the file and line."""
     try:
         f = open(path, "rb")  # noqa: SIM115
     except OSError as exc:
         raise TraceError(path, 0, f"cannot open: {exc.strerror}") from exc
     with f:
-        index = 0
-        last_ts = -1
-        labelled: bool | None = None  # whether the trace's requests carry session_id
-        seen_sessions: set[str] = set()
         for line_no, raw in enumerate(f, start=1):
             if not raw.strip():
                 continue
@@ -102,52 +99,61 @@ def iter_trace(path: Path | str) -> Iterator[TraceRequest]:
                 raise TraceError(path, line_no, f"not JSON: {exc}") from None
             if not isinstance(doc, dict):
                 raise TraceError(path, line_no, "a line must be a JSON object")
-            missing = sorted(_FIELDS - set(doc))
-            if missing:
-                raise TraceError(path, line_no, f"missing field {missing[0]!r}")
-            ts = _int(doc, "timestamp", path, line_no)
-            if ts < last_ts:
-                raise TraceError(path, line_no, f"timestamp goes back in time ({ts} < {last_ts})")
-            last_ts = ts
-            hash_ids = doc["hash_ids"]
-            if not isinstance(hash_ids, list) or not all(
-                isinstance(h, int) and not isinstance(h, bool) for h in hash_ids
-            ):
-                raise TraceError(path, line_no, "hash_ids must be a list of integers")
-            session_id = _text(doc, "session_id", path, line_no)
-            if labelled is None:
-                labelled = session_id is not None
-            elif labelled != (session_id is not None):
-                # Half-labelled traces would mix trace sessions with derived ones.
+            yield line_no, doc
+
+
+def iter_trace(path: Path | str) -> Iterator[TraceRequest]:
+    """Requests in file order. A malformed line stops the read with its file and line number."""
+    path = Path(path)
+    last_ts = -1
+    labelled: bool | None = None  # whether the trace's requests carry session_id
+    seen_sessions: set[str] = set()
+    for index, (line_no, doc) in enumerate(json_lines(path)):
+        missing = sorted(_FIELDS - set(doc))
+        if missing:
+            raise TraceError(path, line_no, f"missing field {missing[0]!r}")
+        ts = _int(doc, "timestamp", path, line_no)
+        if ts < last_ts:
+            raise TraceError(path, line_no, f"timestamp goes back in time ({ts} < {last_ts})")
+        last_ts = ts
+        hash_ids = doc["hash_ids"]
+        if not isinstance(hash_ids, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) for h in hash_ids
+        ):
+            raise TraceError(path, line_no, "hash_ids must be a list of integers")
+        session_id = _text(doc, "session_id", path, line_no)
+        if labelled is None:
+            labelled = session_id is not None
+        elif labelled != (session_id is not None):
+            # Half-labelled traces would mix trace sessions with derived ones.
+            raise TraceError(
+                path,
+                line_no,
+                "session_id must be on every request or on none"
+                + (" (missing here)" if labelled else " (absent on earlier requests)"),
+            )
+        after_seconds = _after_seconds(doc, path, line_no)
+        if after_seconds is not None:
+            if session_id is None:
+                raise TraceError(path, line_no, "after_seconds needs a session_id")
+            if session_id not in seen_sessions:
                 raise TraceError(
                     path,
                     line_no,
-                    "session_id must be on every request or on none"
-                    + (" (missing here)" if labelled else " (absent on earlier requests)"),
+                    f"after_seconds on the first request of session {session_id!r}",
                 )
-            after_seconds = _after_seconds(doc, path, line_no)
-            if after_seconds is not None:
-                if session_id is None:
-                    raise TraceError(path, line_no, "after_seconds needs a session_id")
-                if session_id not in seen_sessions:
-                    raise TraceError(
-                        path,
-                        line_no,
-                        f"after_seconds on the first request of session {session_id!r}",
-                    )
-            if session_id is not None:
-                seen_sessions.add(session_id)
-            yield TraceRequest(
-                index=index,
-                arrival_seconds=ts / 1000.0,
-                input_tokens=_int(doc, "input_length", path, line_no),
-                output_tokens=_int(doc, "output_length", path, line_no),
-                hash_ids=tuple(hash_ids),
-                session_id=session_id,
-                after_seconds=after_seconds,
-                tool=_text(doc, "tool", path, line_no),
-            )
-            index += 1
+        if session_id is not None:
+            seen_sessions.add(session_id)
+        yield TraceRequest(
+            index=index,
+            arrival_seconds=ts / 1000.0,
+            input_tokens=_int(doc, "input_length", path, line_no),
+            output_tokens=_int(doc, "output_length", path, line_no),
+            hash_ids=tuple(hash_ids),
+            session_id=session_id,
+            after_seconds=after_seconds,
+            tool=_text(doc, "tool", path, line_no),
+        )
 
 
 def load_trace(path: Path | str) -> list[TraceRequest]:
