@@ -79,11 +79,13 @@ def model_dir(
     return save_model(model, out / "model")
 
 
-def serve(factory: Callable[..., ServiceProcess], model_dir: Path) -> ServiceProcess:
+def serve(
+    factory: Callable[..., ServiceProcess], model_dir: Path, speed: float = SPEED
+) -> ServiceProcess:
     svc = factory(
         env={
             "KVP_MODEL_DIR": str(model_dir),
-            "KVP_CLOCK_SPEED": str(SPEED),
+            "KVP_CLOCK_SPEED": str(speed),
             "KVP_LOG_FSYNC": "false",
             # The default, 60 s of the service's clock, was 1.5 s of wall time at 40x: on a
             # loaded machine the cluster's reports came later than that and the scheduler gave
