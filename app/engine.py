@@ -157,6 +157,16 @@ class Engine:
         self.cluster = ClusterSpec.from_settings(settings)
         self.hint_config = HintConfig.for_cluster(self.cluster)
         self.thresholds = Thresholds.from_settings(settings)
+        self.metrics = Metrics(
+            gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir()
+        )
+        # Each tool's run times and the tool calls in flight, from the agents' signals.
+        self.tools = ToolDurations(
+            tracked=settings.tools_tracked,
+            max_run_seconds=settings.tool_max_run_seconds,
+            max_in_flight=settings.tools_max_in_flight,
+            on_return=self.metrics.tool_returned,
+        )
         self.scheduler = Scheduler(
             self.store,
             SchedulerConfig.from_cluster(
@@ -167,6 +177,7 @@ class Engine:
                 retry_backoff_max_seconds=settings.order_retry_backoff_max_seconds,
                 pins_hold_room=settings.pins_hold_room,
             ),
+            tools=self.tools,
         )
         self.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)
         self.popularity = PrefixPopularity()
@@ -192,16 +203,6 @@ class Engine:
             models_root=settings.models_root_dir,
             deployment=self.deployment,
         )
-        self.metrics = Metrics(
-            gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir()
-        )
-        # Each tool's run times and the tool calls in flight, from the agents' signals.
-        self.tools = ToolDurations(
-            tracked=settings.tools_tracked,
-            max_run_seconds=settings.tool_max_run_seconds,
-            max_in_flight=settings.tools_max_in_flight,
-            on_return=self.metrics.tool_returned,
-        )
         self.metrics.bind(
             scheduler=self.scheduler,
             ledger=self.ledger,
@@ -219,6 +220,7 @@ class Engine:
             routes=self.routes.estimate,
             popularity=self.popularity,
             deployment=self.deployment,
+            tools=self.tools,
             observe_seconds=self.metrics.scored,
             thresholds=self.thresholds,
             guard=self.guard,

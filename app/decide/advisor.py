@@ -21,6 +21,7 @@ from app.decide.popularity import PrefixPopularity
 from app.decide.routing import SameInstanceEstimate
 from app.predict.features import DeploymentSignals
 from app.predict.predictors import Predictor
+from app.predict.tool_durations import ToolDurations
 from app.state.base import SessionView
 from kvprefetch_client.events import BlockHash
 
@@ -122,8 +123,12 @@ class Advisor:
         routes: SameInstanceEstimate | None = None,
         popularity: PrefixPopularity | None = None,
         deployment: DeploymentSignals | None = None,
+        tools: ToolDurations | None = None,
     ) -> None:
         self.predictor = predictor
+        # The deployment's tool run times: a session whose tool call is in flight is back when
+        # the call returns, which they say better than a model trained on other agents.
+        self.tools = tools
         self.popularity = popularity
         # What this deployment's signals have been worth: a fresh signal's chance is at least
         # its kind's (decisions 22).
@@ -167,9 +172,12 @@ class Advisor:
         if not live:
             return queued
         horizons = self._grid
-        grid = np.maximum.accumulate(
-            np.clip(self.predictor.p_within(live, now, horizons), 0.0, 1.0), axis=1
-        )
+        p = self.predictor.p_within(live, now, horizons)
+        tooled = self.tool_outlooks([s.session_id for s in live], now)
+        for i, view in enumerate(live):
+            if view.session_id in tooled:
+                p[i] = tooled[view.session_id]
+        grid = np.maximum.accumulate(np.clip(p, 0.0, 1.0), axis=1)
         p_same = self.routes.p_same if self.routes is not None else 1.0
         # The bar a prefetch must clear, on the chance it is back wherever it lands; none when
         # the last instance is not where returns land most.
@@ -179,7 +187,8 @@ class Advisor:
         for view, curve in zip(live, grid):
             p_soon, p_keep, p_return = (float(curve[j]) for j in self._at)
             needed_in = self._needed_in(curve, p_soon)
-            floor = self._signal_floor(view, now) * p_same
+            # A call in flight: its tool's curve already says what its signal does.
+            floor = 0.0 if view.session_id in tooled else self._signal_floor(view, now) * p_same
             if floor > p_soon:  # the signal says more than the model read in it: fetch at once
                 p_soon, needed_in = floor, 0.0
                 # Back within the lead is back within the longer horizons too: a context already
@@ -210,6 +219,13 @@ class Advisor:
                 )
             )
         return out + queued
+
+    def tool_outlooks(self, session_ids: Sequence[str], now: float) -> dict[str, list[float]]:
+        """P(back within each of the grid's times) of the sessions among these whose tool calls
+        are in flight, from the tools' run times (ToolDurations.outlooks); none without them."""
+        if self.tools is None:
+            return {}
+        return self.tools.outlooks(self._grid, now, session_ids)
 
     def prefetch_bar(self, p_same: float) -> float:
         """What `p_soon` (routed) must reach for a prefetch to the last instance:

@@ -65,6 +65,7 @@ from app.core.cluster import (
 from app.decide.advisor import SessionAdvice, Thresholds
 from app.decide.order_book import OrderBook, RetentionKind, SchedulerTotals, spell_of
 from app.decide.room_and_links import RoomAndLinks
+from app.predict.tool_durations import ToolDurations
 from app.state.base import StateStore
 from kvprefetch_client.events import BlockHash, Tier
 from kvprefetch_client.orders import Cancel, Order, OrderKind, order_id_for
@@ -159,9 +160,17 @@ class Scheduler:
     each order is the order book's (`book`, app/decide/order_book.py)."""
 
     def __init__(
-        self, store: StateStore, config: SchedulerConfig, *, advice_ttl_seconds: float = 120.0
+        self,
+        store: StateStore,
+        config: SchedulerConfig,
+        *,
+        advice_ttl_seconds: float = 120.0,
+        tools: ToolDurations | None = None,
     ) -> None:
         self.store = store
+        # The tools' run times: a pin of a context whose tool call will outlast its reload saves
+        # nothing a prefetch back would not (`_worth_holding`).
+        self.tools = tools
         self.config = config
         self.advice_ttl_seconds = advice_ttl_seconds
         self.book = OrderBook(store, config, advice_of=self._advice_of, release=self._release)
@@ -407,26 +416,38 @@ class Scheduler:
         }
 
     def _worth_holding(
-        self, a: SessionAdvice, nblocks: int, waiting: tuple[int, int] | None
+        self, a: SessionAdvice, nblocks: int, waiting: tuple[int, int] | None, now: float
     ) -> bool:
         """Whether a pin of `nblocks` of `a`'s context is worth the room it holds: the stall it
         saves when the session is back (its chance times the reload it avoids) against the time
         it keeps the calls waiting on its instance from that room (each of them, for the pin's
-        share of the instance's KV bytes, over its TTL). Nothing waiting: worth it."""
+        share of the instance's KV bytes, over its TTL). Nothing waiting: worth it. With its tool
+        call in flight the stall saved is that of the returns before a reload would land: holding
+        against reloading, priced (issue 28)."""
         if waiting is None:
             return True
         queued, total_bytes = waiting
         nbytes = nblocks * self.config.bytes_per_block
-        saved = a.p_keep * self.room.stall_avoided("pool", nblocks, nbytes)
+        reload_seconds = self.room.stall_avoided("pool", nblocks, nbytes)
+        saved = a.p_keep * reload_seconds * self._back_before(a.session_id, reload_seconds, now)
         held = queued * (nbytes / total_bytes) * a.keep_seconds
         return saved >= held
+
+    def _back_before(self, session_id: str, reload_seconds: float, now: float) -> float:
+        """The share of the session's returns that come before a reload started now would land:
+        1 unless its tool call is in flight, when a return after the reload stalls on nothing
+        (the context is demoted and prefetched back before the predicted return)."""
+        if self.tools is None:
+            return 1.0
+        outlook = self.tools.outlooks((reload_seconds,), now, (session_id,)).get(session_id)
+        return 1.0 if outlook is None else outlook[0]
 
     def _release_pins(self, instance_id: str, waiting: tuple[int, int], now: float) -> list[Cancel]:
         """The pins held on a crowded instance that are not worth their room any more."""
         out = []
         for session_id in self.book.pins_at(instance_id, now):
             a = self._advice_of(session_id)
-            if a is None or not self._worth_holding(a, len(set(a.block_hashes)), waiting):
+            if a is None or not self._worth_holding(a, len(set(a.block_hashes)), waiting, now):
                 out += self.book.release_pin(session_id)
         return out
 
@@ -447,7 +468,7 @@ class Scheduler:
                 if book.wants_pin(a.session_id, spell, now):
                     resident = self.room.resident(a)
                     crowd = waiting.get(a.instance_id) if waiting else None
-                    if resident and self._worth_holding(a, len(resident), crowd):
+                    if resident and self._worth_holding(a, len(resident), crowd, now):
                         pin = self._order("pin", a, resident, now, ttl_seconds=a.keep_seconds)
                         out.append(pin)
                         book.pin_ordered(pin, a.session_id, spell, now + a.keep_seconds)

@@ -63,6 +63,7 @@ from app.predict.feature_table import FeatureTable
 from app.predict.features import DeploymentSignals
 from app.predict.predictors import Predictor
 from app.predict.registry import ModelRegistry
+from app.predict.tool_durations import ToolDurations
 from app.state.base import SessionCursor, SessionView, StateStore, cursor_of
 from app.state.rules import retention_cutoff
 from app.state.storethread import Offload
@@ -130,7 +131,8 @@ class Scorer:
         `routes` weighs the advice by where returns land (app/decide/routing.py); `guard`, where the
     advice lost to LRU, hands the scheduler LRU's instead (app/decide/guard.py); `popularity`, which
     context heads other sessions share (never demoted: app/decide/popularity.py); `deployment`,
-    what each kind of signal has been worth here (a fresh one's floor); `observe_seconds`,
+    what each kind of signal has been worth here (a fresh one's floor); `tools`, the tools' run
+    times (a session's call in flight says when it is back); `observe_seconds`,
     when given, is told each model's time to score the page, or the pass (slot, seconds), after its
     advice is recorded (the metrics' latency histogram); `thresholds`, the advisor's (the
     settings'). `every_live`: each tick is a pass over every live session (the module doc), in
@@ -148,6 +150,7 @@ class Scorer:
         routes: SameInstanceEstimate | None = None,
         popularity: PrefixPopularity | None = None,
         deployment: DeploymentSignals | None = None,
+        tools: ToolDurations | None = None,
         observe_seconds: Callable[[str, float], None] | None = None,
         thresholds: Thresholds | None = None,
         guard: LruGuard | None = None,
@@ -169,6 +172,7 @@ class Scorer:
         self.routes = routes
         self.popularity = popularity
         self.deployment = deployment
+        self.tools = tools
         self.observe_seconds = observe_seconds
         self._cursor: SessionCursor | None = None
         # Sessions with news (a request just finished, or a signal came): advised at the next
@@ -244,6 +248,7 @@ class Scorer:
             routes=self.routes,
             popularity=self.popularity,
             deployment=self.deployment,
+            tools=self.tools,
             **self.thresholds.advisor_options(),
         )
 

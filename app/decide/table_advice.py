@@ -133,6 +133,15 @@ def advise_rows(
         if len(views) != len(live):
             raise StoreError("sessions went from the store while their rows were advised")
         p = predictor.p_within(views, now, grid_times)
+    # Rows (positions in `live`) whose tool calls are in flight: their tools' curves, as advise.
+    tooled = np.zeros(len(live), dtype=bool)
+    if advisor.tools is not None and len(live):
+        ids = table.ids_of(live)
+        outlooks = advisor.tool_outlooks(ids, now)
+        if outlooks:
+            tooled = np.fromiter((s in outlooks for s in ids), dtype=bool, count=len(ids))
+            p = np.array(p, dtype=np.float64)
+            p[tooled] = [outlooks[s] for s in ids if s in outlooks]
     grid = np.maximum.accumulate(np.clip(p, 0.0, 1.0), axis=1)
     p_same = advisor.routes.p_same if advisor.routes is not None else 1.0
     grid *= p_same
@@ -145,7 +154,7 @@ def advise_rows(
         p_soon <= 0.0, advisor.lead_seconds, _interp_rows(NEEDED_SHARE * p_soon, xp, fp)
     )
     if advisor.deployment is not None:
-        floored = np.flatnonzero(signalled[idle])
+        floored = np.flatnonzero(signalled[idle] & ~tooled)
         if len(floored):
             ids = table.ids_of(live[floored])
             bound = advisor.deployment.followed_lower_bound

@@ -37,7 +37,7 @@ import bisect
 import math
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,8 @@ PROMOTE_RATIO = 1.5
 CANDIDATES_PER_TRACKED = 4
 # Parallel calls of one session in flight (an agent's parallel tools); more: its oldest expires.
 MAX_RUNS_PER_SESSION = 16
+# Runs of a tool before its distribution speaks for a call in flight (`outlooks`).
+OUTLOOK_MIN_RUNS = 10
 # Below this survival a distribution says nothing about a run (it outlasted every run seen).
 _NO_SURVIVAL = 1e-9
 
@@ -238,6 +240,7 @@ class ToolDurations:
         self._next_id = 0
         self._newest = -math.inf
         self.expired = 0
+        self.measured = 0
         # Bumped when the tracked set changes (the metrics' children follow it).
         self.labels_version = 0
         self._lock = threading.Lock()  # observe() on the store thread, reads on the loop
@@ -298,6 +301,7 @@ class ToolDurations:
         label = self.label(run.tool)
         seconds = ts - run.started_at
         self._times[label].add(seconds)
+        self.measured += 1
         self._returns[label].append(ToolReturn(run.started_at, run.predicted_return_at, ts))
         if self._on_return is not None:
             self._on_return(label, seconds)
@@ -451,6 +455,39 @@ class ToolDurations:
             times = self._times[self.label(run.tool)]
             return times.p_within(seconds, max(now - run.started_at, 0.0))
 
+    def outlooks(
+        self,
+        seconds: Sequence[float],
+        now: float,
+        session_ids: Iterable[str],
+        min_runs: int = OUTLOOK_MIN_RUNS,
+    ) -> dict[str, list[float]]:
+        """For each of `session_ids` with calls in flight: P(back within each of `seconds` of
+        `now`), from its tools' distributions given how long each has run. An agent calls the
+        model again once all of its parallel calls returned, so the chances multiply; and a share
+        of runs never return (the agent stopped: expired), which scales them all. A session is
+        left out when any of its calls has a tool with fewer than `min_runs` runs, or outlasted
+        every run of its tool: there the distribution says nothing."""
+        with self._lock:
+            out: dict[str, list[float]] = {}
+            returned = self.measured / (self.measured + self.expired) if self.measured else 0.0
+            for session_id in session_ids:
+                held = self._sessions.get(session_id)
+                if not held:
+                    continue
+                curve = [returned] * len(seconds)
+                for run_id in held:
+                    run = self._runs[run_id]
+                    times = self._times[self.label(run.tool)]
+                    running = max(now - run.started_at, 0.0)
+                    if times.n < min_runs or times.p_within(0.0, running) is None:
+                        break
+                    for j, t in enumerate(seconds):
+                        curve[j] *= times.p_within(t, running) or 0.0
+                else:
+                    out[session_id] = curve
+            return out
+
     def summaries(self) -> list[ToolSummary]:
         """Every label's figures, tracked tools most frequent first, then `other`."""
         with self._lock:
@@ -481,4 +518,5 @@ class ToolDurations:
                 ],
                 "newest": self._newest,
                 "expired": self.expired,
+                "measured": self.measured,
             }

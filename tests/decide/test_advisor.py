@@ -311,3 +311,43 @@ def test_a_router_that_spreads_returns_prices_a_prefetch_lower_but_does_not_void
     assert a.prefetch and a.p_routed == pytest.approx(routes.p_same)
     assert a.p_soon == pytest.approx(0.9 * routes.p_same) and a.p_back_soon == pytest.approx(0.9)
     assert not advice["b"].prefetch  # not likely back at all: below prefetch_min_p (0.35)
+
+
+def test_a_session_whose_tool_call_is_in_flight_is_advised_by_its_tools_run_times() -> None:
+    """The model (and a signal's floor) read a session as back within seconds; its `build` call,
+    which takes 100 to 200 s here, has run 10 s: nothing to prefetch within the lead, and kept
+    only as surely as the call returns within the keep horizon. Near its usual end the call
+    is back within the lead: prefetched. A session with no call in flight keeps the model's."""
+    from app.predict.features import DeploymentSignals
+    from app.predict.tool_durations import ToolDurations
+    from app.state.base import SignalView
+    from kvprefetch_client.events import SessionSignal
+
+    def signal(session: str, ts: float, kind: str) -> SessionSignal:
+        return SessionSignal(
+            event_id=f"{session}-{kind}-{ts}", ts=ts, session_id=session, kind=kind, tool="build"
+        )
+
+    tools = ToolDurations()
+    for k in range(20):
+        tools.observe([signal(f"x{k}", 10.0 * k, "tool_started")])
+        tools.observe([signal(f"x{k}", 10.0 * k + 100.0 + 5.0 * k, "tool_finished")])
+    tools.observe([signal("s", 990.0, "tool_started")])
+    deployment = DeploymentSignals(window_seconds=1e12)
+    for i in range(40):  # a tool_started signal has always been followed here
+        deployment.signal(f"o{i}", 10.0 * i, "tool_started")
+        deployment.arrival(f"o{i}", 10.0 * i + 3.0)
+    planner = Advisor(Fixed({"s": (0.9, 1.0), "t": (0.9, 1.0)}), tools=tools, deployment=deployment)
+    signalled = [SignalView(ts=990.0, kind="tool_started")]
+    s = view("s", last=980.0).model_copy(update={"signals": signalled})
+    a, b = planner.advise([s, view("t", last=980.0)], 1000.0)
+    build = tools.distribution("build")
+    assert a.p_soon == pytest.approx(build.p_within(planner.lead_seconds, 10.0))
+    assert a.p_soon == 0.0
+    assert not a.prefetch
+    assert a.p_keep == pytest.approx(build.p_within(planner.keep_horizon_seconds, 10.0))
+    assert (b.p_soon, b.prefetch) == (0.9, True)  # the model's own
+    (late,) = planner.advise([s], 990.0 + 180.0)
+    assert late.p_soon == pytest.approx(build.p_within(planner.lead_seconds, 180.0))
+    assert late.p_soon > 0.5
+    assert late.prefetch and 0.0 < late.needed_in_seconds < planner.lead_seconds

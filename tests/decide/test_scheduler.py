@@ -671,3 +671,41 @@ def test_where_pins_hold_room_a_prefetch_is_held_through_its_lead_alone() -> Non
         cand = replace(advice("s", [0, 1], p_keep=0.6, retention="keep"), prefetch=True)
         [order] = prefetches(tick(sched, [cand], 0.0).orders)
         assert order.ttl_seconds == held
+
+
+def test_a_pin_of_a_context_whose_tool_call_outlasts_its_reload_is_not_worth_a_queue() -> None:
+    """Holding against reloading, priced: a pin just worth the calls waiting for its room when
+    the session may be back at any moment is worth nothing when its tool call (runs of 100 s and
+    more, 1 s in) will outlast a reload started now: the context can leave and come back before
+    the call returns. A call just started that returns within the reload (a fraction of a
+    millisecond for two blocks here) keeps its pin."""
+    from app.predict.tool_durations import ToolDurations
+    from kvprefetch_client.events import SessionSignal
+
+    def signal(session: str, ts: float, kind: str, tool: str) -> SessionSignal:
+        return SessionSignal(
+            event_id=f"{session}-{kind}-{ts}", ts=ts, session_id=session, kind=kind, tool=tool
+        )
+
+    tools = ToolDurations()
+    for k in range(20):
+        for tool, seconds in (("build", 100.0 + k), ("echo", 1e-5)):
+            tools.observe([signal(f"{tool}{k}", 10.0 * k, "tool_started", tool)])
+            tools.observe([signal(f"{tool}{k}", 10.0 * k + seconds, "tool_finished", tool)])
+    keep = advice("k", [1, 2], p_soon=0.1, p_keep=0.6, retention="keep")
+    reload_seconds = Scheduler(store_with(free_bytes={}), config()).room.stall_avoided(
+        "pool", 2, 2 * BLOCK_BYTES
+    )
+    # One call waiting on an instance this large: the pin holds it 1/2 of the reload it saves.
+    total_blocks = round(2 * 300.0 / (0.6 * reload_seconds / 2))
+    for tool, since, pinned in ((None, 0.0, True), ("build", 999.0, False), ("echo", 1000.0, True)):
+        if tool is not None:
+            tools.observe([signal("k", since, "tool_started", tool)])
+            assert tools.outlooks((reload_seconds,), 1000.0, ["k"]), tool
+        store = store_with(free_bytes={"gpu-0": 0}, hbm={"gpu-0": [1, 2]})
+        crowd(store, "gpu-0", 1, total_blocks, ts=0.0)
+        sched = Scheduler(store, config(pins_hold_room=True), tools=tools)
+        plan = tick(sched, [keep], 1000.0)
+        assert [o.kind for o in plan.orders] == (["pin"] if pinned else []), tool
+        if tool is not None:
+            tools.observe([signal("k", 1000.5, "tool_finished", tool)])

@@ -27,6 +27,7 @@ from app.observe.ledger import AdviceLedger
 from app.predict.features import SESSION_FEATURES
 from app.predict.predictors import LearnedPredictor
 from app.predict.registry import ModelRegistry, Serving
+from app.predict.tool_durations import ToolDurations
 from app.state import MemoryStore
 from app.state.base import StateStore
 from app.state.redis import RedisStore
@@ -115,6 +116,19 @@ def mixed_events(n: int, seed: int) -> list[Event]:
     return out
 
 
+def tool_runs(n: int, start: float) -> list[Event]:
+    """`n` finished runs of `bash`, 2 to 40 s long, by other sessions."""
+    out = []
+    for k in range(n):
+        t, sid = start + 60.0 * k, f"agent{k}"
+        out.append(ev("session_signal", t, session_id=sid, kind="tool_started", tool="bash"))
+        seconds = 2.0 + 38.0 * k / (n - 1)
+        out.append(
+            ev("session_signal", t + seconds, session_id=sid, kind="tool_finished", tool="bash")
+        )
+    return out
+
+
 class Floors:
     """A deployment whose signals are worth a fixed chance per kind (the advisor's floor)."""
 
@@ -171,9 +185,19 @@ def check_parity(store: StateStore, model: LearnedPredictor) -> None:
     store.apply(mixed_events(120, seed=7))
     # Thresholds the bundled model's chances on these sessions fall on both sides of.
     thresholds = Thresholds(keep_min_p=0.14, demote_max_p=0.02, prefetch_min_p=0.2)
-    scorer, ledger = scorer_for(store, model, chunk_sessions=32, thresholds=thresholds)
+    tools = ToolDurations()
+    scorer, ledger = scorer_for(store, model, chunk_sessions=32, thresholds=thresholds, tools=tools)
+    # Tool calls in flight for a few idle sessions (some signalled too): their tools' curves
+    # stand for the model's on both paths.
+    tools.observe(tool_runs(20, NOW - 3000.0))
+    tooled = [f"s{i}" for i in range(120) if i % 10 in (0, 3)]
+    tools.observe(
+        ev("session_signal", NOW - 4.0, session_id=s, kind="tool_started", tool="bash")
+        for s in tooled
+    )
     scorer.tick()
     advisor = scorer._advisor(model)
+    assert advisor.tool_outlooks(tooled, NOW).keys() == set(tooled)
     for now in (NOW, NOW + 7.5, NOW + 200.0):
         table = table_path_advice(scorer, advisor, now)
         views = view_path_advice(scorer, advisor, now)

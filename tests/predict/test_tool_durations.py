@@ -19,6 +19,7 @@ from app.predict.tool_durations import (
     CANDIDATES_PER_TRACKED,
     MAX_RUNS_PER_SESSION,
     OTHER_TOOL,
+    OUTLOOK_MIN_RUNS,
     RunTimes,
     ToolDurations,
 )
@@ -302,3 +303,43 @@ def test_the_engine_online_and_the_log_replayed_offline_keep_the_same_state(
     for e in events:
         single.observe([e])
     assert single.state() == online
+
+
+# -- outlooks: when a session with calls in flight is back ---------------------------------------
+
+
+def test_a_sessions_outlook_is_its_tools_conditional_chances_multiplied() -> None:
+    """An agent calls the model once every parallel call returned: the chances multiply; the
+    distributions are conditioned on the time each call has run; and the share of runs that
+    never returned scales the curve."""
+    tools = ToolDurations()
+    tools.observe(runs("bash", [float(s) for s in range(1, 21)], t0=0.0))  # 1..20 s
+    tools.observe(runs("grep", [float(s) for s in range(3, 15)], t0=0.0))  # 3..14 s
+    tools.observe([started("a", 100.0), started("b", 100.0), started("b", 100.0, "grep")])
+    times = (1.0, 5.0, 30.0)
+    out = tools.outlooks(times, 104.0, ["a", "b", "idle"])
+    assert out.keys() == {"a", "b"}  # no call in flight: no outlook
+    bash = tools.distribution("bash")
+    expected = [bash.p_within(t, 4.0) for t in times]
+    assert out["a"] == pytest.approx(expected)
+    grep = tools.distribution("grep")
+    assert out["b"] == pytest.approx([e * grep.p_within(t, 4.0) for e, t in zip(expected, times)])
+    assert out["a"][-1] == pytest.approx(1.0)  # every bash run seen ended within 24 s
+    # One run in four never returned (the agent stopped): every chance scales by 3/4.
+    tools.observe([started(f"gone{k}", 101.0, "ls") for k in range(11)])
+    tools.observe(
+        [SessionClosed(event_id=f"c{k}", ts=102.0, session_id=f"gone{k}") for k in range(11)]
+    )
+    assert tools.outlooks(times, 104.0, ["a"])["a"] == pytest.approx(
+        [p * 32 / 43 for p in expected]
+    )
+
+
+def test_a_tool_with_few_runs_or_a_call_past_every_run_has_no_outlook() -> None:
+    tools = ToolDurations()
+    tools.observe(runs("bash", [2.0] * (OUTLOOK_MIN_RUNS - 1)))
+    tools.observe([started("a", 100.0)])
+    assert tools.outlooks((1.0,), 101.0, ["a"]) == {}  # too few runs to go by
+    tools.observe(runs("bash", [2.0], t0=50.0))
+    assert tools.outlooks((1.0,), 101.0, ["a"])["a"] == [pytest.approx(1.0)]
+    assert tools.outlooks((1.0,), 103.0, ["a"]) == {}  # outlasted every run seen
