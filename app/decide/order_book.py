@@ -590,11 +590,19 @@ class OrderBook:
         *,
         routed_to: str | None = None,
         block_hashes: Sequence[BlockHash] | None = None,
-    ) -> None:
+        release_pin: bool = False,
+    ) -> list[Cancel]:
         """The session is active again (routed to `routed_to`, its prompt's `block_hashes` when
         the router names them) or closed. The landed blocks its request names at `routed_to` are
         used; without the blocks, those of the prefetches landed there for it. An order moving
-        its context to where it was routed is used by that request, not wasted."""
+        its context to where it was routed is used by that request, not wasted. With
+        `release_pin`, a pin of its context not lapsed yet is released: returns its Cancel."""
+        r = self._retention.get(session_id)
+        cancels = (
+            [Cancel(order_id=r.order_id, reason="its session is back or closed")]
+            if release_pin and r is not None and r.kind == "pin" and r.until > self._now
+            else []
+        )
         self._drop_retention(session_id)
         self._retention_due.pop(session_id, None)
         standing = list(self._standing_for.get(session_id, ()))
@@ -614,6 +622,7 @@ class OrderBook:
             e = self._open.get(order_id)
             if e is not None and routed_to == e.order.instance_id:
                 e.used = True
+        return cancels
 
     def on_progress(self, order_id: str, status: str, nbytes: int | None = None) -> None:
         """An order_progress event (`nbytes`: the bytes a completion reports moved); unknown ids

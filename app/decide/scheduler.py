@@ -210,14 +210,25 @@ class Scheduler:
         *,
         routed_to: str | None = None,
         block_hashes: Sequence[BlockHash] | None = None,
+        release_pin: bool = True,
     ) -> None:
         """The session is active again (routed to `routed_to`, with its prompt's `block_hashes`
         when the router names them) or closed: its advice is void. What landed there for it, and
-        an order moving its context there, are used by that request, not wasted."""
+        an order moving its context there, are used by that request, not wasted. Its pin, which
+        held the context for this return, is released with the next plan (`release_pin`): the
+        engine holds what a running request uses, and a pin left to its TTL where the return
+        did not land keeps room from every call there (issue 28)."""
         self._latest.pop(session_id, None)
         self._candidates.pop(session_id, None)
         self._fresh.pop(session_id, None)
-        self.book.forget(session_id, routed_to=routed_to, block_hashes=block_hashes)
+        self._carried[0].extend(
+            self.book.forget(
+                session_id,
+                routed_to=routed_to,
+                block_hashes=block_hashes,
+                release_pin=release_pin,
+            )
+        )
 
     def withdraw(
         self,
@@ -405,7 +416,7 @@ class Scheduler:
                 break  # oldest first: the rest are fresher
             stale.append(session_id)
         for session_id in stale:
-            self.forget(session_id)
+            self.forget(session_id, release_pin=False)  # its pin's TTL stands
 
     def _waiting_calls(self) -> dict[str, tuple[int, int]]:
         """Per instance with calls queued: (how many, its KV bytes), from its instance_status."""
