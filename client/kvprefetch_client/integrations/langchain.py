@@ -32,7 +32,7 @@ from kvprefetch_client.integrations._signal_sender import CLOSE_TIMEOUT_SECONDS,
 DEFAULT_METADATA_KEYS = ("session_id", "thread_id")
 # Tools started and not yet finished that the handler remembers (on_tool_end names neither the
 # tool nor the session, only the run id); past this the oldest are forgotten, unsent.
-DEFAULT_MAX_OPEN_TOOLS = 10_000
+MAX_OPEN_TOOLS = 10_000
 
 
 class KvpCallbackHandler(BaseCallbackHandler):
@@ -57,15 +57,11 @@ class KvpCallbackHandler(BaseCallbackHandler):
         token: str | None = None,
         session_id: str | None = None,
         metadata_keys: Sequence[str] = DEFAULT_METADATA_KEYS,
-        max_open_tools: int = DEFAULT_MAX_OPEN_TOOLS,
     ) -> None:
         super().__init__()
-        if max_open_tools < 1:
-            raise ValueError("max_open_tools must be at least 1")
         self.sender = SignalSender(client, base_url, token, "langchain")
         self.session_id = session_id
         self.metadata_keys = tuple(metadata_keys)
-        self._max_open_tools = max_open_tools
         # run id -> (session id, tool): tools run on several threads at once in LangGraph.
         self._open: OrderedDict[UUID, tuple[str, str | None]] = OrderedDict()
         self._lock = threading.Lock()
@@ -126,7 +122,7 @@ class KvpCallbackHandler(BaseCallbackHandler):
                 return
             with self._lock:
                 self._open[run_id] = (session, tool)
-                while len(self._open) > self._max_open_tools:
+                while len(self._open) > MAX_OPEN_TOOLS:
                     self._open.popitem(last=False)
         except Exception as exc:
             self.sender.hook_failed("on_tool_start", exc)

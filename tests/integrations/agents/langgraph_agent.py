@@ -4,8 +4,12 @@ GenericFakeChatModel) asks for two tools at once, then for one that fails, then 
 tools run in LangGraph's ToolNode. Prints what the run produced as JSON, and with --kvp-url the
 handler's counters after close(), so that a run with kvprefetch can be compared with one without.
 
-    python langgraph_agent.py [--kvp-url URL] [--session-via thread_id|metadata|none]
-                              [--session S] [--mode sync|async] [--close-timeout SECONDS]
+    python langgraph_agent.py [--kvp-url URL] [--session S] [--mode sync|async]
+                              [--session-via thread_id|metadata|none] [--close-timeout SECONDS]
+
+--session-via: the session id as LangGraph's thread_id, or as the run's metadata `session_id`
+(under another thread_id), or nowhere the handler looks. After the run, the handler's typing()
+is called as a chat backend would when its UI reports typing.
 """
 
 from __future__ import annotations
@@ -90,7 +94,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kvp-url")
     parser.add_argument("--session", default="lg-session")
-    parser.add_argument("--session-via", choices=["thread_id", "metadata", "none"])
+    parser.add_argument(
+        "--session-via", choices=["thread_id", "metadata", "none"], default="thread_id"
+    )
     parser.add_argument("--mode", choices=["sync", "async"], default="sync")
     parser.add_argument("--close-timeout", type=float, default=1.0)
     args = parser.parse_args()
@@ -117,6 +123,7 @@ def main() -> None:
 
     out: dict[str, Any] = {"messages": [described(m) for m in state["messages"]]}
     if handler is not None:
+        handler.typing(args.session)
         delivered = handler.close(args.close_timeout)
         stats = handler.sender.client.stats
         out["kvp"] = {

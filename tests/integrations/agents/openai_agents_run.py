@@ -4,8 +4,12 @@ answering from a script, no network) asks for two tools at once, then for one th
 answers. Prints what the run produced as JSON, and with --kvp-url the hooks' counters after
 close(), so that a run with kvprefetch can be compared with one without.
 
-    python openai_agents_run.py [--kvp-url URL] [--session-via context|group_id|none]
-                                [--session S] [--close-timeout SECONDS]
+    python openai_agents_run.py [--kvp-url URL] [--session S] [--close-timeout SECONDS]
+                                [--session-via context|group_id|none|broken]
+
+--session-via: the session id in the run's context (a dict), or as the run config's group_id,
+or nowhere the hooks look, or from a `session_id_from` that raises. After the run, the hooks'
+typing() is called as a chat backend would when its UI reports typing.
 """
 
 from __future__ import annotations
@@ -108,11 +112,19 @@ def described(item: Any) -> dict[str, Any]:
     }
 
 
+def broken(context: Any) -> str:
+    raise KeyError("session_id")
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     hooks = None
     if args.kvp_url:
         key = "nothing" if args.session_via == "none" else "session_id"
-        hooks = KvpRunHooks(base_url=args.kvp_url, context_key=key)
+        hooks = KvpRunHooks(
+            base_url=args.kvp_url,
+            context_key=key,
+            session_id_from=broken if args.session_via == "broken" else None,
+        )
     agent = Agent(
         name="assistant",
         instructions="Find out why the build fails.",
@@ -134,6 +146,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "items": [described(i) for i in result.new_items],
     }
     if hooks is not None:
+        hooks.typing(args.session)
         delivered = hooks.close(args.close_timeout)
         stats = hooks.sender.client.stats
         out["kvp"] = {
@@ -152,7 +165,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kvp-url")
     parser.add_argument("--session", default="oa-session")
-    parser.add_argument("--session-via", choices=["context", "group_id", "none"], default="context")
+    parser.add_argument(
+        "--session-via", choices=["context", "group_id", "none", "broken"], default="context"
+    )
     parser.add_argument("--close-timeout", type=float, default=1.0)
     args = parser.parse_args()
     set_tracing_disabled(True)  # no trace is exported anywhere
