@@ -90,3 +90,12 @@ def test_kvprefetch_down_the_agent_runs_as_without_it(mode: str, how: str) -> No
     assert out["kvp"]["sent"] == 0
     assert out["kvp"]["queued"] == sum(SIGNALS.values())
     assert out["kvp"]["hook_errors"] == out["kvp"]["signal_errors"] == 0
+
+
+def test_tools_left_open_are_bounded() -> None:
+    """A tool whose end never comes is forgotten once MAX_OPEN_TOOLS newer ones are open: its
+    end, if it comes after all, sends nothing (the service expires the start)."""
+    with unreachable("refused") as url:
+        out = run_script("langchain_open_tools.py", url)
+    # Every start, and the end of the last run only.
+    assert out["queued"] == out["max_open_tools"] + 2
