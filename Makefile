@@ -25,12 +25,14 @@ TEST_WORKERS ?= 2
 
 # The dashboard's browser test needs Debian's chromium, the /metrics test promtool (Debian's
 # prometheus package), the LMCache sink's tests a real coordinator (its own venv, .venv-lmcache),
-# the Mooncake tier's a real master and store (Debian's libibverbs1, the wheel in the venv):
-# each installed first when missing (needs root for apt), a failure where it can't be.
+# the Mooncake tier's a real master and store (Debian's libibverbs1, the wheel in the venv), the
+# LiteLLM plug-in's a real proxy (its own venv, .venv-litellm): each installed first when missing
+# (needs root for apt), a failure where it can't be.
 test: $(STAMP) lint
 	bash .ci/ensure-chromium
 	bash .ci/ensure-promtool
 	bash .ci/ensure-lmcache
+	bash .ci/ensure-litellm
 	VENV=$(VENV) bash .ci/ensure-mooncake
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
@@ -58,4 +60,4 @@ model: $(STAMP)
 	$(PY) -m training.bundle --out models/default
 
 clean:
-	rm -rf $(VENV) .venv-lmcache var .pytest_cache
+	rm -rf $(VENV) .venv-lmcache .venv-litellm var .pytest_cache
