@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test lint bench model install clean demo compose-check
+.PHONY: run test lint bench model install clean demo demo-litellm compose-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,12 @@ lint: $(STAMP)
 # dashboard URL and watch it fill. Ctrl-C stops both. DEMO_SPEED, DEMO_TRACE: see deploy/demo.sh.
 demo: $(STAMP)
 	VENV=$(VENV) bash deploy/demo.sh
+
+# A LiteLLM proxy with the kvprefetch plug-in before two stub servers: three sessions reported,
+# one steered by its route hint (deploy/litellm_demo.py).
+demo-litellm: $(STAMP)
+	bash .ci/ensure-litellm
+	PYTHONPATH=. $(PY) deploy/litellm_demo.py
 
 # `docker compose config` on docker-compose.yml, no engine needed (fetches Compose v2 if missing).
 compose-check:

@@ -68,8 +68,9 @@ class KvprefetchLogger(CustomLogger):
         steer: False reports events only and never asks for a hint.
         hint_budget_seconds: the most a request waits for its hint.
         min_gain_seconds: narrow only when the pick starts this much sooner than the next.
-        hint_pause_seconds: after a hint fails (timeout, refused, an error answer), ask for no
-            hint for this long, so a down service costs one budget per pause, not per request.
+        hint_pause_seconds: after `hint_failures_to_pause` hints in a row fail (timeout,
+            refused, an error answer), ask for none for this long, so a down or hung service
+            costs a few budgets per pause, not one per request.
         max_queue_events: the event queue's bound (the oldest go first when it is full).
     """
 
@@ -84,6 +85,7 @@ class KvprefetchLogger(CustomLogger):
         hint_budget_seconds: float = 0.03,
         min_gain_seconds: float = 0.0,
         hint_pause_seconds: float = 5.0,
+        hint_failures_to_pause: int = 3,
         max_queue_events: int = 10_000,
         batch_size: int = 200,
         flush_interval_seconds: float = 0.05,
@@ -99,6 +101,8 @@ class KvprefetchLogger(CustomLogger):
         self.hint_budget_seconds = hint_budget_seconds
         self.min_gain_seconds = min_gain_seconds
         self.hint_pause_seconds = hint_pause_seconds
+        self.hint_failures_to_pause = hint_failures_to_pause
+        self._failed_in_a_row = 0
         self._new_client = functools.partial(
             KvpClient,
             self.url,
@@ -284,10 +288,15 @@ class KvprefetchLogger(CustomLogger):
             answer = response.json()
             if not isinstance(answer, Mapping):
                 raise RuntimeError("POST /v1/route-hint answered no object")
+            self._failed_in_a_row = 0
             return answer
         except Exception as exc:
             self.hints_failed += 1
-            self._hints_paused_until = time.monotonic() + self.hint_pause_seconds
+            # One slow answer (a cold connection, a busy moment) is no outage.
+            self._failed_in_a_row += 1
+            if self._failed_in_a_row >= self.hint_failures_to_pause:
+                self._failed_in_a_row = 0
+                self._hints_paused_until = time.monotonic() + self.hint_pause_seconds
             self.failures.note("the route hint", exc)
             return None
 
