@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test lint bench model install clean demo compose-check
+.PHONY: run test lint bench model install clean demo demo-litellm compose-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,13 +26,15 @@ TEST_WORKERS ?= 2
 # The dashboard's browser test needs Debian's chromium, the /metrics test promtool (Debian's
 # prometheus package), the LMCache sink's tests a real coordinator (its own venv, .venv-lmcache),
 # the Mooncake tier's a real master and store (Debian's libibverbs1, the wheel in the venv), the
-# agent integrations' LangGraph and the OpenAI Agents SDK (their own venv, .venv-agents):
-# each installed first when missing (needs root for apt), a failure where it can't be.
+# agent integrations' LangGraph and the OpenAI Agents SDK (their own venv, .venv-agents), the
+# LiteLLM plug-in's a real proxy (its own venv, .venv-litellm): each installed first when
+# missing (needs root for apt), a failure where it can't be.
 test: $(STAMP) lint
 	bash .ci/ensure-chromium
 	bash .ci/ensure-promtool
 	bash .ci/ensure-lmcache
 	bash .ci/ensure-agents
+	bash .ci/ensure-litellm
 	VENV=$(VENV) bash .ci/ensure-mooncake
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
@@ -47,6 +49,12 @@ lint: $(STAMP)
 demo: $(STAMP)
 	VENV=$(VENV) bash deploy/demo.sh
 
+# A LiteLLM proxy with the kvprefetch plug-in before two stub servers: three sessions reported,
+# one steered by its route hint (deploy/litellm_demo.py).
+demo-litellm: $(STAMP)
+	bash .ci/ensure-litellm
+	PYTHONPATH=. $(PY) deploy/litellm_demo.py
+
 # `docker compose config` on docker-compose.yml, no engine needed (fetches Compose v2 if missing).
 compose-check:
 	bash .ci/compose-config --quiet
@@ -60,4 +68,4 @@ model: $(STAMP)
 	$(PY) -m training.bundle --out models/default
 
 clean:
-	rm -rf $(VENV) .venv-lmcache .venv-agents var .pytest_cache
+	rm -rf $(VENV) .venv-lmcache .venv-agents .venv-litellm var .pytest_cache

@@ -13,12 +13,13 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "client" / "kvprefetch_client"
 ALLOWED = {"kvprefetch_client", "pydantic", "httpx", "orjson"}
 # Imported inside functions only, so that the package imports without the extra installed.
-LAZY_ALLOWED = {"redis", "mooncake"}
+LAZY_ALLOWED = {"redis", "mooncake", "uhashring", "vllm_router"}
 # An integration's module subclasses its framework's classes, so imports it at module level; the
 # framework is that integration's extra, and nothing else in the package imports the module.
 INTEGRATION_ALLOWED = {
     "integrations/langchain.py": {"langchain_core"},
     "integrations/openai_agents.py": {"agents"},
+    "integrations/litellm.py": {"litellm"},
 }
 
 
