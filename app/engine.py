@@ -59,7 +59,7 @@ from app.observe.timeline import LandedPrefetches, MeasuredStall, Timeline, capa
 from app.predict.features import DeploymentSignals
 from app.predict.registry import ModelRegistry
 from app.predict.retrain import Retrainer
-from app.predict.tool_durations import ToolDurations
+from app.predict.tool_durations import tool_durations_for
 from app.state import MemoryStore, StateStore, build_store
 from app.state.base import LogPosition, SessionView
 from app.state.storethread import StoreHealth, StoreThread
@@ -185,22 +185,19 @@ class Engine:
         # Whether this deployment sends signals (the models' deployment features): told each
         # accepted batch at ingest, in the store's order, as training replays a log.
         self.deployment = DeploymentSignals()
+        self.metrics = Metrics(
+            gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir()
+        )
+        # Each tool's run times and the tool calls in flight, from the agents' signals (the
+        # models' tool features).
+        self.tools = tool_durations_for(settings, on_return=self.metrics.tool_returned)
         self.models = ModelRegistry(
             settings.model_dir if load_model else None,
             settings.shadow_model_dir,
             ledger=self.ledger,
             models_root=settings.models_root_dir,
             deployment=self.deployment,
-        )
-        self.metrics = Metrics(
-            gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir()
-        )
-        # Each tool's run times and the tool calls in flight, from the agents' signals.
-        self.tools = ToolDurations(
-            tracked=settings.tools_tracked,
-            max_run_seconds=settings.tool_max_run_seconds,
-            max_in_flight=settings.tools_max_in_flight,
-            on_return=self.metrics.tool_returned,
+            tools=self.tools,
         )
         self.metrics.bind(
             scheduler=self.scheduler,
