@@ -151,7 +151,7 @@ def rows_from_events(
             if accepted:  # the ingest tells them accepted events only
                 if deployment_at is None:
                     deployment.observe([events[i]])
-                if tools is not None:
+                if tools is not None and tools_at is None:
                     tools.observe([events[i]])
             i += 1
             if applied is not None and i % report_every == 0:

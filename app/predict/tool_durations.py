@@ -285,6 +285,15 @@ class ToolDurations:
                     for run_id in list(self._sessions[e.session_id]):
                         self._drop(run_id)
 
+    def advance(self, ts: float) -> None:
+        """Event time has reached `ts`: the runs `observe` would have expired by an event at `ts`
+        expire (a replay that skips the events that do not concern tools: training/fleet.py)."""
+        with self._lock:
+            if ts > self._newest:
+                self._newest = ts
+                if self._runs:
+                    self._expire()
+
     def _started(self, session_id: str, tool: str | None, ts: float) -> None:
         label = self._count(tool)
         if ts < self._newest - self.max_run_seconds:
