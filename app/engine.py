@@ -59,7 +59,7 @@ from app.observe.timeline import LandedPrefetches, MeasuredStall, Timeline, capa
 from app.predict.features import DeploymentSignals
 from app.predict.registry import ModelRegistry
 from app.predict.retrain import Retrainer
-from app.predict.tool_durations import ToolDurations
+from app.predict.tool_durations import tool_durations_for
 from app.state import MemoryStore, StateStore, build_store
 from app.state.base import LogPosition, SessionView
 from app.state.storethread import StoreHealth, StoreThread
@@ -160,13 +160,9 @@ class Engine:
         self.metrics = Metrics(
             gpu_hour_price_dollars=settings.gpu_hour_price, multiprocess=multiprocess_dir()
         )
-        # Each tool's run times and the tool calls in flight, from the agents' signals.
-        self.tools = ToolDurations(
-            tracked=settings.tools_tracked,
-            max_run_seconds=settings.tool_max_run_seconds,
-            max_in_flight=settings.tools_max_in_flight,
-            on_return=self.metrics.tool_returned,
-        )
+        # Each tool's run times and the tool calls in flight, from the agents' signals (the
+        # models' tool features, the advice of a session whose call is in flight, its pin's price).
+        self.tools = tool_durations_for(settings, on_return=self.metrics.tool_returned)
         self.scheduler = Scheduler(
             self.store,
             SchedulerConfig.from_cluster(
@@ -202,6 +198,7 @@ class Engine:
             ledger=self.ledger,
             models_root=settings.models_root_dir,
             deployment=self.deployment,
+            tools=self.tools,
         )
         self.metrics.bind(
             scheduler=self.scheduler,

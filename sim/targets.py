@@ -21,8 +21,9 @@ shared compute, hard pins), with exact tool signals from a share of the sessions
 published agent policies (sim/agent_policies.py). There the seed draws the trace itself
 (`AgentWorkload(seed=...)`) and the instrumented sessions, so every policy is replayed under
 every seed, the same draws for all (paired), and each is judged on every request (no model saw
-these traces). `light` is the generator's default load; `loaded`, three times the tasks in the
-same time, where prefill takes a substantial share of the GPU (`prefill_gpu_share`).
+these traces: the bundled model's agent tasks are drawn from seeds 1000 and up,
+training/bundle.py). `light` is the generator's default load; `loaded`, three times the tasks in
+the same time, where prefill takes a substantial share of the GPU (`prefill_gpu_share`).
 """
 
 from __future__ import annotations
@@ -271,7 +272,7 @@ def replay_unit(
         policy=unit.policy,
         router=case.router,
         model_dir=model_dir,
-        # No model saw a generated agent-task trace: every (whole) task is judged.
+        # No model saw these draws (the bundle trains on seeds 1000 and up): every task is judged.
         measure_from_seconds=0.0
         if case.trace in AGENT_TASKS
         else judged_from_seconds(requests, TRAIN_FRACTION),

@@ -11,11 +11,19 @@ features (app/predict/features.py, DeploymentSignals) tell the two kinds of log 
 with no signals in their deployment train one model, the others another, and the two are joined
 into one model.txt that picks by those features (SPLIT_BY). The rest
 of each trace is left for judging (training/evaluate.py).
+
+Beside them, generated agent tasks (sim/workloads.py, `agent_trace`), so the tool features
+(app/predict/tool_durations.py, TOOL_FEATURES) are learned from calls whose tools signal their
+start and finish: one trace per AGENT_SEEDS seed, its first `train_fraction` by time, replayed
+closed-loop in the `agents` scenario with AGENT_TOOL_SHARE of its sessions instrumented (they go
+to the signalled part). The seeds (1000 and up) are disjoint from the ones `kvprefetch targets`
+judges its agent-task traces on (sim/targets.py: 0 to 3), so no judged draw is trained on.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import tempfile
 import time
@@ -28,7 +36,8 @@ from app.ingest.eventlog import encode_events
 from sim.replay import replay
 from sim.scenario import load_scenario
 from sim.signals import with_signals
-from sim.traces import load_trace
+from sim.traces import TraceRequest, load_trace
+from sim.workloads import AgentWorkload, agent_trace
 from training.dataset import build_dataset
 from training.evaluate import judged_from_seconds
 from training.train import save_model, train_split
@@ -48,6 +57,20 @@ SIGNAL_SETTINGS_PER_TRACE = len(COVERAGES)
 # feature (training/train.py, train_split): the signalled logs cannot move what the model says
 # where no signals come, which is then the model trained on the plain logs alone.
 SPLIT_BY = ("deployment_signals_per_arrival", 1e-9)
+# Generated agent-task traces (the generator's defaults), one per seed: disjoint from the seeds
+# `kvprefetch targets` draws its judged agent traces from (0 to 3).
+AGENT_SEEDS = (1000, 1001)
+# Of an agent trace's sessions, the share whose tool calls are signalled (as an instrumented
+# framework would: sim/signals.py `tools`).
+AGENT_TOOL_SHARE = 0.8
+AGENT_SCENARIO = "agents"
+
+
+def agent_head(seed: int, train_fraction: float) -> list[TraceRequest]:
+    """The generated agent trace of `seed`, its first `train_fraction` by time."""
+    trace = agent_trace(AgentWorkload(seed=seed))
+    cut = judged_from_seconds(trace, train_fraction)
+    return [r for r in trace if r.arrival_seconds < cut]
 
 
 def signal_settings(trace_index: int, seed: int = 0) -> list[dict[str, float | int]]:
@@ -98,6 +121,21 @@ def build(
                     total["followed"] += counts["followed"]
                 frames.append(data)
                 logs_used.append({"log": log.name, "signals": setting})
+        agents = load_scenario(AGENT_SCENARIO)
+        for agent_seed in AGENT_SEEDS:
+            tools = {"tools": AGENT_TOOL_SHARE, "seed": agent_seed}
+            scen = agents.model_copy(update={"signals": with_signals(agents.signals, tools)})
+            head = agent_head(agent_seed, train_fraction)
+            result = replay(head, scen, policy="none", router="sticky", keep_events=True)
+            log = Path(tmp) / f"agent-tasks.{agent_seed}.jsonl"
+            log.write_bytes(encode_events(result.events))
+            data = build_dataset([log])
+            for kind, counts in data.attrs["signals"].items():
+                total = signals.setdefault(kind, {"signals": 0, "followed": 0})
+                total["signals"] += counts["signals"]
+                total["followed"] += counts["followed"]
+            frames.append(data)
+            logs_used.append({"log": log.name, "agent_seed": agent_seed, "signals": tools})
         dataset = pd.concat(frames, ignore_index=True)
         dataset.attrs["signals"] = signals
         model = train_split(dataset, *SPLIT_BY, seed=seed)
@@ -107,6 +145,12 @@ def build(
         extra={
             "trained_on": {
                 "traces": list(TRACE_FILES),
+                # Generated (sim/workloads.py's defaults), replayed closed-loop in this scenario.
+                "agent_traces": {
+                    "seeds": list(AGENT_SEEDS),
+                    "scenario": AGENT_SCENARIO,
+                    "tool_share": AGENT_TOOL_SHARE,
+                },
                 "train_fraction": train_fraction,
                 "scenario": scenario.name,
                 "router": "sticky",
@@ -129,7 +173,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     path = build(args.out, args.traces, args.train_fraction, args.seed)
-    print(f"wrote {path}/model.txt and card.json")
+    card = json.loads((path / "card.json").read_text())
+    rows = card["data"]["rows_train"] + card["data"]["rows_valid"]
+    seconds = card["trained_on"]["build_seconds"]
+    print(f"wrote {path}/model.txt and card.json: {rows} rows, {seconds} s")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,10 @@ finishes, and again while the session stays idle (CHECKPOINTS after the finish),
 chance of a return changes as the silence grows; and when a session_signal comes, and a few
 seconds after it (SIGNAL_CHECKPOINTS), because a signal's worth is in its first seconds.
 
+The deployment's signals (DeploymentSignals) and its tool run times (ToolDurations, built from the
+same KVP_TOOLS_* settings as the service's) are told each accepted event in the same order as the
+service's ingest tells them, so the deployment and tool features are the service's too.
+
 The label of a row is whether the session's next request arrives within the row's horizon. A row
 whose horizon reaches past the end of its log is dropped (its answer is unknown: censored).
 """
@@ -22,6 +26,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from app.core.config import Settings
 from app.core.errors import EventLogError
 from app.ingest.eventlog import read_events
 from app.predict.features import (
@@ -30,7 +35,9 @@ from app.predict.features import (
     SIGNAL_FOLLOW_SECONDS,
     DeploymentSignals,
     session_features,
+    tool_features,
 )
+from app.predict.tool_durations import ToolDurations, tool_durations_for
 from app.state import MemoryStore
 from kvprefetch_client.events import Event, RequestFinished, RequestRouted, SessionSignal
 
@@ -51,6 +58,8 @@ HORIZONS: tuple[float, ...] = (15.0, 60.0, 180.0, 600.0)
 REPORTS_PER_LOG = 200
 # progress(task, done, total): total is None while unknown (training/progress.py draws it).
 Progress = Callable[[str, int, "int | None"], None]
+# tools_at(session_id, ts, horizons): a session's TOOL_FEATURES after the log's events up to ts.
+ToolsAt = Callable[[str, float, Sequence[float]], list[list[float]]]
 
 META_COLUMNS = (
     "log",
@@ -93,13 +102,17 @@ def rows_from_events(
     applied: Callable[[int], None] | None = None,
     span: tuple[float, float] | None = None,
     deployment_at: Callable[[float], list[float]] | None = None,
+    tools: ToolDurations | None = None,
+    tools_at: ToolsAt | None = None,
 ) -> pd.DataFrame:
     """`applied(n)`, when given, hears now and then how many events the replay has applied.
+    `tools`: a fresh ToolDurations to feed (default: of the KVP_TOOLS_* settings, as the
+    service's).
 
     A shard of a log (training/fleet.py: some sessions' events only) gives the whole log's
-    `span` (first, last event ts: the time fractions and the censoring) and `deployment_at(ts)`,
-    the whole log's DEPLOYMENT_FEATURES after its events up to ts (a shard's are not the
-    deployment's)."""
+    `span` (first, last event ts: the time fractions and the censoring), `deployment_at(ts)`,
+    the whole log's DEPLOYMENT_FEATURES after its events up to ts, and `tools_at`, its
+    TOOL_FEATURES (a shard's are not the deployment's: its tools' runs are everyone's)."""
     arrivals: dict[str, list[tuple[float, str]]] = defaultdict(list)
     for e in events:
         if isinstance(e, RequestRouted):
@@ -124,6 +137,8 @@ def rows_from_events(
         bytes_per_token=bytes_per_token, block_tokens=block_tokens, dedupe_max_ids=len(events) + 1
     )
     deployment = DeploymentSignals()
+    if tools is None and tools_at is None:
+        tools = tool_durations_for(Settings())
     report_every = max(len(events) // REPORTS_PER_LOG, 1)
     feats: list[list[float]] = []
     meta: list[tuple[Any, ...]] = []
@@ -133,8 +148,11 @@ def rows_from_events(
             break
         while i < len(events) and events[i].ts <= decision_ts:
             accepted = store.apply([events[i]])[0]
-            if accepted and deployment_at is None:  # the ingest tells it accepted events only
-                deployment.observe([events[i]])
+            if accepted:  # the ingest tells them accepted events only
+                if deployment_at is None:
+                    deployment.observe([events[i]])
+                if tools is not None and tools_at is None:
+                    tools.observe([events[i]])
             i += 1
             if applied is not None and i % report_every == 0:
                 applied(i)
@@ -157,10 +175,15 @@ def rows_from_events(
             deployment.features() if deployment_at is None else deployment_at(decision_ts)
         )
         base = [*session_features(view, decision_ts), *deployment_now]
-        for h in horizons:
+        by_horizon = (
+            tool_features(tools, session_id, decision_ts, horizons)
+            if tools_at is None
+            else tools_at(session_id, decision_ts, horizons)
+        )
+        for h, tool in zip(horizons, by_horizon):
             if decision_ts + h > end:
                 continue  # censored: the log ends before the answer is known
-            feats.append([*base, float(h)])
+            feats.append([*base, *tool, float(h)])
             meta.append(
                 (
                     log_name,

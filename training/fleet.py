@@ -18,6 +18,13 @@ event time (an entry where they change): a shard's decision at `ts` reads the fe
 last of those events at or before `ts`, what the single-process replay reads. So the rows are the
 single-process rows, in the same order (tests/training/test_fleet.py checks equality).
 
+The tool features (ToolDurations) depend on the whole stream too: every session's runs make its
+tools' distributions. The same pass writes the events ToolDurations reads (routed, signals,
+closed) to a file of their own, with every event's time (expiry runs by the newest event time);
+each shard replays them through its own ToolDurations as its decisions come (ToolsAt), so it
+reads what the single-process replay reads. Only for a log with signals: without one no tool
+runs, and the features are NaN.
+
 Events without a session (blocks stored or removed without one, instance status, orders) do
 not change a session's view, so the shards skip them; events that carry sessions only inside
 (vllm_kv_events) go to every shard.
@@ -40,6 +47,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from app.core.config import Settings
 from app.core.errors import EventLogError
 from app.ingest.eventlog import encode_events, list_segments, read_events
 from app.predict.features import (
@@ -47,14 +55,17 @@ from app.predict.features import (
     NAN,
     SIGNAL_FOLLOW_SECONDS,
     DeploymentSignals,
+    tool_features,
 )
-from kvprefetch_client.events import RequestRouted, SessionSignal, event_adapter
+from app.predict.tool_durations import ToolDurations, tool_durations_for
+from kvprefetch_client.events import Event, RequestRouted, SessionSignal, event_adapter
 from training.dataset import META_COLUMNS, load_events, rows_from_events
 
 ENGINES = ("polars", "duckdb")
 # Events whose sessions are inside the event (a vLLM batch): every shard gets them.
 EVERY_SHARD_TYPES = ("vllm_kv_events",)
-DEPLOYMENT_TYPES = ("request_routed", "session_signal")
+# The events DeploymentSignals reads (routed, signals) and ToolDurations (those and closed).
+DEPLOYMENT_TYPES = ("request_routed", "session_signal", "session_closed")
 # A shard's replay holds its events as objects and its store (about 1.2 GB for 200,000 events,
 # bench/README.md): shards of at most this many keep a replay's memory whatever the log's size.
 EVENTS_PER_SHARD = 200_000
@@ -186,9 +197,13 @@ def _shard_log_polars(
     deployment = ordered.filter(pl.col("type").is_in(DEPLOYMENT_TYPES))
     signalled = deployment.filter(pl.col("type") == "session_signal").height
     lines = deployment.get_column("line").to_list()
-    ts, feats, signals = deployment_timeline([lines], follow_through=bool(signalled))
+    tools = folder / TOOL_EVENTS if signalled else None
+    ts, feats, signals = deployment_timeline(
+        [lines], follow_through=bool(signalled), tool_events=tools
+    )
     span = (float(ordered["ts"][0]), float(ordered["ts"][-1]))
-    return ShardedLog(paths, span, ordered.height, ts, feats, signals)
+    every_ts = ordered.get_column("ts").to_numpy() if signalled else None
+    return ShardedLog(paths, span, ordered.height, ts, feats, signals, every_ts)
 
 
 def partition(frame: Any, shards: int, out_dir: Path) -> list[Path]:
@@ -249,6 +264,8 @@ class ShardedLog:
     ts: np.ndarray
     feats: np.ndarray
     signals: dict[str, dict[str, int]]
+    # A log with signals: every event's time, in order (its tool events are in TOOL_EVENTS).
+    every_ts: np.ndarray | None = None
 
 
 def shard_log_duckdb(
@@ -326,12 +343,19 @@ def shard_log_duckdb(
             f"SELECT line FROM events WHERE type IN ({kinds}) ORDER BY ts, ord"
         ).to_arrow_reader(FETCH_ROWS)
         batches = (b.column(0).to_pylist() for b in reader)
-        ts, feats, signals = deployment_timeline(batches, follow_through=bool(signalled))
+        tools = folder / TOOL_EVENTS if signalled else None
+        ts, feats, signals = deployment_timeline(
+            batches, follow_through=bool(signalled), tool_events=tools
+        )
+        every_ts = None
+        if signalled:
+            every_ts = con.sql("SELECT ts FROM events ORDER BY ts, ord").fetchnumpy()["ts"]
     finally:
         con.close()
         db.unlink(missing_ok=True)
         shutil.rmtree(folder / "spill", ignore_errors=True)
-    return ShardedLog(paths, (float(first), float(last)), int(count), ts, feats, signals)
+    span = (float(first), float(last))
+    return ShardedLog(paths, span, int(count), ts, feats, signals, every_ts)
 
 
 def _one(con: Any, sql: str) -> tuple[Any, ...]:
@@ -369,18 +393,25 @@ def _same(a: Sequence[float], b: Sequence[float]) -> bool:
 
 
 def deployment_timeline(
-    batches: Iterable[Sequence[str]], *, follow_through: bool = True
+    batches: Iterable[Sequence[str]],
+    *,
+    follow_through: bool = True,
+    tool_events: Path | None = None,
 ) -> tuple[np.ndarray, np.ndarray, dict[str, dict[str, int]]]:
-    """DEPLOYMENT_FEATURES after the log's routed and signal events (`batches` of their lines,
-    in the log's order), as a step function: (ts, features) where they change, and the
+    """DEPLOYMENT_FEATURES after the log's routed, signal and closed events (`batches` of their
+    lines, in the log's order), as a step function: (ts, features) where they change, and the
     signals' follow-through counts (training.dataset.signal_follow_through's, from the same
-    events). One event at a time: only the step function and the arrivals' times are kept."""
+    events). One event at a time: only the step function and the arrivals' times are kept.
+    `tool_events`: where the lines are written as they pass, for ToolsAt."""
     deployment = DeploymentSignals()
+    out = open(tool_events, "w") if tool_events is not None else None  # noqa: SIM115
     ts: list[float] = []
     feats: list[list[float]] = []
     arrivals: dict[str, list[float]] = defaultdict(list)
     signals: list[tuple[str, float, str]] = []
     for batch in batches:
+        if out is not None:
+            out.writelines(f"{line}\n" for line in batch)
         for line in batch:
             e = event_adapter.validate_json(line)
             deployment.observe([e])
@@ -395,6 +426,8 @@ def deployment_timeline(
                 continue
             ts.append(e.ts)
             feats.append(now)
+    if out is not None:
+        out.close()
     for times in arrivals.values() if signals else ():
         times.sort()
     counts: dict[str, dict[str, int]] = {}
@@ -423,14 +456,52 @@ class DeploymentAt:
         return self.before if k == 0 else self.feats[k - 1].tolist()
 
 
+# The whole log's tool events (next to its deployment.npz), for a log with signals.
+TOOL_EVENTS = "tools.jsonl"
+
+
+class ToolsAt:
+    """TOOL_FEATURES of a session at `ts` as the whole log's ToolDurations reads them then: the
+    log's tool events up to `ts` observed, and event time moved to its last event at or before
+    `ts` (the events between, which ToolDurations only takes the time of, skipped). Asked in
+    time order (rows_from_events asks at its decisions, sorted)."""
+
+    def __init__(self, events: Sequence[Event], every_ts: np.ndarray, tools: ToolDurations):
+        self.events = events
+        self.every_ts = every_ts
+        self.tools = tools
+        self._next = 0
+
+    def __call__(self, session_id: str, ts: float, horizons: Sequence[float]) -> list[list[float]]:
+        events, i = self.events, self._next
+        while i < len(events) and events[i].ts <= ts:
+            i += 1
+        self.tools.observe(events[self._next : i])
+        self._next = i
+        k = int(np.searchsorted(self.every_ts, ts, side="right"))
+        if k:
+            self.tools.advance(float(self.every_ts[k - 1]))
+        return tool_features(self.tools, session_id, ts, horizons)
+
+
 def shard_rows(
     shard: Path, log_name: str, span: tuple[float, float], timeline: Path, out: Path
 ) -> int:
     """Replay one shard (in a worker); write its rows, if any, to `out` (Parquet); the count."""
     with np.load(timeline) as t:
         deployment_at = DeploymentAt(t["ts"], t["feats"])
+        every_ts = t["every_ts"]
+    tool_file = timeline.parent / TOOL_EVENTS
+    tools_at = None  # a log without signals has no tool runs: the shard's own say so
+    if len(every_ts) and tool_file.exists():
+        # Of the KVP_TOOLS_* settings, as the service's.
+        tools_at = ToolsAt(load_events(tool_file), every_ts, tool_durations_for(Settings()))
     rows = rows_from_events(
-        load_events(shard), log_name=log_name, span=span, deployment_at=deployment_at
+        load_events(shard),
+        log_name=log_name,
+        span=span,
+        deployment_at=deployment_at,
+        tools_at=tools_at,
     )
     if not rows.empty:  # an empty frame's columns have no types to agree with the others'
         rows.to_parquet(out, index=False)
@@ -502,7 +573,8 @@ def build_rows_fleet(
             sharded = _shard_log_polars(log, folder, shards=shards, workers=workers, stage=say)
         span, paths = sharded.span, sharded.shards
         timeline = folder / "deployment.npz"
-        np.savez(timeline, ts=sharded.ts, feats=sharded.feats)
+        every_ts = sharded.every_ts if sharded.every_ts is not None else np.zeros(0)
+        np.savez(timeline, ts=sharded.ts, feats=sharded.feats, every_ts=every_ts)
         for kind, counts in sharded.signals.items():
             total = rows.signals.setdefault(kind, {"signals": 0, "followed": 0})
             total["signals"] += counts["signals"]

@@ -40,7 +40,9 @@ from app.predict.features import (
     SIGNAL_AGE_KINDS,
     session_features,
     signal_summary,
+    tool_features,
 )
+from app.predict.tool_durations import ToolDurations
 from app.state.base import SessionView
 
 NAN = float("nan")
@@ -324,16 +326,49 @@ class FeatureTable:
         horizons: Sequence[float],
         rows: np.ndarray | None = None,
         deployment: Sequence[float] | None = None,
+        tools: ToolDurations | None = None,
     ) -> np.ndarray:
         """FEATURES at `now`: one row per (session, horizon), sessions outer, as
-        `feature_matrix`; `deployment`: the DEPLOYMENT_FEATURES values (NaN without)."""
+        `feature_matrix`; `deployment`: the DEPLOYMENT_FEATURES values (NaN without); `tools`:
+        what the TOOL_FEATURES are read from (NaN without)."""
         base = self.session_matrix(now, rows)
         h = np.asarray(horizons, dtype=np.float64)
         out = np.empty((len(base), len(h), len(FEATURES)))
         out[:, :, : len(SESSION_FEATURES)] = base[:, None, :]
-        out[:, :, len(SESSION_FEATURES) : -1] = _deployment_values(deployment)
+        out[:, :, len(SESSION_FEATURES) : _TOOLS] = _deployment_values(deployment)
+        out[:, :, _TOOLS:-1] = NAN
+        if tools is not None and tools.sessions_in_flight and len(base):
+            self._fill_tools(out[:, :, _TOOLS:-1], tools, now, horizons, rows)
         out[:, :, -1] = h
         return out.reshape(len(base) * len(h), len(FEATURES))
+
+    def _fill_tools(
+        self,
+        out: np.ndarray,
+        tools: ToolDurations,
+        now: float,
+        horizons: Sequence[float],
+        rows: np.ndarray | None,
+    ) -> None:
+        """The TOOL_FEATURES of the rows whose sessions have a call in flight, into `out`
+        (rows by horizons by TOOL_FEATURES). Whichever is fewer is walked: the sessions in
+        flight, or the rows asked for (a tick's chunk is a few of many)."""
+        rows = None if rows is None else np.asarray(rows, dtype=np.intp)
+        n = len(self._ids) if rows is None else len(rows)
+        asked = None
+        if tools.sessions_in_flight >= n:
+            asked = self._ids if rows is None else self.ids_of(rows)
+        found = tools.features(now, horizons, asked)
+        if rows is None:
+            for session_id, values in found.items():
+                row = self._row.get(session_id)
+                if row is not None:
+                    out[row] = values
+            return
+        held = np.fromiter((self._row.get(s, -1) for s in found), dtype=np.intp, count=len(found))
+        ids = self._ids
+        for i in np.flatnonzero(np.isin(rows, held)).tolist():
+            out[i] = found[ids[rows[i]]]
 
     def _append(self, session_id: str, arrivals: Sequence[float]) -> int:
         row = len(self._ids)
@@ -361,6 +396,8 @@ class FeatureTable:
         )
 
 
+_TOOLS = len(SESSION_FEATURES) + len(DEPLOYMENT_FEATURES)  # the first TOOL_FEATURES column
+
 # Below this many sessions the per-session reference is quicker than numpy's fixed costs
 # (they crossed between 32 and 64 sessions on the 2-core development machine).
 VECTORISE_FROM_SESSIONS = 48
@@ -379,21 +416,24 @@ def feature_matrix(
     now: float,
     horizons: Sequence[float],
     deployment: Sequence[float] | None = None,
+    tools: ToolDurations | None = None,
 ) -> np.ndarray:
     """One row per (session, horizon), sessions outer: rows[i * len(horizons) + j].
 
     Equal to `session_features` row by row, then `deployment` (DeploymentSignals.features(),
-    the same for every row; NaN when not given), then the horizon; many sessions go through the
-    columnar FeatureTable, which computes the same numbers with numpy.
+    the same for every row; NaN when not given), then `tool_features` of `tools` (NaN when not
+    given), then the horizon; many sessions go through the columnar FeatureTable, which
+    computes the same numbers with numpy.
     """
     shared = _deployment_values(deployment)
     if len(views) >= VECTORISE_FROM_SESSIONS:
-        return FeatureTable.from_views(views).matrix(now, horizons, deployment=shared)
+        return FeatureTable.from_views(views).matrix(now, horizons, deployment=shared, tools=tools)
     rows = []
     for view in views:
-        base = session_features(view, now)
-        for h in horizons:
-            rows.append([*base, *shared, float(h)])
+        base = [*session_features(view, now), *shared]
+        by_horizon = tool_features(tools, view.session_id, now, horizons)
+        for h, tool in zip(horizons, by_horizon):
+            rows.append([*base, *tool, float(h)])
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(FEATURES))
 
 

@@ -16,8 +16,9 @@ import bisect
 import math
 import statistics
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from app.predict.tool_durations import TOOL_FEATURES, ToolDurations
 from app.state.base import SessionView, SignalView
 from kvprefetch_client.events import SIGNAL_KINDS, Event, RequestRouted, SessionSignal
 
@@ -73,7 +74,14 @@ DEPLOYMENT_FEATURES: tuple[str, ...] = (
     # this deployment, whatever the deployments the model was trained on made of that kind.
     *(f"deployment_{kind}_followed_share" for kind in SIGNAL_AGE_KINDS),
 )
-FEATURES: tuple[str, ...] = (*SESSION_FEATURES, *DEPLOYMENT_FEATURES, HORIZON_FEATURE)
+# Then the session's tool call in flight, read from the deployment's own tool run times
+# (app/predict/tool_durations.py, TOOL_FEATURES: NaN without one), then the horizon.
+FEATURES: tuple[str, ...] = (
+    *SESSION_FEATURES,
+    *DEPLOYMENT_FEATURES,
+    *TOOL_FEATURES,
+    HORIZON_FEATURE,
+)
 # "Recent", for the deployment's features: events weigh exp(-age / this), by event time.
 DEPLOYMENT_WINDOW_SECONDS = 600.0
 # A deployment's signals waiting for their session's arrival: at most this many sessions (the
@@ -245,6 +253,15 @@ def deployment_features(deployment: DeploymentSignals | None) -> list[float]:
     """DEPLOYMENT_FEATURES of `deployment`, NaN for every one without it (a caller that keeps
     none: a model trained on them reads LightGBM's missing value)."""
     return deployment.features() if deployment is not None else [NAN] * len(DEPLOYMENT_FEATURES)
+
+
+def tool_features(
+    tools: ToolDurations | None, session_id: str, now: float, horizons: Sequence[float]
+) -> list[list[float]]:
+    """TOOL_FEATURES of one session at `now`, one row per horizon; NaN without a call of it in
+    flight (or without `tools`: a caller that keeps none)."""
+    found = tools.features(now, horizons, (session_id,)) if tools is not None else {}
+    return found.get(session_id) or [[NAN] * len(TOOL_FEATURES) for _ in horizons]
 
 
 def signal_kind_column(kind: str) -> int:

@@ -29,6 +29,7 @@ from app.predict.features import (
     DeploymentSignals,
     deployment_features,
 )
+from app.predict.tool_durations import ToolDurations
 from app.state.base import SessionView
 
 log = logging.getLogger(__name__)
@@ -91,7 +92,8 @@ class LearnedPredictor:
     """A LightGBM model of P(next request within horizon), from models/<version>/.
 
     `deployment`: the DeploymentSignals the service's ingest keeps current (app/engine.py), read
-    at each call for the DEPLOYMENT_FEATURES; without it they are NaN."""
+    at each call for the DEPLOYMENT_FEATURES; `tools`: the ToolDurations it keeps, read for the
+    TOOL_FEATURES; without them those are NaN."""
 
     name = "learned"
 
@@ -102,10 +104,12 @@ class LearnedPredictor:
         backend: Backend = "auto",
         cache_dir: Path | None = None,
         deployment: DeploymentSignals | None = None,
+        tools: ToolDurations | None = None,
     ) -> None:
         import lightgbm as lgb
 
         self.deployment = deployment
+        self.tools = tools
 
         self.model_dir = Path(model_dir)
         model_file = self.model_dir / "model.txt"
@@ -126,8 +130,9 @@ class LearnedPredictor:
                 f"{model_file} was trained on features {list(names)}; this service computes "
                 f"{list(FEATURES)}"
             )
-        # A model trained before later features existed (the signal features) still serves: it
-        # reads its own columns of the service's feature matrix.
+        # A model trained before later features existed (the signal, deployment and tool
+        # features) still serves: it reads its own columns of the service's feature matrix, by
+        # name.
         self.feature_names = names
         self._columns: np.ndarray | None = (
             None if names == FEATURES else np.array([FEATURES.index(n) for n in names])
@@ -178,7 +183,9 @@ class LearnedPredictor:
     ) -> np.ndarray:
         if not sessions:
             return np.zeros((0, len(horizons)))
-        x = feature_matrix(sessions, now, horizons, deployment_features(self.deployment))
+        x = feature_matrix(
+            sessions, now, horizons, deployment_features(self.deployment), self.tools
+        )
         out = self.p_from_matrix(x).reshape(len(sessions), len(horizons))
         closed = np.array([s.state == "closed" for s in sessions])
         out[closed] = 0.0
@@ -195,14 +202,14 @@ class LearnedPredictor:
     ) -> np.ndarray:
         """`p_within` for the table's sessions (all rows, or `rows`), shape (sessions, horizons).
         `matrices`: feature matrices of these rows at this time and horizons, by deployment
-        features, shared with other models asked the same (the serving model and the shadow read
-        one matrix); a new one is added."""
+        features and tool run times, shared with other models asked the same (the serving model
+        and the shadow read one matrix); a new one is added."""
         n = len(table) if rows is None else len(rows)
         deployment = deployment_features(self.deployment)
-        key = np.asarray(deployment, dtype=np.float64).tobytes()
+        key = np.asarray(deployment, dtype=np.float64).tobytes() + str(id(self.tools)).encode()
         x = matrices.get(key) if matrices is not None else None
         if x is None:
-            x = table.matrix(now, horizons, rows, deployment)
+            x = table.matrix(now, horizons, rows, deployment, self.tools)
             if matrices is not None:
                 matrices[key] = x
         out = self.p_from_matrix(x).reshape(n, len(horizons))

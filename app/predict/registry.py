@@ -10,6 +10,7 @@ from pathlib import Path
 from app.observe.ledger import AdviceLedger
 from app.predict.features import DeploymentSignals
 from app.predict.predictors import HeuristicPredictor, LearnedPredictor, ModelError, Predictor
+from app.predict.tool_durations import ToolDurations
 from app.state.base import SessionView
 
 log = logging.getLogger(__name__)
@@ -49,16 +50,17 @@ def load_checked(
     now: float | None = None,
     *,
     deployment: DeploymentSignals | None = None,
+    tools: ToolDurations | None = None,
 ) -> LearnedPredictor:
     """Load a model and make it answer for a sample of sessions before it may serve.
 
     `sample` is live sessions from the store (the probe session when there are none), scored at
     `now`: a model that loads but breaks on the traffic it would serve is caught here, not after
     the swap. Raises ModelError when the files are missing, do not load, compute other features,
-    or do not give probabilities in [0, 1] for every session of the sample. `deployment`: what
-    the model reads the deployment's features from (LearnedPredictor).
+    or do not give probabilities in [0, 1] for every session of the sample. `deployment`,
+    `tools`: what the model reads the deployment's and the tool features from (LearnedPredictor).
     """
-    model = LearnedPredictor(model_dir, deployment=deployment)
+    model = LearnedPredictor(model_dir, deployment=deployment, tools=tools)
     if sample:
         sessions, what = (
             list(sample),
@@ -155,11 +157,13 @@ class ModelRegistry:
         ledger: AdviceLedger | None = None,
         models_root: Path | None = None,
         deployment: DeploymentSignals | None = None,
+        tools: ToolDurations | None = None,
     ) -> None:
         """`model_dir` None: serve the heuristic, loading nothing (a replay whose policy never
-        scores through the engine). `deployment`: handed to every model loaded
+        scores through the engine). `deployment`, `tools`: handed to every model loaded
         (LearnedPredictor)."""
         self.deployment = deployment
+        self.tools = tools
         self.ledger = ledger if ledger is not None else AdviceLedger()
         if models_root is None:
             models_root = model_dir.parent if model_dir is not None else Path(".")
@@ -188,7 +192,9 @@ class ModelRegistry:
         self, model_dir: Path, sample: Sequence[SessionView] = (), now: float | None = None
     ) -> LearnedPredictor:
         try:
-            return load_checked(model_dir, sample, now, deployment=self.deployment)
+            return load_checked(
+                model_dir, sample, now, deployment=self.deployment, tools=self.tools
+            )
         except ModelError as exc:
             raise public_error(exc, model_dir, self.models_root) from None
 

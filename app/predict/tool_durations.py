@@ -29,6 +29,11 @@ Bounded whatever clients send:
   expires, as do a closed session's. Expired runs are counted (`expired`), never measured.
 - **Returns.** The last `recent_returns` per tool: the return predicted at the start (the start
   plus the tool's median then) against the actual one.
+
+The arrival model's tool features (TOOL_FEATURES, part of app/predict/features.py's FEATURES) are
+read here (`features`), by the service from the engine's instance and by training from one fed
+the same log (training/dataset.py), both built by `tool_durations_for` from the KVP_TOOLS_*
+settings.
 """
 
 from __future__ import annotations
@@ -39,9 +44,12 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvprefetch_client.events import Event
+
+if TYPE_CHECKING:
+    from app.core.config import Settings
 
 OTHER_TOOL = "other"
 # 0.01 s to 10,000 s, 8 buckets a decade (each 1.33x the last); runs above fall in one more.
@@ -56,6 +64,18 @@ MAX_RUNS_PER_SESSION = 16
 OUTLOOK_MIN_RUNS = 10
 # Below this survival a distribution says nothing about a run (it outlasted every run seen).
 _NO_SURVIVAL = 1e-9
+
+# A session's tool call in flight, as the arrival model sees it (NaN without one; the two
+# quantiles and the chance NaN too where its tool's runs say nothing: none seen, or none lasted
+# so long). With several calls of a session in flight, the one expected back last: an agent calls
+# the model again once every parallel call returned (as `outlooks` has it).
+TOOL_FEATURES: tuple[str, ...] = (
+    "tool_running_seconds",  # since the call started
+    "tool_remaining_p50_seconds",  # its tool's conditional quantiles given the time run, less it
+    "tool_remaining_p90_seconds",
+    "tool_back_within_horizon_p",  # P(returned within the row's horizon | running so long)
+    "tool_runs_seen",  # the runs its tool's distribution holds
+)
 
 # Told of each run measured: the tool's label and its seconds (the metrics' histogram).
 ReturnHook = Callable[[str, float], None]
@@ -267,6 +287,15 @@ class ToolDurations:
                 elif e.type == "session_closed" and e.session_id in self._sessions:
                     for run_id in list(self._sessions[e.session_id]):
                         self._drop(run_id)
+
+    def advance(self, ts: float) -> None:
+        """Event time has reached `ts`: the runs `observe` would have expired by an event at `ts`
+        expire (a replay that skips the events that do not concern tools: training/fleet.py)."""
+        with self._lock:
+            if ts > self._newest:
+                self._newest = ts
+                if self._runs:
+                    self._expire()
 
     def _started(self, session_id: str, tool: str | None, ts: float) -> None:
         label = self._count(tool)
@@ -488,6 +517,49 @@ class ToolDurations:
                     out[session_id] = curve
             return out
 
+    @property
+    def sessions_in_flight(self) -> int:
+        """Sessions with a call in flight."""
+        return len(self._sessions)
+
+    def features(
+        self, now: float, horizons: Sequence[float], session_ids: Iterable[str] | None = None
+    ) -> dict[str, list[list[float]]]:
+        """TOOL_FEATURES at `now` (event time), one row per horizon, of each session with a call
+        in flight, of `session_ids` or all; a session without one is left out (all NaN)."""
+        with self._lock:
+            held = self._sessions
+            ids = held if session_ids is None else [s for s in session_ids if s in held]
+            return {s: self._features(held[s], now, horizons) for s in ids}
+
+    def _features(
+        self, run_ids: list[int], now: float, horizons: Sequence[float]
+    ) -> list[list[float]]:
+        # The call expected back last (TOOL_FEATURES); one nothing can be said of is that one
+        # (the session's return is as unknown as its), the oldest first among equals.
+        best: tuple[float, RunTimes, float, float | None] | None = None
+        for run_id in run_ids:
+            run = self._runs[run_id]
+            times = self._times[self.label(run.tool)]
+            running = max(now - run.started_at, 0.0)
+            p50 = times.conditional_quantile(0.5, running)
+            back = math.inf if p50 is None else run.started_at + p50
+            if best is None or back > best[0]:
+                best = (back, times, running, p50)
+        assert best is not None  # a session is held only with a call in flight
+        _, times, running, p50 = best
+        if p50 is None:
+            head = [running, math.nan, math.nan]
+            return [[*head, math.nan, float(times.n)] for _ in horizons]
+        p90 = times.conditional_quantile(0.9, running)
+        assert p90 is not None  # the same survival as the median's
+        head = [running, p50 - running, p90 - running]
+        out = []
+        for h in horizons:
+            p = times.p_within(h, running)
+            out.append([*head, math.nan if p is None else p, float(times.n)])
+        return out
+
     def summaries(self) -> list[ToolSummary]:
         """Every label's figures, tracked tools most frequent first, then `other`."""
         with self._lock:
@@ -520,3 +592,14 @@ class ToolDurations:
                 "expired": self.expired,
                 "measured": self.measured,
             }
+
+
+def tool_durations_for(settings: Settings, on_return: ReturnHook | None = None) -> ToolDurations:
+    """A ToolDurations of the KVP_TOOLS_* settings: the engine's, and training's (the same
+    settings, so the same features from the same events)."""
+    return ToolDurations(
+        tracked=settings.tools_tracked,
+        max_run_seconds=settings.tool_max_run_seconds,
+        max_in_flight=settings.tools_max_in_flight,
+        on_return=on_return,
+    )

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from pathlib import Path
 
 import numpy as np
 import orjson
+import pandas as pd
 import pytest
 from fastapi.testclient import TestClient
 
 from app.api.main import create_app
+from app.core.clock import ManualClock
 from app.core.config import Settings
+from app.deliver import InProcessSink
+from app.engine import Engine
 from app.ingest.eventlog import encode_events
 from app.predict.feature_table import FeatureTable, feature_matrix
 from app.predict.features import (
@@ -20,14 +25,18 @@ from app.predict.features import (
     FEATURES,
     SESSION_FEATURES,
     session_features,
+    tool_features,
 )
+from app.predict.tool_durations import TOOL_FEATURES, ToolDurations
+from app.state import MemoryStore
 from app.state.base import RequestView, SessionView, SignalView
 from app.state.rules import RECENT_SIGNALS
-from kvprefetch_client.events import SIGNAL_KINDS
+from kvprefetch_client.events import SIGNAL_KINDS, Event, SessionSignal
 from sim.replay import replay
 from sim.scenario import load_scenario
 from sim.signals import with_signals
 from sim.traces import load_trace
+from sim.workloads import AgentWorkload, agent_trace
 from tests.conftest import TRACES
 from training.dataset import HORIZONS, load_events, rows_from_events
 
@@ -88,6 +97,78 @@ def test_offline_rows_equal_features_read_from_the_running_service(
             deployment = client.app.state.engine.deployment.features()  # type: ignore[attr-defined]
             offline_deployment = [row[name] for name in DEPLOYMENT_FEATURES]
             assert all(same(a, b) for a, b in zip(deployment, offline_deployment)), row.decision_ts
+
+
+def agent_log(tmp_path: Path) -> Path:
+    """Generated agent tasks replayed closed-loop with every session's tool calls signalled."""
+    trace = agent_trace(AgentWorkload(tasks=60, seconds=240.0, seed=5))
+    scenario = load_scenario("agents")
+    scenario = scenario.model_copy(
+        update={"signals": with_signals(scenario.signals, {"tools": 1.0})}
+    )
+    result = replay(trace, scenario, keep_events=True)
+    path = tmp_path / "agents.jsonl"
+    path.write_bytes(encode_events(result.events))
+    return path
+
+
+def test_offline_rows_equal_the_services_features_with_tool_calls_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a log of tool_started/tool_finished signals: every FEATURES column of the training
+    rows, the tool features included, equals what the service's predictor reads (its store's
+    views, its DeploymentSignals and ToolDurations, fed by its ingest), both by the reference
+    and by the FeatureTable; under non-default KVP_TOOLS_* settings, which both sides follow."""
+    monkeypatch.setenv("KVP_TOOLS_TRACKED", "3")  # of 8 tools: the rest pooled, on both sides
+    events = load_events(agent_log(tmp_path))
+    assert any(getattr(e, "kind", None) == "tool_finished" for e in events)
+    rows = rows_from_events(events, log_name="agents.jsonl")
+    with_tool = rows[rows.tool_remaining_p50_seconds.notna()]
+    assert len(with_tool) > 100 and (rows.tool_running_seconds.isna()).any()
+    assert set(with_tool.tool_runs_seen) != {0.0}
+    sample = (
+        pd.concat(
+            [
+                with_tool.sample(n=40, random_state=3),
+                rows[rows.tool_running_seconds.isna()].sample(n=10, random_state=3),
+            ]
+        )
+        .drop_duplicates(["session_id", "decision_ts"])
+        .sort_values("decision_ts")
+    )
+    settings = Settings(data_dir=tmp_path / "svc", log_fsync=False)
+    engine = Engine(
+        settings,
+        store=MemoryStore(bytes_per_token=327_680, block_tokens=512),
+        clock=ManualClock(events[-1].ts),
+        order_sink=InProcessSink(),
+        recover=False,
+        load_model=False,
+    )
+    try:
+        assert engine.tools.tracked == 3
+        i = 0
+        for _, row in sample.iterrows():
+            k = i
+            while i < len(events) and events[i].ts <= row.decision_ts:
+                i += 1
+            for j in range(k, i, 500):
+                assert not engine.ingest(events[j : min(j + 500, i)]).rejected
+            engine.drain()
+            view = engine.store.session(row.session_id)
+            assert view is not None
+            offline = np.array([[row[name] for name in FEATURES]])
+            h = [row.horizon_seconds]
+            deployment = engine.deployment.features()
+            online = feature_matrix([view], row.decision_ts, h, deployment, engine.tools)
+            assert_same_features(online, offline)
+            table = FeatureTable.from_views([view])
+            assert_same_features(
+                table.matrix(row.decision_ts, h, deployment=deployment, tools=engine.tools),
+                offline,
+            )
+    finally:
+        asyncio.run(engine.close())
 
 
 def test_labels_look_ahead_and_censored_rows_are_dropped(tmp_path: Path) -> None:
@@ -220,12 +301,39 @@ def reference(
     now: float,
     horizons: tuple[float, ...],
     deployment: list[float] | None = None,
+    tools: ToolDurations | None = None,
 ) -> np.ndarray:
-    rows = [session_features(v, now) for v in views]
     shared = deployment if deployment is not None else [math.nan] * len(DEPLOYMENT_FEATURES)
     return np.asarray(
-        [[*row, *shared, h] for row in rows for h in horizons], dtype=np.float64
+        [
+            [*session_features(v, now), *shared, *tool, h]
+            for v in views
+            for tool, h in zip(tool_features(tools, v.session_id, now, horizons), horizons)
+        ],
+        dtype=np.float64,
     ).reshape(-1, len(FEATURES))
+
+
+def random_tools(rng: random.Random, session_ids: list[str], now: float) -> ToolDurations:
+    """Tool calls of some of the sessions, finished (so the tools have runs) and in flight
+    (one or several a session, some longer than any run of their tool seen), before `now`."""
+    tools = ToolDurations(tracked=2)
+    events: list[Event] = []
+    n = iter(range(10**6))
+    for session_id in rng.sample(session_ids, len(session_ids) // 2):
+        for _ in range(rng.randint(1, 3)):
+            start = now - rng.uniform(0, 600)
+            tool = rng.choice(["bash", "grep", "build", None])
+            events.append(signal(session_id, start, "tool_started", tool, next(n)))
+            if rng.random() < 0.5:
+                back = start + rng.lognormvariate(1, 1)
+                events.append(signal(session_id, back, "tool_finished", tool, next(n)))
+    tools.observe(sorted(events, key=lambda e: e.ts))
+    return tools
+
+
+def signal(session_id: str, ts: float, kind: str, tool: str | None, n: int) -> SessionSignal:
+    return SessionSignal(event_id=f"t{n}", ts=ts, session_id=session_id, kind=kind, tool=tool)
 
 
 def assert_same_features(fast: np.ndarray, ref: np.ndarray) -> None:
@@ -268,6 +376,23 @@ def test_feature_table_and_bulk_feature_matrix_equal_the_reference(seed: int) ->
         assert_same_features(table.matrix(at, HORIZON_SETS[0], deployment=shared), ref)
         assert_same_features(feature_matrix(views, at, HORIZON_SETS[0], shared), ref)
         assert_same_features(feature_matrix(views[:5], at, HORIZON_SETS[0], shared), ref[:15])
+        # The tool calls in flight of some sessions: whichever the table walks (the sessions in
+        # flight, or the rows asked: fewer than those in flight), the reference's numbers.
+        tools = random_tools(rng, [v.session_id for v in views], now)
+        ref = reference(views, at, HORIZON_SETS[1], shared, tools)
+        x = table.matrix(at, HORIZON_SETS[1], deployment=shared, tools=tools)
+        assert_same_features(x, ref)
+        assert not np.isnan(x[:, FEATURES.index(TOOL_FEATURES[0])]).all()
+        assert_same_features(feature_matrix(views, at, HORIZON_SETS[1], shared, tools), ref)
+        k = len(HORIZON_SETS[1])
+        assert_same_features(
+            feature_matrix(views[:5], at, HORIZON_SETS[1], shared, tools), ref[: 5 * k]
+        )
+        rows = np.array([rng.randrange(len(views)) for _ in range(400)])  # repeats among them
+        few = np.array([3, 1, 3])
+        for asked in (rows, few):
+            by_row = ref.reshape(len(views), k, -1)[asked].reshape(-1, len(FEATURES))
+            assert_same_features(table.matrix(at, HORIZON_SETS[1], asked, shared, tools), by_row)
     assert table.closed().tolist() == [v.state == "closed" for v in views]
 
 

@@ -19,6 +19,10 @@ from app.ingest.eventlog import EventLog, encode_batch, encode_events
 from app.predict.features import DEPLOYMENT_FEATURES
 from bench.train_fleet import QUALITY_TOLERANCE
 from sim.commands import events_from_trace
+from sim.replay import replay
+from sim.scenario import load_scenario
+from sim.signals import with_signals
+from sim.workloads import AgentWorkload, agent_trace
 from tests.conftest import TRACES
 from tests.training.test_signals import chat_with_signals
 from training import build_dataset, train
@@ -88,6 +92,34 @@ def test_deployment_features_are_the_whole_logs_in_every_shard(signal_log: Path)
     assert single["deployment_signals_per_arrival"].nunique() > 100
     pd.testing.assert_frame_equal(single, fleet)
     assert fleet.attrs["signals"] == single.attrs["signals"] != {}
+
+
+@pytest.fixture(scope="module")
+def tool_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Generated agent tasks replayed with every session's tool calls signalled."""
+    trace = agent_trace(AgentWorkload(tasks=50, seconds=200.0, seed=9))
+    scenario = load_scenario("agents")
+    scenario = scenario.model_copy(
+        update={"signals": with_signals(scenario.signals, {"tools": 1.0})}
+    )
+    log = tmp_path_factory.mktemp("tool-log") / "agents.events.jsonl"
+    log.write_bytes(encode_events(replay(trace, scenario, keep_events=True).events))
+    return log
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_tool_features_are_the_whole_logs_in_every_shard(
+    tool_log: Path, engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each shard reads the tool runs of every session (its own would give other quantiles and
+    counts), and expires calls by the whole log's event time (a short limit: many expire)."""
+    monkeypatch.setenv("KVP_TOOL_MAX_RUN_SECONDS", "4")
+    monkeypatch.setenv("KVP_TOOLS_TRACKED", "5")
+    single = build_dataset([tool_log])
+    assert single["tool_remaining_p50_seconds"].notna().sum() > 100
+    assert single["tool_runs_seen"].nunique() > 20
+    fleet = build_dataset_fleet([tool_log], workers=2, shards=5, engine=engine)
+    pd.testing.assert_frame_equal(single, fleet)
 
 
 def test_dask_workers_replay_the_shards(client: Any, signal_log: Path, tiny_log: Path) -> None:
