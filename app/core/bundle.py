@@ -28,3 +28,22 @@ def bundled_path(relative: str) -> Path:
 DEFAULT_MODEL_DIR = bundled_path("models/default")
 # The shipped cluster scenarios, each a TOML file named for the scenario.
 SCENARIO_DIR = bundled_path("data/scenarios")
+
+
+def model_identity(model_dir: Path | str) -> dict[str, str | None]:
+    """What names a model in a result (replay, evaluate, targets JSON; lineage): its directory
+    and the SHA-256 of its card.json (None where it has no card) and of its model.txt (None
+    where it has none): two results of the same model name the same hashes wherever it lies."""
+    import hashlib
+
+    root = Path(model_dir)
+
+    def digest(name: str) -> str | None:
+        path = root / name
+        return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+    return {
+        "dir": str(root),
+        "card_sha256": digest("card.json"),
+        "model_sha256": digest("model.txt"),
+    }
