@@ -3,12 +3,13 @@ make an event log first: `kvprefetch events-from-trace
 --trace ../shared/traces/mooncake_synthetic.jsonl --out var/synthetic.events.jsonl`):
 
     from pathlib import Path
-    from training import build_dataset, evaluate, save_model, train
+    from training import build_dataset, evaluate, load_model, save_model, train
 
     df = build_dataset(["var/synthetic.events.jsonl"])  # one row per (decision point, horizon)
     model = train(df, {"num_leaves": 63}, seed=0)       # time split inside: the last 20% validates
     print(model.metrics["brier"], model.metrics["auc"], model.importance)
     save_model(model, Path("models/mine"))              # models/mine/{model.txt, card.json}
+    df["p_mine"] = load_model("models/mine").predict(df)  # load_model(): the bundled model
     # replay: learned vs baselines
     evaluate("models/mine", "../shared/traces/mooncake_synthetic.jsonl")
 
@@ -21,6 +22,9 @@ make an event log first: `kvprefetch events-from-trace
   horizon), calibration, gain importance, params, data. `params` override
   training.train.DEFAULT_PARAMS.
 - save_model(model, out_dir, extra=None): model.txt and card.json (with `extra` merged in).
+- load_model(model_dir=None) -> ArrivalModel: a saved model (None: the bundled one, models/default);
+  its predict(frame) gives P(within horizon) for each row of a frame with the FEATURES columns
+  (extra columns ignored; a missing one is a ValueError naming it), as the service computes it.
 - evaluate(model_dir, trace, scenario="default", train_fraction=0.7): replays the trace under the
   learned policy and the baselines, counting only requests after `train_fraction` of its span; for
   an honest judgement train on the first `train_fraction` only, as training/bundle.py does.
@@ -42,12 +46,24 @@ training part so the validation metrics stay honest:
     model = train(df, result.best_params, seed=0)
     save_model(model, Path("models/tuned"), extra={"tuning": result.card()})
 
+A worked example, from a trace to two models compared in replay:
+docs/notebooks/quickstart.ipynb.
+
 Why this formulation (and not a regression of the wait, or a hazard model): training/DESIGN.md,
 whose numbers `python -m training.formulations` prints.
 """
 
+from training.arrival_model import ArrivalModel, load_model
 from training.dataset import build_dataset
 from training.evaluate import evaluate
 from training.train import TrainedModel, save_model, train
 
-__all__ = ["TrainedModel", "build_dataset", "evaluate", "save_model", "train"]
+__all__ = [
+    "ArrivalModel",
+    "TrainedModel",
+    "build_dataset",
+    "evaluate",
+    "load_model",
+    "save_model",
+    "train",
+]
