@@ -9,6 +9,7 @@ its scoring and planning ticks and carry out its orders (sim/planned.py).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import math
 import statistics
@@ -190,6 +191,17 @@ class EngineFeed:
         return self.store.session(session_id)
 
 
+def _run_coroutine(coroutine: Any) -> Any:
+    """asyncio.run, also where this thread already runs an event loop (a Jupyter kernel's, an
+    async caller's), where asyncio.run refuses: there on a thread and a loop of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
 def replay(
     trace: Sequence[TraceRequest],
     scenario: Scenario,
@@ -245,7 +257,7 @@ def replay(
             closing()
         if app_engine is not None:
             if built:
-                asyncio.run(app_engine.close())
+                _run_coroutine(app_engine.close())
             else:  # the caller's to close; what its observers derive is caught up
                 app_engine.drain()
     summary = summarize(cluster, requests, measure_from_seconds)

@@ -234,3 +234,19 @@ def test_a_planner_replay_reports_what_its_guard_saw_of_the_demotes() -> None:
     ).summary["lru_guard"]
     assert unpriced["demote_cost_blocks"] == unpriced["demote_gain_blocks"] == 0
     assert "lru_guard" not in replay(requests, scen, policy="none").summary
+
+
+def test_a_replay_runs_where_an_event_loop_already_runs() -> None:
+    """A Jupyter kernel runs its cells inside an event loop, where asyncio.run refuses to start
+    another: the replay (and training.evaluate, the notebook's replays) still runs there, and
+    gives what it gives outside one."""
+    import asyncio
+
+    requests = trace_prefix(TRACE_FILES[0], 200)
+
+    async def inside_a_loop() -> Any:
+        return replay(requests, load_scenario("default"), policy="learned")
+
+    inside = asyncio.run(inside_a_loop())
+    outside = replay(requests, load_scenario("default"), policy="learned")
+    assert outcome(inside) == outcome(outside)
