@@ -45,6 +45,7 @@ def test_the_notebook_is_committed_without_outputs() -> None:
     assert "widgets" not in notebook.metadata
 
 
+@pytest.mark.slow  # a kernel process and a minute of replays: scheduled first under xdist
 def test_the_notebook_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     if not TRACE.is_file():
         pytest.fail(f"the notebook reads {TRACE}, which is missing")
