@@ -1010,6 +1010,19 @@ def train(
             "cluster: a scheduler's address, or local:N for N local workers. Not with --tune.",
         ),
     ] = None,
+    mlflow: Annotated[
+        bool,
+        typer.Option(
+            "--mlflow",
+            help="Log the run to MLflow (needs the 'mlflow' extra): params, metrics per horizon, "
+            "the card, importance and calibration plots, the model. The store: --mlflow-uri, "
+            "else $MLFLOW_TRACKING_URI, else sqlite:///var/mlflow/mlflow.db.",
+        ),
+    ] = False,
+    mlflow_uri: Annotated[
+        str | None,
+        typer.Option(metavar="URI", help="The MLflow tracking store (implies --mlflow)."),
+    ] = None,
 ) -> None:
     """Train the arrival model from event logs, split by time; write model.txt and card.json.
 
@@ -1032,10 +1045,29 @@ def train(
             require_optuna()  # before minutes of replaying logs, not after
         except MissingExtraError as exc:
             raise typer.BadParameter(str(exc), param_hint="'--tune'") from None
+    track = mlflow or mlflow_uri is not None
+    if track:
+        from training.tracking import require_mlflow
+        from training.tune import MissingExtraError
+
+        try:
+            require_mlflow()  # before minutes of replaying logs, not after
+        except MissingExtraError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--mlflow'") from None
+    options = {
+        "events": [str(e) for e in events],
+        "valid_fraction": valid_fraction,
+        "seed": seed,
+        "tune": tune,
+        "max_rounds": max_rounds,
+        "dask": dask,
+    }
     if dask is not None:
         if tune:
             raise typer.BadParameter("not with --tune", param_hint="'--dask'")
         _train_dask(events, out, dask, valid_fraction, seed, max_rounds, quiet, as_json)
+        if track:
+            _track_training(out, options, mlflow_uri, quiet or as_json)
         return
     bars = not quiet and stderr_is_terminal()
     # Without bars (stderr piped or captured), one line per stage unless the output is for machines.
@@ -1069,6 +1101,8 @@ def train(
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     save_model(model, out, extra=extra)
+    if track:
+        _track_training(out, options, mlflow_uri, quiet or as_json)
     if as_json:
         typer.echo(json.dumps(model.metrics))
     else:
@@ -1077,6 +1111,15 @@ def train(
             f"wrote {out}: validation AUC {m['auc']}, Brier {m['brier']} "
             f"(base rate {m['brier_of_base_rate']}), {model.data['rows_train']:,} training rows"
         )
+
+
+def _track_training(out: Path, options: dict[str, object], uri: str | None, silent: bool) -> None:
+    """`train --mlflow`: the written model logged as a run (training/tracking.py)."""
+    from training.tracking import log_training_run, tracking_uri
+
+    run_id = log_training_run(out, options, uri=uri)
+    if not silent:
+        typer.echo(f"logged MLflow run {run_id} to {tracking_uri(uri)}", err=True)
 
 
 def _train_dask(
