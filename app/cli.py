@@ -1115,8 +1115,12 @@ def train(
 
 def _track_training(out: Path, options: dict[str, object], uri: str | None, silent: bool) -> None:
     """`train --mlflow`: the written model logged as a run (training/tracking.py)."""
+    import logging
+
     from training.tracking import log_training_run, tracking_uri
 
+    if silent:  # MLflow's INFO lines (a new store's tables) would break --quiet's promise
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
     run_id = log_training_run(out, options, uri=uri)
     if not silent:
         typer.echo(f"logged MLflow run {run_id} to {tracking_uri(uri)}", err=True)
