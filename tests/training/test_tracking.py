@@ -200,3 +200,28 @@ def test_train_mlflow_without_the_extra_names_it(
         result.output.replace("│", "").split()
     )
     assert not out.exists()
+
+
+def test_the_registry_commands_register_fetch_promote_and_list(
+    store: str, model_dir: Path, tmp_path: Path
+) -> None:
+    def run(*args: str) -> str:
+        result = CliRunner().invoke(cli, ["registry", *args, "--mlflow-uri", store])
+        assert result.exit_code == 0, result.output
+        assert result.stderr == ""  # no progress bars, no INFO lines
+        return result.stdout
+
+    name = ["--name", "cli-arrival"]
+    first = json.loads(run("register", str(model_dir), *name, "--slot", "serving"))
+    assert first["version"] == 1 and first["aliases"] == ["serving"]
+    assert json.loads(run("register", str(model_dir), *name, "--slot", "shadow"))["version"] == 2
+    out = tmp_path / "models" / "fetched"
+    assert run("fetch", "shadow", "--out", str(out), *name).strip() == str(out)
+    assert LearnedPredictor(out).version == "fetched"
+    assert json.loads(run("promote", *name))["aliases"] == ["serving"]
+    listed = [json.loads(line) for line in run("list", *name).splitlines()]
+    assert [(v["version"], v["aliases"]) for v in listed] == [(1, []), (2, ["serving"])]
+    refused = CliRunner().invoke(
+        cli, ["registry", "fetch", "shadow", "--out", str(out), *name, "--mlflow-uri", store]
+    )
+    assert refused.exit_code != 0 and "shadow" in refused.output  # promote cleared the shadow
