@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +117,7 @@ def flat_params(params: dict[str, Any], prefix: str = "") -> dict[str, str]:
             out.update(flat_params(value, f"{prefix}{key}."))
             continue
         text = json.dumps(value) if isinstance(value, list | tuple) else str(value)
-        out[f"{prefix}{key}"] = text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS]
+        out[f"{prefix}{key}"] = text[:MAX_PARAM_CHARS]
     return out
 
 
@@ -127,16 +128,10 @@ def _log(client: Any, run_id: str, params: dict[str, str], metrics: dict[str, fl
     for start in range(0, len(items), PARAMS_PER_BATCH):
         chunk = items[start : start + PARAMS_PER_BATCH]
         client.log_batch(run_id, params=[Param(k, v) for k, v in chunk])
-    stamp_ms = _now_ms()
+    stamp_ms = int(time.time() * 1000)
     points = [Metric(k, v, stamp_ms, 0) for k, v in metrics.items()]
     for start in range(0, len(points), 1000):
         client.log_batch(run_id, metrics=points[start : start + 1000])
-
-
-def _now_ms() -> int:
-    import time
-
-    return int(time.time() * 1000)
 
 
 def _identity_tags(identity: dict[str, Any]) -> dict[str, str]:
@@ -214,7 +209,8 @@ def log_comparison(
 ) -> str:
     """Log an evaluation of several models (COMPARISON_SHAPE): a parent run with the split as
     params and the whole comparison as comparison.json, and one nested run per model, named by
-    its directory, tagged with its identity and holding its metrics; the parent's id."""
+    its directory, tagged with its identity (and kvprefetch.training_run_id, the run that trained
+    it, where one was logged) and holding its metrics; the parent's id."""
     models = _checked_models(comparison)
     client = _client(uri)
     experiment_id = _experiment_id(client, experiment, uri)
@@ -227,6 +223,7 @@ def log_comparison(
     client.log_dict(parent_id, comparison, "comparison.json")
     for entry in models:
         identity = entry["identity"]
+        trained_by = _training_run(client, identity)
         child = client.create_run(
             experiment_id,
             run_name=Path(str(identity["dir"])).name,
@@ -234,6 +231,8 @@ def log_comparison(
                 "mlflow.parentRunId": parent_id,
                 f"{TAG_PREFIX}kind": "comparison_model",
                 **_identity_tags(identity),
+                # The run that trained this model, where one was logged: its params and data.
+                **({f"{TAG_PREFIX}training_run_id": trained_by} if trained_by else {}),
             },
         )
         _log(client, str(child.info.run_id), split, flat_metrics(entry.get("metrics") or {}))
@@ -267,18 +266,18 @@ def slot_alias(slot: str) -> str:
 
 def training_run_of(model_dir: Path | str, uri: str | None = None) -> str | None:
     """The newest training run logged for this model (same card and model.txt hashes)."""
-    identity = model_identity(model_dir)
-    client = _client(uri)
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    if not experiments or identity["model_sha256"] is None:
+    return _training_run(_client(uri), model_identity(model_dir))
+
+
+def _training_run(client: Any, identity: dict[str, Any]) -> str | None:
+    hashes = {k: identity.get(k) for k in ("model_sha256", "card_sha256")}
+    if hashes["model_sha256"] is None:
         return None
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    found = " and ".join(f"tags.`{TAG_PREFIX}{k}` = '{v}'" for k, v in hashes.items() if v)
     runs = client.search_runs(
         experiments,
-        filter_string=(
-            f"tags.`{TAG_PREFIX}kind` = 'training' and "
-            f"tags.`{TAG_PREFIX}model_sha256` = '{identity['model_sha256']}' and "
-            f"tags.`{TAG_PREFIX}card_sha256` = '{identity['card_sha256']}'"
-        ),
+        filter_string=f"tags.`{TAG_PREFIX}kind` = 'training' and {found}",
         order_by=["attributes.start_time DESC"],
         max_results=1,
     )

@@ -108,6 +108,7 @@ def test_a_comparison_is_a_parent_run_with_one_nested_run_per_model(
     other = tmp_path / "bundled"
     other.mkdir()
     (other / "model.txt").write_text("stand-in")
+    log_training_run(model_dir, uri=store)
     logged = comparison(model_dir, other)
     parent_id = log_comparison(logged, store)
     c = client(store)
@@ -124,6 +125,12 @@ def test_a_comparison_is_a_parent_run_with_one_nested_run_per_model(
     tiny = by_name["tiny"].data
     assert tiny.metrics == {"byte_hit_rate": 0.51, "h15s/brier": 0.04}
     assert tiny.tags["kvprefetch.card_sha256"] == model_identity(model_dir)["card_sha256"]
+    trained_by = c.get_run(tiny.tags["kvprefetch.training_run_id"])
+    assert trained_by.data.tags["kvprefetch.kind"] == "training"
+    assert (
+        trained_by.data.tags["kvprefetch.model_sha256"] == model_identity(model_dir)["model_sha256"]
+    )
+    assert "kvprefetch.training_run_id" not in by_name["bundled"].data.tags  # never logged
     assert tiny.params["split.trace"] == "synthetic.jsonl"
     assert by_name["bundled"].data.metrics == {"byte_hit_rate": 0.49}
 
