@@ -40,6 +40,14 @@ trace_cli = typer.Typer(
     help="Work with replay traces (the agent trace format: sim/traces.py).",
 )
 cli.add_typer(trace_cli, name="trace")
+registry_cli = typer.Typer(
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="MLflow's model registry, its aliases the service's slots (serving, shadow); needs the "
+    "'mlflow' extra. The store: --mlflow-uri, else $MLFLOW_TRACKING_URI, else "
+    "sqlite:///var/mlflow/mlflow.db.",
+)
+cli.add_typer(registry_cli, name="registry")
 
 
 def _print_result(result: dict[str, Any], as_json: bool) -> None:
@@ -1010,6 +1018,19 @@ def train(
             "cluster: a scheduler's address, or local:N for N local workers. Not with --tune.",
         ),
     ] = None,
+    mlflow: Annotated[
+        bool,
+        typer.Option(
+            "--mlflow",
+            help="Log the run to MLflow (needs the 'mlflow' extra): params, metrics per horizon, "
+            "the card, importance and calibration plots, the model. The store: --mlflow-uri, "
+            "else $MLFLOW_TRACKING_URI, else sqlite:///var/mlflow/mlflow.db.",
+        ),
+    ] = False,
+    mlflow_uri: Annotated[
+        str | None,
+        typer.Option(metavar="URI", help="The MLflow tracking store (implies --mlflow)."),
+    ] = None,
 ) -> None:
     """Train the arrival model from event logs, split by time; write model.txt and card.json.
 
@@ -1032,10 +1053,29 @@ def train(
             require_optuna()  # before minutes of replaying logs, not after
         except MissingExtraError as exc:
             raise typer.BadParameter(str(exc), param_hint="'--tune'") from None
+    track = mlflow or mlflow_uri is not None
+    if track:
+        from training.tracking import require_mlflow
+        from training.tune import MissingExtraError
+
+        try:
+            require_mlflow()  # before minutes of replaying logs, not after
+        except MissingExtraError as exc:
+            raise typer.BadParameter(str(exc), param_hint="'--mlflow'") from None
+    options = {
+        "events": [str(e) for e in events],
+        "valid_fraction": valid_fraction,
+        "seed": seed,
+        "tune": tune,
+        "max_rounds": max_rounds,
+        "dask": dask,
+    }
     if dask is not None:
         if tune:
             raise typer.BadParameter("not with --tune", param_hint="'--dask'")
         _train_dask(events, out, dask, valid_fraction, seed, max_rounds, quiet, as_json)
+        if track:
+            _track_training(out, options, mlflow_uri, quiet or as_json)
         return
     bars = not quiet and stderr_is_terminal()
     # Without bars (stderr piped or captured), one line per stage unless the output is for machines.
@@ -1069,6 +1109,8 @@ def train(
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
     save_model(model, out, extra=extra)
+    if track:
+        _track_training(out, options, mlflow_uri, quiet or as_json)
     if as_json:
         typer.echo(json.dumps(model.metrics))
     else:
@@ -1077,6 +1119,118 @@ def train(
             f"wrote {out}: validation AUC {m['auc']}, Brier {m['brier']} "
             f"(base rate {m['brier_of_base_rate']}), {model.data['rows_train']:,} training rows"
         )
+
+
+def _track_training(out: Path, options: dict[str, object], uri: str | None, silent: bool) -> None:
+    """`train --mlflow`: the written model logged as a run (training/tracking.py)."""
+    import logging
+
+    from training.tracking import log_training_run, tracking_uri
+
+    if silent:  # MLflow's INFO lines (a new store's tables) would break --quiet's promise
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+    run_id = log_training_run(out, options, uri=uri)
+    if not silent:
+        typer.echo(f"logged MLflow run {run_id} to {tracking_uri(uri)}", err=True)
+
+
+RegistryUri = Annotated[
+    str | None, typer.Option("--mlflow-uri", metavar="URI", help="The MLflow tracking store.")
+]
+
+
+def _registry(call: Any, *args: Any) -> Any:
+    """A training/tracking.py call, its failures (no extra, unknown slot or model) as usage
+    errors; MLflow's progress bars and INFO lines kept off stderr."""
+    import logging
+    import os
+
+    from training.tracking import require_mlflow
+    from training.tune import MissingExtraError
+
+    try:
+        require_mlflow()
+    except MissingExtraError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    from mlflow.exceptions import MlflowException
+
+    logging.getLogger("mlflow").setLevel(logging.WARNING)
+    bar = "MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"
+    before = os.environ.get(bar)
+    os.environ[bar] = "false"
+    try:
+        return call(*args)
+    except (ValueError, MlflowException, OSError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    finally:
+        if before is None:
+            os.environ.pop(bar, None)
+        else:
+            os.environ[bar] = before
+
+
+@registry_cli.command("register")
+def registry_register(
+    model_dir: Annotated[Path, typer.Argument(help="A model directory (model.txt, card.json).")],
+    name: Annotated[str, typer.Option(help="The registered model's name.")] = "kvprefetch-arrival",
+    slot: Annotated[
+        str | None,
+        typer.Option(
+            help="Point this slot's alias at the new version: serving or shadow (or the stages "
+            "Production, Staging)."
+        ),
+    ] = None,
+    mlflow_uri: RegistryUri = None,
+) -> None:
+    """Register a model as a new version (its training run found by its hashes, or logged now);
+    prints the version as JSON."""
+    import json
+
+    from training.tracking import register
+
+    typer.echo(json.dumps(_registry(register, model_dir, name, slot, mlflow_uri)))
+
+
+@registry_cli.command("fetch")
+def registry_fetch(
+    ref: Annotated[str, typer.Argument(help="A version number, or a slot: serving or shadow.")],
+    out: Annotated[Path, typer.Option(help="The directory to write (model.txt, card.json).")],
+    name: Annotated[str, typer.Option(help="The registered model's name.")] = "kvprefetch-arrival",
+    mlflow_uri: RegistryUri = None,
+) -> None:
+    """Download a registered version into a directory the service loads (KVP_MODEL_DIR, or PUT
+    /v1/model/shadow under its models root); prints the directory."""
+    from training.tracking import fetch
+
+    typer.echo(_registry(fetch, name, ref, out, mlflow_uri))
+
+
+@registry_cli.command("promote")
+def registry_promote(
+    name: Annotated[str, typer.Option(help="The registered model's name.")] = "kvprefetch-arrival",
+    mlflow_uri: RegistryUri = None,
+) -> None:
+    """As the service's promote: the shadow's version takes the serving alias and the shadow
+    alias is removed; prints the promoted version as JSON."""
+    import json
+
+    from training.tracking import promote
+
+    typer.echo(json.dumps(_registry(promote, name, mlflow_uri)))
+
+
+@registry_cli.command("list")
+def registry_list(
+    name: Annotated[str, typer.Option(help="The registered model's name.")] = "kvprefetch-arrival",
+    mlflow_uri: RegistryUri = None,
+) -> None:
+    """Every version, oldest first, with its aliases and source: one JSON object a line."""
+    import json
+
+    from training.tracking import versions
+
+    for version in _registry(versions, name, mlflow_uri):
+        typer.echo(json.dumps(version))
 
 
 def _train_dask(
