@@ -437,8 +437,8 @@ class AdviceLedger:
 
     def _retire(self, slot: str) -> None:
         s = self._slots.get(slot)
-        if s is None:
-            return
+        if s is None or not (s.predictions or s.hits or s.misses or s.unscored):
+            return  # a model that counted nothing leaves nothing to keep
         retired = self._retired
         retired[s.version] = _add(retired.pop(s.version, None), s.stats())
         while len(retired) > VERSIONS_KEPT:
