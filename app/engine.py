@@ -654,8 +654,6 @@ class Engine:
             )
             if t is not None
         ]
-        # The models serving from now, the first rows of the log's join (app/predict/lifecycle.py).
-        await self.lifecycle.announce()
 
     def _deliver_vllm(self, batches: list[VllmKvEvents]) -> None:
         """A vLLM publisher's thread hands its batches to the loop, as POST /v1/events does

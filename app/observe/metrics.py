@@ -254,6 +254,14 @@ class Metrics:
             ["slot", "outcome"],
             registry=r,
         )
+        self.advice_bytes = Counter(
+            "kvprefetch_advice_bytes",
+            "The cost of each model's advice: the sessions' context bytes summed over its advice "
+            "records that said keep (advice=keep) or prefetch (advice=prefetch), as predictions "
+            "are counted; the two slots advise the same sessions at the same ticks.",
+            ["slot", "advice"],
+            registry=r,
+        )
         self.model_info = Gauge(
             "kvprefetch_model_info",
             "The model serving in each slot (1); version 'heuristic' when no model loads.",
@@ -902,6 +910,16 @@ class Metrics:
                 (self.advice_outcomes.labels(slot, "hit"), last.hits, now.hits),
                 (self.advice_outcomes.labels(slot, "miss"), last.misses, now.misses),
                 (self.advice_outcomes.labels(slot, "unscored"), last.unscored, now.unscored),
+                (
+                    self.advice_bytes.labels(slot, "keep"),
+                    last.keep_advice_bytes,
+                    now.keep_advice_bytes,
+                ),
+                (
+                    self.advice_bytes.labels(slot, "prefetch"),
+                    last.prefetch_advice_bytes,
+                    now.prefetch_advice_bytes,
+                ),
             ):
                 delta = is_ - was if is_ >= was else is_
                 if delta:
@@ -914,6 +932,8 @@ class Metrics:
 
     def _slot_started(self, slot: str) -> None:
         self.predictions.labels(slot)
+        for advice in ("keep", "prefetch"):
+            self.advice_bytes.labels(slot, advice)
         for outcome in ADVICE_OUTCOMES:
             self.advice_outcomes.labels(slot, outcome)
 

@@ -6,7 +6,9 @@ models through here, not on the registry directly, so that:
 - each change (a model loaded in a slot, a promote, a rollback, the shadow cleared) is ingested
   as a `model_changed` event, stamped by the service clock: a reader of the log joins every
   outcome to the latest `model_changed` of the serving slot before it (docs/operators/
-  model-lifecycle.md shows the join); the service writes one for each slot at startup too;
+  model-lifecycle.md shows the join). None is written at startup: a restart would add records
+  to a log that must hold what was posted, and the model a service starts with is the one the
+  last record named (SERVING_CHOICE_FILE) or KVP_MODEL_DIR;
 - the serving model chosen at run time (promoted, reloaded, rolled back to) is written to
   SERVING_CHOICE_FILE in the data directory and served again after a restart, as long as
   KVP_MODEL_DIR is still what it was when the choice was made (an operator who changes it
@@ -84,12 +86,6 @@ class ModelLifecycle:
         self.data_dir = data_dir
         self.configured = configured
         self.replica_id = replica_id
-
-    async def announce(self) -> None:
-        """What serves (and shadows) at startup, into the log: the join's first rows."""
-        await self._changed("serving", "loaded", self.models.serving)
-        if self.models.shadow is not None:
-            await self._changed("shadow", "loaded", self.models.shadow)
 
     async def reload(
         self, model_dir: Path, sample: Sequence[SessionView], now: float | None

@@ -68,7 +68,6 @@ def test_every_model_change_is_an_event_in_the_log(settings: Settings) -> None:
         assert (r.status_code, r.json()["field"]) == (422, "events[0].type")
     changes = model_changes(settings)
     assert [(e.slot, e.action, e.version, e.model_dir) for e in changes] == [
-        ("serving", "loaded", "default", "default"),  # at startup: the join's first row
         ("shadow", "loaded", "v2", "v2"),
         ("serving", "promoted", "v2", "v2"),
         ("shadow", "cleared", None, None),
@@ -77,7 +76,7 @@ def test_every_model_change_is_an_event_in_the_log(settings: Settings) -> None:
         ("shadow", "cleared", None, None),
     ]
     identity = model_identity(settings.models_root_dir / "v2")
-    promoted = changes[2]
+    promoted = changes[1]
     assert (promoted.card_sha256, promoted.model_sha256) == (
         identity["card_sha256"],
         identity["model_sha256"],
@@ -179,6 +178,11 @@ def test_a_manual_shadow_is_judged_beside_the_serving_model(tmp_path: Path) -> N
         assert scores["shadow"] == pytest.approx(brier(shadow))
         assert scores["live"] == pytest.approx(brier(live))
         assert "kvprefetch_retrain_judged_outcomes 2.0" in text
+        for slot, advice in (("live", live), ("shadow", shadow)):
+            kept = sum(len(a.block_hashes) for a in advice if a.retention == "keep")
+            line = f'kvprefetch_advice_bytes_total{{advice="keep",slot="{slot}"}} '
+            [value] = [float(x[len(line) :]) for x in text.splitlines() if x.startswith(line)]
+            assert value == per_block * kept, slot
 
         now = c.get("/v1/dashboard/now").json()
         dash = now["models"]["comparison"]
