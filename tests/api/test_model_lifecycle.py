@@ -239,3 +239,45 @@ def test_counts_are_kept_per_model_version_and_go_with_a_promoted_shadow(
         # The promoted shadow's records are not counted again under the live slot.
         assert 'kvprefetch_predictions_total{slot="live"} 3.0' in text
         assert 'kvprefetch_predictions_total{slot="shadow"} 2.0' in text
+
+
+def test_the_documented_join_names_the_model_that_served_each_request(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """The pandas join in docs/operators/model-lifecycle.md, run as written on a real log."""
+    import pandas as pd
+
+    from training.compact import compact_log
+
+    clock = ManualClock(1000.0)
+    with TestClient(create_app(settings, clock=clock)) as c:
+
+        def request(event_id: str, ts: float) -> None:
+            clock.set(ts)
+            assert (
+                c.post("/v1/events", json={"events": [routed(event_id, ts=ts)]}).status_code == 200
+            )
+
+        request("before", 1001.0)
+        clock.set(1010.0)
+        assert c.put("/v1/model/shadow", json={"model_dir": "v2"}).status_code == 200
+        clock.set(1020.0)
+        assert c.post("/v1/model/promote").status_code == 200
+        request("promoted", 1030.0)
+        clock.set(1040.0)
+        assert c.post("/v1/model/rollback").status_code == 200
+        request("rolled-back", 1050.0)
+    parquet = tmp_path / "events.parquet"
+    compact_log([settings.event_log_dir], parquet)
+    doc = (Path(__file__).parents[2] / "docs/operators/model-lifecycle.md").read_text()
+    code = doc.split("## The lifecycle as data", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict[str, object] = {}
+    exec(code.replace('"events.parquet"', repr(str(parquet))), scope)
+    served_by = scope["served_by"]
+    versions = dict(zip(served_by.request_id, served_by.version))  # type: ignore[attr-defined]
+    v2 = model_identity(settings.models_root_dir / "v2")["model_sha256"]
+    shas = dict(zip(served_by.request_id, served_by.model_sha256))  # type: ignore[attr-defined]
+    # Before the first record: the model the service started with (no record names it).
+    assert pd.isna(versions["r-before"])
+    assert (versions["r-promoted"], shas["r-promoted"]) == ("v2", v2)
+    assert versions["r-rolled-back"] == "default"
