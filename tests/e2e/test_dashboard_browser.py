@@ -122,6 +122,8 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
         browser = _browser(pw)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1500})
+            # The browser's clock a day behind the service's: the page must show the service's.
+            page.clock.set_fixed_time(time.time() - 86_400.0)
             page.on(
                 "console",
                 lambda m: (
