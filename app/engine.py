@@ -57,6 +57,7 @@ from app.observe.metrics import Metrics, multiprocess_dir
 from app.observe.outcomes import RequestOutcome, outcome_observer
 from app.observe.timeline import LandedPrefetches, MeasuredStall, Timeline, capacity_for
 from app.predict.features import DeploymentSignals
+from app.predict.lifecycle import ModelLifecycle, restored_model_dir
 from app.predict.registry import ModelRegistry
 from app.predict.retrain import Retrainer
 from app.predict.tool_durations import tool_durations_for
@@ -146,15 +147,17 @@ class Engine:
             )
         )
         self._owns_log = event_log is None
+        # Each set once: the cluster's numbers (read by the scheduler, route hints, outcomes and
+        # the ledger's cost of advice) and the planner's thresholds (read by the scorer's
+        # advisor and the scheduler alike).
+        self.cluster = ClusterSpec.from_settings(settings)
         # Both keep per-session maps, forgotten with the store's sessions (by event time).
         self.ledger = AdviceLedger(
             retention_seconds=settings.session_retention_seconds,
-            # The judge of a retrained candidate scores P(back within the keep horizon).
+            # The judge of a shadow scores P(back within the keep horizon).
             judge_horizon_seconds=settings.keep_horizon_seconds,
+            bytes_per_block=self.cluster.bytes_per_block,
         )
-        # Each set once: the cluster's numbers (read by the scheduler, route hints and outcomes)
-        # and the planner's thresholds (read by the scorer's advisor and the scheduler alike).
-        self.cluster = ClusterSpec.from_settings(settings)
         self.hint_config = HintConfig.for_cluster(self.cluster)
         self.thresholds = Thresholds.from_settings(settings)
         self.metrics = Metrics(
@@ -192,13 +195,29 @@ class Engine:
         # Whether this deployment sends signals (the models' deployment features): told each
         # accepted batch at ingest, in the store's order, as training replays a log.
         self.deployment = DeploymentSignals()
+        # A service (it keeps an event log) serves the model chosen at run time before a restart.
+        keeps_state = self.event_log.directory is not None
+        serve_dir = (
+            restored_model_dir(settings.data_dir, settings.models_root_dir, settings.model_dir)
+            if keeps_state
+            else settings.model_dir
+        )
         self.models = ModelRegistry(
-            settings.model_dir if load_model else None,
+            serve_dir if load_model else None,
             settings.shadow_model_dir,
             ledger=self.ledger,
             models_root=settings.models_root_dir,
             deployment=self.deployment,
             tools=self.tools,
+        )
+        # Every model change goes through it: logged as an event, the serving choice kept.
+        self.lifecycle = ModelLifecycle(
+            self.models,
+            self.clock,
+            self._ingest_record,
+            data_dir=settings.data_dir if keeps_state else None,
+            configured=settings.model_dir,
+            replica_id=settings.replica_id,
         )
         self.metrics.bind(
             scheduler=self.scheduler,
@@ -252,6 +271,7 @@ class Engine:
             self.models,
             self.ledger,
             self.clock,
+            lifecycle=self.lifecycle,
             log_dir=self.event_log.directory,
             sample=self._model_sample,
             metrics=self.metrics,
@@ -432,6 +452,10 @@ class Engine:
     async def _model_sample(self) -> list[SessionView]:
         """Live sessions a retrained model must answer for (as POST /v1/model/reload checks)."""
         return list(await self.store_thread.read(self.store.live_sessions, MODEL_CHECK_SAMPLE))
+
+    async def _ingest_record(self, events: Sequence[Event]) -> None:
+        """The service's own records (model_changed) into the log, as posted events go."""
+        await self.ingest_async(events)
 
     async def retrain_step(self, *, force: bool = False) -> str | None:
         """One step of the retraining schedule now (a driver without the loops, like a replay's);

@@ -571,6 +571,7 @@ class Scorer:
             advice.prefetch.tolist(),
             advice.p_keep.tolist(),
             now,
+            self.table.advisor_columns(advice.rows)[1].tolist(),  # the cost of the advice
         )
 
     def _hand_on(self, advisor: Advisor, advice: TableAdvice, now: float) -> int:

@@ -33,7 +33,7 @@ from app.core.clock import Clock
 from app.core.errors import StoreError
 from app.ingest.eventlog import EventLog, encode_batch, encode_events, iter_log
 from app.state.base import LogPosition, StateStore
-from kvprefetch_client.events import Event, VllmKvEvents
+from kvprefetch_client.events import RECORD_EVENT_TYPES, Event, VllmKvEvents
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,9 @@ class Ingestor:
                 self._finish(result)
                 return Prepared(result, fresh, data, 0)
             self._prepared += 1
-            self._newest_prepared = max(self._newest_prepared, max(map(_TS, fresh)))
+            traffic = [e.ts for e in fresh if e.type not in RECORD_EVENT_TYPES]
+            if traffic:
+                self._newest_prepared = max(self._newest_prepared, max(traffic))
             return Prepared(result, fresh, data, self._prepared)
 
     def commit(self, prepared: Prepared, position: LogPosition) -> IngestResult:
@@ -271,6 +273,10 @@ class Ingestor:
                 result.duplicates.append(e.event_id)
         if self.observer is not None:
             accepted = fresh if all(applied) else [e for e, ok in zip(fresh, applied) if ok]
+            if accepted and accepted[0].type in RECORD_EVENT_TYPES:
+                # The service's own records come alone (Engine._ingest_record); the observers
+                # follow traffic, whose windows a record's ts must not move.
+                accepted = [e for e in accepted if e.type not in RECORD_EVENT_TYPES]
             if accepted:
                 self._notify(accepted)
 

@@ -16,6 +16,11 @@ more than `retention_seconds` past the session's last activity (its newest event
 for one advised before any, the newest event, or the scoring clock, when it was first advised:
 only live sessions are advised); its next arrival is then unscored, like the store's fresh
 start of it.
+
+Counts are kept per model version too (`by_version`): a model swapped out keeps what it counted,
+and a promoted shadow takes its slot's counts and advice with it to serving. While a shadow is
+set, each tick's advice of the two models on the same session is compared: the pairs that differ
+are counted, and the latest DISAGREEMENTS_KEPT of them kept for the dashboard.
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ ADVICE_HISTORY = 4
 # Sessions tracked per model; past this, those least recently advised or arrived are forgotten
 # (their next arrival counts as unscored). About 200 bytes each.
 MAX_SESSIONS = 200_000
+# Sessions whose two models' latest advice differed, kept (the most recent) for the dashboard.
+DISAGREEMENTS_KEPT = 100
+# Model versions whose counts are kept after they left their slot (the most recent).
+VERSIONS_KEPT = 64
+# The version name the heuristic counts under (no model loaded).
+HEURISTIC = "heuristic"
 
 
 class AdviceRecord(NamedTuple):
@@ -69,6 +80,13 @@ class LedgerStats:
     hits: int
     misses: int
     unscored: int
+    # Of the records, those that said prefetch; and the sessions' context bytes summed over the
+    # records that said keep and over those that said prefetch: the cost of the advice, summed
+    # as the records are counted (the two models advise the same sessions at the same ticks, so
+    # their sums compare).
+    prefetch_predictions: int = 0
+    keep_advice_bytes: int = 0
+    prefetch_advice_bytes: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -85,14 +103,63 @@ class _Entry:
         self.last_ts = last_ts  # the session's last activity, in event time
 
 
-class _Slot:
-    __slots__ = ("hits", "keep_predictions", "misses", "predictions", "sessions", "unscored")
+@dataclass(frozen=True, slots=True)
+class Disagreement:
+    """A session the serving model and the shadow advised differently at the same tick."""
 
-    def __init__(self) -> None:
+    session_id: str
+    made_ts: float
+    context_bytes: int
+    live: AdviceRecord
+    shadow: AdviceRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """The shadow beside the serving model since the shadow came in: advice records paired
+    (same session, same tick), how many of them differ, and the latest that did, newest first."""
+
+    paired: int
+    disagreed: int
+    latest: list[Disagreement]
+
+
+class _Slot:
+    __slots__ = (
+        "base",
+        "hits",
+        "keep_bytes",
+        "keep_predictions",
+        "misses",
+        "predictions",
+        "prefetch_bytes",
+        "prefetch_predictions",
+        "sessions",
+        "unscored",
+        "version",
+    )
+
+    def __init__(self, version: str = HEURISTIC) -> None:
         # Recency order (the least recently advised or arrived first): an OrderedDict, as taking
         # from the front of a dict scans every slot freed there (docs/decisions.md, 25).
         self.sessions: OrderedDict[str, _Entry] = OrderedDict()
         self.predictions = self.keep_predictions = self.hits = self.misses = self.unscored = 0
+        self.prefetch_predictions = self.keep_bytes = self.prefetch_bytes = 0
+        self.version = version
+        # Its counts when it came into the slot it is in: zero, or a promoted shadow's.
+        self.base = LedgerStats(0, 0, 0, 0, 0)
+
+    def stats(self) -> LedgerStats:
+        return LedgerStats(
+            self.predictions,
+            self.keep_predictions,
+            self.hits,
+            self.misses,
+            self.unscored,
+            self.prefetch_predictions,
+            self.keep_bytes,
+            self.prefetch_bytes,
+        )
 
 
 class AdviceLedger:
@@ -107,7 +174,9 @@ class AdviceLedger:
         max_sessions: int = MAX_SESSIONS,
         retention_seconds: float = math.inf,
         judge_horizon_seconds: float = 300.0,
+        bytes_per_block: int = 0,
     ) -> None:
+        """`bytes_per_block`: what a context block holds, for the cost of the advice."""
         if retention_seconds <= 0:
             raise ValueError("retention_seconds must be positive")
         self.judge = PairedJudge(judge_horizon_seconds)
@@ -116,6 +185,11 @@ class AdviceLedger:
         self._slots: dict[str, _Slot] = {"live": _Slot()}
         self._newest = -math.inf  # the newest event ts observed
         self._cutoff = -math.inf
+        self.bytes_per_block = bytes_per_block
+        # The counts of the versions that left their slot; a version back in a slot adds on.
+        self._retired: OrderedDict[str, LedgerStats] = OrderedDict()
+        self._paired = self._disagreed = 0
+        self._disagreements: OrderedDict[str, Disagreement] = OrderedDict()
 
     def record(self, slot: str, advice: Iterable[SessionAdvice], made_ts: float) -> None:
         """The advice a model gave at `made_ts` (the scoring loop's clock); the slot must be
@@ -129,6 +203,7 @@ class AdviceLedger:
             [a.prefetch for a in scored],
             [a.p_keep for a in scored],
             made_ts,
+            [len(a.block_hashes) for a in scored],
         )
 
     def record_columns(
@@ -139,12 +214,14 @@ class AdviceLedger:
         prefetch: Sequence[bool],
         p_keep: Sequence[float],
         made_ts: float,
+        blocks: Sequence[int] | None = None,
     ) -> None:
         """`record` for advice given as columns (no queued ones): what the scoring loop's pass
-        over every live session hands over, without an object per session."""
+        over every live session hands over, without an object per session. `blocks`: each
+        session's context blocks, for the advice's cost (none: no cost counted)."""
         s = self._slots[slot]
         if slot == "shadow":
-            self._pair(session_ids, p_keep, made_ts)
+            self._pair(session_ids, retention, prefetch, p_keep, made_ts, blocks)
         sessions, cutoff = s.sessions, self._cutoff
         fresh_ts = max(self._newest, made_ts)
         pop = sessions.pop
@@ -166,6 +243,11 @@ class AdviceLedger:
         keeps = sum(1 for r, pf in zip(retention, prefetch) if pf or r == "keep")
         s.predictions += len(session_ids)
         s.keep_predictions += keeps
+        s.prefetch_predictions += sum(1 for pf in prefetch if pf)
+        if blocks is not None and self.bytes_per_block:
+            per = self.bytes_per_block
+            s.keep_bytes += per * sum(b for r, b in zip(retention, blocks) if r == "keep")
+            s.prefetch_bytes += per * sum(b for pf, b in zip(prefetch, blocks) if pf)
         self._trim(s)
 
     def observe(self, events: Sequence[Event]) -> None:
@@ -224,14 +306,49 @@ class AdviceLedger:
                         # Last in the dict, so forgotten sessions reach its front.
                         s.sessions.move_to_end(sid)
 
-    def _pair(self, session_ids: Sequence[str], p_keep: Sequence[float], made_ts: float) -> None:
-        """The shadow's advice beside the serving model's of the same tick, for the judge."""
+    def _pair(
+        self,
+        session_ids: Sequence[str],
+        retention: Sequence[Retention],
+        prefetch: Sequence[bool],
+        p_keep: Sequence[float],
+        made_ts: float,
+        blocks: Sequence[int] | None,
+    ) -> None:
+        """The shadow's advice beside the serving model's of the same tick: for the judge, and
+        the sessions where the two differ."""
         live = self._slots["live"].sessions
         judge = self.judge
-        for session_id, p in zip(session_ids, p_keep):
+        kept = self._disagreements
+        sizes = blocks if blocks is not None else repeat(0)
+        for session_id, r, pf, p, n in zip(session_ids, retention, prefetch, p_keep, sizes):
             entry = live.get(session_id)
-            if entry is not None and entry.history and entry.history[-1].made_ts == made_ts:
-                judge.pair(session_id, made_ts, entry.history[-1].p_keep, p)
+            if entry is None or not entry.history or entry.history[-1].made_ts != made_ts:
+                continue
+            theirs = entry.history[-1]
+            judge.pair(session_id, made_ts, theirs.p_keep, p)
+            self._paired += 1
+            if theirs.retention == r and theirs.prefetch == pf:
+                kept.pop(session_id, None)  # they agree now
+                continue
+            self._disagreed += 1
+            kept.pop(session_id, None)
+            kept[session_id] = Disagreement(
+                session_id,
+                made_ts,
+                n * self.bytes_per_block,
+                theirs,
+                AdviceRecord(made_ts, r, pf, p),
+            )
+            if len(kept) > DISAGREEMENTS_KEPT:
+                kept.popitem(last=False)
+
+    def comparison(self) -> Comparison | None:
+        """The shadow against the serving model since the shadow came in; None without one."""
+        if "shadow" not in self._slots:
+            return None
+        newest_first = list(reversed(self._disagreements.values()))
+        return Comparison(self._paired, self._disagreed, newest_first)
 
     @staticmethod
     def _arrival(s: _Slot, entry: _Entry, request_id: str, ts: float) -> None:
@@ -272,24 +389,87 @@ class AdviceLedger:
             del sessions[first]
 
     def stats(self, slot: str) -> LedgerStats:
-        """A slot's counts since its start(); all zero for a slot not started."""
-        s = self._slots.get(slot) or _Slot()
-        return LedgerStats(s.predictions, s.keep_predictions, s.hits, s.misses, s.unscored)
+        """A slot's counts since its model came in (a promoted one's since it began to shadow);
+        all zero for a slot not started."""
+        s = self._slots.get(slot)
+        return s.stats() if s is not None else LedgerStats(0, 0, 0, 0, 0)
 
-    def start(self, slot: str) -> None:
-        """A new model sits in `slot`: forget what the slot held and count afresh."""
+    def base(self, slot: str) -> LedgerStats:
+        """A slot's counts when its model came into it: zero, or a promoted shadow's (counted
+        under the shadow slot already)."""
+        s = self._slots.get(slot)
+        return s.base if s is not None else LedgerStats(0, 0, 0, 0, 0)
+
+    def by_version(self) -> dict[str, LedgerStats]:
+        """Every model version's counts while it sat in a slot, since the service started (the
+        most recent VERSIONS_KEPT versions); the heuristic's under "heuristic"."""
+        out = dict(self._retired)
+        for s in self._slots.values():
+            out[s.version] = _add(out.get(s.version), s.stats())
+        return out
+
+    def start(self, slot: str, version: str | None = None) -> None:
+        """A new model (`version`; None: the heuristic) sits in `slot`: the slot counts afresh;
+        what the model before it counted is kept under its version."""
         if slot not in SLOTS:
             raise ValueError(f"unknown model slot {slot!r}; slots are {SLOTS}")
-        self._slots[slot] = _Slot()
-        self.judge.reset()
+        self._retire(slot)
+        self._slots[slot] = _Slot(version or HEURISTIC)
+        self._reset_pairs()
 
     def stop(self, slot: str) -> None:
-        """No model sits in `slot` any more: forget it, and stop counting its arrivals."""
+        """No model sits in `slot` any more: forget it, and stop counting its arrivals (its
+        version keeps its counts)."""
+        self._retire(slot)
         self._slots.pop(slot, None)
+        self._reset_pairs()
+
+    def promote(self) -> None:
+        """The shadow's model serves now: its counts and advice go with it to the live slot, and
+        the shadow slot is empty."""
+        shadow = self._slots.pop("shadow", None)
+        if shadow is None:
+            raise ValueError("no shadow to promote")
+        self._retire("live")
+        shadow.base = shadow.stats()
+        self._slots["live"] = shadow
+        self._reset_pairs()
+
+    def _retire(self, slot: str) -> None:
+        s = self._slots.get(slot)
+        if s is None or not (s.predictions or s.hits or s.misses or s.unscored):
+            return  # a model that counted nothing leaves nothing to keep
+        retired = self._retired
+        retired[s.version] = _add(retired.pop(s.version, None), s.stats())
+        while len(retired) > VERSIONS_KEPT:
+            retired.popitem(last=False)
+
+    def _reset_pairs(self) -> None:
         self.judge.reset()
+        self._paired = self._disagreed = 0
+        self._disagreements.clear()
 
     def _trim(self, s: _Slot) -> None:
         overflow = len(s.sessions) - self.max_sessions
         if overflow > 0:
             for session_id in [k for k, _ in zip(s.sessions, range(overflow))]:
                 del s.sessions[session_id]
+
+
+def _add(a: LedgerStats | None, b: LedgerStats) -> LedgerStats:
+    if a is None:
+        return b
+    return LedgerStats(*(x + y for x, y in zip(_fields(a), _fields(b))))
+
+
+def _fields(s: LedgerStats) -> tuple[int, ...]:
+    return (
+        s.predictions,
+        s.keep_predictions,
+        s.hits,
+        s.misses,
+        s.unscored,
+        s.prefetch_predictions,
+        s.keep_advice_bytes,
+        s.prefetch_advice_bytes,
+    )

@@ -254,6 +254,14 @@ class Metrics:
             ["slot", "outcome"],
             registry=r,
         )
+        self.advice_bytes = Counter(
+            "kvprefetch_advice_bytes",
+            "The cost of each model's advice: the sessions' context bytes summed over its advice "
+            "records that said keep (advice=keep) or prefetch (advice=prefetch), as predictions "
+            "are counted; the two slots advise the same sessions at the same ticks.",
+            ["slot", "advice"],
+            registry=r,
+        )
         self.model_info = Gauge(
             "kvprefetch_model_info",
             "The model serving in each slot (1); version 'heuristic' when no model loads.",
@@ -429,15 +437,17 @@ class Metrics:
         self.retrain_brier = Gauge(
             "kvprefetch_retrain_brier_score",
             "Mean Brier score of P(back within the keep horizon) on the paired outcomes judged "
-            "while a retrained candidate shadows: slot=live (serving) and slot=shadow "
-            "(candidate); lower is better. NaN before the first outcome.",
+            "while a shadow is set (an operator's or a retrained candidate): slot=live "
+            "(serving) and slot=shadow; lower is better. NaN before the first outcome; the last "
+            "shadow's scores once it is promoted or removed.",
             ["slot"],
             registry=r,
             multiprocess_mode="livemax",
         )
         self.retrain_judged_outcomes = Gauge(
             "kvprefetch_retrain_judged_outcomes",
-            "Paired outcomes judged for the shadowing candidate so far.",
+            "Paired outcomes judged for the shadow (an operator's or a retrained candidate) so "
+            "far.",
             registry=r,
             multiprocess_mode="livemax",
         )
@@ -771,7 +781,7 @@ class Metrics:
         self.retrain_last_run.set(ts)
 
     def retrain_judged(self, stats: JudgeStats) -> None:
-        """The judge's scores for the shadowing candidate, as the retrainer last read them."""
+        """The judge's scores for the shadow, an operator's or a retrained candidate."""
         self.retrain_judged_outcomes.set(stats.judged)
         for slot, score in (("live", stats.live_brier), ("shadow", stats.shadow_brier)):
             self.retrain_brier.labels(slot).set(float("nan") if score is None else score)
@@ -888,8 +898,9 @@ class Metrics:
                 continue
             seen = self._ledger_seen.get(slot)
             if seen is None or seen[0] is not serving:
-                # A model just swapped into the slot: the ledger counts it from zero.
-                seen = (serving, LedgerStats(0, 0, 0, 0, 0))
+                # A model just swapped into the slot: the ledger counts it from zero, or, for a
+                # promoted shadow, from what it counted as the shadow (exported there already).
+                seen = (serving, self._ledger.base(slot))
                 self._slot_started(slot)
             elif self._ledger.stats(slot) == seen[1]:
                 continue  # nothing new to count (the common case: this runs for every batch)
@@ -899,14 +910,30 @@ class Metrics:
                 (self.advice_outcomes.labels(slot, "hit"), last.hits, now.hits),
                 (self.advice_outcomes.labels(slot, "miss"), last.misses, now.misses),
                 (self.advice_outcomes.labels(slot, "unscored"), last.unscored, now.unscored),
+                (
+                    self.advice_bytes.labels(slot, "keep"),
+                    last.keep_advice_bytes,
+                    now.keep_advice_bytes,
+                ),
+                (
+                    self.advice_bytes.labels(slot, "prefetch"),
+                    last.prefetch_advice_bytes,
+                    now.prefetch_advice_bytes,
+                ),
             ):
                 delta = is_ - was if is_ >= was else is_
                 if delta:
                     counter.inc(delta)
             self._ledger_seen[slot] = (serving, now)
+        # Any shadow is judged against the serving model, an operator's as a retrained one.
+        # Once the shadow leaves (promoted, cleared), its last scores stay: how it was judged.
+        if self._models.shadow is not None:
+            self.retrain_judged(self._ledger.judge.stats())
 
     def _slot_started(self, slot: str) -> None:
         self.predictions.labels(slot)
+        for advice in ("keep", "prefetch"):
+            self.advice_bytes.labels(slot, advice)
         for outcome in ADVICE_OUTCOMES:
             self.advice_outcomes.labels(slot, outcome)
 

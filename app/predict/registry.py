@@ -22,6 +22,8 @@ class Serving:
     # What /readyz says: "learned (default)" or why the heuristic serves.
     description: str
     version: str | None
+    # Where the model was loaded from; None for the heuristic.
+    model_dir: Path | None = None
 
 
 def _probe_session() -> SessionView:
@@ -145,7 +147,10 @@ def public_error(exc: ModelError, model_dir: Path, root: Path) -> ModelError:
 
 class ModelRegistry:
     """Holds the serving predictor and the shadow beside it; a swap replaces one in a single
-    assignment, or nothing at all, and starts that model's advice ledger afresh. What it says
+    assignment, or nothing at all, and starts that slot's advice ledger afresh (the ledger keeps
+    each version's counts); a promote moves the shadow, with its counts, to serving and empties
+    the shadow slot; a rollback serves again what served before the last promote or reload,
+    once. app/predict/lifecycle.py logs each change and keeps the serving choice. What it says
     (descriptions, errors) names model directories relative to `models_root` (default: the one
     holding `model_dir`), never by their path."""
 
@@ -173,10 +178,13 @@ class ModelRegistry:
         else:
             try:
                 model = self._load(model_dir)
-                self.serving = Serving(model, f"learned ({model.version})", model.version)
+                self.serving = _learned(model, model_dir)
             except ModelError as exc:
                 log.warning("serving the heuristic: %s (%s)", exc, model_dir)
                 self.serving = Serving(HeuristicPredictor(), f"heuristic ({exc})", None)
+        self.ledger.start("live", self.serving.version)
+        # What served before the last promote or reload: what a rollback serves again.
+        self.previous: Serving | None = None
         # The shadow is scored beside the serving model and never advises anyone.
         self.shadow: Serving | None = None
         # Why the configured shadow is not there; a shadow that fails never stops the service.
@@ -202,8 +210,8 @@ class ModelRegistry:
         self, model_dir: Path, sample: Sequence[SessionView] = (), now: float | None = None
     ) -> Serving:
         model = self._load(model_dir, sample, now)  # raises before anything changes
-        self.serving = Serving(model, f"learned ({model.version})", model.version)
-        self.ledger.start("live")
+        self.previous, self.serving = self.serving, _learned(model, model_dir)
+        self.ledger.start("live", model.version)
         log.info("now serving model %s from %s", model.version, model_dir)
         return self.serving
 
@@ -211,12 +219,40 @@ class ModelRegistry:
         self, model_dir: Path, sample: Sequence[SessionView] = (), now: float | None = None
     ) -> Serving:
         model = self._load(model_dir, sample, now)
-        self.shadow = Serving(model, f"learned ({model.version})", model.version)
+        self.shadow = _learned(model, model_dir)
         self.shadow_problem = None
-        self.ledger.start("shadow")
+        self.ledger.start("shadow", model.version)
         log.info("shadowing model %s from %s", model.version, model_dir)
         return self.shadow
 
     def clear_shadow(self) -> None:
         self.shadow, self.shadow_problem = None, None
         self.ledger.stop("shadow")
+
+    def promote(self) -> Serving:
+        """The shadow serves, with what it counted while it shadowed; the shadow slot is empty.
+        ModelError when there is no shadow."""
+        shadow = self.shadow
+        if shadow is None:
+            raise ModelError("no shadow model to promote: set one first (PUT /v1/model/shadow)")
+        self.previous, self.serving, self.shadow = self.serving, shadow, None
+        self.shadow_problem = None
+        self.ledger.promote()
+        log.info("promoted model %s from the shadow to serving", shadow.version)
+        return shadow
+
+    def rollback(self) -> Serving:
+        """What served before the last promote or reload serves again (its counts start
+        afresh); once: a second rollback has nothing to go back to. ModelError when nothing
+        did."""
+        previous = self.previous
+        if previous is None:
+            raise ModelError("nothing to roll back to: no promote or reload since the start")
+        self.previous, self.serving = None, previous
+        self.ledger.start("live", previous.version)
+        log.info("rolled back to model %s", previous.version or "heuristic")
+        return previous
+
+
+def _learned(model: LearnedPredictor, model_dir: Path) -> Serving:
+    return Serving(model, f"learned ({model.version})", model.version, model_dir)

@@ -9,7 +9,7 @@ at least KVP_RETRAIN_MIN_ARRIVALS requests were routed since the last run:
 2. load it as the shadow (checked on live sessions, as PUT /v1/model/shadow does);
 3. while it shadows, the advice ledger's judge pairs its p_keep with the serving model's on the
    same sessions and ticks (app/observe/judge.py); promote it (it serves, as POST
-   /v1/model/reload does) when its Brier score is better by KVP_RETRAIN_PROMOTE_MARGIN and two
+   /v1/model/promote does) when its Brier score is better by KVP_RETRAIN_PROMOTE_MARGIN and two
    paired standard errors on at least KVP_RETRAIN_MIN_JUDGED outcomes; discard it when it is
    worse by two standard errors, or still undecided after KVP_RETRAIN_SHADOW_SECONDS.
 
@@ -42,6 +42,7 @@ from kvprefetch_client.events import Event
 
 if TYPE_CHECKING:
     from app.observe.metrics import Metrics
+    from app.predict.lifecycle import ModelLifecycle
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,7 @@ class Retrainer:
         ledger: AdviceLedger,
         clock: Clock,
         *,
+        lifecycle: ModelLifecycle,
         log_dir: Path | None,
         sample: Callable[[], Awaitable[Sequence[SessionView]]],
         metrics: Metrics | None = None,
@@ -92,6 +94,7 @@ class Retrainer:
         self.models = models
         self.ledger = ledger
         self.clock = clock
+        self.lifecycle = lifecycle
         self.log_dir = log_dir
         self.sample = sample
         self.metrics = metrics
@@ -177,7 +180,7 @@ class Retrainer:
             return self._finish("failed", problem, now, version)
         try:
             sample = await self.sample()
-            await asyncio.to_thread(self.models.set_shadow, directory, sample, self.clock.now())
+            await self.lifecycle.set_shadow(directory, sample, self.clock.now())
         except ModelError as exc:
             shutil.rmtree(directory, ignore_errors=True)
             return self._finish("failed", f"the candidate does not load: {exc}", now, version)
@@ -268,20 +271,12 @@ class Retrainer:
             reason = _scores(stats)
         self.candidate = None
         if decision == "discard":
-            self.models.clear_shadow()
+            await self.lifecycle.clear_shadow()
             shutil.rmtree(candidate.directory, ignore_errors=True)
             return self._finish("discarded", reason, now, candidate.version, stats)
-        try:
-            sample = await self.sample()
-            await asyncio.to_thread(
-                self.models.reload, candidate.directory, sample, self.clock.now()
-            )
-        except ModelError as exc:
-            self.models.clear_shadow()
-            return self._finish(
-                "failed", f"the candidate does not load: {exc}", now, candidate.version, stats
-            )
-        self.models.clear_shadow()
+        # It has scored the live sessions all along: it moves to serving as it is, with its counts
+        # (a promote clears the shadow slot).
+        await self.lifecycle.promote()
         return self._finish("promoted", reason, now, candidate.version, stats)
 
     def _finish(

@@ -40,6 +40,7 @@ from app.state.rules import (
 )
 from kvprefetch_client.events import (
     MAX_BLOCKS_PER_EVENT,
+    RECORD_EVENT_TYPES,
     BlockHash,
     Event,
     InstanceStatus,
@@ -256,6 +257,8 @@ class MemoryStore:
             "vllm_kv_events": self._vllm,
             "instance_status": self._status,
             "order_progress": self._order,
+            # A record for the log's readers (app/predict/lifecycle.py): no state follows it.
+            "model_changed": _no_state,
         }
 
     # -- ingestion -------------------------------------------------------------------------
@@ -276,7 +279,7 @@ class MemoryStore:
                 out.append(False)
                 continue
             ts = e.ts
-            if ts > self._newest:
+            if ts > self._newest and e.type not in RECORD_EVENT_TYPES:
                 self._newest = ts
                 self._cutoff = retention_cutoff(ts, self.session_retention_seconds)
                 self._icutoff = retention_cutoff(ts, self.instance_retention_seconds)
@@ -1038,3 +1041,7 @@ def _request_view(r: RequestRecord) -> RequestView:
         output_tokens=opt_int(r.output_tokens),
         context_tokens=opt_int(r.context_tokens),
     )
+
+
+def _no_state(event: Event) -> None:
+    """A record (RECORD_EVENT_TYPES): its id is seen, nothing else changes."""

@@ -193,6 +193,7 @@ _REQ_PROMPT, _REQ_OUTPUT, _REQ_CONTEXT = 6, 7, 8
 #   Z iid|"" location meta ts bt_if_new                                  kv_blocks_cleared
 #   I iid ts free total|"" queue_depth running                           instance_status
 #   O oid rank ts status bytes|"" seconds|"" reason_json                 order_progress
+# A model_changed has no operation: its id is marked seen, nothing else (RECORD_EVENT_TYPES).
 # A vllm_kv_events event is several K/X/Z operations under its one event id.
 # Returns one 1 (applied) or 0 (duplicate) per event. See the module docstring for why the
 # sessions and instances are written back at the end and the ids marked last.
@@ -310,6 +311,7 @@ class RedisStore:
             "vllm_kv_events": self._enc_vllm,
             "instance_status": self._enc_status,
             "order_progress": self._enc_order,
+            "model_changed": self._enc_time_only,
         }
 
     @classmethod
@@ -555,6 +557,9 @@ class RedisStore:
         # All sub-events in one script call, deduplicated under the parent's event id.
         for sub in e.expand():
             self._encode[sub.type](sub, ops)
+
+    def _enc_time_only(self, e: Event, ops: list[str]) -> None:
+        pass  # a record (RECORD_EVENT_TYPES): no state, no newest ts
 
     def _enc_status(self, e: InstanceStatus, ops: list[str]) -> None:
         ops += (

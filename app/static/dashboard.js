@@ -45,6 +45,8 @@
       width: Math.max(el.clientWidth, 300),
       height: 220,
       scales: Object.assign({ x: { time: true } }, scales || {}),
+      // The service's clock (its ts), shown in UTC as the header's clock is: one clock.
+      tzDate: (ts) => uPlot.tzDate(new Date(ts * 1e3), "Etc/UTC"),
       series: [{}].concat(series),
       axes: [{}].concat(axes),
       legend: { live: true },
@@ -165,6 +167,7 @@
       ? `${count(sig.followed)} of ${count(sig.total)} signals had a request within ${sig.window_seconds} s`
       : "no signal yet");
     drawRetrain(now.retrain);
+    drawShadow(now);
     drawInstances(now);
     drawSessions(now);
     drawSignals(sig);
@@ -192,6 +195,50 @@
     const runs = r.runs;
     setTile("tile-retrain", r.state, sub);
     tile.title = `runs: ${runs.promoted} promoted, ${runs.discarded} discarded, ${runs.failed} failed, ${runs.skipped} skipped`;
+  }
+
+  // The shadow judged as a retrained candidate is, whoever set it: calibration (Brier, lower is
+  // better), hit rate and the cost of its advice beside the serving model's; and the latest
+  // sessions the two advised differently (the service's bounded list).
+  function advice(a) { return a.retention + (a.prefetch ? " + prefetch" : "") + ` (${pct(a.p_keep)})`; }
+  function drawShadow(now) {
+    const live = now.models.live;
+    const shadow = now.models.shadow;
+    const c = now.models.comparison;
+    $("shadow-panel").dataset.shadow = shadow == null ? "none" : (shadow.version || "heuristic");
+    if (shadow == null || c == null) {
+      $("shadow-hint").textContent = "(no shadow model)";
+      $("disagreements-hint").textContent = "";
+      fillTable("comparison", [], "no shadow model", 3, () => null);
+      fillTable("disagreements", [], "no shadow model", 5, () => null);
+      return;
+    }
+    $("shadow-hint").textContent = `(${modelName(shadow)} against ${modelName(live)}; ${count(c.judged)} outcomes judged)`;
+    const rows = [
+      ["Brier score (lower is better)", brier(c.live_brier), brier(c.shadow_brier)],
+      ["hit rate", pct(live.hit_rate), pct(shadow.hit_rate)],
+      ["keep or prefetch advice", count(live.keep_predictions), count(shadow.keep_predictions)],
+      ["bytes kept (advice)", bytes(live.keep_advice_bytes), bytes(shadow.keep_advice_bytes)],
+      ["bytes prefetched (advice)", bytes(live.prefetch_advice_bytes), bytes(shadow.prefetch_advice_bytes)],
+    ];
+    fillTable("comparison", rows, "", 3, (r) => {
+      const tr = document.createElement("tr");
+      cell(tr, r[0]);
+      cell(tr, r[1], "num");
+      cell(tr, r[2], "num");
+      return tr;
+    });
+    $("disagreements-hint").textContent = `(${count(c.disagreed)} of ${count(c.paired)} paired advice records differ; the latest first)`;
+    fillTable("disagreements", c.disagreements, "no disagreement yet", 5, (d) => {
+      const tr = document.createElement("tr");
+      if (d.session_id != null) tr.dataset.session = d.session_id;
+      cell(tr, d.session_id == null ? "hidden" : d.session_id, "id");
+      cell(tr, advice(d.live));
+      cell(tr, advice(d.shadow));
+      cell(tr, bytes(d.context_bytes), "num");
+      cell(tr, seconds(Math.max(now.now - d.made_ts, 0)) + " ago", "num");
+      return tr;
+    });
   }
 
   function drawSignals(sig) {
@@ -337,9 +384,14 @@
       drawTools(tools);
       polls += 1;
       document.body.dataset.polls = String(polls);
+      // One clock: the service's (its KVP_CLOCK_SPEED, a replay's time), never the browser's.
+      const clock = $("service-clock");
+      clock.dateTime = new Date(now.now * 1000).toISOString();
+      clock.dataset.ts = String(now.now);
+      clock.textContent = new Date(now.now * 1000).toISOString().slice(11, 19) + " UTC";
       status.textContent = series.count === 0
         ? "no samples yet: the charts fill as the service samples its counters"
-        : `updated ${new Date().toLocaleTimeString()} · ${series.count} samples`;
+        : `updated · ${series.count} samples`;
       status.classList.remove("error");
     } catch (err) {
       status.textContent = `cannot update: ${err.message}`;

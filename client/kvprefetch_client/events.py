@@ -386,6 +386,40 @@ class OrderProgress(_Event):
         return self
 
 
+ModelSlot = Literal["serving", "shadow"]
+# loaded: a model put in the slot (at startup, a reload, a shadow set); promoted: the shadow moved
+# to serving; rolled_back: the model serving before the last promote or reload serves again;
+# cleared: the shadow removed.
+ModelAction = Literal["loaded", "promoted", "rolled_back", "cleared"]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+
+
+class ModelChanged(_Event):
+    """The service changed the model in a slot: written to the event log by the service itself
+    (app/predict/lifecycle.py), so every outcome after `ts` can be joined to the model that
+    served it. It changes no session's state. `model_dir` is the model's directory relative to
+    the models root; the hashes are app.core.bundle.model_identity's (None: the heuristic)."""
+
+    type: Literal["model_changed"] = "model_changed"
+    slot: ModelSlot
+    action: ModelAction
+    version: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    model_dir: Annotated[str, StringConstraints(min_length=1, max_length=4096)] | None = None
+    card_sha256: Sha256 | None = None
+    model_sha256: Sha256 | None = None
+
+    @model_validator(mode="after")
+    def _action_fits_slot(self) -> ModelChanged:
+        if self.action == "cleared":
+            if self.slot != "shadow":
+                raise ValueError("only the shadow slot is cleared")
+            if self.version is not None or self.model_dir is not None:
+                raise ValueError("a cleared slot holds no model: leave version and model_dir out")
+        elif self.action in ("promoted", "rolled_back") and self.slot != "serving":
+            raise ValueError(f"{self.action} names the serving slot")
+        return self
+
+
 Event = Annotated[
     RequestRouted
     | RequestStarted
@@ -397,9 +431,15 @@ Event = Annotated[
     | KvBlocksCleared
     | VllmKvEvents
     | InstanceStatus
-    | OrderProgress,
+    | OrderProgress
+    | ModelChanged,
     Field(discriminator="type"),
 ]
+
+# What the service writes about itself into its log, for the log's readers: deduplicated and
+# logged like any event, but it is no traffic: it changes no state, moves no window (the store's
+# newest ts), and the ingest observers never hear of it.
+RECORD_EVENT_TYPES: frozenset[str] = frozenset({"model_changed"})
 
 EVENT_TYPES: tuple[str, ...] = (
     "request_routed",
@@ -413,6 +453,7 @@ EVENT_TYPES: tuple[str, ...] = (
     "vllm_kv_events",
     "instance_status",
     "order_progress",
+    "model_changed",
 )
 
 

@@ -86,7 +86,7 @@ def test_mixed_batch_accepts_the_valid_and_names_each_bad_field(
             "does not match any of the expected tags: "
             "'request_routed', 'request_started', 'request_finished', 'session_closed', "
             "'session_signal', 'kv_blocks_stored', 'kv_blocks_removed', 'kv_blocks_cleared', "
-            "'vllm_kv_events', 'instance_status', 'order_progress'",
+            "'vllm_kv_events', 'instance_status', 'order_progress', 'model_changed'",
         },
         {
             "index": 4,

@@ -28,6 +28,9 @@ NO_SCORES = {
     "misses": 0,
     "unscored": 0,
     "hit_rate": None,
+    "prefetch_predictions": 0,
+    "keep_advice_bytes": 0,
+    "prefetch_advice_bytes": 0,
 }
 
 
@@ -108,6 +111,8 @@ def test_the_bundled_model_serves_by_default(client: TestClient) -> None:
         "version": "default",
         "live": {"predictor": "learned (default)", "version": "default", **NO_SCORES},
         "shadow": None,
+        "comparison": None,
+        "by_version": {"default": NO_SCORES},
     }
     assert client.get("/readyz").json()["shadow"] is None
 
@@ -293,10 +298,12 @@ def test_hit_rates_of_live_and_shadow(tmp_path: Path, clock: ManualClock) -> Non
         views = [store.session("a"), store.session("b")]
         # What the production planner advises at 900 is what each model is judged on.
         predictors = {"live": HeuristicPredictor(), "shadow": LearnedPredictor(DEFAULT_MODEL_DIR)}
+        advised = {name: Advisor(p).advise(views, 900.0) for name, p in predictors.items()}
         kept = {
-            name: [a.retention == "keep" or a.prefetch for a in Advisor(p).advise(views, 900.0)]
-            for name, p in predictors.items()
+            name: [a.retention == "keep" or a.prefetch for a in advice]
+            for name, advice in advised.items()
         }
+        per_block = app.state.engine.cluster.bytes_per_block  # type: ignore[attr-defined]
         assert kept["live"] == [True, False]  # the setup: the heuristic keeps a, lets b go
 
         # Both come back; c was never scored; a resend of an arrival counts once.
@@ -326,6 +333,12 @@ def test_hit_rates_of_live_and_shadow(tmp_path: Path, clock: ManualClock) -> Non
                 "misses": 2 - hits,
                 "unscored": 5,
                 "hit_rate": hits / 2,
+                # The cost of its advice: the context bytes of what it kept and prefetched.
+                "prefetch_predictions": sum(a.prefetch for a in advised[name]),
+                "keep_advice_bytes": per_block
+                * sum(len(a.block_hashes) for a in advised[name] if a.retention == "keep"),
+                "prefetch_advice_bytes": per_block
+                * sum(len(a.block_hashes) for a in advised[name] if a.prefetch),
             }, name
         assert model["live"]["hit_rate"] == 0.5
 

@@ -122,6 +122,8 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
         browser = _browser(pw)
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1500})
+            # The browser's clock a day behind the service's: the page must show the service's.
+            page.clock.set_fixed_time(time.time() - 86_400.0)
             page.on(
                 "console",
                 lambda m: (
@@ -142,6 +144,10 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
             assert "cannot update" not in page.locator("#status").inner_text()
             assert page.locator("#live-model").inner_text() == "heuristic"
             assert page.locator("#shadow-model").inner_text() == "learned (default)"
+            # The shadow panel: the two models side by side, from the first poll.
+            assert page.locator("#shadow-panel").get_attribute("data-shadow") == "default"
+            assert page.locator("#comparison").get_attribute("data-rows") == "5"
+            assert "Brier" in page.locator("#comparison tbody").inner_text()
             assert console == [], console
 
             # Two instances with room, six sessions with a steady rhythm, their contexts in the
@@ -281,6 +287,28 @@ def test_the_dashboard_shows_what_the_service_is_doing(tmp_path: Path) -> None:
             # the rows are drawn, their ids not.
             sessions = page.locator("#sessions tbody").inner_text()
             assert "hidden" in sessions and "chat-" not in sessions
+            # The shadow panel compares the models the service scored; its list of sessions the
+            # two advised differently is the service's, drawn row for row (ids hidden too).
+            before = http.get("/v1/dashboard/now").json()
+            page.wait_for_function(
+                f"() => Number(document.querySelector('#service-clock').dataset.ts) >= "
+                f"{before['now']}",
+                timeout=10_000,
+            )
+            after = http.get("/v1/dashboard/now").json()
+            compared = after["models"]["comparison"]
+            assert compared is not None and compared["paired"] > 0
+            drawn = page.locator("#comparison tbody").inner_text()
+            assert "bytes kept (advice)" in drawn and "hit rate" in drawn
+            hint = page.locator("#disagreements-hint").inner_text()
+            assert "paired advice records differ" in hint
+            rows = int(page.locator("#disagreements").get_attribute("data-rows") or 0)
+            assert rows <= 20  # the page asks for limit=20: a bounded list
+            assert page.locator("#disagreements tbody tr:not(.empty)").count() == rows
+            assert "chat-" not in page.locator("#disagreements tbody").inner_text()
+            # One clock: the service's now (from /v1/dashboard/now), not the browser's.
+            shown = float(page.locator("#service-clock").get_attribute("data-ts") or "nan")
+            assert before["now"] <= shown <= after["now"]
             assert "cannot update" not in page.locator("#status").inner_text()
 
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)

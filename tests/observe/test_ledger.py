@@ -66,7 +66,7 @@ def test_keep_then_a_request_is_a_hit_and_prefetch_counts_as_keep() -> None:
     assert ledger.latest("live", "a") == AdviceRecord(10.0, "keep", False, 0.5)
     ledger.observe([routed("a", 20.0), routed("b", 20.0)])
     assert ledger.stats("live") == LedgerStats(
-        predictions=2, keep_predictions=2, hits=2, misses=0, unscored=0
+        predictions=2, keep_predictions=2, hits=2, misses=0, unscored=0, prefetch_predictions=1
     )
     assert ledger.stats("live").hit_rate == 1.0
 

@@ -1219,3 +1219,15 @@ def test_locations_page_by_name(store: StateStore) -> None:
     rest = store.locations(after=second[-1].location, limit=3)
     assert first + second + rest == everything and len(rest) == 1
     assert store.locations(after="pool", limit=5) == [] and store.locations(limit=0) == []
+
+
+def test_a_model_changed_record_is_seen_once_and_changes_nothing_else(store: StateStore) -> None:
+    """The service's own record (RECORD_EVENT_TYPES): deduplicated like any event, but no
+    state and no window moves, whatever its ts."""
+    store.apply([routed("s", "r1", 100.0)])
+    before = store.session("s")
+    record = ev("model_changed", 9_000.0, slot="serving", action="promoted", version="v2")
+    assert store.apply([record]) == [True]
+    assert store.apply([record]) == [False]  # a resend is a duplicate
+    assert store.seen_and_newest([record.event_id]) == ([True], 100.0)
+    assert store.session("s") == before

@@ -28,10 +28,11 @@ from app.api.deps import (
     TokensDep,
 )
 from app.api.errors import Error, error_response
+from app.api.routes.model import comparison, counts
 from app.core.config import Settings
 from app.core.security import TokenTable
 from app.decide.scheduler import Scheduler
-from app.observe.ledger import AdviceLedger
+from app.observe.ledger import AdviceLedger, AdviceRecord
 from app.observe.signals import SignalFollowups
 from app.observe.timeline import HISTORY_SECONDS, Timeline, instance_queues, series, top_sessions
 from app.predict.registry import ModelRegistry
@@ -104,17 +105,31 @@ async def dashboard_series(
 
 
 def _slot(ledger: AdviceLedger, slot: str, predictor: str, version: str | None) -> dict[str, Any]:
-    s = ledger.stats(slot)
-    return {
-        "predictor": predictor,
-        "version": version,
-        "predictions": s.predictions,
-        "keep_predictions": s.keep_predictions,
-        "hits": s.hits,
-        "misses": s.misses,
-        "unscored": s.unscored,
-        "hit_rate": s.hit_rate,
-    }
+    return {"predictor": predictor, "version": version, **counts(ledger.stats(slot))}
+
+
+def shadow_comparison(ledger: AdviceLedger, limit: int) -> dict[str, Any] | None:
+    """GET /v1/model's `comparison`, with the latest `limit` sessions the two models advised
+    differently (newest first); None without a shadow."""
+    compared = comparison(ledger)
+    found = ledger.comparison()
+    if compared is None or found is None:
+        return None
+
+    def advice(rec: AdviceRecord) -> dict[str, Any]:
+        return {"retention": rec.retention, "prefetch": rec.prefetch, "p_keep": rec.p_keep}
+
+    compared["disagreements"] = [
+        {
+            "session_id": d.session_id,
+            "made_ts": d.made_ts,
+            "context_bytes": d.context_bytes,
+            "live": advice(d.live),
+            "shadow": advice(d.shadow),
+        }
+        for d in found.latest[:limit]
+    ]
+    return compared
 
 
 @router.get("/now", responses=_BAD_PARAM, summary="The dashboard's current figures")
@@ -133,7 +148,12 @@ async def dashboard_now(
     tokens: TokensDep,
     metrics: MetricsDep,
     limit: Annotated[
-        int, Query(ge=1, le=MAX_LIMIT, description="The most sessions in top_sessions")
+        int,
+        Query(
+            ge=1,
+            le=MAX_LIMIT,
+            description="The most sessions in top_sessions and in the models' disagreements",
+        ),
     ] = 20,
     instances: Annotated[
         int, Query(ge=1, le=MAX_LIMIT, description="The most instances listed")
@@ -191,6 +211,10 @@ async def dashboard_now(
     }
     if not shows_session_ids(request, settings, tokens):
         body["top_sessions"] = [{**row, "session_id": None} for row in body["top_sessions"]]
+        compared = body["models"]["comparison"]
+        if compared is not None:
+            hidden = [{**row, "session_id": None} for row in compared["disagreements"]]
+            body["models"] = {**body["models"], "comparison": {**compared, "disagreements": hidden}}
     return _json(body)
 
 
@@ -234,6 +258,7 @@ def now_figures(
             "shadow": _slot(ledger, "shadow", shadow.description, shadow.version)
             if shadow is not None
             else None,
+            "comparison": shadow_comparison(ledger, limit),
         },
         "scheduler": {
             "tracked_sessions": scheduler.tracked_sessions,

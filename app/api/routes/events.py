@@ -22,7 +22,7 @@ from app.api.deps import (
 from app.api.errors import Error, error_response
 from app.core.errors import EventLogError, StoreError
 from app.core.security import Principal, Scope
-from kvprefetch_client.events import Event
+from kvprefetch_client.events import RECORD_EVENT_TYPES, Event
 
 router = APIRouter(tags=["events"])
 
@@ -109,6 +109,7 @@ async def post_events(
         body = await read_body(request, settings.max_body_bytes)
         parsed = await parser.parse_async(body)
         check_agent_events(caller, parsed.events, parsed.indices)
+        check_no_records(parsed.events, parsed.indices)
         check_bound_events(caller, parsed.events, parsed.indices, engine.order_owner)
     except BatchError as exc:
         metrics.batch_refused(exc.status_code)
@@ -155,6 +156,20 @@ async def post_events(
         status_code=422 if parsed.rejected_first else 200,
         media_type="application/json",
     )
+
+
+def check_no_records(events: Sequence[Event], indices: Sequence[int] | None) -> None:
+    """BatchError 422 at the first of the service's own records (model_changed): written by the
+    service at each model change, never posted, so the log's lineage is the service's word."""
+    for n, event in enumerate(events):
+        if event.type in RECORD_EVENT_TYPES:
+            i = indices[n] if indices is not None else n
+            raise BatchError(
+                422,
+                f"events[{i}].type",
+                f"{event.type} is written by the service itself at each model change; "
+                "it is not posted; nothing accepted",
+            )
 
 
 def check_agent_events(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any, Literal
 
 from fastapi import APIRouter, Response
@@ -19,7 +18,7 @@ from app.api.deps import (
     StoreThreadDep,
 )
 from app.api.errors import Error, error_response
-from app.observe.ledger import AdviceLedger
+from app.observe.ledger import AdviceLedger, LedgerStats
 from app.predict.predictors import ModelError
 from app.predict.registry import Serving, resolve_model_dir
 
@@ -57,6 +56,49 @@ class ModelScore(ModelInfo):
     hit_rate: float | None = Field(
         description="hits / (hits + misses); null before the first scored request"
     )
+    prefetch_predictions: int = Field(description="Of the advice records, those that said prefetch")
+    keep_advice_bytes: int = Field(
+        description="The cost of the advice: the sessions' context bytes summed over the records "
+        "that said keep (as predictions are counted: both models advise the same sessions at the "
+        "same ticks, so the two sums compare)"
+    )
+    prefetch_advice_bytes: int = Field(
+        description="The same over the records that said prefetch: what its prefetches would move"
+    )
+
+
+class VersionScore(BaseModel):
+    predictions: int
+    keep_predictions: int
+    prefetch_predictions: int
+    hits: int
+    misses: int
+    unscored: int
+    hit_rate: float | None
+    keep_advice_bytes: int
+    prefetch_advice_bytes: int
+
+
+class ShadowComparison(BaseModel):
+    """The shadow judged as a retrained candidate is (app/observe/judge.py), whoever set it."""
+
+    judged: int = Field(description="Paired outcomes judged since the shadow came in")
+    live_brier: float | None = Field(
+        description="The serving model's mean Brier score of P(back within the keep horizon)"
+    )
+    shadow_brier: float | None = Field(description="The shadow's, on the same outcomes")
+    mean_gain: float | None = Field(
+        description="Mean of (serving Brier - shadow Brier) per pair: positive when the shadow "
+        "is better"
+    )
+    gain_se: float | None = Field(description="The standard error of mean_gain")
+    paired: int = Field(
+        description="Advice records of the two models on the same session at the same tick"
+    )
+    disagreed: int = Field(
+        description="Of those, how many differ (keep or not, prefetch or not); the dashboard "
+        "lists the latest sessions"
+    )
 
 
 class ModelStatus(ModelInfo):
@@ -64,6 +106,14 @@ class ModelStatus(ModelInfo):
 
     live: ModelScore
     shadow: ModelScore | None
+    comparison: ShadowComparison | None = Field(
+        description="The shadow against the serving model since the shadow came in; null "
+        "without a shadow"
+    )
+    by_version: dict[str, VersionScore] = Field(
+        description="Each model version's counts while it sat in a slot since the service "
+        "started (a swap keeps them; 'heuristic' for no model)"
+    )
 
 
 class ModelDirRequest(BaseModel):
@@ -126,28 +176,60 @@ class RetrainStatus(BaseModel):
 
 
 def _score(serving: Serving, ledger: AdviceLedger, slot: str) -> ModelScore:
-    s = ledger.stats(slot)
     return ModelScore(
-        predictor=serving.description,
-        version=serving.version,
-        predictions=s.predictions,
-        keep_predictions=s.keep_predictions,
-        hits=s.hits,
-        misses=s.misses,
-        unscored=s.unscored,
-        hit_rate=s.hit_rate,
+        predictor=serving.description, version=serving.version, **counts(ledger.stats(slot))
     )
+
+
+def counts(s: LedgerStats) -> dict[str, Any]:
+    """A ledger's counts as the API names them."""
+    return {
+        "predictions": s.predictions,
+        "keep_predictions": s.keep_predictions,
+        "hits": s.hits,
+        "misses": s.misses,
+        "unscored": s.unscored,
+        "hit_rate": s.hit_rate,
+        "prefetch_predictions": s.prefetch_predictions,
+        "keep_advice_bytes": s.keep_advice_bytes,
+        "prefetch_advice_bytes": s.prefetch_advice_bytes,
+    }
+
+
+def comparison(ledger: AdviceLedger) -> dict[str, Any] | None:
+    """The shadow against the serving model (the judge's scores, the pairs that disagree);
+    None without a shadow."""
+    compared = ledger.comparison()
+    if compared is None:
+        return None
+    judge = ledger.judge.stats()
+    return {
+        "judged": judge.judged,
+        "live_brier": judge.live_brier,
+        "shadow_brier": judge.shadow_brier,
+        "mean_gain": judge.mean_gain,
+        "gain_se": judge.gain_se,
+        "paired": compared.paired,
+        "disagreed": compared.disagreed,
+    }
 
 
 @router.get("/model", dependencies=[ReadScope], response_model=ModelStatus)
 async def get_model(models: ModelsDep, ledger: LedgerDep) -> ModelStatus:
-    """The serving model and the shadow, each with its hit rate since it was put in place."""
+    """The serving model and the shadow, each with its hit rate and the cost of its advice since
+    it was put in place (a promoted model's since it began to shadow); the shadow judged against
+    the serving model by the Brier score, as a retrained candidate is; each version's counts."""
     serving, shadow = models.serving, models.shadow
+    compared = comparison(ledger)
     return ModelStatus(
         predictor=serving.description,
         version=serving.version,
         live=_score(serving, ledger, "live"),
         shadow=_score(shadow, ledger, "shadow") if shadow is not None else None,
+        comparison=ShadowComparison(**compared) if compared is not None else None,
+        by_version={
+            version: VersionScore(**counts(s)) for version, s in ledger.by_version().items()
+        },
     )
 
 
@@ -163,19 +245,19 @@ async def get_retrain(engine: EngineDep) -> RetrainStatus:
 )
 async def reload_model(
     body: ModelDirRequest,
-    models: ModelsDep,
+    engine: EngineDep,
     store: StoreDep,
     clock: ClockDep,
     settings: SettingsDep,
     store_thread: StoreThreadDep,
 ) -> ModelInfo | Response:
     """Load a model from the models directory (KVP_MODELS_ROOT), check it on live sessions, and
-    swap it in atomically; on failure nothing changes."""
+    swap it in atomically; on failure nothing changes. The change is written to the event log
+    (`model_changed`) and the model serves again after a restart."""
     try:
         model_dir = resolve_model_dir(settings.models_root_dir, body.model_dir)
         sample = await store_thread.read(store.live_sessions, CHECK_SAMPLE)
-        # Off the loop: a model new to this machine compiles for seconds (app/predict/compiled.py).
-        serving = await asyncio.to_thread(models.reload, model_dir, sample, clock.now())
+        serving = await engine.lifecycle.reload(model_dir, sample, clock.now())
     except ModelError as exc:
         return error_response(422, "model_dir", str(exc))
     return ModelInfo(predictor=serving.description, version=serving.version)
@@ -186,25 +268,65 @@ async def reload_model(
 )
 async def set_shadow(
     body: ModelDirRequest,
-    models: ModelsDep,
+    engine: EngineDep,
     store: StoreDep,
     clock: ClockDep,
     settings: SettingsDep,
     store_thread: StoreThreadDep,
 ) -> ModelInfo | Response:
     """Put a model from the models directory beside the serving one, checked as a reload is; it
-    is scored and never advises."""
+    is scored and never advises, and judged against the serving model (GET /v1/model's
+    `comparison`). Written to the event log (`model_changed`)."""
     try:
         model_dir = resolve_model_dir(settings.models_root_dir, body.model_dir)
         sample = await store_thread.read(store.live_sessions, CHECK_SAMPLE)
-        shadow = await asyncio.to_thread(models.set_shadow, model_dir, sample, clock.now())
+        shadow = await engine.lifecycle.set_shadow(model_dir, sample, clock.now())
     except ModelError as exc:
         return error_response(422, "model_dir", str(exc))
     return ModelInfo(predictor=shadow.description, version=shadow.version)
 
 
 @router.delete("/model/shadow", dependencies=[AdminScope], status_code=204, response_class=Response)
-async def clear_shadow(models: ModelsDep) -> Response:
-    """Remove the shadow model (and its counts); no shadow is not an error."""
-    models.clear_shadow()
+async def clear_shadow(engine: EngineDep) -> Response:
+    """Remove the shadow model (its version keeps its counts in `by_version`); no shadow is not
+    an error."""
+    await engine.lifecycle.clear_shadow()
     return Response(status_code=204)
+
+
+_NOTHING_TO_SWAP: dict[int | str, dict[str, Any]] = {
+    409: {"model": Error, "description": "No model to move there; nothing changed."}
+}
+
+
+@router.post(
+    "/model/promote",
+    dependencies=[AdminScope],
+    response_model=ModelInfo,
+    responses=_NOTHING_TO_SWAP,
+)
+async def promote_model(engine: EngineDep) -> ModelInfo | Response:
+    """The shadow serves, with the counts it made while it shadowed, and the shadow slot is
+    empty; the model serving before can be served again with POST /v1/model/rollback. Written
+    to the event log (`model_changed`), and kept across a restart."""
+    try:
+        serving = await engine.lifecycle.promote()
+    except ModelError as exc:
+        return error_response(409, "shadow", str(exc))
+    return ModelInfo(predictor=serving.description, version=serving.version)
+
+
+@router.post(
+    "/model/rollback",
+    dependencies=[AdminScope],
+    response_model=ModelInfo,
+    responses=_NOTHING_TO_SWAP,
+)
+async def rollback_model(engine: EngineDep) -> ModelInfo | Response:
+    """The model that served before the last promote or reload serves again (once); written to
+    the event log (`model_changed`), and kept across a restart."""
+    try:
+        serving = await engine.lifecycle.rollback()
+    except ModelError as exc:
+        return error_response(409, "serving", str(exc))
+    return ModelInfo(predictor=serving.description, version=serving.version)
