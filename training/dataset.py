@@ -39,7 +39,13 @@ from app.predict.features import (
 )
 from app.predict.tool_durations import ToolDurations, tool_durations_for
 from app.state import MemoryStore
-from kvprefetch_client.events import Event, RequestFinished, RequestRouted, SessionSignal
+from kvprefetch_client.events import (
+    RECORD_EVENT_TYPES,
+    Event,
+    RequestFinished,
+    RequestRouted,
+    SessionSignal,
+)
 
 # Seconds after a finish at which the question is asked again while the session is idle. They
 # span the whole range over which the service scores idle sessions (up to MAX_IDLE_SECONDS), or a
@@ -77,10 +83,14 @@ META_COLUMNS = (
 
 
 def load_events(path: Path) -> list[Event]:
-    """A log's events, each event id once, in event-time order (file order breaks ties)."""
+    """A log's events, each event id once, in event-time order (file order breaks ties). The
+    service's records of itself (RECORD_EVENT_TYPES: a model change) are no traffic: left out,
+    so their service-clock stamps never widen the span a time split cuts."""
     seen: set[str] = set()
     events = []
     for e in read_events([path]):
+        if e.type in RECORD_EVENT_TYPES:
+            continue
         if e.event_id not in seen:
             seen.add(e.event_id)
             events.append(e)
