@@ -809,6 +809,9 @@ def _command_line(ctx: typer.Context) -> str:
         value = ctx.params[param.name]
         if getattr(param, "is_flag", False):
             words.append(param.opts[0] if value else param.secondary_opts[0])
+        elif isinstance(value, list | tuple):  # a repeated option: once per value
+            for one in value:
+                words += [param.opts[0], str(one)]
         else:
             words += [param.opts[0], str(value)]
     return shlex.join(words)
@@ -969,6 +972,7 @@ def log_compact(
 
 @cli.command()
 def train(
+    ctx: typer.Context,
     events: Annotated[
         list[Path], typer.Option(help="Event logs: JSON Lines files or log directories (repeat).")
     ],
@@ -1035,7 +1039,9 @@ def train(
     if dask is not None:
         if tune:
             raise typer.BadParameter("not with --tune", param_hint="'--dask'")
-        _train_dask(events, out, dask, valid_fraction, seed, max_rounds, quiet, as_json)
+        _train_dask(
+            events, out, dask, valid_fraction, seed, max_rounds, quiet, as_json, _command_line(ctx)
+        )
         return
     bars = not quiet and stderr_is_terminal()
     # Without bars (stderr piped or captured), one line per stage unless the output is for machines.
@@ -1068,7 +1074,7 @@ def train(
             )
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    save_model(model, out, extra=extra)
+    save_model(model, out, extra=extra, command=_command_line(ctx))
     if as_json:
         typer.echo(json.dumps(model.metrics))
     else:
@@ -1088,6 +1094,7 @@ def _train_dask(
     max_rounds: int,
     quiet: bool,
     as_json: bool,
+    command: str,
 ) -> None:
     """`train --dask`: shards replayed on the cluster (training/fleet.py), then trained there
     from their files (training/dask_train.py)."""
@@ -1110,7 +1117,7 @@ def _train_dask(
             )
     except (KvpError, ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    save_model(model, out, extra={"trained_on": f"dask {address}"})
+    save_model(model, out, extra={"trained_on": f"dask {address}"}, command=command)
     m = model.metrics
     if as_json:
         typer.echo(json.dumps(m))
