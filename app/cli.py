@@ -925,7 +925,7 @@ def targets(
     from sim.targets import markdown, run
 
     results, verdicts = run(traces, model, jobs, seeds=tuple(range(seeds)))
-    typer.echo(to_json(results, verdicts) if as_json else markdown(results, verdicts))
+    typer.echo(to_json(results, verdicts, model) if as_json else markdown(results, verdicts))
 
 
 @cli.command("events-from-trace")
