@@ -942,15 +942,44 @@ def events_from_trace(
         str, typer.Option(help="The policy the cluster ran under while the events happened.")
     ] = "none",
     block_tokens: Annotated[int | None, typer.Option(help="Tokens per trace block.")] = None,
+    until: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="Only the trace's requests arriving before this trace time (a time split: "
+            "judge on the rest with `replay --measure-from SECONDS`).",
+        ),
+    ] = None,
+    fraction: Annotated[
+        float | None,
+        typer.Option(
+            metavar="F",
+            help="Only the first F of the trace's time span (0 < F <= 1); the cut, in trace "
+            "seconds, is printed for `replay --measure-from`.",
+        ),
+    ] = None,
 ) -> None:
     """Write the event log routers and engines would have posted while the trace ran."""
     from sim.commands import events_from_trace as run
+    from sim.commands import prepare, trace_cut
 
     try:
-        n = run(trace, out, scenario, router, policy, block_tokens)
+        cut = None
+        if until is not None or fraction is not None:
+            requests, _ = prepare(trace, scenario, block_tokens)
+            cut = trace_cut(requests, until, fraction)
+        n = run(trace, out, scenario, router, policy, block_tokens, cut)
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    typer.echo(f"wrote {n} events to {out}", err=True)
+    if cut is None:
+        typer.echo(f"wrote {n} events to {out}", err=True)
+    else:
+        # The cut, printed to reuse as `replay --measure-from`: the log holds no trace time.
+        typer.echo(
+            f"wrote {n} events to {out}: the trace's requests before {cut:.10g} s "
+            f"(judge the rest with --measure-from {cut:.10g})",
+            err=True,
+        )
 
 
 @log_cli.command("compact")
