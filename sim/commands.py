@@ -147,7 +147,12 @@ def run_replays(
 def render_table(summaries: Sequence[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
     for _, header, _ in COLUMNS:
-        table.add_column(header, justify="left" if header in ("policy", "router") else "right")
+        # Folded, not cut with an ellipsis, where the terminal is narrower than the table.
+        table.add_column(
+            header,
+            justify="left" if header in ("policy", "router") else "right",
+            overflow="fold",
+        )
     for s in summaries:
         table.add_row(*(fmt(s[key]) for key, _, fmt in COLUMNS))
     return table
@@ -174,6 +179,10 @@ def print_results(results: Sequence[ReplayResult], as_json: bool, compare: bool)
         f"{first['trace']}: {first['requests']:,} requests, {first['sessions']:,} sessions, "
         f"{first['reuse_requests']:,} reuse; scenario {first['scenario']}"
     )
+    if not sys.stdout.isatty():
+        # Piped or captured: rich would fit the table to 80 columns and cut every cell short.
+        sys.stdout.write(f"{title}\n\n{markdown_table(summaries)}\n")
+        return
     Console().print(render_table(summaries, title))
 
 
