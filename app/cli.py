@@ -801,7 +801,13 @@ def _command_line(ctx: typer.Context) -> str:
     omitted)."""
     import shlex
 
-    words = ["kvprefetch", *ctx.command_path.split()[1:]]
+    # The subcommands' names (the root's is the program's, "python -m app.cli" run so).
+    names: list[str] = []
+    at: Any = ctx
+    while at is not None and at.parent is not None:
+        names.insert(0, at.info_name or "")
+        at = at.parent
+    words = ["kvprefetch", *names]
     for param in ctx.command.params:
         source = ctx.get_parameter_source(param.name)
         if source is None or source.name == "DEFAULT" or param.param_type_name != "option":
@@ -1233,7 +1239,16 @@ def connect_vllm(
 
 
 def main() -> None:
-    cli()
+    import sys
+
+    from app.core.result_stdout import result_alone_on_stdout, wants_json
+
+    if wants_json(sys.argv[1:]):
+        # One JSON object on stdout: library and worker output below Python goes to stderr.
+        with result_alone_on_stdout():
+            cli()
+    else:
+        cli()
 
 
 if __name__ == "__main__":
