@@ -14,13 +14,16 @@ make an event log first: `kvprefetch events-from-trace
 
 - build_dataset(logs) -> DataFrame: app.predict.features.FEATURES (the last is horizon_seconds),
   then training.dataset.META_COLUMNS: `label` (the next request came within the horizon) and
-  `time_fraction` (where the row lies in its log's time span: the split is by time, never at
-  random).
+  `time_fraction` (where the row lies in its log's time span, less its horizon at the end: the
+  split is by time, never at random, and every horizon has its last share validated).
+  `df.attrs["logs"]`: each log's path, SHA-256 and span, for the card's lineage.
 - train(df, params=None, *, valid_fraction=0.2, seed=0, num_boost_round=1000,
   progress=None) -> TrainedModel: booster, metrics (validation Brier, log loss, AUC, per
   horizon), calibration, gain importance, params, data. `params` override
   training.train.DEFAULT_PARAMS.
-- save_model(model, out_dir, extra=None): model.txt and card.json (with `extra` merged in).
+- save_model(model, out_dir, extra=None, command=None): model.txt and card.json (with `extra`
+  merged in; lineage: the logs' paths, hashes and span, rows per horizon, the command and the
+  code version: docs/data-science/training.md).
 - evaluate(model_dir, trace, scenario="default", train_fraction=0.7): replays the trace under the
   learned policy and the baselines, counting only requests after `train_fraction` of its span; for
   an honest judgement train on the first `train_fraction` only, as training/bundle.py does.

@@ -24,11 +24,15 @@ from app.ingest.eventlog import list_segments
 HASH_CHUNK_BYTES = 1 << 20
 
 
-def file_sha256(path: Path) -> str:
+def file_sha256(path: Path, *also: Any) -> str:
+    """The file's SHA-256, read in chunks; each of `also` (hashlib objects) is fed the same bytes
+    (a log directory's digest of all its segments)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(HASH_CHUNK_BYTES), b""):
             digest.update(chunk)
+            for other in also:
+                other.update(chunk)
     return digest.hexdigest()
 
 
@@ -41,9 +45,7 @@ def log_record(path: Path, events: int, first_ts: float, last_ts: float) -> dict
         digest = hashlib.sha256()
         segments = []
         for _, segment in list_segments(path):
-            data = segment.read_bytes()
-            digest.update(data)
-            segments.append({"path": segment.name, "sha256": hashlib.sha256(data).hexdigest()})
+            segments.append({"path": segment.name, "sha256": file_sha256(segment, digest)})
         record["sha256"] = digest.hexdigest()
         record["segments"] = segments
     else:
@@ -91,7 +93,7 @@ def git_commit(where: Path) -> str | None:
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
 def code_version() -> dict[str, str | None]:
