@@ -809,7 +809,13 @@ def _command_line(ctx: typer.Context) -> str:
     omitted)."""
     import shlex
 
-    words = ["kvprefetch", *ctx.command_path.split()[1:]]
+    # The subcommands' names (the root's is the program's, "python -m app.cli" run so).
+    names: list[str] = []
+    at: Any = ctx
+    while at is not None and at.parent is not None:
+        names.insert(0, at.info_name or "")
+        at = at.parent
+    words = ["kvprefetch", *names]
     for param in ctx.command.params:
         source = ctx.get_parameter_source(param.name)
         if source is None or source.name == "DEFAULT" or param.param_type_name != "option":
@@ -817,6 +823,9 @@ def _command_line(ctx: typer.Context) -> str:
         value = ctx.params[param.name]
         if getattr(param, "is_flag", False):
             words.append(param.opts[0] if value else param.secondary_opts[0])
+        elif isinstance(value, list | tuple):  # a repeated option: once per value
+            for one in value:
+                words += [param.opts[0], str(one)]
         else:
             words += [param.opts[0], str(value)]
     return shlex.join(words)
@@ -930,7 +939,7 @@ def targets(
     from sim.targets import markdown, run
 
     results, verdicts = run(traces, model, jobs, seeds=tuple(range(seeds)))
-    typer.echo(to_json(results, verdicts) if as_json else markdown(results, verdicts))
+    typer.echo(to_json(results, verdicts, model) if as_json else markdown(results, verdicts))
 
 
 @cli.command("events-from-trace")
@@ -947,15 +956,44 @@ def events_from_trace(
         str, typer.Option(help="The policy the cluster ran under while the events happened.")
     ] = "none",
     block_tokens: Annotated[int | None, typer.Option(help="Tokens per trace block.")] = None,
+    until: Annotated[
+        float | None,
+        typer.Option(
+            metavar="SECONDS",
+            help="Only the trace's requests arriving before this trace time (a time split: "
+            "judge on the rest with `replay --measure-from SECONDS`).",
+        ),
+    ] = None,
+    fraction: Annotated[
+        float | None,
+        typer.Option(
+            metavar="F",
+            help="Only the first F of the trace's time span (0 < F <= 1); the cut, in trace "
+            "seconds, is printed for `replay --measure-from`.",
+        ),
+    ] = None,
 ) -> None:
     """Write the event log routers and engines would have posted while the trace ran."""
     from sim.commands import events_from_trace as run
+    from sim.commands import prepare, trace_cut
 
     try:
-        n = run(trace, out, scenario, router, policy, block_tokens)
+        cut = None
+        if until is not None or fraction is not None:
+            requests, _ = prepare(trace, scenario, block_tokens)
+            cut = trace_cut(requests, until, fraction)
+        n = run(trace, out, scenario, router, policy, block_tokens, cut)
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    typer.echo(f"wrote {n} events to {out}", err=True)
+    if cut is None:
+        typer.echo(f"wrote {n} events to {out}", err=True)
+    else:
+        # The cut, printed to reuse as `replay --measure-from`: the log holds no trace time.
+        typer.echo(
+            f"wrote {n} events to {out}: the trace's requests before {cut:.10g} s "
+            f"(judge the rest with --measure-from {cut:.10g})",
+            err=True,
+        )
 
 
 @log_cli.command("compact")
@@ -977,6 +1015,7 @@ def log_compact(
 
 @cli.command()
 def train(
+    ctx: typer.Context,
     events: Annotated[
         list[Path], typer.Option(help="Event logs: JSON Lines files or log directories (repeat).")
     ],
@@ -1073,7 +1112,9 @@ def train(
     if dask is not None:
         if tune:
             raise typer.BadParameter("not with --tune", param_hint="'--dask'")
-        _train_dask(events, out, dask, valid_fraction, seed, max_rounds, quiet, as_json)
+        _train_dask(
+            events, out, dask, valid_fraction, seed, max_rounds, quiet, as_json, _command_line(ctx)
+        )
         if track:
             _track_training(out, options, mlflow_uri, quiet or as_json)
         return
@@ -1108,7 +1149,7 @@ def train(
             )
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    save_model(model, out, extra=extra)
+    save_model(model, out, extra=extra, command=_command_line(ctx))
     if track:
         _track_training(out, options, mlflow_uri, quiet or as_json)
     if as_json:
@@ -1242,6 +1283,7 @@ def _train_dask(
     max_rounds: int,
     quiet: bool,
     as_json: bool,
+    command: str,
 ) -> None:
     """`train --dask`: shards replayed on the cluster (training/fleet.py), then trained there
     from their files (training/dask_train.py)."""
@@ -1264,7 +1306,7 @@ def _train_dask(
             )
     except (KvpError, ValueError, OSError) as exc:
         raise typer.BadParameter(str(exc)) from None
-    save_model(model, out, extra={"trained_on": f"dask {address}"})
+    save_model(model, out, extra={"trained_on": f"dask {address}"}, command=command)
     m = model.metrics
     if as_json:
         typer.echo(json.dumps(m))
@@ -1351,7 +1393,16 @@ def connect_vllm(
 
 
 def main() -> None:
-    cli()
+    import sys
+
+    from app.core.result_stdout import result_alone_on_stdout, wants_json
+
+    if wants_json(sys.argv[1:]):
+        # One JSON object on stdout: library and worker output below Python goes to stderr.
+        with result_alone_on_stdout():
+            cli()
+    else:
+        cli()
 
 
 if __name__ == "__main__":

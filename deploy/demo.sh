@@ -20,6 +20,9 @@
 #                  signals (DEMO_SIGNALS default tools=1): the dashboard's Tools table fills
 #   DEMO_SCENARIO  the replay's scenario (default: default; agents with DEMO_AGENTS=1)
 #   DEMO_LINGER    1 (default): keep serving after the replay until Ctrl-C; 0: stop when it ends
+#   DEMO_DATA_DIR  where each demo's directory goes (default var/demo): a new one a run, named for
+#                  its start (UTC), holding the service's event log (events/) and log; kept, so a
+#                  demo's events can be trained on later (`kvprefetch train --events DIR/events`)
 #   KVP_PORT       the service's port (default 8000); other KVP_ settings pass through (KVP_MODEL_DIR:
 #                  another model; KVP_CLOCK_SPEED: another clock than DEMO_SPEED's)
 set -euo pipefail
@@ -40,15 +43,18 @@ else
 fi
 LINGER="${DEMO_LINGER:-1}"
 PORT="${KVP_PORT:-8000}"
-DATA="${DEMO_DATA_DIR:-var/demo}"
+DATA_ROOT="${DEMO_DATA_DIR:-var/demo}"
 URL="http://127.0.0.1:$PORT"
 
 say() { echo "demo: $*" >&2; }
 
 [ -x "$KVP" ] || { say "no $KVP: run 'make install' first (make demo does)"; exit 1; }
-# A fresh in-memory service each time: the store would otherwise be rebuilt from an old demo's log.
-rm -rf "$DATA"
-mkdir -p "$DATA"
+# A fresh in-memory service each time, in a directory of its own (the store would otherwise be
+# rebuilt from an old demo's log); earlier demos' directories and logs are kept.
+mkdir -p "$DATA_ROOT"
+DATA=$(mktemp -d "$DATA_ROOT/$(date -u +%Y%m%dT%H%M%SZ)-XXXX")
+EVENTS="${KVP_LOG_DIR:-$DATA/events}"
+say "this demo's directory: $DATA (event log: $EVENTS; kept after the demo)"
 if [ "$AGENTS" = "1" ]; then
   TRACE="$DATA/agent.jsonl"
   "$KVP" agent-trace --out "$TRACE" --tasks "${DEMO_AGENT_TASKS:-600}" >&2
@@ -66,6 +72,7 @@ stop() {
     say "stopping the service"
     kill -TERM "$svc" 2>/dev/null || true
     wait "$svc" 2>/dev/null || true
+    say "this demo's event log is kept at $EVENTS"
   fi
 }
 trap stop EXIT
@@ -131,6 +138,7 @@ for t in tools:
 PY
 fi
 
+say "the event log is at $EVENTS (kept: train on it with kvprefetch train --events $EVENTS)"
 if [ "$LINGER" = "1" ]; then
   say "replay done; the service keeps serving $URL/dashboard until Ctrl-C"
   wait "$svc"

@@ -16,7 +16,7 @@ from rich.table import Table
 
 from sim.replay import ReplayResult, replay, write_events
 from sim.scenario import Scenario, load_scenario
-from sim.traces import TraceRequest, load_trace
+from sim.traces import TraceRequest, judged_from_seconds, load_trace
 
 # The columns of the readable table, in order, with how to show them.
 COLUMNS: list[tuple[str, str, Callable[[Any], str]]] = [
@@ -147,7 +147,12 @@ def run_replays(
 def render_table(summaries: Sequence[dict[str, Any]], title: str) -> Table:
     table = Table(title=title)
     for _, header, _ in COLUMNS:
-        table.add_column(header, justify="left" if header in ("policy", "router") else "right")
+        # Folded, not cut with an ellipsis, where the terminal is narrower than the table.
+        table.add_column(
+            header,
+            justify="left" if header in ("policy", "router") else "right",
+            overflow="fold",
+        )
     for s in summaries:
         table.add_row(*(fmt(s[key]) for key, _, fmt in COLUMNS))
     return table
@@ -174,7 +179,26 @@ def print_results(results: Sequence[ReplayResult], as_json: bool, compare: bool)
         f"{first['trace']}: {first['requests']:,} requests, {first['sessions']:,} sessions, "
         f"{first['reuse_requests']:,} reuse; scenario {first['scenario']}"
     )
+    if not sys.stdout.isatty():
+        # Piped or captured: rich would fit the table to 80 columns and cut every cell short.
+        sys.stdout.write(f"{title}\n\n{markdown_table(summaries)}\n")
+        return
     Console().print(render_table(summaries, title))
+
+
+def trace_cut(
+    trace: Sequence[TraceRequest], until_seconds: float | None, fraction: float | None
+) -> float | None:
+    """Where a time split cuts `trace` (its requests before it are kept): at `until_seconds` of
+    trace time, or after the first `fraction` of its time span (sim.traces.judged_from_seconds,
+    where `replay --measure-from` and training/evaluate.py start judging); None: no cut."""
+    if until_seconds is not None and fraction is not None:
+        raise ValueError("give --until or --fraction, not both")
+    if fraction is not None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"--fraction {fraction:g}: a share of the time span, in (0, 1]")
+        return judged_from_seconds(trace, fraction) if fraction < 1 else None
+    return until_seconds
 
 
 def events_from_trace(
@@ -184,9 +208,15 @@ def events_from_trace(
     router: str,
     policy: str,
     block_tokens: int | None,
+    cut_seconds: float | None = None,
 ) -> int:
-    """Write the event log that routers and engines would have posted while the trace ran."""
+    """Write the event log that routers and engines would have posted while the trace ran
+    (`cut_seconds`: only its requests arriving before that trace time: trace_cut)."""
     trace, scenario = prepare(trace_path, scenario_name, block_tokens)
+    if cut_seconds is not None:
+        trace = [r for r in trace if r.arrival_seconds < cut_seconds]
+        if not trace:
+            raise ValueError(f"no request of the trace arrives before {cut_seconds:g} s")
     with progress_bar("events", len(trace)) as advance:
         result = replay(
             trace, scenario, policy=policy, router=router, keep_events=True, progress=advance

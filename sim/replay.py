@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from pydantic_settings import BaseSettings
 
-from app.core.bundle import DEFAULT_MODEL_DIR
+from app.core.bundle import DEFAULT_MODEL_DIR, model_identity
 from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.decide.advisor import Thresholds
@@ -286,10 +286,27 @@ def replay(
             "compute": scenario.compute,
             # Closed: an agent trace's calls came when their predecessors finished here.
             "arrivals": "closed" if cluster.closed_loop else "open",
+            # The time split: requests arriving before it warmed the cluster up, uncounted.
+            "measure_from_seconds": measure_from_seconds,
             "wall_seconds": round(time.perf_counter() - started, 3),
         }
     )
+    if policy in ("learned", SCHEDULED_ALIAS):
+        summary["model"] = served_model(app_engine)
     return ReplayResult(summary=summary, requests=requests, events=engine.events)
+
+
+def served_model(app_engine: AppEngine | None) -> dict[str, Any]:
+    """The model that scored a replay (app.core.bundle.model_identity), or, where the engine
+    fell back to the heuristic (a model that would not load) or is a remote service's, why no
+    model is named: `dir` None and `serving` saying what served."""
+    serving = app_engine.models.serving if app_engine is not None else None
+    predictor = getattr(serving, "predictor", None)
+    model_dir = getattr(predictor, "model_dir", None)
+    if model_dir is None:
+        what = serving.description if serving is not None else "a remote service's model"
+        return {"dir": None, "card_sha256": None, "model_sha256": None, "serving": what}
+    return {**model_identity(model_dir), "serving": serving.description}  # type: ignore[union-attr]
 
 
 def summarize(

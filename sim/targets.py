@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.core.bundle import DEFAULT_MODEL_DIR, model_identity
 from sim.replay import replay
 from sim.scenario import load_scenario
 from sim.signals import parse_signal_overrides, with_signals
@@ -458,6 +459,12 @@ def run(
     return results, [judge(t, done[t.case]) for t in targets(all_cases)]
 
 
+def _measured_from(res: Results) -> float | None:
+    """Where a case's replays began counting (all its policies alike: one split a case)."""
+    found = {r.get("measure_from_seconds") for r in res.values()} - {None}
+    return found.pop() if len(found) == 1 else None
+
+
 def _seeds_used(results: Iterable[tuple[Case, Results]]) -> list[int]:
     return sorted(
         {s["seed"] for _, res in results for r in res.values() for s in r.get("seeds", ())}
@@ -522,15 +529,24 @@ def _task_cell(summary: dict[str, Any], sd: float | None) -> str:
     return _cell(summary["task_seconds_mean"], sd, ",.1f", ",.1f")
 
 
-def as_json(results: Iterable[tuple[Case, Results]], verdicts: Sequence[Verdict]) -> str:
-    """The results as `aggregate` made them: per seeded policy, its means, spreads and seeds."""
+def as_json(
+    results: Iterable[tuple[Case, Results]],
+    verdicts: Sequence[Verdict],
+    model_dir: str | Path | None = None,
+) -> str:
+    """The results as `aggregate` made them: per seeded policy, its means, spreads and seeds.
+    Named: the model `learned` ran (`model_dir`, default the bundled one: model_identity) and
+    the time split (each case's `measure_from_seconds`: the judged part's start)."""
     results = list(results)
     return json.dumps(
         {
+            "model": model_identity(model_dir or DEFAULT_MODEL_DIR),
+            "train_fraction": TRAIN_FRACTION,
             "signal_seeds": _seeds_used(results),
             "cases": [
                 {
                     "case": case.label,
+                    "measure_from_seconds": _measured_from(res),
                     "results": res,
                     "gap_closed": {p: gap_closed(res, p) for p in res},
                 }

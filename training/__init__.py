@@ -15,13 +15,16 @@ make an event log first: `kvprefetch events-from-trace
 
 - build_dataset(logs) -> DataFrame: app.predict.features.FEATURES (the last is horizon_seconds),
   then training.dataset.META_COLUMNS: `label` (the next request came within the horizon) and
-  `time_fraction` (where the row lies in its log's time span: the split is by time, never at
-  random).
+  `time_fraction` (where the row lies in its log's time span, less its horizon at the end: the
+  split is by time, never at random, and every horizon has its last share validated).
+  `df.attrs["logs"]`: each log's path, SHA-256 and span, for the card's lineage.
 - train(df, params=None, *, valid_fraction=0.2, seed=0, num_boost_round=1000,
   progress=None) -> TrainedModel: booster, metrics (validation Brier, log loss, AUC, per
   horizon), calibration, gain importance, params, data. `params` override
   training.train.DEFAULT_PARAMS.
-- save_model(model, out_dir, extra=None): model.txt and card.json (with `extra` merged in).
+- save_model(model, out_dir, extra=None, command=None): model.txt and card.json (with `extra`
+  merged in; lineage: the logs' paths, hashes and span, rows per horizon, the command and the
+  code version: docs/data-science/training.md).
 - load_model(model_dir=None) -> ArrivalModel: a saved model (None: the bundled one, models/default);
   its predict(frame) gives P(within horizon) for each row of a frame with the FEATURES columns
   (extra columns ignored; a missing one is a ValueError naming it), as the service computes it.

@@ -138,6 +138,8 @@ def build(
             logs_used.append({"log": log.name, "agent_seed": agent_seed, "signals": tools})
         dataset = pd.concat(frames, ignore_index=True)
         dataset.attrs["signals"] = signals
+        # concat keeps attrs only where all frames' agree: each log's lineage gathered here.
+        dataset.attrs["logs"] = [r for f in frames for r in f.attrs.get("logs", [])]
         model = train_split(dataset, *SPLIT_BY, seed=seed)
     return save_model(
         model,

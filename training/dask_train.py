@@ -26,9 +26,11 @@ import pandas as pd
 
 from app.predict.features import FEATURES
 from training.fleet import FleetRows
+from training.lineage import data_span, rows_per_horizon
 from training.train import (
     DEFAULT_PARAMS,
     TrainedModel,
+    data_lineage,
     evaluate_rows,
     split_by_time,
     train_signals,
@@ -148,6 +150,7 @@ def train_dask(
         "valid_fraction": valid_fraction,
         "signals": train_signals(rows),
         "dask_workers": workers,
+        **data_lineage(rows, train_df, valid_df),
     }
     return _trained(booster, valid_df, merged, data)
 
@@ -218,8 +221,20 @@ def train_files(
         "valid_fraction": valid_fraction,
         "signals": _signals(rows.signals),
         "dask_workers": workers,
+        "log_files": rows.lineage,
+        "span": data_span(rows.lineage),
+        "rows_per_horizon": _rows_per_horizon(files, cut),
     }
     return _trained(booster, valid_df, params, data)
+
+
+def _rows_per_horizon(files: list[str], cut: float) -> dict[str, dict[str, int]]:
+    """The card's rows of each horizon on each side of `cut`, from the shards' files (two
+    columns read: the rows themselves stay on the workers)."""
+    sides = [pd.read_parquet(f, columns=["horizon_seconds", "time_fraction"]) for f in files]
+    both = pd.concat(sides, ignore_index=True)
+    early = both.time_fraction < cut
+    return rows_per_horizon(both[early], both[~early])
 
 
 def _train_on_cluster(

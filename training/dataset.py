@@ -46,6 +46,7 @@ from kvprefetch_client.events import (
     RequestRouted,
     SessionSignal,
 )
+from training.lineage import log_record
 
 # Seconds after a finish at which the question is asked again while the session is idle. They
 # span the whole range over which the service scores idle sessions (up to MAX_IDLE_SECONDS), or a
@@ -130,7 +131,6 @@ def rows_from_events(
     for a in arrivals.values():
         a.sort()
     start, end = span if span is not None else (events[0].ts, events[-1].ts)
-    span_seconds = max(end - start, 1e-9)
 
     # (decision ts, anchor ts, session, checkpoint, anchor): the anchor is a finish or a signal.
     decisions: list[tuple[float, float, str, float, str]] = []
@@ -199,7 +199,7 @@ def rows_from_events(
                     log_name,
                     session_id,
                     decision_ts,
-                    (decision_ts - start) / span_seconds,
+                    horizon_fraction(decision_ts, start, end, h),
                     checkpoint,
                     anchor,
                     time_to_next,
@@ -215,6 +215,14 @@ def rows_from_events(
     for name, column in zip(META_COLUMNS, zip(*meta) if meta else [[]] * len(META_COLUMNS)):
         frame[name] = list(column)
     return frame
+
+
+def horizon_fraction(decision_ts: float, start: float, end: float, horizon_seconds: float) -> float:
+    """Where a row lies in the part of its log's time span its horizon can be asked in (up to the
+    log's end less the horizon: later rows are censored). Against the whole span, the last 20%
+    of a 40-minute log would hold no 600 s row, and the model would be stopped, calibrated and
+    judged without its longest horizon; this way each horizon's last share validates."""
+    return (decision_ts - start) / max(end - horizon_seconds - start, 1e-9)
 
 
 def signal_follow_through(events: Sequence[Event]) -> dict[str, dict[str, int]]:
@@ -244,11 +252,13 @@ def build_dataset(
     """Training rows from one or more event logs (files or log directories), each replayed alone.
 
     Columns: app.predict.features.FEATURES, then META_COLUMNS (`label` is the target,
-    `time_fraction` the row's position in its log's time span, for splitting by time).
+    `time_fraction` the row's position in its log's time span, less its horizon at the end
+    (`horizon_fraction`), for splitting by time).
     `progress(task, done, total)`, when given, hears how far each log's replay has got.
     """
     frames = []
     signals: dict[str, dict[str, int]] = {}
+    records = []
     for log in logs:
         path = Path(log)
         task = f"replaying {path.name}"
@@ -268,6 +278,7 @@ def build_dataset(
                 **kwargs,  # type: ignore[arg-type]
             )
         )
+        records.append(log_record(path, len(events), events[0].ts, events[-1].ts))
         for kind, counts in signal_follow_through(events).items():
             total = signals.setdefault(kind, {"signals": 0, "followed": 0})
             total["signals"] += counts["signals"]
@@ -281,6 +292,8 @@ def build_dataset(
         raise EventLogError("the logs hold no finished request to learn from")
     # Carried to the model card by training.train (DataFrame.attrs: metadata, not a column).
     data.attrs["signals"] = signals
+    # Each log's path, hash and span, for the card's lineage (training/lineage.py).
+    data.attrs["logs"] = records
     return data
 
 
@@ -291,6 +304,7 @@ __all__ = [
     "META_COLUMNS",
     "SIGNAL_CHECKPOINTS",
     "build_dataset",
+    "horizon_fraction",
     "load_events",
     "rows_from_events",
     "signal_follow_through",

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from app.core.bundle import model_identity
 from sim.replay import replay
 from sim.scenario import Scenario, load_scenario
 from sim.traces import judged_from_seconds, load_trace
@@ -47,6 +48,9 @@ def evaluate(
         for p in policies
     }
     out: dict[str, Any] = {
+        # The model `learned` ran and the split it was judged on name the result.
+        "model": model_identity(model_dir),
+        "train_fraction": train_fraction,
         "trace": Path(trace).name,
         "scenario": scen.name,
         "router": router,

@@ -60,6 +60,7 @@ from app.predict.features import (
 from app.predict.tool_durations import ToolDurations, tool_durations_for
 from kvprefetch_client.events import Event, RequestRouted, SessionSignal, event_adapter
 from training.dataset import META_COLUMNS, load_events, rows_from_events
+from training.lineage import log_record
 
 ENGINES = ("polars", "duckdb")
 # Events whose sessions are inside the event (a vLLM batch): every shard gets them.
@@ -534,6 +535,8 @@ class FleetRows:
     logs: list[list[Path]]
     log_names: list[str]
     signals: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Each log's path, hash and span (training/lineage.py), DataFrame.attrs["logs"] elsewhere.
+    lineage: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def files(self) -> list[Path]:
@@ -572,6 +575,7 @@ def build_rows_fleet(
         else:
             sharded = _shard_log_polars(log, folder, shards=shards, workers=workers, stage=say)
         span, paths = sharded.span, sharded.shards
+        rows.lineage.append(log_record(log, sharded.events, *span))
         timeline = folder / "deployment.npz"
         every_ts = sharded.every_ts if sharded.every_ts is not None else np.zeros(0)
         np.savez(timeline, ts=sharded.ts, feats=sharded.feats, every_ts=every_ts)
@@ -636,6 +640,7 @@ def build_dataset_fleet(
     if data.empty:
         raise EventLogError("the logs hold no finished request to learn from")
     data.attrs["signals"] = rows.signals
+    data.attrs["logs"] = rows.lineage
     return data
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import platform
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +20,7 @@ import pandas as pd
 from sklearn.metrics import brier_score_loss, log_loss, roc_auc_score
 
 from app.predict.features import FEATURES
+from training.lineage import code_version, command_line, data_span, rows_per_horizon
 from training.progress import Progress
 
 DEFAULT_PARAMS: dict[str, Any] = {
@@ -215,8 +215,23 @@ def train(
         # The signal kinds the logs held and how often each was followed by a request within
         # 60 s (training/dataset.py); {} when the logs had none.
         "signals": train_signals(df),
+        **data_lineage(df, train_df, valid_df),
     }
     return TrainedModel(booster, metrics, calibration, importance, merged, data)
+
+
+def data_lineage(
+    df: pd.DataFrame, train_df: pd.DataFrame, valid_df: pd.DataFrame
+) -> dict[str, Any]:
+    """The card's lineage of the rows: each log's path, SHA-256 and span (`log_files`, from
+    build_dataset's `df.attrs`; [] for rows made otherwise), the span of event time they cover,
+    and the rows of every horizon on each side of the split."""
+    records = list(df.attrs.get("logs", []))
+    return {
+        "log_files": records,
+        "span": data_span(records),
+        "rows_per_horizon": rows_per_horizon(train_df, valid_df),
+    }
 
 
 def train_signals(df: pd.DataFrame) -> dict[str, dict[str, float]]:
@@ -229,23 +244,17 @@ def train_signals(df: pd.DataFrame) -> dict[str, dict[str, float]]:
     }
 
 
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-            cwd=Path(__file__).resolve().parent,
-        )
-        return out.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def save_model(model: TrainedModel, out_dir: Path, *, extra: dict[str, Any] | None = None) -> Path:
-    """Write model.txt (LightGBM's text format) and card.json beside it."""
+def save_model(
+    model: TrainedModel,
+    out_dir: Path,
+    *,
+    extra: dict[str, Any] | None = None,
+    command: str | None = None,
+) -> Path:
+    """Write model.txt (LightGBM's text format) and card.json beside it. `command`: what ran
+    (default: this process's arguments), for the card's lineage."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    code = code_version()
     model.booster.save_model(
         str(out_dir / "model.txt"), num_iteration=model.booster.best_iteration or None
     )
@@ -264,7 +273,10 @@ def save_model(model: TrainedModel, out_dir: Path, *, extra: dict[str, Any] | No
             "python": platform.python_version(),
             "numpy": np.__version__,
         },
-        "git_commit": _git_commit(),
+        # Kept for cards read before `code_version` (which holds it too).
+        "git_commit": code.get("git_commit"),
+        "code_version": code,
+        "command": command if command is not None else command_line(),
         **(extra or {}),
     }
     (out_dir / "card.json").write_text(json.dumps(card, indent=2) + "\n")
@@ -386,6 +398,7 @@ def train_split(df: pd.DataFrame, feature: str, threshold: float, *, seed: int =
     data["rows_valid"] = below.data["rows_valid"] + above.data["rows_valid"]
     data["logs"] = sorted(set(below.data["logs"]) | set(above.data["logs"]))
     data["signals"] = train_signals(df)
+    data.update(data_lineage(df, *split_by_time(df, 0.2)))
     return TrainedModel(booster, metrics, calibration, importance, params, data)
 
 

@@ -173,3 +173,38 @@ def test_the_agent_demo_replays_agent_tasks_and_the_service_learns_their_tools(
     assert "demo: tool " in err.read_text()
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(30) == 130
+
+
+def test_each_demo_keeps_its_event_log_and_says_where(tmp_path: Path) -> None:
+    """The next demo writes a directory of its own: the one before, and its log, stay."""
+    root = tmp_path / "demos"
+
+    def run(port: int) -> str:
+        env = {
+            **os.environ,
+            "VENV": str(Path(sys.executable).parent.parent),
+            "KVP_PORT": str(port),
+            "DEMO_TRACE": str(TRACE),
+            "DEMO_REQUESTS": "60",
+            "DEMO_SPEED": "50",
+            "DEMO_LINGER": "0",
+            "DEMO_DATA_DIR": str(root),
+        }
+        done = subprocess.run(
+            ["bash", str(SCRIPT)], env=env, cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+        if done.returncode != 0 and is_in_use(done.stderr):
+            raise RuntimeError(f"port {port}: address in use")
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stderr
+
+    logs = []
+    for _ in range(2):
+        err = retry_in_use(run)
+        said = [line for line in err.splitlines() if "the event log is at " in line]
+        assert len(said) == 1, err
+        logs.append(Path(said[0].split("the event log is at ")[1].split(" ")[0]))
+    assert logs[0] != logs[1]
+    for log in logs:
+        assert log.parent.parent == root
+        assert any(f.stat().st_size > 0 for f in log.iterdir())  # kept, with events in it

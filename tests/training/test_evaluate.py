@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from app.core.bundle import DEFAULT_MODEL_DIR
+import pytest
+
+from app.core.bundle import DEFAULT_MODEL_DIR, model_identity
 from tests.conftest import trace_slice
 from training import evaluate
 
@@ -46,3 +48,15 @@ def test_without_the_three_policies_there_is_no_gap_to_report(tmp_path: Path) ->
     trace = trace_slice(tmp_path, "synthetic", 300)
     r = evaluate(DEFAULT_MODEL_DIR, trace, policies=("none", "heuristic"))
     assert list(r["policies"]) == ["none", "heuristic"] and "gap_closed" not in r
+
+
+def test_the_result_names_the_model_and_the_split(tmp_path: Path) -> None:
+    trace = trace_slice(tmp_path, "synthetic", 300)
+    r = evaluate(DEFAULT_MODEL_DIR, trace, policies=("none", "learned"), train_fraction=0.6)
+    named = model_identity(DEFAULT_MODEL_DIR)
+    assert named["card_sha256"] is not None
+    assert (r["model"], r["train_fraction"]) == (named, 0.6)
+    learned = r["policies"]["learned"]
+    assert learned["model"] == {**named, "serving": "learned (default)"}
+    assert learned["measure_from_seconds"] == pytest.approx(r["judged_from_seconds"], abs=1e-3)
+    assert "model" not in r["policies"]["none"]  # it ran no model
