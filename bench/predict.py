@@ -118,13 +118,15 @@ def _reference_matrix(views: list[Any], now: float, horizons: tuple[float, ...])
     import numpy as np
 
     from app.predict.features import FEATURES, deployment_features, session_features
+    from app.predict.tool_durations import TOOL_FEATURES
 
     shared = deployment_features(None)  # the deployment's features, NaN as feature_matrix's
+    no_tool = [float("nan")] * len(TOOL_FEATURES)  # no call in flight, as feature_matrix's
     rows = []
     for view in views:
         base = session_features(view, now)
         for h in horizons:
-            rows.append([*base, *shared, float(h)])
+            rows.append([*base, *shared, *no_tool, float(h)])
     return np.asarray(rows, dtype=np.float64).reshape(len(rows), len(FEATURES))
 
 

@@ -126,16 +126,7 @@ def test_every_json_command_is_covered() -> None:
 
 # `bench predict` fails before printing on main as well (its own test too: a feature matrix of
 # the wrong width, bench/predict.py), which is not a stdout matter.
-BROKEN = {"bench predict": "bench predict: cannot reshape the feature matrix (fails on main too)"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason=BROKEN[n])) if n in BROKEN else n
-        for n in CASE_NAMES
-    ],
-)
+@pytest.mark.parametrize("name", CASE_NAMES)
 def test_json_alone_on_stdout(name: str, inputs: dict[str, Path]) -> None:
     args = [*cases(inputs)[name], "--json"]
     if name == "targets":
