@@ -469,6 +469,11 @@ def write_plots(
                 **_style(i),
             )
         ax.set_xscale("log")
+        horizons = sorted(
+            {float(h) for m in result["models"] for h in m["prediction"]["per_horizon"]}
+        )
+        ax.set_xticks(horizons, [f"{h:g}" for h in horizons])
+        ax.minorticks_off()
         ax.set_xlabel("horizon (seconds)")
         ax.set_ylabel(name)
         ax.grid(alpha=0.3)
