@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -241,7 +242,9 @@ def _run_all(
                 progress(len(done), len(todo))
         return done
     order = sorted(todo, key=lambda u: not (u.rows or u.policy in SLOW))
-    with ProcessPoolExecutor(max_workers=jobs) as pool:
+    # Spawned, not forked: a fork of a process that has run LightGBM (its OpenMP threads, a
+    # notebook's training) can hang in the child.
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=get_context("spawn")) as pool:
         futures: dict[Future[dict[str, Any]], Unit] = {
             pool.submit(run_unit, u, setup): u for u in order
         }
