@@ -977,6 +977,7 @@ def evaluate(
     from contextlib import nullcontext
 
     from rich.console import Console
+    from rich.measure import Measurement
 
     from training.compare import compare, markdown, rich_table
     from training.progress import rich_bars, stderr_is_terminal
@@ -1006,7 +1007,10 @@ def evaluate(
         # The terminal's full width, or wider where the table needs it: never cut.
         console = Console()
         table = rich_table(result)
-        console.print(table, width=max(console.width, console.measure(table).maximum))
+        # Its natural width, measured without the terminal's bound.
+        needed = Measurement.get(console, console.options.update_width(10_000), table).maximum
+        # rich keeps a print to the console's width: a wider table needs a wider console.
+        (console if needed <= console.width else Console(width=needed)).print(table)
     else:
         typer.echo(markdown(result))
     if plots is not None:
