@@ -942,6 +942,98 @@ def targets(
     typer.echo(to_json(results, verdicts, model) if as_json else markdown(results, verdicts))
 
 
+@cli.command()
+def evaluate(
+    models: Annotated[
+        str, typer.Option(metavar="DIR,DIR,...", help="Model directories, comma-separated.")
+    ],
+    trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],
+    holdout: Annotated[
+        float,
+        typer.Option(
+            help="The last share of the trace's time span that is judged (the models may have "
+            "trained on the rest)."
+        ),
+    ] = 0.3,
+    scenario: Annotated[
+        str, typer.Option(help="A shipped scenario name or a TOML file.")
+    ] = "default",
+    router: Annotated[
+        str, typer.Option(help="sticky, least-loaded, kv-aware or hinted.")
+    ] = "sticky",
+    signals: Annotated[
+        str | None,
+        typer.Option(
+            metavar="NAME=V,...",
+            help="Early signals, as replay --signals (e.g. coverage=0.5,lead_median=5,"
+            "false_alarms=1).",
+        ),
+    ] = None,
+    seeds: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="With --signals: signal seeds 0..N-1; every row is the mean ± sd over them.",
+        ),
+    ] = 1,
+    jobs: Annotated[int, typer.Option(min=1, help="Replays run in parallel.")] = 2,
+    plots: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="DIR",
+            help="Also write plots overlaying the models: byte hit rate over time, calibration, "
+            "Brier and AUC per horizon.",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Compare models on the held-out end of a trace: each replayed as `learned`, the baselines
+    once, the split by time; a table (Markdown when stdout is not a terminal) or JSON."""
+    import json
+    import sys
+    from contextlib import nullcontext
+
+    from rich.console import Console
+    from rich.measure import Measurement
+
+    from training.compare import compare, markdown, rich_table
+    from training.progress import rich_bars, stderr_is_terminal
+
+    if signals is None and seeds > 1:
+        raise typer.BadParameter("draws signals: use it with --signals", param_hint="'--seeds'")
+    dirs = [m.strip() for m in models.split(",") if m.strip()]
+    try:
+        with rich_bars() if stderr_is_terminal() else nullcontext(None) as bars:
+            result = compare(
+                dirs,
+                trace,
+                holdout=holdout,
+                scenario=scenario,
+                router=router,
+                signals=signals,
+                seeds=seeds,
+                jobs=jobs,
+                plots_dir=plots,
+                progress=None if bars is None else (lambda d, t: bars("replays", d, t)),
+            )
+    except (KvpError, ValueError) as exc:
+        raise typer.BadParameter(str(exc)) from None
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    elif sys.stdout.isatty():
+        # The terminal's full width, or wider where the table needs it: never cut.
+        console = Console()
+        table = rich_table(result)
+        # Its natural width, measured without the terminal's bound.
+        needed = Measurement.get(console, console.options.update_width(10_000), table).maximum
+        # rich keeps a print to the console's width: a wider table needs a wider console.
+        (console if needed <= console.width else Console(width=needed)).print(table)
+    else:
+        typer.echo(markdown(result))
+    if plots is not None:
+        typer.echo(f"wrote {len(result['plots'])} plots to {plots}", err=True)
+
+
 @cli.command("events-from-trace")
 def events_from_trace(
     trace: Annotated[Path, typer.Option(help="A Mooncake-format trace (JSON Lines).")],

@@ -100,16 +100,36 @@ def plot_byte_hit_rate(
     window_seconds: float = 60.0,
     measure_from_seconds: float = 0.0,
 ) -> None:
+    plot_byte_hit_rate_series(
+        [
+            (
+                res.summary["policy"],
+                byte_hit_rate_series(res.requests, window_seconds, measure_from_seconds),
+            )
+            for res in results
+        ],
+        path,
+        window_seconds,
+    )
+
+
+def plot_byte_hit_rate_series(
+    series_by_label: Sequence[tuple[str, Sequence[tuple[float, float]]]],
+    path: Path,
+    window_seconds: float = 60.0,
+    legend_title: str = "policy",
+) -> None:
+    """The byte hit rate over time of each (label, byte_hit_rate_series) on one plot: the
+    replays' (plot_byte_hit_rate), or several models' and baselines' (training/compare.py)."""
     from matplotlib.ticker import PercentFormatter
 
     fig, ax = _figure()
-    for i, res in enumerate(results):
-        series = byte_hit_rate_series(res.requests, window_seconds, measure_from_seconds)
+    for i, (label, series) in enumerate(series_by_label):
         ax.plot(
             [(t + window_seconds / 2) / 60 for t, _ in series],
             [rate for _, rate in series],
             marker=".",
-            label=res.summary["policy"],
+            label=label,
             **_style(i),
         )
     ax.set_xlabel(
@@ -120,7 +140,7 @@ def plot_byte_hit_rate(
     ax.set_ylim(-0.02, 1.02)
     ax.set_title("Byte hit rate of reuse requests over time")
     ax.grid(alpha=0.3)
-    ax.legend(title="policy")
+    ax.legend(title=legend_title)
     fig.savefig(path)
 
 
