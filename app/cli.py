@@ -986,6 +986,22 @@ def evaluate(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    track: Annotated[
+        bool,
+        typer.Option(
+            "--mlflow",
+            help="Also log the comparison to MLflow (the 'mlflow' extra): a run with one "
+            "nested run per model, linked to the run that trained it.",
+        ),
+    ] = False,
+    mlflow_uri: Annotated[
+        str | None,
+        typer.Option(
+            "--mlflow-uri",
+            metavar="URI",
+            help="The MLflow tracking store (implies --mlflow; default as `train --mlflow`).",
+        ),
+    ] = None,
 ) -> None:
     """Compare models on the held-out end of a trace: each replayed as `learned`, the baselines
     once, the split by time; a table (Markdown when stdout is not a terminal) or JSON."""
@@ -1001,6 +1017,9 @@ def evaluate(
 
     if signals is None and seeds > 1:
         raise typer.BadParameter("draws signals: use it with --signals", param_hint="'--seeds'")
+    track = track or mlflow_uri is not None
+    if track:
+        _require_mlflow()  # before minutes of replays
     dirs = [m.strip() for m in models.split(",") if m.strip()]
     try:
         with rich_bars() if stderr_is_terminal() else nullcontext(None) as bars:
@@ -1032,6 +1051,8 @@ def evaluate(
         typer.echo(markdown(result))
     if plots is not None:
         typer.echo(f"wrote {len(result['plots'])} plots to {plots}", err=True)
+    if track:
+        _track_comparison(result, mlflow_uri, as_json)
 
 
 @cli.command("events-from-trace")
@@ -1186,13 +1207,7 @@ def train(
             raise typer.BadParameter(str(exc), param_hint="'--tune'") from None
     track = mlflow or mlflow_uri is not None
     if track:
-        from training.tracking import require_mlflow
-        from training.tune import MissingExtraError
-
-        try:
-            require_mlflow()  # before minutes of replaying logs, not after
-        except MissingExtraError as exc:
-            raise typer.BadParameter(str(exc), param_hint="'--mlflow'") from None
+        _require_mlflow()  # before minutes of replaying logs, not after
     options = {
         "events": [str(e) for e in events],
         "valid_fraction": valid_fraction,
@@ -1252,6 +1267,31 @@ def train(
             f"wrote {out}: validation AUC {m['auc']}, Brier {m['brier']} "
             f"(base rate {m['brier_of_base_rate']}), {model.data['rows_train']:,} training rows"
         )
+
+
+def _require_mlflow() -> None:
+    """The 'mlflow' extra is there, or a usage error naming it."""
+    from training.tracking import require_mlflow
+    from training.tune import MissingExtraError
+
+    try:
+        require_mlflow()
+    except MissingExtraError as exc:
+        raise typer.BadParameter(str(exc), param_hint="'--mlflow'") from None
+
+
+def _track_comparison(result: dict[str, Any], uri: str | None, silent: bool) -> None:
+    """`evaluate --mlflow`: the comparison logged as a run with one nested run per model."""
+    import logging
+
+    from training.compare import for_tracking
+    from training.tracking import log_comparison, tracking_uri
+
+    if silent:
+        logging.getLogger("mlflow").setLevel(logging.WARNING)
+    run_id = log_comparison(for_tracking(result), uri)
+    if not silent:
+        typer.echo(f"logged MLflow run {run_id} to {tracking_uri(uri)}", err=True)
 
 
 def _track_training(out: Path, options: dict[str, object], uri: str | None, silent: bool) -> None:

@@ -598,3 +598,23 @@ def rich_table(result: Mapping[str, Any]) -> Any:
 
 
 __all__ = ["BASELINES", "METRICS", "Unit", "compare", "markdown", "rich_table", "units"]
+
+
+def for_tracking(result: dict[str, Any]) -> dict[str, Any]:
+    """`compare`'s result in the shape training/tracking.py's log_comparison takes: the split
+    (with the trace, scenario, router and signals it was judged under), and per model its
+    identity and its metrics: the replay's means, the margins' means, and the held-out rows'
+    prediction metrics (their calibration bins stay in the logged comparison.json)."""
+    split = {
+        **result["split"],
+        **{k: result.get(k) for k in ("trace", "scenario", "router", "signals")},
+    }
+    models = []
+    for m in result["models"]:
+        metrics: dict[str, Any] = {k: m[k] for k in METRICS if isinstance(m.get(k), int | float)}
+        for side in ("margin_vs_none", "margin_vs_first"):
+            metrics[side] = {k: v["mean"] for k, v in (m.get(side) or {}).items()}
+        prediction = m.get("prediction") or {}
+        metrics["prediction"] = {k: v for k, v in prediction.items() if k != "calibration"}
+        models.append({"identity": m["model"], "metrics": metrics})
+    return {**result, "split": split, "models": models}

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.core.bundle import model_identity
+from app.core.bundle import DEFAULT_MODEL_DIR, model_identity
 from app.predict.predictors import LearnedPredictor
 from sim.commands import events_from_trace
 from tests.conftest import trace_slice
@@ -232,3 +232,48 @@ def test_the_registry_commands_register_fetch_promote_and_list(
         cli, ["registry", "fetch", "shadow", "--out", str(out), *name, "--mlflow-uri", store]
     )
     assert refused.exit_code != 0 and "shadow" in refused.output  # promote cleared the shadow
+
+
+def test_evaluate_mlflow_logs_the_comparison_with_a_run_per_model(
+    store: str, model_dir: Path, tmp_path: Path
+) -> None:
+    """`kvprefetch evaluate --mlflow-uri`: the comparison's split as params, and per model a
+    nested run named by its directory, with its replay's and its held-out rows' metrics."""
+    trace = trace_slice(tmp_path, "synthetic", 300)
+    result = CliRunner().invoke(
+        cli,
+        [
+            "evaluate",
+            "--models",
+            f"{DEFAULT_MODEL_DIR},{model_dir}",
+            "--trace",
+            str(trace),
+            "--jobs",
+            "1",
+            "--json",
+            "--mlflow-uri",
+            store,
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    compared = json.loads(result.stdout)
+    c = client(store)
+    parents = c.search_runs(
+        [e.experiment_id for e in c.search_experiments()], "tags.`kvprefetch.kind` = 'comparison'"
+    )
+    parent = next(
+        r
+        for r in parents
+        if r.data.params.get("split.measure_from_seconds")
+        == str(compared["split"]["measure_from_seconds"])
+        and r.data.params.get("split.trace") == trace.name
+    )
+    children = c.search_runs(
+        [parent.info.experiment_id], f"tags.mlflow.parentRunId = '{parent.info.run_id}'"
+    )
+    by_name = {r.info.run_name: r.data.metrics for r in children}
+    assert set(by_name) == {DEFAULT_MODEL_DIR.name, model_dir.name}
+    for m in compared["models"]:
+        logged = by_name[Path(m["model"]["dir"]).name]
+        assert logged["byte_hit_rate"] == pytest.approx(m["byte_hit_rate"])
+        assert logged["prediction/brier"] == pytest.approx(m["prediction"]["brier"])
