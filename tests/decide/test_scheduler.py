@@ -712,13 +712,19 @@ def test_a_pin_of_a_context_whose_tool_call_outlasts_its_reload_is_not_worth_a_q
 
 
 def test_a_pin_is_released_when_its_session_is_back_or_closed_but_not_when_advice_expires() -> None:
-    """A pin holds a context for its session's return: once the session is routed (wherever it
-    lands: the engine holds what a running request uses) or closed, the next plan cancels it,
-    rather than leave it to hold the room for its TTL. Advice that merely expires leaves the
-    pin to its TTL."""
-    for back in ("here", "elsewhere", "closed", "expired"):
+    """Where pins hold room, a pin holds a context for its session's return: once the session
+    is routed (wherever it lands: the engine holds what a running request uses) or closed, the
+    next plan cancels it, rather than leave it to hold the room for its TTL. Advice that merely
+    expires leaves the pin to its TTL; so does every return where pins are soft."""
+    for back, hold_room in (
+        ("here", True),
+        ("elsewhere", True),
+        ("closed", True),
+        ("expired", True),
+        ("elsewhere", False),
+    ):
         store = store_with(free_bytes={"gpu-0": 0}, hbm={"gpu-0": [1, 2]})
-        sched = Scheduler(store, config(), advice_ttl_seconds=60.0)
+        sched = Scheduler(store, config(pins_hold_room=hold_room), advice_ttl_seconds=60.0)
         keep = advice("k", [1, 2], p_soon=0.1, p_keep=0.6, retention="keep")
         [pin] = tick(sched, [keep], 0.0).orders
         sched.on_progress(pin.order_id, "completed")
@@ -729,5 +735,5 @@ def test_a_pin_is_released_when_its_session_is_back_or_closed_but_not_when_advic
             sched.forget("k", routed_to=routed_to)
             plan = sched.plan(1.0)
         released = [c.order_id for c in plan.cancels]
-        assert released == ([] if back == "expired" else [pin.order_id]), back
+        assert released == ([pin.order_id] if hold_room and back != "expired" else []), back
         assert sched.plan(2.0).cancels == []  # once
