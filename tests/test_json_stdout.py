@@ -16,6 +16,7 @@ import pytest
 import typer
 
 from app.cli import cli
+from app.core.bundle import DEFAULT_MODEL_DIR
 from sim.commands import events_from_trace
 from tests.conftest import trace_slice
 
@@ -68,6 +69,15 @@ def cases(i: dict[str, Path]) -> dict[str, list[str]]:
         "replay": ["replay", "--trace", trace, "--policy", "learned"],
         "replay --compare": ["replay", "--trace", trace, "--compare", "none,learned"],
         "targets": ["targets", "--traces", str(out), "--seeds", "1", "--jobs", "1"],
+        "evaluate": [
+            "evaluate",
+            "--models",
+            str(DEFAULT_MODEL_DIR),
+            "--trace",
+            trace,
+            "--jobs",
+            "1",
+        ],
         "train": ["train", "--events", log, "--out", str(out / "m"), "--max-rounds", "20"],
         "train --dask": [
             "train",
@@ -124,8 +134,6 @@ def test_every_json_command_is_covered() -> None:
         assert f'"{name.split()[-1]}"' in source and asks_json, test_file
 
 
-# `bench predict` fails before printing on main as well (its own test too: a feature matrix of
-# the wrong width, bench/predict.py), which is not a stdout matter.
 @pytest.mark.parametrize("name", CASE_NAMES)
 def test_json_alone_on_stdout(name: str, inputs: dict[str, Path]) -> None:
     args = [*cases(inputs)[name], "--json"]

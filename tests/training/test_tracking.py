@@ -73,7 +73,11 @@ def test_a_training_run_holds_params_metrics_per_horizon_card_plots_and_model(
     valid = card["metrics_valid"]
     assert metrics["brier"] == valid["brier"] and metrics["auc"] == valid["auc"]
     horizons = valid["per_horizon"]
-    assert len(horizons) == 2  # the card's horizons, each logged
+    # The card's horizons, each logged, and no other.
+    assert horizons
+    assert {k for k in metrics if k.startswith("h") and k.endswith("s/brier")} == {
+        f"h{h}s/brier" for h in horizons
+    }
     for horizon, m in horizons.items():
         assert metrics[f"h{horizon}s/brier"] == m["brier"]
         assert metrics[f"h{horizon}s/rows"] == m["rows"]
