@@ -36,6 +36,12 @@ class TraceError(KvpError):
         super().__init__(f"{path}:{line}: {message}")
         self.path = str(path)
         self.line = line
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[TraceError], tuple[str, int, str]]:
+        # Pickled by its own arguments: a replay's worker process hands it back whole (from
+        # `args`, the one formatted message, it would not rebuild: a BrokenProcessPool instead).
+        return (type(self), (self.path, self.line, self.message))
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,3 +106,16 @@ def test_derived_sessions_on_the_conversation_trace() -> None:
     continued = sum(p is not None for p in a.parents) / len(trace)
     # Issue 3 / REFERENCE.md: roughly 4 in 10 requests extend an earlier one.
     assert 0.3 < continued < 0.5
+
+
+def test_a_trace_error_crosses_a_process_boundary_whole(tmp_path: Path) -> None:
+    """`kvprefetch targets` replays in worker processes: a bad trace's error comes back as
+    itself, naming the file and line, not as a broken pool."""
+    from concurrent.futures import ProcessPoolExecutor
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    with ProcessPoolExecutor(1) as pool, pytest.raises(TraceError) as info:
+        pool.submit(load_trace, bad).result()
+    assert (info.value.path, info.value.line) == (str(bad), 1)
+    assert str(info.value).startswith(f"{bad}:1: ")
