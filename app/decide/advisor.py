@@ -174,9 +174,11 @@ class Advisor:
         horizons = self._grid
         p = self.predictor.p_within(live, now, horizons)
         tooled = self.tool_outlooks([s.session_id for s in live], now)
-        for i, view in enumerate(live):
-            if view.session_id in tooled:
-                p[i] = tooled[view.session_id]
+        if tooled:
+            p = np.array(p, dtype=np.float64)  # a copy: the predictor's own is left as it was
+            for i, view in enumerate(live):
+                if view.session_id in tooled:
+                    p[i] = tooled[view.session_id]
         grid = np.maximum.accumulate(np.clip(p, 0.0, 1.0), axis=1)
         p_same = self.routes.p_same if self.routes is not None else 1.0
         # The bar a prefetch must clear, on the chance it is back wherever it lands; none when
