@@ -34,7 +34,7 @@ import pandas as pd
 
 from app.ingest.eventlog import encode_events
 from sim.replay import replay
-from sim.scenario import load_scenario
+from sim.scenario import Scenario, load_scenario
 from sim.signals import with_signals
 from sim.traces import TraceRequest, load_trace
 from sim.workloads import AgentWorkload, agent_trace
@@ -91,6 +91,21 @@ def signal_settings(trace_index: int, seed: int = 0) -> list[dict[str, float | i
     ]
 
 
+def _logged_rows(
+    head: list[TraceRequest], scenario: Scenario, log: Path, signals: dict[str, dict[str, int]]
+) -> pd.DataFrame:
+    """`head` replayed (policy none, sticky) into the event log at `log`, and its rows; each
+    signal kind's counts added to `signals`."""
+    result = replay(head, scenario, policy="none", router="sticky", keep_events=True)
+    log.write_bytes(encode_events(result.events))
+    data = build_dataset([log])
+    for kind, counts in data.attrs["signals"].items():
+        total = signals.setdefault(kind, {"signals": 0, "followed": 0})
+        total["signals"] += counts["signals"]
+        total["followed"] += counts["followed"]
+    return data
+
+
 def build(
     out: Path, traces_dir: Path = SHARED_TRACES, train_fraction: float = 0.7, seed: int = 0
 ) -> Path:
@@ -111,30 +126,16 @@ def build(
                     scen = scenario.model_copy(
                         update={"signals": with_signals(scenario.signals, setting)}
                     )
-                result = replay(head, scen, policy="none", router="sticky", keep_events=True)
                 log = Path(tmp) / f"{Path(name).stem}.{'plain' if setting is None else k}.jsonl"
-                log.write_bytes(encode_events(result.events))
-                data = build_dataset([log])
-                for kind, counts in data.attrs["signals"].items():
-                    total = signals.setdefault(kind, {"signals": 0, "followed": 0})
-                    total["signals"] += counts["signals"]
-                    total["followed"] += counts["followed"]
-                frames.append(data)
+                frames.append(_logged_rows(head, scen, log, signals))
                 logs_used.append({"log": log.name, "signals": setting})
         agents = load_scenario(AGENT_SCENARIO)
         for agent_seed in AGENT_SEEDS:
             tools = {"tools": AGENT_TOOL_SHARE, "seed": agent_seed}
             scen = agents.model_copy(update={"signals": with_signals(agents.signals, tools)})
             head = agent_head(agent_seed, train_fraction)
-            result = replay(head, scen, policy="none", router="sticky", keep_events=True)
             log = Path(tmp) / f"agent-tasks.{agent_seed}.jsonl"
-            log.write_bytes(encode_events(result.events))
-            data = build_dataset([log])
-            for kind, counts in data.attrs["signals"].items():
-                total = signals.setdefault(kind, {"signals": 0, "followed": 0})
-                total["signals"] += counts["signals"]
-                total["followed"] += counts["followed"]
-            frames.append(data)
+            frames.append(_logged_rows(head, scen, log, signals))
             logs_used.append({"log": log.name, "agent_seed": agent_seed, "signals": tools})
         dataset = pd.concat(frames, ignore_index=True)
         dataset.attrs["signals"] = signals

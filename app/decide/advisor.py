@@ -225,7 +225,7 @@ class Advisor:
     def tool_outlooks(self, session_ids: Sequence[str], now: float) -> dict[str, list[float]]:
         """P(back within each of the grid's times) of the sessions among these whose tool calls
         are in flight, from the tools' run times (ToolDurations.outlooks); none without them."""
-        if self.tools is None:
+        if self.tools is None or not self.tools.sessions_in_flight:
             return {}
         return self.tools.outlooks(self._grid, now, session_ids)
 

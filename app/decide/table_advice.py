@@ -135,7 +135,8 @@ def advise_rows(
         p = predictor.p_within(views, now, grid_times)
     # Rows (positions in `live`) whose tool calls are in flight: their tools' curves, as advise.
     tooled = np.zeros(len(live), dtype=bool)
-    if advisor.tools is not None and len(live):
+    # A deployment with no call in flight (every chat one) pays nothing for it on this path.
+    if advisor.tools is not None and advisor.tools.sessions_in_flight and len(live):
         ids = table.ids_of(live)
         outlooks = advisor.tool_outlooks(ids, now)
         if outlooks:
