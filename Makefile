@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: run test lint bench model install clean demo demo-litellm compose-check
+.PHONY: run test lint bench model install clean demo demo-litellm walkthrough compose-check
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ lint: $(STAMP)
 # dashboard URL and watch it fill. Ctrl-C stops both. DEMO_SPEED, DEMO_TRACE: see deploy/demo.sh.
 demo: $(STAMP)
 	VENV=$(VENV) bash deploy/demo.sh
+
+# A data scientist's round trip: a log, two models trained, tracked, compared, shadowed and
+# promoted (deploy/walkthrough.sh; docs/data-science/walkthrough.md).
+walkthrough: $(STAMP)
+	VENV=$(VENV) bash deploy/walkthrough.sh
 
 # A LiteLLM proxy with the kvprefetch plug-in before two stub servers: three sessions reported,
 # one steered by its route hint (deploy/litellm_demo.py).

@@ -986,6 +986,13 @@ def evaluate(
         ),
     ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            metavar="FILE",
+            help="Also write the JSON object to FILE (the table still printed): a result kept.",
+        ),
+    ] = None,
     track: Annotated[
         bool,
         typer.Option(
@@ -1037,6 +1044,9 @@ def evaluate(
             )
     except (KvpError, ValueError) as exc:
         raise typer.BadParameter(str(exc)) from None
+    if out is not None:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
     elif sys.stdout.isatty():

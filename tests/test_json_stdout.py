@@ -123,6 +123,28 @@ def cases(i: dict[str, Path]) -> dict[str, list[str]]:
 CASE_NAMES = list(cases({"dir": Path(), "trace": Path(), "log": Path()}))
 
 
+def module_cases(i: dict[str, Path]) -> dict[str, list[str]]:
+    """Each `python -m` tool with a --json flag, with cheap inputs: the arguments after `-m`."""
+    return {
+        "training.formulations": ["training.formulations", "--events", str(i["log"])],
+        "training.thresholds": [
+            "training.thresholds",
+            "--model",
+            str(DEFAULT_MODEL_DIR),
+            "--trace",
+            str(i["trace"]),
+            "--window",
+            "0.6",
+            "1.0",
+            "--setting",
+            "{}",
+        ],
+    }
+
+
+MODULE_NAMES = list(module_cases({"dir": Path(), "trace": Path(), "log": Path()}))
+
+
 def test_every_json_command_is_covered() -> None:
     found = set(json_commands(typer.main.get_command(cli)))
     covered = {name.split(" --")[0] for name in CASE_NAMES} | set(TESTED_ELSEWHERE)
@@ -132,6 +154,29 @@ def test_every_json_command_is_covered() -> None:
         # run_bench adds --json itself.
         asks_json = '"--json"' in source or "run_bench(" in source
         assert f'"{name.split()[-1]}"' in source and asks_json, test_file
+
+
+def test_every_json_module_is_covered() -> None:
+    # The modules whose own argument parser takes --json (app.cli's commands are found above).
+    found = {
+        ".".join(path.relative_to(REPO).with_suffix("").parts)
+        for folder in ("training", "sim", "bench")
+        for path in (REPO / folder).rglob("*.py")
+        if 'add_argument("--json"' in path.read_text()
+    }
+    assert found == set(MODULE_NAMES)
+
+
+@pytest.mark.parametrize("name", MODULE_NAMES)
+def test_module_json_alone_on_stdout(name: str, inputs: dict[str, Path]) -> None:
+    command = [sys.executable, "-m", *module_cases(inputs)[name], "--json"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
+    done = subprocess.run(
+        command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads(done.stdout)  # the whole of stdout: nothing before or after
+    assert doc
 
 
 @pytest.mark.parametrize("name", CASE_NAMES)

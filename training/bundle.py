@@ -2,6 +2,7 @@
 replayed without signals and with a few signal settings (mixed logs).
 
     python -m training.bundle [--out models/default] [--traces DIR] [--train-fraction 0.7]
+                              [--logs var/bundle-logs]
 
 Each trace's first `train_fraction` of its time span is replayed (policy none, sticky router,
 default scenario) into the event log the routers and engines would have posted: once as it is
@@ -10,7 +11,9 @@ settings (sim/signals.py) drawn for that trace by `signal_settings`. The deploym
 features (app/predict/features.py, DeploymentSignals) tell the two kinds of log apart: the rows
 with no signals in their deployment train one model, the others another, and the two are joined
 into one model.txt that picks by those features (SPLIT_BY). The rest
-of each trace is left for judging (training/evaluate.py).
+of each trace is left for judging (training/evaluate.py). The logs are kept (`--logs`, default
+var/bundle-logs/): the card names each by its path and SHA-256, and the replays are
+deterministic, so a rebuild from the same code writes the same bytes.
 
 Beside them, generated agent tasks (sim/workloads.py, `agent_trace`), so the tool features
 (app/predict/tool_durations.py, TOOL_FEATURES) are learned from calls whose tools signal their
@@ -25,7 +28,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import tempfile
+import shlex
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -43,6 +47,7 @@ from training.evaluate import judged_from_seconds
 from training.train import save_model, train_split
 
 REPO = Path(__file__).resolve().parent.parent
+BUNDLE_LOGS = REPO / "var" / "bundle-logs"
 SHARED_TRACES = REPO.parent / "shared" / "traces"
 TRACE_FILES = ("mooncake_conversation_first60.jsonl", "mooncake_synthetic.jsonl")
 # Signal settings per trace, one level of each axis apiece (a Latin square: every coverage, lead
@@ -106,45 +111,61 @@ def _logged_rows(
     return data
 
 
+def repo_relative(record: dict[str, Any]) -> dict[str, Any]:
+    """A card's log record with its path relative to the checkout where it lies inside it (a
+    bundled card names the logs as any clone would find them)."""
+    path = Path(record["path"])
+    if path.is_relative_to(REPO):
+        return {**record, "path": str(path.relative_to(REPO))}
+    return record
+
+
 def build(
-    out: Path, traces_dir: Path = SHARED_TRACES, train_fraction: float = 0.7, seed: int = 0
+    out: Path,
+    traces_dir: Path = SHARED_TRACES,
+    train_fraction: float = 0.7,
+    seed: int = 0,
+    logs_dir: Path = BUNDLE_LOGS,
+    command: str | None = None,
 ) -> Path:
     started = time.perf_counter()
     scenario = load_scenario("default")
     logs_used: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        frames = []
-        signals: dict[str, dict[str, int]] = {}
-        for t, name in enumerate(TRACE_FILES):
-            trace = load_trace(traces_dir / name)
-            cut = judged_from_seconds(trace, train_fraction)
-            head = [r for r in trace if r.arrival_seconds < cut]
-            settings: list[dict[str, float | int] | None] = [None, *signal_settings(t, seed)]
-            for k, setting in enumerate(settings):
-                scen = scenario
-                if setting is not None:
-                    scen = scenario.model_copy(
-                        update={"signals": with_signals(scenario.signals, setting)}
-                    )
-                log = Path(tmp) / f"{Path(name).stem}.{'plain' if setting is None else k}.jsonl"
-                frames.append(_logged_rows(head, scen, log, signals))
-                logs_used.append({"log": log.name, "signals": setting})
-        agents = load_scenario(AGENT_SCENARIO)
-        for agent_seed in AGENT_SEEDS:
-            tools = {"tools": AGENT_TOOL_SHARE, "seed": agent_seed}
-            scen = agents.model_copy(update={"signals": with_signals(agents.signals, tools)})
-            head = agent_head(agent_seed, train_fraction)
-            log = Path(tmp) / f"agent-tasks.{agent_seed}.jsonl"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    frames = []
+    signals: dict[str, dict[str, int]] = {}
+    for t, name in enumerate(TRACE_FILES):
+        trace = load_trace(traces_dir / name)
+        cut = judged_from_seconds(trace, train_fraction)
+        head = [r for r in trace if r.arrival_seconds < cut]
+        settings: list[dict[str, float | int] | None] = [None, *signal_settings(t, seed)]
+        for k, setting in enumerate(settings):
+            scen = scenario
+            if setting is not None:
+                scen = scenario.model_copy(
+                    update={"signals": with_signals(scenario.signals, setting)}
+                )
+            log = logs_dir / f"{Path(name).stem}.{'plain' if setting is None else k}.jsonl"
             frames.append(_logged_rows(head, scen, log, signals))
-            logs_used.append({"log": log.name, "agent_seed": agent_seed, "signals": tools})
-        dataset = pd.concat(frames, ignore_index=True)
-        dataset.attrs["signals"] = signals
-        # concat keeps attrs only where all frames' agree: each log's lineage gathered here.
-        dataset.attrs["logs"] = [r for f in frames for r in f.attrs.get("logs", [])]
-        model = train_split(dataset, *SPLIT_BY, seed=seed)
+            logs_used.append({"log": log.name, "signals": setting})
+    agents = load_scenario(AGENT_SCENARIO)
+    for agent_seed in AGENT_SEEDS:
+        tools = {"tools": AGENT_TOOL_SHARE, "seed": agent_seed}
+        scen = agents.model_copy(update={"signals": with_signals(agents.signals, tools)})
+        head = agent_head(agent_seed, train_fraction)
+        log = logs_dir / f"agent-tasks.{agent_seed}.jsonl"
+        frames.append(_logged_rows(head, scen, log, signals))
+        logs_used.append({"log": log.name, "agent_seed": agent_seed, "signals": tools})
+    dataset = pd.concat(frames, ignore_index=True)
+    dataset.attrs["signals"] = signals
+    # concat keeps attrs only where all frames' agree: each log's lineage gathered here.
+    dataset.attrs["logs"] = [r for f in frames for r in f.attrs.get("logs", [])]
+    model = train_split(dataset, *SPLIT_BY, seed=seed)
+    model.data["log_files"] = [repo_relative(r) for r in model.data["log_files"]]
     return save_model(
         model,
         out,
+        command=command,
         extra={
             "trained_on": {
                 "traces": list(TRACE_FILES),
@@ -174,8 +195,13 @@ def main() -> None:
     parser.add_argument("--traces", type=Path, default=SHARED_TRACES)
     parser.add_argument("--train-fraction", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--logs", type=Path, default=BUNDLE_LOGS, help="where the replayed event logs are kept"
+    )
     args = parser.parse_args()
-    path = build(args.out, args.traces, args.train_fraction, args.seed)
+    # As typed (`python -m training.bundle ...`), not the module file's path.
+    command = shlex.join(["python", "-m", "training.bundle", *sys.argv[1:]])
+    path = build(args.out, args.traces, args.train_fraction, args.seed, args.logs, command)
     card = json.loads((path / "card.json").read_text())
     rows = card["data"]["rows_train"] + card["data"]["rows_valid"]
     seconds = card["trained_on"]["build_seconds"]

@@ -96,13 +96,31 @@ def git_commit(where: Path) -> str | None:
     return (out.stdout.strip() or None) if out.returncode == 0 else None
 
 
-def code_version() -> dict[str, str | None]:
-    """The git commit (when the code runs from a checkout) and the installed package version."""
+def git_dirty(where: Path) -> bool | None:
+    """Whether tracked files differ from the commit (the commit alone would not rebuild what
+    ran); None outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=where,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return bool(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def code_version() -> dict[str, str | bool | None]:
+    """The git commit (when the code runs from a checkout), whether the checkout had changes
+    beyond it, and the installed package version."""
     try:
         package: str | None = version("kvprefetch")
     except PackageNotFoundError:
         package = None
-    return {"git_commit": git_commit(Path(__file__).resolve().parent), "kvprefetch": package}
+    here = Path(__file__).resolve().parent
+    return {"git_commit": git_commit(here), "git_dirty": git_dirty(here), "kvprefetch": package}
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:

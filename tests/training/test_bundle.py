@@ -2,20 +2,25 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from app.core.bundle import DEFAULT_MODEL_DIR
 from app.predict.features import FEATURES
 from app.predict.predictors import LearnedPredictor
 from training.bundle import (
+    BUNDLE_LOGS,
     COVERAGES,
     FALSE_ALARMS,
     LEAD_MEDIANS_SECONDS,
     SIGNAL_SETTINGS_PER_TRACE,
+    repo_relative,
     signal_settings,
 )
+from training.dataset import HORIZONS
 from training.train import WEIGHT_COLUMN, _best, save_model, train, train_split
 
 
@@ -76,3 +81,26 @@ def test_a_split_model_is_each_part_on_its_own_side(tmp_path: Path) -> None:
     save_model(model, tmp_path / "m")
     served = LearnedPredictor(tmp_path / "m", backend="compiled", cache_dir=tmp_path / "cache")
     np.testing.assert_allclose(served.p_from_matrix(x), p, rtol=1e-6, atol=1e-9)
+
+
+def test_the_bundled_card_names_its_data_and_code() -> None:
+    card = json.loads((DEFAULT_MODEL_DIR / "card.json").read_text())
+    files = card["data"]["log_files"]
+    # Every log `make model` replayed, by a path any clone finds (under var/bundle-logs/).
+    assert {Path(f["path"]).name for f in files} == set(card["data"]["logs"])
+    for f in files:
+        assert not Path(f["path"]).is_absolute() and f["path"].startswith("var/bundle-logs/")
+        assert len(f["sha256"]) == 64 and f["events"] > 0
+        assert f["first_event_ts"] <= f["last_event_ts"]
+    span = card["data"]["span"]
+    assert span["first_event_ts"] == min(f["first_event_ts"] for f in files)
+    assert set(card["data"]["rows_per_horizon"]) == {str(int(h)) for h in HORIZONS}
+    assert card["command"].startswith("python -m training.bundle")
+    assert card["code_version"]["git_commit"]
+
+
+def test_log_paths_inside_the_checkout_are_named_relative_to_it() -> None:
+    inside = {"path": str(BUNDLE_LOGS / "a.jsonl"), "sha256": "0" * 64}
+    assert repo_relative(inside)["path"] == "var/bundle-logs/a.jsonl"
+    outside = {"path": "/elsewhere/a.jsonl"}
+    assert repo_relative(outside) == outside

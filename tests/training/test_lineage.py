@@ -84,7 +84,17 @@ def test_the_card_names_its_logs_span_command_and_code(
     head = subprocess.run(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()
-    assert card["code_version"] == {"git_commit": head, "kvprefetch": "0.1.0"}
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    ).stdout.strip()
+    assert card["code_version"] == {
+        "git_commit": head,
+        "git_dirty": bool(dirty),
+        "kvprefetch": "0.1.0",
+    }
     assert card["git_commit"] == head  # kept where older readers look
 
 
