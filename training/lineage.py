@@ -20,6 +20,8 @@ import pandas as pd
 
 from app.ingest.eventlog import list_segments
 
+# What builds a model: the code whose changes since the commit make a card's commit not enough.
+CODE_PATHS = ("app", "sim", "training", "client", "pyproject.toml", "setup.py")
 # Bytes read at a time while hashing: a log may be gigabytes.
 HASH_CHUNK_BYTES = 1 << 20
 
@@ -97,11 +99,12 @@ def git_commit(where: Path) -> str | None:
 
 
 def git_dirty(where: Path) -> bool | None:
-    """Whether tracked files differ from the commit (the commit alone would not rebuild what
-    ran); None outside a git checkout."""
+    """Whether the code's tracked files (CODE_PATHS) differ from the commit: the commit alone
+    would not rebuild what ran. Models and docs are left out (a rebuilt model changes its own
+    files). None outside a git checkout."""
     try:
         out = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
             capture_output=True,
             text=True,
             timeout=10,

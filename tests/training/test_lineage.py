@@ -19,6 +19,7 @@ from sim.commands import events_from_trace
 from tests.conftest import trace_slice
 from training import build_dataset, train
 from training.dataset import load_events
+from training.lineage import CODE_PATHS
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -85,7 +86,7 @@ def test_the_card_names_its_logs_span_command_and_code(
         ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()
     dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--untracked-files=no"],
+        ["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
         capture_output=True,
         text=True,
         cwd=REPO,
