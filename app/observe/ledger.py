@@ -43,8 +43,9 @@ from kvprefetch_client.events import (
 )
 
 SLOTS = ("live", "shadow")
-# Advice records kept per session and model: enough to find the advice in force when a
-# `request_routed` arrives a few scoring ticks late.
+# Advice records kept per session and model: the last two runs of the same advice, each as its
+# first record and its latest, so the advice in force is found when a `request_routed` arrives
+# many scoring ticks late (a replay at 60x: a tenth of a second is six ticks of the service's).
 ADVICE_HISTORY = 4
 # Sessions tracked per model; past this, those least recently advised or arrived are forgotten
 # (their next arrival counts as unscored). About 200 bytes each.
@@ -236,9 +237,18 @@ class AdviceLedger:
                 # the newest event, or the scoring clock before any event was seen.
                 entry = _Entry(fresh_ts)
             history = entry.history
-            history.append(rec)
-            if len(history) > ADVICE_HISTORY:
-                del history[0]
+            if (
+                len(history) > 1
+                and rec[1] == history[-1][1] == history[-2][1]
+                and rec[2] == history[-1][2] == history[-2][2]
+            ):
+                # The same advice again: a run is its first record (in force since) and its
+                # latest (this tick's, which the shadow pairs with), however long it lasts.
+                history[-1] = rec
+            else:
+                history.append(rec)
+                if len(history) > ADVICE_HISTORY:
+                    del history[0]
             sessions[session_id] = entry
         keeps = sum(1 for r, pf in zip(retention, prefetch) if pf or r == "keep")
         s.predictions += len(session_ids)

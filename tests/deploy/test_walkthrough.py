@@ -81,6 +81,9 @@ def test_the_walkthrough_trains_tracks_compares_shadows_and_promotes(tmp_path: P
     before = json.loads((walk / "model-before-promote.json").read_text())
     assert before["version"] == "a" and before["shadow"]["version"] == "b"
     assert before["comparison"]["paired"] > 0 and before["comparison"]["judged"] > 0
+    # Both hit rates scored, though at 60x a request reaches the service ticks after its stamp.
+    for slot in ("live", "shadow"):
+        assert before[slot]["hits"] + before[slot]["misses"] > 0, before[slot]
 
     # The registry's last word: b holds the serving alias, a none.
     versions = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"name"')]

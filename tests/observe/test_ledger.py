@@ -190,12 +190,32 @@ def test_a_closed_session_forgets_its_advice() -> None:
 def test_history_and_sessions_are_bounded() -> None:
     ledger = AdviceLedger(max_sessions=2)
     for t in range(ADVICE_HISTORY + 1):
-        ledger.record("live", [advice("a", "demote" if t == 0 else "keep")], float(t))
+        # Advice that changes at every tick: each record is a run of its own.
+        ledger.record("live", [advice("a", "demote" if t % 2 == 0 else "keep")], float(t))
     # The first record (t=0) is gone: an arrival at 0.5 finds nothing in force.
     ledger.observe([routed("a", 0.5)])
     assert ledger.stats("live").unscored == 1
     ledger.record("live", [advice("b"), advice("c"), advice("d")], 10.0)
     assert [ledger.latest("live", s) is not None for s in "bcd"] == [False, True, True]
+
+
+def test_a_long_run_of_the_same_advice_keeps_its_start() -> None:
+    """A request stamped many ticks before it reaches the ledger (a replay at 60x: a tenth of a
+    second late is six ticks of the service's) is scored by the advice in force at its stamp."""
+    ledger = AdviceLedger()
+    ledger.record("live", [advice("a", "demote")], 0.0)
+    for t in range(1, 10 * ADVICE_HISTORY):
+        ledger.record("live", [advice("a", "keep", p_keep=t / 100)], float(t))
+    # The latest record is this tick's (what the shadow pairs with), the run's start still there.
+    assert ledger.latest("live", "a") == AdviceRecord(float(t), "keep", False, t / 100)
+    ledger.observe([routed("a", 1.5)])
+    assert (ledger.stats("live").hits, ledger.stats("live").unscored) == (1, 0)
+    ledger.record("live", [advice("b", "demote")], 0.0)
+    ledger.record("live", [advice("b", "keep")], 1.0)
+    for t in range(2, 10 * ADVICE_HISTORY):
+        ledger.record("live", [advice("b", "keep")], float(t))
+    ledger.observe([routed("b", 0.5)])  # before the keep run began: the demote was in force
+    assert ledger.stats("live").misses == 1
 
 
 def _finished(session_id: str, ts: float) -> Event:
