@@ -70,11 +70,10 @@ def tick(client: TestClient) -> None:
 def test_a_likely_return_gets_its_context_pinned_and_the_agent_reports_back(
     client: TestClient,
 ) -> None:
-    # A session with a steady 40 s rhythm, its context in HBM on gpu-0: the model expects it back.
+    # A session with a steady 20 s rhythm, its context in HBM on gpu-0: the model expects it back.
     events = (
-        turn(0, 880.0)
-        + turn(1, 920.0)
-        + turn(2, 960.0)
+        # Six turns 20 s apart: a rhythm the bundled model is sure of.
+        [e for n in range(6) for e in turn(n, 860.0 + 20.0 * n)]
         + [
             {
                 "type": "kv_blocks_stored",
@@ -107,10 +106,10 @@ def test_a_likely_return_gets_its_context_pinned_and_the_agent_reports_back(
         [
             {
                 "type": "request_routed",
-                "event_id": "q3",
+                "event_id": "q6",
                 "ts": 1001.0,
                 "session_id": "s1",
-                "request_id": "r3",
+                "request_id": "r6",
                 "instance_id": "gpu-0",
                 "prompt_tokens": 9500,
             }
