@@ -21,7 +21,6 @@ import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from app.core.clock import Clock, ScaledClock, SystemClock
 from app.core.cluster import ClusterSpec
@@ -48,7 +47,8 @@ from app.deliver import (
     build_sink,
 )
 from app.ingest.backlog import Backlog
-from app.ingest.eventlog import EventLog
+from app.ingest.base import EventLog
+from app.ingest.eventlog import FileEventLog
 from app.ingest.ingestor import Ingestor, IngestResult, Observer, Prepared
 from app.ingest.vllm.subscriber import VllmSubscriber
 from app.ingest.vllm.wire import parse_endpoints
@@ -77,24 +77,6 @@ DRAIN_EVENTS = 256
 MODEL_CHECK_SAMPLE = 256
 
 
-class NullEventLog:
-    """An event log that keeps nothing: for a replay, whose events are the trace's and must not
-    land in the user's data dir. Nothing is logged, so there is nothing to recover."""
-
-    directory: Path | None = None
-    keeps_events = False  # the Ingestor does not encode what it would append
-
-    def __init__(self) -> None:
-        self._lines = 0
-
-    def append(self, data: bytes) -> LogPosition:
-        self._lines += 1
-        return LogPosition(0, self._lines)
-
-    def close(self) -> None:
-        pass
-
-
 class Engine:
     """The parts, as typed attributes. `store`, `clock`, `order_sink` and `event_log`, when
     given, are the caller's: the engine uses them and never closes them; what it built, it
@@ -109,7 +91,7 @@ class Engine:
         store: StateStore | None = None,
         clock: Clock | None = None,
         order_sink: OrderSink | None = None,
-        event_log: EventLog | NullEventLog | None = None,
+        event_log: EventLog | None = None,
         recover: bool = True,
         load_model: bool = True,
     ) -> None:
@@ -137,10 +119,10 @@ class Engine:
         # The ids of the batches being logged: a batch holding one of them waits for them to
         # settle, so a client's retry that overlaps its first try is never logged twice.
         self._logging_ids: set[str] = set()
-        self.event_log: EventLog | NullEventLog = (
+        self.event_log: EventLog = (
             event_log
             if event_log is not None
-            else EventLog(
+            else FileEventLog(
                 settings.event_log_dir,
                 segment_bytes=settings.log_segment_bytes,
                 fsync=settings.log_fsync,
@@ -319,7 +301,7 @@ class Engine:
         self.young_gc = young_collector()
         self.ingestor = Ingestor(
             self.store,
-            self.event_log,  # type: ignore[arg-type]  # a NullEventLog appends like one
+            self.event_log,
             replica_id=settings.replica_id,
             clock=self.clock,
             max_clock_skew_seconds=settings.max_clock_skew_seconds,
@@ -719,4 +701,4 @@ def compose_observers(observers: Sequence[Observer]) -> Observer:
     return observe
 
 
-__all__ = ["Engine", "NullEventLog", "compose_observers"]
+__all__ = ["Engine", "compose_observers"]

@@ -88,7 +88,7 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
     from app.api.batch import BatchParser
     from app.core.clock import SystemClock
     from app.core.runtime import tune_gc
-    from app.ingest.eventlog import EventLog, encode_events, segment_path
+    from app.ingest.eventlog import FileEventLog, encode_events, segment_path
     from app.ingest.ingestor import Ingestor
     from app.state.memory import MemoryStore
 
@@ -105,7 +105,7 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
     ingest_times: list[float] = []
     try:
         store = MemoryStore(bytes_per_token=327_680, block_tokens=512)
-        log = EventLog(workdir / "stages", fsync=False)  # fsync timed on its own below
+        log = FileEventLog(workdir / "stages", fsync=False)  # fsync timed on its own below
         fd = os.open(segment_path(log.directory, log.position.segment), os.O_RDONLY)
         clock = time.perf_counter
         gc_timer = GcTimer().__enter__()
@@ -160,7 +160,7 @@ def stages(batches: int, fsync: bool, seed: int = 0) -> dict[str, Any]:
 
         # Cross-check: the real Ingestor (fsync as asked) on fresh batches, parse not included.
         store2 = MemoryStore(bytes_per_token=327_680, block_tokens=512)
-        log2 = EventLog(workdir / "ingestor", fsync=fsync)
+        log2 = FileEventLog(workdir / "ingestor", fsync=fsync)
         ingestor = Ingestor(
             store2, log2, replica_id="bench", clock=SystemClock(), max_clock_skew_seconds=300.0
         )

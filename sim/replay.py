@@ -27,7 +27,7 @@ from app.core.config import Settings
 from app.decide.advisor import Thresholds
 from app.decide.guard import GUARD_SETTINGS
 from app.engine import Engine as AppEngine
-from app.engine import NullEventLog
+from app.ingest.base import NullEventLog
 from app.ingest.eventlog import encode_events
 from app.state import MemoryStore
 from app.state.base import SessionView

@@ -17,7 +17,8 @@ from app.core.cluster import ClusterSpec
 from app.core.config import Settings
 from app.decide.advisor import Thresholds
 from app.deliver import InProcessSink
-from app.engine import Engine, NullEventLog
+from app.engine import Engine
+from app.ingest.base import NullEventLog
 from app.predict.registry import Serving
 from app.state import MemoryStore
 from kvprefetch_client.events import Event, event_adapter

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from pydantic_core import from_json
 
 from app.core.errors import CorruptLogError, EventLogError
+from app.ingest.base import EventLog
 from app.state.base import LogPosition
 from kvprefetch_client.events import Event, batch_adapter, event_adapter
 
@@ -62,8 +63,11 @@ def encode_events(events: Sequence[Event]) -> bytes:
     return b"".join([e.__pydantic_serializer__.to_json(e) + b"\n" for e in events])
 
 
-class EventLog:
+class FileEventLog(EventLog):
     """Appends batches of events; one writer per directory (one per service replica)."""
+
+    directory: Path
+    keeps_events = True
 
     def __init__(
         self, directory: Path, *, segment_bytes: int = 64 * 1024 * 1024, fsync: bool = True

@@ -31,7 +31,8 @@ from pathlib import Path
 
 from app.core.clock import Clock
 from app.core.errors import StoreError
-from app.ingest.eventlog import EventLog, encode_batch, encode_events, iter_log
+from app.ingest.base import EventLog
+from app.ingest.eventlog import encode_batch, encode_events, iter_log
 from app.state.base import LogPosition, StateStore
 from kvprefetch_client.events import RECORD_EVENT_TYPES, Event, VllmKvEvents
 
@@ -123,7 +124,7 @@ class Ingestor:
             raise ValueError("max_clock_skew_seconds must be positive")
         self.store = store
         self.event_log = event_log
-        self._encodes = getattr(event_log, "keeps_events", True)
+        self._encodes = event_log.keeps_events
         self.replica_id = replica_id
         # The store's windows count from the newest event ts applied: an event is taken only
         # when it is at most this far ahead of the clock, so the windows never run ahead of it.
@@ -413,7 +414,10 @@ class Ingestor:
             log.exception("the ingest observer failed on %d events", len(accepted))
 
     def recover(self) -> int:
-        """Apply the log past the store's checkpoint; returns how many events were replayed."""
+        """Apply the log past the store's checkpoint; returns how many events were replayed (0 for
+        a log that keeps nothing)."""
+        if self.event_log.directory is None:
+            return 0
         with self._lock:
             replayed = self._replay_tail()
         if replayed:
@@ -422,6 +426,11 @@ class Ingestor:
             )
         return replayed
 
+    def _log_directory(self) -> Path:
+        directory = self.event_log.directory
+        assert directory is not None  # recover() returns first for a log that keeps nothing
+        return directory
+
     def _replay_tail(self) -> int:
         self._behind_log = True
         start = self.store.checkpoint(self.replica_id)
@@ -429,7 +438,7 @@ class Ingestor:
         replayed = skipped = 0
         chunk: list[Event] = []
         position = start
-        for position, event in iter_log(Path(self.event_log.directory), start):
+        for position, event in iter_log(self._log_directory(), start):
             if event.ts > latest_ts:
                 # Logged before the skew was checked (docs/decisions.md, 15): applying it would
                 # move the windows past the clock. It stays in the log, for training and audit.

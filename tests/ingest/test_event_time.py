@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from app.core.clock import ManualClock
-from app.ingest.eventlog import EventLog, encode_events
+from app.ingest.eventlog import FileEventLog, encode_events
 from app.ingest.ingestor import CLOCK_SKEW, PAST_RETENTION, Ingestor
 from app.state import MemoryStore, StateStore
 from kvprefetch_client.events import Event, event_adapter
@@ -90,7 +90,7 @@ def ingestor(
 ) -> Ingestor:
     return Ingestor(
         store,
-        EventLog(log_dir, fsync=False),
+        FileEventLog(log_dir, fsync=False),
         replica_id="r1",
         clock=clock,
         max_clock_skew_seconds=SKEW,
@@ -156,7 +156,7 @@ def test_a_log_written_before_the_check_is_replayed_without_its_events_from_the_
     new_store: Any, tmp_path: Path
 ) -> None:
     # What an older version logged and applied: a session, then one status from the year 3000.
-    old_log = EventLog(tmp_path, fsync=False)
+    old_log = FileEventLog(tmp_path, fsync=False)
     old_log.append(
         encode_events(
             [

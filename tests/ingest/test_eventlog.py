@@ -8,7 +8,7 @@ import pytest
 
 from app.core.errors import CorruptLogError
 from app.ingest.eventlog import (
-    EventLog,
+    FileEventLog,
     encode_batch,
     encode_events,
     iter_log,
@@ -26,7 +26,7 @@ def closed(i: int):  # type: ignore[no-untyped-def]
 
 
 def test_append_returns_positions_and_reads_back(tmp_path: Path) -> None:
-    log = EventLog(tmp_path, fsync=False)
+    log = FileEventLog(tmp_path, fsync=False)
     p1 = log.append(encode_events([closed(1), closed(2)]))
     p2 = log.append(encode_events([closed(3)]))
     log.close()
@@ -38,7 +38,7 @@ def test_append_returns_positions_and_reads_back(tmp_path: Path) -> None:
 
 
 def test_segments_rotate_at_the_size_limit(tmp_path: Path) -> None:
-    log = EventLog(tmp_path, segment_bytes=4096, fsync=True)
+    log = FileEventLog(tmp_path, segment_bytes=4096, fsync=True)
     for i in range(200):
         log.append(encode_events([closed(i)]))
     log.close()
@@ -54,14 +54,14 @@ def test_segments_rotate_at_the_size_limit(tmp_path: Path) -> None:
 
 
 def test_a_torn_last_line_is_cut_on_open(tmp_path: Path) -> None:
-    log = EventLog(tmp_path, fsync=False)
+    log = FileEventLog(tmp_path, fsync=False)
     log.append(encode_events([closed(1)]))
     log.close()
     path = list_segments(tmp_path)[-1][1]
     with open(path, "ab") as f:
         f.write(b'{"type": "session_closed", "event_id": "half')
     assert [e.event_id for _, e in iter_log(tmp_path)] == ["e1"]  # readers skip it too
-    log = EventLog(tmp_path, fsync=False)
+    log = FileEventLog(tmp_path, fsync=False)
     assert path.read_bytes().endswith(b"}\n")
     log.append(encode_events([closed(2)]))
     log.close()
@@ -69,7 +69,7 @@ def test_a_torn_last_line_is_cut_on_open(tmp_path: Path) -> None:
 
 
 def test_a_corrupt_line_names_its_file_and_line(tmp_path: Path) -> None:
-    log = EventLog(tmp_path, fsync=False)
+    log = FileEventLog(tmp_path, fsync=False)
     log.append(
         encode_events([closed(1)]) + b'{"type": "session_closed", "event_id": "x", "ts": -1, '
         b'"session_id": "s"}\n' + encode_events([closed(3)])
@@ -92,7 +92,7 @@ def test_a_logged_batch_reads_back_whatever_numbers_the_ingest_accepted(tmp_path
         b'"token_ids": [123456789012345678901234567890], "extra_keys": 1e400}]}]}'
     )
     posted = batch_adapter.validate_json(body).events
-    log = EventLog(tmp_path, fsync=False)
+    log = FileEventLog(tmp_path, fsync=False)
     log.append(encode_batch(body))
     log.append(encode_events(posted))
     log.close()
@@ -100,7 +100,7 @@ def test_a_logged_batch_reads_back_whatever_numbers_the_ingest_accepted(tmp_path
 
 
 def test_read_events_takes_files_and_directories(tmp_path: Path) -> None:
-    log = EventLog(tmp_path / "log", fsync=False)
+    log = FileEventLog(tmp_path / "log", fsync=False)
     log.append(encode_events([closed(1), closed(2)]))
     log.close()
     loose = tmp_path / "extra.jsonl"
@@ -112,7 +112,7 @@ def test_read_events_takes_files_and_directories(tmp_path: Path) -> None:
 
 
 def test_position_of_an_empty_log(tmp_path: Path) -> None:
-    log = EventLog(tmp_path, fsync=False)
+    log = FileEventLog(tmp_path, fsync=False)
     assert log.position == LogPosition(1, 0)
     assert log.append(b"") == LogPosition(1, 0)
     log.close()
@@ -124,7 +124,7 @@ def test_a_failed_append_leaves_no_partial_line(
     from app.core.errors import EventLogError
     from app.ingest import eventlog
 
-    log = EventLog(tmp_path, fsync=True)
+    log = FileEventLog(tmp_path, fsync=True)
     log.append(encode_events([closed(1)]))
 
     def disk_full(fd: int) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from app.core.clock import SystemClock
-from app.ingest.eventlog import EventLog, iter_log
+from app.ingest.eventlog import FileEventLog, iter_log
 from app.ingest.ingestor import Ingestor
 from app.state import MemoryStore
 from kvprefetch_client.events import event_adapter
@@ -33,7 +33,7 @@ def routed(i: int, session: str = "s"):  # type: ignore[no-untyped-def]
 def make(tmp_path: Path) -> Ingestor:
     return Ingestor(
         MemoryStore(bytes_per_token=1, block_tokens=512),
-        EventLog(tmp_path, fsync=False),
+        FileEventLog(tmp_path, fsync=False),
         replica_id="r1",
         **CLOCKED,
     )
@@ -62,13 +62,13 @@ def test_recover_rebuilds_a_fresh_store_from_the_log(tmp_path: Path) -> None:
 
 def test_recover_replays_only_past_the_checkpoint(tmp_path: Path) -> None:
     store = MemoryStore(bytes_per_token=1, block_tokens=512)
-    log = EventLog(tmp_path, fsync=False)
+    log = FileEventLog(tmp_path, fsync=False)
     ing = Ingestor(store, log, replica_id="r1", **CLOCKED)
     ing.ingest([routed(i) for i in range(5)])
     # The process dies after logging a batch but before applying it.
     log.append(b"".join(event_adapter.dump_json(routed(i)) + b"\n" for i in range(5, 8)))
     log.close()
-    again = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
+    again = Ingestor(store, FileEventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
     assert again.recover() == 3
     assert store.session("s").turns == 8
     assert again.recover() == 0
@@ -94,7 +94,7 @@ def test_a_failed_apply_is_caught_up_from_the_log_and_not_logged_twice(tmp_path:
     from app.core.errors import StoreUnavailable
 
     store = FailingOnce(bytes_per_token=1, block_tokens=512)
-    ing = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
+    ing = Ingestor(store, FileEventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
     ing.ingest([routed(1)])
     store.fail_next = True
     with pytest.raises(StoreUnavailable):
@@ -129,7 +129,7 @@ def test_the_observer_sees_accepted_events_only_and_never_the_replayed_log(tmp_p
     seen: list[list[str]] = []
     ing = Ingestor(
         MemoryStore(bytes_per_token=1, block_tokens=512),
-        EventLog(tmp_path, fsync=False),
+        FileEventLog(tmp_path, fsync=False),
         replica_id="r1",
         observer=lambda events: seen.append([e.event_id for e in events]),
         **CLOCKED,
@@ -142,7 +142,7 @@ def test_the_observer_sees_accepted_events_only_and_never_the_replayed_log(tmp_p
     seen.clear()
     again = Ingestor(
         MemoryStore(bytes_per_token=1, block_tokens=512),
-        EventLog(tmp_path, fsync=False),
+        FileEventLog(tmp_path, fsync=False),
         replica_id="r1",
         observer=lambda events: seen.append([e.event_id for e in events]),
         **CLOCKED,
@@ -159,7 +159,7 @@ def test_a_failing_observer_does_not_fail_the_ingest(
 
     ing = Ingestor(
         MemoryStore(bytes_per_token=1, block_tokens=512),
-        EventLog(tmp_path, fsync=False),
+        FileEventLog(tmp_path, fsync=False),
         replica_id="r1",
         observer=broken,
         **CLOCKED,
@@ -252,7 +252,7 @@ def test_an_event_in_two_batches_in_flight_is_logged_twice_and_applied_once(
 
 def test_the_retention_cutoff_counts_the_batches_in_flight(tmp_path: Path) -> None:
     store = MemoryStore(bytes_per_token=1, block_tokens=512, session_retention_seconds=100.0)
-    ing = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
+    ing = Ingestor(store, FileEventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
     ing.prepare([routed(1000)])  # in flight: once applied, the store forgets what is idle 100 s
     late = ing.prepare([routed(800)])
     assert late.fresh == [] and [r.reason for r in late.result.rejected] == ["past_retention"]
@@ -260,7 +260,7 @@ def test_the_retention_cutoff_counts_the_batches_in_flight(tmp_path: Path) -> No
 
 def test_an_abandoned_batch_leaves_the_cutoff_where_the_store_has_it(tmp_path: Path) -> None:
     store = MemoryStore(bytes_per_token=1, block_tokens=512, session_retention_seconds=100.0)
-    ing = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
+    ing = Ingestor(store, FileEventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
     ing.abandon(ing.prepare([routed(1000)]))  # never logged: the store's cutoff did not move
     assert ing.ingest([routed(800)]).accepted == ["e800"]
 
@@ -271,7 +271,7 @@ def test_a_batch_committed_after_a_failed_apply_catches_both_up_and_asks_for_a_r
     from app.core.errors import StoreError, StoreUnavailable
 
     store = FailingOnce(bytes_per_token=1, block_tokens=512)
-    ing = Ingestor(store, EventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
+    ing = Ingestor(store, FileEventLog(tmp_path, fsync=False), replica_id="r1", **CLOCKED)
     first, second = ing.prepare([routed(1)]), ing.prepare([routed(2)])
     first_at = ing.event_log.append(first.data)
     second_at = ing.event_log.append(second.data)

@@ -9,7 +9,7 @@ from typing import Any
 
 from app.core.clock import SystemClock
 from app.decide.advisor import SessionAdvice
-from app.ingest.eventlog import EventLog
+from app.ingest.eventlog import FileEventLog
 from app.ingest.ingestor import Ingestor
 from app.observe.ledger import ADVICE_HISTORY, AdviceLedger, AdviceRecord, LedgerStats
 from app.state import MemoryStore
@@ -163,7 +163,7 @@ def test_duplicates_reach_the_ledger_once(tmp_path: Path) -> None:
 
     ing = Ingestor(
         MemoryStore(bytes_per_token=1, block_tokens=512),
-        EventLog(tmp_path, fsync=False),
+        FileEventLog(tmp_path, fsync=False),
         replica_id="r1",
         observer=observer,
         **CLOCKED,

@@ -11,7 +11,8 @@ import pytest
 from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.deliver import InProcessSink
-from app.engine import Engine, NullEventLog
+from app.engine import Engine
+from app.ingest.base import NullEventLog
 from app.predict.features import (
     DEPLOYMENT_FEATURES,
     SIGNAL_FOLLOW_SECONDS,

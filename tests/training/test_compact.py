@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.ingest.eventlog import EventLog, encode_batch, encode_events, read_events
+from app.ingest.eventlog import FileEventLog, encode_batch, encode_events, read_events
 from kvprefetch_client.events import event_adapter
 from tests.training.test_signals import chat_with_signals
 from training.compact import compact_log
@@ -22,7 +22,7 @@ from training.compact import compact_log
 def log_dir(tmp_path: Path) -> Path:
     folder = tmp_path / "log"
     events = chat_with_signals(30, seed=4)
-    log = EventLog(folder, segment_bytes=20_000, fsync=False)
+    log = FileEventLog(folder, segment_bytes=20_000, fsync=False)
     body = b'{"events": [' + encode_events(events[:40]).strip().replace(b"\n", b",") + b"]}"
     log.append(encode_batch(body))
     log.append(encode_events(events[40:]))

@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from app.cli import cli
-from app.ingest.eventlog import EventLog, encode_batch, encode_events
+from app.ingest.eventlog import FileEventLog, encode_batch, encode_events
 from app.predict.features import DEPLOYMENT_FEATURES
 from bench.train_fleet import QUALITY_TOLERANCE
 from sim.commands import events_from_trace
@@ -49,7 +49,7 @@ def signal_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
     repeated event, two segments."""
     folder = tmp_path_factory.mktemp("signal-log") / "log"
     events = chat_with_signals(120, seed=2)
-    log = EventLog(folder, segment_bytes=40_000, fsync=False)
+    log = FileEventLog(folder, segment_bytes=40_000, fsync=False)
     for i in range(0, len(events), 50):
         batch = events[i : i + 50]
         if i % 100 == 0:
