@@ -37,15 +37,7 @@ from app.decide.popularity import PrefixPopularity
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
 from app.decide.score_loop import Scorer
-from app.deliver import (
-    Fence,
-    LmcacheSink,
-    OrderSink,
-    PullQueue,
-    RedisStreamSink,
-    WebhookSink,
-    build_sink,
-)
+from app.deliver import Fence, OrderSink, SinkBinding, build_sink
 from app.ingest.backlog import Backlog
 from app.ingest.base import EventLog
 from app.ingest.eventlog import FileEventLog
@@ -280,15 +272,18 @@ class Engine:
         )
         self._fleet_observer = compose_observers(planning_side)
         observers: list[Observer] = [self.ledger.observe, *planning_side]
-        if isinstance(self.order_sink, PullQueue):
-            # order_progress: started, done. The queue is the loop's (GET /v1/orders, the
-            # planning loop's delivery), so a store thread's drain hands it over there.
-            observers.append(
-                self._on_loop(self.order_sink.observe) if self.offload else self.order_sink.observe
+        # What the sink needs to hear (the pull queue: order_progress; LMCache's: the blocks'
+        # tokens), and where its own order_progress goes.
+        observers.extend(
+            self.order_sink.attach(
+                SinkBinding(
+                    report=self._report_progress,
+                    metrics=self.metrics,
+                    now=self.clock.now,
+                    on_loop=self._on_loop if self.offload else (lambda observer: observer),
+                )
             )
-        if isinstance(self.order_sink, LmcacheSink):
-            # The blocks' tokens, which the sink turns orders into (LMCache is keyed by tokens).
-            observers.append(self.order_sink.tokens.observe)
+        )
         if self.guard is not None:  # before the outcomes: it looks each arrival up in its LRU
             observers.append(self.guard.observe)
         observers.append(outcome_observer(self.store, self.cluster, self._record_outcomes))
@@ -315,11 +310,6 @@ class Engine:
             ),
             refused=self.metrics.events_refused,
         )
-        if isinstance(self.order_sink, LmcacheSink):
-            # Its outcomes come back as an agent's would: order_progress events, ingested.
-            self.order_sink.bind(
-                report=self._report_progress, metrics=self.metrics, now=self.clock.now
-            )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.probe_task: asyncio.Task[None] | None = None
@@ -343,7 +333,7 @@ class Engine:
             return None
         if settings.store != "redis":
             raise ConfigError("KVP_PLANNING_LEASE_SECONDS needs KVP_STORE=redis")
-        if isinstance(self.order_sink, PullQueue):
+        if not self.order_sink.fleet_wide:
             raise ConfigError(
                 "KVP_PLANNING_LEASE_SECONDS needs an order sink every replica reaches: "
                 "KVP_ORDER_SINK=redis (agents read the streams in Redis), webhook or lmcache; "
@@ -358,9 +348,8 @@ class Engine:
         )
         lease.on_gain = self._take_over
         lease.on_loss = self._lose_lease
-        if isinstance(self.order_sink, (RedisStreamSink, WebhookSink, LmcacheSink)):
-            # Every sink that sends outside: nothing of a lapsed term goes out.
-            self.order_sink.fence = Fence(lease.key, lambda: lease.value if lease.held else None)
+        # Every replica reaches its orders: nothing of a lapsed term goes out.
+        self.order_sink.fence = Fence(lease.key, lambda: lease.value if lease.held else None)
         self.metrics.planning_leader.set(0)
         return lease
 
@@ -398,10 +387,9 @@ class Engine:
         """An order's instance and the agent it is leased to, as far as this replica knows
         (the pull queue knows both; the planner's open orders the instance): (None, None) for
         an order it does not know. What a bound token's order_progress is checked against."""
-        if isinstance(self.order_sink, PullQueue):
-            owned = self.order_sink.owner(order_id)
-            if owned is not None:
-                return owned
+        owned = self.order_sink.owner(order_id)
+        if owned is not None:
+            return owned
         order = self.scheduler.open_order(order_id)
         return (order.instance_id if order is not None else None), None
 

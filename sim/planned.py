@@ -27,6 +27,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from app.decide.advisor import MAX_IDLE_SECONDS
+from app.deliver.base import OrderSink
 from app.engine import Engine
 from app.predict.predictors import Predictor
 from app.predict.registry import Serving
@@ -52,7 +53,7 @@ def run_now(step: Coroutine[Any, Any, T]) -> T:
     raise RuntimeError("the replay's planning tick waited on something: it must answer at once")
 
 
-class ClusterSink:
+class ClusterSink(OrderSink):
     """An order sink (app/deliver/base.py OrderSink) that the cluster model carries out: the
     replay's transfer layer. Bound to its policy once the policy is made."""
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from app.core.errors import ConfigError
-from app.core.redact import mask_url
 from app.deliver.base import (
     OrderSink,
+    SinkBinding,
     SinkClosed,
     SinkError,
     SinkFenced,
@@ -57,6 +57,7 @@ __all__ = [
     "OrderSink",
     "PullQueue",
     "RedisStreamSink",
+    "SinkBinding",
     "SinkClosed",
     "SinkError",
     "SinkFenced",
@@ -67,8 +68,27 @@ __all__ = [
     "WebhookSink",
     "build_sink",
     "cancel_key",
+    "sink_classes",
     "stream_key",
 ]
+
+
+def sink_classes() -> dict[str, type[OrderSink]]:
+    """Every sink KVP_ORDER_SINK can name, by that name: the OrderSink subclasses that declare
+    one themselves (a subclass of a sink, a test's, inherits the name but is not that sink;
+    each module above is imported, so each is found)."""
+    found: dict[str, type[OrderSink]] = {}
+    stack = list(OrderSink.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        name = cls.__dict__.get("name")
+        if name is None:
+            continue
+        if name in found and found[name] is not cls:
+            raise ConfigError(f"two order sinks are named {name!r}: {found[name]} and {cls}")
+        found[name] = cls
+    return found
 
 
 def build_sink(
@@ -77,72 +97,8 @@ def build_sink(
     """The sink KVP_ORDER_SINK names; call it on the event loop that will use it (the Redis,
     webhook and lmcache sinks' clients belong to that loop). `transport` is the HTTP sinks', for
     tests."""
+    sinks = sink_classes()
     kind = settings.order_sink
-    dedupe = settings.order_dedupe_seconds
-    if kind == "pull":
-        return PullQueue(lease_seconds=settings.order_lease_seconds, dedupe_seconds=dedupe)
-    if kind == "memory":
-        return InProcessSink(dedupe_seconds=dedupe)
-    if kind == "webhook":
-        secret = settings.order_webhook_url
-        url = secret.get_secret_value() if secret is not None else ""
-        if not url:
-            raise ConfigError(
-                "KVP_ORDER_SINK=webhook needs KVP_ORDER_WEBHOOK_URL, the URL the orders "
-                "are POSTed to"
-            )
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"KVP_ORDER_WEBHOOK_URL must be an http:// or https:// URL, not "
-                f"{mask_url(url, keep_path=False)!r}"
-            )
-        return WebhookSink(
-            url,
-            timeout_seconds=settings.order_webhook_timeout_seconds,
-            max_attempts=settings.order_webhook_max_attempts,
-            backoff_seconds=settings.order_webhook_backoff_seconds,
-            max_backoff_seconds=settings.order_webhook_max_backoff_seconds,
-            dedupe_seconds=dedupe,
-            transport=transport,
-        )
-    if kind == "redis":
-        return RedisStreamSink.from_url(
-            settings.redis_url.get_secret_value(),
-            settings.stream_prefix,
-            timeout_seconds=settings.redis_timeout_seconds,
-            maxlen=settings.order_stream_maxlen,
-            dedupe_seconds=dedupe,
-        )
-    if kind == "lmcache":
-        url = settings.lmcache_coordinator_url
-        if not url.startswith(("http://", "https://")):
-            raise ConfigError(
-                f"KVP_LMCACHE_COORDINATOR_URL must be an http:// or https:// URL, not "
-                f"{mask_url(url, keep_path=False)!r}"
-            )
-        if not settings.lmcache_model_name:
-            raise ConfigError(
-                "KVP_ORDER_SINK=lmcache needs KVP_LMCACHE_MODEL_NAME, the model name LMCache's "
-                "servers registered their KV layout under (vLLM's --model)"
-            )
-        # Its report (where order_progress goes) is bound by the engine that builds it.
-        return LmcacheSink(
-            url,
-            model_name=settings.lmcache_model_name,
-            world_size=settings.lmcache_world_size,
-            cache_salt=settings.lmcache_cache_salt,
-            tokens=TokenIndex(settings.lmcache_token_index_max_tokens),
-            demote_tier=settings.lmcache_demote_tier,
-            poll_interval_seconds=settings.lmcache_poll_interval_seconds,
-            prefetch_timeout_seconds=settings.lmcache_prefetch_timeout_seconds,
-            timeout_seconds=settings.lmcache_timeout_seconds,
-            max_attempts=settings.lmcache_max_attempts,
-            backoff_seconds=settings.lmcache_backoff_seconds,
-            max_backoff_seconds=settings.lmcache_max_backoff_seconds,
-            pin_check_seconds=settings.lmcache_pin_check_seconds,
-            dedupe_seconds=dedupe,
-            transport=transport,
-        )
-    raise ConfigError(
-        f"KVP_ORDER_SINK={kind!r} is not one of memory, webhook, redis, pull, lmcache"
-    )
+    if kind not in sinks:
+        raise ConfigError(f"KVP_ORDER_SINK={kind!r} is not one of {', '.join(sorted(sinks))}")
+    return sinks[kind].from_settings(settings, transport=transport)

@@ -53,19 +53,22 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import httpx
 
-from app.core.errors import KvpError
+from app.core.errors import ConfigError, KvpError
 from app.core.redact import mask_url
 from app.deliver._dedupe import RecentIds
-from app.deliver.base import SinkClosed, SinkFenced
+from app.deliver.base import OrderSink, SinkBinding, SinkClosed, SinkFenced, SinkObserver
 from app.deliver.fence import Fence
 from app.deliver.token_index import TokenIndex, UnknownTokens
 from kvprefetch_client.agent.runner import progress_event_id
 from kvprefetch_client.events import OrderProgress
 from kvprefetch_client.orders import Cancel, Order
+
+if TYPE_CHECKING:
+    from app.core.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +140,51 @@ class _Job:
     started_at: float = 0.0
 
 
-class LmcacheSink:
+class LmcacheSink(OrderSink):
+    name = "lmcache"
+    fleet_wide = True
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> LmcacheSink:
+        url = settings.lmcache_coordinator_url
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"KVP_LMCACHE_COORDINATOR_URL must be an http:// or https:// URL, not "
+                f"{mask_url(url, keep_path=False)!r}"
+            )
+        if not settings.lmcache_model_name:
+            raise ConfigError(
+                "KVP_ORDER_SINK=lmcache needs KVP_LMCACHE_MODEL_NAME, the model name LMCache's "
+                "servers registered their KV layout under (vLLM's --model)"
+            )
+        # Its report (where order_progress goes) is bound by the engine that builds it (attach).
+        return cls(
+            url,
+            model_name=settings.lmcache_model_name,
+            world_size=settings.lmcache_world_size,
+            cache_salt=settings.lmcache_cache_salt,
+            tokens=TokenIndex(settings.lmcache_token_index_max_tokens),
+            demote_tier=settings.lmcache_demote_tier,
+            poll_interval_seconds=settings.lmcache_poll_interval_seconds,
+            prefetch_timeout_seconds=settings.lmcache_prefetch_timeout_seconds,
+            timeout_seconds=settings.lmcache_timeout_seconds,
+            max_attempts=settings.lmcache_max_attempts,
+            backoff_seconds=settings.lmcache_backoff_seconds,
+            max_backoff_seconds=settings.lmcache_max_backoff_seconds,
+            pin_check_seconds=settings.lmcache_pin_check_seconds,
+            dedupe_seconds=settings.order_dedupe_seconds,
+            transport=transport,
+        )
+
+    def attach(self, binding: SinkBinding) -> list[SinkObserver]:
+        # Its outcomes come back as an agent's would: order_progress events, ingested; the
+        # blocks' tokens, which it turns orders into (LMCache is keyed by tokens), from the
+        # accepted kv_blocks_stored events.
+        self.bind(report=binding.report, metrics=binding.metrics, now=binding.now)
+        return [self.tokens.observe]
+
     def __init__(
         self,
         coordinator_url: str,

@@ -5,20 +5,30 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from app.deliver._dedupe import RecentIds
-from app.deliver.base import SinkClosed
+from app.deliver.base import OrderSink, SinkClosed
 from kvprefetch_client.orders import Cancel, Order
+
+if TYPE_CHECKING:
+    from app.core.config import Settings
 
 DEFAULT_DEDUPE_SECONDS = 3600.0
 
 
-class InProcessSink:
+class InProcessSink(OrderSink):
     """Delivery is the append: once per order id (and per cancelled id) within the window.
 
     `submit_nowait` and `cancel_nowait` are the same as `submit` and `cancel` without a loop, for
     synchronous callers such as the simulator.
     """
+
+    name = "memory"
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, transport: Any = None) -> InProcessSink:
+        return cls(dedupe_seconds=settings.order_dedupe_seconds)
 
     def __init__(
         self,

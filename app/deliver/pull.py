@@ -41,13 +41,17 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from app.deliver._dedupe import RecentIds
-from app.deliver.base import SinkClosed
+from app.deliver.base import OrderSink, SinkBinding, SinkClosed, SinkObserver
 from kvprefetch_client.events import Event, OrderProgress
 from kvprefetch_client.orders import Cancel, Order
+
+if TYPE_CHECKING:
+    from app.core.config import Settings
 
 DEFAULT_LEASE_SECONDS = 30.0
 
@@ -89,9 +93,23 @@ class Lease:
         )
 
 
-class PullQueue:
+class PullQueue(OrderSink):
     """All methods are synchronous and meant for one thread (the service's event loop); `submit`
     and `cancel` are the OrderSink coroutines over `submit_nowait` and `cancel_nowait`."""
+
+    name = "pull"
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, transport: Any = None) -> PullQueue:
+        return cls(
+            lease_seconds=settings.order_lease_seconds,
+            dedupe_seconds=settings.order_dedupe_seconds,
+        )
+
+    def attach(self, binding: SinkBinding) -> list[SinkObserver]:
+        # order_progress: started, done. The queue is the loop's (GET /v1/orders, the planning
+        # loop's delivery), so a store thread's drain hands it over there.
+        return [binding.on_loop(self.observe)]
 
     def __init__(
         self,

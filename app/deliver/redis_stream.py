@@ -53,14 +53,17 @@ for one instance's backlog.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis
 import redis.asyncio as aredis
 
-from app.deliver.base import SinkClosed, SinkError, SinkFenced, SinkUnavailable
+from app.deliver.base import OrderSink, SinkClosed, SinkError, SinkFenced, SinkUnavailable
 from app.deliver.fence import Fence
 from kvprefetch_client.orders import Cancel, Order
+
+if TYPE_CHECKING:
+    from app.core.config import Settings
 
 GROUP = "kvp-agents"
 # Messages per script call: keeps one call from holding Redis for long.
@@ -157,8 +160,21 @@ def cancel_key(prefix: str, order_id: str) -> str:
     return f"{prefix}:cancel-ids:{order_id}"
 
 
-class RedisStreamSink:
+class RedisStreamSink(OrderSink):
     """The producer, on redis.asyncio: it runs on the service's event loop."""
+
+    name = "redis"
+    fleet_wide = True
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, transport: Any = None) -> RedisStreamSink:
+        return cls.from_url(
+            settings.redis_url.get_secret_value(),
+            settings.stream_prefix,
+            timeout_seconds=settings.redis_timeout_seconds,
+            maxlen=settings.order_stream_maxlen,
+            dedupe_seconds=settings.order_dedupe_seconds,
+        )
 
     def __init__(
         self,

@@ -25,21 +25,55 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from email.utils import parsedate_to_datetime
+from typing import TYPE_CHECKING
 
 import httpx
 
+from app.core.errors import ConfigError
 from app.core.redact import mask_url
 from app.deliver._dedupe import RecentIds
-from app.deliver.base import SinkClosed, SinkRejected, SinkUnavailable
+from app.deliver.base import OrderSink, SinkClosed, SinkRejected, SinkUnavailable
 from app.deliver.fence import Fence
 from kvprefetch_client.orders import Cancel, Order
+
+if TYPE_CHECKING:
+    from app.core.config import Settings
 
 # Messages per POST: about 1 KB each with a few dozen blocks, so a batch stays well under the
 # request limits receivers commonly set (1-10 MB).
 BATCH_MESSAGES = 500
 
 
-class WebhookSink:
+class WebhookSink(OrderSink):
+    name = "webhook"
+    fleet_wide = True
+
+    @classmethod
+    def from_settings(
+        cls, settings: Settings, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> WebhookSink:
+        secret = settings.order_webhook_url
+        url = secret.get_secret_value() if secret is not None else ""
+        if not url:
+            raise ConfigError(
+                "KVP_ORDER_SINK=webhook needs KVP_ORDER_WEBHOOK_URL, the URL the orders "
+                "are POSTed to"
+            )
+        if not url.startswith(("http://", "https://")):
+            raise ConfigError(
+                f"KVP_ORDER_WEBHOOK_URL must be an http:// or https:// URL, not "
+                f"{mask_url(url, keep_path=False)!r}"
+            )
+        return cls(
+            url,
+            timeout_seconds=settings.order_webhook_timeout_seconds,
+            max_attempts=settings.order_webhook_max_attempts,
+            backoff_seconds=settings.order_webhook_backoff_seconds,
+            max_backoff_seconds=settings.order_webhook_max_backoff_seconds,
+            dedupe_seconds=settings.order_dedupe_seconds,
+            transport=transport,
+        )
+
     def __init__(
         self,
         url: str,
