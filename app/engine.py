@@ -6,11 +6,12 @@ over these parts) and the replay simulator (sim/replay.py, under a simulated clo
 one too. What belongs to HTTP callers alone (tokens, rate limits, the batch parser) stays in
 the HTTP layer.
 
-Ingestion: an accepted event is logged and applied by the Ingestor, queued in the Backlog, and
-told to the observers (in this order: the advice ledger, the scorer, the landed prefetches, the
-scheduler's feedback, the pull queue, the outcomes, the tool run times, the metrics) by the
-backlog's loop; without the loops, before a tick reads what they derive (`drain`, as the routes
-drain theirs).
+`__init__` builds the parts in four steps (`_build_io`, `_build_models`, `_build_planning`,
+`_build_ingest`). Ingestion: an accepted event is logged and applied by the Ingestor, told at
+once to `immediate_observers` (the deployment's signals, the backlog), and from the backlog to
+`observers`, the one ordered list of who hears of it (`_ordered_observers` says why each is where
+it is; a sink adds its own through `OrderSink.attach`): by the backlog's loop, or without the
+loops before a tick reads what they derive (`drain`, as the routes drain theirs).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import logging
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from app.core.clock import Clock, ScaledClock, SystemClock
 from app.core.cluster import ClusterSpec
@@ -69,6 +71,18 @@ DRAIN_EVENTS = 256
 MODEL_CHECK_SAMPLE = 256
 
 
+# The observers another replica's batches reach too, with a planning lease (the fleet feed).
+PLANNING_SIDE = frozenset({"scorer", "landed", "feedback"})
+
+
+@dataclass(frozen=True)
+class NamedObserver:
+    """An ingest observer and the name it is known by (`Engine.observers`)."""
+
+    name: str
+    observe: Observer
+
+
 class Engine:
     """The parts, as typed attributes. `store`, `clock`, `order_sink` and `event_log`, when
     given, are the caller's: the engine uses them and never closes them; what it built, it
@@ -88,7 +102,35 @@ class Engine:
         load_model: bool = True,
     ) -> None:
         self.settings = settings
-        # First too: a bad KVP_VLLM_KV_ENDPOINTS entry stops startup, named.
+        self._build_io(settings, store, clock, order_sink, event_log)
+        self._build_models(settings, load_model)
+        self._build_planning(settings)
+        self._build_ingest(settings)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.probe_task: asyncio.Task[None] | None = None
+        self.backlog_task: asyncio.Task[None] | None = None
+        self.scoring_task: asyncio.Task[None] | None = None
+        self.planning_task: asyncio.Task[None] | None = None
+        self.sampling_task: asyncio.Task[None] | None = None
+        self.lease_task: asyncio.Task[None] | None = None
+        self.feed_task: asyncio.Task[None] | None = None
+        self.retrain_task: asyncio.Task[None] | None = None
+        self.running = False
+        self.closed = False
+        self.replayed = self.ingestor.recover() if recover else 0
+        self._check_clock()
+
+    def _build_io(
+        self,
+        settings: Settings,
+        store: StateStore | None,
+        clock: Clock | None,
+        order_sink: OrderSink | None,
+        event_log: EventLog | None,
+    ) -> None:
+        """What the engine talks to: the clock, the order sink, the store, the event log."""
+        # First: a bad KVP_VLLM_KV_ENDPOINTS entry stops startup, named.
         self.vllm_endpoints = parse_endpoints(settings.vllm_kv_endpoints)
         self.vllm: VllmSubscriber | None = None
         self.clock: Clock = clock or (
@@ -121,6 +163,10 @@ class Engine:
             )
         )
         self._owns_log = event_log is None
+
+    def _build_models(self, settings: Settings, load_model: bool) -> None:
+        """The cluster's numbers, the advice ledger, the metrics, the tools' run times and the
+        models in their slots, with their lifecycle."""
         # Each set once: the cluster's numbers (read by the scheduler, route hints, outcomes and
         # the ledger's cost of advice) and the planner's thresholds (read by the scorer's
         # advisor and the scheduler alike).
@@ -140,32 +186,6 @@ class Engine:
         # Each tool's run times and the tool calls in flight, from the agents' signals (the
         # models' tool features, the advice of a session whose call is in flight, its pin's price).
         self.tools = tool_durations_for(settings, on_return=self.metrics.tool_returned)
-        self.scheduler = Scheduler(
-            self.store,
-            SchedulerConfig.from_cluster(
-                self.cluster,
-                self.thresholds,
-                overdue_seconds=settings.order_overdue_seconds,
-                retry_backoff_seconds=settings.order_retry_backoff_seconds,
-                retry_backoff_max_seconds=settings.order_retry_backoff_max_seconds,
-                pins_hold_room=settings.pins_hold_room,
-            ),
-            tools=self.tools,
-        )
-        self.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)
-        self.popularity = PrefixPopularity()
-        self.guard: LruGuard | None = (
-            LruGuard(
-                GuardConfig(
-                    bytes_per_block=self.cluster.bytes_per_block,
-                    min_arrivals=settings.lru_guard_min_arrivals,
-                    retry_seconds=settings.lru_guard_retry_seconds,
-                    demote_pricing=settings.lru_guard_demotes,
-                )
-            )
-            if settings.lru_guard
-            else None
-        )
         # Whether this deployment sends signals (the models' deployment features): told each
         # accepted batch at ingest, in the store's order, as training replays a log.
         self.deployment = DeploymentSignals()
@@ -192,6 +212,36 @@ class Engine:
             data_dir=settings.data_dir if keeps_state else None,
             configured=settings.model_dir,
             replica_id=settings.replica_id,
+        )
+
+    def _build_planning(self, settings: Settings) -> None:
+        """The scheduler and what it reads (routes, popularity, the LRU guard), the scorer, the
+        dispatcher under its lease, the timeline and the retrainer."""
+        self.scheduler = Scheduler(
+            self.store,
+            SchedulerConfig.from_cluster(
+                self.cluster,
+                self.thresholds,
+                overdue_seconds=settings.order_overdue_seconds,
+                retry_backoff_seconds=settings.order_retry_backoff_seconds,
+                retry_backoff_max_seconds=settings.order_retry_backoff_max_seconds,
+                pins_hold_room=settings.pins_hold_room,
+            ),
+            tools=self.tools,
+        )
+        self.routes = RouteTracker(retention_seconds=settings.session_retention_seconds)
+        self.popularity = PrefixPopularity()
+        self.guard: LruGuard | None = (
+            LruGuard(
+                GuardConfig(
+                    bytes_per_block=self.cluster.bytes_per_block,
+                    min_arrivals=settings.lru_guard_min_arrivals,
+                    retry_seconds=settings.lru_guard_retry_seconds,
+                    demote_pricing=settings.lru_guard_demotes,
+                )
+            )
+            if settings.lru_guard
+            else None
         )
         self.metrics.bind(
             scheduler=self.scheduler,
@@ -229,13 +279,13 @@ class Engine:
             skipped=self.metrics.planning_skipped_ticks.inc,
             planned=self.guard.planned if self.guard is not None else None,
         )
-        landed, self._measured = LandedPrefetches(self.scheduler), MeasuredStall()
+        self.landed, self._measured = LandedPrefetches(self.scheduler), MeasuredStall()
         self.timeline = Timeline(
             self.ledger,
             self.scheduler,
             self.models,
             self.clock,
-            landed=landed,
+            landed=self.landed,
             stall=self._measured.stall,
             capacity=capacity_for(settings.dashboard_sample_seconds),
         )
@@ -250,12 +300,6 @@ class Engine:
             sample=self._model_sample,
             metrics=self.metrics,
         )
-        # landed before the scheduler's feedback, which forgets a completed order.
-        planning_side: list[Observer] = [
-            self.scorer.observe,
-            landed.observe,
-            feedback_observer(self.scheduler, self.routes, self.popularity),
-        ]
         # With a planning lease, the other replicas' accepted events reach the planning side
         # (app/decide/fleet_feed.py); the ledger, outcomes and metrics count this replica's own.
         self.feed = (
@@ -270,60 +314,80 @@ class Engine:
             if self.lease is not None
             else None
         )
-        self._fleet_observer = compose_observers(planning_side)
-        observers: list[Observer] = [self.ledger.observe, *planning_side]
-        # What the sink needs to hear (the pull queue: order_progress; LMCache's: the blocks'
-        # tokens), and where its own order_progress goes.
-        observers.extend(
-            self.order_sink.attach(
-                SinkBinding(
-                    report=self._report_progress,
-                    metrics=self.metrics,
-                    now=self.clock.now,
-                    on_loop=self._on_loop if self.offload else (lambda observer: observer),
-                )
-            )
+
+    def _build_ingest(self, settings: Settings) -> None:
+        """The ingest path: the ingestor, its observers told at once, the backlog and its
+        observers told in order (`observers`, the one list: see its docstring)."""
+        self.observers = self._ordered_observers()
+        self._fleet_observer = compose_observers(
+            [o.observe for o in self.observers if o.name in PLANNING_SIDE]
         )
-        if self.guard is not None:  # before the outcomes: it looks each arrival up in its LRU
-            observers.append(self.guard.observe)
-        observers.append(outcome_observer(self.store, self.cluster, self._record_outcomes))
-        observers.append(self.tools.observe)
-        if settings.retrain_every_seconds > 0:
-            observers.append(self.retrainer.observe)
-        # Last: it syncs the counters with what the ledger and the scheduler counted just now.
-        observers.append(self.metrics.observe)
-        self.backlog = Backlog(compose_observers(observers), settings.backlog_max_events)
+        self.backlog = Backlog(
+            compose_observers([o.observe for o in self.observers]), settings.backlog_max_events
+        )
         self.young_gc = young_collector()
+        # Told at once, not from the backlog: the next score reads what was just applied.
+        self.immediate_observers = [
+            NamedObserver("deployment", self.deployment.observe),
+            NamedObserver("backlog", self.backlog.put),
+            *([NamedObserver("fleet_feed", self.feed.publish)] if self.feed is not None else []),
+            # Under `serve`: the young generations collected every so many events
+            # (app/core/runtime.py), not once the store forgets as fast as it learns.
+            *(
+                [NamedObserver("young_gc", self.young_gc.observe)]
+                if self.young_gc is not None
+                else []
+            ),
+        ]
         self.ingestor = Ingestor(
             self.store,
             self.event_log,
             replica_id=settings.replica_id,
             clock=self.clock,
             max_clock_skew_seconds=settings.max_clock_skew_seconds,
-            # At once, not from the backlog: the next score reads what was just applied.
-            observer=compose_observers(
-                [self.deployment.observe, self.backlog.put]
-                + ([self.feed.publish] if self.feed is not None else [])
-                # Under `serve`: the young generations collected every so many events
-                # (app/core/runtime.py), not once the store forgets as fast as it learns.
-                + ([self.young_gc.observe] if self.young_gc is not None else [])
-            ),
+            observer=compose_observers([o.observe for o in self.immediate_observers]),
             refused=self.metrics.events_refused,
         )
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self.probe_task: asyncio.Task[None] | None = None
-        self.backlog_task: asyncio.Task[None] | None = None
-        self.scoring_task: asyncio.Task[None] | None = None
-        self.planning_task: asyncio.Task[None] | None = None
-        self.sampling_task: asyncio.Task[None] | None = None
-        self.lease_task: asyncio.Task[None] | None = None
-        self.feed_task: asyncio.Task[None] | None = None
-        self.retrain_task: asyncio.Task[None] | None = None
-        self.running = False
-        self.closed = False
-        self.replayed = self.ingestor.recover() if recover else 0
-        self._check_clock()
+
+    def _ordered_observers(self) -> list[NamedObserver]:
+        """Who hears of each accepted batch, from the backlog, in this order (tests/
+        test_engine.py pins it and says why each is where it is):
+
+        the ledger scores the arrivals against the advice in force before anything else moves;
+        then the planning side (what another replica's batches also reach: the scorer, the
+        landed prefetches before the scheduler's feedback, which forgets a completed order);
+        then what the sink needs (the pull queue's order_progress, LMCache's tokens); the LRU
+        guard before the outcomes (it looks each arrival up in its LRU); the outcomes; the tools'
+        run times; the retrainer when it is on; last the metrics, which sync their counters with
+        what the others counted just now."""
+        sink = self.order_sink.attach(
+            SinkBinding(
+                report=self._report_progress,
+                metrics=self.metrics,
+                now=self.clock.now,
+                on_loop=self._on_loop if self.offload else (lambda observer: observer),
+            )
+        )
+        return [
+            NamedObserver("ledger", self.ledger.observe),
+            NamedObserver("scorer", self.scorer.observe),
+            NamedObserver("landed", self.landed.observe),
+            NamedObserver(
+                "feedback", feedback_observer(self.scheduler, self.routes, self.popularity)
+            ),
+            *(NamedObserver(f"sink:{type(self.order_sink).__name__}", o) for o in sink),
+            *([NamedObserver("guard", self.guard.observe)] if self.guard is not None else []),
+            NamedObserver(
+                "outcomes", outcome_observer(self.store, self.cluster, self._record_outcomes)
+            ),
+            NamedObserver("tools", self.tools.observe),
+            *(
+                [NamedObserver("retrainer", self.retrainer.observe)]
+                if self.settings.retrain_every_seconds > 0
+                else []
+            ),
+            NamedObserver("metrics", self.metrics.observe),
+        ]
 
     def _planning_lease(self, settings: Settings) -> PlanningLease | None:
         """With KVP_PLANNING_LEASE_SECONDS, the lease this replica plans under (decisions.md,
@@ -689,4 +753,4 @@ def compose_observers(observers: Sequence[Observer]) -> Observer:
     return observe
 
 
-__all__ = ["Engine", "compose_observers"]
+__all__ = ["PLANNING_SIDE", "Engine", "NamedObserver", "compose_observers"]

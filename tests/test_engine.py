@@ -579,3 +579,44 @@ def test_a_retry_of_a_batch_the_log_refused_is_logged(tmp_path: Path) -> None:
     asyncio.run(main())
     assert _log_ids(built) == [e.event_id for e in turn]
     assert store.session("s1") is not None
+
+
+# Who hears of an accepted batch from the backlog, in order, and why there (app/engine.py,
+# Engine._ordered_observers):
+OBSERVER_ORDER = [
+    # First: arrivals are scored against the advice in force before anything moves.
+    "ledger",
+    # The planning side (another replica's batches reach these too, with a planning lease):
+    "scorer",
+    # Before the feedback, which forgets a completed order the landed prefetches look up.
+    "landed",
+    "feedback",
+    # What the sink needs to hear (here the pull queue's order_progress).
+    "sink:PullQueue",
+    # Before the outcomes: it looks each arrival up in its LRU before the outcome moves it.
+    "guard",
+    "outcomes",
+    "tools",
+    "retrainer",
+    # Last: they sync their counters with what the others counted just now.
+    "metrics",
+]
+
+
+def test_the_observers_are_one_list_in_a_pinned_order(tmp_path: Path) -> None:
+    built = Engine(
+        settings(tmp_path, order_sink="pull", retrain_every_seconds=3600.0),
+        clock=ManualClock(0.0),
+    )
+    try:
+        assert [o.name for o in built.observers] == OBSERVER_ORDER
+        assert [o.name for o in built.immediate_observers][:2] == ["deployment", "backlog"]
+    finally:
+        asyncio.run(built.close())
+    # Optional ones leave their place empty, the others keep their order.
+    plain = Engine(settings(tmp_path / "plain", order_sink="memory", lru_guard=False))
+    try:
+        expected = [n for n in OBSERVER_ORDER if n not in ("sink:PullQueue", "guard", "retrainer")]
+        assert [o.name for o in plain.observers] == expected
+    finally:
+        asyncio.run(plain.close())
