@@ -19,7 +19,7 @@ SPEED="${WALK_SPEED:-60}"
 URL="http://127.0.0.1:${KVP_PORT:-8000}"
 export MLFLOW_TRACKING_URI="sqlite:///$DIR/mlflow.db"
 mkdir -p "$DIR/models"
-step() { echo "walkthrough: $*" >&2; }
+step() { echo "walkthrough: [${SECONDS} s] $*" >&2; }
 
 step "1. the event log of the trace's first 70% by time (the rest is judged, never trained on)"
 kvprefetch events-from-trace --trace "$TRACE" --fraction 0.7 --out "$DIR/events.jsonl"

@@ -8,7 +8,8 @@ is covered by its folder's entry, so each has a line of its own. Every path the 
 exists: test_site.py's path check reads this page like any other (its table of moves writes the
 old paths as `was: app/engine/x.py`, which that check skips and checks are gone).
 
-The Engine: every public attribute (no leading underscore) that Engine.__init__ assigns
+The Engine: every public attribute (no leading underscore) that Engine.__init__ (or a `_build_*`
+method it calls) assigns
 (`self.<name> = ...`, annotated or not) has a row `| `<name>` | ... |` in the table under the
 page's "The Engine's attributes" heading, and every row there names such an attribute.
 """
@@ -45,7 +46,13 @@ def test_every_package_and_module_is_on_the_layout_page() -> None:
 def _engine_attributes() -> set[str]:
     tree = ast.parse((REPO / "app" / "engine.py").read_text())
     engine = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine")
-    init = next(n for n in engine.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    # __init__ and the builders it calls (`_build_io`, ...), which set the parts.
+    builders = [
+        n
+        for n in engine.body
+        if isinstance(n, ast.FunctionDef) and (n.name == "__init__" or n.name.startswith("_build_"))
+    ]
+    init = ast.Module(body=list(builders), type_ignores=[])
     found: set[str] = set()
     for node in ast.walk(init):
         if isinstance(node, ast.Assign):
