@@ -192,7 +192,40 @@ class Metrics:
             prometheus_client.ProcessCollector(registry=r)
             prometheus_client.PlatformCollector(registry=r)
             prometheus_client.GCCollector(registry=r)
+        # Grouped by area, each family defined once in its group's builder below.
+        self._ingest_metrics(r)
+        self._advice_metrics(r)
+        self._order_metrics(r)
+        self._store_metrics(r)
+        self._guard_metrics(r)
+        self._retrain_metrics(r)
+        self._lmcache_metrics(r)
+        self._vllm_metrics(r)
+        self._tool_metrics(r)
+        self._lease_metrics(r)
+        self._label_children()
+        self._scheduler: Scheduler | None = None
+        self._ledger: AdviceLedger | None = None
+        self._models: ModelRegistry | None = None
+        self._guard: LruGuard | None = None
+        self._tools: ToolDurations | None = None
+        self._tool_labels_version = -1
+        self._tools_in_flight: dict[str, int] = {}
+        # tool label -> its histogram child: 'other' from the start, the tracked tools as they come
+        self._tool_children: dict[str, Histogram] = {
+            OTHER_TOOL: self.tool_seconds.labels(OTHER_TOOL)
+        }
+        self.tools_in_flight.labels(OTHER_TOOL)
+        # sync() runs on the store thread (ingest, ticks) and on the loop (a scrape).
+        self._sync_lock = threading.RLock()
+        self._seen: dict[object, int] = {}  # a source total -> its value at the last sync
+        self._children: dict[object, Counter] = {}  # a source total -> its series
+        self._scheduler_seen: tuple[object, ...] | None = None
+        self._ledger_seen: dict[str, tuple[Serving, LedgerStats]] = {}
+        self._versions: dict[str, str | None] = {}
 
+    def _ingest_metrics(self, r: CollectorRegistry) -> None:
+        """Events, signals and batches at the ingest path."""
         self.events_ingested = Counter(
             "kvprefetch_events_ingested",
             "Events accepted (durable and applied), by event type.",
@@ -241,6 +274,9 @@ class Metrics:
             ["code"],
             registry=r,
         )
+
+    def _advice_metrics(self, r: CollectorRegistry) -> None:
+        """Each model's predictions, its advice judged, and what the models are."""
         self.predictions = Counter(
             "kvprefetch_predictions",
             "Sessions scored (advice records made) by the model in each slot.",
@@ -269,6 +305,10 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+
+    def _order_metrics(self, r: CollectorRegistry) -> None:
+        """The scheduler's orders, the prefetched bytes, the reuse of contexts and the loops'
+        timings."""
         self.orders_issued = Counter(
             "kvprefetch_orders_issued",
             "Orders the scheduler issued, by kind.",
@@ -362,6 +402,9 @@ class Metrics:
             registry=r,
             buckets=PLAN_BUCKETS_SECONDS,
         )
+
+    def _store_metrics(self, r: CollectorRegistry) -> None:
+        """The state store's health, from its background probe."""
         # From the store's last background probe (app/state/storethread.py): /metrics never
         # waits on the store. In multiprocess mode the worst worker's view wins.
         self.store_up = Gauge(
@@ -384,6 +427,9 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+
+    def _guard_metrics(self, r: CollectorRegistry) -> None:
+        """The LRU guard: the advice against plain LRU on the same arrivals."""
         # app/decide/guard.py: the advice against plain LRU on the same arrivals.
         self.guard_instances = Gauge(
             "kvprefetch_lru_guard_instances",
@@ -418,6 +464,9 @@ class Metrics:
             "Times an instance's demotes were turned off for costing more than they gained.",
             registry=r,
         )
+
+    def _retrain_metrics(self, r: CollectorRegistry) -> None:
+        """Retraining on a schedule."""
         # app/predict/retrain.py: retraining on a schedule, its candidate judged in shadow.
         self.retrain_runs = Counter(
             "kvprefetch_retrain_runs",
@@ -451,6 +500,9 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+
+    def _lmcache_metrics(self, r: CollectorRegistry) -> None:
+        """The lmcache sink."""
         # app/deliver/lmcache.py: the lmcache sink's orders and its calls to the coordinator.
         self.lmcache_orders = Counter(
             "kvprefetch_lmcache_orders",
@@ -484,6 +536,9 @@ class Metrics:
             registry=r,
             buckets=INFERENCE_BUCKETS_SECONDS,
         )
+
+    def _vllm_metrics(self, r: CollectorRegistry) -> None:
+        """vLLM's KV-event stream."""
         # vLLM's ZMQ KV-event stream (app/ingest/vllm/), when KVP_VLLM_KV_ENDPOINTS is set.
         self.vllm_batches = Counter(
             "kvprefetch_vllm_batches",
@@ -531,6 +586,8 @@ class Metrics:
             registry=r,
         )
 
+    def _tool_metrics(self, r: CollectorRegistry) -> None:
+        """The agents' tools."""
         # app/predict/tool_durations.py: labelled by the tracked tools (KVP_TOOLS_TRACKED) and
         # 'other'; a tool that leaves the tracked set loses its series (multiprocess mode keeps it).
         self.tool_seconds = Histogram(
@@ -555,6 +612,8 @@ class Metrics:
             registry=r,
         )
 
+    def _lease_metrics(self, r: CollectorRegistry) -> None:
+        """The planning lease."""
         # The planning lease (app/decide/lease.py, KVP_PLANNING_LEASE_SECONDS): per replica, so a
         # fleet's sum of the gauge is how many plan (1 when healthy).
         self.planning_leader = Gauge(
@@ -579,8 +638,9 @@ class Metrics:
             registry=r,
         )
 
-        # Children made once: a labelled counter's lookup costs more than its increment, and the
-        # bounded label sets show as 0 from the first scrape rather than appearing later.
+    def _label_children(self) -> None:
+        """The children made once: a labelled counter's lookup costs more than its increment,
+        and the bounded label sets show as 0 from the first scrape rather than appearing later."""
         self._ingested = {t: self.events_ingested.labels(t) for t in EVENT_TYPES}
         self._reuse = {o: self.reuse_requests.labels(o) for o in OUTCOMES}
         for state in GUARD_STATES:
@@ -623,26 +683,6 @@ class Metrics:
             on_signal=self._signal_counted,
             on_followed=lambda kind: self.signals_followed.labels(kind).inc(),
         )
-
-        self._scheduler: Scheduler | None = None
-        self._ledger: AdviceLedger | None = None
-        self._models: ModelRegistry | None = None
-        self._guard: LruGuard | None = None
-        self._tools: ToolDurations | None = None
-        self._tool_labels_version = -1
-        self._tools_in_flight: dict[str, int] = {}
-        # tool label -> its histogram child: 'other' from the start, the tracked tools as they come
-        self._tool_children: dict[str, Histogram] = {
-            OTHER_TOOL: self.tool_seconds.labels(OTHER_TOOL)
-        }
-        self.tools_in_flight.labels(OTHER_TOOL)
-        # sync() runs on the store thread (ingest, ticks) and on the loop (a scrape).
-        self._sync_lock = threading.RLock()
-        self._seen: dict[object, int] = {}  # a source total -> its value at the last sync
-        self._children: dict[object, Counter] = {}  # a source total -> its series
-        self._scheduler_seen: tuple[object, ...] | None = None
-        self._ledger_seen: dict[str, tuple[Serving, LedgerStats]] = {}
-        self._versions: dict[str, str | None] = {}
 
     def bind(
         self,
