@@ -30,15 +30,15 @@ from app.core.config import Settings
 from app.core.errors import ConfigError, StoreError
 from app.core.runtime import young_collector
 from app.decide.advisor import Thresholds
+from app.decide.dispatcher import Dispatcher, feedback_observer
 from app.decide.fleet_feed import FleetFeed
 from app.decide.guard import GuardConfig, LruGuard
 from app.decide.hints import HintConfig
 from app.decide.lease import PlanningLease
-from app.decide.plan_loop import Dispatcher, feedback_observer
 from app.decide.popularity import PrefixPopularity
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler, SchedulerConfig
-from app.decide.score_loop import Scorer
+from app.decide.scorer import Scorer
 from app.deliver import Fence, OrderSink, SinkBinding, build_sink
 from app.ingest.backlog import Backlog
 from app.ingest.base import EventLog
@@ -52,8 +52,8 @@ from app.observe.outcomes import RequestOutcome, outcome_observer
 from app.observe.timeline import LandedPrefetches, MeasuredStall, Timeline, capacity_for
 from app.predict.features import DeploymentSignals
 from app.predict.lifecycle import ModelLifecycle, restored_model_dir
-from app.predict.registry import ModelRegistry
 from app.predict.retrain import Retrainer
+from app.predict.slots import ModelSlots
 from app.predict.tool_durations import tool_durations_for
 from app.state import MemoryStore, StateStore, build_store
 from app.state.base import LogPosition, SessionView
@@ -196,7 +196,7 @@ class Engine:
             if keeps_state
             else settings.model_dir
         )
-        self.models = ModelRegistry(
+        self.models = ModelSlots(
             serve_dir if load_model else None,
             settings.shadow_model_dir,
             ledger=self.ledger,

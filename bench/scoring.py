@@ -2,7 +2,7 @@
 
 A real MemoryStore holds `n` live sessions, built from events as ingestion applies them (1-6
 turns each, contexts of 2-80 blocks on 16 instances, one session in 50 with a fresh signal, a few
-running or queued); the engine's Scorer (app/decide/score_loop.py) scores it with the bundled
+running or queued); the engine's Scorer (app/decide/scorer.py) scores it with the bundled
 model as the serving model (and, when asked, the same model as the shadow), its ledger and a
 scheduler taking the advice, as the service wires them:
 
@@ -134,14 +134,14 @@ def scorer(store: Any, now: float, *, shadow: bool, every_live: bool, page: int)
     from app.core.clock import ManualClock
     from app.decide.routing import SameInstanceEstimate
     from app.decide.scheduler import Scheduler, SchedulerConfig
-    from app.decide.score_loop import Scorer
+    from app.decide.scorer import Scorer
     from app.observe.ledger import AdviceLedger
     from app.predict.features import DeploymentSignals
-    from app.predict.registry import ModelRegistry
+    from app.predict.slots import ModelSlots
 
     ledger = AdviceLedger()
     deployment = DeploymentSignals()
-    models = ModelRegistry(DEFAULT_MODEL_DIR, ledger=ledger, deployment=deployment)
+    models = ModelSlots(DEFAULT_MODEL_DIR, ledger=ledger, deployment=deployment)
     if shadow:
         models.set_shadow(DEFAULT_MODEL_DIR)
     scheduler = Scheduler(store, SchedulerConfig(bytes_per_block=BLOCK_TOKENS * 4096))
@@ -254,7 +254,7 @@ def _refresh_read(store: Any, rounds: int) -> dict[str, Any]:
     block's locations): median ms, alternating, in the same rounds."""
     import statistics
 
-    from app.decide.score_loop import REFRESH_SESSIONS
+    from app.decide.scorer import REFRESH_SESSIONS
 
     ids = [v.session_id for v in store.live_sessions(REFRESH_SESSIONS)]
     ms: dict[bool, list[float]] = {True: [], False: []}

@@ -2,7 +2,7 @@
 policies, which differ only in the model the engine serves.
 
 There is one planner, the service's: the engine (app/engine.py) under the replay's simulated
-clock scores sessions with its serving model (app/decide/score_loop.py), hands the advice to its
+clock scores sessions with its serving model (app/decide/scorer.py), hands the advice to its
 scheduler (app/decide/scheduler.py), and its planning tick delivers the orders to the order sink
 here, the cluster model as the transfer layer. Nothing here decides what to keep, demote or
 fetch: this module says *when* the engine looks (the driver's part) and carries its orders out
@@ -30,7 +30,7 @@ from app.decide.advisor import MAX_IDLE_SECONDS
 from app.deliver.base import OrderSink
 from app.engine import Engine
 from app.predict.predictors import Predictor
-from app.predict.registry import Serving
+from app.predict.slots import Serving
 from app.state.base import SessionView
 from kvprefetch_client.orders import Cancel, Order
 from sim.policies import Policy

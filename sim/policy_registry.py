@@ -28,7 +28,7 @@ from sim.served import ServicePolicy
 
 if TYPE_CHECKING:
     from app.engine import Engine
-    from sim.remote import RemoteEngine
+    from sim.remote import RemoteService
 
 # Over HTTP only (not in POLICIES, the in-process ones): the service's own orders drive the cluster.
 SERVICE_POLICY = "service"
@@ -39,7 +39,7 @@ def make_policy(
     *,
     session_view: Callable[[str], object] | None = None,
     engine: Engine | None = None,
-    remote: RemoteEngine | None = None,
+    remote: RemoteService | None = None,
 ) -> Policy:
     """`engine`: the replay's in-process Engine (sim/replay.py sim_engine), whose scoring and
     planning the planner's policies (heuristic, learned, clairvoyant) run: its model, thresholds

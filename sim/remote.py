@@ -62,8 +62,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EventsRejected",
-    "RemoteEngine",
     "RemoteEngineError",
+    "RemoteService",
     "RemoteStats",
     "ServiceUnreachable",
     "replay_via",
@@ -108,8 +108,8 @@ def _block_salt(run_id: str) -> int:
     return (int.from_bytes(hashlib.sha256(run_id.encode()).digest()[:4], "big") >> 1) | 1
 
 
-class RemoteEngine:
-    """sim.replay.Engine over HTTP: posts events to a service and reads sessions back from it.
+class RemoteService:
+    """sim.replay.ReplayBackend over HTTP: posts events to a service and reads its sessions back.
 
     Use it as a context manager (leaving flushes everything and checks it was taken), or call
     close(). The constructor checks GET /readyz and raises ServiceUnreachable when the service
@@ -179,7 +179,7 @@ class RemoteEngine:
         )
         log.info("replay run %s posts its events to %s", self.run_id, self.url)
 
-    # -- sim.replay.Engine -----------------------------------------------------------------
+    # -- sim.replay.ReplayBackend -----------------------------------------------------------------
 
     def emit(self, kind: str, ts: float, fields: dict[str, Any]) -> None:
         self._post(kind, ts, fields, _ID_FIELDS)
@@ -543,7 +543,7 @@ def replay_via(
     Raises ServiceUnreachable (the service is not there or not ready, or stopped taking events),
     EventsRejected, or another RemoteEngineError; all are KvpErrors.
     """
-    with RemoteEngine(
+    with RemoteService(
         url,
         run_id=run_id,
         bytes_per_token=scenario.bytes_per_token,

@@ -26,7 +26,7 @@ from app.core.clock import ManualClock
 from app.core.config import Settings
 from app.decide.advisor import Thresholds
 from app.decide.guard import GUARD_SETTINGS
-from app.engine import Engine as AppEngine
+from app.engine import Engine
 from app.ingest.base import NullEventLog
 from app.ingest.eventlog import encode_events
 from app.state import MemoryStore
@@ -78,10 +78,10 @@ def build_requests(trace: Sequence[TraceRequest]) -> list[SimRequest]:
     ]
 
 
-class Engine(Protocol):
+class ReplayBackend(Protocol):
     """Where a replay's events go and where its policies read sessions.
 
-    EngineFeed is the in-process engine (the default); sim.remote.RemoteEngine is a running
+    EngineFeed feeds the in-process Engine (the default); sim.remote.RemoteService is a running
     service reached over HTTP.
     """
 
@@ -108,7 +108,7 @@ def sim_engine(
     model_dir: str | None = None,
     planner_options: dict[str, float] | None = None,
     load_model: bool = True,
-) -> AppEngine:
+) -> Engine:
     """The service's Engine for a replay: a MemoryStore of the scenario's geometry keeping every
     session (no retention: a trace's own time is the only clock), a simulated clock from 0, the
     cluster's numbers, the model (`model_dir`, default the bundled one), the planner's thresholds
@@ -144,7 +144,7 @@ def sim_engine(
     store = MemoryStore(
         bytes_per_token=scenario.bytes_per_token, block_tokens=scenario.block_tokens
     )
-    return AppEngine(
+    return Engine(
         settings,
         store=store,
         clock=ManualClock(0.0),
@@ -159,9 +159,7 @@ class EngineFeed:
     """Turns the cluster's happenings into events and hands them to the engine's ingest (the
     service's: validation, dedupe, the store, the observers), under its simulated clock."""
 
-    def __init__(
-        self, engine: AppEngine, keep_events: bool = False, drain_each: bool = False
-    ) -> None:
+    def __init__(self, engine: Engine, keep_events: bool = False, drain_each: bool = False) -> None:
         """`drain_each`: tell the engine's observers of each event at once, rather than before the
         engine's next tick: for a policy whose scheduler a router reads between ticks (`hinted`
         asks it for the orders on their way)."""
@@ -212,7 +210,7 @@ def replay(
     measure_from_seconds: float = 0.0,
     keep_events: bool = False,
     progress: Callable[[int], None] | None = None,
-    engine: Engine | None = None,
+    engine: ReplayBackend | None = None,
     planner_options: dict[str, float] | None = None,
 ) -> ReplayResult:
     """`engine`: where events go and sessions come from; default a fresh in-process EngineFeed
@@ -296,7 +294,7 @@ def replay(
     return ReplayResult(summary=summary, requests=requests, events=engine.events)
 
 
-def served_model(app_engine: AppEngine | None) -> dict[str, Any]:
+def served_model(app_engine: Engine | None) -> dict[str, Any]:
     """The model that scored a replay (app.core.bundle.model_identity), or, where the engine
     fell back to the heuristic (a model that would not load) or is a remote service's, why no
     model is named: `dir` None and `serving` saying what served."""

@@ -40,7 +40,7 @@ from sim.policies import Policy
 if TYPE_CHECKING:
     from kvprefetch_client.orders import Order
     from sim.cluster import Cluster
-    from sim.remote import RemoteEngine
+    from sim.remote import RemoteService
 
 # How often the cluster asks for orders, in the trace's seconds (at --speed 20, 20 polls of each
 # instance a wall-clock second): well within a signal's lead of seconds.
@@ -76,7 +76,9 @@ class ServicePolicy(Policy):
 
     name = "service"
 
-    def __init__(self, remote: RemoteEngine, *, poll_seconds: float = DEFAULT_POLL_SECONDS) -> None:
+    def __init__(
+        self, remote: RemoteService, *, poll_seconds: float = DEFAULT_POLL_SECONDS
+    ) -> None:
         if remote.speed is None:
             raise ValueError(
                 "the service policy runs on the service's clock: pace the replay with --speed"

@@ -19,11 +19,11 @@ from app.decide.advisor import Thresholds
 from app.deliver import InProcessSink
 from app.engine import Engine
 from app.ingest.base import NullEventLog
-from app.predict.registry import Serving
+from app.predict.slots import Serving
 from app.state import MemoryStore
 from kvprefetch_client.events import Event, event_adapter
 from kvprefetch_client.orders import Order
-from tests.decide.test_score_loop import Fixed
+from tests.decide.test_scorer import Fixed
 
 BYTES_PER_TOKEN, BLOCK_TOKENS = 1000, 16
 BLOCK_BYTES = BYTES_PER_TOKEN * BLOCK_TOKENS

@@ -24,7 +24,7 @@ from app.ingest.ingestor import Ingestor
 from app.observe.ledger import AdviceLedger
 from app.observe.metrics import Metrics
 from app.observe.timeline import Timeline
-from app.predict.registry import ModelRegistry
+from app.predict.slots import ModelSlots
 from app.predict.tool_durations import ToolDurations
 from app.state.base import StateStore
 from app.state.storethread import StoreHealth, StoreThread
@@ -49,7 +49,7 @@ async def get_ingestor(engine: EngineDep) -> Ingestor:
     return engine.ingestor
 
 
-async def get_models(engine: EngineDep) -> ModelRegistry:
+async def get_models(engine: EngineDep) -> ModelSlots:
     return engine.models
 
 
@@ -130,7 +130,7 @@ async def drain_backlog_briefly(engine: EngineDep) -> None:
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 StoreDep = Annotated[StateStore, Depends(get_store)]
 IngestorDep = Annotated[Ingestor, Depends(get_ingestor)]
-ModelsDep = Annotated[ModelRegistry, Depends(get_models)]
+ModelsDep = Annotated[ModelSlots, Depends(get_models)]
 LedgerDep = Annotated[AdviceLedger, Depends(get_ledger)]
 ClockDep = Annotated[Clock, Depends(get_clock)]
 OrderSinkDep = Annotated[OrderSink, Depends(get_order_sink)]

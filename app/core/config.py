@@ -160,7 +160,7 @@ class Settings(BaseSettings):
     # How often the scoring loop advises on a page of live sessions, for the hit rates; 0 turns
     # the loop off (tests drive it one tick at a time).
     score_interval_seconds: float = Field(1.0, ge=0)
-    # Each tick a pass over every live session (app/decide/score_loop.py): a feature table kept
+    # Each tick a pass over every live session (app/decide/scorer.py): a feature table kept
     # current from the events, scored in chunks. False: a page of score_sessions_per_tick
     # sessions per tick, read from the store as views (what the service ran before).
     score_all_live: bool = True
@@ -169,7 +169,7 @@ class Settings(BaseSettings):
     # Sessions per tick: the page (without score_all_live), or the sweep page each pass re-reads
     # from the store so that what no observer saw still comes into the table.
     score_sessions_per_tick: int = Field(256, ge=1)
-    # How often the scheduler plans orders from the latest advice (app/decide/plan_loop.py); 0
+    # How often the scheduler plans orders from the latest advice (app/decide/dispatcher.py); 0
     # turns planning off (tests drive it one tick at a time).
     plan_interval_seconds: float = Field(0.1, ge=0)
     # The share of each link prefetch may book, so demand loads are never starved.

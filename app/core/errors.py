@@ -14,7 +14,7 @@ beside the module that defines it (tests/docs/test_error_tree.py holds it to the
     +-- StoreError            app.core.errors: the state store failed (API: 503)
     |   +-- StoreUnavailable  app.core.errors: the store cannot be reached (Redis down)
     +-- ModelError            app.predict.predictors: a model that cannot serve
-    |   +-- ModelDirRefused   app.predict.registry: a model directory outside the allowed ones
+    |   +-- ModelDirRefused   app.predict.slots: a model directory outside the allowed ones
     +-- SinkError             app.deliver.base: an order sink failed
     |   +-- SinkUnavailable, SinkRejected, SinkClosed, SinkFenced  app.deliver.base
     +-- _Failed               app.deliver.lmcache: an order that did not complete, and why

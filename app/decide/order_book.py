@@ -25,7 +25,7 @@ it, so that nothing is ordered twice and every byte is accounted for:
   into a cache of its own that nothing reports (LMCache loads into its L1; the engine reports
   blocks only once a request uses them), so without it the next tick would order them again. It
   stands until the engine reports the blocks gone there (kv_blocks_removed, block by block, or
-  kv_blocks_cleared; the feedback observer, app/decide/plan_loop.py, tells the book), until the
+  kv_blocks_cleared; the feedback observer, app/decide/dispatcher.py, tells the book), until the
   advice changes for every session it served (a new spell: the session had a turn, or is advised
   for another instance; or it was routed or closed), or until the order's ttl passes (the hold it
   asked for; the lead when it named none).

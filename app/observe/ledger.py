@@ -1,6 +1,6 @@
 """What each model advised for each idle session, scored when the session's next request comes.
 
-The scoring loop (app.decide.score_loop) records the planner's advice per model ("live", "shadow");
+The scoring loop (app.decide.scorer) records the planner's advice per model ("live", "shadow");
 the ingestor tells the ledger about every accepted event, and a `request_routed` is the outcome:
 
 - a *hit* when the latest advice made at or before the arrival's `ts` said keep or prefetch (the

@@ -84,7 +84,7 @@ if TYPE_CHECKING:
     from app.decide.guard import LruGuard
     from app.decide.scheduler import Scheduler
     from app.observe.ledger import AdviceLedger
-    from app.predict.registry import ModelRegistry, Serving
+    from app.predict.slots import ModelSlots, Serving
     from app.predict.tool_durations import ToolDurations
     from app.state.storethread import StoreSnapshot
 
@@ -206,7 +206,7 @@ class Metrics:
         self._label_children()
         self._scheduler: Scheduler | None = None
         self._ledger: AdviceLedger | None = None
-        self._models: ModelRegistry | None = None
+        self._models: ModelSlots | None = None
         self._guard: LruGuard | None = None
         self._tools: ToolDurations | None = None
         self._tool_labels_version = -1
@@ -689,7 +689,7 @@ class Metrics:
         *,
         scheduler: Scheduler,
         ledger: AdviceLedger,
-        models: ModelRegistry,
+        models: ModelSlots,
         guard: LruGuard | None = None,
         tools: ToolDurations | None = None,
     ) -> None:
@@ -803,13 +803,13 @@ class Metrics:
         self.batches_refused.labels(str(status_code)).inc()
 
     def planned(self, seconds: float) -> None:
-        """The planning loop's timing hook (app/decide/plan_loop.py), right after a plan."""
+        """The planning loop's timing hook (app/decide/dispatcher.py), right after a plan."""
         self.plan_duration.observe(seconds)
         with self._sync_lock:
             self._sync_scheduler()
 
     def scored(self, slot: str, seconds: float) -> None:
-        """The scoring loop's timing hook (app/decide/score_loop.py), after a model's page is
+        """The scoring loop's timing hook (app/decide/scorer.py), after a model's page is
         recorded."""
         self.inference_duration.labels(slot).observe(seconds)
         with self._sync_lock:

@@ -39,7 +39,7 @@ from app.core.clock import Clock
 from app.decide.scheduler import Scheduler
 from app.observe.ledger import AdviceLedger
 from app.observe.outcomes import RequestOutcome
-from app.predict.registry import ModelRegistry
+from app.predict.slots import ModelSlots
 from app.state.base import StateStore
 from kvprefetch_client.events import Event, OrderProgress
 
@@ -173,7 +173,7 @@ class Timeline:
         self,
         ledger: AdviceLedger,
         scheduler: Scheduler,
-        models: ModelRegistry,
+        models: ModelSlots,
         clock: Clock,
         *,
         landed: LandedPrefetches | None = None,

@@ -28,7 +28,7 @@ from pathlib import Path
 from app.core.bundle import model_identity
 from app.core.clock import Clock
 from app.predict.predictors import ModelError
-from app.predict.registry import ModelRegistry, Serving, public_name, resolve_model_dir
+from app.predict.slots import ModelSlots, Serving, public_name, resolve_model_dir
 from app.state.base import SessionView
 from kvprefetch_client.events import Event, ModelAction, ModelChanged, ModelSlot
 
@@ -72,7 +72,7 @@ class ModelLifecycle:
 
     def __init__(
         self,
-        models: ModelRegistry,
+        models: ModelSlots,
         clock: Clock,
         ingest: Ingest,
         *,

@@ -36,7 +36,7 @@ from app.core.config import Settings
 from app.observe.judge import JudgeStats, verdict
 from app.observe.ledger import AdviceLedger
 from app.predict.predictors import ModelError
-from app.predict.registry import ModelRegistry
+from app.predict.slots import ModelSlots
 from app.state.base import SessionView
 from kvprefetch_client.events import Event
 
@@ -81,7 +81,7 @@ class Retrainer:
     def __init__(
         self,
         settings: Settings,
-        models: ModelRegistry,
+        models: ModelSlots,
         ledger: AdviceLedger,
         clock: Clock,
         *,

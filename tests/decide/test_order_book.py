@@ -10,7 +10,7 @@ from dataclasses import replace
 import orjson
 
 from app.decide.advisor import SessionAdvice
-from app.decide.plan_loop import feedback_observer
+from app.decide.dispatcher import feedback_observer
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Plan, Scheduler
 from kvprefetch_client.events import (

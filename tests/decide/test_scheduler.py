@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from app.decide.advisor import SessionAdvice
-from app.decide.plan_loop import feedback_observer
+from app.decide.dispatcher import feedback_observer
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import TERM_GENERATIONS, Plan, Scheduler, SchedulerConfig
 from app.state import MemoryStore

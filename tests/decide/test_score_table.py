@@ -21,18 +21,18 @@ from app.decide.advisor import MAX_IDLE_SECONDS, Advisor, SessionAdvice, Thresho
 from app.decide.popularity import PrefixPopularity
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler, SchedulerConfig
-from app.decide.score_loop import HANDOFF_REFRESH_SECONDS, Scorer
+from app.decide.scorer import HANDOFF_REFRESH_SECONDS, Scorer
 from app.decide.table_advice import advise_rows, session_advice
 from app.observe.ledger import AdviceLedger
 from app.predict.features import SESSION_FEATURES
 from app.predict.predictors import LearnedPredictor
-from app.predict.registry import ModelRegistry, Serving
+from app.predict.slots import ModelSlots, Serving
 from app.predict.tool_durations import ToolDurations
 from app.state import MemoryStore
 from app.state.base import StateStore
 from app.state.redis import RedisStore
 from kvprefetch_client.events import Event, event_adapter
-from tests.decide.test_score_loop import Fixed
+from tests.decide.test_scorer import Fixed
 
 _ids = itertools.count()
 NOW = 10_000.0
@@ -138,7 +138,7 @@ class Floors:
 
 def scorer_for(store: StateStore, predictor: Any, **kw: Any) -> tuple[Scorer, AdviceLedger]:
     ledger = AdviceLedger()
-    models = ModelRegistry(Path("no-model"), ledger=ledger)
+    models = ModelSlots(Path("no-model"), ledger=ledger)
     models.serving = Serving(predictor, "test", None)
     routes = SameInstanceEstimate()
     for k in range(10):  # 7 of 10 returns land where the context is: p_same < 1
@@ -302,9 +302,9 @@ def test_the_pass_yields_between_chunks_and_rereads_what_changed_meanwhile(
 def test_many_dirty_rows_are_reread_a_slice_a_step(
     memory: MemoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import app.decide.score_loop as score_loop
+    import app.decide.scorer as scorer_module
 
-    monkeypatch.setattr(score_loop, "REFRESH_SESSIONS", 2)
+    monkeypatch.setattr(scorer_module, "REFRESH_SESSIONS", 2)
     ids = idle_sessions(memory, 10)
     scorer, ledger = scorer_for(memory, Fixed(0.9))
     scorer.tick()
@@ -334,9 +334,9 @@ def test_many_dirty_rows_are_reread_a_slice_a_step(
 def test_ingest_dirtying_rows_faster_than_they_are_read_cannot_hold_the_pass(
     memory: MemoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import app.decide.score_loop as score_loop
+    import app.decide.scorer as scorer_module
 
-    monkeypatch.setattr(score_loop, "REFRESH_SESSIONS", 2)
+    monkeypatch.setattr(scorer_module, "REFRESH_SESSIONS", 2)
     ids = idle_sessions(memory, 10)
     scorer, ledger = scorer_for(memory, Fixed(0.9))
     scorer.tick()
@@ -498,25 +498,27 @@ def test_a_pass_paces_itself_only_while_events_come_in(memory: MemoryStore) -> N
     """After each step `run` waits as long as the step held the loop while ingest is flowing
     (LOOP_SHARE: ingest gets the other half), and only yields on a loop that has had none for
     BUSY_SECONDS, so a quiet service's pass takes its working time, not twice it."""
-    from app.decide import score_loop
+    from app.decide import scorer as scorer_module
 
     scorer, _ = scorer_for(memory, Fixed(0.9))
     now = time.monotonic()
     assert scorer.pause_after(0.02, now) == 0.0  # nothing observed yet
     scorer.observe([])
     observed = time.monotonic()
-    paced = 0.02 * (1.0 - score_loop.LOOP_SHARE) / score_loop.LOOP_SHARE
+    paced = 0.02 * (1.0 - scorer_module.LOOP_SHARE) / scorer_module.LOOP_SHARE
     assert scorer.pause_after(0.02, observed) == pytest.approx(paced)
-    assert scorer.pause_after(0.02, observed + score_loop.BUSY_SECONDS / 2) == pytest.approx(paced)
-    assert scorer.pause_after(0.02, observed + score_loop.BUSY_SECONDS + 0.5) == 0.0
+    assert scorer.pause_after(0.02, observed + scorer_module.BUSY_SECONDS / 2) == pytest.approx(
+        paced
+    )
+    assert scorer.pause_after(0.02, observed + scorer_module.BUSY_SECONDS + 0.5) == 0.0
 
 
 def test_what_changes_while_the_first_pass_builds_the_table_is_reread(
     memory: MemoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import app.decide.score_loop as score_loop
+    import app.decide.scorer as scorer_module
 
-    monkeypatch.setattr(score_loop, "REBUILD_PAGE_SESSIONS", 2)
+    monkeypatch.setattr(scorer_module, "REBUILD_PAGE_SESSIONS", 2)
     idle_sessions(memory, 6)
     scorer, _ = scorer_for(memory, Fixed(0.9))
     early = turn("s9", NOW - 1.0, None)  # before the first pass: the pass reads it anyway

@@ -2,7 +2,7 @@
 they are carried out.
 
 The sink tests test a sink alone; these test it behind the scheduler and its planning loop
-(app/decide/plan_loop.py Dispatcher, on a ManualClock ticking every 0.1 s for 60 s, the advice
+(app/decide/dispatcher.py Dispatcher, on a ManualClock ticking every 0.1 s for 60 s, the advice
 refreshed every tick as the scorer refreshes it), with what carries the orders out reporting
 their outcomes back through the feedback observer, as agents and the lmcache sink do:
 
@@ -34,7 +34,7 @@ import httpx
 import pytest
 
 from app.core.clock import ManualClock
-from app.decide.plan_loop import Dispatcher, feedback_observer
+from app.decide.dispatcher import Dispatcher, feedback_observer
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Scheduler, SchedulerConfig
 from app.deliver import InProcessSink, LmcacheSink, OrderSink, PullQueue, RedisStreamSink

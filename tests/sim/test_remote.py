@@ -23,8 +23,8 @@ from app.core.config import Settings
 from app.state.base import SessionView
 from sim.remote import (
     EventsRejected,
-    RemoteEngine,
     RemoteEngineError,
+    RemoteService,
     ServiceUnreachable,
     replay_via,
 )
@@ -133,7 +133,7 @@ def test_over_http_matches_in_process(
 
     # The service's state is the in-process store's, session by session (ids translated back) ...
     sessions = sessions_of(local)
-    with RemoteEngine(
+    with RemoteService(
         service_url, run_id=run_id, bytes_per_token=scenario.bytes_per_token
     ) as reader:
         for sid in sessions[::7] + sessions[-3:]:
@@ -155,7 +155,7 @@ def test_the_planners_policies_are_refused_over_http(
     trace: list[TraceRequest], scenario: Scenario, service_url: str
 ) -> None:
     with (
-        RemoteEngine(service_url, bytes_per_token=scenario.bytes_per_token) as engine,
+        RemoteService(service_url, bytes_per_token=scenario.bytes_per_token) as engine,
         pytest.raises(ValueError, match="--policy service"),
     ):
         replay(trace, scenario, policy="heuristic", engine=engine)
@@ -203,11 +203,11 @@ def test_a_service_not_ready_or_not_kvprefetch_is_refused(
 ) -> None:
     transport = httpx.MockTransport(lambda request: httpx.Response(status, content=body))
     with pytest.raises(ServiceUnreachable, match=message):
-        RemoteEngine("http://kvp.test", transport=transport)
+        RemoteService("http://kvp.test", transport=transport)
 
 
 def test_rejected_events_raise_with_the_field(service_url: str) -> None:
-    engine = RemoteEngine(service_url)
+    engine = RemoteService(service_url)
     engine.emit(
         "request_routed",
         1.0,
@@ -218,7 +218,7 @@ def test_rejected_events_raise_with_the_field(service_url: str) -> None:
 
 
 def test_a_service_counting_other_bytes_per_token_is_refused(service_url: str) -> None:
-    with RemoteEngine(service_url, bytes_per_token=1) as engine:
+    with RemoteService(service_url, bytes_per_token=1) as engine:
         engine.emit(
             "request_routed",
             1.0,
@@ -231,7 +231,7 @@ def test_a_service_counting_other_bytes_per_token_is_refused(service_url: str) -
 def test_run_ids_that_would_break_the_namespace_are_refused() -> None:
     for bad in ("a:b", "a/b", "x" * 65):
         with pytest.raises(ValueError, match="run_id"):
-            RemoteEngine("http://127.0.0.1:9", run_id=bad)
+            RemoteService("http://127.0.0.1:9", run_id=bad)
 
 
 def test_the_replay_command_takes_via(service_url: str, tmp_path: Path) -> None:
@@ -288,7 +288,7 @@ class FakeService:
 
 def test_speed_posts_events_when_due_stamped_with_wall_clock_times() -> None:
     service = FakeService()
-    engine = RemoteEngine(
+    engine = RemoteService(
         "http://kvp.test", run_id="paced", speed=20.0, transport=httpx.MockTransport(service)
     )
     before, start = time.time(), time.monotonic()
@@ -308,7 +308,7 @@ def test_speed_posts_events_when_due_stamped_with_wall_clock_times() -> None:
 
 def test_speed_translates_the_session_views_back_to_trace_time() -> None:
     service = FakeService()
-    engine = RemoteEngine(
+    engine = RemoteService(
         "http://kvp.test", run_id="paced", speed=10.0, transport=httpx.MockTransport(service)
     )
     engine.emit("session_closed", 50.0, {"session_id": "s0"})  # trace time 50 -> the first stamp
@@ -360,7 +360,7 @@ def test_speed_translates_the_session_views_back_to_trace_time() -> None:
 @pytest.mark.parametrize("speed", [0.0, -1.0, float("inf"), float("nan")])
 def test_speed_must_be_a_positive_number(speed: float) -> None:
     with pytest.raises(ValueError, match="speed"):
-        RemoteEngine("http://127.0.0.1:9", speed=speed)
+        RemoteService("http://127.0.0.1:9", speed=speed)
 
 
 def test_a_paced_replay_reads_views_in_trace_time(
@@ -374,7 +374,7 @@ def test_a_paced_replay_reads_views_in_trace_time(
     )
     speed = span / 0.5  # the run takes about half a second
     started = time.time()
-    with RemoteEngine(
+    with RemoteService(
         service_url, run_id="t-paced", bytes_per_token=scenario.bytes_per_token, speed=speed
     ) as engine:
         result = replay(small, scenario, policy="lookahead", engine=engine)

@@ -12,7 +12,7 @@ from sim.served import ServicePolicy
 
 
 class FakeRemote:
-    """What ServicePolicy asks of sim.remote.RemoteEngine before a run."""
+    """What ServicePolicy asks of sim.remote.RemoteService before a run."""
 
     def __init__(self, speed: float | None) -> None:
         self.speed = speed

@@ -436,15 +436,15 @@ def test_over_http_the_signals_reach_the_service(tmp_path: Path) -> None:
 
 
 def test_over_http_a_signal_is_namespaced_and_read_back_in_trace_time() -> None:
-    """RemoteEngine posts a signal under the run's ids, and a session view's signals come back
+    """RemoteService posts a signal under the run's ids, and a session view's signals come back
     with them taken off and (paced) in the trace's time."""
     import httpx
 
-    from sim.remote import RemoteEngine
+    from sim.remote import RemoteService
     from tests.sim.test_remote import FakeService
 
     service = FakeService()
-    engine = RemoteEngine(
+    engine = RemoteService(
         "http://kvp.test", run_id="sig", speed=10.0, transport=httpx.MockTransport(service)
     )
     engine.emit("session_signal", 50.0, {"session_id": "s", "kind": "typing"})

@@ -13,7 +13,7 @@ import pytest
 
 from app.core.clock import ManualClock
 from app.core.errors import StoreUnavailable
-from app.decide.plan_loop import Dispatcher
+from app.decide.dispatcher import Dispatcher
 from app.decide.scheduler import Plan, Scheduler
 from app.deliver import InProcessSink
 from app.state import MemoryStore
@@ -113,7 +113,7 @@ def test_the_planning_loop_says_once_per_outage_that_the_store_is_down(
         return 3 <= calls <= 12 or 20 <= calls <= 25  # two outages
 
     store.down = down
-    caplog.set_level(logging.INFO, logger="app.decide.plan_loop")
+    caplog.set_level(logging.INFO, logger="app.decide.dispatcher")
 
     async def main() -> None:
         task = asyncio.create_task(Dispatcher(sched, sink, ManualClock(0.0)).run(0.001))

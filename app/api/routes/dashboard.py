@@ -35,7 +35,7 @@ from app.decide.scheduler import Scheduler
 from app.observe.ledger import AdviceLedger, AdviceRecord
 from app.observe.signals import SignalFollowups
 from app.observe.timeline import HISTORY_SECONDS, Timeline, instance_queues, series, top_sessions
-from app.predict.registry import ModelRegistry
+from app.predict.slots import ModelSlots
 from app.state.base import StateStore
 
 STATIC_DIR = Path(__file__).resolve().parent.parent.parent / "static"
@@ -236,7 +236,7 @@ def now_figures(
     settings: Settings,
     now: float,
     ledger: AdviceLedger,
-    models: ModelRegistry,
+    models: ModelSlots,
     scheduler: Scheduler,
     store: StateStore,
     limit: int,

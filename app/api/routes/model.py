@@ -20,7 +20,7 @@ from app.api.deps import (
 from app.api.errors import Error, error_response
 from app.observe.ledger import AdviceLedger, LedgerStats
 from app.predict.predictors import ModelError
-from app.predict.registry import Serving, resolve_model_dir
+from app.predict.slots import Serving, resolve_model_dir
 
 router = APIRouter(tags=["model"])
 

@@ -14,9 +14,9 @@ import pytest
 from app.core.clock import ManualClock
 from app.core.errors import StoreUnavailable
 from app.decide.advisor import MAX_IDLE_SECONDS
-from app.decide.score_loop import Scorer
+from app.decide.scorer import Scorer
 from app.observe.ledger import AdviceLedger
-from app.predict.registry import ModelRegistry, Serving
+from app.predict.slots import ModelSlots, Serving
 from app.state import MemoryStore, SessionView
 from kvprefetch_client.events import Event, event_adapter
 
@@ -93,7 +93,7 @@ def setup(
 ) -> tuple[MemoryStore, AdviceLedger, Scorer]:
     store = store if store is not None else MemoryStore(bytes_per_token=1, block_tokens=512)
     ledger = AdviceLedger()
-    models = ModelRegistry(tmp_path / "no-model", ledger=ledger)
+    models = ModelSlots(tmp_path / "no-model", ledger=ledger)
     models.serving = Serving(live, "fixed", None)  # type: ignore[arg-type]
     if shadow is not None:
         models.shadow = Serving(shadow, "shadow", "s1")  # type: ignore[arg-type]
@@ -244,7 +244,7 @@ def test_a_guard_fallback_withdraws_the_instances_pins_once(
         [ev("kv_blocks_stored", 911.0, tier="hbm", instance_id="gpu-0", block_hashes=[1, 2])]
     )
     ledger = AdviceLedger()
-    models = ModelRegistry(tmp_path / "no-model", ledger=ledger)
+    models = ModelSlots(tmp_path / "no-model", ledger=ledger)
     models.serving = Serving(Fixed(0.9), "fixed", None)  # type: ignore[arg-type]
     scheduler = Scheduler(store, SchedulerConfig(bytes_per_block=512))
     guard = LruGuard(GuardConfig(bytes_per_block=512))
@@ -281,7 +281,7 @@ def test_a_demote_suspension_withdraws_the_instances_demotes_once_until_they_are
         [ev("kv_blocks_stored", 911.0, tier="hbm", instance_id="gpu-0", block_hashes=[1, 2])]
     )
     ledger = AdviceLedger()
-    models = ModelRegistry(tmp_path / "no-model", ledger=ledger)
+    models = ModelSlots(tmp_path / "no-model", ledger=ledger)
     models.serving = Serving(Fixed(0.0), "fixed", None)  # type: ignore[arg-type]
     scheduler = Scheduler(store, SchedulerConfig(bytes_per_block=512))
     guard = LruGuard(GuardConfig(bytes_per_block=512))

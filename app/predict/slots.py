@@ -145,7 +145,7 @@ def public_error(exc: ModelError, model_dir: Path, root: Path) -> ModelError:
     return type(exc)(message)
 
 
-class ModelRegistry:
+class ModelSlots:
     """Holds the serving predictor and the shadow beside it; a swap replaces one in a single
     assignment, or nothing at all, and starts that slot's advice ledger afresh (the ledger keeps
     each version's counts); a promote moves the shadow, with its counts, to serving and empties

@@ -62,7 +62,7 @@ from app.observe.ledger import AdviceLedger
 from app.predict.feature_table import FeatureTable
 from app.predict.features import DeploymentSignals
 from app.predict.predictors import Predictor
-from app.predict.registry import ModelRegistry
+from app.predict.slots import ModelSlots
 from app.predict.tool_durations import ToolDurations
 from app.state.base import SessionCursor, SessionView, StateStore, cursor_of
 from app.state.rules import retention_cutoff
@@ -141,7 +141,7 @@ class Scorer:
     def __init__(
         self,
         store: StateStore,
-        models: ModelRegistry,
+        models: ModelSlots,
         ledger: AdviceLedger,
         clock: Clock,
         *,

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import pytest
 
 from app.core.clock import ManualClock
+from app.decide.dispatcher import Dispatcher, feedback_observer
 from app.decide.lease import PlanningLease
-from app.decide.plan_loop import Dispatcher, feedback_observer
 from app.decide.routing import RouteTracker
 from app.decide.scheduler import Scheduler
 from app.deliver import InProcessSink, SinkUnavailable
@@ -172,7 +172,7 @@ def test_planning_is_said_to_resume_only_once_the_store_answers(
                 break
         loop.cancel()
 
-    with caplog.at_level("INFO", logger="app.decide.plan_loop"):
+    with caplog.at_level("INFO", logger="app.decide.dispatcher"):
         asyncio.run(body())
     assert caplog.text.count("planning paused") == 1
     assert caplog.text.count("planning again: the store answers") == 1
