@@ -60,7 +60,7 @@ import httpx
 from app.core.errors import KvpError
 from app.core.redact import mask_url
 from app.deliver._dedupe import RecentIds
-from app.deliver.base import SinkClosed, SinkFenced
+from app.deliver.base import OrderSink, SinkClosed, SinkFenced
 from app.deliver.fence import Fence
 from app.deliver.token_index import TokenIndex, UnknownTokens
 from kvprefetch_client.agent.runner import progress_event_id
@@ -137,7 +137,7 @@ class _Job:
     started_at: float = 0.0
 
 
-class LmcacheSink:
+class LmcacheSink(OrderSink):
     def __init__(
         self,
         coordinator_url: str,

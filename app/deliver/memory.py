@@ -7,13 +7,13 @@ import time
 from collections.abc import Callable, Sequence
 
 from app.deliver._dedupe import RecentIds
-from app.deliver.base import SinkClosed
+from app.deliver.base import OrderSink, SinkClosed
 from kvprefetch_client.orders import Cancel, Order
 
 DEFAULT_DEDUPE_SECONDS = 3600.0
 
 
-class InProcessSink:
+class InProcessSink(OrderSink):
     """Delivery is the append: once per order id (and per cancelled id) within the window.
 
     `submit_nowait` and `cancel_nowait` are the same as `submit` and `cancel` without a loop, for

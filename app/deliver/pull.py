@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import orjson
 
 from app.deliver._dedupe import RecentIds
-from app.deliver.base import SinkClosed
+from app.deliver.base import OrderSink, SinkClosed
 from kvprefetch_client.events import Event, OrderProgress
 from kvprefetch_client.orders import Cancel, Order
 
@@ -89,7 +89,7 @@ class Lease:
         )
 
 
-class PullQueue:
+class PullQueue(OrderSink):
     """All methods are synchronous and meant for one thread (the service's event loop); `submit`
     and `cancel` are the OrderSink coroutines over `submit_nowait` and `cancel_nowait`."""
 

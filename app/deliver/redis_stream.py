@@ -58,7 +58,7 @@ from typing import Any
 import redis
 import redis.asyncio as aredis
 
-from app.deliver.base import SinkClosed, SinkError, SinkFenced, SinkUnavailable
+from app.deliver.base import OrderSink, SinkClosed, SinkError, SinkFenced, SinkUnavailable
 from app.deliver.fence import Fence
 from kvprefetch_client.orders import Cancel, Order
 
@@ -157,7 +157,7 @@ def cancel_key(prefix: str, order_id: str) -> str:
     return f"{prefix}:cancel-ids:{order_id}"
 
 
-class RedisStreamSink:
+class RedisStreamSink(OrderSink):
     """The producer, on redis.asyncio: it runs on the service's event loop."""
 
     def __init__(

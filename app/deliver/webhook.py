@@ -30,7 +30,7 @@ import httpx
 
 from app.core.redact import mask_url
 from app.deliver._dedupe import RecentIds
-from app.deliver.base import SinkClosed, SinkRejected, SinkUnavailable
+from app.deliver.base import OrderSink, SinkClosed, SinkRejected, SinkUnavailable
 from app.deliver.fence import Fence
 from kvprefetch_client.orders import Cancel, Order
 
@@ -39,7 +39,7 @@ from kvprefetch_client.orders import Cancel, Order
 BATCH_MESSAGES = 500
 
 
-class WebhookSink:
+class WebhookSink(OrderSink):
     def __init__(
         self,
         url: str,

@@ -115,7 +115,7 @@ class OrderSource(Protocol):
     def close(self) -> None: ...
 
 
-class StreamSource:
+class StreamSource(OrderSource):
     """Reads one instance's orders stream as one consumer of its `kvp-agents` group (Redis 6.2+).
 
     The instance is `instance_id`, or, when that is None, the one the agent binds it to (the
@@ -297,7 +297,7 @@ class StreamSource:
         self._r.close()
 
 
-class PullSource:
+class PullSource(OrderSource):
     """Asks the service: GET /v1/orders?instance_id=X&limit=N&agent=A -> {"orders": [...],
     "cancelled": [...], "lease_seconds": s}.
 

@@ -62,7 +62,7 @@ class Tier(Protocol):
     def close(self) -> None: ...
 
 
-class BufferTier:
+class BufferTier(Tier):
     """The reference tier: blocks read from a PoolDir into an HbmBuffer."""
 
     def __init__(
