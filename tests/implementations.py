@@ -23,7 +23,7 @@ import importlib
 import inspect
 import pkgutil
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -159,12 +159,18 @@ def missing_factories(concept: type, factories: Mapping[type, Any], where: str) 
     return out
 
 
-def params(concept: type, marks: Mapping[type, Any] | None = None) -> list[Any]:
-    """pytest.param of each implementation, its id the class's name (with its marks)."""
+def params(
+    concept: type,
+    marks: Mapping[type, Any] | None = None,
+    keep: Callable[[type], bool] = lambda cls: True,
+) -> list[Any]:
+    """pytest.param of each implementation `keep` keeps, its id the class's name, with its
+    marks."""
     marks = marks or {}
     return [
         pytest.param(cls, id=cls.__name__, marks=marks.get(cls, ()))
         for cls in implementations(concept)
+        if keep(cls)
     ]
 
 
