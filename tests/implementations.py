@@ -23,7 +23,7 @@ import importlib
 import inspect
 import pkgutil
 import tomllib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -105,31 +105,41 @@ def file_of(cls: type) -> str:
     return Path(inspect.getfile(cls)).resolve().relative_to(ROOT).as_posix()
 
 
-def methods_of(concept: type) -> set[str]:
-    """The methods a concept (a protocol, with the protocols it extends) names."""
-    names: set[str] = set()
-    for base in concept.__mro__:
-        if base is object or not _is_protocol(base) or base.__module__ == "typing":
+def methods_of(concept: type) -> dict[str, list[str]]:
+    """The methods a concept (a protocol, with the protocols it extends) names, each with its
+    parameters' names."""
+    out: dict[str, list[str]] = {}
+    for base in reversed(concept.__mro__):
+        if not _is_protocol(base) or base.__module__ == "typing":
             continue
-        names |= {
-            n
-            for n, v in vars(base).items()
-            if inspect.isfunction(v) and not (n.startswith("__") and n.endswith("__"))
-        }
-    return names
+        for name, value in vars(base).items():
+            if inspect.isfunction(value) and not (name.startswith("__") and name.endswith("__")):
+                out[name] = list(inspect.signature(value).parameters)
+    return out
 
 
-def undeclared(concept: type) -> list[str]:
-    """Classes under app/ or kvprefetch_client with every method of `concept` that do not
-    subclass it: `implementations` cannot see them."""
-    modules, _ = import_everything()
-    wanted = methods_of(concept)
+def _has_methods(cls: type, methods: Mapping[str, list[str]]) -> bool:
+    for name, parameters in methods.items():
+        method = inspect.getattr_static(cls, name, None)
+        if not inspect.isfunction(method) or list(inspect.signature(method).parameters) != (
+            parameters
+        ):
+            return False
+    return True
+
+
+def undeclared(concept: type, modules: Iterable[ModuleType] | None = None) -> list[str]:
+    """Classes under app/ or kvprefetch_client (or in `modules`) with every method of `concept`
+    (by name and parameters) that do not subclass it: `implementations` cannot see them."""
+    if modules is None:
+        modules = import_everything()[0].values()
+    methods = methods_of(concept)
     out = []
-    for module in modules.values():
+    for module in modules:
         for _, cls in inspect.getmembers(module, inspect.isclass):
-            if cls.__module__ != module.__name__ or _is_protocol(cls) or issubclass(cls, concept):
+            if cls.__module__ != module.__name__ or _is_protocol(cls) or concept in cls.__mro__:
                 continue
-            if all(callable(getattr(cls, m, None)) for m in wanted):
+            if _has_methods(cls, methods):
                 out.append(
                     f"{name_of(cls)} ({file_of(cls)}) has every method of {concept.__name__}: "
                     f"declare it, class {cls.__name__}({concept.__name__})"
