@@ -41,8 +41,9 @@ from tests.implementations import factory_of, here, missing_factories, params
 T0 = 1_767_000_000.0
 INSTANCE = "gpu-0"
 OTHER = "gpu-1"
-# A stream entry idle this long goes to another agent; a live agent renews a third of it apart.
-CLAIM_IDLE_SECONDS = 0.5
+# A stream entry idle this long goes to another agent; a live agent renews a third of it apart,
+# so only a stalled process (not a slow test step) loses what it holds.
+CLAIM_IDLE_SECONDS = 1.0
 LEASE_SECONDS = 30.0
 
 
@@ -148,6 +149,9 @@ def _pull_feed(request: pytest.FixtureRequest, stack: ExitStack) -> Feed:
             ]
         )
 
+    # The test thread calls the queue beside the service's loop, as tests/api/test_orders.py
+    # does: between the sources' requests, but for the one renewal a source's heartbeat makes
+    # when it learns the lease, which only extends leases (nothing here expires meanwhile).
     return Feed(
         # Renewals only when asked (is_cancelled): the tests move the service's clock themselves.
         new_source=lambda instance, agent: PullSource(
