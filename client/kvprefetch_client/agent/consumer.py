@@ -94,6 +94,9 @@ def parse(token: str, raw: bytes | str | None) -> Delivery:
 
 
 class OrderSource(Protocol):
+    """Where an agent's orders come from. An implementation declares it
+    (`class MySource(OrderSource)`): tests/client/test_source_contract.py then checks it."""
+
     def bind(self, instance_id: str) -> None:
         """Serve `instance_id` (the agent's): raises ValueError when the source was made for
         another instance."""
