@@ -18,6 +18,7 @@ import numpy as np
 from app.core.errors import StoreError
 from app.decide.advisor import NEEDED_SHARE, Advisor, Retention, SessionAdvice
 from app.predict.feature_table import STATE_CODES, FeatureTable
+from app.predict.predictors import TablePredictor
 from app.state.base import SessionView
 from kvprefetch_client.events import BlockHash
 
@@ -121,11 +122,10 @@ def advise_rows(
     queued = rows[(state == _QUEUED) & (blocks > 0)]
     grid_times = advisor._grid
     predictor = advisor.predictor
-    by_table = getattr(predictor, "p_within_table", None)
     if not len(live):
         p = np.zeros((0, len(grid_times)))
-    elif by_table is not None:
-        p = by_table(table, now, grid_times, live, matrices=matrices)
+    elif isinstance(predictor, TablePredictor):
+        p = predictor.p_within_table(table, now, grid_times, live, matrices=matrices)
     else:
         if read is None:
             raise ValueError(f"{predictor.name} scores views only: advise_rows needs `read`")

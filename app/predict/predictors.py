@@ -16,7 +16,7 @@ import logging
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -49,6 +49,9 @@ class ModelError(KvpError):
 
 
 class Predictor(Protocol):
+    """What every predictor promises (tests/predict/test_predictor_contract.py checks each one):
+    probabilities in [0, 1], non-decreasing in the horizon, 0 for a closed session."""
+
     name: str
 
     def p_within(
@@ -58,7 +61,26 @@ class Predictor(Protocol):
         ...
 
 
-class HeuristicPredictor:
+@runtime_checkable
+class TablePredictor(Predictor, Protocol):
+    """A predictor that also scores straight from a FeatureTable: `p_within_table` answers what
+    `p_within` answers for the table's sessions (app/decide/table_advice.py takes this path)."""
+
+    def p_within_table(
+        self,
+        table: FeatureTable,
+        now: float,
+        horizons: Sequence[float],
+        rows: np.ndarray | None = None,
+        *,
+        matrices: dict[bytes, np.ndarray] | None = None,
+    ) -> np.ndarray:
+        """`p_within` for the table's sessions (all rows, or `rows`), shape (sessions,
+        horizons); `matrices`: feature matrices to share with other models asked the same."""
+        ...
+
+
+class HeuristicPredictor(Predictor):
     """The session's median recent gap between turns, else a prior; a fixed chance of return,
     until the session is `give_up_gaps` gaps late, when it counts as gone."""
 
@@ -88,7 +110,7 @@ class HeuristicPredictor:
         return out
 
 
-class LearnedPredictor:
+class LearnedPredictor(TablePredictor):
     """A LightGBM model of P(next request within horizon), from models/<version>/.
 
     `deployment`: the DeploymentSignals the service's ingest keeps current (app/engine.py), read

@@ -26,6 +26,7 @@ from app.state.base import (
     SessionCursor,
     SessionView,
     SignalView,
+    StateStore,
     location_name,
 )
 from app.state.rules import (
@@ -184,7 +185,7 @@ class _Instance:
         self.running_requests: int | None = None
 
 
-class MemoryStore:
+class MemoryStore(StateStore):
     def __init__(
         self,
         *,

@@ -129,6 +129,7 @@ from app.state.base import (
     SessionCursor,
     SessionView,
     SignalView,
+    StateStore,
     location_name,
 )
 from app.state.rules import (
@@ -256,7 +257,7 @@ def _glob_escape(s: str) -> str:
     return "".join("\\" + ch if ch in "\\*?[]" else ch for ch in s)
 
 
-class RedisStore:
+class RedisStore(StateStore):
     def __init__(
         self,
         client: redis.Redis,

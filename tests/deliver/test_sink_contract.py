@@ -1,6 +1,8 @@
-"""One contract, every sink: memory, webhook (a real local HTTP server), redis (the real server,
-a prefix per test) and pull. What each sink delivered is read the way its consumers read it: for
-the sinks that deliver per instance (redis, pull), by one consumer per instance.
+"""One contract, every sink found (tests/implementations.py: every class under app/ or client/
+that declares `OrderSink`): memory, webhook (a real local HTTP server), redis (the real server,
+a prefix per test), pull and lmcache. What each sink delivered is read the way its consumers read
+it: for the sinks that deliver per instance (redis, pull), by one consumer per instance. A new
+sink needs a factory in FACTORIES below (test_every_order_sink_has_a_factory says so).
 
 The lmcache sink carries orders out rather than passing them on: what it delivered is what it
 reported (an order_progress per order). It keeps the once-per-id, close and empty-submit parts
@@ -31,6 +33,7 @@ from kvprefetch_client.agent import StreamSource
 from kvprefetch_client.events import OrderProgress
 from kvprefetch_client.orders import Cancel, Order, message_adapter
 from tests.deliver.conftest import order
+from tests.implementations import factory_of, here, missing_factories, params
 
 INSTANCES = ("gpu-0", "gpu-1")
 
@@ -78,23 +81,6 @@ def _read_pull(sink: PullQueue) -> list[Order | Cancel]:
     return [m for instance in INSTANCES for m in _lease(sink, instance)]
 
 
-@pytest.fixture(params=["memory", "webhook", "redis", "pull"])
-def case(request: pytest.FixtureRequest) -> Case:
-    return _case(request, request.param)
-
-
-# Every sink, the lmcache one included: for the parts of the contract it keeps.
-@pytest.fixture(params=["memory", "webhook", "redis", "pull", "lmcache"])
-def any_case(request: pytest.FixtureRequest) -> Case:
-    return _case(request, request.param)
-
-
-# The sinks that keep a feed per instance (memory and webhook carry every instance's orders in one).
-@pytest.fixture(params=["redis", "pull"])
-def per_instance_case(request: pytest.FixtureRequest) -> Case:
-    return _case(request, request.param)
-
-
 def _lmcache_case() -> Case:
     """Nothing listens at its coordinator URL and its token index is empty: every order fails
     at once, reported before `submit` returns, without a call. What it delivered is read from
@@ -117,16 +103,20 @@ def _lmcache_case() -> Case:
     )
 
 
-def _case(request: pytest.FixtureRequest, name: str) -> Case:
-    if name == "lmcache":
-        return _lmcache_case()
-    if name == "memory":
-        return Case(open=InProcessSink, read=lambda s: s.drain())
-    if name == "pull":
-        return Case(open=PullQueue, read=_read_pull, read_instance=_lease)
-    if name == "webhook":
-        receiver, url = request.getfixturevalue("receiver")
-        return Case(open=lambda: WebhookSink(url, max_attempts=1), read=lambda _: receiver.take())
+def _memory_case(request: pytest.FixtureRequest) -> Case:
+    return Case(open=InProcessSink, read=lambda s: s.drain())
+
+
+def _pull_case(request: pytest.FixtureRequest) -> Case:
+    return Case(open=PullQueue, read=_read_pull, read_instance=_lease)
+
+
+def _webhook_case(request: pytest.FixtureRequest) -> Case:
+    receiver, url = request.getfixturevalue("receiver")
+    return Case(open=lambda: WebhookSink(url, max_attempts=1), read=lambda _: receiver.take())
+
+
+def _redis_case(request: pytest.FixtureRequest) -> Case:
     url = request.getfixturevalue("redis_url")
     prefix = request.getfixturevalue("clean_redis")
     consumers = {
@@ -152,6 +142,58 @@ def _case(request: pytest.FixtureRequest, name: str) -> Case:
         close_consumer=close,
         read_instance=read_instance,
     )
+
+
+@dataclass(frozen=True)
+class Sink:
+    """How the suite sets a sink up (`case(request)`), and which parts of the contract are its:
+    `passes_on` (what it delivered arrives intact, cancels included: not the lmcache sink, which
+    carries orders out), `per_instance` (a consumer per instance reads its own instance's feed)."""
+
+    case: Callable[[pytest.FixtureRequest], Case]
+    passes_on: bool = True
+    per_instance: bool = False
+
+
+# One per implementation found (test_every_order_sink_has_a_factory checks).
+FACTORIES: dict[type, Sink] = {
+    InProcessSink: Sink(_memory_case),
+    WebhookSink: Sink(_webhook_case),
+    RedisStreamSink: Sink(_redis_case, per_instance=True),
+    PullQueue: Sink(_pull_case, per_instance=True),
+    LmcacheSink: Sink(lambda request: _lmcache_case(), passes_on=False),
+}
+
+
+def test_every_order_sink_has_a_factory() -> None:
+    missing = missing_factories(OrderSink, FACTORIES, here(__file__))
+    assert not missing, "\n".join(missing)
+
+
+def _sinks(keeps: Callable[[Sink], bool]) -> list[Any]:
+    # A sink without a factory is in every list: its tests fail, saying where to add one.
+    return params(OrderSink, keep=lambda cls: cls not in FACTORIES or keeps(FACTORIES[cls]))
+
+
+def _case(request: pytest.FixtureRequest) -> Case:
+    return factory_of(OrderSink, FACTORIES, request.param, request).case(request)
+
+
+@pytest.fixture(params=_sinks(lambda sink: sink.passes_on))
+def case(request: pytest.FixtureRequest) -> Case:
+    return _case(request)
+
+
+# Every sink, the lmcache one included: for the parts of the contract it keeps.
+@pytest.fixture(params=_sinks(lambda sink: True))
+def any_case(request: pytest.FixtureRequest) -> Case:
+    return _case(request)
+
+
+# The sinks that keep a feed per instance (memory and webhook carry every instance's orders in one).
+@pytest.fixture(params=_sinks(lambda sink: sink.per_instance))
+def per_instance_case(request: pytest.FixtureRequest) -> Case:
+    return _case(request)
 
 
 def ids(orders: list[Order]) -> list[str]:

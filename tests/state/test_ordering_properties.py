@@ -1,5 +1,6 @@
-"""Properties of event order (app/state/base.py), on both stores: any arrival order and any
-batching of a stream give the same views, and applying it again (a retry) changes nothing.
+"""Properties of event order (app/state/base.py), on every store found (test_store_contract.py's
+BACKENDS): any arrival order and any batching of a stream give the same views, and applying it
+again (a retry) changes nothing.
 
 The streams keep to what the rules make order-free (docs/decisions.md, 1): at most
 RECENT_REQUESTS requests per session, distinct timestamps among the events that write one
@@ -21,9 +22,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.state import MemoryStore, StateStore, cursor_of
+from app.state import StateStore, cursor_of
 from app.state.rules import RECENT_REQUESTS
 from kvprefetch_client.events import Event, event_adapter
+from tests.state.test_store_contract import BACKENDS, backend_of
 
 BPT = 327_680
 BLOCK = 512
@@ -40,7 +42,6 @@ LOCATIONS: list[tuple[str, str | None]] = [
     ("host", "gpu-0"),
     ("pool", None),
 ]
-EXAMPLES = {"memory": 300, "redis": 40}
 
 # Quarter seconds, so several sessions share a whole second (the memory store's index), and two
 # values not exact in binary. Residency stays within these seconds, inside any lateness horizon
@@ -258,31 +259,23 @@ class Backend:
         )
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> Backend:
+    store_backend = backend_of(request)
     numbers = itertools.count()
 
     @contextmanager
     def new_store() -> Iterator[StateStore]:
-        if request.param == "memory":
-            s: StateStore = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK)
-        else:
-            from app.state.redis import RedisStore
-
-            url, prefix = (
-                request.getfixturevalue("redis_url"),
-                request.getfixturevalue("clean_redis"),
-            )
-            s = RedisStore.from_url(
-                url, prefix=f"{prefix}:{next(numbers)}", bytes_per_token=BPT, block_tokens=BLOCK
-            )
+        s = store_backend.build(
+            request, name=str(next(numbers)), bytes_per_token=BPT, block_tokens=BLOCK
+        )
         try:
             yield s
         finally:
             s.clear()
             s.close()
 
-    return Backend(EXAMPLES[request.param], new_store)
+    return Backend(store_backend.examples, new_store)
 
 
 def test_any_arrival_order_and_batching_gives_the_same_views(backend: Backend) -> None:

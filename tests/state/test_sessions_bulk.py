@@ -1,4 +1,5 @@
-"""`StateStore.sessions(ids)`: each id's `session()`, in order, in one read, on both stores."""
+"""`StateStore.sessions(ids)`: each id's `session()`, in order, in one read, on every store found
+(tests/state/test_store_contract.py's BACKENDS)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.state import MemoryStore
 from app.state.base import StateStore
-from app.state.redis import RedisStore
 from kvprefetch_client.events import Event, event_adapter
+from tests.state.test_store_contract import BACKENDS, open_store
 
 
 def ev(n: int, type_: str, ts: float, **fields: object) -> Event:
@@ -52,16 +52,9 @@ def events() -> list[Event]:
     return out
 
 
-@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+@pytest.fixture(params=BACKENDS)
 def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
-    if request.param == "memory":
-        yield MemoryStore(bytes_per_token=2, block_tokens=16)
-        return
-    url = request.getfixturevalue("redis_url")
-    prefix = request.getfixturevalue("clean_redis")
-    s = RedisStore.from_url(url, prefix=prefix, bytes_per_token=2, block_tokens=16)
-    yield s
-    s.close()
+    yield from open_store(request, bytes_per_token=2, block_tokens=16)
 
 
 def test_sessions_reads_each_session_as_session_does(store: StateStore) -> None:

@@ -1,8 +1,10 @@
-"""One contract suite, run against every store backend (memory, and Redis on the real server).
+"""One contract suite, run against every store backend found (tests/implementations.py: every
+class under app/ or client/ that declares `StateStore`): memory, and Redis on the real server.
 
 The session rules live in app/state/rules.py, which MemoryStore applies; RedisStore applies them
 through its Lua copy (app/state/redis_apply.lua): every case here runs on both, so a rule that
-differs between the two fails one of them.
+differs between the two fails one of them. A new backend needs a factory in FACTORIES below
+(test_every_state_store_has_a_factory says so).
 """
 
 from __future__ import annotations
@@ -11,7 +13,8 @@ import importlib
 import itertools
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,25 +23,79 @@ import pytest
 import app.state.memory
 from app.state import LogPosition, MemoryStore, StateStore, cursor_of
 from app.state.base import SignalView
+from app.state.redis import RedisStore
 from app.state.rules import RECENT_REQUESTS, RECENT_SIGNALS
 from kvprefetch_client.events import Event, event_adapter
+from tests.implementations import factory_of, here, missing_factories, params
 
 BPT = 327_680
 BLOCK = 512
 
 
-@pytest.fixture(params=["memory", "redis"])
-def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
-    if request.param == "memory":
-        s: StateStore = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK)
-    else:
-        from app.state.redis import RedisStore
+@dataclass(frozen=True)
+class Backend:
+    """How the state suites build a backend and look inside it.
 
-        url = request.getfixturevalue("redis_url")
-        prefix = request.getfixturevalue("clean_redis")
-        s = RedisStore.from_url(url, prefix=prefix, bytes_per_token=BPT, block_tokens=BLOCK)
+    `build(request, name="", **keywords)`: a new empty store, its constructor's keywords given
+    (bytes_per_token, block_tokens, the bounds); `name` sets a second store in the same test
+    apart from the first. `signals_held`: how many signal entries it holds for a session (its
+    own count, not the view's). `examples`: how many examples its speed affords each property of
+    tests/state/test_ordering_properties.py; `marks`: its tests' marks."""
+
+    build: Callable[..., StateStore]
+    signals_held: Callable[[Any, str], int]
+    examples: int
+    marks: tuple[pytest.MarkDecorator, ...] = ()
+
+
+def _memory_store(request: pytest.FixtureRequest, name: str = "", **keywords: Any) -> StateStore:
+    return MemoryStore(**keywords)
+
+
+def _redis_store(request: pytest.FixtureRequest, name: str = "", **keywords: Any) -> StateStore:
+    url = request.getfixturevalue("redis_url")
+    prefix = request.getfixturevalue("clean_redis")  # deletes every key under it afterwards
+    return RedisStore.from_url(url, prefix=f"{prefix}:{name}" if name else prefix, **keywords)
+
+
+def _redis_signals_held(store: RedisStore, session_id: str) -> int:
+    raw = store._r.hget(f"{store.prefix}:s:{session_id}", "g")
+    return len(json.loads(raw)) if raw else 0
+
+
+# One per implementation found (test_every_state_store_has_a_factory checks); the other state
+# suites (test_ordering_properties.py, test_sessions_bulk.py) build theirs from these too.
+FACTORIES: dict[type, Backend] = {
+    MemoryStore: Backend(
+        _memory_store,
+        lambda store, session_id: len(store._sessions[session_id].signals),
+        examples=300,
+    ),
+    RedisStore: Backend(_redis_store, _redis_signals_held, examples=40, marks=(pytest.mark.redis,)),
+}
+BACKENDS = params(StateStore, {cls: b.marks for cls, b in FACTORIES.items()})
+
+
+def test_every_state_store_has_a_factory() -> None:
+    missing = missing_factories(StateStore, FACTORIES, here(__file__))
+    assert not missing, "\n".join(missing)
+
+
+def backend_of(request: pytest.FixtureRequest) -> Backend:
+    """The Backend of the implementation a fixture parametrized by BACKENDS is at."""
+    return factory_of(StateStore, FACTORIES, request.param, request)
+
+
+def open_store(request: pytest.FixtureRequest, **keywords: Any) -> Iterator[StateStore]:
+    """A fixture's body: a new store of the implementation the fixture is at, closed after."""
+    s = backend_of(request).build(request, **keywords)
     yield s
     s.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def store(request: pytest.FixtureRequest) -> Iterator[StateStore]:
+    yield from open_store(request, bytes_per_token=BPT, block_tokens=BLOCK)
 
 
 _ids = itertools.count()
@@ -610,24 +667,16 @@ WINDOW = 10.0
 RETENTION = 100.0
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=BACKENDS)
 def bounded(request: pytest.FixtureRequest) -> Iterator[StateStore]:
     """A store with a reorder window of 10 s and a session retention of 100 s."""
-    windows: dict[str, Any] = dict(
-        reorder_window_seconds=WINDOW, session_retention_seconds=RETENTION
+    yield from open_store(
+        request,
+        bytes_per_token=BPT,
+        block_tokens=BLOCK,
+        reorder_window_seconds=WINDOW,
+        session_retention_seconds=RETENTION,
     )
-    if request.param == "memory":
-        s: StateStore = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK, **windows)
-    else:
-        from app.state.redis import RedisStore
-
-        url = request.getfixturevalue("redis_url")
-        prefix = request.getfixturevalue("clean_redis")
-        s = RedisStore.from_url(
-            url, prefix=prefix, bytes_per_token=BPT, block_tokens=BLOCK, **windows
-        )
-    yield s
-    s.close()
 
 
 def test_a_late_store_inside_the_window_still_loses_to_the_removal(bounded: StateStore) -> None:
@@ -901,13 +950,7 @@ def signal(session: str, ts: float, kind: str = "typing", **kw: Any) -> Event:
 
 def _signals_held(store: StateStore, session_id: str) -> int:
     """How many signal entries the store itself holds for a session (not the view's count)."""
-    if isinstance(store, MemoryStore):
-        return len(store._sessions[session_id].signals)
-    from app.state.redis import RedisStore
-
-    assert isinstance(store, RedisStore)
-    raw = store._r.hget(f"{store.prefix}:s:{session_id}", "g")
-    return len(json.loads(raw)) if raw else 0
+    return FACTORIES[type(store)].signals_held(store, session_id)
 
 
 def test_a_signal_for_an_unknown_session_starts_it(store: StateStore) -> None:
@@ -1094,26 +1137,17 @@ def test_a_join_in_the_same_apply_as_the_routing_sees_its_context(store: StateSt
 CAP, IRETENTION = 3, 50.0
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=BACKENDS)
 def capped(request: pytest.FixtureRequest) -> Iterator[StateStore]:
     """A store holding at most 3 instances, each forgotten 50 s after it was last heard of."""
-    bounds: dict[str, Any] = dict(
+    yield from open_store(
+        request,
+        bytes_per_token=BPT,
+        block_tokens=BLOCK,
         session_retention_seconds=RETENTION,
         max_instances=CAP,
         instance_retention_seconds=IRETENTION,
     )
-    if request.param == "memory":
-        s: StateStore = MemoryStore(bytes_per_token=BPT, block_tokens=BLOCK, **bounds)
-    else:
-        from app.state.redis import RedisStore
-
-        url = request.getfixturevalue("redis_url")
-        prefix = request.getfixturevalue("clean_redis")
-        s = RedisStore.from_url(
-            url, prefix=prefix, bytes_per_token=BPT, block_tokens=BLOCK, **bounds
-        )
-    yield s
-    s.close()
 
 
 def _names(views: list[Any]) -> list[str]:

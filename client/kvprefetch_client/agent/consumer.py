@@ -94,6 +94,9 @@ def parse(token: str, raw: bytes | str | None) -> Delivery:
 
 
 class OrderSource(Protocol):
+    """Where an agent's orders come from. An implementation declares it
+    (`class MySource(OrderSource)`): tests/client/test_source_contract.py then checks it."""
+
     def bind(self, instance_id: str) -> None:
         """Serve `instance_id` (the agent's): raises ValueError when the source was made for
         another instance."""
@@ -115,7 +118,7 @@ class OrderSource(Protocol):
     def close(self) -> None: ...
 
 
-class StreamSource:
+class StreamSource(OrderSource):
     """Reads one instance's orders stream as one consumer of its `kvp-agents` group (Redis 6.2+).
 
     The instance is `instance_id`, or, when that is None, the one the agent binds it to (the
@@ -297,7 +300,7 @@ class StreamSource:
         self._r.close()
 
 
-class PullSource:
+class PullSource(OrderSource):
     """Asks the service: GET /v1/orders?instance_id=X&limit=N&agent=A -> {"orders": [...],
     "cancelled": [...], "lease_seconds": s}.
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from kvprefetch_client.agent.tier import Done, name_blocks
+from kvprefetch_client.agent.tier import Done, Tier, name_blocks
 from kvprefetch_client.errors import KvpError
 from kvprefetch_client.events import BlockHash
 from kvprefetch_client.orders import Order
@@ -129,7 +129,7 @@ class _Unreachable(KvpError):
     """The master did not answer this time; worth another try."""
 
 
-class MooncakeTier:
+class MooncakeTier(Tier):
     """A Tier (kvprefetch_client.agent.tier) over a Mooncake Store client.
 
     The client is set up on first use, so an agent whose master is away starts, and its orders

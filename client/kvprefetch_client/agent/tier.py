@@ -40,7 +40,8 @@ class Done:
 
 class Tier(Protocol):
     """An instance's tier, filled by orders. Calls come from the agent's loop only, one at a
-    time; `now` is the loop's clock (pins end at `now + ttl`)."""
+    time; `now` is the loop's clock (pins end at `now + ttl`). An implementation declares it
+    (`class MyTier(Tier)`): tests/client/test_tier_contract.py then checks it."""
 
     where: str  # "hbm@gpu-0", named in failure reasons
 
@@ -56,13 +57,14 @@ class Tier(Protocol):
         ...
 
     def status(self) -> dict[str, Any]:
-        """Merged into the agent's status (its status file)."""
+        """Merged into the agent's status (its JSON status file), beside the agent's own fields:
+        `buffer_blocks` and `buffer_bytes` say what it landed and holds."""
         ...
 
     def close(self) -> None: ...
 
 
-class BufferTier:
+class BufferTier(Tier):
     """The reference tier: blocks read from a PoolDir into an HbmBuffer."""
 
     def __init__(
