@@ -106,9 +106,14 @@ def file_of(cls: type) -> str:
 
 
 def methods_of(concept: type) -> dict[str, list[str]]:
-    """The methods a concept (a protocol, with the protocols it extends) names, each with its
-    parameters' names."""
+    """The methods a concept (a protocol, with the protocols it extends; or a base class's
+    abstract methods: what a subclass must write) names, each with its parameters' names."""
     out: dict[str, list[str]] = {}
+    if not _is_protocol(concept):
+        return {
+            name: list(inspect.signature(getattr(concept, name)).parameters)
+            for name in sorted(getattr(concept, "__abstractmethods__", ()))
+        }
     for base in reversed(concept.__mro__):
         if not _is_protocol(base) or base.__module__ == "typing":
             continue
