@@ -100,8 +100,9 @@ class Dispatcher:
     async def tick(self) -> Plan:
         """Plan now (by the injected clock) and deliver; returns the plan. With a lease, only
         while this replica holds it: the hand-over state is written before the orders go out, so
-        a planner taking over after a crash between the two knows them (it may count an order
-        open that never went out: given up once overdue, it is ordered again; never twice)."""
+        a planning replica taking over after a crash between the two knows them (it may count an
+        order open that never went out: given up once overdue, it is ordered again; never
+        twice)."""
         lease = self.lease
         if lease is not None and not lease.held:
             if self.skipped is not None:

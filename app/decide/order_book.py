@@ -43,8 +43,8 @@ it, so that nothing is ordered twice and every byte is accounted for:
   to that destination: `retry_backoff_seconds`, doubling with each failure in a row, at most
   `retry_backoff_max_seconds`; a completion clears it. Keyed by session and destination (see
   `_failed` for why).
-- **Hand-over** (`handover_state`, `take_over`): what a planner taking over from this one needs so
-  as not to order anything twice (decisions.md, 23).
+- **Hand-over** (`handover_state`, `take_over`): what a planning replica taking over from this
+  one needs so as not to order anything twice (decisions.md, 23).
 
 The book reads the scheduler's latest advice through `advice_of` and gives a withdrawn order's
 link time back through `release`: the link bookings are the scheduler's room-and-links part's
@@ -804,9 +804,9 @@ class OrderBook:
         return out
 
     def take_over(self, state: dict[str, str]) -> int:
-        """The hand-over state the last planner wrote, in place of what this book held: its open
-        orders count as open here, its pins and demotes as done, its deliveries as delivered.
-        Returns the orders adopted."""
+        """The hand-over state the last planning replica wrote, in place of what this book held:
+        its open orders count as open here, its pins and demotes as done, its deliveries as
+        delivered. Returns the orders adopted."""
         self._open.clear()
         self._served_by.clear()
         self._retention.clear()

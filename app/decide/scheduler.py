@@ -290,14 +290,14 @@ class Scheduler:
     # -- a planning replica's hand-over (decisions.md, 23) ------------------------------------
 
     def handover_state(self) -> dict[str, str]:
-        """What a planner taking over from this one needs so as not to order anything twice:
+        """What a planning replica taking over from this one needs not to order anything twice:
         the order book's (OrderBook.handover_state). Field -> value, for a Redis hash."""
         return self.book.handover_state()
 
     def take_over(self, token: int, state: dict[str, str]) -> int:
-        """Start planning term `token` from the hand-over state the last planner wrote: its open
-        orders count as open here (so their blocks are not ordered again; a completion or the
-        blocks landing closes them as any), its pins and demotes as done. Returns the orders
+        """Start planning term `token` from the hand-over state the last planning replica wrote:
+        its open orders count as open here (so their blocks are not ordered again; a completion or
+        the blocks landing closes them as any), its pins and demotes as done. Returns the orders
         adopted. What this replica planned in an earlier term of its own is dropped first."""
         self._generation = token * TERM_GENERATIONS
         self._carried = ([], [])

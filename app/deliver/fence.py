@@ -1,5 +1,6 @@
 """The planning lease as the order sinks see it (decisions.md, 23): one fence for every sink
-that sends outside, so a planner that paused past its lease sends nothing when it wakes.
+that sends outside, so a planning replica that paused past its lease sends nothing when it
+wakes.
 
 The engine gives each such sink a `Fence`: the lease's Redis key and this replica's value while
 it holds it by its own clock (None once it lapsed). `check()` is called right before each send:

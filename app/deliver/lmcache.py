@@ -28,7 +28,7 @@ server under that instance id), the MP server's 503 (no engine has registered it
 the coordinator relays it as a 502 naming the 503), any other 4xx. A connection error, a timeout,
 a 429 or another 5xx is tried again, at most `max_attempts` tries per call with a capped,
 jittered backoff, and then the order fails with the last problem. Nothing here raises into the
-planner but SinkClosed.
+dispatcher but SinkClosed.
 
 `submit` checks each order's tokens at once and starts its calls in the background (at most
 `MAX_CONCURRENT_ORDERS` orders talk to the coordinator at a time, and at most

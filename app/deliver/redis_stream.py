@@ -32,8 +32,8 @@ within the window adds nothing; and no id is ever marked without its entry being
 
 With a planning lease (several replicas, decisions.md 23) the engine sets `fence`
 (app/deliver/fence.py): the lease's key and this replica's value while it holds it. Both
-scripts then add nothing unless the lease still holds that value, in the same call, so a planner
-that paused past its lease sends nothing when it wakes (SinkFenced, a FENCED error).
+scripts then add nothing unless the lease still holds that value, in the same call, so a planning
+replica that paused past its lease sends nothing when it wakes (SinkFenced, a FENCED error).
 
 A Cancel carries only the order id: the cancel script reads the order's id key, in the same call,
 for the instance, and adds the Cancel to that instance's stream. A cancel for an id this sink

@@ -629,7 +629,7 @@ class Metrics:
         )
         self.planning_adopted_orders = Counter(
             "kvprefetch_planning_adopted_orders",
-            "Open orders taken over from the previous planner's hand-over state.",
+            "Open orders taken over from the previous planning replica's hand-over state.",
             registry=r,
         )
         self.planning_skipped_ticks = Counter(
