@@ -22,7 +22,7 @@ the agent raise into the same tree without importing the service. The service's 
     +-- TraceError               sim.traces: a trace file that does not read
     +-- RemoteEngineError        sim.remote: a replay through a running service failed
     |   +-- ServiceUnreachable, EventsRejected
-    +-- MissingExtraError        training.tune: an optional dependency is not installed
+    +-- MissingExtraError        app.core.extras: an optional dependency is not installed
     +-- BenchError               bench._util: a bench's server did not start or died
 """
 
@@ -35,6 +35,7 @@ __all__ = [
     "CorruptLogError",
     "EventLogError",
     "KvpError",
+    "MissingExtraError",
     "StoreError",
     "StoreUnavailable",
 ]
@@ -42,6 +43,10 @@ __all__ = [
 
 class ConfigError(KvpError):
     pass
+
+
+class MissingExtraError(KvpError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
 
 
 class EventLogError(KvpError):
