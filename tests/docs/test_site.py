@@ -19,7 +19,7 @@ README_MAX_BYTES = 10_000
 BUILD_TIMEOUT_SECONDS = 120
 # Inline code that names a file or folder of the checkout, e.g. `app/decide/scheduler.py`.
 REPO_PATH = re.compile(
-    r"`((?:app|client|sim|bench|training|tests|deploy|data|models|docs|\.ci)/"
+    r"`((?:app|client|sim|bench|training|kvprefetch_cli|tests|deploy|data|models|docs|\.ci)/"
     r"[A-Za-z0-9_./-]*)`"
 )
 # decisions.md is a record kept as written (it names the paths of its day); the layout page's
@@ -134,7 +134,7 @@ def _cli_commands() -> list[str]:
     """Every leaf command of `kvprefetch`, as typed: `kvprefetch serve`, `kvprefetch bench load`."""
     import typer
 
-    from app.cli import cli
+    from kvprefetch_cli import cli
 
     found: list[str] = []
 

@@ -239,7 +239,7 @@ def test_the_replay_command_takes_via(service_url: str, tmp_path: Path) -> None:
 
     from typer.testing import CliRunner
 
-    from app.cli import cli
+    from kvprefetch_cli import cli
 
     lines = (TRACES / "mooncake_synthetic.jsonl").read_text().splitlines()[:120]
     small = tmp_path / "small.jsonl"
@@ -414,7 +414,7 @@ def test_the_replay_command_takes_speed(service_url: str, tmp_path: Path) -> Non
 
     from typer.testing import CliRunner
 
-    from app.cli import cli
+    from kvprefetch_cli import cli
 
     lines = (TRACES / "mooncake_synthetic.jsonl").read_text().splitlines()[:30]
     small = tmp_path / "small.jsonl"
