@@ -6,6 +6,7 @@ WORKDIR /src
 COPY pyproject.toml setup.py MANIFEST.in README.md ./
 COPY client ./client
 COPY app ./app
+COPY kvprefetch_cli ./kvprefetch_cli
 COPY sim ./sim
 COPY bench ./bench
 COPY training ./training
@@ -15,9 +16,11 @@ RUN pip wheel --no-cache-dir --no-deps . ./client -w /wheels
 
 FROM python:3.11-slim
 COPY --from=wheels /wheels /tmp/wheels
-# The fast extra: the arrival model compiled with lleaves.
+# The fast extra: the arrival model compiled with lleaves. The service alone otherwise; scheduled
+# retraining (KVP_RETRAIN_EVERY_SECONDS) needs the training extra: --build-arg EXTRAS=fast,training.
+ARG EXTRAS=fast
 RUN pip install --no-cache-dir /tmp/wheels/kvprefetch_client-*.whl \
-        "$(ls /tmp/wheels/kvprefetch-[0-9]*.whl)[fast]" \
+        "$(ls /tmp/wheels/kvprefetch-[0-9]*.whl)[${EXTRAS}]" \
     && rm -rf /tmp/wheels
 WORKDIR /srv/kvprefetch
 # 0.0.0.0 needs tokens (KVP_TOKENS_FILE or KVP_*_TOKEN): without any the service refuses to start.

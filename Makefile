@@ -6,10 +6,11 @@ STAMP := $(VENV)/.installed-stamp
 
 .PHONY: run test lint bench model install clean demo demo-litellm walkthrough compose-check
 
+# Every extra (all: sim, training, bench, tune, fleet, mlflow; and fast): the tests run every command.
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ./client -e '.[test,fast]'
+	$(PY) -m pip install --quiet -e ./client -e '.[test,fast,all]'
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -1,5 +1,5 @@
-"""What `kvprefetch replay`, `kvprefetch events-from-trace` and `bench replay` do (app/cli.py
-parses)."""
+"""What `kvprefetch replay`, `kvprefetch events-from-trace` and `bench replay` do (sim/cli.py and
+bench/cli.py parse)."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EventsRejected",
-    "RemoteEngineError",
+    "RemoteServiceError",
     "RemoteService",
     "RemoteStats",
     "ServiceUnreachable",
@@ -78,15 +78,15 @@ _HASH_BITS = 32
 _HASH_MASK = (1 << _HASH_BITS) - 1
 
 
-class RemoteEngineError(KvpError):
+class RemoteServiceError(KvpError):
     """A replay over HTTP cannot go on: the service is away, not ready, or refused events."""
 
 
-class ServiceUnreachable(RemoteEngineError):
+class ServiceUnreachable(RemoteServiceError):
     """No kvprefetch service answers (or is ready) at the URL."""
 
 
-class EventsRejected(RemoteEngineError):
+class EventsRejected(RemoteServiceError):
     """The service refused events the simulator emitted; the message names the field and why."""
 
 
@@ -242,14 +242,14 @@ class RemoteService:
                 f"GET {self.url}/v1/orders failed: {_describe_exception(exc)}"
             ) from exc
         if response.status_code == 409:
-            raise RemoteEngineError(
+            raise RemoteServiceError(
                 f"the service at {self.url} does not hand out orders to pull "
                 f"({_describe_response(response)}): the service policy needs it started with "
                 "KVP_ORDER_SINK=pull (the default)"
             )
         doc = _json(response.content)
         if response.status_code != 200 or not isinstance(doc, dict):
-            raise RemoteEngineError(
+            raise RemoteServiceError(
                 f"GET {self.url}/v1/orders answered {_describe_response(response)}"
             )
         orders = [self._local_order(Order.model_validate(o)) for o in doc.get("orders", [])]
@@ -293,7 +293,9 @@ class RemoteService:
         if response.status_code == 404:
             return None
         if response.status_code != 200:
-            raise RemoteEngineError(f"GET {self.url}{path} answered {_describe_response(response)}")
+            raise RemoteServiceError(
+                f"GET {self.url}{path} answered {_describe_response(response)}"
+            )
         view = self._local_view(response.json())
         self._check_bytes_per_token(view)
         return view
@@ -409,7 +411,7 @@ class RemoteService:
             )
         if s.dropped:
             why = f" (last error: {s.last_error})" if s.last_error else ""
-            raise RemoteEngineError(
+            raise RemoteServiceError(
                 f"{s.dropped} events of replay run {self.run_id} were dropped "
                 f"before reaching {self.url}{why}"
             )
@@ -438,7 +440,7 @@ class RemoteService:
 
     def _local(self, ident: str) -> str:
         if not ident.startswith(self._prefix):
-            raise RemoteEngineError(
+            raise RemoteServiceError(
                 f"the service at {self.url} named {ident!r}, which is not of replay run "
                 f"{self.run_id}"
             )
@@ -446,7 +448,7 @@ class RemoteService:
 
     def _remote_block(self, h: Any) -> int:
         if type(h) is not int or not 0 <= h <= _HASH_MASK:
-            raise RemoteEngineError(
+            raise RemoteServiceError(
                 f"block hash {h!r}: a replay over HTTP namespaces int block hashes "
                 f"from 0 to 2**{_HASH_BITS} - 1 (the traces' hash_ids), not this"
             )
@@ -454,7 +456,7 @@ class RemoteService:
 
     def _local_block(self, h: Any) -> int:
         if type(h) is not int or h >> _HASH_BITS != self._salt:
-            raise RemoteEngineError(
+            raise RemoteServiceError(
                 f"the service at {self.url} named block {h!r}, which is not of replay "
                 f"run {self.run_id}"
             )
@@ -499,7 +501,7 @@ class RemoteService:
         untranslated = [k for k, v in doc.items() if prefix in orjson.dumps(v)]
         if untranslated:
             # SessionView grew a field naming an id, and this method does not translate it yet.
-            raise RemoteEngineError(
+            raise RemoteServiceError(
                 f"session views from {self.url} name replay run {self.run_id}'s ids "
                 f"in {untranslated}, which sim/remote.py's _local_view leaves as they are"
             )
@@ -510,7 +512,7 @@ class RemoteService:
         if bpt is None or not view.context_tokens:
             return
         if view.context_bytes != view.context_tokens * bpt:
-            raise RemoteEngineError(
+            raise RemoteServiceError(
                 f"the service at {self.url} counts "
                 f"{view.context_bytes / view.context_tokens:g} bytes per "
                 f"token, the scenario {bpt}: its session views would differ "
@@ -541,7 +543,7 @@ def replay_via(
 
     The summary has the in-process keys, plus `via` (the URL), `run_id` and `events_posted`.
     Raises ServiceUnreachable (the service is not there or not ready, or stopped taking events),
-    EventsRejected, or another RemoteEngineError; all are KvpErrors.
+    EventsRejected, or another RemoteServiceError; all are KvpErrors.
     """
     with RemoteService(
         url,

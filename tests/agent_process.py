@@ -18,9 +18,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class AgentProcess:
-    """`args` after the interpreter (`-m app.cli agent ...`), which must not name the status file:
-    it is added, at `<work>/<name>.json`. `env` on top of this environment less its KVP_
-    settings (so the test's are the only ones)."""
+    """`args` after the interpreter (`-m kvprefetch_cli agent ...`), which must not name the
+    status file: it is added, at `<work>/<name>.json`. `env` on top of this environment less its
+    KVP_ settings (so the test's are the only ones)."""
 
     def __init__(
         self, name: str, work: Path, args: Sequence[str], env: Mapping[str, str] | None = None

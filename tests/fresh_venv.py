@@ -31,6 +31,7 @@ SERVER_SOURCES = (
     "MANIFEST.in",
     "README.md",
     "app",
+    "kvprefetch_cli",
     "bench",
     "sim",
     "training",

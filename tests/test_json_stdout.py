@@ -15,15 +15,15 @@ from typing import Any
 import pytest
 import typer
 
-from app.cli import cli
 from app.core.bundle import DEFAULT_MODEL_DIR
+from kvprefetch_cli import cli
 from sim.commands import events_from_trace
 from tests.conftest import trace_slice
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The --json commands whose own tests already run them as a process through app.cli's main and
-# require exactly one JSON object on stdout (tests/bench/conftest.py run_bench), or that need a
+# The --json commands whose own tests already run them as a process through kvprefetch_cli's main
+# and require exactly one JSON object on stdout (tests/bench/conftest.py run_bench), or that need a
 # server this test does not start: where each is tested.
 TESTED_ELSEWHERE = {
     "bench ingest": "tests/bench/test_bench_smoke.py",
@@ -39,7 +39,7 @@ TARGETS_SMALL = (
     "import sys; import sim.targets as t; "
     "case = t.Case(sys.argv[1], 'sticky', ('none', 'learned', 'clairvoyant', 'oracle')); "
     "t.cases = lambda: [case]; "
-    "from app.cli import main; sys.argv = ['kvprefetch', *sys.argv[2:]]; main()"
+    "from kvprefetch_cli import main; sys.argv = ['kvprefetch', *sys.argv[2:]]; main()"
 )
 
 
@@ -157,7 +157,8 @@ def test_every_json_command_is_covered() -> None:
 
 
 def test_every_json_module_is_covered() -> None:
-    # The modules whose own argument parser takes --json (app.cli's commands are found above).
+    # The modules whose own argument parser takes --json (kvprefetch_cli's commands are found
+    # above).
     found = {
         ".".join(path.relative_to(REPO).with_suffix("").parts)
         for folder in ("training", "sim", "bench")
@@ -185,7 +186,7 @@ def test_json_alone_on_stdout(name: str, inputs: dict[str, Path]) -> None:
     if name == "targets":
         command = [sys.executable, "-c", TARGETS_SMALL, inputs["trace"].name, *args]
     else:
-        command = [sys.executable, "-m", "app.cli", *args]
+        command = [sys.executable, "-m", "kvprefetch_cli", *args]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
     done = subprocess.run(
         command, cwd=REPO, capture_output=True, text=True, timeout=300, check=False, env=env
@@ -194,7 +195,7 @@ def test_json_alone_on_stdout(name: str, inputs: dict[str, Path]) -> None:
     doc = json.loads(done.stdout)  # the whole of stdout: nothing before or after the object
     assert isinstance(doc, dict) and doc
     if name.startswith("train"):
-        # The card's command is the one typed, not `python -m app.cli`'s words.
+        # The card's command is the one typed, not `python -m kvprefetch_cli`'s words.
         out = Path(args[args.index("--out") + 1])
         card = json.loads((out / "card.json").read_text())
         assert card["command"].startswith("kvprefetch train --events ")

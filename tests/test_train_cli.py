@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
 from app.ingest.eventlog import encode_events
 from app.predict.predictors import LearnedPredictor
+from kvprefetch_cli import cli
 from sim.commands import events_from_trace
 from sim.replay import replay
 from sim.scenario import load_scenario

@@ -6,7 +6,10 @@ says why); the light client's test installs its dependencies from the index."""
 from __future__ import annotations
 
 import json
+import re
 import sys
+import zipfile
+from email.parser import Parser
 from pathlib import Path
 
 import httpx
@@ -20,6 +23,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 # Enough of the conversation trace for the scenarios to differ (tight-hbm stalls on it).
 TRACE_REQUESTS = 300
+# What only the simulator, training and the benches need: never in the base install's requirements.
+NOT_IN_BASE = {"matplotlib", "scikit-learn", "pandas", "dask"}
 
 
 def _replay(
@@ -97,10 +102,40 @@ def test_the_wheels_serve_the_bundled_model_and_replay_the_shipped_scenarios(
         assert (installed_result["scenario"], installed_result["policy"]) == (scenario, policy)
         assert installed_result["requests"] == TRACE_REQUESTS
         checkout_result = _replay(
-            [sys.executable, "-m", "app.cli"], trace, scenario, policy, cwd=work, env=checkout_env
+            [sys.executable, "-m", "kvprefetch_cli"],
+            trace,
+            scenario,
+            policy,
+            cwd=work,
+            env=checkout_env,
         )
         # The same model wherever it lies: its hashes agree, its directory is the wheel's copy.
         for result in (installed_result, checkout_result):
             if "model" in result:
                 result["model"].pop("dir")
         assert installed_result == checkout_result, (scenario, policy)
+
+
+def test_the_base_wheel_is_the_service_and_its_command_is_kvprefetch_cli(tmp_path: Path) -> None:
+    (wheel,) = [
+        w for w in build_wheels(tmp_path / "build", server=True) if w.name.startswith("kvprefetch-")
+    ]
+    with zipfile.ZipFile(wheel) as whl:
+        info = next(n.split("/")[0] for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        metadata = Parser().parsestr(whl.read(f"{info}/METADATA").decode())
+        entry_points = whl.read(f"{info}/entry_points.txt").decode()
+        assert "kvprefetch_cli/__main__.py" in whl.namelist()
+    base, extras = set(), set()
+    for requirement in metadata.get_all("Requires-Dist") or []:
+        name = re.match(r"[A-Za-z0-9._-]+", requirement)
+        assert name is not None, requirement
+        normalised = name.group().lower().replace("_", "-")
+        (extras if "extra ==" in requirement else base).add(normalised)
+    assert {"fastapi", "lightgbm", "typer", "kvprefetch-client"} <= base
+    assert not base & NOT_IN_BASE, base & NOT_IN_BASE
+    assert extras >= NOT_IN_BASE
+    assert {"sim", "training", "bench", "all"} <= set(metadata.get_all("Provides-Extra") or [])
+    scripts = entry_points.split("[console_scripts]")[1].split("[")[0]
+    assert [line.replace(" ", "") for line in scripts.split("\n") if line.strip()] == [
+        "kvprefetch=kvprefetch_cli:main"
+    ]

@@ -56,10 +56,18 @@ Why this formulation (and not a regression of the wait, or a hazard model): trai
 whose numbers `python -m training.formulations` prints.
 """
 
-from training.arrival_model import ArrivalModel, load_model
-from training.dataset import build_dataset
-from training.evaluate import evaluate
-from training.train import TrainedModel, save_model, train
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from training.arrival_model import ArrivalModel, load_model
+    from training.dataset import build_dataset
+    from training.evaluate import evaluate
+    from training.train import TrainedModel, save_model, train
 
 __all__ = [
     "ArrivalModel",
@@ -70,3 +78,36 @@ __all__ = [
     "save_model",
     "train",
 ]
+# Each name above -> its module, imported on first use: the command line imports training.cli
+# (whose commands import the rest when they run) without pandas or scikit-learn, which only the
+# 'training' extra brings.
+_HOMES = {
+    "ArrivalModel": "training.arrival_model",
+    "load_model": "training.arrival_model",
+    "build_dataset": "training.dataset",
+    "evaluate": "training.evaluate",
+    "TrainedModel": "training.train",
+    "save_model": "training.train",
+    "train": "training.train",
+}
+
+
+class _Package(ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        home = _HOMES.get(name)
+        if home is None:
+            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(home), name)
+        super().__setattr__(name, value)
+        return value
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Loading training.train or training.evaluate binds the module to its package's
+        # attribute: here `train` and `evaluate` are the functions, as `from training import
+        # train` has always given.
+        if name in _HOMES and isinstance(value, ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

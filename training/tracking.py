@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from app.core.bundle import model_identity
-from training.tune import MissingExtraError
+from app.core.errors import MissingExtraError
 
 DEFAULT_TRACKING_URI = "sqlite:///var/mlflow/mlflow.db"
 DEFAULT_EXPERIMENT = "kvprefetch"

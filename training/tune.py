@@ -13,16 +13,12 @@ from typing import Any
 
 import pandas as pd
 
-from app.core.errors import KvpError
+from app.core.errors import MissingExtraError
 from training.progress import Progress
 from training.train import DEFAULT_PARAMS, fit_booster, split_by_time, split_inner
 
 # The last share of the training part's time span that scores the trials.
 INNER_VALID_FRACTION = 0.2
-
-
-class MissingExtraError(KvpError):
-    """An optional dependency is not installed."""
 
 
 @dataclass(frozen=True)

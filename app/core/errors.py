@@ -24,9 +24,9 @@ beside the module that defines it (tests/docs/test_error_tree.py holds it to the
     |   +-- Refused           app.api.auth: 401, 403, 429
     |   +-- BatchError        app.api.batch: a POST /v1/events body unusable as a whole
     +-- TraceError            sim.traces: a trace file that does not read
-    +-- RemoteEngineError     sim.remote: a replay through a running service failed
+    +-- RemoteServiceError     sim.remote: a replay through a running service failed
     |   +-- ServiceUnreachable, EventsRejected  sim.remote
-    +-- MissingExtraError     training.tune: an optional dependency is not installed
+    +-- MissingExtraError     app.core.errors: an optional dependency missing (its extra named)
     +-- BenchError            bench._util: a bench's server did not start or died
 
 SinkFenced: not sent, the planning lease this replica held has lapsed. The private two never
@@ -42,6 +42,7 @@ __all__ = [
     "CorruptLogError",
     "EventLogError",
     "KvpError",
+    "MissingExtraError",
     "StoreError",
     "StoreUnavailable",
 ]
@@ -49,6 +50,10 @@ __all__ = [
 
 class ConfigError(KvpError):
     pass
+
+
+class MissingExtraError(KvpError):
+    """An optional dependency is not installed; the message names the extra that brings it."""
 
 
 class EventLogError(KvpError):

@@ -3,9 +3,10 @@
 Every KVP_RETRAIN_EVERY_SECONDS (by the engine's clock, so a replay's simulated time counts), when
 at least KVP_RETRAIN_MIN_ARRIVALS requests were routed since the last run:
 
-1. train a candidate in a child process (`python -m training.retrain_job`: the CPU work stays off
-   the event loop, and the service package never imports training) on the newest segments of
-   the event log, split by time; it is written to <models root>/retrained/<version>;
+1. train a candidate in a child process (`python -m training.retrain_job`, RETRAIN_JOB_MODULE: the
+   CPU work stays off the event loop, and the service package never imports training) on the
+   newest segments of the event log, split by time; it is written to
+   <models root>/retrained/<version>;
 2. load it as the shadow (checked on live sessions, as PUT /v1/model/shadow does);
 3. while it shadows, the advice ledger's judge pairs its p_keep with the serving model's on the
    same sessions and ticks (app/observe/judge.py); promote it (it serves, as POST
@@ -16,6 +17,9 @@ at least KVP_RETRAIN_MIN_ARRIVALS requests were routed since the last run:
 A run is skipped while an operator's shadow is set (the candidate would replace it) and when the
 engine keeps no event log (a replay). Every run ends in one outcome: promoted, discarded, failed
 (training or loading failed; the serving model is untouched), skipped.
+
+The child needs the 'training' extra (pandas, scikit-learn): with retraining on and the extra
+missing, the service does not start (a ConfigError naming it) rather than fail every run later.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from app.core.clock import Clock
 from app.core.config import Settings
+from app.core.errors import ConfigError, MissingExtraError
+from app.core.extras import require_extra
 from app.observe.judge import JudgeStats, verdict
 from app.observe.ledger import AdviceLedger
 from app.predict.predictors import ModelError
@@ -48,6 +54,11 @@ log = logging.getLogger(__name__)
 
 Outcome = Literal["promoted", "discarded", "failed", "skipped"]
 OUTCOMES: tuple[Outcome, ...] = ("promoted", "discarded", "failed", "skipped")
+# The retraining child's entry point, run as `python -m RETRAIN_JOB_MODULE` with this interpreter:
+# training/retrain_job.py, whose main() parses the arguments _command() gives. Named here as text,
+# not imported, because the service package never imports training (tests/test_layout.py); its
+# tests check that it names a module with that main (tests/training/test_retrain_job.py).
+RETRAIN_JOB_MODULE = "training.retrain_job"
 # How often the loop looks at the clock and the judge; a run is due every retrain_every_seconds.
 CHECK_SECONDS = 5.0
 # Where candidates are written, under the models root.
@@ -100,6 +111,11 @@ class Retrainer:
         self.metrics = metrics
         self.every_seconds = settings.retrain_every_seconds
         self.enabled = self.every_seconds > 0
+        if self.enabled:
+            try:
+                require_extra("training", "KVP_RETRAIN_EVERY_SECONDS > 0 (retraining)")
+            except MissingExtraError as exc:
+                raise ConfigError(str(exc)) from None
         self.state: Literal["off", "waiting", "training", "shadowing"] = (
             "waiting" if self.enabled else "off"
         )
@@ -200,7 +216,7 @@ class Retrainer:
         return [
             sys.executable,
             "-m",
-            "training.retrain_job",
+            RETRAIN_JOB_MODULE,
             "--log-dir",
             str(self.log_dir),
             "--out",

@@ -1,9 +1,9 @@
 """`kvprefetch bench load`: sustained event batches and route hints from this process against
 the real service, with its throughput, latency, errors and RSS against a bound.
 
-The service runs as its own process (`python -m app.cli serve`, one uvicorn worker, a temp data
-dir, fsync on, the memory store unless `store="redis"`, scoring and planning loops at their
-defaults, session retention scaled to the bench's pace); this process is the client.
+The service runs as its own process (`python -m kvprefetch_cli serve`, one uvicorn worker, a
+temp data dir, fsync on, the memory store unless `store="redis"`, scoring and planning loops at
+their defaults, session retention scaled to the bench's pace); this process is the client.
 
 - `traffic`: the routers' conversations and their instances' HBM, as events;
 - `client`: the closed-loop connections and what they logged;

@@ -186,7 +186,7 @@ def run(
     )
     try:
         ceiling_run("before")
-        service = Proc("service", ["-m", "app.cli", "serve"], workdir=workdir, env=env)
+        service = Proc("service", ["-m", "kvprefetch_cli", "serve"], workdir=workdir, env=env)
         info(
             f"bench load: service on {service.url} "
             f"(store={store}, fsync={'on' if fsync else 'off'}, "

@@ -1,6 +1,6 @@
 """Loaded by every Python process started with this directory on PYTHONPATH; active only in
-`kvprefetch serve` (`python -m app.cli serve`) with STALLWATCH_OUT set (not a KVP_ variable: the
-e2e tests pass the environment on without those).
+`kvprefetch serve` (`python -m kvprefetch_cli serve`) with STALLWATCH_OUT set (not a KVP_
+variable: the e2e tests pass the environment on without those).
 
 It notes, in STALLWATCH_OUT/service-<pid>.json (rewritten every second and at exit):
 - stalls: when a thread of its own, doing nothing but sleep 1 ms, woke more than 30 ms late
@@ -145,6 +145,6 @@ def _start(out: str) -> None:
     threading.Thread(target=every_second, name="stallwatch-dump", daemon=True).start()
 
 
-# At this point `python -m app.cli serve --port N` reads ['-m', 'serve', '--port', 'N'].
+# At this point `python -m kvprefetch_cli serve --port N` reads ['-m', 'serve', '--port', 'N'].
 if _OUT and "serve" in sys.argv:
     _start(_OUT)

@@ -18,7 +18,7 @@ def run_bench(
     """`kvprefetch bench ARGS --json`: exit 0 and exactly one JSON object on stdout. `env`: set
     in the command's environment."""
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", *args, "--json"],
+        [sys.executable, "-m", "kvprefetch_cli", "bench", *args, "--json"],
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -43,7 +43,7 @@ def _run(*args: str, env: dict[str, str]) -> dict[str, Any]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("KVP_")}
     full.update(env)
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "bench", "load", *args, "--json"],
+        [sys.executable, "-m", "kvprefetch_cli", "bench", "load", *args, "--json"],
         cwd=REPO,
         env=full,
         capture_output=True,

@@ -6,10 +6,10 @@ import json
 
 from typer.testing import CliRunner
 
-from app.cli import cli
 from app.predict import compiled
 from app.predict.predictors import HORIZON_GRID
 from bench.predict import PLANNER_HORIZONS
+from kvprefetch_cli import cli
 
 BATCH = {
     "service_p_within",

@@ -75,7 +75,16 @@ def test_bench_redis_io_says_so_when_redis_does_not_answer() -> None:
     with dead_port() as port:
         nobody = f"redis://127.0.0.1:{port}"
         done = subprocess.run(
-            [sys.executable, "-m", "app.cli", "bench", "redis-io", "--redis-url", nobody, "--json"],
+            [
+                sys.executable,
+                "-m",
+                "kvprefetch_cli",
+                "bench",
+                "redis-io",
+                "--redis-url",
+                nobody,
+                "--json",
+            ],
             cwd=REPO,
             capture_output=True,
             text=True,

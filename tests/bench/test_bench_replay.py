@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
+from kvprefetch_cli import cli
 from tests.bench.conftest import positive, run_bench
 from tests.conftest import trace_slice
 

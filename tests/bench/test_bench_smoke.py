@@ -52,7 +52,7 @@ def test_bench_ingest_against_redis_removes_its_keys(redis_url: str) -> None:
 def test_a_redis_bench_without_redis_says_so(bench: str) -> None:
     with dead_port() as port:
         done = subprocess.run(
-            [sys.executable, "-m", "app.cli", "bench", bench, "--store", "redis", "--json"],
+            [sys.executable, "-m", "kvprefetch_cli", "bench", bench, "--store", "redis", "--json"],
             cwd=REPO,
             capture_output=True,
             text=True,

@@ -79,7 +79,8 @@ asyncio.run(main())
 
 
 def test_a_process_that_holds_its_loop_is_caught_holding_it(tmp_path: Path) -> None:
-    # Active only in a process whose arguments say `serve`, as `python -m app.cli serve`'s do.
+    # Active only in a process whose arguments say `serve`, as `python -m kvprefetch_cli serve`'s
+    # do.
     env = {**os.environ, "PYTHONPATH": str(REPO / "bench" / "stallwatch")}
     env["STALLWATCH_OUT"] = str(tmp_path)
     subprocess.run([sys.executable, "-c", HOLDER, "serve"], env=env, check=True, timeout=60)

@@ -130,7 +130,9 @@ def test_the_client_alone_installs_light_and_talks_to_a_running_service(tmp_path
         KVP_HOST="127.0.0.1",
         KVP_DATA_DIR=str(tmp_path / "data"),
     )
-    with serving([sys.executable, "-m", "app.cli", "serve"], cwd=work, env=service_env) as url:
+    with serving(
+        [sys.executable, "-m", "kvprefetch_cli", "serve"], cwd=work, env=service_env
+    ) as url:
         done = run(
             [str(bin_dir / "python"), "-c", CLIENT_SCRIPT, url, ",".join(HEAVY_MODULES)],
             cwd=work,

@@ -8,7 +8,14 @@ REPO = Path(__file__).resolve().parents[2]
 # Every top-level Python package of the checkout, by its path from the repository root. A new one
 # (kvprefetch_cli/, when the command line moves there) is added here, and then the layout page
 # and the error tree must cover it too.
-PACKAGE_ROOTS = ("app", "sim", "training", "bench", "client/kvprefetch_client")
+PACKAGE_ROOTS = (
+    "app",
+    "sim",
+    "training",
+    "bench",
+    "kvprefetch_cli",
+    "client/kvprefetch_client",
+)
 
 
 def packages() -> list[Path]:

@@ -138,7 +138,7 @@ def _cli_commands() -> list[str]:
     """Every leaf command of `kvprefetch`, as typed: `kvprefetch serve`, `kvprefetch bench load`."""
     import typer
 
-    from app.cli import cli
+    from kvprefetch_cli import cli
 
     found: list[str] = []
 

@@ -1,5 +1,5 @@
-"""Run the service as a real, separate process: `python -m app.cli serve --fd N` on a listening
-socket the test holds (tests/ports.py), so no other process can take its port.
+"""Run the service as a real, separate process: `python -m kvprefetch_cli serve --fd N` on a
+listening socket the test holds (tests/ports.py), so no other process can take its port.
 
 `service_factory(data_dir=None)` returns a `ServiceProcess` (not yet started) with a temp data
 dir of its own. It can be started, killed with SIGKILL, and started again on the same socket and
@@ -78,7 +78,7 @@ def redis_workers(
             [
                 sys.executable,
                 "-m",
-                "app.cli",
+                "kvprefetch_cli",
                 "serve",
                 "--fd",
                 str(sock.fileno()),
@@ -177,7 +177,7 @@ class ServiceProcess:
             # cwd is a scratch dir so that no .env of the checkout is read by Settings.
             fd = self.listener.fileno()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "app.cli", "serve", "--fd", str(fd)],
+                [sys.executable, "-m", "kvprefetch_cli", "serve", "--fd", str(fd)],
                 cwd=self.work_dir,
                 env=self._env(),
                 pass_fds=[fd],

@@ -62,7 +62,7 @@ def agent(
         work,
         [
             "-m",
-            "app.cli",
+            "kvprefetch_cli",
             "agent",
             "--instance-id",
             INSTANCE,

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 def make_token(tokens_file: Path, name: str, scope: str) -> str:
     """The token for its holder; its digest appended to the file, as README "Security" says."""
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "token", "--name", name, "--scope", scope],
+        [sys.executable, "-m", "kvprefetch_cli", "token", "--name", name, "--scope", scope],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -122,7 +122,7 @@ def test_without_tokens_the_service_will_not_listen_beyond_loopback(tmp_path: Pa
         }
     )
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "serve"],
+        [sys.executable, "-m", "kvprefetch_cli", "serve"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

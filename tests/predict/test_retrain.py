@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import pytest
 
 from app.core.clock import ManualClock
 from app.core.config import Settings
+from app.core.errors import ConfigError
 from app.engine import Engine
 from app.ingest.eventlog import read_events
 from app.predict.retrain import RETRAINED_DIR
@@ -291,3 +293,15 @@ def test_retraining_is_off_by_default(tmp_path: Path) -> None:
         await engine.close()
 
     asyncio.run(run())
+
+
+def test_retraining_without_the_training_extra_is_refused_at_startup(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # As a base install: no pandas (None in sys.modules: it cannot be found or imported).
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    with pytest.raises(ConfigError, match=r"KVP_RETRAIN_EVERY_SECONDS.*kvprefetch\[training\]"):
+        build(tmp_path)
+    # Retraining off: the service starts without the extra.
+    engine, _ = build(tmp_path, retrain_every_seconds=0.0)
+    asyncio.run(engine.close())

@@ -13,7 +13,7 @@ import pytest
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from app.cli import cli
+from kvprefetch_cli import cli
 from sim.cluster import Cluster, SimRequest
 from sim.links import Link, Transfer
 from sim.policies import Policy

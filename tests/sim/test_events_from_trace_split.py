@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
+from kvprefetch_cli import cli
 from sim.traces import judged_from_seconds, load_trace
 from tests.conftest import trace_slice
 from training.dataset import load_events

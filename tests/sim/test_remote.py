@@ -23,7 +23,7 @@ from app.core.config import Settings
 from app.state.base import SessionView
 from sim.remote import (
     EventsRejected,
-    RemoteEngineError,
+    RemoteServiceError,
     RemoteService,
     ServiceUnreachable,
     replay_via,
@@ -224,7 +224,7 @@ def test_a_service_counting_other_bytes_per_token_is_refused(service_url: str) -
             1.0,
             {"session_id": "s", "request_id": "q0", "instance_id": "gpu-0", "prompt_tokens": 100},
         )
-        with pytest.raises(RemoteEngineError, match="KVP_BYTES_PER_TOKEN=1"):
+        with pytest.raises(RemoteServiceError, match="KVP_BYTES_PER_TOKEN=1"):
             engine.session("s")
 
 
@@ -239,7 +239,7 @@ def test_the_replay_command_takes_via(service_url: str, tmp_path: Path) -> None:
 
     from typer.testing import CliRunner
 
-    from app.cli import cli
+    from kvprefetch_cli import cli
 
     lines = (TRACES / "mooncake_synthetic.jsonl").read_text().splitlines()[:120]
     small = tmp_path / "small.jsonl"
@@ -414,7 +414,7 @@ def test_the_replay_command_takes_speed(service_url: str, tmp_path: Path) -> Non
 
     from typer.testing import CliRunner
 
-    from app.cli import cli
+    from kvprefetch_cli import cli
 
     lines = (TRACES / "mooncake_synthetic.jsonl").read_text().splitlines()[:30]
     small = tmp_path / "small.jsonl"

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
+from kvprefetch_cli import cli
 from sim.replay import replay
 from sim.scenario import load_scenario
 from tests.conftest import TRACES

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
+from kvprefetch_cli import cli
 from sim.cluster import SimRequest
 from sim.report import byte_hit_rate_series, ecdf, stall_ecdf
 from tests.conftest import trace_slice

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
 from app.core.bundle import DEFAULT_MODEL_DIR, model_identity
+from kvprefetch_cli import cli
 from sim import targets as targets_module
 from sim.targets import Case
 from tests.conftest import trace_slice

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from typer.testing import CliRunner
 
-from app.cli import cli
+from kvprefetch_cli import cli
 from sim.commands import COLUMNS, render_table
 from tests.conftest import trace_slice
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
 from app.core.errors import ConfigError
+from kvprefetch_cli import cli
 from kvprefetch_client.events import SessionSignal
 from sim.cluster import SimRequest
 from sim.replay import EngineFeed, build_requests, replay, sim_engine

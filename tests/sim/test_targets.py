@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
+from kvprefetch_cli import cli
 from sim.targets import (
     CONVERSATION,
     HALF,

@@ -86,7 +86,16 @@ def test_the_fixture_imports_as_the_trace_says() -> None:
 def test_the_written_trace_reads_back_and_replays_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "agent.jsonl"
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "trace", "import", "--from", "tracelab", str(FIXTURE)]
+        [
+            sys.executable,
+            "-m",
+            "kvprefetch_cli",
+            "trace",
+            "import",
+            "--from",
+            "tracelab",
+            str(FIXTURE),
+        ]
         + ["--out", str(out)],
         cwd=REPO,
         capture_output=True,
@@ -98,7 +107,16 @@ def test_the_written_trace_reads_back_and_replays_end_to_end(tmp_path: Path) -> 
     trace = load_trace(out)
     assert trace == import_tracelab(FIXTURE)[0]
     replayed = subprocess.run(
-        [sys.executable, "-m", "app.cli", "replay", "--trace", str(out), "--policy", "learned"]
+        [
+            sys.executable,
+            "-m",
+            "kvprefetch_cli",
+            "replay",
+            "--trace",
+            str(out),
+            "--policy",
+            "learned",
+        ]
         + ["--json"],
         cwd=REPO,
         capture_output=True,
@@ -247,7 +265,7 @@ def test_what_cannot_be_a_request_is_skipped_and_counted(tmp_path: Path) -> None
 
 def test_the_cli_refuses_an_unknown_format(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "trace", "import", "--from", "otel", str(FIXTURE)]
+        [sys.executable, "-m", "kvprefetch_cli", "trace", "import", "--from", "otel", str(FIXTURE)]
         + ["--out", str(tmp_path / "x.jsonl")],
         cwd=REPO,
         capture_output=True,

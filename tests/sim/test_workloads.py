@@ -99,7 +99,7 @@ def test_the_tools_and_their_run_times_are_the_workloads() -> None:
 def test_the_cli_writes_the_trace(tmp_path: Path) -> None:
     out = tmp_path / "a.jsonl"
     done = subprocess.run(
-        [sys.executable, "-m", "app.cli", "agent-trace", "--out", str(out), "--tasks", "100"]
+        [sys.executable, "-m", "kvprefetch_cli", "agent-trace", "--out", str(out), "--tasks", "100"]
         + ["--seconds", "200", "--seed", "3"],
         cwd=REPO,
         capture_output=True,

@@ -11,8 +11,8 @@ import polars as pl
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
 from app.ingest.eventlog import FileEventLog, encode_batch, encode_events, read_events
+from kvprefetch_cli import cli
 from kvprefetch_client.events import event_adapter
 from tests.training.test_signals import chat_with_signals
 from training.compact import compact_log

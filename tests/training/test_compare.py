@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 import training.compare as compare_module
-from app.cli import cli
 from app.core.bundle import DEFAULT_MODEL_DIR, model_identity
+from kvprefetch_cli import cli
 from tests.conftest import trace_slice
 from training import save_model, train
 from training.compare import compare

@@ -14,10 +14,10 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
 from app.ingest.eventlog import FileEventLog, encode_batch, encode_events
 from app.predict.features import DEPLOYMENT_FEATURES
 from bench.train_fleet import QUALITY_TOLERANCE
+from kvprefetch_cli import cli
 from sim.commands import events_from_trace
 from sim.replay import replay
 from sim.scenario import load_scenario

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
 from app.core.bundle import DEFAULT_MODEL_DIR
 from app.predict.predictors import LearnedPredictor
+from kvprefetch_cli import cli
 from sim.commands import events_from_trace
 from tests.conftest import trace_slice
 from training import build_dataset, train

@@ -3,6 +3,7 @@ reads, what it writes, and how it fails."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import shutil
 from pathlib import Path
@@ -50,3 +51,11 @@ def test_a_log_with_nothing_to_learn_from_exits_1_with_the_reason(
     assert main(["--log-dir", str(tmp_path / "nothing"), "--out", str(out), "--name", "r"]) == 1
     assert "no event log segments" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_the_service_starts_the_child_by_this_module() -> None:
+    # app/predict/retrain.py names it as text (the service never imports training).
+    from app.predict.retrain import RETRAIN_JOB_MODULE
+
+    job = importlib.import_module(RETRAIN_JOB_MODULE)
+    assert job.main is main

@@ -11,9 +11,9 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
 from app.core.bundle import DEFAULT_MODEL_DIR, model_identity
 from app.predict.predictors import LearnedPredictor
+from kvprefetch_cli import cli
 from sim.commands import events_from_trace
 from tests.conftest import trace_slice
 from training import build_dataset, save_model, train

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
 from app.core.config import Settings
+from kvprefetch_cli import cli
 from kvprefetch_client.agent.cli import StreamDefaults, mooncake_settings, parser
 from kvprefetch_client.agent.cli import main as agent_main
 from kvprefetch_client.agent.mooncake import MooncakeSettings

@@ -7,7 +7,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from app.cli import cli
+from kvprefetch_cli import cli
 
 
 @pytest.mark.slow

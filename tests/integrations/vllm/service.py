@@ -1,5 +1,5 @@
-"""The service as a real process for the vLLM tests: `python -m app.cli serve --port 0`, the port
-it bound read back from its log (no port is picked before it is bound). `wrapper` runs the
+"""The service as a real process for the vLLM tests: `python -m kvprefetch_cli serve --port 0`, the
+port it bound read back from its log (no port is picked before it is bound). `wrapper` runs the
 service through a script of the test's (which may patch a module first, then calls the CLI)."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class Service:
         self.workdir = workdir
         self.log_path = workdir / "service.log"
         workdir.mkdir(parents=True, exist_ok=True)
-        entry = [str(wrapper)] if wrapper is not None else ["-m", "app.cli"]
+        entry = [str(wrapper)] if wrapper is not None else ["-m", "kvprefetch_cli"]
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, *entry, "serve", "--host", "127.0.0.1", "--port", "0"],

@@ -1,10 +1,10 @@
 """What a publisher sends never stops the service's vLLM intake (issue 26, points 1 and 2).
 
-Each test runs the service as a real process (`python -m app.cli serve`, service.py) subscribed
-to two real ZMQ publishers: a good one, and one that sends an attack. After the attack the good
-publisher's batches must still be taken, and the attacker's own later ones too; the metrics must
-name what happened; SIGTERM must stop the intake's thread, not leave it behind. Memory and
-/healthz latency are printed (run with -s), never asserted.
+Each test runs the service as a real process (`python -m kvprefetch_cli serve`, service.py)
+subscribed to two real ZMQ publishers: a good one, and one that sends an attack. After the attack
+the good publisher's batches must still be taken, and the attacker's own later ones too; the
+metrics must name what happened; SIGTERM must stop the intake's thread, not leave it behind.
+Memory and /healthz latency are printed (run with -s), never asserted.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def test_connect_vllm_posts_a_publishers_batches_to_the_service(tmp_path: Path) 
             [
                 sys.executable,
                 "-m",
-                "app.cli",
+                "kvprefetch_cli",
                 "connect",
                 "vllm",
                 "--service",

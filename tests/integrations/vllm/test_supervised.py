@@ -41,7 +41,7 @@ def faulty_follow(self, s):
 
 
 Subscriber._open, Subscriber._follow = faulty_open, faulty_follow
-from app.cli import main
+from kvprefetch_cli import main
 
 sys.argv[0] = "kvprefetch"
 main()
