@@ -62,8 +62,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "EventsRejected",
-    "RemoteServiceError",
     "RemoteService",
+    "RemoteServiceError",
     "RemoteStats",
     "ServiceUnreachable",
     "replay_via",

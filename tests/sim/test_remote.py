@@ -23,8 +23,8 @@ from app.core.config import Settings
 from app.state.base import SessionView
 from sim.remote import (
     EventsRejected,
-    RemoteServiceError,
     RemoteService,
+    RemoteServiceError,
     ServiceUnreachable,
     replay_via,
 )
