@@ -203,6 +203,9 @@ class Engine:
             models_root=settings.models_root_dir,
             deployment=self.deployment,
             tools=self.tools,
+            # A service starts at once, the Booster serving until lleaves has compiled a model
+            # it has not cached; a replay (no event log) compiles first.
+            compile_in_background=keeps_state,
         )
         # Every model change goes through it: logged as an event, the serving choice kept.
         self.lifecycle = ModelLifecycle(

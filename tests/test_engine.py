@@ -262,6 +262,12 @@ def test_a_replay_engine_writes_nothing_to_the_data_dir(tmp_path: Path) -> None:
     asyncio.run(built.close())
     assert not (tmp_path / "data").exists() or not any((tmp_path / "data").rglob("*.jsonl*"))
     assert built.models.serving.version is None  # the heuristic, nothing loaded
+    # A replay's models compile before they score, so its answers never change midway; the
+    # service's start never waits on a compile (the Booster serves meanwhile).
+    assert not built.models.compile_in_background
+    service, _, _ = engine(tmp_path / "service")
+    assert service.models.compile_in_background
+    asyncio.run(service.close())
 
 
 def test_create_app_runs_a_prebuilt_engine(tmp_path: Path) -> None:

@@ -75,6 +75,11 @@ def cache_key(model_file: Path) -> str:
     return h.hexdigest()[:32]
 
 
+def is_cached(model_file: Path, cache_dir: Path | None = None) -> bool:
+    """Whether this model's machine code is in the cache (a start would load it in milliseconds)."""
+    return ((cache_dir or default_cache_dir()) / f"{cache_key(model_file)}.o").is_file()
+
+
 def compile_model(
     model_file: Path, probe: np.ndarray, expected: np.ndarray, cache_dir: Path | None = None
 ) -> CompiledModel:

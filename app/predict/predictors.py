@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
@@ -127,6 +128,7 @@ class LearnedPredictor(TablePredictor):
         cache_dir: Path | None = None,
         deployment: DeploymentSignals | None = None,
         tools: ToolDurations | None = None,
+        compile_in_background: bool = False,
     ) -> None:
         import lightgbm as lgb
 
@@ -166,20 +168,56 @@ class LearnedPredictor(TablePredictor):
             raise ModelError(f"{card_file} does not load: {exc}") from None
         self.version = self.model_dir.name
         self.compiled: compiled.CompiledModel | None = None
+        self._compiling: threading.Thread | None = None
         if backend == "compiled" or (backend == "auto" and compiled.available()):
             probe = probe_rows()
             if self._columns is not None:
                 probe = probe[:, self._columns]
-            try:
-                self.compiled = compiled.compile_model(
-                    model_file, probe, self._booster_predict(probe), cache_dir
+            expected = self._booster_predict(probe)
+            if (
+                backend == "auto"
+                and compile_in_background
+                and not compiled.is_cached(model_file, cache_dir)
+            ):
+                # A first compile takes a minute or more for a model of a thousand trees: the
+                # Booster serves meanwhile (the same answers, slower), so a start never waits.
+                self._compiling = threading.Thread(
+                    target=self._compile,
+                    args=(model_file, probe, expected, cache_dir, False),
+                    name="kvp-lleaves",
+                    daemon=True,
                 )
-            except Exception as exc:  # lleaves is optional: any failure leaves the Booster serving
-                if backend == "compiled":
-                    raise ModelError(f"{model_file} does not compile: {exc}") from None
-                log.warning(
-                    "scoring with the LightGBM Booster: %s does not compile: %s", model_file, exc
-                )
+                self._compiling.start()
+            else:
+                self._compile(model_file, probe, expected, cache_dir, backend == "compiled")
+
+    def _compile(
+        self,
+        model_file: Path,
+        probe: np.ndarray,
+        expected: np.ndarray,
+        cache_dir: Path | None,
+        required: bool,
+    ) -> None:
+        try:
+            done = compiled.compile_model(model_file, probe, expected, cache_dir)
+        except Exception as exc:  # lleaves is optional: any failure leaves the Booster serving
+            if required:
+                raise ModelError(f"{model_file} does not compile: {exc}") from None
+            log.warning(
+                "scoring with the LightGBM Booster: %s does not compile: %s", model_file, exc
+            )
+            return
+        if self._compiling is not None:
+            log.info("%s compiled in %.1f s: scoring with lleaves", model_file, done.load_seconds)
+        self.compiled = done  # one assignment: a scoring thread sees the old or the new
+
+    def wait_compiled(self, timeout_seconds: float | None = None) -> bool:
+        """Wait for a compile in the background (`compile_in_background`); whether the compiled
+        model serves now."""
+        if self._compiling is not None:
+            self._compiling.join(timeout_seconds)
+        return self.compiled is not None
 
     @property
     def backend(self) -> str:
@@ -196,8 +234,9 @@ class LearnedPredictor(TablePredictor):
         if len(x) == 0:
             return np.zeros(0)
         x = self.model_input(x)
-        if self.compiled is not None:
-            return self.compiled.predict(x)
+        model = self.compiled  # read once: a background compile may land meanwhile
+        if model is not None:
+            return model.predict(x)
         return self._booster_predict(x)
 
     def p_within(

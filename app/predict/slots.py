@@ -53,6 +53,7 @@ def load_checked(
     *,
     deployment: DeploymentSignals | None = None,
     tools: ToolDurations | None = None,
+    compile_in_background: bool = False,
 ) -> LearnedPredictor:
     """Load a model and make it answer for a sample of sessions before it may serve.
 
@@ -62,7 +63,9 @@ def load_checked(
     or do not give probabilities in [0, 1] for every session of the sample. `deployment`,
     `tools`: what the model reads the deployment's and the tool features from (LearnedPredictor).
     """
-    model = LearnedPredictor(model_dir, deployment=deployment, tools=tools)
+    model = LearnedPredictor(
+        model_dir, deployment=deployment, tools=tools, compile_in_background=compile_in_background
+    )
     if sample:
         sessions, what = (
             list(sample),
@@ -163,12 +166,16 @@ class ModelSlots:
         models_root: Path | None = None,
         deployment: DeploymentSignals | None = None,
         tools: ToolDurations | None = None,
+        compile_in_background: bool = False,
     ) -> None:
         """`model_dir` None: serve the heuristic, loading nothing (a replay whose policy never
         scores through the engine). `deployment`, `tools`: handed to every model loaded
-        (LearnedPredictor)."""
+        (LearnedPredictor); `compile_in_background`: a model whose machine code is not cached
+        serves with the Booster until lleaves has compiled it (the service's start never waits
+        on it; a replay compiles first, so its answers never change midway)."""
         self.deployment = deployment
         self.tools = tools
+        self.compile_in_background = compile_in_background
         self.ledger = ledger if ledger is not None else AdviceLedger()
         if models_root is None:
             models_root = model_dir.parent if model_dir is not None else Path(".")
@@ -201,7 +208,12 @@ class ModelSlots:
     ) -> LearnedPredictor:
         try:
             return load_checked(
-                model_dir, sample, now, deployment=self.deployment, tools=self.tools
+                model_dir,
+                sample,
+                now,
+                deployment=self.deployment,
+                tools=self.tools,
+                compile_in_background=self.compile_in_background,
             )
         except ModelError as exc:
             raise public_error(exc, model_dir, self.models_root) from None

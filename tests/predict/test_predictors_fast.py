@@ -167,3 +167,22 @@ def tiny_model_text() -> str:
         num_boost_round=5,
     )
     return str(booster.model_to_string())
+
+
+@needs_lleaves
+def test_compiled_in_the_background_the_booster_serves_until_it_lands(tmp_path: Path) -> None:
+    """The service's start never waits on a first compile: the Booster answers meanwhile, the
+    compiled model takes over once built and checked, and a later start finds it cached."""
+    model_dir = tmp_path / "small"
+    model_dir.mkdir()
+    (model_dir / "model.txt").write_text(tiny_model_text())
+    cache = tmp_path / "cache"
+    model = LearnedPredictor(model_dir, cache_dir=cache, compile_in_background=True)
+    x = probe_rows(500, seed=5)
+    expected = model.booster.predict(model.model_input(x), num_threads=1)
+    np.testing.assert_allclose(model.p_from_matrix(x), expected, rtol=0, atol=1e-6)
+    assert model.wait_compiled(timeout_seconds=600)
+    assert model.backend == "lleaves" and not model.compiled.from_cache  # type: ignore[union-attr]
+    np.testing.assert_allclose(model.p_from_matrix(x), expected, rtol=0, atol=1e-6)
+    again = LearnedPredictor(model_dir, cache_dir=cache, compile_in_background=True)
+    assert again.backend == "lleaves" and again.compiled.from_cache  # type: ignore[union-attr]
