@@ -15,6 +15,7 @@ on the Booster, which is always loaded.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -80,6 +81,19 @@ def is_cached(model_file: Path, cache_dir: Path | None = None) -> bool:
     return ((cache_dir or default_cache_dir()) / f"{cache_key(model_file)}.o").is_file()
 
 
+# A partial file older than this was left by a process that stopped mid-compile (a service
+# stopped while its background compile ran): dropped by the next compile.
+STALE_PARTIAL_SECONDS = 3600.0
+
+
+def _drop_stale_partials(cache_dir: Path) -> None:
+    cutoff = time.time() - STALE_PARTIAL_SECONDS
+    for partial in cache_dir.glob("*.partial"):
+        with contextlib.suppress(OSError):  # another process's, gone meanwhile
+            if partial.stat().st_mtime < cutoff:
+                partial.unlink()
+
+
 def compile_model(
     model_file: Path, probe: np.ndarray, expected: np.ndarray, cache_dir: Path | None = None
 ) -> CompiledModel:
@@ -99,6 +113,7 @@ def compile_model(
         model.compile(cache=str(cache_file))
     else:
         cache_dir.mkdir(parents=True, exist_ok=True)
+        _drop_stale_partials(cache_dir)
         # lleaves writes the object file where it is told; a unique name renamed into place means
         # a concurrent start or a crash mid-write never leaves a half file under the real name.
         partial = cache_dir / f"{cache_file.name}.{os.getpid()}.{uuid.uuid4().hex}.partial"

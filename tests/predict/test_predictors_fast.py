@@ -7,7 +7,9 @@ tests skip and the predictor must fall back to the Booster.
 
 from __future__ import annotations
 
+import os
 import random
+import time
 from pathlib import Path
 
 import numpy as np
@@ -177,12 +179,20 @@ def test_compiled_in_the_background_the_booster_serves_until_it_lands(tmp_path: 
     model_dir.mkdir()
     (model_dir / "model.txt").write_text(tiny_model_text())
     cache = tmp_path / "cache"
+    # What a service stopped mid-compile left: dropped by the next compile once stale.
+    cache.mkdir()
+    stale, fresh = cache / "old.o.1.x.partial", cache / "new.o.2.y.partial"
+    stale.write_bytes(b"half")
+    fresh.write_bytes(b"half")
+    hour_ago = time.time() - compiled.STALE_PARTIAL_SECONDS - 60
+    os.utime(stale, (hour_ago, hour_ago))
     model = LearnedPredictor(model_dir, cache_dir=cache, compile_in_background=True)
     x = probe_rows(500, seed=5)
     expected = model.booster.predict(model.model_input(x), num_threads=1)
     np.testing.assert_allclose(model.p_from_matrix(x), expected, rtol=0, atol=1e-6)
     assert model.wait_compiled(timeout_seconds=600)
     assert model.backend == "lleaves" and not model.compiled.from_cache  # type: ignore[union-attr]
+    assert not stale.exists() and fresh.exists()  # another process's may still be writing
     np.testing.assert_allclose(model.p_from_matrix(x), expected, rtol=0, atol=1e-6)
     again = LearnedPredictor(model_dir, cache_dir=cache, compile_in_background=True)
     assert again.backend == "lleaves" and again.compiled.from_cache  # type: ignore[union-attr]
