@@ -15,7 +15,17 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-run: $(STAMP)
+# `make run` needs the service alone (the base install and the compiled model's `fast` extra),
+# not the simulator's, training's, benchmarks' or tests' dependencies: a fresh clone serves
+# sooner.
+RUN_STAMP := $(VENV)/.run-stamp
+
+$(RUN_STAMP): pyproject.toml client/pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet -e ./client -e '.[fast]'
+	@touch $(RUN_STAMP)
+
+run: $(RUN_STAMP)
 	$(VENV)/bin/kvprefetch serve
 
 # Two pytest-xdist workers, one a core on the 2-core machine the timings were taken on (more
