@@ -171,3 +171,26 @@ def trace_slice(tmp_path: Path, trace_name: str, requests: int) -> Path:
     path = tmp_path / f"{trace_name.split('_')[0]}{requests}.jsonl"
     path.write_text("".join(lines))
     return path
+
+
+def small_model_dir(folder: Path) -> Path:
+    """A small model over the service's features (five trees of four leaves) in `folder`: for
+    the tests that compile a model with lleaves to check a command's output, not the bundled
+    model's quality (whose 1,152 trees take a minute or two to compile)."""
+    import lightgbm as lgb
+    import numpy as np
+
+    from app.predict.features import FEATURES
+    from app.predict.predictors import probe_rows
+
+    rng = np.random.default_rng(5)
+    x = probe_rows(2000, seed=9)
+    y = (rng.random(len(x)) < 0.3).astype(float)
+    booster = lgb.train(
+        {"objective": "binary", "num_leaves": 4, "verbose": -1, "seed": 1},
+        lgb.Dataset(x, y, feature_name=list(FEATURES)),
+        num_boost_round=5,
+    )
+    folder.mkdir(parents=True, exist_ok=True)
+    booster.save_model(str(folder / "model.txt"))
+    return folder

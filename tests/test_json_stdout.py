@@ -18,7 +18,7 @@ import typer
 from app.core.bundle import DEFAULT_MODEL_DIR
 from kvprefetch_cli import cli
 from sim.commands import events_from_trace
-from tests.conftest import trace_slice
+from tests.conftest import small_model_dir, trace_slice
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     trace = trace_slice(folder, "synthetic", 300)
     log = folder / "synthetic300.events.jsonl"
     events_from_trace(trace, log, "default", "sticky", "none", None)
-    return {"dir": folder, "trace": trace, "log": log}
+    # bench predict compiles its model cold: a small one (the bundled one takes minutes).
+    return {"dir": folder, "trace": trace, "log": log, "small_model": small_model_dir(folder / "m")}
 
 
 def cases(i: dict[str, Path]) -> dict[str, list[str]]:
@@ -96,6 +97,8 @@ def cases(i: dict[str, Path]) -> dict[str, list[str]]:
         "bench predict": [
             "bench",
             "predict",
+            "--model",
+            str(i["small_model"]),
             "--sessions",
             "50",
             "--rounds",
@@ -120,7 +123,7 @@ def cases(i: dict[str, Path]) -> dict[str, list[str]]:
     }
 
 
-CASE_NAMES = list(cases({"dir": Path(), "trace": Path(), "log": Path()}))
+CASE_NAMES = list(cases({"dir": Path(), "trace": Path(), "log": Path(), "small_model": Path()}))
 
 
 def module_cases(i: dict[str, Path]) -> dict[str, list[str]]:
@@ -142,7 +145,9 @@ def module_cases(i: dict[str, Path]) -> dict[str, list[str]]:
     }
 
 
-MODULE_NAMES = list(module_cases({"dir": Path(), "trace": Path(), "log": Path()}))
+MODULE_NAMES = list(
+    module_cases({"dir": Path(), "trace": Path(), "log": Path(), "small_model": Path()})
+)
 
 
 def test_every_json_command_is_covered() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from typer.testing import CliRunner
 
@@ -10,6 +11,7 @@ from app.predict import compiled
 from app.predict.predictors import HORIZON_GRID
 from bench.predict import PLANNER_HORIZONS
 from kvprefetch_cli import cli
+from tests.conftest import small_model_dir
 
 BATCH = {
     "service_p_within",
@@ -24,12 +26,19 @@ BATCH = {
 }
 
 
-def test_bench_predict_reports_the_service_beside_the_booster_at_both_horizon_sets() -> None:
+def test_bench_predict_reports_the_service_beside_the_booster_at_both_horizon_sets(
+    tmp_path: Path,
+) -> None:
+    # A small model: the JSON is what is checked here, and the bundled model's cold compile
+    # alone takes a minute or two (tests/predict/test_predictors_fast.py compiles that one).
+    model = small_model_dir(tmp_path / "small")
     result = CliRunner().invoke(
         cli,
         [
             "bench",
             "predict",
+            "--model",
+            str(model),
             "--sessions",
             "50",
             "--rounds",
