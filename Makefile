@@ -39,13 +39,12 @@ TEST_WORKERS ?= 2
 # the Mooncake tier's a real master and store (Debian's libibverbs1, the wheel in the venv), the
 # agent integrations' LangGraph and the OpenAI Agents SDK (their own venv, .venv-agents), the
 # LiteLLM plug-in's a real proxy (its own venv, .venv-litellm): each installed first when
-# missing (needs root for apt), a failure where it can't be.
+# missing (needs root for apt), a failure where it can't be; the three venvs side by side
+# (.ci/ensure-venvs).
 test: $(STAMP) lint
 	bash .ci/ensure-chromium
 	bash .ci/ensure-promtool
-	bash .ci/ensure-lmcache
-	bash .ci/ensure-agents
-	bash .ci/ensure-litellm
+	bash .ci/ensure-venvs
 	VENV=$(VENV) bash .ci/ensure-mooncake
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
