@@ -8,7 +8,7 @@
 #   WALK_DIR    where everything goes (default var/walkthrough/<start, UTC>): the event log,
 #               the models, the MLflow store, the plots, the service's data and log; kept
 #   WALK_SPEED  the live traffic's pace, times the trace's (default 60)
-#   KVP_PORT    the service's port (default 8000)
+#   KVP_PORT    the service's port (default 8000); other KVP_ settings pass through to it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="${VENV:-.venv}/bin:$PATH"
