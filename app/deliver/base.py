@@ -114,7 +114,7 @@ class OrderSink(ABC):
 
     def attach(self, binding: SinkBinding) -> list[SinkObserver]:
         """Take what the engine hands over; the ingest observers this sink needs (none by
-        default), told in the engine's order (app/engine.py, OBSERVERS)."""
+        default), told in the engine's one order of them (app/engine.py, Engine.observers)."""
         return []
 
     def owner(self, order_id: str) -> tuple[str | None, str | None] | None:
