@@ -11,6 +11,7 @@ import typer
 
 from app.commands import needs, print_result
 from app.core.errors import KvpError
+from bench.load.options import LoadOptions
 
 BENCH = needs("bench")
 
@@ -305,72 +306,74 @@ def bench_train_fleet(
     print_result(result, as_json)
 
 
+# The defaults are LoadOptions' (a dataclass field's plain default stays its class attribute), so
+# the command and bench.load.run cannot disagree.
 @bench.command("load", cls=BENCH)
 def bench_load(
     duration_seconds: Annotated[
         float, typer.Option(min=0.1, help="Measured seconds of sustained load.")
-    ] = 120.0,
+    ] = LoadOptions.duration_seconds,
     warmup_seconds: Annotated[
         float, typer.Option(min=0, help="Load before the start RSS is taken.")
-    ] = 10.0,
+    ] = LoadOptions.warmup_seconds,
     sessions: Annotated[
         int, typer.Option(min=1, help="Live conversations (ended ones are replaced).")
-    ] = 3000,
+    ] = LoadOptions.sessions,
     instances: Annotated[
         int, typer.Option(min=1, help="Serving instances, split among the event connections.")
-    ] = 16,
+    ] = LoadOptions.instances,
     hbm_blocks: Annotated[
         int, typer.Option(min=1, help="KV blocks an instance's HBM holds (LRU).")
-    ] = 2000,
-    batch_size: Annotated[int, typer.Option(min=1, help="Events per POST /v1/events.")] = 200,
+    ] = LoadOptions.hbm_blocks,
+    batch_size: Annotated[
+        int, typer.Option(min=1, help="Events per POST /v1/events.")
+    ] = LoadOptions.batch_size,
     event_connections: Annotated[
         int, typer.Option(min=1, help="Routers posting batches, one connection each.")
-    ] = 2,
+    ] = LoadOptions.event_connections,
     hint_connections: Annotated[
         int, typer.Option(min=0, help="Connections asking for route hints.")
-    ] = 2,
+    ] = LoadOptions.hint_connections,
     store: Annotated[
         str,
         typer.Option(
             help="memory, or redis (at KVP_REDIS_URL, under a prefix removed afterwards)."
         ),
-    ] = "memory",
+    ] = LoadOptions.store,
     fsync: Annotated[
         bool,
         typer.Option("--fsync/--no-fsync", help="fsync the event log per batch (the default)."),
-    ] = True,
+    ] = LoadOptions.fsync,
     dedupe_max_ids: Annotated[
         int | None, typer.Option(min=1, help="The service's KVP_DEDUPE_MAX_IDS (default: its own).")
-    ] = None,
-    # The bench's users answer in about a second, real ones in minutes: an hour of retention at a
-    # human pace is about a minute at the bench's.
+    ] = LoadOptions.dedupe_max_ids,
     session_retention_seconds: Annotated[
         float,
         typer.Option(
             min=0.001,
             help="The service's KVP_SESSION_RETENTION_SECONDS, scaled to the bench's think times.",
         ),
-    ] = 60.0,
+    ] = LoadOptions.session_retention_seconds,
     sample_seconds: Annotated[
         float, typer.Option(min=0.1, help="How often RSS and the store's counts are sampled.")
-    ] = 5.0,
+    ] = LoadOptions.sample_seconds,
     ceiling_seconds: Annotated[
         float, typer.Option(min=0, help="Each of the two ceiling phases (0: none).")
-    ] = 10.0,
+    ] = LoadOptions.ceiling_seconds,
     calibrate_sessions: Annotated[
         int,
         typer.Option(
             min=0,
             help="Sessions ingested to price each unit of state the bound counts (0: no bound).",
         ),
-    ] = 10_000,
+    ] = LoadOptions.calibrate_sessions,
     token: Annotated[
         str | None,
         typer.Option(
             envvar="KVP_BENCH_TOKEN",
             help="Sent as Authorization: Bearer (default: KVP_BENCH_TOKEN).",
         ),
-    ] = None,
+    ] = LoadOptions.token,
     service_env: Annotated[
         list[str] | None,
         typer.Option(
@@ -380,8 +383,8 @@ def bench_load(
     ] = None,
     data_dir: Annotated[
         Path | None, typer.Option(help="Where the temporary data dir goes.")
-    ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the generated traffic.")] = 0,
+    ] = LoadOptions.data_dir,
+    seed: Annotated[int, typer.Option(help="Seed of the generated traffic.")] = LoadOptions.seed,
     events_per_second: Annotated[
         float | None,
         typer.Option(
@@ -389,11 +392,11 @@ def bench_load(
             help="Offer this many events/s in all (open-loop; latency from each batch's "
             "scheduled start). Default: closed-loop, full speed.",
         ),
-    ] = None,
+    ] = LoadOptions.events_per_second,
     hints_per_second: Annotated[
         float | None,
         typer.Option(min=0.001, help="Offer this many route hints/s in all (open-loop)."),
-    ] = None,
+    ] = LoadOptions.hints_per_second,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout.")
     ] = False,
@@ -402,42 +405,48 @@ def bench_load(
     latency, errors, and its RSS against a bound computed from the run's configuration."""
     from bench.load import BenchError, run
 
-    env = {}
-    for item in service_env or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.startswith("KVP_"):
-            raise typer.BadParameter(f"{item!r}: KVP_NAME=VALUE", param_hint="'--service-env'")
-        env[key] = value
+    options = LoadOptions(
+        duration_seconds=duration_seconds,
+        warmup_seconds=warmup_seconds,
+        sessions=sessions,
+        instances=instances,
+        hbm_blocks=hbm_blocks,
+        batch_size=batch_size,
+        event_connections=event_connections,
+        hint_connections=hint_connections,
+        store=store,
+        fsync=fsync,
+        dedupe_max_ids=dedupe_max_ids,
+        session_retention_seconds=session_retention_seconds,
+        sample_seconds=sample_seconds,
+        ceiling_seconds=ceiling_seconds,
+        calibrate_sessions=calibrate_sessions,
+        token=token,
+        service_env=_service_env(service_env or []),
+        data_dir=data_dir,
+        seed=seed,
+        events_per_second=events_per_second,
+        hints_per_second=hints_per_second,
+    )
     try:
-        result = run(
-            duration_seconds=duration_seconds,
-            warmup_seconds=warmup_seconds,
-            sessions=sessions,
-            instances=instances,
-            hbm_blocks=hbm_blocks,
-            batch_size=batch_size,
-            event_connections=event_connections,
-            hint_connections=hint_connections,
-            store=store,
-            fsync=fsync,
-            dedupe_max_ids=dedupe_max_ids,
-            session_retention_seconds=session_retention_seconds,
-            sample_seconds=sample_seconds,
-            ceiling_seconds=ceiling_seconds,
-            calibrate_sessions=calibrate_sessions,
-            token=token,
-            service_env=env,
-            data_dir=data_dir,
-            seed=seed,
-            events_per_second=events_per_second,
-            hints_per_second=hints_per_second,
-        )
+        result = run(options)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     except BenchError as exc:  # the service did not start or died: its log says why
         typer.echo(f"kvprefetch bench load: {exc}", err=True)
         raise typer.Exit(1) from None
     print_result(result, as_json)
+
+
+def _service_env(items: list[str]) -> dict[str, str]:
+    """--service-env's KVP_X=V items, as a dict."""
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.startswith("KVP_"):
+            raise typer.BadParameter(f"{item!r}: KVP_NAME=VALUE", param_hint="'--service-env'")
+        env[key] = value
+    return env
 
 
 @bench.command("redis-io", cls=BENCH)

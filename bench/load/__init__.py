@@ -11,7 +11,8 @@ their defaults, session retention scaled to the bench's pace); this process is t
 - `ceiling`: the bare FastAPI baseline and its phase;
 - `processes`, `probes`: the server processes, and what is read from them;
 - `report`: the series, the memory bound, the JSON;
-- `driver`: `run()`, the phases in order.
+- `options`: `LoadOptions`, a run's settings and their defaults;
+- `driver`: `run(options)`, the phases in order.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from bench.load.driver import run
+    from bench.load.options import LoadOptions
     from bench.load.processes import BenchError
 
-__all__ = ["BenchError", "run"]
+__all__ = ["BenchError", "LoadOptions", "run"]
 
 
 def __getattr__(name: str) -> Any:
@@ -37,4 +39,8 @@ def __getattr__(name: str) -> Any:
         from bench.load.processes import BenchError
 
         return BenchError
+    if name == "LoadOptions":
+        from bench.load.options import LoadOptions
+
+        return LoadOptions
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
