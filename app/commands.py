@@ -138,6 +138,9 @@ def serve(
             "PROMETHEUS_MULTIPROC_DIR", str((settings.data_dir / "prometheus").resolve())
         )
     from app.core.multiprocess import multiprocess_dir, prepare_multiprocess_dir
+    from app.core.runtime import import_model_libraries_bare
+
+    import_model_libraries_bare()  # before anything of the service's imports it
 
     metrics_dir = multiprocess_dir()
     if metrics_dir is not None:

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from app.api.main import create_app
 from app.core.config import Settings
 from app.core.errors import ConfigError
-from app.core.runtime import tune_gc
+from app.core.runtime import import_model_libraries_bare, tune_gc
 
 MAX_WORKERS = 256
 
@@ -41,6 +41,7 @@ def claim_worker_slot(directory: Path) -> tuple[int, IO[str]]:
 
 
 def create_worker_app() -> FastAPI:
+    import_model_libraries_bare()
     settings = Settings()  # `serve` put its options in the environment
     slot, lock = claim_worker_slot(settings.event_log_dir)
     settings = settings.model_copy(

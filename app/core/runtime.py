@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import importlib
+import sys
 from collections.abc import Sized
 
 # Events between two collections of the young generations by the pacer: a pause walks what the
@@ -15,6 +18,43 @@ YOUNG_COLLECTION_EVENTS = 5_000
 _NO_FULL_COLLECTIONS = 2**31 - 1
 
 _paced = False
+
+# What LightGBM and lleaves import when it is installed, for their scikit-learn, pandas, Dask and
+# plotting interfaces: none of which the service calls (its base install has none of them).
+MODEL_LIBRARY_BRIDGES = (
+    "sklearn",
+    "pandas",
+    "dask",
+    "distributed",
+    "pyarrow",
+    "cffi",
+    "matplotlib",
+    "graphviz",
+)
+
+
+def import_model_libraries_bare() -> None:
+    """Import LightGBM (and lleaves, when installed) as the service's base install has them:
+    without their bridges to scikit-learn, pandas and Dask.
+
+    Where the extras are installed (the `all` install, the tests' venv) LightGBM imports
+    scikit-learn, pandas and SciPy's statistics at import: 1.4 to 2.3 s of every service start
+    on this 2-core machine, for interfaces the service never calls. Those packages stay
+    importable afterwards; only LightGBM and lleaves, in this process, go without them.
+    """
+    if "lightgbm" in sys.modules:
+        return
+    hidden = [name for name in MODEL_LIBRARY_BRIDGES if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # type: ignore[assignment]  # makes `import name` fail
+    try:
+        importlib.import_module("lightgbm")
+        with contextlib.suppress(ImportError):  # lleaves is the `fast` extra's
+            importlib.import_module("lleaves")
+    finally:
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
 
 
 def tune_gc() -> None:

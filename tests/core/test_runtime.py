@@ -1,13 +1,17 @@
-"""The process's collector tuning: the pacer collects the young generations every so many events."""
+"""Process-level tuning: the pacer collects the young generations every so many events; the model
+libraries load without their bridges."""
 
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 
 import pytest
 
 from app.core import runtime
 from app.core.runtime import YoungCollector
+from tests.conftest import REPO
 
 
 def test_the_pacer_collects_the_young_generations_every_so_many_events(
@@ -51,3 +55,30 @@ def test_only_a_tuned_process_paces(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runtime, "_paced", True)
     pacer = runtime.young_collector()
     assert pacer is not None and pacer.every_events == runtime.YOUNG_COLLECTION_EVENTS
+
+
+def test_the_model_libraries_load_without_their_bridges_which_stay_importable() -> None:
+    # In a process of its own: this one has imported LightGBM (and its bridges) already.
+    code = """
+import sys
+from app.core.runtime import MODEL_LIBRARY_BRIDGES, import_model_libraries_bare
+import_model_libraries_bare()
+import lightgbm
+import lightgbm.compat
+loaded = sorted(n for n in MODEL_LIBRARY_BRIDGES if n in sys.modules)
+assert loaded == [], loaded
+assert not lightgbm.compat.SKLEARN_INSTALLED and not lightgbm.compat.PANDAS_INSTALLED
+booster = lightgbm.Booster(model_file="models/default/model.txt")
+assert booster.num_trees() > 0
+import pandas, sklearn  # still there for whoever asks afterwards
+print("ok")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
