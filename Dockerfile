@@ -22,6 +22,10 @@ ARG EXTRAS=fast
 RUN pip install --no-cache-dir /tmp/wheels/kvprefetch_client-*.whl \
         "$(ls /tmp/wheels/kvprefetch-[0-9]*.whl)[${EXTRAS}]" \
     && rm -rf /tmp/wheels
+# The bundled model's machine code, so the service scores compiled from its first second (a first
+# compile takes a minute or more). The cache is keyed by the CPU too: on another model of CPU the
+# service compiles again in the background, the Booster serving meanwhile.
+RUN if pip show lleaves >/dev/null 2>&1; then kvprefetch compile-model; fi
 WORKDIR /srv/kvprefetch
 # 0.0.0.0 needs tokens (KVP_TOKENS_FILE or KVP_*_TOKEN): without any the service refuses to start.
 ENV KVP_HOST=0.0.0.0 KVP_DATA_DIR=/var/lib/kvprefetch

@@ -41,11 +41,19 @@ TEST_WORKERS ?= 2
 # LiteLLM plug-in's a real proxy (its own venv, .venv-litellm): each installed first when
 # missing (needs root for apt), a failure where it can't be; the three venvs side by side
 # (.ci/ensure-venvs).
+#
+# Meanwhile the bundled model is compiled into lleaves' cache (`kvprefetch compile-model`): on a
+# new machine a first compile takes one to two minutes of a core, and each service the tests
+# start would otherwise begin it afresh in the background. And the packages' bytecode is written
+# once (where PYTHONDONTWRITEBYTECODE is set, every process the tests start compiled every module
+# it imports).
 test: $(STAMP) lint
-	bash .ci/ensure-chromium
-	bash .ci/ensure-promtool
-	bash .ci/ensure-venvs
-	VENV=$(VENV) bash .ci/ensure-mooncake
+	@$(VENV)/bin/kvprefetch compile-model > $(VENV)/.compile-model.log 2>&1 & compiling=$$!; \
+	  bash .ci/ensure-chromium && bash .ci/ensure-promtool && bash .ci/ensure-venvs \
+	  && VENV=$(VENV) bash .ci/ensure-mooncake; ready=$$?; \
+	  if ! wait $$compiling; then cat $(VENV)/.compile-model.log; exit 1; fi; \
+	  cat $(VENV)/.compile-model.log; exit $$ready
+	$(PY) -m compileall -q app client/kvprefetch_client sim training bench kvprefetch_cli > /dev/null
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 # Style, lint (the 100 columns included) and types: each fails make test.

@@ -9,6 +9,7 @@ on the base install.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -162,6 +163,42 @@ def serve(
 
     tune_gc()
     serve_app(create_app(settings), settings, listener=listener)
+
+
+@commands.command("compile-model", cls=needs("fast"))
+def compile_model(
+    model_dir: Annotated[
+        Path | None,
+        typer.Option(help="The model's directory (default: KVP_MODEL_DIR's, the bundled model)."),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """Compile a model to machine code (lleaves) into the cache, checked against LightGBM: a
+    service started with it then scores compiled at once, not on the Booster for the minute or
+    more a first compile takes (an image's build step; `make test`'s first)."""
+    from app.core.runtime import import_model_libraries_bare
+
+    import_model_libraries_bare()
+    from app.predict.predictors import LearnedPredictor
+
+    try:
+        directory = model_dir if model_dir is not None else Settings().model_dir
+        model = LearnedPredictor(directory, backend="compiled")
+    except KvpError as exc:  # ModelError too
+        typer.echo(f"kvprefetch compile-model: {exc}", err=True)
+        raise typer.Exit(2) from None
+    done = model.compiled
+    assert done is not None  # backend="compiled" raises rather than leave it unset
+    result = {
+        "model_dir": str(directory),
+        "trees": model.booster.num_trees(),
+        "cache_file": str(done.cache_file),
+        "from_cache": done.from_cache,
+        "seconds": round(done.load_seconds, 2),
+    }
+    print_result(result, as_json)
 
 
 @commands.command()

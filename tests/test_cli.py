@@ -22,7 +22,7 @@ from kvprefetch_cli import cli
 REPO = Path(__file__).resolve().parent.parent
 # Every command, as users, the docs and the tests type it: moving the code keeps them all.
 COMMANDS = {
-    "serve", "token", "agent", "connect vllm",
+    "serve", "token", "agent", "connect vllm", "compile-model",
     "replay", "agent-trace", "targets", "events-from-trace", "trace import",
     "train", "evaluate", "log compact",
     "registry register", "registry fetch", "registry promote", "registry list",

@@ -32,6 +32,7 @@ TESTED_ELSEWHERE = {
     "bench redis-io": "tests/bench/test_bench_redis_io.py",
     "bench train-fleet": "tests/bench/test_bench_train_fleet.py",
     "bench mooncake": "tests/client/agent/test_mooncake_bench.py",
+    "compile-model": "tests/predict/test_predictors_fast.py",
 }
 
 # A targets run over one small case, not issue 14's dozens: the case list is all that is swapped.

@@ -18,6 +18,7 @@ EXTRA_MODULES: dict[str, tuple[str, ...]] = {
     "sim": ("matplotlib",),
     "training": ("pandas", "sklearn", "matplotlib"),
     "bench": ("pandas", "sklearn", "matplotlib"),
+    "fast": ("lleaves", "llvmlite"),
 }
 
 

@@ -201,3 +201,38 @@ def test_compiled_in_the_background_the_booster_serves_until_it_lands(tmp_path: 
     np.testing.assert_allclose(model.p_from_matrix(x), expected, rtol=0, atol=1e-6)
     again = LearnedPredictor(model_dir, cache_dir=cache, compile_in_background=True)
     assert again.backend == "lleaves" and again.compiled.from_cache  # type: ignore[union-attr]
+
+
+@needs_lleaves
+def test_the_compile_model_command_fills_the_cache_a_start_then_reads(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, small_model_dir
+
+    model_dir = small_model_dir(tmp_path / "model")
+    cache_root = tmp_path / "cache"
+    env = {**os.environ, "XDG_CACHE_HOME": str(cache_root)}
+
+    def compile_model(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "kvprefetch_cli", "compile-model", *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+
+    first, second = (compile_model("--model-dir", str(model_dir), "--json") for _ in range(2))
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    made, read = json.loads(first.stdout), json.loads(second.stdout)
+    assert (made["from_cache"], read["from_cache"]) == (False, True)
+    assert made["trees"] == 5 and made["cache_file"] == read["cache_file"]
+    cache_dir = cache_root / "kvprefetch" / "lleaves"
+    assert Path(made["cache_file"]).parent == cache_dir
+    assert compiled.is_cached(model_dir / "model.txt", cache_dir)
+    missing = compile_model("--model-dir", str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and "no model at" in missing.stderr, missing.stderr
