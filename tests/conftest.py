@@ -32,10 +32,10 @@ TRACES = REPO.parent / "shared" / "traces"
 # first prefix that matches):
 XDIST_GROUPS = {
     # Real service processes whose latencies and stalls are measured: one at a time, so two never
-    # fight over the two cores (the other worker runs the in-process tests meanwhile).
+    # fight over the two cores (the other workers run the other tests meanwhile).
     "tests/e2e/": "e2e",
     # The full traces' bounds replay what no other test does: a group of their own, so that the
-    # two workers can share the sim's replays.
+    # workers can share the sim's replays.
     "tests/sim/test_policies.py::test_oracle_and_belady_bound_none_on_full_traces": "sim-full",
     # test_policies' other bounds reuse test_cluster's cached replays (checked_replay).
     "tests/sim/test_cluster.py": "sim-replays",
