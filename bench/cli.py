@@ -87,9 +87,15 @@ def bench_ingest(
 def bench_vllm_intake(
     rounds: Annotated[int, typer.Option(min=1, help="Rounds; each measures both paths.")] = 3,
     publishers: Annotated[int, typer.Option(min=1, help="vLLM publishers (ZMQ PUB).")] = 8,
-    batches: Annotated[
-        int, typer.Option(min=1, help="Batches per publisher per round (16 KV events each).")
-    ] = 250,
+    batches: Annotated[int, typer.Option(min=1, help="Batches per publisher per round.")] = 2500,
+    events_per_batch: Annotated[
+        float,
+        typer.Option(
+            min=1.0,
+            help="KV events a batch, on average (each batch the whole part, or one more with the "
+            "fraction's chance): vLLM 0.33's publisher sent 1.4 (1 or 2 a batch).",
+        ),
+    ] = 1.4,
     per_post: Annotated[int, typer.Option(min=1, help="vLLM batches per HTTP POST.")] = 32,
     concurrency: Annotated[int, typer.Option(min=1, help="HTTP client connections.")] = 3,
     data_dir: Annotated[
@@ -102,7 +108,8 @@ def bench_vllm_intake(
     ] = False,
 ) -> None:
     """
-    KV events/s from vLLM ZMQ publishers through the subscriber into the engine, beside HTTP.
+    Batches/s and KV events/s from vLLM ZMQ publishers through the subscriber into the engine,
+    beside HTTP.
     """
     from bench.vllm_intake import run
 
@@ -111,6 +118,7 @@ def bench_vllm_intake(
             rounds=rounds,
             publishers=publishers,
             batches=batches,
+            events_per_batch=events_per_batch,
             per_post=per_post,
             concurrency=concurrency,
             seed=seed,
