@@ -242,7 +242,8 @@ def train(
     from training.progress import rich_bars, stderr_is_terminal
 
     if tune:
-        from training.tune import MissingExtraError, require_optuna
+        from app.core.errors import MissingExtraError
+        from training.tune import require_optuna
         from training.tune import tune as search
 
         try:
@@ -315,8 +316,8 @@ def train(
 
 def _require_mlflow() -> None:
     """The 'mlflow' extra is there, or a usage error naming it."""
+    from app.core.errors import MissingExtraError
     from training.tracking import require_mlflow
-    from training.tune import MissingExtraError
 
     try:
         require_mlflow()
@@ -362,8 +363,8 @@ def _registry(call: Any, *args: Any) -> Any:
     import logging
     import os
 
+    from app.core.errors import MissingExtraError
     from training.tracking import require_mlflow
-    from training.tune import MissingExtraError
 
     try:
         require_mlflow()

@@ -281,3 +281,27 @@ def test_evaluate_mlflow_logs_the_comparison_with_a_run_per_model(
         logged = by_name[Path(m["model"]["dir"]).name]
         assert logged["byte_hit_rate"] == pytest.approx(m["byte_hit_rate"])
         assert logged["prediction/brier"] == pytest.approx(m["prediction"]["brier"])
+
+
+def test_the_registry_commands_load_no_training_code(tmp_path: Path) -> None:
+    # In a process of its own (this one has imported training): the registry's commands need
+    # MLflow alone, not LightGBM or scikit-learn (1.5 s of each command's start).
+    import subprocess
+
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from kvprefetch_cli import cli\n"
+        "r = CliRunner().invoke(cli, ['registry', 'list', '--mlflow-uri', sys.argv[1]])\n"
+        "assert r.exit_code == 0, r.output\n"
+        "print(sorted(m for m in ('lightgbm', 'sklearn', 'training.train') if m in sys.modules))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, f"sqlite:///{tmp_path / 'mlflow.db'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
