@@ -165,7 +165,7 @@ class Settings(BaseSettings):
     # sessions per tick, read from the store as views (what the service ran before).
     score_all_live: bool = True
     # With score_all_live, sessions per chunk of a pass: what holds the event loop in one piece.
-    score_chunk_sessions: int = Field(4096, ge=1)
+    score_chunk_sessions: int = Field(2048, ge=1)
     # Sessions per tick: the page (without score_all_live), or the sweep page each pass re-reads
     # from the store so that what no observer saw still comes into the table.
     score_sessions_per_tick: int = Field(256, ge=1)

@@ -82,8 +82,10 @@ T = TypeVar("T")
 
 MAX_NEWS_QUEUE = 100_000
 # Sessions per chunk of a pass over every live session: a chunk is what holds the event loop in
-# one piece (about 20 ms a model at 4096 on the 2-core development machine).
-CHUNK_SESSIONS = 4096
+# one piece. At 4096 the chunks held it 101-115 ms under `bench load` at 6,000 events/s with 45
+# hints/s (the bench's client on the same 2 cores); at 2048 none held it over 100 ms after the
+# start-up, the service at 68.5% of a core against 67.1 (one run each; docs/decisions.md, 26).
+CHUNK_SESSIONS = 2048
 # The first pass builds the table from the store's listing, this many sessions a read.
 REBUILD_PAGE_SESSIONS = 1024
 # Dirty rows re-read a step: a re-read costs about 57 us a session (memory store), so 1024 held
