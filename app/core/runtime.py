@@ -19,8 +19,8 @@ _NO_FULL_COLLECTIONS = 2**31 - 1
 
 _paced = False
 
-# What LightGBM and lleaves import when it is installed, for their scikit-learn, pandas, Dask and
-# plotting interfaces: none of which the service calls (its base install has none of them).
+# What LightGBM and lleaves import where these are installed, for their scikit-learn, pandas,
+# Dask and plotting interfaces: none of which the service calls (its base install has none).
 MODEL_LIBRARY_BRIDGES = (
     "sklearn",
     "pandas",
