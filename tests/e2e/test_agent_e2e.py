@@ -244,7 +244,13 @@ def test_agents_move_real_bytes_report_progress_and_survive_a_kill_9(
     hbm = {loc["location"]: loc for loc in locations}[f"hbm@{INSTANCE}"]
     # The missing order moved nothing: its blocks are checked against the pool before any byte.
     assert hbm["blocks"] == len(HOLD_BLOCKS) + len(BULK_BLOCKS)
-    status = survivor.status()
+    # Its status file is written on the agent's next turn: waited for until it counts the three
+    # orders the service has as ended, not read at once.
+    status = wait_for(
+        lambda: (s := survivor.status()).get("completed", 0) + s.get("failed", 0) >= 3 and s,
+        "the survivor's status to count its orders",
+        survivor,
+    )
     assert sorted(status["buffer_blocks"]) == sorted(HOLD_BLOCKS + BULK_BLOCKS)
     assert (status["completed"], status["failed"], status["withdrawn"], status["malformed"]) == (
         2,

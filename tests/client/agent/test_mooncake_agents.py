@@ -174,7 +174,13 @@ def test_an_agent_killed_mid_copy_leaves_the_order_to_another_that_does_it_once(
         assert [e["status"] for e in done] == ["completed"], done
         assert done[0]["bytes"] == len(BLOCKS) * BLOCK_BYTES and done[0]["seconds"] > 0
         wait_for(lambda: r.xpending(key, GROUP)["pending"] == 0, "the ack", survivor)
-        status = survivor.status()
+        # The status file is written on the agent's next turn after the ack: waited for, not read
+        # at once (a loaded machine read the one from before the copy).
+        status = wait_for(
+            lambda: (s := survivor.status()).get("completed") == 1 and s,
+            "agent-b's status to count the order",
+            survivor,
+        )
         assert status["buffer_blocks"] == BLOCKS and status["completed"] == 1
         segment = status["mooncake_segment"]
         for h in BLOCKS:
