@@ -8,6 +8,7 @@ order (see app/state/).
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -257,7 +258,14 @@ class VllmKvEvents(_Event):
     events: Annotated[list[VllmKvEvent], Field(max_length=MAX_BLOCKS_PER_EVENT)]
     data_parallel_rank: StrictInt | None = None
 
-    def expand(self) -> list[KvBlocksStored | KvBlocksRemoved | KvBlocksCleared]:
+    def expand(self) -> tuple[KvBlocksStored | KvBlocksRemoved | KvBlocksCleared, ...]:
+        """The batch as kv_blocks_* events, built once: the store, the outcomes and the
+        scheduler's feedback each read it, per batch of vLLM's intake (a tuple: shared)."""
+        return self.kv_block_events
+
+    # Outside the fields (pydantic ignores a cached_property; equality compares fields only).
+    @cached_property
+    def kv_block_events(self) -> tuple[KvBlocksStored | KvBlocksRemoved | KvBlocksCleared, ...]:
         out: list[KvBlocksStored | KvBlocksRemoved | KvBlocksCleared] = []
         for i, e in enumerate(self.events):
             sub_id = f"{self.event_id}#{i}"
@@ -292,7 +300,7 @@ class VllmKvEvents(_Event):
                         event_id=sub_id, ts=self.ts, tier="hbm", instance_id=self.instance_id
                     )
                 )
-        return out
+        return tuple(out)
 
 
 class InstanceStatus(_Event):

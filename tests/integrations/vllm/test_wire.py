@@ -126,6 +126,21 @@ def test_the_json_http_form_still_takes_vllm_events_with_a_session_id() -> None:
     assert stored.tier == "disk" and removed.tier == "hbm"
 
 
+def test_a_batch_is_expanded_once_and_its_expansion_is_no_part_of_the_event() -> None:
+    """The store, the outcomes and the feedback each read a vLLM batch's expansion: built once.
+    Cached outside the fields, it changes neither equality nor what is logged."""
+    body = (
+        b'{"type": "vllm_kv_events", "event_id": "v1", "ts": 1.0, "instance_id": "gpu-0",'
+        b' "events": [["BlockStored", [1, 2], null, [], 16, null, "GPU"]]}'
+    )
+    e, fresh = event_adapter.validate_json(body), event_adapter.validate_json(body)
+    first = e.expand()  # type: ignore[union-attr]
+    assert e.expand() is first  # type: ignore[union-attr]
+    assert [s.block_hashes for s in first] == [[1, 2]]  # type: ignore[union-attr]
+    assert e == fresh
+    assert e.model_dump_json() == fresh.model_dump_json()
+
+
 def test_a_session_id_that_is_no_session_id_is_dropped_and_the_blocks_kept() -> None:
     enc = msgspec.msgpack.encode
     stored = {"type": "BlockStored", "block_hashes": [5], "parent_block_hash": None,
