@@ -433,21 +433,21 @@ def _report(stats: pstats.Stats, batches: int, top: int, gc_timer: GcTimer) -> s
         f"server under cProfile: {total:.2f} s, idle in epoll {idle:.2f} s, busy {busy:.2f} s "
         f"({batches} measured batches + 10 warm-up of 1000 events)",
         "",
-        f"{'step':34s} {'ms/batch':>9s} {'% busy':>7s}",
+        f"{'step':44s} {'ms/batch':>9s} {'% busy':>7s}",
     ]
     n = batches + 10
     for label, name, suffix in _STEPS:
         _calls, _tt, ct = _find(stats, name, suffix)
-        lines.append(f"{label:34s} {ct / n * 1e3:9.2f} {ct / busy * 100:6.1f}%")
+        lines.append(f"{label:44s} {ct / n * 1e3:9.2f} {ct / busy * 100:6.1f}%")
     # The rest: HTTP and the framework, the response, the loops' own overhead.
     rest = busy - route - sum(_find(stats, nm, sf)[2] for _label, nm, sf in _PARTS)
     lines.append(
-        f"{'the rest (HTTP, framework, loops)':34s} {rest / n * 1e3:9.2f} {rest / busy * 100:6.1f}%"
+        f"{'the rest (HTTP, framework, loops)':44s} {rest / n * 1e3:9.2f} {rest / busy * 100:6.1f}%"
     )
     gc_s = sum(gc_timer.seconds)
     lines.append("")
     lines.append(
-        f"{'cyclic GC (inside the steps above)':34s} {gc_s / n * 1e3:9.2f} "
+        f"{'cyclic GC (inside the steps above)':44s} {gc_s / n * 1e3:9.2f} "
         f"{gc_s / busy * 100:6.1f}%"
         f"  ({gc_timer.collections[2]} full collections, {gc_timer.seconds[2] * 1e3:.0f} ms)"
     )
