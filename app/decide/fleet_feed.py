@@ -59,6 +59,7 @@ class FleetFeed:
         self._last = "$"
         self.published = 0
         self.read_events = 0
+        self.read_batches = 0  # the other replicas' entries read (and readable)
         self.unpublished = 0
 
     def publish(self, events: Sequence[Event]) -> None:
@@ -98,6 +99,7 @@ class FleetFeed:
                     out += [
                         event_adapter.validate_python(e) for e in orjson.loads(fields[b"events"])
                     ]
+                    self.read_batches += 1
                 except (ValueError, KeyError) as exc:  # bad input: logged, never a crash
                     log.warning("feed entry %s unreadable: %s", self._last, exc)
         self.read_events += len(out)

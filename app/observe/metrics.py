@@ -637,6 +637,20 @@ class Metrics:
             "Planning ticks skipped because this replica does not hold the planning lease.",
             registry=r,
         )
+        # How far the fleet feed's reader got (app/decide/fleet_feed.py): beside the other
+        # replicas' kvprefetch_events_ingested_total, how far behind this planning side is.
+        self.fleet_feed_applied_events = Counter(
+            "kvprefetch_fleet_feed_applied_events",
+            "Other replicas' accepted events read from the fleet feed and applied to this "
+            "replica's planning side.",
+            registry=r,
+        )
+        self.fleet_feed_applied_batches = Counter(
+            "kvprefetch_fleet_feed_applied_batches",
+            "Other replicas' accepted batches (fleet feed entries) applied to this replica's "
+            "planning side.",
+            registry=r,
+        )
 
     def _label_children(self) -> None:
         """The children made once: a labelled counter's lookup costs more than its increment,
