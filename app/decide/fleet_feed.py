@@ -41,6 +41,12 @@ def feed_key(prefix: str) -> str:
     return f"{prefix}:feed"
 
 
+def feed_entry(replica: str, events: Sequence[Event]) -> dict[str, str | bytes]:
+    """One accepted batch's entry, as `publish` adds it (and `kvprefetch bench planner`)."""
+    data = orjson.dumps([e.model_dump(mode="json", exclude_none=True) for e in events])
+    return {"replica": replica, "events": data}
+
+
 class FleetFeed:
     """`publish` (sync, on the store thread) and `read` (async, on the event loop)."""
 
@@ -67,11 +73,11 @@ class FleetFeed:
         planning only (logged, counted): they are applied and logged already."""
         if not events:
             return
-        data = orjson.dumps([e.model_dump(mode="json", exclude_none=True) for e in events])
+        fields: Any = feed_entry(self.replica_id, events)
         try:
             self._sync.xadd(
                 self.key,
-                {"replica": self.replica_id, "events": data},
+                fields,
                 maxlen=FEED_MAXLEN,
                 approximate=True,
             )
