@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench._util import check_redis, info, machine
+from bench._util import check_redis, info, machine, redact_url
 from bench.load.client import Load, window
 from bench.load.processes import BenchError, Proc, cpu_seconds, load_average
 from bench.load.traffic import Shard, make_shards
@@ -37,16 +37,19 @@ def run(options: PlannerOptions) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="kvp-bench-planner-", dir=options.data_dir))
     rounds: list[dict[str, Any]] = []
     keys_removed = 0
+    prefixes: list[str] = []
     try:
         for r in range(options.rounds):
             seed = options.seed * 1000 + r
             info(f"bench planner: round {r + 1}/{options.rounds}")
             prefix = f"kvp-bench-planner-{uuid.uuid4().hex[:12]}"
+            prefixes.append(prefix)
             try:
                 one = _fleet(options, 1, redis_url, prefix, workdir / f"r{r}-one", seed, feed=True)
             finally:
                 keys_removed += _redis_clean(redis_url, prefix)
             prefix = f"kvp-bench-planner-{uuid.uuid4().hex[:12]}"
+            prefixes.append(prefix)
             try:
                 many = _fleet(
                     options, options.replicas, redis_url, prefix, workdir / f"r{r}-many", seed
@@ -56,7 +59,8 @@ def run(options: PlannerOptions) -> dict[str, Any]:
             rounds.append({"one_replica": one, "replicas": many})
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    return _result(options, rounds, redis_url, keys_removed, load_before, started)
+    redis = {"url": redact_url(redis_url), "prefixes": prefixes, "keys_removed": keys_removed}
+    return _result(options, rounds, redis, load_before, started)
 
 
 def _fleet(
@@ -377,13 +381,10 @@ def _median(rows: Sequence[Any]) -> float | None:
 def _result(
     options: PlannerOptions,
     rounds: list[dict[str, Any]],
-    redis_url: str,
-    keys_removed: int,
+    redis: dict[str, Any],
     load_before: list[float],
     started: float,
 ) -> dict[str, Any]:
-    from bench._util import redact_url
-
     def pick(*path: str) -> list[Any]:
         out = []
         for r in rounds:
@@ -420,7 +421,7 @@ def _result(
             "planner_caught_up_seconds": _median(pick("replicas", "feed", "caught_up_seconds")),
         },
         "rounds": rounds,
-        "redis": {"url": redact_url(redis_url), "keys_removed": keys_removed},
+        "redis": redis,
         "machine": machine(),
         "load_average": {"before": load_before, "after": _load_averages()},
         "note": (
