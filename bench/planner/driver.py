@@ -184,6 +184,9 @@ def _measure(
                 "events_per_second": w["events_per_second"],
                 "batch_latency_ms": w["latency_ms"],
                 "cpu_share": round((cpu1[i] - cpu0[i]) / seconds, 3),
+                # Per second of the replica's CPU, all its work included: what a core would give
+                # on a machine where it had one (this one is shared).
+                "events_per_cpu_second": _per(w["events"], cpu1[i] - cpu0[i]),
             }
         )
     errors = sum(load.errors()["total"] for load in loads)
@@ -298,6 +301,7 @@ def _feed_apply(
         "apply_seconds": round(done - continued, 3),
         "events_per_second": round(rate, 1),
         "replica_cpu_share": round(cpu / (done - continued), 3),
+        "events_per_cpu_second": _per(events, cpu),
         "own_ingest_events_per_second": own_events_per_second,
         "ratio_to_own_ingest": round(rate / own_events_per_second, 2)
         if own_events_per_second
@@ -360,6 +364,10 @@ def _scrape(proc: Proc) -> dict[str, float]:
     return out
 
 
+def _per(events: float, cpu_seconds: float) -> float | None:
+    return round(events / cpu_seconds, 1) if cpu_seconds > 0 else None
+
+
 def _redis_clean(url: str, prefix: str) -> int:
     from bench.load.probes import redis_clean
 
@@ -397,6 +405,8 @@ def _result(
     one_rate = _median(pick("one_replica", "events_per_second"))
     many_rate = _median(pick("replicas", "events_per_second"))
     apply_rate = _median(pick("one_replica", "feed_apply", "events_per_second"))
+    own_cpu = [r["one_replica"]["per_replica"][0]["events_per_cpu_second"] for r in rounds]
+    apply_cpu = pick("one_replica", "feed_apply", "events_per_cpu_second")
     cfg = asdict(options)
     cfg["data_dir"] = str(options.data_dir) if options.data_dir else None
     return {
@@ -409,6 +419,12 @@ def _result(
             "feed_apply_events_per_second": apply_rate,
             "feed_apply_ratio_to_own_ingest": _median(
                 pick("one_replica", "feed_apply", "ratio_to_own_ingest")
+            ),
+            # The same per second of the replica's CPU (ingest: its whole CPU under load).
+            "one_replica_events_per_cpu_second": _median(own_cpu),
+            "feed_apply_events_per_cpu_second": _median(apply_cpu),
+            "feed_apply_cpu_ratio_to_own_ingest": _median(
+                [a / o if a and o else None for a, o in zip(apply_cpu, own_cpu, strict=True)]
             ),
             # The planner applies the others' events: (n-1)/n of the fleet's.
             "planner_feed_load_events_per_second": _median(

@@ -54,6 +54,9 @@ def test_bench_planner_measures_the_feed_and_one_replica_against_two(redis_url: 
         "feed_apply_events_per_second",
         "feed_apply_ratio_to_own_ingest",
         "planner_feed_load_events_per_second",
+        "one_replica_events_per_cpu_second",
+        "feed_apply_events_per_cpu_second",
+        "feed_apply_cpu_ratio_to_own_ingest",
     ):
         assert positive(s[key]), key
     assert s["planner_lag_events_at_end"] is not None and s["planner_caught_up_seconds"] is not None
@@ -68,7 +71,8 @@ def test_bench_planner_measures_the_feed_and_one_replica_against_two(redis_url: 
         assert [p["planner"] for p in fleet["per_replica"]].count(True) == 1
         total = sum(p["events_per_second"] for p in fleet["per_replica"])
         assert abs(total - fleet["events_per_second"]) <= len(fleet["per_replica"])
-        assert all(positive(p["cpu_share"]) for p in fleet["per_replica"])
+        for p in fleet["per_replica"]:
+            assert positive(p["cpu_share"]) and positive(p["events_per_cpu_second"])
     assert "feed" not in one and "feed_apply" not in two
     fed = one["feed_apply"]
     # Every event the bench added applied, in the entries it added them in.
