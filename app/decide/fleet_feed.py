@@ -11,6 +11,8 @@ accepted batches here (on the store thread, after the apply) and every replica r
 into its planning-side observers, so whichever plans, and whichever takes over, knows what the
 whole fleet saw. The ledger, outcomes and metrics stay per replica: fed only what the replica
 accepted itself, so their counters add up across replicas without counting an event twice.
+What a replica applied from the feed is counted apart (kvprefetch_fleet_feed_applied_*_total):
+on the planner its rate against the others' ingest says whether it keeps up (decisions.md, 30).
 """
 
 from __future__ import annotations
