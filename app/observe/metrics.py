@@ -637,8 +637,8 @@ class Metrics:
             "Planning ticks skipped because this replica does not hold the planning lease.",
             registry=r,
         )
-        # How far the fleet feed's reader got (app/decide/fleet_feed.py): beside the other
-        # replicas' kvprefetch_events_ingested_total, how far behind this planning side is.
+        # What the fleet feed's reader applied (app/decide/fleet_feed.py): on the planner, its
+        # rate against the other replicas' kvprefetch_events_ingested_total says if it keeps up.
         self.fleet_feed_applied_events = Counter(
             "kvprefetch_fleet_feed_applied_events",
             "Other replicas' accepted events read from the fleet feed and applied to this "

@@ -23,7 +23,7 @@ from bench.load.traffic import Shard, make_shards
 from bench.planner.options import PlannerOptions
 
 POLL_SECONDS = 0.1
-FEED_READER = "bench-planner-feed"
+FEED_WRITER = "bench-planner-feed"  # the replica id the pre-filled entries name
 
 
 def run(options: PlannerOptions) -> dict[str, Any]:
@@ -321,7 +321,7 @@ def _entries(
     while left > 0:
         body = shard.batch(min(batch_size, left))[0]
         batch = orjson.loads(body)["events"]
-        yield entry(FEED_READER, [adapter.validate_python(e) for e in batch])
+        yield entry(FEED_WRITER, [adapter.validate_python(e) for e in batch])
         left -= len(batch)
 
 
