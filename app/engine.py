@@ -434,9 +434,12 @@ class Engine:
         failing = False
         while True:
             try:
+                batches = feed.read_batches
                 events = await feed.read()
                 if events:
                     await self.store_thread.run(self._fleet_observer, events, fail_fast=False)
+                    self.metrics.fleet_feed_applied_events.inc(len(events))
+                    self.metrics.fleet_feed_applied_batches.inc(feed.read_batches - batches)
                 failing = False
             except Exception as exc:  # Redis away: read again once it answers
                 if not failing:

@@ -12,6 +12,7 @@ import typer
 from app.commands import needs, print_result
 from app.core.errors import KvpError
 from bench.load.options import LoadOptions
+from bench.planner.options import PlannerOptions
 
 BENCH = needs("bench")
 
@@ -455,6 +456,98 @@ def _service_env(items: list[str]) -> dict[str, str]:
             raise typer.BadParameter(f"{item!r}: KVP_NAME=VALUE", param_hint="'--service-env'")
         env[key] = value
     return env
+
+
+@bench.command("planner", cls=BENCH)
+def bench_planner(
+    rounds: Annotated[
+        int, typer.Option(min=1, help="Rounds (the summary: their medians).")
+    ] = PlannerOptions.rounds,
+    replicas: Annotated[
+        int, typer.Option(min=2, help="Replicas measured against one, on one Redis.")
+    ] = PlannerOptions.replicas,
+    connections: Annotated[
+        int,
+        typer.Option(min=1, help="Routers posting batches closed-loop, spread over the replicas."),
+    ] = PlannerOptions.connections,
+    duration_seconds: Annotated[
+        float, typer.Option(min=0.1, help="Measured seconds of load, each configuration.")
+    ] = PlannerOptions.duration_seconds,
+    warmup_seconds: Annotated[
+        float, typer.Option(min=0, help="Load before the measured window.")
+    ] = PlannerOptions.warmup_seconds,
+    sample_seconds: Annotated[
+        float, typer.Option(min=0.1, help="How often the planner's feed lag is sampled.")
+    ] = PlannerOptions.sample_seconds,
+    feed_events: Annotated[
+        int, typer.Option(min=1, help="Events pre-filled into the feed for one replica to apply.")
+    ] = PlannerOptions.feed_events,
+    catch_up_seconds: Annotated[
+        float, typer.Option(min=0.1, help="How long the planner may take to catch up.")
+    ] = PlannerOptions.catch_up_seconds,
+    sessions: Annotated[
+        int, typer.Option(min=1, help="Live conversations (ended ones are replaced).")
+    ] = PlannerOptions.sessions,
+    instances: Annotated[
+        int, typer.Option(min=1, help="Serving instances, split among the connections.")
+    ] = PlannerOptions.instances,
+    hbm_blocks: Annotated[
+        int, typer.Option(min=1, help="KV blocks an instance's HBM holds (LRU).")
+    ] = PlannerOptions.hbm_blocks,
+    batch_size: Annotated[
+        int, typer.Option(min=1, help="Events per POST /v1/events and per feed entry.")
+    ] = PlannerOptions.batch_size,
+    fsync: Annotated[
+        bool,
+        typer.Option("--fsync/--no-fsync", help="fsync the event log per batch (the default)."),
+    ] = PlannerOptions.fsync,
+    lease_seconds: Annotated[
+        float, typer.Option(min=0.1, help="The replicas' KVP_PLANNING_LEASE_SECONDS.")
+    ] = PlannerOptions.lease_seconds,
+    service_env: Annotated[
+        list[str] | None,
+        typer.Option(metavar="KVP_X=V", help="A setting for every replica (repeat)."),
+    ] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="Where the temporary data dirs go.")
+    ] = PlannerOptions.data_dir,
+    seed: Annotated[int, typer.Option(help="Seed of the generated traffic.")] = PlannerOptions.seed,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout.")
+    ] = False,
+) -> None:
+    """What one planning replica follows: the events/s it applies from the fleet feed beside its
+    own ingest, and one replica against several on one Redis (Redis at KVP_REDIS_URL)."""
+    from bench._util import BenchError
+    from bench.planner.driver import run
+
+    options = PlannerOptions(
+        rounds=rounds,
+        replicas=replicas,
+        connections=connections,
+        duration_seconds=duration_seconds,
+        warmup_seconds=warmup_seconds,
+        sample_seconds=sample_seconds,
+        feed_events=feed_events,
+        catch_up_seconds=catch_up_seconds,
+        sessions=sessions,
+        instances=instances,
+        hbm_blocks=hbm_blocks,
+        batch_size=batch_size,
+        fsync=fsync,
+        lease_seconds=lease_seconds,
+        service_env=_service_env(service_env or []),
+        data_dir=data_dir,
+        seed=seed,
+    )
+    try:
+        result = run(options)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except BenchError as exc:  # no Redis, or a replica did not start or died: the message says
+        typer.echo(f"kvprefetch bench planner: {exc}", err=True)
+        raise typer.Exit(1) from None
+    print_result(result, as_json)
 
 
 @bench.command("redis-io", cls=BENCH)

@@ -28,6 +28,7 @@ COMMANDS = {
     "registry register", "registry fetch", "registry promote", "registry list",
     "bench ingest", "bench vllm-intake", "bench memory", "bench replay", "bench predict",
     "bench mooncake", "bench plan", "bench train-fleet", "bench load", "bench redis-io",
+    "bench planner",
 }  # fmt: skip
 # A distribution -> the module it installs, where the two names differ.
 MODULE_OF = {"scikit-learn": "sklearn"}

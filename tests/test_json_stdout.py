@@ -30,6 +30,7 @@ TESTED_ELSEWHERE = {
     "bench vllm-intake": "tests/bench/test_bench_vllm_intake.py",
     "bench load": "tests/bench/test_bench_load.py",
     "bench redis-io": "tests/bench/test_bench_redis_io.py",
+    "bench planner": "tests/bench/test_bench_planner.py",
     "bench train-fleet": "tests/bench/test_bench_train_fleet.py",
     "bench mooncake": "tests/client/agent/test_mooncake_bench.py",
     "compile-model": "tests/predict/test_predictors_fast.py",

@@ -11,6 +11,8 @@ accepted batches here (on the store thread, after the apply) and every replica r
 into its planning-side observers, so whichever plans, and whichever takes over, knows what the
 whole fleet saw. The ledger, outcomes and metrics stay per replica: fed only what the replica
 accepted itself, so their counters add up across replicas without counting an event twice.
+What a replica applied from the feed is counted apart (kvprefetch_fleet_feed_applied_*_total):
+on the planner its rate against the others' ingest says whether it keeps up (decisions.md, 30).
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ def feed_key(prefix: str) -> str:
     return f"{prefix}:feed"
 
 
+def feed_entry(replica: str, events: Sequence[Event]) -> dict[str, str | bytes]:
+    """One accepted batch's entry, as `publish` adds it (and `kvprefetch bench planner`)."""
+    data = orjson.dumps([e.model_dump(mode="json", exclude_none=True) for e in events])
+    return {"replica": replica, "events": data}
+
+
 class FleetFeed:
     """`publish` (sync, on the store thread) and `read` (async, on the event loop)."""
 
@@ -59,6 +67,7 @@ class FleetFeed:
         self._last = "$"
         self.published = 0
         self.read_events = 0
+        self.read_batches = 0  # the other replicas' entries read (and readable)
         self.unpublished = 0
 
     def publish(self, events: Sequence[Event]) -> None:
@@ -66,11 +75,11 @@ class FleetFeed:
         planning only (logged, counted): they are applied and logged already."""
         if not events:
             return
-        data = orjson.dumps([e.model_dump(mode="json", exclude_none=True) for e in events])
+        fields: Any = feed_entry(self.replica_id, events)
         try:
             self._sync.xadd(
                 self.key,
-                {"replica": self.replica_id, "events": data},
+                fields,
                 maxlen=FEED_MAXLEN,
                 approximate=True,
             )
@@ -98,6 +107,7 @@ class FleetFeed:
                     out += [
                         event_adapter.validate_python(e) for e in orjson.loads(fields[b"events"])
                     ]
+                    self.read_batches += 1
                 except (ValueError, KeyError) as exc:  # bad input: logged, never a crash
                     log.warning("feed entry %s unreadable: %s", self._last, exc)
         self.read_events += len(out)

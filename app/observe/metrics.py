@@ -637,6 +637,20 @@ class Metrics:
             "Planning ticks skipped because this replica does not hold the planning lease.",
             registry=r,
         )
+        # What the fleet feed's reader applied (app/decide/fleet_feed.py): on the planner, its
+        # rate against the other replicas' kvprefetch_events_ingested_total says if it keeps up.
+        self.fleet_feed_applied_events = Counter(
+            "kvprefetch_fleet_feed_applied_events",
+            "Other replicas' accepted events read from the fleet feed and applied to this "
+            "replica's planning side.",
+            registry=r,
+        )
+        self.fleet_feed_applied_batches = Counter(
+            "kvprefetch_fleet_feed_applied_batches",
+            "Other replicas' accepted batches (fleet feed entries) applied to this replica's "
+            "planning side.",
+            registry=r,
+        )
 
     def _label_children(self) -> None:
         """The children made once: a labelled counter's lookup costs more than its increment,

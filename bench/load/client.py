@@ -281,29 +281,7 @@ class Load:
 
     def window(self, t0: float, t1: float) -> dict[str, Any]:
         """Throughput, latency and errors of the calls answered in [t0, t1) (perf_counter)."""
-        out: dict[str, Any] = {}
-        for kind, logs in self.logs.items():
-            lat: list[float] = []
-            events = 0
-            for log in logs:
-                n = len(log.events)  # appended last: every array holds at least n entries
-                i, j = (
-                    bisect.bisect_left(log.ends, t0, 0, n),
-                    bisect.bisect_left(log.ends, t1, 0, n),
-                )
-                lat.extend(log.latencies[i:j])
-                events += sum(log.events[i:j])
-            secs = t1 - t0
-            entry: dict[str, Any] = {
-                "requests": len(lat),
-                "requests_per_second": round(len(lat) / secs, 1),
-            }
-            if kind == "event_batches":
-                entry["events"] = events
-                entry["events_per_second"] = round(events / secs, 1)
-            entry["latency_ms"] = percentiles(lat)
-            out[kind] = entry
-        return out
+        return window(self.logs, t0, t1)
 
     def errors(self) -> dict[str, Any]:
         by_kind: dict[str, dict[str, int]] = {}
@@ -327,6 +305,34 @@ class Load:
             "unexpected_duplicates_or_rejects": unexpected,
             "first_refusal": first_refusal,
         }
+
+
+def window(logs_by_kind: dict[str, list[_Log]], t0: float, t1: float) -> dict[str, Any]:
+    """Throughput and latency of the calls in `logs_by_kind` answered in [t0, t1) (perf_counter):
+    one Load's, or several Loads' together (`kvprefetch bench planner`, a Load per replica)."""
+    out: dict[str, Any] = {}
+    for kind, logs in logs_by_kind.items():
+        lat: list[float] = []
+        events = 0
+        for log in logs:
+            n = len(log.events)  # appended last: every array holds at least n entries
+            i, j = (
+                bisect.bisect_left(log.ends, t0, 0, n),
+                bisect.bisect_left(log.ends, t1, 0, n),
+            )
+            lat.extend(log.latencies[i:j])
+            events += sum(log.events[i:j])
+        secs = t1 - t0
+        entry: dict[str, Any] = {
+            "requests": len(lat),
+            "requests_per_second": round(len(lat) / secs, 1),
+        }
+        if kind == "event_batches":
+            entry["events"] = events
+            entry["events_per_second"] = round(events / secs, 1)
+        entry["latency_ms"] = percentiles(lat)
+        out[kind] = entry
+    return out
 
 
 def percentiles(xs: list[float]) -> dict[str, float | None]:

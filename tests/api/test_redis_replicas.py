@@ -97,3 +97,35 @@ def test_with_a_lease_one_replica_plans_and_hands_over_on_a_clean_stop(
             assert asyncio.run_coroutine_threadsafe(engine.lease.step(), engine._loop).result(10)
             assert c.get("/v1/scheduler").json()["planning"] is True
             assert "kvprefetch_planning_terms_total 1.0" in c.get("/metrics").text
+
+
+def test_the_planning_side_counts_the_other_replicas_events_it_applied_from_the_feed(
+    tmp_path: Path, redis_url: str, clean_redis: str
+) -> None:
+    import time
+
+    lease = {"planning_lease_seconds": 30.0, "order_sink": "redis"}
+
+    def applied(client: TestClient) -> tuple[float, float]:
+        values = {}
+        for line in client.get("/metrics").text.splitlines():
+            name, _, value = line.partition(" ")
+            values[name] = float(value) if name.startswith("kvprefetch_fleet_feed_") else 0.0
+        return (
+            values["kvprefetch_fleet_feed_applied_events_total"],
+            values["kvprefetch_fleet_feed_applied_batches_total"],
+        )
+
+    with (
+        replica(tmp_path, "a", redis_url, clean_redis, **lease) as a,
+        replica(tmp_path, "b", redis_url, clean_redis, **lease) as b,
+    ):
+        time.sleep(0.5)  # b's reader starts from the feed's end as its first read finds it
+        for n in range(3):
+            events = [routed(f"e{n}-{i}", ts=float(n * 10 + i)) for i in range(n + 1)]
+            assert a.post("/v1/events", json={"events": events}).status_code == 200
+        deadline = time.monotonic() + 10
+        while applied(b) != (6.0, 3.0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert applied(b) == (6.0, 3.0)  # 1 + 2 + 3 events in three batches
+        assert applied(a) == (0.0, 0.0)  # its own batches are skipped, not applied twice
