@@ -269,6 +269,7 @@ class Engine:
             guard=self.guard,
             every_live=settings.score_all_live,
             chunk_sessions=settings.score_chunk_sessions,
+            chunk_target_seconds=settings.score_chunk_target_seconds or None,
             session_retention_seconds=settings.session_retention_seconds,
         )
         self.lease = self._planning_lease(settings)

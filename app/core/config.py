@@ -166,6 +166,9 @@ class Settings(BaseSettings):
     score_all_live: bool = True
     # With score_all_live, sessions per chunk of a pass: what holds the event loop in one piece.
     score_chunk_sessions: int = Field(2048, ge=1)
+    # ... at most: a chunk that held the loop longer than this cuts the next one in proportion
+    # (app/decide/scorer.py, next_chunk_sessions); 0 keeps every chunk at score_chunk_sessions.
+    score_chunk_target_seconds: float = Field(0.05, ge=0)
     # Sessions per tick: the page (without score_all_live), or the sweep page each pass re-reads
     # from the store so that what no observer saw still comes into the table.
     score_sessions_per_tick: int = Field(256, ge=1)

@@ -17,7 +17,8 @@ Two ways to pick the sessions, one Advisor (app/decide/advisor.py) and one ledge
   (`record_columns`), and the scheduler is handed only the advice that changed (retention,
   prefetch, a chance moved by HANDOFF_P_STEP, a changed session) or that it has held for
   HANDOFF_REFRESH_SECONDS, so its advice never goes stale and its intake costs the changes, not
-  the sessions. A pass goes in chunks of `chunk_sessions`; `run` yields the event loop between
+  the sessions. A pass goes in chunks of `chunk_sessions` (fewer when a chunk held the loop past
+  `chunk_target_seconds`: next_chunk_sessions); `run` yields the event loop between
   them (the memory store's pass runs on it), and each chunk first re-reads the rows that changed
   meanwhile, so no advice is made on a row an observed arrival made stale. docs/decisions.md
   (24) has the figures.
@@ -86,6 +87,12 @@ MAX_NEWS_QUEUE = 100_000
 # hints/s (the bench's client on the same 2 cores); at 2048 none held it over 100 ms after the
 # start-up, the service at 68.5% of a core against 67.1 (one run each; docs/decisions.md, 26).
 CHUNK_SESSIONS = 2048
+# ... the most a chunk holds: with a target (KVP_SCORE_CHUNK_TARGET_SECONDS), the chunk after one
+# that held the loop longer is cut in proportion, down to MIN_CHUNK_SESSIONS, and grows back by
+# doubling once chunks take under half of it. The model's time per session is what varies: a
+# loaded machine (the same stallwatch run found chunks of 2048 at 111-127 ms beside a training
+# job), a bigger model, a shadow scoring too.
+MIN_CHUNK_SESSIONS = 64
 # The first pass builds the table from the store's listing, this many sessions a read.
 REBUILD_PAGE_SESSIONS = 1024
 # Dirty rows re-read a step: a re-read costs about 57 us a session (memory store), so 1024 held
@@ -114,6 +121,20 @@ async def _inline(fn: Callable[..., T], *args: Any) -> T:
     return fn(*args)
 
 
+def next_chunk_sessions(
+    sessions: int, held_seconds: float, target_seconds: float, most: int
+) -> int:
+    """The next chunk's size after a chunk of `sessions` held the loop `held_seconds`: cut in
+    proportion when over the target (not below MIN_CHUNK_SESSIONS, or `most` when smaller),
+    doubled up to `most` when under half of it, else the same."""
+    if held_seconds > target_seconds:
+        floor = min(MIN_CHUNK_SESSIONS, most)
+        return max(floor, min(sessions, int(sessions * target_seconds / held_seconds)))
+    if held_seconds < target_seconds / 2:
+        return min(most, sessions * 2)
+    return min(most, sessions)
+
+
 @dataclass(frozen=True, slots=True)
 class PassStats:
     """What the last pass over every live session did: `sessions` (table rows it covered),
@@ -138,7 +159,8 @@ class Scorer:
     when given, is told each model's time to score the page, or the pass (slot, seconds), after its
     advice is recorded (the metrics' latency histogram); `thresholds`, the advisor's (the
     settings'). `every_live`: each tick is a pass over every live session (the module doc), in
-    chunks of `chunk_sessions`, with a sweep page of `sessions_per_tick`."""
+    chunks of `chunk_sessions` at most (`chunk_target_seconds`: cut to what holds the loop
+    about that long, next_chunk_sessions), with a sweep page of `sessions_per_tick`."""
 
     def __init__(
         self,
@@ -158,10 +180,13 @@ class Scorer:
         guard: LruGuard | None = None,
         every_live: bool = False,
         chunk_sessions: int = CHUNK_SESSIONS,
+        chunk_target_seconds: float | None = None,
         session_retention_seconds: float = math.inf,
     ) -> None:
         if chunk_sessions < 1:
             raise ValueError("chunk_sessions must be positive")
+        if chunk_target_seconds is not None and chunk_target_seconds <= 0:
+            raise ValueError("chunk_target_seconds must be positive (or None: fixed chunks)")
         self.store = store
         # Where the advice lost to plain LRU, the scheduler gets LRU's (the ledger, the model's).
         self.guard = guard
@@ -183,6 +208,8 @@ class Scorer:
         self._news: dict[str, None] = {}
         self.every_live = every_live
         self.chunk_sessions = chunk_sessions
+        self.chunk_target_seconds = chunk_target_seconds
+        self._chunk = chunk_sessions  # the next chunk's sessions, as the last ones took
         # The store forgets a session idle past its retention without an event (by the newest
         # event ts, app/state/rules.py): the table lets its row go by the same rule.
         self.session_retention_seconds = session_retention_seconds
@@ -383,13 +410,14 @@ class Scorer:
         chunks, longest, advised, handed = 0, 0.0, 0, 0
         model_seconds = {"live": 0.0, "shadow": 0.0}
         self._check_guard(now)
-        for start in range(0, len(ids), self.chunk_sessions):
+        start = 0
+        while start < len(ids):
             yield True
             yield from self._refreshing()
             chunk_started = time.perf_counter()
             self._refresh()  # what the observers saw since the last step
             now = self.clock.now()
-            end = start + self.chunk_sessions
+            end = start + self._chunk
             if self.table.removals == removals:  # no row has moved since the pass began
                 rows = np.arange(start, min(end, len(ids)))
             else:
@@ -399,7 +427,13 @@ class Scorer:
             advised += n_advised
             handed += n_handed
             chunks += 1
-            longest = max(longest, time.perf_counter() - chunk_started)
+            held = time.perf_counter() - chunk_started
+            longest = max(longest, held)
+            if self.chunk_target_seconds is not None:
+                self._chunk = next_chunk_sessions(
+                    self._chunk, held, self.chunk_target_seconds, self.chunk_sessions
+                )
+            start = end
         if self.observe_seconds is not None and chunks:
             self.observe_seconds("live", model_seconds["live"])
             if self.models.shadow is not None:

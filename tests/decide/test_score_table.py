@@ -21,7 +21,7 @@ from app.decide.advisor import MAX_IDLE_SECONDS, Advisor, SessionAdvice, Thresho
 from app.decide.popularity import PrefixPopularity
 from app.decide.routing import SameInstanceEstimate
 from app.decide.scheduler import Scheduler, SchedulerConfig
-from app.decide.scorer import HANDOFF_REFRESH_SECONDS, Scorer
+from app.decide.scorer import HANDOFF_REFRESH_SECONDS, Scorer, next_chunk_sessions
 from app.decide.table_advice import advise_rows, session_advice
 from app.observe.ledger import AdviceLedger
 from app.predict.features import SESSION_FEATURES
@@ -274,6 +274,58 @@ def test_a_pass_advises_every_live_session_in_chunks(memory: MemoryStore) -> Non
     assert all(ledger.latest("live", s) is not None for s in ids)
     scorer.tick()  # and again every pass, not a page at a time
     assert ledger.stats("live").predictions == 300
+
+
+class Slow(Fixed):
+    """Fixed, taking at least `seconds` a call: a chunk holds the loop at least that long, on any
+    machine."""
+
+    def __init__(self, p: float, seconds: float) -> None:
+        super().__init__(p)
+        self.seconds = seconds
+
+    def p_within(self, sessions: Any, now: float, horizons: Any) -> np.ndarray:
+        time.sleep(self.seconds)
+        return super().p_within(sessions, now, horizons)
+
+
+def test_chunks_that_hold_the_loop_past_the_target_are_cut_and_every_session_still_advised(
+    memory: MemoryStore,
+) -> None:
+    ids = idle_sessions(memory, 1000)
+    predictor = Slow(0.9, seconds=0.2)  # four times the target at least, each chunk
+    scorer, ledger = scorer_for(memory, predictor, chunk_sessions=400, chunk_target_seconds=0.05)
+    assert scorer.tick() == 1000
+    stats = scorer.last_pass
+    assert stats is not None and stats.advised == 1000
+    # 400 first, then at most 400 * 0.05 / 0.2 = 100 a chunk (64 at the least): 7 chunks or more,
+    # where fixed chunks of 400 would be 3.
+    assert stats.chunks >= 1 + math.ceil(600 / 100)
+    assert all(ledger.latest("live", s) is not None for s in ids)
+
+
+def test_fixed_chunks_without_a_target(memory: MemoryStore) -> None:
+    idle_sessions(memory, 1000)
+    scorer, _ = scorer_for(memory, Slow(0.9, seconds=0.2), chunk_sessions=400)
+    scorer.tick()
+    assert scorer.last_pass is not None and scorer.last_pass.chunks == 3
+
+
+@pytest.mark.parametrize(
+    ("sessions", "held", "expected"),
+    [
+        (2048, 0.100, 1024),  # twice the target: half the sessions
+        (2048, 0.040, 2048),  # within it: the same
+        (1024, 0.010, 2048),  # under half of it: doubled ...
+        (2048, 0.010, 2048),  # ... up to the most
+        (100, 10.0, 64),  # never below the floor ...
+        (40, 10.0, 40),  # ... or the most, when that is smaller
+    ],
+)
+def test_the_next_chunk_follows_what_the_last_one_held(
+    sessions: int, held: float, expected: int
+) -> None:
+    assert next_chunk_sessions(sessions, held, 0.05, 2048 if sessions > 40 else 40) == expected
 
 
 def test_the_pass_yields_between_chunks_and_rereads_what_changed_meanwhile(
