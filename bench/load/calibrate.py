@@ -1,11 +1,14 @@
 """What each unit of the service's state costs in RSS, measured on the bench's own traffic.
 
-`calibrate()` runs one fresh process per unit (`python -m bench.load.calibrate --mode M`): each
-builds the service's Engine (app/engine.py: every ingest observer; no loops, no HTTP),
-ingests this traffic, and reports RSS before and after with the store's counts. The units: a
-tracked session, a remembered event id, a resident block, a removal tombstone, a session the
-scheduler tracks with its advice, and, for the pull sink, an order it holds and an order id it
-remembers. Besides, the memory store's dedupe ring at its configured size, run through its cycle.
+`calibrate()` runs one fresh process per unit (`python -m bench.load.calibrate --mode M`): most
+build the service's Engine (app/engine.py: every ingest observer; no loops, no HTTP), ingest
+this traffic, and report RSS before and after with the store's counts. The units: a tracked
+session, a resident block, a removal tombstone, a session the scheduler tracks with its advice,
+and, for the pull sink, an order it holds and an order id it remembers. With the memory store,
+besides: a remembered event id (the store's dedupe ring alone taking fresh ids, young), and the
+ring at its configured size, run through its cycle. Each unit's RSS step is one process's, never
+a difference between two processes: that difference is as small as the unit's share and as noisy
+as both processes' whole growth, and read 0 on a loaded machine.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ from bench.load.processes import BenchError
 from bench.load.traffic import BLOCK_TOKENS, BYTES_PER_BLOCK, Shard
 
 MODES = ("sessions", "ids", "ring", "blocks", "tombstones", "advice", "orders")
+# Measured with the memory store only: with Redis the ids are Redis keys, not the service's RSS.
+MEMORY_STORE_MODES = ("ids", "ring")
+# Fresh ids for `ids`, per calibration session: an RSS step far above a page (~130 bytes each).
+IDS_PER_SESSION = 10
+MIN_IDS = 100_000
 # Nothing may expire while a unit is being counted: the calibration's events are stamped with
 # the wall clock, and a long calibration would outlast the service's default windows.
 _NEVER_SECONDS = 1e9
@@ -41,13 +49,13 @@ def _worker(
     """In a fresh process: the service's Engine ingests this traffic; RSS before and after, with
     what grew.
 
-    modes: `sessions` (request and close events, one remembered id), `ids` (the same, ids
-    remembered as configured), `blocks` (kv_blocks_stored of fresh blocks only, one id),
-    `tombstones` (fresh blocks stored and removed again: what a removal leaves behind), `advice`
-    (the sessions ingested, then scored and planned as the service's loops do: what the
-    scheduler and the advice ledger keep per session advised), `orders` (pin orders of this
-    traffic's contexts held by the pull sink, as the scheduler makes them), `ring` (the memory
-    store's dedupe ring alone, through its cycle)."""
+    modes: `sessions` (request and close events, one remembered id), `ids` (fresh event ids
+    remembered by the memory store's dedupe ring alone), `blocks` (kv_blocks_stored of fresh
+    blocks only, one id), `tombstones` (fresh blocks stored and removed again: what a removal
+    leaves behind), `advice` (the sessions ingested, then scored and planned as the service's
+    loops do: what the scheduler and the advice ledger keep per session advised), `orders` (pin
+    orders of this traffic's contexts held by the pull sink, as the scheduler makes them), `ring`
+    (the memory store's dedupe ring alone, through its cycle)."""
     import asyncio
 
     import psutil
@@ -58,13 +66,14 @@ def _worker(
         return _orders(sessions, seed)
     if mode == "ring":
         return _ring(dedupe_max_ids or Settings.model_fields["dedupe_max_ids"].default)
+    if mode == "ids":
+        return _ids(max(MIN_IDS, IDS_PER_SESSION * sessions))
 
     from app.engine import Engine
     from kvprefetch_client.events import batch_adapter
 
     tmp = Path(tempfile.mkdtemp(prefix="kvp-bench-load-cal-"))
     prefix = f"kvp-bench-load-cal-{uuid.uuid4().hex[:12]}"
-    keep_ids = mode == "ids"
     overrides: dict[str, Any] = {
         "store": store,
         "redis_url": redis_url,
@@ -75,9 +84,8 @@ def _worker(
         "plan_interval_seconds": 0,
         "dashboard_sample_seconds": 0,
         "replica_id": "bench-load-calibrate",
-        "dedupe_max_ids": (dedupe_max_ids or Settings.model_fields["dedupe_max_ids"].default)
-        if keep_ids
-        else 1,
+        # Ids are priced by `ids` alone; here they would only blur the other units.
+        "dedupe_max_ids": 1,
         "session_retention_seconds": _NEVER_SECONDS,
         "reorder_window_seconds": _NEVER_SECONDS,
     }
@@ -221,6 +229,65 @@ def _orders(n: int, seed: int) -> dict[str, Any]:
     }
 
 
+def _ring_store(max_ids: int) -> Any:
+    from app.state.memory import MemoryStore
+
+    return MemoryStore(
+        bytes_per_token=BYTES_PER_BLOCK // BLOCK_TOKENS,
+        block_tokens=BLOCK_TOKENS,
+        dedupe_max_ids=max_ids,
+    )
+
+
+def _apply_ids(store: Any, prefix: str, first: int, n: int) -> None:
+    """Events numbered first..first+n-1 applied, with ids like the run's (traffic.py's
+    Shard._event_id). The cheapest event to apply: the ring is what is measured."""
+    from kvprefetch_client.events import InstanceStatus
+
+    store.apply(
+        [
+            InstanceStatus.model_construct(
+                type="instance_status",
+                event_id=f"{prefix}-{i:012x}",
+                ts=1.7e9 + i * 1e-5,
+                instance_id="cal",
+                free_kv_bytes=0,
+                total_kv_bytes=0,
+                queue_depth=0,
+                running_requests=0,
+            )
+            for i in range(first, first + n)
+        ]
+    )
+
+
+def _ids(n: int) -> dict[str, Any]:
+    """`n` fresh event ids remembered by the memory store's dedupe ring (docs/decisions.md 4),
+    RSS before and after, in this one process. The ring holds them all (a young one, as the
+    run's is until it turns over; after, `ring` prices it)."""
+    import psutil
+
+    chunk = 1000
+    store = _ring_store(4 * (n + chunk))
+    prefix = str(uuid.uuid4())[:23]
+    proc = psutil.Process()
+    # A chunk first, so the events' transient objects and the store's lazy ones weigh on both
+    # sides.
+    _apply_ids(store, prefix, 0, chunk)
+    gc.collect()
+    ids0, before = store.stats()["remembered_event_ids"], proc.memory_info().rss
+    for first in range(chunk, chunk + n, chunk):
+        _apply_ids(store, prefix, first, min(chunk, chunk + n - first))
+    gc.collect()
+    after = proc.memory_info().rss
+    remembered = store.stats()["remembered_event_ids"] - ids0
+    return {
+        "mode": "ids",
+        "bytes": after - before,
+        "growth": {"remembered_event_ids": remembered, "ids_applied": n},
+    }
+
+
 def _ring(max_ids: int) -> dict[str, Any]:
     """The memory store's dedupe ring of `max_ids` (docs/decisions.md 4) run until just before
     its third turnover, with ids like the run's: the most RSS it reaches. From its second
@@ -228,14 +295,7 @@ def _ring(max_ids: int) -> dict[str, Any]:
     the generation it freed: a full ring costs more than its ids at their cost in a young one."""
     import psutil
 
-    from app.state.memory import MemoryStore
-    from kvprefetch_client.events import InstanceStatus
-
-    store = MemoryStore(
-        bytes_per_token=BYTES_PER_BLOCK // BLOCK_TOKENS,
-        block_tokens=BLOCK_TOKENS,
-        dedupe_max_ids=max_ids,
-    )
+    store = _ring_store(max_ids)
     prefix = str(uuid.uuid4())[:23]
     proc = psutil.Process()
     gc.collect()
@@ -244,22 +304,7 @@ def _ring(max_ids: int) -> dict[str, Any]:
     end = 3 * ((max_ids + 1) // 2) - 1
     while n < end:
         k = min(1000, end - n)
-        # The cheapest event to apply: the ring is what is measured.
-        store.apply(
-            [
-                InstanceStatus.model_construct(
-                    type="instance_status",
-                    event_id=f"{prefix}-{i:012x}",
-                    ts=1.7e9 + i * 1e-5,
-                    instance_id="cal",
-                    free_kv_bytes=0,
-                    total_kv_bytes=0,
-                    queue_depth=0,
-                    running_requests=0,
-                )
-                for i in range(n, n + k)
-            ]
-        )
+        _apply_ids(store, prefix, n, k)
         n += k
         if n % 50_000 < k or n == end:
             peak = max(peak, proc.memory_info().rss - base)
@@ -267,8 +312,9 @@ def _ring(max_ids: int) -> dict[str, Any]:
 
 
 def modes(store: str) -> list[str]:
-    """The units measured: the ring only where the service keeps it (the memory store)."""
-    return [m for m in MODES if store == "memory" or m != "ring"]
+    """The units measured: the event ids and the ring only where the service keeps them (the
+    memory store)."""
+    return [m for m in MODES if store == "memory" or m not in MEMORY_STORE_MODES]
 
 
 def calibrate(
@@ -300,11 +346,18 @@ def calibrate(
                 f"calibration {mode} failed ({done.returncode}):\n{done.stderr.decode()[-3000:]}"
             )
         results[mode] = json.loads(done.stdout)
-    s, i, b, t, a, o = (
-        results[m] for m in ("sessions", "ids", "blocks", "tombstones", "advice", "orders")
-    )
+    s, b, t, a, o = (results[m] for m in ("sessions", "blocks", "tombstones", "advice", "orders"))
     n_sessions = max(1, s["growth"]["sessions"])
-    n_ids = max(1, i["growth"]["remembered_event_ids"] - s["growth"]["remembered_event_ids"])
+    per_id, n_ids = 0.0, 0  # with Redis: its keys, none of the service's RSS
+    if "ids" in results:
+        i = results["ids"]
+        n_ids = i["growth"]["remembered_event_ids"]
+        if n_ids != i["growth"]["ids_applied"]:
+            raise BenchError(
+                f"calibration ids: the store remembers {n_ids:,} of the "
+                f"{i['growth']['ids_applied']:,} fresh ids it applied"
+            )
+        per_id = max(0, i["bytes"]) / n_ids
     n_blocks = max(1, b["growth"]["resident_blocks"])
     n_tombstones = max(1, t["growth"]["tombstones"])
     n_advised = max(1, a["growth"]["tracked_sessions"])
@@ -312,7 +365,7 @@ def calibrate(
     per_order_id = max(0, o["bytes_ids"]) / n_order_ids
     return {
         "bytes_per_session": round(max(0, s["bytes"]) / n_sessions, 1),
-        "bytes_per_event_id": round(max(0, i["bytes"] - s["bytes"]) / n_ids, 1),
+        "bytes_per_event_id": round(per_id, 1),
         "bytes_per_resident_block": round(max(0, b["bytes"]) / n_blocks, 1),
         "bytes_per_tombstone": round(max(0, t["bytes"]) / n_tombstones, 1),
         "bytes_per_advised_session": round(max(0, a["bytes"]) / n_advised, 1),

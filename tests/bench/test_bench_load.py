@@ -206,6 +206,31 @@ def test_bench_load_prints_the_documented_json() -> None:
     assert positive(r["environment"]["cpu_count"]) and isinstance(r["environment"]["python"], str)
 
 
+def test_event_ids_are_priced_by_the_ring_alone_in_one_process() -> None:
+    """The unit is one process's RSS step (two processes' difference read 0 on a loaded
+    machine), and no less than the id strings the ring keeps; with Redis it is not measured."""
+    from bench._util import child_env
+    from bench.load.calibrate import MIN_IDS, modes
+
+    assert {"ids", "ring"} <= set(modes("memory"))
+    assert not {"ids", "ring"} & set(modes("redis"))
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.load.calibrate", "--mode", "ids", "--sessions", "1"],
+        cwd=REPO,
+        env=child_env({}),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    r = json.loads(done.stdout)
+    assert r["growth"] == {"remembered_event_ids": MIN_IDS, "ids_applied": MIN_IDS}
+    # Every id the ring remembers is a str of its own, as the run's are (traffic.py).
+    id_like_the_runs = f"{'0' * 23}-{0:012x}"
+    assert r["bytes"] >= MIN_IDS * sys.getsizeof(id_like_the_runs)
+
+
 def test_the_client_counts_what_the_store_may_hold(monkeypatch: pytest.MonkeyPatch) -> None:
     """The tombstones and sessions the bound allows, worked out from the events sent, against a
     MemoryStore fed the same events: tombstones in force exactly, held ones and sessions at most."""
