@@ -59,7 +59,7 @@ from app.predict.features import (
 )
 from app.predict.tool_durations import ToolDurations, tool_durations_for
 from kvprefetch_client.events import Event, RequestRouted, SessionSignal, event_adapter
-from training.dataset import META_COLUMNS, load_events, rows_from_events
+from training.dataset import META_COLUMNS, gc_paused, load_events, rows_from_events
 from training.lineage import log_record
 
 ENGINES = ("polars", "duckdb")
@@ -451,10 +451,18 @@ class DeploymentAt:
         self.ts = ts
         self.feats = feats
         self.before = [NAN] * len(DEPLOYMENT_FEATURES)
+        # The last step read (its ts bounds, its features as a list): a shard's decisions come
+        # in time order, most of them within the step of the one before.
+        self._low, self._high = -math.inf, (float(ts[0]) if len(ts) else math.inf)
+        self._at = self.before
 
     def __call__(self, ts: float) -> list[float]:
-        k = int(np.searchsorted(self.ts, ts, side="right"))
-        return self.before if k == 0 else self.feats[k - 1].tolist()
+        if not self._low <= ts < self._high:
+            k = int(np.searchsorted(self.ts, ts, side="right"))
+            self._low = float(self.ts[k - 1]) if k else -math.inf
+            self._high = float(self.ts[k]) if k < len(self.ts) else math.inf
+            self._at = self.before if k == 0 else self.feats[k - 1].tolist()
+        return self._at
 
 
 # The whole log's tool events (next to its deployment.npz), for a log with signals.
@@ -497,8 +505,10 @@ def shard_rows(
     if len(every_ts) and tool_file.exists():
         # Of the KVP_TOOLS_* settings, as the service's.
         tools_at = ToolsAt(load_events(tool_file), every_ts, tool_durations_for(Settings()))
+    with gc_paused():  # the shard's events live to its end, as the replay's objects do
+        events = load_events(shard)
     rows = rows_from_events(
-        load_events(shard),
+        events,
         log_name=log_name,
         span=span,
         deployment_at=deployment_at,
