@@ -292,6 +292,9 @@ def bench_train_fleet(
     dask_only: Annotated[
         bool, typer.Option("--dask-only", help="Skip the single-process path (too big for it).")
     ] = False,
+    single_only: Annotated[
+        bool, typer.Option("--single-only", help="Skip the Dask path (its figures exist).")
+    ] = False,
     reference_events: Annotated[
         int,
         typer.Option(
@@ -303,13 +306,15 @@ def bench_train_fleet(
     """Dataset build, training time and peak RSS: one process beside Dask, on a fleet log."""
     from bench.train_fleet import run
 
+    if dask_only and single_only:
+        raise typer.BadParameter("--dask-only and --single-only leave no path to run")
     result = run(
         events=events,
         workers=workers,
         max_rounds=max_rounds,
         work_dir=work_dir,
         trace_requests=trace_requests,
-        paths=("dask",) if dask_only else ("single", "dask"),
+        paths=("dask",) if dask_only else ("single",) if single_only else ("single", "dask"),
         reference_events=reference_events,
     )
     print_result(result, as_json)

@@ -1,6 +1,7 @@
 """Training at fleet scale: one process beside a Dask cluster, on one synthetic fleet log.
 
-    kvprefetch bench train-fleet [--events 20000000] [--workers 2] [--max-rounds 300] [--dask-only]
+    kvprefetch bench train-fleet [--events 20000000] [--workers 2] [--max-rounds 300]
+        [--dask-only | --single-only]
         [--reference-events 200000] [--trace-requests N] [--work-dir DIR] [--json]
 
 The fleet log: the shared traces (`../shared/traces` beside the checkout, as the tests find
@@ -32,7 +33,8 @@ are equal (`rows_equal`), with both times.
 `engines`: the in-memory scan alone (read, parse ts/type/session, dedupe, order) by Polars and
 by DuckDB, on the log's first ENGINE_EVENTS events (both hold what they scan). `quality`: both
 models' Brier score and log loss on the same held-out part (the last 20% of the log's time
-span); equal within QUALITY_TOLERANCE. `--dask-only` skips the single path.
+span); equal within QUALITY_TOLERANCE, when both paths ran. `--dask-only` skips the single path,
+`--single-only` the Dask path.
 """
 
 from __future__ import annotations

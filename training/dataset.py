@@ -18,8 +18,11 @@ whose horizon reaches past the end of its log is dropped (its answer is unknown:
 from __future__ import annotations
 
 import bisect
+import gc
+from array import array
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +35,14 @@ from app.ingest.eventlog import read_events
 from app.predict.features import (
     FEATURES,
     HORIZON_FEATURE,
+    NAN,
     SIGNAL_FOLLOW_SECONDS,
     DeploymentSignals,
     session_features,
     tool_features,
 )
-from app.predict.tool_durations import ToolDurations, tool_durations_for
-from app.state import MemoryStore
+from app.predict.tool_durations import TOOL_FEATURES, ToolDurations, tool_durations_for
+from app.state import MemoryStore, SessionView
 from kvprefetch_client.events import (
     RECORD_EVENT_TYPES,
     Event,
@@ -130,6 +134,7 @@ def rows_from_events(
             arrivals[e.session_id].append((e.ts, e.instance_id))
     for a in arrivals.values():
         a.sort()
+    arrival_times = {session_id: [t for t, _ in a] for session_id, a in arrivals.items()}
     start, end = span if span is not None else (events[0].ts, events[-1].ts)
 
     # (decision ts, anchor ts, session, checkpoint, anchor): the anchor is a finish or a signal.
@@ -150,71 +155,131 @@ def rows_from_events(
     if tools is None and tools_at is None:
         tools = tool_durations_for(Settings())
     report_every = max(len(events) // REPORTS_PER_LOG, 1)
-    feats: list[list[float]] = []
-    meta: list[tuple[Any, ...]] = []
+    # The features as doubles, row after row (no list a row: a shard has a million rows), and
+    # each meta column's values.
+    feats = array("d")
+    meta: list[list[Any]] = [[] for _ in META_COLUMNS]
+    (
+        col_log,
+        col_session,
+        col_decision,
+        col_fraction,
+        col_checkpoint,
+        col_anchor,
+        col_next,
+        col_instance,
+        col_next_instance,
+        col_label,
+    ) = meta
+    # Each session's view as of its last event: the store keeps every session (no retention),
+    # and a session's record changes only with events of its own (_VIEW_ONLY_OWN_TYPES), so
+    # the view of its finish serves its later checkpoints until its next event. A view
+    # without the resident blocks (a walk over every location): no feature reads them.
+    views: dict[str, SessionView | None] = {}
+    no_tools = [[NAN] * len(TOOL_FEATURES) for _ in horizons]
     i = 0
-    for decision_ts, anchor_ts, session_id, checkpoint, anchor in decisions:
-        if decision_ts > end:
-            break
-        while i < len(events) and events[i].ts <= decision_ts:
-            accepted = store.apply([events[i]])[0]
-            if accepted:  # the ingest tells them accepted events only
-                if deployment_at is None:
-                    deployment.observe([events[i]])
-                if tools is not None and tools_at is None:
-                    tools.observe([events[i]])
-            i += 1
-            if applied is not None and i % report_every == 0:
-                applied(i)
-        view = store.session(session_id)
-        if view is None or view.state == "closed":
-            continue
-        times = [t for t, _ in arrivals[session_id]]
-        # Asked only while idle since that finish (or signal): a request after it starts a new
-        # story.
-        if (
-            times
-            and times[-1] > anchor_ts
-            and bisect.bisect_right(times, anchor_ts) < bisect.bisect_right(times, decision_ts)
-        ):
-            continue
-        k = bisect.bisect_right(times, decision_ts)
-        time_to_next = times[k] - decision_ts if k < len(times) else float("inf")
-        next_instance = arrivals[session_id][k][1] if k < len(times) else None
-        deployment_now = (
-            deployment.features() if deployment_at is None else deployment_at(decision_ts)
-        )
-        base = [*session_features(view, decision_ts), *deployment_now]
-        by_horizon = (
-            tool_features(tools, session_id, decision_ts, horizons)
-            if tools_at is None
-            else tools_at(session_id, decision_ts, horizons)
-        )
-        for h, tool in zip(horizons, by_horizon):
-            if decision_ts + h > end:
-                continue  # censored: the log ends before the answer is known
-            feats.append([*base, *tool, float(h)])
-            meta.append(
-                (
-                    log_name,
-                    session_id,
-                    decision_ts,
-                    horizon_fraction(decision_ts, start, end, h),
-                    checkpoint,
-                    anchor,
-                    time_to_next,
-                    view.instance_id,
-                    next_instance,
-                    int(time_to_next <= h),
-                )
+    with gc_paused():
+        for decision_ts, anchor_ts, session_id, checkpoint, anchor in decisions:
+            if decision_ts > end:
+                break
+            while i < len(events) and events[i].ts <= decision_ts:
+                e = events[i]
+                accepted = store.apply([e])[0]
+                if accepted:  # the ingest tells them accepted events only
+                    if deployment_at is None:
+                        deployment.observe([e])
+                    if tools is not None and tools_at is None:
+                        tools.observe([e])
+                    if e.type in _VIEW_ONLY_OWN_TYPES:
+                        views.pop(getattr(e, "session_id", None) or "", None)
+                    else:
+                        views.clear()
+                i += 1
+                if applied is not None and i % report_every == 0:
+                    applied(i)
+            times = arrival_times.get(session_id, [])
+            # Asked only while idle since that finish (or signal): a request after it starts a
+            # new story.
+            if (
+                times
+                and times[-1] > anchor_ts
+                and bisect.bisect_right(times, anchor_ts) < bisect.bisect_right(times, decision_ts)
+            ):
+                continue
+            if session_id in views:
+                view = views[session_id]
+            else:
+                view = views[session_id] = store.sessions([session_id], resident=False)[0]
+            if view is None or view.state == "closed":
+                continue
+            k = bisect.bisect_right(times, decision_ts)
+            time_to_next = times[k] - decision_ts if k < len(times) else float("inf")
+            next_instance = arrivals[session_id][k][1] if k < len(times) else None
+            deployment_now = (
+                deployment.features() if deployment_at is None else deployment_at(decision_ts)
             )
-    frame = pd.DataFrame(
-        np.asarray(feats, dtype=np.float64).reshape(len(feats), len(FEATURES)),
-        columns=list(FEATURES),
-    )
-    for name, column in zip(META_COLUMNS, zip(*meta) if meta else [[]] * len(META_COLUMNS)):
-        frame[name] = list(column)
+            base = [*session_features(view, decision_ts), *deployment_now]
+            if tools_at is not None:
+                by_horizon = tools_at(session_id, decision_ts, horizons)
+            elif tools is None or tools.sessions_in_flight:
+                by_horizon = tool_features(tools, session_id, decision_ts, horizons)
+            else:
+                by_horizon = no_tools  # what tool_features says without a call in flight
+            # Censored: a horizon past the log's end (its answer is unknown).
+            kept = [(h, tool) for h, tool in zip(horizons, by_horizon) if decision_ts + h <= end]
+            for h, tool in kept:
+                feats.extend(base)
+                feats.extend(tool)
+                feats.append(float(h))
+            n = len(kept)
+            col_log.extend([log_name] * n)
+            col_session.extend([session_id] * n)
+            col_decision.extend([decision_ts] * n)
+            col_fraction.extend(horizon_fraction(decision_ts, start, end, h) for h, _ in kept)
+            col_checkpoint.extend([checkpoint] * n)
+            col_anchor.extend([anchor] * n)
+            col_next.extend([time_to_next] * n)
+            col_instance.extend([view.instance_id] * n)
+            col_next_instance.extend([next_instance] * n)
+            col_label.extend(int(time_to_next <= h) for h, _ in kept)
+    values = np.frombuffer(feats, dtype=np.float64) if len(feats) else np.zeros(0)
+    frame = pd.DataFrame(values.reshape(len(col_log), len(FEATURES)), columns=list(FEATURES))
+    for name, column in zip(META_COLUMNS, meta):
+        frame[name] = column
     return frame
+
+
+# Events that change no session's record but their own session's (app/state/memory.py: the
+# request events, a close, a signal, blocks stored with a session; events without a session
+# change none). Any other (a vLLM batch carries several sessions) drops every view held.
+_VIEW_ONLY_OWN_TYPES = frozenset(
+    {
+        "request_routed",
+        "request_started",
+        "request_finished",
+        "session_closed",
+        "session_signal",
+        "kv_blocks_stored",
+        "kv_blocks_removed",
+        "kv_blocks_cleared",
+        "instance_status",
+        "order_progress",
+    }
+)
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """The cyclic collector off for a replay: it makes millions of objects that live to its
+    end and no cycles, and the collector rescanned them over and over (a quarter of a shard's
+    CPU seconds, bench/README.md)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def horizon_fraction(decision_ts: float, start: float, end: float, horizon_seconds: float) -> float:
@@ -304,6 +369,7 @@ __all__ = [
     "META_COLUMNS",
     "SIGNAL_CHECKPOINTS",
     "build_dataset",
+    "gc_paused",
     "horizon_fraction",
     "load_events",
     "rows_from_events",

@@ -59,7 +59,7 @@ from app.predict.features import (
 )
 from app.predict.tool_durations import ToolDurations, tool_durations_for
 from kvprefetch_client.events import Event, RequestRouted, SessionSignal, event_adapter
-from training.dataset import META_COLUMNS, load_events, rows_from_events
+from training.dataset import META_COLUMNS, gc_paused, load_events, rows_from_events
 from training.lineage import log_record
 
 ENGINES = ("polars", "duckdb")
@@ -451,34 +451,47 @@ class DeploymentAt:
         self.ts = ts
         self.feats = feats
         self.before = [NAN] * len(DEPLOYMENT_FEATURES)
+        # The last step read (its ts bounds, its features as a list): a shard's decisions come
+        # in time order, most of them within the step of the one before.
+        self._low, self._high = -math.inf, (float(ts[0]) if len(ts) else math.inf)
+        self._at = self.before
 
     def __call__(self, ts: float) -> list[float]:
-        k = int(np.searchsorted(self.ts, ts, side="right"))
-        return self.before if k == 0 else self.feats[k - 1].tolist()
+        if not self._low <= ts < self._high:
+            k = int(np.searchsorted(self.ts, ts, side="right"))
+            self._low = float(self.ts[k - 1]) if k else -math.inf
+            self._high = float(self.ts[k]) if k < len(self.ts) else math.inf
+            self._at = self.before if k == 0 else self.feats[k - 1].tolist()
+        return self._at
 
 
 # The whole log's tool events (next to its deployment.npz), for a log with signals.
 TOOL_EVENTS = "tools.jsonl"
+# Every event's time, in the log's order, for a log with signals (empty without).
+EVERY_TS = "every_ts.npy"
 
 
 class ToolsAt:
     """TOOL_FEATURES of a session at `ts` as the whole log's ToolDurations reads them then: the
     log's tool events up to `ts` observed, and event time moved to its last event at or before
     `ts` (the events between, which ToolDurations only takes the time of, skipped). Asked in
-    time order (rows_from_events asks at its decisions, sorted)."""
+    time order (rows_from_events asks at its decisions, sorted). `events` are read as they are
+    needed (the whole log's tool events: a shard holds none of them it has observed)."""
 
-    def __init__(self, events: Sequence[Event], every_ts: np.ndarray, tools: ToolDurations):
-        self.events = events
+    def __init__(self, events: Iterable[Event], every_ts: np.ndarray, tools: ToolDurations):
+        self.events = iter(events)
         self.every_ts = every_ts
         self.tools = tools
-        self._next = 0
+        self._pending: Event | None = next(self.events, None)
 
     def __call__(self, session_id: str, ts: float, horizons: Sequence[float]) -> list[list[float]]:
-        events, i = self.events, self._next
-        while i < len(events) and events[i].ts <= ts:
-            i += 1
-        self.tools.observe(events[self._next : i])
-        self._next = i
+        due = []
+        pending = self._pending
+        while pending is not None and pending.ts <= ts:
+            due.append(pending)
+            pending = next(self.events, None)
+        self._pending = pending
+        self.tools.observe(due)
         k = int(np.searchsorted(self.every_ts, ts, side="right"))
         if k:
             self.tools.advance(float(self.every_ts[k - 1]))
@@ -491,14 +504,18 @@ def shard_rows(
     """Replay one shard (in a worker); write its rows, if any, to `out` (Parquet); the count."""
     with np.load(timeline) as t:
         deployment_at = DeploymentAt(t["ts"], t["feats"])
-        every_ts = t["every_ts"]
+    # Mapped, not read: every event's time (8 bytes an event) in each shard's process.
+    every_ts = np.load(timeline.parent / EVERY_TS, mmap_mode="r")
     tool_file = timeline.parent / TOOL_EVENTS
     tools_at = None  # a log without signals has no tool runs: the shard's own say so
     if len(every_ts) and tool_file.exists():
-        # Of the KVP_TOOLS_* settings, as the service's.
-        tools_at = ToolsAt(load_events(tool_file), every_ts, tool_durations_for(Settings()))
+        # Of the KVP_TOOLS_* settings, as the service's. Read as the decisions come (the log's
+        # file is in order, each event id once).
+        tools_at = ToolsAt(read_events([tool_file]), every_ts, tool_durations_for(Settings()))
+    with gc_paused():  # the shard's events live to its end, as the replay's objects do
+        events = load_events(shard)
     rows = rows_from_events(
-        load_events(shard),
+        events,
         log_name=log_name,
         span=span,
         deployment_at=deployment_at,
@@ -578,7 +595,8 @@ def build_rows_fleet(
         rows.lineage.append(log_record(log, sharded.events, *span))
         timeline = folder / "deployment.npz"
         every_ts = sharded.every_ts if sharded.every_ts is not None else np.zeros(0)
-        np.savez(timeline, ts=sharded.ts, feats=sharded.feats, every_ts=every_ts)
+        np.savez(timeline, ts=sharded.ts, feats=sharded.feats)
+        np.save(folder / EVERY_TS, every_ts)
         for kind, counts in sharded.signals.items():
             total = rows.signals.setdefault(kind, {"signals": 0, "followed": 0})
             total["signals"] += counts["signals"]

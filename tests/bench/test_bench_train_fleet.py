@@ -49,3 +49,35 @@ def test_bench_train_fleet_prints_the_documented_json() -> None:
     assert q["equal_within_tolerance"] == all(
         q["difference"][k] <= q["tolerance"][k] for k in q["tolerance"]
     )
+
+
+def test_bench_train_fleet_single_only_runs_the_single_path_alone() -> None:
+    r = run_bench(
+        "train-fleet",
+        "--events",
+        "30000",
+        "--trace-requests",
+        "400",
+        "--max-rounds",
+        "30",
+        "--reference-events",
+        "0",
+        "--single-only",
+        timeout=300,
+    )
+    assert "dask" not in r and r["reference"] is None
+    assert r["single"]["rows"] > 0 and {"replay", "fit"} <= set(r["single"]["stages"])
+    # Nothing to compare the model with.
+    assert "difference" not in r["quality"] and "equal_within_tolerance" not in r["quality"]
+
+
+def test_bench_train_fleet_refuses_both_only_options() -> None:
+    from typer.testing import CliRunner
+
+    from kvprefetch_cli import cli
+
+    result = CliRunner().invoke(
+        cli, ["bench", "train-fleet", "--events", "30000", "--dask-only", "--single-only"]
+    )
+    assert result.exit_code == 2
+    assert "no path to run" in " ".join(result.stderr.split())

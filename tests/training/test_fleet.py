@@ -14,10 +14,13 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from app.core.config import Settings
 from app.ingest.eventlog import FileEventLog, encode_batch, encode_events
 from app.predict.features import DEPLOYMENT_FEATURES
+from app.predict.tool_durations import tool_durations_for
 from bench.train_fleet import QUALITY_TOLERANCE
 from kvprefetch_cli import cli
+from kvprefetch_client.events import Event
 from sim.commands import events_from_trace
 from sim.replay import replay
 from sim.scenario import load_scenario
@@ -30,6 +33,7 @@ from training.dask_train import dask_client, stopping_iteration, train_dask, tra
 from training.fleet import (
     ENGINES,
     DeploymentAt,
+    ToolsAt,
     build_dataset_fleet,
     build_rows_fleet,
     shard_count,
@@ -120,6 +124,28 @@ def test_tool_features_are_the_whole_logs_in_every_shard(
     assert single["tool_runs_seen"].nunique() > 20
     fleet = build_dataset_fleet([tool_log], workers=2, shards=5, engine=engine)
     pd.testing.assert_frame_equal(single, fleet)
+
+
+def test_tools_at_reads_the_whole_logs_tool_events_as_the_decisions_come() -> None:
+    """A shard holds none of the log's tool events it has observed: ToolsAt pulls them as the
+    decisions' times pass them (one ahead), not all at its start."""
+    events = [
+        e for e in chat_with_signals(40, seed=4) if e.type in ("request_routed", "session_signal")
+    ]
+    events.sort(key=lambda e: e.ts)
+    pulled: list[Event] = []
+
+    def read() -> Iterator[Event]:
+        for e in events:
+            pulled.append(e)
+            yield e
+
+    every_ts = np.asarray([e.ts for e in events])
+    tools_at = ToolsAt(read(), every_ts, tool_durations_for(Settings()))
+    middle = events[len(events) // 2].ts
+    tools_at(events[0].session_id, middle, (15.0,))
+    due = sum(e.ts <= middle for e in events)
+    assert len(pulled) == due + 1 < len(events)
 
 
 def test_dask_workers_replay_the_shards(client: Any, signal_log: Path, tiny_log: Path) -> None:

@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 
 from app.ingest.eventlog import encode_events
 from app.predict.feature_table import feature_matrix
 from app.predict.features import DeploymentSignals
+from app.state import MemoryStore
 from app.state.base import SessionView, SignalView
 from kvprefetch_client.events import (
     Event,
@@ -19,6 +22,7 @@ from kvprefetch_client.events import (
     RequestRouted,
     SessionSignal,
 )
+from training import dataset
 from training.dataset import build_dataset, rows_from_events, signal_follow_through
 from training.train import save_model, train
 
@@ -84,6 +88,32 @@ def test_signals_are_decision_points_and_their_follow_through_is_counted() -> No
     assert (at_typing.signals_this_spell >= 1).all()
     assert (at_typing.since_typing_signal_seconds == 0.0).all()
     assert (at_typing.time_to_next_seconds <= 8.0).all()
+
+
+def test_the_replays_views_are_the_stores_own_at_each_decision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """rows_from_events keeps a session's view until that session's next event: every view it
+    reads features from is the one the store gives at that moment."""
+    stores: list[MemoryStore] = []
+
+    class Store(MemoryStore):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            stores.append(self)
+
+    checked: list[float] = []
+    features = dataset.session_features
+
+    def checking(view: SessionView, now: float) -> list[float]:
+        assert view == stores[-1].sessions([view.session_id], resident=False)[0]
+        checked.append(now)
+        return features(view, now)
+
+    monkeypatch.setattr(dataset, "MemoryStore", Store)
+    monkeypatch.setattr(dataset, "session_features", checking)
+    rows = rows_from_events(chat_with_signals(60, seed=3), log_name="x")
+    assert len(checked) > 200 and len(rows) >= len(checked)
 
 
 def test_a_kind_that_cries_wolf_is_learned_to_be_unreliable(tmp_path: Path) -> None:
