@@ -90,8 +90,8 @@ CHUNK_SESSIONS = 2048
 # ... the most a chunk holds: with a target (KVP_SCORE_CHUNK_TARGET_SECONDS), the chunk after one
 # that held the loop longer is cut in proportion, down to MIN_CHUNK_SESSIONS, and grows back by
 # doubling once chunks take under half of it. The model's time per session is what varies: a
-# loaded machine (the same stallwatch run found chunks of 2048 at 111-127 ms beside a training
-# job), a bigger model, a shadow scoring too.
+# loaded machine (stop 40's stallwatch runs found chunks of 2048 holding it 111-283 ms beside a
+# training job, decisions 26), a bigger model, a shadow scoring too.
 MIN_CHUNK_SESSIONS = 64
 # The first pass builds the table from the store's listing, this many sessions a read.
 REBUILD_PAGE_SESSIONS = 1024
