@@ -102,9 +102,12 @@ def git_dirty(where: Path) -> bool | None:
     """Whether the code's tracked files (CODE_PATHS) differ from the commit: the commit alone
     would not rebuild what ran. Models and docs are left out (a rebuilt model changes its own
     files). None outside a git checkout."""
+    # From the checkout's top, whatever `where` is: relative to training/, "app" named nothing
+    # and a changed app/ read clean.
+    paths = [f":(top){p}" for p in CODE_PATHS]
     try:
         out = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no", "--", *CODE_PATHS],
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", *paths],
             capture_output=True,
             text=True,
             timeout=10,

@@ -19,7 +19,7 @@ from sim.commands import events_from_trace
 from tests.conftest import trace_slice
 from training import build_dataset, train
 from training.dataset import load_events
-from training.lineage import CODE_PATHS
+from training.lineage import CODE_PATHS, git_dirty
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -97,6 +97,26 @@ def test_the_card_names_its_logs_span_command_and_code(
         "kvprefetch": "0.1.0",
     }
     assert card["git_commit"] == head  # kept where older readers look
+
+
+def test_a_change_anywhere_in_the_code_reads_dirty_from_the_package_folder(tmp_path: Path) -> None:
+    """git_dirty runs from training/ (the package's folder): a change to app/ counts, a change
+    to the docs does not."""
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    for path in ("app/engine.py", "training/train.py", "docs/index.md"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c")
+    assert git_dirty(tmp_path / "training") is False
+    (tmp_path / "docs/index.md").write_text("changed\n")
+    assert git_dirty(tmp_path / "training") is False
+    (tmp_path / "app/engine.py").write_text("x = 2\n")
+    assert git_dirty(tmp_path / "training") is True
 
 
 def test_a_card_without_lineage_still_loads(tmp_path: Path) -> None:
